@@ -1,0 +1,58 @@
+"""The workspace: the one folder the app writes into (run dirs, demo assets, merged models).
+
+Everything the UI or a CLI writes goes under a workspace the user chose; paths coming from the user are
+resolved and checked against it before anything is written.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+ENV_VAR = "LORA_COCKPIT_WORKSPACE"
+_REPO_ROOT = Path(__file__).resolve().parent.parent
+_RUN_NAME_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+class WorkspaceError(ValueError):
+    """A user-facing problem with a path or a name; the message says what to change."""
+
+
+def default_workspace() -> Path:
+    """`$LORA_COCKPIT_WORKSPACE`, else `workspace/` beside the repo."""
+    env = os.environ.get(ENV_VAR)
+    return Path(env).expanduser().resolve() if env else _REPO_ROOT / "workspace"
+
+
+def runs_dir(workspace: str | os.PathLike) -> Path:
+    return Path(workspace) / "runs"
+
+
+def check_run_name(name: str) -> str:
+    """Return the run name unchanged if it is safe as a single folder name, else raise with the rule."""
+    name = (name or "").strip()
+    if not name:
+        raise WorkspaceError("Run name is empty: give the run a name such as 'demo-1'.")
+    if not _RUN_NAME_OK.match(name) or name in {".", ".."}:
+        raise WorkspaceError(
+            f"Run name {name!r} is not allowed: use 1-64 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit (no '/', no '..', no spaces)."
+        )
+    return name
+
+
+def suggest_run_name(text: str) -> str:
+    """Turn free text into a valid run name (for defaults, never for silently renaming user input)."""
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-._")[:64]
+    return slug or "run"
+
+
+def inside(workspace: str | os.PathLike, path: str | os.PathLike) -> Path:
+    """Resolve `path` and make sure it lies inside `workspace`; raise otherwise."""
+    ws = Path(workspace).expanduser().resolve()
+    target = Path(path).expanduser()
+    target = (target if target.is_absolute() else ws / target).resolve()
+    if target != ws and ws not in target.parents:
+        raise WorkspaceError(f"{target} is outside the workspace {ws}: choose a folder inside it.")
+    return target

@@ -1,0 +1,48 @@
+"""LoRA Cockpit: the router and the shared sidebar. Run with `streamlit run dashboard.py`."""
+
+from pathlib import Path
+
+import streamlit as st
+
+from core import gpu
+from core.workspace import default_workspace
+
+st.set_page_config(page_title="LoRA Cockpit", page_icon="🛩️", layout="wide")
+
+
+@st.cache_data(ttl=30, show_spinner=False)
+def _gpus():
+    devices, reason = gpu.detect_gpus()
+    return [d.__dict__ for d in devices], reason
+
+
+def sidebar():
+    with st.sidebar:
+        st.markdown("### GPUs")
+        devices, reason = _gpus()
+        if devices:
+            for d in devices:
+                total = f"{d['memory_total'] / 2**30:.0f} GiB" if d["memory_total"] else gpu.NA
+                st.markdown(f"**{d['index']}** · {d['name']} · {total}")
+        else:
+            st.caption(reason or "no NVIDIA GPU found")
+        st.markdown("### Workspace")
+        ws = st.text_input(
+            "Folder for runs and exports",
+            value=st.session_state.get("workspace", str(default_workspace())),
+            help="Everything the app writes goes under this folder: run directories, demo assets, merges.",
+        )
+        st.session_state["workspace"] = str(Path(ws).expanduser())
+
+
+PAGES = [
+    st.Page("pages/estimate.py", title="Estimate", icon="🧮", default=True),
+    st.Page("pages/train.py", title="Train", icon="🚀"),
+    st.Page("pages/monitor.py", title="Monitor", icon="📈"),
+    st.Page("pages/runs.py", title="Runs", icon="🗂️"),
+    st.Page("pages/merge.py", title="Merge & Export", icon="🧬"),
+]
+
+page = st.navigation(PAGES)
+sidebar()
+page.run()
