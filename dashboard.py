@@ -7,7 +7,7 @@ import streamlit as st
 from core import gpu
 from core.workspace import default_workspace
 
-st.set_page_config(page_title="LoRA Cockpit", page_icon="🛩️", layout="wide")
+st.set_page_config(page_title="LoRA Cockpit", page_icon=":material/flight:", layout="wide")
 
 
 @st.cache_data(ttl=30, show_spinner=False)
@@ -36,11 +36,11 @@ def sidebar():
 
 
 PAGES = [
-    st.Page("pages/estimate.py", title="Estimate", icon="🧮", default=True),
-    st.Page("pages/train.py", title="Train", icon="🚀"),
-    st.Page("pages/monitor.py", title="Monitor", icon="📈"),
-    st.Page("pages/runs.py", title="Runs", icon="🗂️"),
-    st.Page("pages/merge.py", title="Merge & Export", icon="🧬"),
+    st.Page("pages/estimate.py", title="Estimate", icon=":material/calculate:", default=True),
+    st.Page("pages/train.py", title="Train", icon=":material/rocket_launch:"),
+    st.Page("pages/monitor.py", title="Monitor", icon=":material/monitoring:"),
+    st.Page("pages/runs.py", title="Runs", icon=":material/folder_open:"),
+    st.Page("pages/merge.py", title="Merge & Export", icon=":material/merge:"),
 ]
 
 page = st.navigation(PAGES)

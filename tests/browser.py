@@ -1,0 +1,67 @@
+"""Real Streamlit server + headless Debian Chromium (Playwright) for the end-to-end tests."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def streamlit_server(workspace: Path, log_dir: Path, timeout: float = 60):
+    """Start `streamlit run dashboard.py` on a free loopback port; yield its base URL."""
+    port = free_port()
+    env = dict(os.environ, LORA_COCKPIT_WORKSPACE=str(workspace), HF_HUB_OFFLINE="1")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    out = open(log_dir / "streamlit.log", "wb")  # noqa: SIM115 - closed in the finally below
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "streamlit", "run", "dashboard.py", "--server.port", str(port),
+         "--server.headless", "true", "--server.fileWatcherType", "none"],
+        cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + timeout
+        while True:
+            try:
+                if urllib.request.urlopen(url + "/_stcore/health", timeout=2).read() == b"ok":
+                    break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(
+                    f"streamlit did not start: {(log_dir / 'streamlit.log').read_text()[-2000:]}"
+                )
+            time.sleep(0.3)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        out.close()
+
+
+def wait_idle(page, timeout_ms: int = 60_000):
+    """Wait until the app script has finished its run (Streamlit marks the app element)."""
+    page.wait_for_selector('[data-test-script-state="notRunning"]', timeout=timeout_ms, state="attached")
+
+
+def exceptions_on(page) -> list[str]:
+    return [e.inner_text() for e in page.query_selector_all('[data-testid="stException"]')]
