@@ -1,4 +1,290 @@
+"""Estimate page: will this fine-tune fit on the card, and what to change if not. Logic lives in core.estimate."""
+
+import altair as alt
+import pandas as pd
 import streamlit as st
 
-st.title("estimate")
-st.info("This page is not built yet.")
+from core import gpu
+from core.estimate import (
+    FIT_LIMIT,
+    OPTIMIZERS,
+    OUTSIDE_TORCH,
+    TARGET_LOW,
+    GiB,
+    Plan,
+    PlanError,
+    estimate,
+    fit_search,
+    memory_curve,
+    what_would_fit,
+)
+from core.specs import SpecError, load_spec, preset_ids
+
+LOCAL = "Local model folder…"
+CARD_SIZES = [24, 32, 48, 80, 141]
+VERDICT_TEXT = {
+    "fits": "Fits: at most 90% of the card, leaving room for estimate error and allocator spikes.",
+    "tight": "Tight: between 90% and 100% of the card; fragmentation or a long batch can push it over.",
+    "does not fit": "Does not fit: expect CUDA out of memory at the first step.",
+}
+
+
+@st.cache_data(ttl=60, show_spinner=False)
+def _cards() -> list[tuple[str, float]]:
+    devices, _reason = gpu.detect_gpus()
+    return [
+        (f"GPU {d.index}: {d.name} ({d.memory_total / GiB:.0f} GiB)", d.memory_total / GiB)
+        for d in devices
+        if d.memory_total
+    ]
+
+
+def _gib(b: float) -> str:
+    return f"{b / GiB:.2f} GiB"
+
+
+def plan_form() -> Plan:
+    saved = st.session_state.get("plan") or {}
+    d = Plan(**{k: v for k, v in saved.items() if k in Plan.__dataclass_fields__}) if saved else Plan()
+    presets = preset_ids()
+    c1, c2, c3 = st.columns(3)
+    with c1:
+        options = presets + [LOCAL]
+        choice = st.selectbox(
+            "Model",
+            options,
+            index=options.index(d.model) if d.model in presets else len(presets),
+            key="model",
+        )
+        model = choice
+        if choice == LOCAL:
+            model = st.text_input(
+                "Model folder (holds config.json)",
+                value="" if d.model in presets else d.model,
+                key="model_path",
+            )
+        method = st.radio(
+            "Method",
+            ["lora", "qlora", "full"],
+            index=["lora", "qlora", "full"].index(d.method),
+            horizontal=True,
+            key="method",
+        )
+        dpo = st.checkbox("DPO (chosen + rejected + reference model)", value=d.dpo, key="dpo")
+        dpo_reference = "auto"
+        if dpo:
+            dpo_reference = st.radio(
+                "Reference model",
+                ["auto", "copy"],
+                key="dpo_reference",
+                horizontal=True,
+                help="auto: the base with the adapter disabled (LoRA); copy: a separate model",
+            )
+        cards = _cards()
+        labels = [c[0] for c in cards] + [f"{g} GiB" for g in CARD_SIZES]
+        sizes = [c[1] for c in cards] + [float(g) for g in CARD_SIZES]
+        card = st.selectbox("GPU", labels, index=0, key="gpu", help="Defaults to the detected card.")
+        gpu_gb = sizes[labels.index(card)]
+    with c2:
+        batch_size = st.number_input("Batch size (per device)", value=d.batch_size, step=1, key="batch_size")
+        seq_len = st.number_input("Sequence length (tokens)", value=d.seq_len, step=128, key="seq_len")
+        gradient_checkpointing = st.checkbox(
+            "Gradient checkpointing", value=d.gradient_checkpointing, key="gradient_checkpointing"
+        )
+        attn = st.selectbox("Attention", ["sdpa", "eager"], index=["sdpa", "eager"].index(d.attn), key="attn")
+        optims = list(OPTIMIZERS)
+        optim = st.selectbox(
+            "Optimizer (TrainingArguments optim)",
+            optims,
+            index=optims.index(d.optim) if d.optim in optims else 0,
+            key="optim",
+        )
+        load_dtype = st.selectbox(
+            "Load dtype",
+            ["bf16", "fp16", "fp32"],
+            index=["bf16", "fp16", "fp32"].index(d.load_dtype),
+            key="load_dtype",
+        )
+        compute_dtype = st.selectbox(
+            "Compute dtype",
+            ["bf16", "fp16", "fp32"],
+            index=["bf16", "fp16", "fp32"].index(d.compute_dtype),
+            key="compute_dtype",
+        )
+    with c3:
+        lora_r = st.number_input(
+            "LoRA rank r", value=d.lora_r, step=1, key="lora_r", disabled=method == "full"
+        )
+        lora_alpha = st.number_input(
+            "LoRA alpha", value=d.lora_alpha, step=1, key="lora_alpha", disabled=method == "full"
+        )
+        lora_dropout = st.number_input(
+            "LoRA dropout",
+            value=float(d.lora_dropout),
+            step=0.05,
+            key="lora_dropout",
+            disabled=method == "full",
+        )
+        target_modules = st.text_input(
+            "Target modules",
+            value=d.target_modules,
+            key="target_modules",
+            help="all-linear, or names such as q_proj,v_proj",
+            disabled=method == "full",
+        )
+        quant_type = st.selectbox(
+            "4-bit type",
+            ["nf4", "fp4"],
+            index=["nf4", "fp4"].index(d.quant_type),
+            key="quant_type",
+            disabled=method != "qlora",
+        )
+        double_quant = st.checkbox(
+            "Double quantization", value=d.double_quant, key="double_quant", disabled=method != "qlora"
+        )
+        prepare_kbit = st.checkbox(
+            "prepare_model_for_kbit_training",
+            value=d.prepare_kbit,
+            key="prepare_kbit",
+            disabled=method != "qlora",
+            help="Casts embeddings, lm_head and norms to fp32 (more memory than plain QLoRA).",
+        )
+        eval_kv_tokens = st.number_input(
+            "Eval/generation KV cache tokens", value=d.eval_kv_tokens, step=256, key="eval_kv_tokens"
+        )
+        expandable_segments = st.checkbox(
+            "expandable_segments allocator", value=d.expandable_segments, key="expandable_segments"
+        )
+    return Plan(
+        model=model,
+        method=method,
+        dpo=dpo,
+        dpo_reference=dpo_reference,
+        load_dtype=load_dtype,
+        compute_dtype=compute_dtype,
+        quant_type=quant_type,
+        double_quant=double_quant,
+        prepare_kbit=prepare_kbit,
+        lora_r=int(lora_r),
+        lora_alpha=int(lora_alpha),
+        lora_dropout=float(lora_dropout),
+        target_modules=target_modules,
+        batch_size=int(batch_size),
+        seq_len=int(seq_len),
+        gradient_checkpointing=gradient_checkpointing,
+        attn=attn,
+        optim=optim,
+        eval_kv_tokens=int(eval_kv_tokens),
+        gpu_gb=float(gpu_gb),
+        expandable_segments=expandable_segments,
+    )
+
+
+def bill_chart(est) -> alt.LayerChart:
+    rows = [
+        {"component": k, "GiB": v / GiB, "order": i} for i, (k, v) in enumerate(est.components.items()) if v
+    ]
+    cap = est.gpu_bytes / GiB
+    bars = (
+        alt.Chart(pd.DataFrame(rows))
+        .mark_bar()
+        .encode(
+            x=alt.X(
+                "sum(GiB):Q",
+                title="GiB",
+                scale=alt.Scale(domain=[0, max(cap, est.device_total_bytes / GiB) * 1.05]),
+            ),
+            y=alt.Y("plan:N", title=None),
+            color=alt.Color("component:N", sort=[r["component"] for r in rows]),
+            order=alt.Order("order:Q"),
+            tooltip=["component", alt.Tooltip("GiB:Q", format=".2f")],
+        )
+        .transform_calculate(plan="'this plan'")
+    )
+    band = (
+        alt.Chart(pd.DataFrame([{"lo": cap * TARGET_LOW, "hi": cap * FIT_LIMIT}]))
+        .mark_rect(opacity=0.2, color="green")
+        .encode(x="lo:Q", x2="hi:Q")
+    )
+    line = alt.Chart(pd.DataFrame([{"cap": cap}])).mark_rule(color="red", strokeWidth=2).encode(x="cap:Q")
+    return alt.layer(band, bars, line).properties(height=120)
+
+
+def curve_chart(rows: list[dict], name: str, cap_gib: float) -> alt.LayerChart:
+    df = pd.DataFrame([{name: r[name], "GiB": r["device_total_bytes"] / GiB} for r in rows])
+    curve = (
+        alt.Chart(df)
+        .mark_line(point=True)
+        .encode(x=alt.X(f"{name}:Q"), y=alt.Y("GiB:Q", title="device total GiB"))
+    )
+    line = alt.Chart(pd.DataFrame([{"cap": cap_gib}])).mark_rule(color="red").encode(y="cap:Q")
+    return alt.layer(curve, line).properties(height=260)
+
+
+def show(plan: Plan) -> None:
+    spec = load_spec(plan.model)
+    est = estimate(plan, spec)
+    for w in est.warnings:
+        st.warning(w)
+    text = f"**{est.verdict.upper()}** — {_gib(est.device_total_bytes)} of {_gib(est.gpu_bytes)} ({est.fraction:.0%}). "
+    {"fits": st.success, "tight": st.warning, "does not fit": st.error}[est.verdict](
+        text + VERDICT_TEXT[est.verdict]
+    )
+    m = st.columns(5)
+    m[0].metric("Tensor peak", _gib(est.tensor_peak_bytes), help="torch.cuda.max_memory_allocated")
+    m[1].metric("Reserved peak", _gib(est.reserved_peak_bytes), help="torch.cuda.max_memory_reserved")
+    m[2].metric("Device total", _gib(est.device_total_bytes), help="what nvidia-smi shows; decides OOM")
+    m[3].metric("Peak phase", est.peak_phase)
+    m[4].metric("KV cache / token", f"{est.kv_cache_bytes_per_token / 1024:.0f} KiB")
+    st.caption(f"{spec.model_id}: {est.total_params:,} parameters, {est.trainable_params:,} trainable.")
+    st.altair_chart(bill_chart(est), width="stretch")
+    st.caption(
+        "Green band: the 85–90% target; red line: the card. Terms outside torch: "
+        + ", ".join(OUTSIDE_TORCH)
+        + "."
+    )
+    with st.expander("Every term in bytes"):
+        st.dataframe(
+            pd.DataFrame(
+                [{"component": k, "bytes": v, "GiB": round(v / GiB, 3)} for k, v in est.components.items()]
+            ),
+            hide_index=True,
+        )
+        st.json(est.phases)
+    if plan.dpo:
+        st.info(f"DPO reference model: {est.dpo_reference}.")
+
+    fit = fit_search(plan, spec)
+    st.markdown(
+        f"**Largest batch size** at {plan.seq_len} tokens: **{fit['max_batch_size']}** · "
+        f"**largest sequence length** at batch {plan.batch_size}: **{fit['max_seq_len']}** (≤90% of the card)."
+    )
+    cap = est.gpu_bytes / GiB
+    c1, c2 = st.columns(2)
+    top = max(spec.max_position_embeddings or plan.seq_len, plan.seq_len)
+    seqs = sorted(
+        {max(64, int(top * f)) for f in (1 / 16, 1 / 8, 1 / 4, 3 / 8, 1 / 2, 3 / 4, 1)} | {plan.seq_len}
+    )
+    batches = sorted({1, 2, 4, 8, 16, 32, plan.batch_size})
+    c1.altair_chart(curve_chart(memory_curve(plan, "seq_len", seqs, spec), "seq_len", cap), width="stretch")
+    c2.altair_chart(
+        curve_chart(memory_curve(plan, "batch_size", batches, spec), "batch_size", cap),
+        width="stretch",
+    )
+
+    st.subheader("What would make it fit")
+    advice = what_would_fit(plan, spec)
+    if not advice:
+        st.write("Nothing on the list lowers this plan further.")
+    for i, a in enumerate(advice, 1):
+        st.markdown(f"{i}. {a['change']}: saves **{a['saves_bytes'] / GiB:.2f} GiB** → {a['verdict']}")
+
+
+st.title("Estimate")
+st.caption("The whole GPU memory bill of one training step, term by term, before you launch anything.")
+plan = plan_form()
+try:
+    show(plan)
+    st.session_state["plan"] = plan.to_dict()  # handed on to the Train page as one config object
+except (PlanError, SpecError) as exc:
+    st.error(str(exc))

@@ -1,0 +1,842 @@
+"""The GPU memory planner: every term of shared/design/memory-model.md in bytes for one training step.
+
+    python -m core.estimate --model meta-llama/Llama-2-7b-hf --method lora --batch-size 4 --seq-len 2048 --json
+
+Input is one `Plan` (serialisable with dataclasses.asdict / Plan.from_dict, so the Train page can take it over);
+output is an `Estimate`: the components at the peak, the three totals (tensor peak = max_memory_allocated,
+reserved peak = max_memory_reserved, device total = what nvidia-smi shows), the phase of the peak, a verdict,
+and hints. Exact terms (weights, quantization constants, LoRA parameters, optimizer states, KV cache) are
+counted from the real module tree (core.specs); activations follow what autograd saves in the real HF module
+code, one named tensor at a time (`layer_saved_tensors`), so each term can be checked against a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass, field, fields, replace
+
+from core.specs import ModelSpec, SpecError, load_spec, lora_targets, normalize_targets, preset_ids
+
+GiB = 2**30
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+METHODS = ("full", "lora", "qlora")
+ATTN = ("sdpa", "eager")
+QUANT_TYPES = ("nf4", "fp4")
+FIT_LIMIT = 0.90  # at most 90% of the card: >=10% headroom for estimate error and allocator spikes
+TARGET_LOW = 0.85  # the fit search aims at 85-90% of the card
+CUDA_CONTEXT_BYTES = 400 * 2**20  # 300-450 MB with lazy module loading (torch>=1.13, CUDA>=11.7)
+# Reserved minus allocated, as a share of the bytes that come and go within a step (activations, logits).
+FRAGMENTATION = 0.20
+FRAGMENTATION_EXPANDABLE = 0.05  # expandable_segments maps pages into one segment: little is stranded
+NF4_BLOCK = 64  # bitsandbytes 4-bit blocksize used by transformers
+DQ_BLOCK = 256  # double quantization: 8-bit absmax, one fp32 scale per 256 blocks
+BNB8_MIN_SIZE = 4096  # bitsandbytes 8-bit optimizers keep smaller tensors in 32-bit
+BNB8_BLOCK = 256  # blockwise 8-bit optimizer states: one fp32 absmax per 256 values
+PAGED_MIN_SIZE = 100_000  # bitsandbytes pages only state tensors with at least 1e5 elements
+
+# TrainingArguments optim name -> (states per element, bytes per state or None = parameter dtype, kind)
+OPTIMIZERS = {
+    "adamw_torch": (2, None, "foreach"),
+    "adamw_torch_fused": (2, None, "fused"),
+    "adamw_torch_xla": (2, None, "foreach"),
+    "adamw_apex_fused": (2, 4, "fused"),
+    "adamw_8bit": (2, 1, "bnb8"),
+    "adamw_bnb_8bit": (2, 1, "bnb8"),
+    "paged_adamw_8bit": (2, 1, "bnb8_paged"),
+    "paged_adamw_32bit": (2, 4, "bnb32_paged"),
+    "paged_adamw": (2, 4, "bnb32_paged"),
+    "lion_8bit": (1, 1, "bnb8"),
+    "paged_lion_8bit": (1, 1, "bnb8_paged"),
+    "lion_32bit": (1, 4, "bnb32"),
+    "paged_lion_32bit": (1, 4, "bnb32_paged"),
+    "adafactor": (1, 4, "factored"),
+    "sgd": (0, None, "plain"),
+    "adagrad": (1, None, "plain"),
+    "rmsprop": (1, None, "plain"),
+}
+
+
+class PlanError(ValueError):
+    """A plan that cannot be estimated; the message says which setting is wrong and how to fix it."""
+
+
+@dataclass
+class Plan:
+    """One training configuration, as the Estimate page edits it and the Train page receives it."""
+
+    model: str = "meta-llama/Llama-2-7b-hf"
+    method: str = "lora"  # full | lora | qlora
+    dpo: bool = False  # chosen + rejected sequence per example, plus a reference model
+    dpo_reference: str = "auto"  # auto | copy (an explicit second model); auto = adapter disabled for LoRA
+    load_dtype: str = "bf16"  # dtype the weights are loaded in (non-quantized parts for QLoRA)
+    compute_dtype: str = "bf16"  # activations: the Trainer's bf16/fp16 flag, bnb_4bit_compute_dtype
+    quant_type: str = "nf4"
+    double_quant: bool = True
+    prepare_kbit: bool = True  # peft.prepare_model_for_kbit_training (QLoRA only)
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.05
+    target_modules: str = "all-linear"
+    batch_size: int = 1
+    seq_len: int = 2048
+    gradient_checkpointing: bool = False
+    attn: str = "sdpa"
+    optim: str = "adamw_torch"
+    eval_kv_tokens: int = 0  # tokens held in a KV cache during eval/generation (batch x (prompt + new))
+    gpu_gb: float = 24.0  # card capacity in GiB
+    expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+    device: str = "cuda"  # cuda | cpu (cpu: no context/allocator terms, float dropout masks)
+    autocast: bool = True  # Trainer bf16/fp16=True: forward under torch.autocast (ignored for fp32 compute)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Plan:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise PlanError(
+                f"Unknown plan setting(s) {', '.join(unknown)}; valid ones: {', '.join(sorted(known))}."
+            )
+        return cls(**data)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def gpu_bytes(self) -> int:
+        return int(self.gpu_gb * GiB)
+
+
+@dataclass
+class Estimate:
+    plan: dict
+    model_id: str
+    components: dict[str, int]  # name -> bytes at the peak phase; sums to device_total_bytes
+    phases: dict[str, int]  # phase -> tensor bytes
+    phase_components: dict[str, dict[str, int]]
+    tensor_peak_bytes: int
+    reserved_peak_bytes: int
+    device_total_bytes: int
+    peak_phase: str
+    gpu_bytes: int
+    fits: bool
+    verdict: str  # fits | tight | does not fit
+    trainable_params: int
+    total_params: int
+    kv_cache_bytes_per_token: int
+    activation_bytes_per_token_per_layer: float
+    dpo_reference: str | None
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def fraction(self) -> float:
+        return self.device_total_bytes / self.gpu_bytes
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# validation
+
+
+def validate(plan: Plan) -> list[str]:
+    """Raise PlanError for a plan that cannot run; return warnings for one that can but is questionable."""
+    choices = {
+        "method": (plan.method, METHODS),
+        "load_dtype": (plan.load_dtype, tuple(DTYPE_BYTES)),
+        "compute_dtype": (plan.compute_dtype, tuple(DTYPE_BYTES)),
+        "attn": (plan.attn, ATTN),
+        "quant_type": (plan.quant_type, QUANT_TYPES),
+        "dpo_reference": (plan.dpo_reference, ("auto", "copy")),
+        "device": (plan.device, ("cuda", "cpu")),
+    }
+    for name, (value, valid) in choices.items():
+        if value not in valid:
+            raise PlanError(f"{name} '{value}' is not one of {', '.join(valid)}.")
+    if plan.optim not in OPTIMIZERS:
+        raise PlanError(
+            f"Unknown optimizer '{plan.optim}'; use a TrainingArguments optim name: {', '.join(OPTIMIZERS)}."
+        )
+    for name in ("batch_size", "seq_len", "lora_r", "lora_alpha"):
+        value = getattr(plan, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise PlanError(f"{name} must be a whole number above zero, got {value!r}.")
+    if not isinstance(plan.eval_kv_tokens, int) or plan.eval_kv_tokens < 0:
+        raise PlanError(
+            f"eval_kv_tokens must be zero or a positive whole number, got {plan.eval_kv_tokens!r}."
+        )
+    if not (isinstance(plan.gpu_gb, (int, float)) and plan.gpu_gb > 0 and math.isfinite(plan.gpu_gb)):
+        raise PlanError(f"gpu_gb must be a positive number of GiB, got {plan.gpu_gb!r}.")
+    if not (0 <= plan.lora_dropout < 1):
+        raise PlanError(f"lora_dropout must be in [0, 1), got {plan.lora_dropout!r}.")
+    warnings = []
+    if plan.method == "full" and plan.load_dtype == "fp16":
+        warnings.append("Full fine-tuning with fp16 weights is numerically fragile; load in fp32 or bf16.")
+    return warnings
+
+
+def _check_against_spec(spec: ModelSpec, plan: Plan, targets) -> list[str]:
+    warnings = []
+    if spec.max_position_embeddings and plan.seq_len > spec.max_position_embeddings:
+        warnings.append(
+            f"seq_len {plan.seq_len} is longer than the model's max_position_embeddings "
+            f"({spec.max_position_embeddings}); quality degrades beyond it unless you extend RoPE."
+        )
+    if plan.method != "full":
+        smallest = min(targets, key=lambda s: min(s.in_features, s.out_features))
+        if plan.lora_r > min(smallest.in_features, smallest.out_features):
+            raise PlanError(
+                f"LoRA rank {plan.lora_r} is larger than the layer {smallest.name} "
+                f"({smallest.in_features} -> {smallest.out_features}); use r <= "
+                f"{min(smallest.in_features, smallest.out_features)}."
+            )
+    return warnings
+
+
+# ----------------------------------------------------------------------------------------------------------
+# static terms: weights, quantization constants, LoRA parameters, gradients, optimizer states
+
+
+def quantized_bytes(numel: int, double_quant: bool) -> tuple[int, int]:
+    """(packed 4-bit weight bytes, quantization-constant bytes) of one weight as bitsandbytes stores it."""
+    packed = (numel + 1) // 2
+    blocks = math.ceil(numel / NF4_BLOCK)
+    code = 16 * 4  # the 16-entry NF4/FP4 code book, fp32, per weight
+    if not double_quant:
+        return packed, blocks * 4 + code
+    # absmax re-quantized to uint8 + one fp32 absmax per 256 blocks + its 256-entry code + the fp32 offset
+    return packed, blocks + math.ceil(blocks / DQ_BLOCK) * 4 + 256 * 4 + 4 + code
+
+
+def weight_bytes(spec: ModelSpec, plan: Plan) -> tuple[int, int]:
+    """(weights, quantization constants)."""
+    load = DTYPE_BYTES[plan.load_dtype]
+    if plan.method != "qlora":
+        return spec.total_params * load, 0
+    packed = constants = 0
+    for lin in spec.decoder_linears:
+        p, c = quantized_bytes(lin.in_features * lin.out_features, plan.double_quant)
+        packed += p
+        constants += c
+    # Everything else (embeddings, lm_head, norms, biases) stays in the load dtype;
+    # prepare_model_for_kbit_training casts it to fp32.
+    rest = spec.total_params - spec.linear_params
+    return packed + rest * (4 if plan.prepare_kbit else load), constants
+
+
+def _trainable_tensors(spec: ModelSpec, plan: Plan, targets) -> list[int]:
+    if plan.method == "full":
+        return list(spec.param_numels)
+    r = plan.lora_r
+    return [n for s in targets for n in (r * s.in_features, r * s.out_features)]
+
+
+def _param_bytes(plan: Plan) -> int:
+    # peft keeps adapter weights in fp32 (autocast_adapter_dtype) whatever the base dtype
+    return DTYPE_BYTES[plan.load_dtype] if plan.method == "full" else 4
+
+
+def optimizer_state_bytes(tensors: list[int], plan: Plan) -> tuple[int, int]:
+    """(states inside torch's allocator, paged states in CUDA unified memory outside it)."""
+    states, state_bytes, kind = OPTIMIZERS[plan.optim]
+    param_bytes = _param_bytes(plan)
+    inside = paged = 0
+    for n in tensors:
+        if kind == "factored":  # Adafactor: row + column second moments (shape unknown here: treat as sqrt)
+            side = int(math.isqrt(n))
+            b = (2 * side if side * side == n and n > 4096 else n) * 4
+        elif kind.startswith("bnb8"):
+            if n >= BNB8_MIN_SIZE:
+                b = states * (n + math.ceil(n / BNB8_BLOCK) * 4)
+            else:
+                b = states * n * 4
+        elif kind.startswith("bnb32"):
+            b = states * n * 4
+        else:
+            b = states * n * (state_bytes or param_bytes)
+        if kind.endswith("paged") and n >= PAGED_MIN_SIZE:
+            paged += b
+        else:
+            inside += b
+    return inside, paged
+
+
+def optimizer_step_temporaries(tensors: list[int], plan: Plan) -> int:
+    """Scratch memory inside optimizer.step()."""
+    _, _, kind = OPTIMIZERS[plan.optim]
+    if kind == "foreach" and tensors:
+        # foreach AdamW builds one list shaped like all parameters (sqrt of exp_avg_sq) on CUDA;
+        # the CPU path loops per tensor, so only the largest tensor's scratch is alive.
+        if plan.device == "cpu":
+            return max(tensors) * _param_bytes(plan)
+        return sum(tensors) * _param_bytes(plan)
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------------
+# activations: what autograd saves for backward, per token, named tensor by named tensor
+
+
+@dataclass(frozen=True)
+class _Dtypes:
+    hidden: int  # residual stream / norm outputs
+    proj: int  # MLP projections and their products
+    attn: int  # q, k, v and the attention output
+    logits: int
+    autocast: bool  # Trainer bf16/fp16 runs forward under torch.autocast: Linear inputs get 16-bit copies
+
+
+def _dtypes(plan: Plan) -> _Dtypes:
+    compute = DTYPE_BYTES[plan.compute_dtype]
+    load = DTYPE_BYTES[plan.load_dtype]
+    autocast = plan.autocast and compute != 4
+    if plan.method == "qlora":
+        # bnb 4-bit Linear returns its input's dtype; prepare_kbit makes embeddings/norms fp32, so the residual
+        # stream and the MLP become fp32 too, while autocast hands sdpa 16-bit copies.
+        hidden = 4 if plan.prepare_kbit else load
+        return _Dtypes(
+            hidden, hidden, compute if autocast else hidden, compute if autocast else hidden, autocast
+        )
+    proj = compute if autocast else load
+    return _Dtypes(load, proj, proj, proj, autocast)
+
+
+def _mask_bytes(plan: Plan) -> int:
+    return 1 if plan.device == "cuda" else 4  # CUDA saves a bool mask; the CPU kernel a float one
+
+
+def layer_saved_tensors(spec: ModelSpec, plan: Plan, targets=()) -> dict[str, float]:
+    """Bytes per token that one decoder layer leaves saved for backward, by tensor (LLaMA-style layer).
+
+    Derived from LlamaDecoderLayer & co in transformers: RMSNorm upcasts to fp32 and saves that input and
+    rstd; the norm weight multiply saves its input only when the weight trains; a frozen Linear (bf16 or
+    bnb 4-bit) saves nothing, a trainable one its input; SDPA saves q, k, v, output and logsumexp, eager
+    the fp32 softmax and its cast; SwiGLU saves gate, act(gate), up; LoRA saves its (fp32 or autocast)
+    input copy per adapted module, its dropout output + mask when dropout > 0, and lora_A's output.
+    """
+    d = _dtypes(plan)
+    h, inter = spec.hidden_size, spec.intermediate_size
+    q_width = spec.num_heads * spec.head_dim
+    kv_width = spec.num_kv_heads * spec.head_dim
+    full = plan.method == "full"
+    adapted = {s.name.rsplit(".", 1)[-1] for s in targets if ".0." in s.name or "layers.0." in s.name}
+    if not adapted:
+        adapted = {s.name.rsplit(".", 1)[-1] for s in targets}
+    linear_names = {s.name.rsplit(".", 1)[-1] for s in spec.decoder_linears}
+    fused_qkv = "qkv_proj" in linear_names
+    fused_gate_up = "gate_up_proj" in linear_names
+    r = plan.lora_r
+    compute = DTYPE_BYTES[plan.compute_dtype]
+    lora_bytes = compute if d.autocast else 4
+    saved: dict[str, float] = {}
+
+    def norm(name: str) -> None:
+        saved[f"{name}.fp32_input"] = 4 * h
+        saved[f"{name}.rstd"] = 4
+        if full:
+            saved[f"{name}.normed"] = h * d.hidden
+
+    def linear_input(module: str, width: int, in_bytes: int, shared_key: str) -> None:
+        """What one Linear (base + LoRA) saves of its input."""
+        if full:
+            if d.autocast and in_bytes != d.proj:
+                saved[f"{module}.autocast_input"] = width * d.proj
+            else:
+                saved[shared_key] = width * in_bytes
+        if module not in adapted:
+            return
+        # peft casts x to the fp32 adapter dtype; under autocast lora_A then saves a 16-bit copy of it.
+        copy_bytes = compute if d.autocast else 4
+        if plan.lora_dropout > 0:
+            saved[f"{module}.lora_dropout_mask"] = width * _mask_bytes(plan)
+            saved[f"{module}.lora_dropout_out"] = width * copy_bytes
+        elif d.autocast or in_bytes != 4:
+            saved[f"{module}.lora_input_copy"] = width * copy_bytes
+        else:
+            saved[shared_key] = width * in_bytes
+        saved[f"{module}.lora_A_out"] = r * lora_bytes
+
+    # attention block
+    norm("input_layernorm")
+    for m in ("qkv_proj",) if fused_qkv else ("q_proj", "k_proj", "v_proj"):
+        linear_input(m, h, d.hidden, "attn_norm_out")
+    p = d.attn
+    if plan.attn == "sdpa":
+        saved["q_rotary"] = q_width * p
+        saved["k_rotary"] = kv_width * p
+        # fused qkv: v is a view of the whole qkv output, which then stays alive
+        saved["v"] = (q_width + 2 * kv_width) * p if fused_qkv else kv_width * p
+        saved["attn_out"] = q_width * p
+        saved["attn_logsumexp"] = spec.num_heads * 4
+        o_key = "attn_out"
+    else:
+        s = plan.seq_len
+        saved["q_rotary"] = q_width * p
+        saved["k_repeated"] = q_width * p
+        saved["v_repeated"] = q_width * p
+        saved["attn_probs_fp32"] = spec.num_heads * s * 4
+        if p != 4:
+            saved["attn_probs_cast"] = spec.num_heads * s * p
+        o_key = "attn_out_contiguous"
+    linear_input("o_proj", q_width, p, o_key)
+    p = d.proj
+    for _ in range(max(spec.norms_per_layer - 2, 0) // 2):  # Gemma-2 post-attention / post-MLP norms
+        norm(f"post_norm_{_}a")
+        norm(f"post_norm_{_}b")
+
+    # MLP block
+    norm("post_attention_layernorm")
+    for m in ("gate_up_proj",) if fused_gate_up else ("gate_proj", "up_proj"):
+        linear_input(m, h, d.hidden, "mlp_norm_out")
+    if fused_gate_up:
+        saved["gate_up"] = 2 * inter * p
+    else:
+        saved["gate"] = inter * p
+        saved["up"] = inter * p
+    saved["act_gate"] = inter * p
+    linear_input("down_proj", inter, p, "gated_product")
+    return saved
+
+
+def layer_activation_bytes(spec: ModelSpec, plan: Plan, targets=()) -> float:
+    """Saved bytes per token for one decoder layer (sum of `layer_saved_tensors`)."""
+    return sum(layer_saved_tensors(spec, plan, targets).values())
+
+
+def outside_layers_saved_bytes(spec: ModelSpec, plan: Plan) -> float:
+    """Per token: final norm, the lm_head input (when it trains), token ids and labels."""
+    d = _dtypes(plan)
+    h = spec.hidden_size
+    full = plan.method == "full"
+    b = 4 * h + 4 + 16
+    if full:
+        b += h * d.hidden + h * (d.proj if d.autocast else d.hidden)
+    return b
+
+
+def activation_bytes(spec: ModelSpec, plan: Plan, targets, tokens: int) -> tuple[int, int]:
+    """(saved activations alive at the end of forward, one layer recomputed in backward with checkpointing)."""
+    per_layer = layer_activation_bytes(spec, plan, targets)
+    outside = outside_layers_saved_bytes(spec, plan)
+    if _checkpointing(plan):
+        layer_inputs = spec.num_layers * spec.hidden_size * _dtypes(plan).hidden
+        return int(tokens * (layer_inputs + outside)), int(tokens * per_layer)
+    return int(tokens * (spec.num_layers * per_layer + outside)), 0
+
+
+def _checkpointing(plan: Plan) -> bool:
+    # prepare_model_for_kbit_training turns gradient checkpointing on by default
+    return plan.gradient_checkpointing or (plan.method == "qlora" and plan.prepare_kbit)
+
+
+def logits_bytes(spec: ModelSpec, plan: Plan, tokens: int) -> tuple[int, int]:
+    """(peak inside the forward's cross-entropy, peak at the start of backward) for b*s*V logits.
+
+    Forward: lm_head logits + their fp32 upcast + log_softmax output (saved). Backward: the saved
+    log_softmax + the dense fp32 gradient of the loss + the log_softmax gradient (12 B per logit).
+    """
+    n = tokens * spec.vocab_size
+    p = _dtypes(plan).logits
+    forward = n * (p + (4 if p != 4 else 0) + 4)
+    backward = n * 12
+    config = json.loads(spec.config_json)
+    if config.get("final_logit_softcapping"):  # Gemma-2: tanh(logits / cap) * cap saves two more copies
+        forward += 2 * n * p
+        backward += 2 * n * p
+    return forward, backward
+
+
+def kv_cache_bytes_per_token(spec: ModelSpec, plan: Plan) -> int:
+    return spec.kv_cache_bytes_per_token_per_byte * DTYPE_BYTES[plan.compute_dtype]
+
+
+def _autocast_weight_copies(spec: ModelSpec, plan: Plan, trainable: int) -> int:
+    """fp32 weights under bf16/fp16 autocast: each matmul saves a 16-bit copy of its weight for backward."""
+    if plan.method == "qlora" or DTYPE_BYTES[plan.load_dtype] != 4 or DTYPE_BYTES[plan.compute_dtype] == 4:
+        return 0
+    head = spec.lm_head_params or spec.embedding_params
+    copies = spec.linear_params + head + (trainable if plan.method != "full" else 0)
+    return copies * DTYPE_BYTES[plan.compute_dtype]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the estimate
+
+
+def estimate(plan: Plan, spec: ModelSpec | None = None) -> Estimate:
+    """The whole memory bill of one training step of `plan`. Raises PlanError / SpecError on bad input."""
+    warnings = validate(plan)
+    spec = spec or load_spec(plan.model)
+    targets = (
+        lora_targets(spec.model_id, normalize_targets(plan.target_modules)) if plan.method != "full" else ()
+    )
+    warnings += _check_against_spec(spec, plan, targets)
+
+    batch = plan.batch_size * (2 if plan.dpo else 1)  # DPO: chosen and rejected sequence per example
+    tokens = batch * plan.seq_len
+    weights, quant_constants = weight_bytes(spec, plan)
+    tensors = _trainable_tensors(spec, plan, targets)
+    trainable = sum(tensors)
+    param_bytes = _param_bytes(plan)
+    lora_params = trainable * 4 if plan.method != "full" else 0
+    grads = trainable * param_bytes
+    opt_inside, opt_paged = optimizer_state_bytes(tensors, plan)
+    opt_temp = optimizer_step_temporaries(tensors, plan)
+    saved, recompute = activation_bytes(spec, plan, targets, tokens)
+    logits_fwd, logits_bwd = logits_bytes(spec, plan, tokens)
+    autocast = _autocast_weight_copies(spec, plan, trainable)
+    kv_per_token = kv_cache_bytes_per_token(spec, plan)
+    kv_cache = plan.eval_kv_tokens * kv_per_token
+
+    dpo_reference = None
+    reference = 0
+    if plan.dpo:
+        if plan.method == "full" or plan.dpo_reference == "copy":
+            dpo_reference = (
+                "a second, frozen copy of the model (full fine-tuning or an explicit reference model)"
+            )
+            reference = weights + quant_constants
+        else:
+            dpo_reference = (
+                "the base model with the adapter disabled: no second copy, one more forward without grad"
+            )
+
+    static = {
+        "weights": weights,
+        "quant_constants": quant_constants,
+        "reference_model": reference,
+        "lora_params": lora_params,
+        "optimizer_states": opt_inside,
+    }
+    hidden_grad = 2 * tokens * spec.hidden_size * _dtypes(plan).hidden
+    head_grad = (spec.lm_head_params or spec.embedding_params) * param_bytes if plan.method == "full" else 0
+    phase_components = {
+        "forward": {
+            **static,
+            "autocast_weight_copies": autocast,
+            "activations": saved,
+            "logits_loss": logits_fwd,
+        },
+        "optimizer": {**static, "gradients": grads, "optimizer_temporaries": opt_temp},
+    }
+    # Backward: gradients fill up while activations drain; the worst case is the early part (all saved
+    # tensors + logit gradients) or the end (all gradients). Model the two ends and keep the larger.
+    early = {
+        **static,
+        "autocast_weight_copies": autocast,
+        "activations": saved,
+        "logits_loss": logits_bwd,
+        "gradients": head_grad,
+    }
+    late = {
+        **static,
+        "autocast_weight_copies": autocast,
+        "activations": recompute,
+        "gradients": grads,
+        "logits_loss": hidden_grad,
+    }
+    phase_components["backward"] = early if sum(early.values()) >= sum(late.values()) else late
+    if kv_cache:
+        phase_components["eval"] = {**static, "kv_cache": kv_cache}
+    phases = {name: sum(c.values()) for name, c in phase_components.items()}
+    peak_phase = max(phases, key=phases.get)
+    tensor_peak = phases[peak_phase]
+
+    static_total = sum(static.values())
+    if plan.device == "cpu":
+        allocator = context = 0
+    else:
+        share = FRAGMENTATION_EXPANDABLE if plan.expandable_segments else FRAGMENTATION
+        allocator = int(share * (tensor_peak - static_total))
+        context = CUDA_CONTEXT_BYTES
+    reserved = tensor_peak + allocator
+    device_total = reserved + context + opt_paged
+
+    components = {k: v for k, v in phase_components[peak_phase].items()}
+    components.update(
+        {"allocator_overhead": allocator, "cuda_context": context, "paged_optimizer_states": opt_paged}
+    )
+    for name in (
+        "gradients",
+        "activations",
+        "logits_loss",
+        "kv_cache",
+        "autocast_weight_copies",
+        "optimizer_temporaries",
+        "reference_model",
+    ):
+        components.setdefault(name, 0)
+    components = {k: int(components[k]) for k in COMPONENT_ORDER}
+
+    gpu = plan.gpu_bytes
+    frac = device_total / gpu
+    verdict = "fits" if frac <= FIT_LIMIT else ("tight" if frac <= 1.0 else "does not fit")
+    return Estimate(
+        plan=plan.to_dict(),
+        model_id=spec.model_id,
+        components=components,
+        phases={k: int(v) for k, v in phases.items()},
+        phase_components={k: {n: int(b) for n, b in c.items()} for k, c in phase_components.items()},
+        tensor_peak_bytes=int(tensor_peak),
+        reserved_peak_bytes=int(reserved),
+        device_total_bytes=int(device_total),
+        peak_phase=peak_phase,
+        gpu_bytes=gpu,
+        fits=verdict == "fits",
+        verdict=verdict,
+        trainable_params=trainable,
+        total_params=spec.total_params,
+        kv_cache_bytes_per_token=kv_per_token,
+        activation_bytes_per_token_per_layer=layer_activation_bytes(spec, plan, targets),
+        dpo_reference=dpo_reference,
+        warnings=warnings,
+    )
+
+
+COMPONENT_ORDER = (
+    "weights",
+    "quant_constants",
+    "reference_model",
+    "lora_params",
+    "gradients",
+    "optimizer_states",
+    "optimizer_temporaries",
+    "autocast_weight_copies",
+    "activations",
+    "logits_loss",
+    "kv_cache",
+    "allocator_overhead",
+    "cuda_context",
+    "paged_optimizer_states",
+)
+# Terms outside torch's allocator stats (not in tensor/reserved peak, but on the card)
+OUTSIDE_TORCH = ("cuda_context", "paged_optimizer_states")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# fit search and advice
+
+
+def _largest(plan: Plan, spec: ModelSpec, name: str, hi: int, step: int = 1) -> int:
+    """The largest value of `name` (a multiple of `step`, <= hi) whose estimate stays within FIT_LIMIT; 0 if none."""
+
+    def ok(v: int) -> bool:
+        e = estimate(replace(plan, **{name: v}), spec)
+        return e.device_total_bytes <= FIT_LIMIT * e.gpu_bytes
+
+    lo_units, hi_units = 0, hi // step  # invariant: lo fits (0 = nothing), hi+1 does not
+    if not ok(step):
+        return 0
+    lo_units = 1
+    while lo_units < hi_units:
+        mid = (lo_units + hi_units + 1) // 2
+        if ok(mid * step):
+            lo_units = mid
+        else:
+            hi_units = mid - 1
+    return lo_units * step
+
+
+def fit_search(plan: Plan, spec: ModelSpec | None = None) -> dict:
+    """The largest batch size (at this seq len) and seq len (at this batch size) that stay at <=90% of the card."""
+    validate(plan)
+    spec = spec or load_spec(plan.model)
+    max_seq = max(spec.max_position_embeddings or 0, plan.seq_len)
+    batch = _largest(plan, spec, "batch_size", 4096)
+    seq = _largest(plan, spec, "seq_len", max_seq, step=64 if max_seq >= 64 else 1)
+    out = {"max_batch_size": batch, "max_seq_len": seq, "seq_len_cap": max_seq}
+    for key, name, value in (("batch_fraction", "batch_size", batch), ("seq_fraction", "seq_len", seq)):
+        out[key] = estimate(replace(plan, **{name: value}), spec).fraction if value else None
+    return out
+
+
+def what_would_fit(plan: Plan, spec: ModelSpec | None = None) -> list[dict]:
+    """Changes that lower the device total, each re-estimated, largest saving first."""
+    spec = spec or load_spec(plan.model)
+    base = estimate(plan, spec)
+    candidates = []
+    if not _checkpointing(plan):
+        candidates.append(("turn on gradient checkpointing", {"gradient_checkpointing": True}))
+    if plan.method == "full":
+        candidates.append(("train a LoRA adapter instead of all weights", {"method": "lora"}))
+    if plan.method != "qlora":
+        candidates.append(("QLoRA: load the base in 4-bit NF4", {"method": "qlora", "quant_type": "nf4"}))
+    if plan.method == "qlora" and not plan.double_quant:
+        candidates.append(("double quantization of the 4-bit constants", {"double_quant": True}))
+    if OPTIMIZERS[plan.optim][2] in ("foreach", "fused", "plain", "bnb32", "bnb32_paged", "factored"):
+        candidates.append(("8-bit AdamW (adamw_8bit)", {"optim": "adamw_8bit"}))
+    if plan.optim != "paged_adamw_8bit":
+        candidates.append(("paged 8-bit AdamW (paged_adamw_8bit)", {"optim": "paged_adamw_8bit"}))
+    if plan.seq_len > 64:
+        half = max(64, plan.seq_len // 2)
+        candidates.append((f"shorter sequences: {half} tokens", {"seq_len": half}))
+    if plan.batch_size > 1:
+        half = plan.batch_size // 2
+        factor = plan.batch_size / half
+        candidates.append(
+            (
+                f"batch size {half} with gradient_accumulation_steps x{factor:g} (same effective batch)",
+                {"batch_size": half},
+            )
+        )
+    if not plan.expandable_segments and plan.device == "cuda":
+        candidates.append(("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True", {"expandable_segments": True}))
+    out = []
+    for label, change in candidates:
+        try:
+            new = estimate(replace(plan, **change), spec)
+        except (PlanError, SpecError):
+            continue
+        saved = base.device_total_bytes - new.device_total_bytes
+        if saved > 0:
+            out.append(
+                {
+                    "change": label,
+                    "settings": change,
+                    "saves_bytes": int(saved),
+                    "device_total_bytes": new.device_total_bytes,
+                    "verdict": new.verdict,
+                }
+            )
+    return sorted(out, key=lambda c: -c["saves_bytes"])
+
+
+def memory_curve(plan: Plan, name: str, values: list[int], spec: ModelSpec | None = None) -> list[dict]:
+    """Device total (and tensor peak) as `name` (batch_size or seq_len) takes each of `values`."""
+    spec = spec or load_spec(plan.model)
+    rows = []
+    for v in values:
+        e = estimate(replace(plan, **{name: v}), spec)
+        rows.append(
+            {name: v, "device_total_bytes": e.device_total_bytes, "tensor_peak_bytes": e.tensor_peak_bytes}
+        )
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------------
+# CLI
+
+
+def _gb(b: float) -> str:
+    return f"{b / GiB:7.2f} GiB"
+
+
+def format_table(est: Estimate, fit: dict | None = None, advice: list[dict] | None = None) -> str:
+    lines = [f"Model {est.model_id}: {est.total_params:,} params, {est.trainable_params:,} trainable"]
+    lines.append(f"{'component':<26}{'bytes':>16}  {'size':>11}")
+    for name, b in est.components.items():
+        if b:
+            outside = "  (outside torch)" if name in OUTSIDE_TORCH else ""
+            lines.append(f"{name:<26}{b:>16,}  {_gb(b)}{outside}")
+    lines.append("-" * 56)
+    for label, b in (
+        ("tensor peak", est.tensor_peak_bytes),
+        ("reserved peak", est.reserved_peak_bytes),
+        ("device total", est.device_total_bytes),
+        ("GPU capacity", est.gpu_bytes),
+    ):
+        lines.append(f"{label:<26}{b:>16,}  {_gb(b)}")
+    lines.append(f"peak phase: {est.peak_phase};  KV cache per token: {est.kv_cache_bytes_per_token:,} bytes")
+    lines.append(f"verdict: {est.verdict} ({est.fraction:.0%} of the card; aim for 85-90%)")
+    if est.dpo_reference:
+        lines.append(f"DPO reference model: {est.dpo_reference}")
+    if fit:
+        lines.append(
+            f"largest batch size at this seq len: {fit['max_batch_size']}; "
+            f"largest seq len at this batch size: {fit['max_seq_len']}"
+        )
+    for a in advice or []:
+        lines.append(f"  - {a['change']}: saves {a['saves_bytes'] / GiB:.2f} GiB -> {a['verdict']}")
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m core.estimate", description="Estimate GPU memory of a fine-tune."
+    )
+    d = Plan()
+    p.add_argument("--model", default=None, help="preset hub id or local model folder")
+    p.add_argument("--list-models", action="store_true", help="print the bundled preset ids and exit")
+    p.add_argument("--method", default=d.method, help="full | lora | qlora")
+    p.add_argument("--dpo", action="store_true", help="plan a DPO run (chosen + rejected + reference)")
+    p.add_argument("--dpo-reference", default=d.dpo_reference, help="auto | copy")
+    p.add_argument("--batch-size", type=int, default=d.batch_size)
+    p.add_argument("--seq-len", type=int, default=d.seq_len)
+    p.add_argument("--lora-r", type=int, default=d.lora_r)
+    p.add_argument("--lora-alpha", type=int, default=d.lora_alpha)
+    p.add_argument("--lora-dropout", type=float, default=d.lora_dropout)
+    p.add_argument("--target-modules", default=d.target_modules, help="all-linear or e.g. q_proj,v_proj")
+    p.add_argument(
+        "--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=d.gradient_checkpointing
+    )
+    p.add_argument("--optim", default=d.optim, help="TrainingArguments optim name")
+    p.add_argument("--attn", default=d.attn, help="sdpa | eager")
+    p.add_argument("--double-quant", action=argparse.BooleanOptionalAction, default=d.double_quant)
+    p.add_argument("--quant-type", default=d.quant_type, help="nf4 | fp4")
+    p.add_argument("--prepare-kbit", action=argparse.BooleanOptionalAction, default=d.prepare_kbit)
+    p.add_argument("--load-dtype", default=d.load_dtype, help="fp32 | bf16 | fp16")
+    p.add_argument("--compute-dtype", default=d.compute_dtype, help="fp32 | bf16 | fp16")
+    p.add_argument("--eval-kv-tokens", type=int, default=d.eval_kv_tokens)
+    p.add_argument("--gpu-gb", type=float, default=d.gpu_gb, help="card capacity in GiB")
+    p.add_argument(
+        "--expandable-segments", action=argparse.BooleanOptionalAction, default=d.expandable_segments
+    )
+    p.add_argument("--device", default=d.device, help="cuda | cpu")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+class _ArgError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one sentence, no usage dump
+        raise _ArgError(message)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    parser.__class__ = _Parser
+    try:
+        args = parser.parse_args(argv)
+    except _ArgError as exc:
+        print(f"error: {exc} (see python -m core.estimate --help)", file=sys.stderr)
+        return 2
+    if args.list_models:
+        print("\n".join(preset_ids()))
+        return 0
+    if not args.model:
+        print(
+            "error: --model is required: a preset id (see --list-models) or a local model folder.",
+            file=sys.stderr,
+        )
+        return 2
+    values = {k: v for k, v in vars(args).items() if k not in ("list_models", "json")}
+    values["gradient_checkpointing"] = args.gradient_checkpointing
+    values["prepare_kbit"] = args.prepare_kbit
+    try:
+        plan = Plan.from_dict(values)
+        est = estimate(plan)
+        fit = fit_search(plan)
+        advice = what_would_fit(plan) if est.verdict != "fits" else []
+    except (PlanError, SpecError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for w in est.warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    if args.json:
+        out = {k: v for k, v in est.to_dict().items() if k != "phase_components"}
+        out["fit_search"] = fit
+        out["what_would_fit"] = advice
+        print(json.dumps(out))
+    else:
+        print(format_table(est, fit, advice))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,281 @@
+"""Model specs for the memory planner: the shape facts of a causal LM, counted exactly from its real module tree.
+
+A spec comes from a bundled preset (hub id -> the public config.json fields, core/presets.json), a local model
+folder (its config.json), or a model id whose config sits in the local Hugging Face cache. Nothing is
+downloaded. Parameter counts come from building the model on the `meta` device (no memory, no weights) and
+counting; LoRA targets come from applying peft's own `get_peft_model` to that meta model.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+PRESETS_FILE = Path(__file__).with_name("presets.json")
+
+
+class SpecError(ValueError):
+    """A model that cannot be planned for; the message says what is wrong and how to fix it."""
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    name: str  # module path, e.g. model.layers.0.self_attn.q_proj
+    in_features: int
+    out_features: int
+    bias: bool
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything the estimator needs about a model, independent of how it is trained."""
+
+    model_id: str
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    total_params: int  # exact, from the meta model (tied weights counted once)
+    embedding_params: int  # input embedding matrix
+    lm_head_params: int  # 0 when tied to the embedding
+    decoder_linears: tuple[
+        LinearShape, ...
+    ]  # every nn.Linear inside the decoder layers (what 4-bit quantizes)
+    param_numels: tuple[int, ...]  # every parameter tensor's element count (optimizers treat tensors by size)
+    norms_per_layer: int
+    config_json: str  # the config as JSON, so the spec can be rebuilt (and cached) from a hashable value
+
+    @property
+    def linear_params(self) -> int:
+        return sum(s.in_features * s.out_features for s in self.decoder_linears)
+
+    @property
+    def linear_bias_params(self) -> int:
+        return sum(s.out_features for s in self.decoder_linears if s.bias)
+
+    @property
+    def kv_cache_bytes_per_token_per_byte(self) -> int:
+        """K and V for every layer, per token, per byte of element size."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+def preset_ids() -> list[str]:
+    return list(_presets())
+
+
+@lru_cache(maxsize=1)
+def _presets() -> dict[str, dict]:
+    return json.loads(PRESETS_FILE.read_text())
+
+
+def _config_from_dict(fields: dict, where: str):
+    from transformers import AutoConfig
+
+    fields = dict(fields)
+    model_type = fields.pop("model_type", None)
+    if not model_type:
+        raise SpecError(f"{where} has no 'model_type', so transformers cannot tell which architecture it is.")
+    try:
+        return AutoConfig.for_model(model_type, **fields)
+    except (ValueError, KeyError) as exc:
+        raise SpecError(
+            f"{where} has model_type '{model_type}', which this transformers version does not know ({exc})."
+        ) from None
+
+
+def load_config(model: str):
+    """The transformers config for a preset id, a local folder, or a model id in the local HF cache."""
+    model = str(model).strip()
+    if not model:
+        raise SpecError(
+            "No model given: pick a preset (e.g. meta-llama/Llama-2-7b-hf) or a local model folder."
+        )
+    if model in _presets():
+        return _config_from_dict(_presets()[model], f"The preset '{model}'")
+    path = Path(model).expanduser()
+    if path.exists():
+        if path.is_file() and path.name == "config.json":
+            path = path.parent
+        cfg_file = path / "config.json"
+        if not path.is_dir() or not cfg_file.is_file():
+            raise SpecError(
+                f"The folder '{path}' has no config.json; point at a Hugging Face model folder "
+                "(the one that holds config.json and the weights)."
+            )
+        try:
+            fields = json.loads(cfg_file.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise SpecError(f"{cfg_file} is not valid JSON ({exc}); fix or replace that file.") from None
+        if not isinstance(fields, dict):
+            raise SpecError(f"{cfg_file} does not hold a JSON object; it is not a model config.")
+        return _config_from_dict(fields, str(cfg_file))
+    # Last resort: a config the user already has in the local Hugging Face cache. Never touch the network.
+    try:
+        from transformers import AutoConfig
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return AutoConfig.from_pretrained(model, local_files_only=True)
+    except Exception:
+        pass
+    raise SpecError(
+        f"Unknown model '{model}': it is not a bundled preset, not a local folder, and not in the local "
+        f"Hugging Face cache (this tool never downloads). Use a preset id such as "
+        f"{', '.join(preset_ids()[:3])} (full list: python -m core.estimate --list-models) "
+        "or the path of a folder holding the model's config.json."
+    )
+
+
+def _build_meta_model(cfg):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return AutoModelForCausalLM.from_config(cfg)
+    except ValueError as exc:
+        raise SpecError(
+            f"The config (model_type '{cfg.model_type}') is not a causal language model that transformers can "
+            f"build with AutoModelForCausalLM ({str(exc).splitlines()[0]}); this planner handles decoder LLMs only."
+        ) from None
+
+
+@lru_cache(maxsize=32)
+def _meta_model_for(config_json: str):
+    return _build_meta_model(_config_from_dict(json.loads(config_json), "The config"))
+
+
+def _decoder_layers(model):
+    """The repeated decoder blocks: the largest nn.ModuleList in the model."""
+    import torch.nn as nn
+
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    return max(lists, key=len) if lists else None
+
+
+@lru_cache(maxsize=64)
+def load_spec(model: str) -> ModelSpec:
+    """The spec of `model` (preset id, local folder or cached id). Cached: the meta build runs once per model."""
+    import torch.nn as nn
+
+    cfg = load_config(model)
+    config_json = json.dumps(_config_fields(cfg), sort_keys=True)
+    meta = _meta_model_for(config_json)
+    layers = _decoder_layers(meta)
+    if layers is None or len(layers) == 0:
+        raise SpecError(f"'{model}' has no repeated decoder layers; this planner handles decoder LLMs only.")
+    layers_prefix = next(name for name, mod in meta.named_modules() if mod is layers)
+
+    params = dict(meta.named_parameters())  # named_parameters de-duplicates tied weights
+    embed = meta.get_input_embeddings()
+    head = meta.get_output_embeddings()
+    tied = head is not None and head.weight is embed.weight
+    linears = tuple(
+        LinearShape(name, mod.in_features, mod.out_features, mod.bias is not None)
+        for name, mod in meta.named_modules()
+        if isinstance(mod, nn.Linear) and name.startswith(layers_prefix + ".")
+    )
+    norms = sum(1 for m in layers[0].modules() if "norm" in type(m).__name__.lower())
+
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return ModelSpec(
+        model_id=model,
+        model_type=text.model_type,
+        hidden_size=text.hidden_size,
+        intermediate_size=getattr(text, "intermediate_size", None) or 4 * text.hidden_size,
+        num_layers=len(layers),
+        num_heads=heads,
+        num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
+        vocab_size=text.vocab_size,
+        max_position_embeddings=getattr(text, "max_position_embeddings", None) or 0,
+        tie_word_embeddings=tied,
+        total_params=sum(p.numel() for p in params.values()),
+        embedding_params=embed.weight.numel(),
+        lm_head_params=0 if (head is None or tied) else head.weight.numel(),
+        decoder_linears=linears,
+        param_numels=tuple(p.numel() for p in params.values()),
+        norms_per_layer=norms,
+        config_json=config_json,
+    )
+
+
+def _config_fields(cfg) -> dict:
+    fields = cfg.to_dict()
+    fields["model_type"] = cfg.model_type
+    for key in ("transformers_version", "_name_or_path", "architectures", "dtype", "torch_dtype"):
+        fields.pop(key, None)
+    return fields
+
+
+def normalize_targets(target_modules: str | list | tuple) -> tuple[str, ...] | str:
+    """'all-linear' stays a string (peft's keyword); 'q_proj, v_proj' becomes ('q_proj', 'v_proj')."""
+    if isinstance(target_modules, str):
+        if target_modules.strip() == "all-linear":
+            return "all-linear"
+        target_modules = target_modules.split(",")
+    names = tuple(sorted({t.strip() for t in target_modules if t and t.strip()}))
+    if not names:
+        raise SpecError("No LoRA target modules given: use all-linear or names such as q_proj,v_proj.")
+    return names
+
+
+@lru_cache(maxsize=128)
+def lora_targets(model: str, target_modules: str | tuple[str, ...]) -> tuple[LinearShape, ...]:
+    """The Linear layers peft adapts for `target_modules`, found by peft itself on the meta model.
+
+    Trainable LoRA params for rank r are then sum(r * (in + out)) over these shapes, which is what peft counts.
+    """
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    spec = load_spec(model)
+    targets = normalize_targets(target_modules)
+    meta = copy.deepcopy(_meta_model_for(spec.config_json))  # peft edits the tree in place
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            peft_model = get_peft_model(
+                meta, LoraConfig(r=1, target_modules=list(targets) if targets != "all-linear" else targets)
+            )
+    except ValueError as exc:
+        wanted = targets if isinstance(targets, str) else ",".join(targets)
+        available = sorted({s.name.rsplit(".", 1)[-1] for s in spec.decoder_linears})
+        raise SpecError(
+            f"LoRA target modules '{wanted}' match no layer of {model} ({str(exc).splitlines()[0][:120]}); "
+            f"this model's Linear layers are: {', '.join(available)} (or use all-linear)."
+        ) from None
+    from peft.tuners.lora import LoraLayer
+
+    out = []
+    for name, mod in peft_model.base_model.model.named_modules():
+        if isinstance(mod, LoraLayer):
+            base = mod.get_base_layer()
+            out.append(LinearShape(name, base.in_features, base.out_features, base.bias is not None))
+    return tuple(out)
+
+
+def lora_param_count(model: str, target_modules, r: int) -> int:
+    return sum(
+        r * (s.in_features + s.out_features) for s in lora_targets(model, normalize_targets(target_modules))
+    )
+
+
+def describe(spec: ModelSpec) -> str:
+    return (
+        f"{spec.model_id}: {spec.model_type}, {spec.total_params / 1e9:.2f} B params, {spec.num_layers} layers, "
+        f"hidden {spec.hidden_size}, heads {spec.num_heads}/{spec.num_kv_heads} kv, vocab {spec.vocab_size}"
+    )

@@ -1,0 +1,118 @@
+"""`python -m core.estimate` as a real subprocess, offline: JSON output, the table, and bad input."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_cli(*args, timeout=180):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "core.estimate", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.slow
+def test_json_for_llama2_7b_lora_offline():
+    proc = run_cli(
+        "--model",
+        "meta-llama/Llama-2-7b-hf",
+        "--method",
+        "lora",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "1024",
+        "--lora-r",
+        "16",
+        "--lora-alpha",
+        "32",
+        "--target-modules",
+        "q_proj,v_proj",
+        "--gradient-checkpointing",
+        "--optim",
+        "paged_adamw_8bit",
+        "--attn",
+        "sdpa",
+        "--no-double-quant",
+        "--gpu-gb",
+        "24",
+        "--json",
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    for key in (
+        "components",
+        "tensor_peak_bytes",
+        "reserved_peak_bytes",
+        "device_total_bytes",
+        "peak_phase",
+        "gpu_bytes",
+        "fits",
+        "trainable_params",
+        "total_params",
+    ):
+        assert key in out
+    assert out["total_params"] == 6_738_415_616
+    assert out["trainable_params"] == 16 * (4096 + 4096) * 2 * 32
+    assert out["gpu_bytes"] == 24 * 2**30
+    assert sum(out["components"].values()) == out["device_total_bytes"]
+    assert out["plan"]["gradient_checkpointing"] is True and out["plan"]["double_quant"] is False
+
+
+@pytest.mark.slow
+def test_human_table_and_long_sequence_warning(tiny_llama):
+    proc = run_cli("--model", str(tiny_llama), "--method", "qlora", "--seq-len", "1000", "--gpu-gb", "8")
+    assert proc.returncode == 0, proc.stderr
+    assert "device total" in proc.stdout and "verdict:" in proc.stdout and "peak phase:" in proc.stdout
+    assert "max_position_embeddings" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--model", "nobody/unknown-model"], "Unknown model 'nobody/unknown-model'"),
+        (
+            ["--model", "meta-llama/Llama-2-7b-hf", "--optim", "adamw_magic"],
+            "Unknown optimizer 'adamw_magic'",
+        ),
+        (["--model", "meta-llama/Llama-2-7b-hf", "--batch-size", "0"], "batch_size must be a whole number"),
+        (["--model", "meta-llama/Llama-2-7b-hf", "--seq-len", "-1"], "seq_len must be"),
+        (["--model", "meta-llama/Llama-2-7b-hf", "--gpu-gb", "-24"], "gpu_gb must be a positive"),
+        (["--model", "meta-llama/Llama-2-7b-hf", "--batch-size", "two"], "invalid int value"),
+    ],
+)
+def test_bad_input_one_sentence_non_zero_exit(args, needle):
+    proc = run_cli(*args)
+    assert proc.returncode != 0
+    assert needle in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stdout == ""
+
+
+@pytest.mark.slow
+def test_folder_problems(tmp_path):
+    proc = run_cli("--model", str(tmp_path))
+    assert proc.returncode != 0 and "no config.json" in proc.stderr and "Traceback" not in proc.stderr
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "vit", "hidden_size": 32}))
+    proc = run_cli("--model", str(tmp_path))
+    assert proc.returncode != 0 and "not a causal language model" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_rank_larger_than_the_layer(tiny_llama):
+    proc = run_cli("--model", str(tiny_llama), "--lora-r", "4096")
+    assert proc.returncode != 0
+    assert "larger than the layer" in proc.stderr and "Traceback" not in proc.stderr

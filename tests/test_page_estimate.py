@@ -1,0 +1,73 @@
+"""The Estimate page through Streamlit's AppTest: renders, reacts to inputs, reports bad input without crashing."""
+
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+PAGE = str(Path(__file__).resolve().parent.parent / "pages" / "estimate.py")
+
+
+def _app() -> AppTest:
+    at = AppTest.from_file(PAGE, default_timeout=120)
+    at.run()
+    assert not at.exception, at.exception
+    return at
+
+
+def _verdict(at) -> str:
+    texts = [m.value for m in (*at.success, *at.warning, *at.error)]
+    return next(t for t in texts if t.startswith("**"))
+
+
+@pytest.mark.slow  # first import of transformers/peft and the meta builds: ~10 s
+def test_renders_the_bill_and_stores_the_plan():
+    at = _app()
+    assert at.title[0].value == "Estimate"
+    assert len(at.get("vega_lite_chart")) >= 3  # the stacked bill + two curves
+    assert any("What would make it fit" in s.value for s in at.subheader)
+    plan = at.session_state["plan"]
+    assert plan["model"] == at.selectbox(key="model").value and plan["method"] == "lora"
+    assert [m.label for m in at.metric][:4] == ["Tensor peak", "Reserved peak", "Device total", "Peak phase"]
+
+
+def test_changing_inputs_changes_the_verdict():
+    at = _app()
+    at.selectbox(key="model").set_value("Qwen/Qwen2.5-0.5B")
+    at.number_input(key="seq_len").set_value(512)
+    at.selectbox(key="gpu").set_value("141 GiB")
+    at.run()
+    assert not at.exception
+    assert _verdict(at).startswith("**FITS**")
+    at.selectbox(key="model").set_value("meta-llama/Llama-3.1-70B")
+    at.radio(key="method").set_value("full")
+    at.selectbox(key="gpu").set_value("24 GiB")
+    at.run()
+    assert not at.exception
+    assert _verdict(at).startswith("**DOES NOT FIT**")
+    assert at.session_state["plan"]["method"] == "full"
+
+
+def test_bad_inputs_show_an_error_not_an_exception(tmp_path):
+    at = _app()
+    at.number_input(key="batch_size").set_value(0)
+    at.run()
+    assert not at.exception
+    assert any("batch_size must be a whole number above zero" in e.value for e in at.error)
+
+    at.number_input(key="batch_size").set_value(1)
+    at.selectbox(key="optim").set_value("sgd")
+    at.selectbox(key="model").set_value("Local model folder…")
+    at.run()
+    at.text_input(key="model_path").set_value(str(tmp_path))
+    at.run()
+    assert not at.exception
+    assert any("no config.json" in e.value for e in at.error)
+
+
+def test_estimate_is_the_default_page_of_the_router():
+    at = AppTest.from_file(str(Path(PAGE).parent.parent / "dashboard.py"), default_timeout=120)
+    at.run()
+    assert not at.exception
+    assert at.title[0].value == "Estimate"
+    assert _verdict(at).startswith("**")
