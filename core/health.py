@@ -1,0 +1,294 @@
+"""Health warnings for a live run, from its metrics, GPU samples and plan (no UI).
+
+Each warning names what is wrong with the figures that show it and what to change. `HealthChecker` is
+stateful only where that saves work each tick: loss-spike detection looks at new loss points only, and the
+"first 200 steps" verdict is settled once.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from core.tail import RunSeries
+
+GiB = 1024**3
+
+
+@dataclass
+class HealthWarning:
+    code: str  # stable id: low_utilization, memory_high, nonfinite_loss, loss_spike, loss_flat, plan_mismatch
+    level: str  # "error" | "warning" | "info"
+    title: str
+    detail: str  # the figures
+    fix: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _gib(b: float) -> str:
+    return f"{b / GiB:.1f} GiB"
+
+
+@dataclass
+class HealthSettings:
+    util_threshold: float = 80.0  # percent
+    util_window_s: float = 120.0  # sustained = this long
+    memory_fraction: float = 0.90
+    spike_window: int = 50  # loss points in the rolling median
+    spike_factor: float = 2.0  # loss above factor x median ...
+    spike_noise: float = 5.0  # ... and above median + k x noise, noise = median |step-to-step change|
+    flat_steps: int = 200
+    flat_ratio: float = 0.97  # loss near step 200 must be below ratio x the starting loss
+    plan_tolerance: float = 0.10
+    plan_min_steps: int = 5  # the peak (optimizer states, longest batch) shows only after a few steps
+
+
+class HealthChecker:
+    """Call `check(series, plan, status)` every tick with the same growing `RunSeries`."""
+
+    def __init__(self, settings: HealthSettings | None = None):
+        self.s = settings or HealthSettings()
+        self._spike_cursor = 0
+        self._spikes: list[tuple[float, float, float]] = []  # (step, loss, median)
+        self._flat: HealthWarning | None | bool = False  # False = not decided yet
+        self._series_id: int | None = None
+
+    def check(
+        self, series: RunSeries, plan: dict | None = None, status: dict | None = None
+    ) -> list[HealthWarning]:
+        if id(series) != self._series_id:  # a rebuilt series (file replaced): forget what we learned
+            self.__init__(self.s)
+            self._series_id = id(series)
+        state = (status or {}).get("state")
+        out: list[HealthWarning] = []
+        for w in (
+            self._nonfinite(series),
+            self._memory(series, plan),
+            self._utilization(series) if state in (None, "starting", "running") else None,
+            self._spikes_warning(series),
+            self._loss_flat(series),
+            self._plan(series, plan),
+        ):
+            if w is not None:
+                out.append(w)
+        order = {"error": 0, "warning": 1, "info": 2}
+        return sorted(out, key=lambda w: order.get(w.level, 3))
+
+    # --- rules -----------------------------------------------------------------------------------------
+
+    def _nonfinite(self, series: RunSeries) -> HealthWarning | None:
+        for name in ("loss", "eval_loss"):
+            steps, vals = series.metric(name)
+            bad = ~np.isfinite(vals)
+            if bad.any():
+                first = int(np.argmax(bad))
+                return HealthWarning(
+                    "nonfinite_loss",
+                    "error",
+                    f"{'Training' if name == 'loss' else 'Eval'} loss is {vals[first]} (not a number)",
+                    f"{name} became {vals[first]} at step {int(steps[first])}; {int(bad.sum())} of {vals.size} "
+                    "logged values are NaN/inf. Training past this point learns nothing.",
+                    "Stop the run and restart from the last good checkpoint with a lower learning_rate (try 10x "
+                    "lower) and max_grad_norm=1.0; if fp16 is on, switch to bf16 (fp16 overflows above 65504).",
+                )
+        return None
+
+    def _memory(self, series: RunSeries, plan: dict | None) -> HealthWarning | None:
+        t, used = series.gpu_series("memory_used")
+        _, total = series.gpu_series("memory_total")
+        if used.size and total.size and total[-1] > 0:
+            recent = used[t >= t[-1] - 30.0]  # the last 30 s, so one reading does not flicker the warning
+            peak, cap = float(recent.max()), float(total[-1])
+            source = "GPU memory in use (NVML, all processes)"
+        else:
+            _, reserved = series.metric("cuda_reserved")
+            cap = float((plan or {}).get("device_total_bytes") or 0)
+            if not reserved.size or cap <= 0:
+                return None
+            peak = float(np.nanmax(reserved[-20:]))
+            source = "PyTorch reserved memory"
+        frac = peak / cap
+        if frac <= self.s.memory_fraction:
+            return None
+        return HealthWarning(
+            "memory_high",
+            "warning",
+            f"GPU memory {frac:.0%} full",
+            f"{source}: {_gib(peak)} of {_gib(cap)} ({frac:.0%}, limit {self.s.memory_fraction:.0%}). A longer "
+            "batch or an eval pass can run out of memory.",
+            "Lower per_device_train_batch_size (raise gradient_accumulation_steps to keep the effective batch), "
+            "lower max_seq_length, enable gradient_checkpointing, or load the model in 4-bit (QLoRA).",
+        )
+
+    def _utilization(self, series: RunSeries) -> HealthWarning | None:
+        t, util = series.gpu_series("utilization")
+        if not util.size or series.first_time is None:
+            return None
+        # Only samples since training began (the first metrics line): loading the model idles the GPU too.
+        start = max(t[-1] - self.s.util_window_s, series.first_time)
+        sel = t >= start
+        if t[-1] - start < 0.8 * self.s.util_window_s or sel.sum() < 5:
+            return None
+        window = util[sel]
+        mean = float(window.mean())
+        low = float((window < self.s.util_threshold).mean())
+        if mean >= self.s.util_threshold or low < 0.75:
+            return None
+        return HealthWarning(
+            "low_utilization",
+            "warning",
+            "GPU is waiting: data loading is the bottleneck",
+            f"Utilisation averaged {mean:.0f}% over the last {t[-1] - start:.0f} s ({sel.sum()} samples, "
+            f"{low:.0%} of them under {self.s.util_threshold:.0f}%).",
+            "Raise dataloader_num_workers (e.g. 4), set dataloader_pin_memory=True, tokenise the dataset once "
+            "before training instead of on the fly, and group_by_length to cut padding; a larger "
+            "per_device_train_batch_size also gives the GPU more work per step.",
+        )
+
+    def _spikes_warning(self, series: RunSeries) -> HealthWarning | None:
+        steps, loss = series.metric("loss")
+        n = loss.size
+        if n > self._spike_cursor:
+            start = max(self._spike_cursor, 10)  # need some history before calling anything a spike
+            if n > start:
+                self._spikes.extend(self._find_spikes(steps, loss, start, n))
+            self._spike_cursor = n
+        if not self._spikes:
+            return None
+        step, v, med = max(self._spikes, key=lambda s: s[1] / max(s[2], 1e-12))
+        last = self._spikes[-1]
+        return HealthWarning(
+            "loss_spike",
+            "warning",
+            f"Loss spiked {len(self._spikes)} time(s)",
+            f"Largest: {v:.4g} at step {int(step)} against a rolling median of {med:.4g} "
+            f"({v / max(med, 1e-12):.1f}x); latest at step {int(last[0])}.",
+            "Lower learning_rate, keep max_grad_norm=1.0, use a warmup (warmup_steps 0.03-0.1), and check the "
+            "data around those steps for very long or broken samples.",
+        )
+
+    def _find_spikes(self, steps, loss, start: int, n: int) -> list[tuple[float, float, float]]:
+        """Spikes among loss[start:n], each judged against the `spike_window` points before it (vectorised)."""
+        w = self.s.spike_window
+        hist_from = max(0, start - w)
+        seg = np.where(np.isfinite(loss[hist_from:n]), loss[hist_from:n], np.nan)
+        # Trailing windows that end just before each candidate; NaN-padded at the very start of the run.
+        lead = w - (start - hist_from)
+        padded = np.concatenate([np.full(lead, np.nan), seg[:-1]])
+        windows = np.lib.stride_tricks.sliding_window_view(padded, w)
+        with np.errstate(all="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN windows give NaN, which never matches
+            med, noise = _median_and_noise(windows, clean_from=0 if np.isnan(seg).any() else lead)
+            count = (~np.isnan(windows)).sum(axis=1)
+            v = seg[start - hist_from :]
+            hit = (
+                (count >= 10)
+                & (v > self.s.spike_factor * med)
+                & (v - med > self.s.spike_noise * np.maximum(noise, 1e-8))
+            )
+        idx = np.nonzero(hit)[0]
+        return [(float(steps[start + i]), float(v[i]), float(med[i])) for i in idx]
+
+    def _loss_flat(self, series: RunSeries) -> HealthWarning | None:
+        if self._flat is not False:
+            return self._flat or None
+        steps, loss = series.metric("loss")
+        if not steps.size or steps[-1] < self.s.flat_steps:
+            return None
+        early = loss[(steps <= self.s.flat_steps) & np.isfinite(loss)]
+        if early.size < 6:
+            self._flat = None  # too few logged points to judge; settle quietly
+            return None
+        k = max(3, early.size // 10)
+        first, last = float(np.median(early[:k])), float(np.median(early[-k:]))
+        self._flat = None
+        if last > self.s.flat_ratio * first:
+            self._flat = HealthWarning(
+                "loss_flat",
+                "warning",
+                f"Loss has not fallen over the first {self.s.flat_steps} steps",
+                f"Median loss {first:.4g} over the first {k} logged points and {last:.4g} over the last {k} up "
+                f"to step {self.s.flat_steps}.",
+                "Raise learning_rate (LoRA usually trains at 1e-4 to 3e-4) and check that warmup is not most of "
+                "these steps; check that the labels are not all masked (-100) and that the chat template matches "
+                "the model; make sure LoRA targets the attention/MLP projections.",
+            )
+        return self._flat
+
+    def _plan(self, series: RunSeries, plan: dict | None) -> HealthWarning | None:
+        if not plan or series.last_step is None or series.last_step < self.s.plan_min_steps:
+            return None
+        pairs = [
+            (
+                "cuda_peak",
+                "tensor_peak_bytes",
+                "PyTorch peak allocated",
+                lambda: series.metric("cuda_peak")[1],
+            ),
+            (
+                "cuda_reserved",
+                "reserved_peak_bytes",
+                "PyTorch reserved",
+                lambda: series.metric("cuda_reserved")[1],
+            ),
+            (
+                "process_memory",
+                "gpu_bytes",
+                "the run's GPU memory (NVML)",
+                lambda: series.gpu_series("process_memory")[1],
+            ),
+        ]
+        for _, plan_key, label, get in pairs:
+            predicted = plan.get(plan_key)
+            values = get()
+            values = values[np.isfinite(values)] if values.size else values
+            if not predicted or not values.size:
+                continue
+            measured = float(values.max())
+            dev = measured / float(predicted) - 1.0
+            if abs(dev) <= self.s.plan_tolerance:
+                return None
+            over = dev > 0
+            return HealthWarning(
+                "plan_mismatch",
+                "warning" if over else "info",
+                f"Measured peak is {abs(dev):.0%} {'above' if over else 'below'} the plan",
+                f"{label}: measured {_gib(measured)}, planned {_gib(float(predicted))} ({plan_key}); tolerance "
+                f"{self.s.plan_tolerance:.0%}.",
+                (
+                    "Less headroom than planned: keep an eye on the memory chart, and before raising batch size or "
+                    "sequence length run the Smoke test to measure; the plan may miss an activation or the "
+                    "longest batch of this dataset."
+                    if over
+                    else "More headroom than planned: a larger per_device_train_batch_size or max_seq_length "
+                    "may fit (confirm with the Smoke test)."
+                ),
+            )
+        return None
+
+
+def _median_and_noise(windows: np.ndarray, clean_from: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per window: median, and noise = median |step-to-step change| (not the spread around the median:
+    early in a run the loss falls steeply and the spread would hide any spike).
+
+    Windows from `clean_from` on hold no NaN and take the fast np.median; the rest need nanmedian.
+    """
+    med = np.empty(len(windows))
+    noise = np.empty(len(windows))
+    for part, fn in ((slice(0, clean_from), np.nanmedian), (slice(clean_from, None), np.median)):
+        w = windows[part]
+        if len(w):
+            med[part] = fn(w, axis=1)
+            noise[part] = fn(np.abs(np.diff(w, axis=1)), axis=1)
+    return med, noise
+
+
+def check_health(
+    series: RunSeries, plan: dict | None = None, status: dict | None = None
+) -> list[HealthWarning]:
+    """One-off check (a fresh checker each call)."""
+    return HealthChecker().check(series, plan, status)

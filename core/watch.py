@@ -1,0 +1,422 @@
+"""What the Monitor and Runs pages call: one `RunWatcher.refresh()` per refresh tick, and run summaries.
+
+The run directory is the source of truth. A watcher only caches what it has read (file offsets, the series,
+the last chart frames), so a browser reload or a server restart that builds a new watcher re-reads the files
+and loses no point. After the first read a tick costs a few stats plus the parsing of new lines; charts are
+re-cut only when a file grew.
+
+Chart frames are long-form pandas DataFrames (one row per point: x column, `value`, `series`) with compact
+dtypes, ready for `alt.Chart(df).mark_line().encode(x=..., y="value", color="series")`.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from core.diagnose import Diagnosis, diagnose, load_evidence
+from core.health import HealthChecker, HealthWarning
+from core.series import downsample_minmax, stride
+from core.tail import RunFiles, RunSeries, TextTail
+
+GiB = 1024**3
+
+
+@dataclass
+class ChartBudget:
+    """Points per series. Extremes matter for raw loss, grad norm, memory and utilisation (min/max kept);
+    smooth curves (EMA, learning rate, temperature) are strided. The defaults keep a tick's chart data under
+    100 KB as Arrow (see benchmarks/monitor_refresh.py)."""
+
+    spiky: int = 1200
+    smooth: int = 400
+    sparse: int = 600  # eval loss, torch memory curves (logged every few steps)
+
+
+@dataclass
+class Snapshot:
+    run_dir: str
+    name: str
+    state: str  # starting|running|finished|failed|stopped, or "unknown" without status.json
+    status: dict | None
+    step: int | None
+    max_steps: int | None
+    progress: float | None  # 0..1
+    elapsed_s: float | None
+    eta_s: float | None
+    steps_per_s: float | None
+    tokens_per_s: float | None
+    latest: dict[str, float]  # last logged value of each metric (loss, eval_loss, learning_rate, ...)
+    # loss, learning_rate, grad_norm (x column "step"); gpu_memory (GiB), gpu_util, gpu_temperature (x "minutes")
+    charts: dict[str, pd.DataFrame]
+    lines: dict[str, float]  # horizontal rules in GiB: gpu_capacity_gib, plan_peak_gib
+    peak_memory_gib: float | None
+    warnings: list[HealthWarning]
+    diagnosis: Diagnosis | None  # when the run failed
+    stderr_tail: str
+    stdout_tail: str
+    other_processes: list[dict]  # other programs on the run's GPU (latest NVML sample)
+    malformed_lines: int
+    changed: bool  # new points since the previous tick
+
+    def chart_bytes(self) -> int:
+        """Size of the chart data as Arrow IPC (what st.altair_chart ships per rerun)."""
+        return sum(frame_bytes(df) for df in self.charts.values())
+
+
+def frame_bytes(df: pd.DataFrame) -> int:
+    import pyarrow as pa
+
+    table = pa.Table.from_pandas(df, preserve_index=False)
+    sink = io.BytesIO()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return sink.tell()
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+class _CachedJson:
+    """A small JSON file (status.json, plan.json) re-read only when its stat changes."""
+
+    def __init__(self, path: Path):
+        self.path, self._key, self.data = path, None, None
+
+    def read(self) -> dict | None:
+        try:
+            st = os.stat(self.path)
+            key = (st.st_ino, st.st_size, st.st_mtime_ns)
+        except FileNotFoundError:
+            key = None
+        if key != self._key:
+            self._key = key
+            self.data = _read_json(self.path) if key else None
+        return self.data
+
+
+def _frame(x_name: str, parts: list[tuple[str, np.ndarray, np.ndarray]], x_dtype=np.float32) -> pd.DataFrame:
+    names = [p[0] for p in parts]
+    xs = [p[1] for p in parts]
+    ys = [p[2] for p in parts]
+    n = [len(x) for x in xs]
+    codes = np.repeat(np.arange(len(parts), dtype=np.int8), n)
+    return pd.DataFrame(
+        {
+            x_name: np.concatenate(xs).astype(x_dtype) if parts else np.empty(0, x_dtype),
+            "value": np.concatenate(ys).astype(np.float32) if parts else np.empty(0, np.float32),
+            # Categorical: one byte per row on the wire instead of the series name repeated.
+            "series": pd.Categorical.from_codes(
+                codes, dtype=pd.CategoricalDtype(pd.Index(names, dtype=object))
+            ),
+        }
+    )
+
+
+def plan_peak_bytes(plan: dict | None) -> float | None:
+    """The plan's predicted whole-GPU footprint, comparable with NVML's memory curve."""
+    plan = plan or {}
+    v = plan.get("gpu_bytes") or plan.get("reserved_peak_bytes")
+    return float(v) if isinstance(v, (int, float)) and v > 0 else None
+
+
+class RunWatcher:
+    """Keep one per (browser session, run) in st.session_state; call `refresh()` each fragment tick."""
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        budget: ChartBudget | None = None,
+        tail_lines: int = 80,
+        clock=time.time,
+    ):
+        self.run_dir = Path(run_dir)
+        self.budget = budget or ChartBudget()
+        self.files = RunFiles(self.run_dir)
+        self.status_file = _CachedJson(self.run_dir / "status.json")
+        self.plan_file = _CachedJson(self.run_dir / "plan.json")
+        self.stderr = TextTail(self.run_dir / "stderr.log", n_lines=tail_lines)
+        self.stdout = TextTail(self.run_dir / "stdout.log", n_lines=tail_lines)
+        self.health = HealthChecker()
+        self.clock = clock
+        self._charts: dict[str, pd.DataFrame] | None = None
+        self._warnings: list[HealthWarning] = []
+        self._health_key = None
+        self._diagnosis: tuple | None = None
+
+    @property
+    def series(self) -> RunSeries:
+        return self.files.series
+
+    def refresh(self) -> Snapshot:
+        changed = self.files.poll()
+        series = self.files.series
+        status = self.status_file.read()
+        plan = self.plan_file.read()
+        if changed or self._charts is None:
+            self._charts = self._build_charts(series)
+        state = (status or {}).get("state") or "unknown"
+        health_key = (series.n_metric_records, series.n_gpu_records, state, id(plan), id(series))
+        if health_key != self._health_key:
+            self._warnings = self.health.check(series, plan, status)
+            self._health_key = health_key
+        stderr = self.stderr.read()
+        diagnosis = None
+        if state == "failed":
+            key = (stderr, health_key)
+            if self._diagnosis is None or self._diagnosis[0] != key:
+                ev = load_evidence(self.run_dir, series)
+                self._diagnosis = (key, diagnose(ev))
+            diagnosis = self._diagnosis[1]
+        return self._snapshot(series, status, plan, state, changed, stderr, diagnosis)
+
+    # --- pieces -------------------------------------------------------------------------------------------
+
+    def _build_charts(self, s: RunSeries) -> dict[str, pd.DataFrame]:
+        b = self.budget
+        charts: dict[str, pd.DataFrame] = {}
+        loss_parts = []
+        if "loss" in s.metrics:
+            loss_parts.append(("train", *downsample_minmax(*s.metric("loss"), b.spiky)))
+            loss_parts.append(("train (smoothed)", *stride(*s.ema_loss.arrays(), b.smooth)))
+        if "eval_loss" in s.metrics:
+            loss_parts.append(("eval", *downsample_minmax(*s.metric("eval_loss"), b.sparse)))
+        charts["loss"] = _frame("step", loss_parts)
+        lr = (
+            [("learning rate", *stride(*s.metric("learning_rate"), b.smooth))]
+            if "learning_rate" in s.metrics
+            else []
+        )
+        charts["learning_rate"] = _frame("step", lr, np.float32)
+        gn = (
+            [("grad norm", *downsample_minmax(*s.metric("grad_norm"), b.spiky))]
+            if "grad_norm" in s.metrics
+            else []
+        )
+        charts["grad_norm"] = _frame("step", gn)
+
+        # GPU charts share a time axis: minutes since the run's first record (float32 keeps 0.01 s precision
+        # at 24 h, unlike absolute unix seconds).
+        t0 = self._t0(s)
+        mem = []
+        for name, label in (
+            ("memory_used", "GPU used (all processes)"),
+            ("process_memory", "this run (NVML)"),
+        ):
+            t, v = s.gpu_series(name)
+            if t.size:
+                t, v = downsample_minmax(t, v, b.spiky)
+                mem.append((label, (t - t0) / 60.0, v / GiB))
+        for name, label in (("cuda_allocated", "torch allocated"), ("cuda_reserved", "torch reserved")):
+            if name in s.metrics:
+                _, v = s.metric(name)
+                t = s.metric_time[name].arrays()[1]
+                ok = np.isfinite(t)
+                if ok.any():
+                    t, v = downsample_minmax(t[ok], v[ok], b.sparse)
+                    mem.append((label, (t - t0) / 60.0, v / GiB))
+        charts["gpu_memory"] = _frame("minutes", mem)
+        t, u = s.gpu_series("utilization")
+        charts["gpu_util"] = _frame(
+            "minutes", [("utilisation %", *_rel(downsample_minmax(t, u, b.spiky), t0))] if t.size else []
+        )
+        t, c = s.gpu_series("temperature")
+        charts["gpu_temperature"] = _frame(
+            "minutes", [("temperature °C", *_rel(stride(t, c, b.smooth), t0))] if t.size else []
+        )
+        return charts
+
+    @staticmethod
+    def _t0(s: RunSeries) -> float:
+        starts = [s.first_time] if s.first_time is not None else []
+        for table in s.gpu.values():
+            for p in table.values():
+                if len(p):
+                    starts.append(p.x[0])
+                    break
+        return min(starts) if starts else 0.0
+
+    def _snapshot(self, s, status, plan, state, changed, stderr, diagnosis) -> Snapshot:
+        st = status or {}
+        step = st.get("step") if isinstance(st.get("step"), int) else s.last_step
+        max_steps = st.get("max_steps") if isinstance(st.get("max_steps"), int) else None
+        progress = min(1.0, step / max_steps) if step is not None and max_steps else None
+        started, ended = st.get("started"), st.get("ended")
+        now = self.clock()
+        elapsed = None
+        if isinstance(started, (int, float)):
+            elapsed = (ended if isinstance(ended, (int, float)) else now) - started
+        sps = _steps_per_second(s)
+        eta = None
+        if state in ("running", "starting") and sps and step is not None and max_steps:
+            eta = max(0.0, (max_steps - step) / sps)
+        latest = {name: p.last() for name, p in s.metrics.items() if len(p)}
+        latest = {k: v for k, v in latest.items() if v is not None}
+        idx = s.main_gpu()
+        lines = {}
+        _, total = s.gpu_series("memory_total")
+        cap = float(total[-1]) if total.size else (plan or {}).get("device_total_bytes")
+        if cap:
+            lines["gpu_capacity_gib"] = float(cap) / GiB
+        peak_plan = plan_peak_bytes(plan)
+        if peak_plan:
+            lines["plan_peak_gib"] = peak_plan / GiB
+        peak = run_peak_bytes(s)
+        return Snapshot(
+            run_dir=str(self.run_dir),
+            name=self.run_dir.name,
+            state=state,
+            status=status,
+            step=step,
+            max_steps=max_steps,
+            progress=progress,
+            elapsed_s=elapsed,
+            eta_s=eta,
+            steps_per_s=sps,
+            tokens_per_s=latest.get("tokens_per_s"),
+            latest=latest,
+            charts=self._charts,
+            lines=lines,
+            peak_memory_gib=peak / GiB if peak else None,
+            warnings=self._warnings,
+            diagnosis=diagnosis,
+            stderr_tail=stderr,
+            stdout_tail=self.stdout.read(),
+            other_processes=list(s.gpu_other_processes.get(idx, [])) if idx is not None else [],
+            malformed_lines=self.files.malformed,
+            changed=changed,
+        )
+
+
+def _rel(xy: tuple[np.ndarray, np.ndarray], t0: float) -> tuple[np.ndarray, np.ndarray]:
+    return (xy[0] - t0) / 60.0, xy[1]
+
+
+def _steps_per_second(s: RunSeries, window: int = 50) -> float | None:
+    """Recent training speed from the loss points' (step, time) pairs."""
+    name = "loss" if "loss" in s.metric_time else next(iter(s.metric_time), None)
+    if name is None:
+        return None
+    steps, times = s.metric_time[name].arrays()
+    ok = np.isfinite(times)
+    steps, times = steps[ok][-window:], times[ok][-window:]
+    if steps.size < 2 or times[-1] <= times[0]:
+        return None
+    return float((steps[-1] - steps[0]) / (times[-1] - times[0]))
+
+
+def run_peak_bytes(s: RunSeries) -> float | None:
+    """The run's peak GPU memory: NVML per-process if sampled, else torch reserved, else torch peak."""
+    for values in (s.gpu_series("process_memory")[1], s.metric("cuda_reserved")[1], s.metric("cuda_peak")[1]):
+        values = values[np.isfinite(values)] if values.size else values
+        if values.size:
+            return float(values.max())
+    return None
+
+
+# --- Runs page -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RunSummary:
+    name: str
+    run_dir: str
+    state: str
+    started: float | None
+    duration_s: float | None
+    step: int | None
+    max_steps: int | None
+    best_eval_loss: float | None
+    final_loss: float | None
+    peak_memory_gib: float | None
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+_FILES_CACHE: dict[str, RunFiles] = {}
+
+
+def _files_for(run_dir: Path) -> RunFiles:
+    """RunFiles kept per run dir across calls (process-wide), so the Runs page re-reads only what grew."""
+    key = str(run_dir.resolve())
+    files = _FILES_CACHE.get(key)
+    if files is None:
+        files = _FILES_CACHE[key] = RunFiles(run_dir)
+    files.poll()
+    return files
+
+
+def summarize_run(run_dir: str | os.PathLike, clock=time.time) -> RunSummary:
+    run_dir = Path(run_dir)
+    s = _files_for(run_dir).series
+    st = _read_json(run_dir / "status.json") or {}
+    started, ended = st.get("started"), st.get("ended")
+    duration = None
+    if isinstance(started, (int, float)):
+        end = (
+            ended
+            if isinstance(ended, (int, float))
+            else (clock() if st.get("state") == "running" else st.get("updated"))
+        )
+        duration = (end - started) if isinstance(end, (int, float)) else None
+    _, ev = s.metric("eval_loss")
+    ev = ev[np.isfinite(ev)]
+    loss = s.metrics.get("loss")
+    peak = run_peak_bytes(s)
+    return RunSummary(
+        name=run_dir.name,
+        run_dir=str(run_dir),
+        state=st.get("state") or "unknown",
+        started=started if isinstance(started, (int, float)) else None,
+        duration_s=duration,
+        step=st.get("step") if isinstance(st.get("step"), int) else s.last_step,
+        max_steps=st.get("max_steps") if isinstance(st.get("max_steps"), int) else None,
+        best_eval_loss=float(ev.min()) if ev.size else None,
+        final_loss=loss.last() if loss is not None and len(loss) else None,
+        peak_memory_gib=peak / GiB if peak else None,
+    )
+
+
+def summarize_runs(runs_dir: str | os.PathLike) -> list[RunSummary]:
+    """Every run folder under `runs_dir` (<workspace>/runs), newest first."""
+    root = Path(runs_dir)
+    if not root.is_dir():
+        return []
+    dirs = [d for d in root.iterdir() if d.is_dir() and not d.name.startswith(".")]
+    alive = {str(d.resolve()) for d in dirs}
+    for key in [k for k in _FILES_CACHE if k.startswith(str(root.resolve())) and k not in alive]:
+        del _FILES_CACHE[key]  # a deleted run must not keep its points in memory
+    out = [summarize_run(d) for d in dirs]
+    return sorted(out, key=lambda r: r.started or 0.0, reverse=True)
+
+
+def compare_loss_frame(
+    run_dirs: list[str | os.PathLike], smoothed: bool = True, max_points: int = 1000
+) -> pd.DataFrame:
+    """Loss curves of several runs on one chart: columns step, value, run (long form)."""
+    parts = []
+    for d in run_dirs:
+        s = _files_for(Path(d)).series
+        if "loss" not in s.metrics:
+            continue
+        x, y = (
+            stride(*s.ema_loss.arrays(), max_points)
+            if smoothed
+            else downsample_minmax(*s.metric("loss"), max_points)
+        )
+        parts.append((Path(d).name, x, y))
+    df = _frame("step", parts)
+    return df.rename(columns={"series": "run"})
