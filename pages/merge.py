@@ -1,4 +1,218 @@
-import streamlit as st
+"""Merge & Export page: try an adapter against its base, then merge it shard by shard into a verified export.
 
-st.title("merge")
-st.info("This page is not built yet.")
+All logic lives in core.merge; this page only collects choices and shows what the engine reports.
+"""
+
+from pathlib import Path
+
+import pandas as pd
+import psutil
+import streamlit as st
+import torch
+
+from core import merge as M
+from core.workspace import WorkspaceError, check_run_name, default_workspace, inside
+
+FOLDER = "Another adapter folder…"
+
+
+def _size(n: int) -> str:
+    return f"{n / M.GB:.2f} GB" if n >= 0.1 * M.GB else f"{n / M.MB:.1f} MB"
+
+
+def pick_adapter(ws: Path) -> tuple[str | None, str | None, str]:
+    """(adapter folder, run name or None, suggested base folder) from a run or a typed folder."""
+    runs = M.list_adapters(ws)
+    labels = [f"{c.run} ({c.state or 'no status'})" for c in runs] + [FOLDER]
+    choice = st.selectbox(
+        "Adapter",
+        labels,
+        key="merge_adapter_choice",
+        help=f"Runs with a saved adapter under {ws / 'runs'}, or any peft adapter folder.",
+    )
+    if choice == FOLDER:
+        typed = st.text_input("Adapter folder", key="merge_adapter_dir", placeholder="/path/to/adapter")
+        if not typed.strip():
+            return None, None, ""
+        adapter_dir = Path(typed).expanduser()
+        if not (adapter_dir / "adapter_config.json").is_file():
+            st.error(f"{adapter_dir} is not a peft adapter folder: it has no adapter_config.json.")
+            return None, None, ""
+        base, note = M.guess_base(adapter_dir)
+        run = None
+    else:
+        c = runs[labels.index(choice)]
+        if c.state and c.state != "finished":
+            st.warning(f"Run {c.run} is {c.state}: its adapter may be from an unfinished run.")
+        adapter_dir, base, note, run = Path(c.adapter_dir), c.base_dir, c.base_note, c.run
+    if base is None:
+        st.caption(f"Base model: {note}")
+    return str(adapter_dir), run, base or ""
+
+
+def base_input(adapter_dir: str, suggested: str) -> str | None:
+    base = st.text_input(
+        "Base model folder",
+        value=suggested,
+        key=f"merge_base_{adapter_dir}",
+        help="The original (unquantized) model the adapter was trained on: config.json + safetensors or .bin.",
+    )
+    if not base.strip():
+        st.info("Enter the base model folder to continue.")
+        return None
+    if not (Path(base).expanduser() / "config.json").is_file():
+        st.error(f"{base} is not a model folder: it has no config.json.")
+        return None
+    return str(Path(base).expanduser())
+
+
+def try_it(base_dir: str, adapter_dir: str) -> None:
+    st.markdown("Greedy generation from the same prompt, with the base alone and with the adapter applied.")
+    prompt = st.text_area("Prompt", value="Tell me about LoRA in one sentence.", key="merge_prompt")
+    c1, c2 = st.columns(2)
+    max_new = c1.slider("New tokens", 8, 256, 48, key="merge_max_new")
+    chat = c2.checkbox("Use the chat template", value=True, key="merge_chat")
+    if st.button("Generate with base and adapter", key="merge_try"):
+        try:
+            with st.spinner("Loading the model and generating twice…"):
+                st.session_state["merge_try_result"] = M.try_adapter(
+                    base_dir, adapter_dir, prompt, max_new_tokens=max_new, chat=chat
+                )
+        except (M.MergeError, OSError, ValueError) as e:
+            st.error(str(e))
+            return
+    res = st.session_state.get("merge_try_result")
+    if res is not None:
+        left, right = st.columns(2)
+        left.markdown("**Base**")
+        left.code(res.base_text or "(nothing generated)", language=None, wrap_lines=True)
+        right.markdown("**Base + adapter**")
+        right.code(res.adapter_text or "(nothing generated)", language=None, wrap_lines=True)
+        st.caption(f"{res.seconds:.1f} s for both")
+
+
+def show_preflight(pf: M.Preflight, where) -> None:
+    with where.container():
+        c = st.columns(4)
+        c[0].metric("RAM needed / free", f"{_size(pf.ram_needed)} / {_size(pf.ram_available)}")
+        c[1].metric("Disk needed / free", f"{_size(pf.disk_needed)} / {_size(pf.disk_free)}")
+        c[2].metric("Output", f"{_size(pf.out_bytes)} · {pf.out_dtype}")
+        c[3].metric("Tensors · shards", f"{pf.n_tensors} · {pf.n_shards}")
+        st.caption(
+            f"{pf.n_lora_modules} LoRA modules, {pf.n_replaced} replaced tensors; verification: {pf.verify_mode} "
+            f"(the logits check needs ~{_size(pf.verify_ram_needed)} RAM)."
+        )
+        for note in pf.notes:
+            st.info(note)
+        for problem in pf.problems:
+            st.error(problem)
+
+
+def show_result(r: M.MergeResult) -> None:
+    v = r.verification
+    (st.success if v.passed else st.error)("\n\n".join(v.lines()))
+    st.markdown(
+        f"**Exported to** `{r.out_dir}` — {len(r.files)} files, {_size(r.total_bytes)}, {r.seconds:.1f} s, "
+        f"peak RAM of this process {_size(r.peak_rss)}."
+    )
+    st.dataframe(pd.DataFrame([{"file": n, "size": _size(s)} for n, s in r.files]), hide_index=True)
+    st.code(
+        f"from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+        f"model = AutoModelForCausalLM.from_pretrained({r.out_dir!r})\n"
+        f"tokenizer = AutoTokenizer.from_pretrained({r.out_dir!r})",
+        language="python",
+    )
+
+
+def merge_form(ws: Path, base_dir: str, adapter_dir: str, run: str | None) -> None:
+    default_name = M.suggest_export_name(run or Path(adapter_dir).name, ws)
+    c1, c2, c3, c4 = st.columns([3, 1, 1, 1])
+    name = c1.text_input(
+        "Export folder name (under exports/)", value=default_name, key=f"merge_name_{adapter_dir}"
+    )
+    dtype = c2.selectbox("Output dtype", ["same as base", "bf16", "fp16", "fp32"], key="merge_dtype")
+    shard = c3.text_input("Max shard size", value="5GB", key="merge_shard")
+    verify = c4.selectbox(
+        "Verification",
+        ["auto", "full", "quick"],
+        key="merge_verify",
+        help="full compares logits with base+adapter (needs RAM for one fp32 model); "
+        "auto picks full when RAM allows.",
+    )
+    devices = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+    device = st.radio("Compute the deltas on", devices, horizontal=True, key="merge_device")
+
+    try:
+        check_run_name(name)
+        target = inside(ws, ws / "exports" / name.strip())
+    except WorkspaceError as e:
+        st.error(f"Export folder name: {e}".replace("Run name", "Name"))
+        return
+    st.caption(f"Target: {target} (written into a temporary folder beside it, renamed when verified)")
+    dt = None if dtype == "same as base" else dtype
+    pre_slot = st.empty()
+    b1, b2 = st.columns(2)
+    if b1.button("Check (preflight)", key="merge_check"):
+        try:
+            pf, _ = M.preflight(base_dir, adapter_dir, target, dt, shard, ws, verify)
+            show_preflight(pf, pre_slot)
+            if pf.ok:
+                st.success("Ready to merge.")
+        except M.MergeError as e:
+            st.error(str(e))
+    if b2.button("Merge and export", type="primary", key="merge_go"):
+        bar = st.progress(0.0, text="Preflight…")
+        ram = st.empty()
+        proc = psutil.Process()
+
+        def progress(p: M.MergeProgress) -> None:
+            frac = p.tensors_done / p.tensors_total if p.tensors_total else 0.0
+            label = {"merge": "Merging", "verify": "Verifying", "done": "Done"}[p.phase]
+            bar.progress(
+                min(1.0, frac),
+                text=f"{label}: {p.tensors_done}/{p.tensors_total} tensors, "
+                f"{_size(p.bytes_written)} of {_size(p.bytes_total)} written",
+            )
+            ram.caption(
+                f"RAM: this process {_size(proc.memory_info().rss)}, "
+                f"{_size(psutil.virtual_memory().available)} free"
+            )
+
+        try:
+            result = M.merge(
+                base_dir,
+                adapter_dir,
+                target,
+                dt,
+                shard,
+                device,
+                verify,
+                ws,
+                progress=progress,
+                on_preflight=lambda pf: show_preflight(pf, pre_slot),
+            )
+        except (M.MergeError, WorkspaceError) as e:
+            bar.empty()
+            st.error(str(e))
+            return
+        st.session_state["merge_result"] = result
+    result = st.session_state.get("merge_result")
+    if result is not None:
+        show_result(result)
+
+
+st.title("Merge & Export")
+st.caption(
+    "Merge a LoRA adapter into its base model shard by shard (RAM stays near one tensor plus the adapter), verify "
+    "it against the adapter, and export a model that loads with plain transformers."
+)
+workspace = Path(st.session_state.get("workspace", str(default_workspace()))).expanduser()
+adapter_dir, run, suggested = pick_adapter(workspace)
+if adapter_dir:
+    base_dir = base_input(adapter_dir, suggested)
+    if base_dir:
+        tab_try, tab_merge = st.tabs(["Try it", "Merge & export"])
+        with tab_try:
+            try_it(base_dir, adapter_dir)
+        with tab_merge:
+            merge_form(workspace, base_dir, adapter_dir, run)
