@@ -1,0 +1,208 @@
+"""Monitoring overhead: tokens/s of one tiny LoRA config through core.train (metrics callback, status writes,
+GPU sampler) vs a plain transformers Trainer with no extra callbacks. Goal: ratio >= 0.99.
+
+Both sides run in this process, alternately (A B, B A, ...), on identical model, data and TrainingArguments;
+each side's throughput is real tokens per second in steady state (from step 20 to the last step, clocked as
+each batch is collated, identically on both sides), measured two ways: wall clock, and CPU time of the whole
+process (every thread, the GPU sampler's included). On a shared machine the wall clock swings by tens
+of percent with other people's jobs, while CPU time counts only the work this process did, so the goal is
+checked on tokens per CPU-second and the wall-clock ratio is printed next to it. Enough steps make the fixed
+start-up cost of train() (optimizer, dataloader) small and equal on both sides; medians of per-pair ratios.
+
+    python benchmarks/monitor_overhead.py [--steps 300] [--pairs 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+GOAL = 0.99
+SKIP = 20  # steps left out at the start: optimizer creation, first-step allocations, lazy inits
+
+
+class TimedCollator:
+    """The real collator plus a clock reading per batch (one per step on both sides, ~1 us): throughput between
+    batch SKIP and the last batch is steady state, without train()'s start-up and wind-down."""
+
+    def __init__(self, pad_token_id: int):
+        from core.data import Collator
+
+        self.inner = Collator(pad_token_id)
+        self.marks: list[tuple[float, float, int]] = []  # (wall, cpu, tokens so far) before each batch
+
+    @property
+    def tokens_seen(self):
+        return self.inner.tokens_seen
+
+    @property
+    def samples_seen(self):
+        return self.inner.samples_seen
+
+    def __call__(self, features):
+        self.marks.append((time.perf_counter(), time.process_time(), self.inner.tokens_seen))
+        return self.inner(features)
+
+    def steady(self) -> tuple[float, float]:
+        """(tokens per wall second, tokens per CPU second) from batch SKIP to the last batch."""
+        (w0, c0, n0), (w1, c1, n1) = self.marks[SKIP], self.marks[-1]
+        return (n1 - n0) / (w1 - w0), (n1 - n0) / (c1 - c0)
+
+
+def make_assets(root: Path, seq_chars: int) -> tuple[Path, Path]:
+    from core.toy import build_tiny_model
+
+    model = build_tiny_model(
+        root / "model", "llama", hidden_size=128, intermediate_size=256, num_hidden_layers=4
+    )
+    # Every row the same length: tokens per step are constant, so throughput is comparable across runs.
+    rows = [{"text": "".join(chr(97 + (i * 7 + j) % 26) for j in range(seq_chars))} for i in range(512)]
+    data = root / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return model, data
+
+
+def run_config(model: Path, data: Path, steps: int, seq_chars: int) -> dict:
+    return {
+        "model": {"path": str(model)},
+        "data": {"path": str(data), "max_length": seq_chars + 2},
+        "lora": {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": "all-linear"},
+        "training": {
+            "per_device_train_batch_size": 8,
+            "gradient_accumulation_steps": 1,
+            "max_steps": steps,
+            "logging_steps": 10,
+            "save_steps": steps * 10,  # no checkpoint inside the timed region on either side
+            "learning_rate": 1e-3,
+            "lr_scheduler_type": "constant",
+            "warmup_steps": 0,
+        },
+    }
+
+
+def run_core(cfg_path: Path, root: Path, i: int) -> tuple[float, float]:
+    import core.train
+    from core.train import StopFlag, run_training
+
+    made = []
+
+    def timed(pad_token_id):
+        made.append(TimedCollator(pad_token_id))
+        return made[-1]
+
+    core.train.Collator = timed  # the same clock as the plain side; nothing else of core.train changes
+    run_training(cfg_path, root / f"core-{i}", stop=StopFlag())
+    return made[-1].steady()
+
+
+def run_plain(cfg: dict, i: int, root: Path) -> float:
+    """The same training with nothing of ours around it: Trainer + peft, default callbacks only."""
+    import transformers
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
+
+    from core.config import validate_config
+    from core.data import prepare_datasets
+
+    cfg = validate_config(cfg)
+    t, lora = cfg["training"], cfg["lora"]
+    transformers.set_seed(t["seed"])
+    tok = AutoTokenizer.from_pretrained(cfg["model"]["path"])
+    train_ds, _ = prepare_datasets(cfg, tok)
+    train_ds = train_ds.remove_columns("length")
+    model = AutoModelForCausalLM.from_pretrained(
+        cfg["model"]["path"], dtype="float32", attn_implementation="sdpa"
+    )
+    model.config.use_cache = False
+    model = get_peft_model(
+        model,
+        LoraConfig(
+            r=lora["r"],
+            lora_alpha=lora["lora_alpha"],
+            lora_dropout=lora["lora_dropout"],
+            target_modules=lora["target_modules"],
+            task_type="CAUSAL_LM",
+        ),
+    )
+    args = TrainingArguments(
+        output_dir=str(root / f"plain-{i}"),
+        per_device_train_batch_size=t["per_device_train_batch_size"],
+        gradient_accumulation_steps=1,
+        max_steps=t["max_steps"],
+        learning_rate=t["learning_rate"],
+        lr_scheduler_type=t["lr_scheduler_type"],
+        warmup_steps=0,
+        optim=t["optim"],  # the Trainer's default (fused AdamW) would differ from the config's
+        max_grad_norm=t["max_grad_norm"],
+        weight_decay=t["weight_decay"],
+        logging_steps=t["logging_steps"],
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        use_cpu=True,
+        remove_unused_columns=False,
+        dataloader_pin_memory=False,
+        seed=t["seed"],
+    )
+    collator = TimedCollator(tok.pad_token_id)
+    trainer = Trainer(model=model, args=args, train_dataset=train_ds, data_collator=collator)
+    trainer.train()
+    return collator.steady()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--pairs", type=int, default=12)
+    parser.add_argument("--seq", type=int, default=62, help="characters per row (tokens = seq + 2)")
+    args = parser.parse_args()
+
+    import datasets
+    import torch
+    import transformers
+    import yaml
+
+    torch.set_num_threads(1)  # one core per side: less sensitive to the other core's load
+    datasets.disable_progress_bars()
+    transformers.utils.logging.set_verbosity_error()
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        model, data = make_assets(root, args.seq)
+        cfg = run_config(model, data, args.steps, args.seq)
+        cfg_path = root / "run.yaml"
+        cfg_path.write_text(yaml.safe_dump(cfg))
+        run_plain(
+            run_config(model, data, SKIP + 10, args.seq), -1, root
+        )  # warm-up: first-run costs (lazy imports, caches)
+        wall_ratios, cpu_ratios = [], []
+        for i in range(args.pairs):
+            order = ("core", "plain") if i % 2 == 0 else ("plain", "core")
+            tps = {}
+            for side in order:
+                tps[side] = run_core(cfg_path, root, i) if side == "core" else run_plain(cfg, i, root)
+            wall_ratios.append(tps["core"][0] / tps["plain"][0])
+            cpu_ratios.append(tps["core"][1] / tps["plain"][1])
+            print(
+                f"pair {i + 1}: wall tok/s core.train {tps['core'][0]:.0f} vs plain {tps['plain'][0]:.0f} "
+                f"(ratio {wall_ratios[-1]:.4f}); per CPU-second core.train {tps['core'][1]:.0f} vs plain "
+                f"{tps['plain'][1]:.0f} (ratio {cpu_ratios[-1]:.4f})",
+                flush=True,
+            )
+    wall, ratio = statistics.median(wall_ratios), statistics.median(cpu_ratios)
+    print(f"steps per run {args.steps}, pairs {args.pairs}, batch 8 x {args.seq + 2} tokens, torch threads 1")
+    print(f"median wall-clock tokens/s ratio: {wall:.4f} (noisy on a shared machine; reported, not the goal)")
+    print(
+        f"monitor_overhead tokens per CPU-second ratio (core.train / plain Trainer): {ratio:.4f} (goal >= {GOAL})"
+    )
+    return 0 if ratio >= GOAL else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

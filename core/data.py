@@ -1,0 +1,255 @@
+"""Training data: load rows with `datasets`, format them (alpaca, chat, raw text), tokenize, mask the prompt.
+
+Every row becomes a list of text segments, each trainable or not; the segments are tokenized one by one and
+concatenated, so the label mask follows the text exactly (prompt tokens get -100, answers keep their ids).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+IGNORE_INDEX = -100
+
+# A short Alpaca template (no preamble): the preamble only costs tokens and every model learns the markers.
+ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
+ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+
+FORMAT_COLUMNS = {
+    "alpaca": ("instruction", "output"),  # "input" is optional
+    "chat": ("messages",),
+    "text": ("text",),
+}
+_LOADERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+class DataError(ValueError):
+    """A data problem the user can fix; the message says what and where."""
+
+
+# ---- loading ------------------------------------------------------------------------------------------------
+
+
+def _as_paths(path: str | list[str]) -> list[Path]:
+    paths = [path] if isinstance(path, (str, os.PathLike)) else list(path)
+    return [Path(p).expanduser() for p in paths]
+
+
+def load_rows(data_cfg: dict):
+    """The raw rows as a `datasets.Dataset`, with `data.columns` renamed to the expected names."""
+    import datasets
+
+    paths = _as_paths(data_cfg["path"])
+    missing = [str(p) for p in paths if not p.exists()]
+    if missing:
+        raise DataError(
+            f"data.path: {', '.join(missing)} does not exist; check the path (relative to {Path.cwd()})."
+        )
+    if len(paths) == 1 and paths[0].is_dir():
+        try:
+            ds = datasets.load_from_disk(str(paths[0]))
+        except Exception as exc:
+            raise DataError(
+                f"data.path {paths[0]} is a folder but not a datasets save_to_disk folder ({exc}); "
+                "give a file or a folder written by Dataset.save_to_disk."
+            ) from None
+        if isinstance(ds, datasets.DatasetDict):
+            split = data_cfg.get("split", "train")
+            if split not in ds:
+                raise DataError(
+                    f"data.split {split!r} is not in {paths[0]}: it has the splits {', '.join(ds)}."
+                )
+            ds = ds[split]
+    else:
+        kinds = {_LOADERS.get(p.suffix.lower()) for p in paths}
+        if None in kinds or len(kinds) != 1:
+            raise DataError(
+                f"data.path: cannot read {', '.join(p.name for p in paths)}; use .json, .jsonl, .csv or .parquet "
+                "files (all of one kind) or a save_to_disk folder."
+            )
+        try:
+            ds = datasets.load_dataset(kinds.pop(), data_files=[str(p) for p in paths], split="train")
+        except Exception as exc:
+            raise DataError(f"data.path: could not read {', '.join(map(str, paths))}: {exc}") from None
+    renames = {user: expected for expected, user in (data_cfg.get("columns") or {}).items()}
+    for user, expected in renames.items():
+        if user in ds.column_names and user != expected:
+            if expected in ds.column_names:
+                ds = ds.remove_columns(expected)
+            ds = ds.rename_column(user, expected)
+    return ds
+
+
+def detect_format(columns: list[str], requested: str = "auto") -> str:
+    """The data format: the requested one, or the first whose columns are present (chat, alpaca, text)."""
+    if requested != "auto":
+        return requested
+    for fmt in ("chat", "alpaca", "text"):
+        if all(c in columns for c in FORMAT_COLUMNS[fmt]):
+            return fmt
+    raise DataError(
+        f"Cannot tell the data format from the columns {', '.join(columns) or '(none)'}: expected 'messages' "
+        "(chat), 'instruction' + 'output' (alpaca) or 'text'. Rename columns with data.columns, e.g. "
+        "{output: answer}, or set data.format."
+    )
+
+
+def missing_columns(columns: list[str], fmt: str) -> list[str]:
+    return [c for c in FORMAT_COLUMNS[fmt] if c not in columns]
+
+
+# ---- formatting ---------------------------------------------------------------------------------------------
+
+
+def _chat_segments(messages: list[dict], tokenizer) -> list[tuple[str, bool]]:
+    """Split the rendered conversation into (text, is_assistant) using the template on growing prefixes."""
+
+    def render(msgs, gen=False):
+        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+
+    full = render(messages)
+    segments, cur = [], 0
+    for i, m in enumerate(messages):
+        if m.get("role") != "assistant":
+            continue
+        start, end = len(render(messages[:i], gen=True)), len(render(messages[: i + 1]))
+        if not (cur <= start <= end <= len(full)):
+            raise DataError(
+                "the chat template does not render conversations prefix by prefix; use data.format text"
+            )
+        segments += [(full[cur:start], False), (full[start:end], True)]
+        cur = end
+    segments.append((full[cur:], False))
+    return [s for s in segments if s[0]]
+
+
+def row_segments(row: dict, fmt: str, tokenizer) -> list[tuple[str, bool]]:
+    """The row as text segments, each (text, trainable). EOS is appended to what the model must learn to end."""
+    eos = tokenizer.eos_token or ""
+    if fmt == "alpaca":
+        extra = row.get("input")
+        template = ALPACA_PROMPT_WITH_INPUT if extra else ALPACA_PROMPT
+        prompt = template.format(instruction=row.get("instruction") or "", input=extra or "")
+        return [(prompt, False), (str(row.get("output") or "") + eos, True)]
+    if fmt == "chat":
+        return _chat_segments(list(row.get("messages") or []), tokenizer)
+    if fmt == "text":
+        return [(str(row.get("text") or "") + eos, True)]
+    raise DataError(f"data.format {fmt!r} is unknown: use alpaca, chat or text.")
+
+
+def tokenize_row(row: dict, fmt: str, tokenizer, max_length: int, mask_prompt: bool = True) -> dict:
+    """input_ids/labels (truncated to max_length) plus `length`, the token count before truncation."""
+    ids: list[int] = []
+    labels: list[int] = []
+    # Chat templates usually write BOS themselves; for the others add it like the tokenizer would.
+    if fmt != "chat" and tokenizer.bos_token_id is not None:
+        ids.append(tokenizer.bos_token_id)
+        labels.append(IGNORE_INDEX)
+    for text, trainable in row_segments(row, fmt, tokenizer):
+        seg = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids += seg
+        labels += seg if (trainable or not mask_prompt) else [IGNORE_INDEX] * len(seg)
+    return {"input_ids": ids[:max_length], "labels": labels[:max_length], "length": len(ids)}
+
+
+def tokenize_dataset(ds, fmt: str, tokenizer, max_length: int, mask_prompt: bool = True):
+    return ds.map(
+        lambda row: tokenize_row(row, fmt, tokenizer, max_length, mask_prompt),
+        remove_columns=ds.column_names,
+        keep_in_memory=True,  # no cache files next to the user's data
+        desc="tokenizing",
+    )
+
+
+def prepare_datasets(cfg: dict, tokenizer):
+    """(train, eval or None) tokenized datasets for the run config; raises DataError on unusable data."""
+    data = cfg["data"]
+    ds = load_rows(data)
+    fmt = detect_format(ds.column_names, data["format"])
+    if missing_columns(ds.column_names, fmt):
+        raise DataError(
+            f"data: format {fmt} needs the columns {', '.join(missing_columns(ds.column_names, fmt))}."
+        )
+    if fmt == "chat" and not getattr(tokenizer, "chat_template", None):
+        raise DataError(
+            "data.format is chat but the tokenizer has no chat template: use a chat model or text."
+        )
+    tok = tokenize_dataset(ds, fmt, tokenizer, data["max_length"], data["mask_prompt"])
+    tok = tok.filter(lambda r: any(label != IGNORE_INDEX for label in r["labels"]), keep_in_memory=True)
+    if len(tok) == 0:
+        raise DataError("data: no row has a token left to learn after masking and truncation; run preflight.")
+    if data["eval_split"] > 0 and len(tok) >= 4:
+        parts = tok.train_test_split(test_size=data["eval_split"], seed=cfg["training"]["seed"])
+        return parts["train"], parts["test"]
+    return tok, None
+
+
+class Collator:
+    """Right-pads a batch (labels with -100) and counts the real tokens it hands to the model (for tokens/s)."""
+
+    def __init__(self, pad_token_id: int):
+        self.pad_token_id = pad_token_id
+        self.tokens_seen = 0
+        self.samples_seen = 0
+
+    def __call__(self, features: list[dict]) -> dict:
+        import torch
+
+        width = max(len(f["input_ids"]) for f in features)
+        n = len(features)
+        input_ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)
+        labels = torch.full((n, width), IGNORE_INDEX, dtype=torch.long)
+        attention = torch.zeros((n, width), dtype=torch.long)
+        for i, f in enumerate(features):
+            k = len(f["input_ids"])
+            input_ids[i, :k] = torch.tensor(f["input_ids"], dtype=torch.long)
+            labels[i, :k] = torch.tensor(f["labels"], dtype=torch.long)
+            attention[i, :k] = 1
+        if not features[0].get("is_eval"):
+            self.tokens_seen += int(attention.sum())
+            self.samples_seen += n
+        return {"input_ids": input_ids, "attention_mask": attention, "labels": labels}
+
+
+# ---- preview for the UI -------------------------------------------------------------------------------------
+
+
+def preview_dataset(data_cfg: dict, tokenizer, n: int = 5, length_rows: int = 5000) -> dict[str, Any]:
+    """The first `n` rows as the model will see them, and token lengths (first `length_rows`) for a histogram.
+
+    Returns {"format", "rows": [{"row", "prompt", "completion", "n_tokens", "n_trained"}], "lengths",
+    "max_length", "truncated", "total_rows"}. `prompt` is the masked text, `completion` the trained text.
+    """
+    ds = load_rows(data_cfg)
+    fmt = detect_format(ds.column_names, data_cfg.get("format", "auto"))
+    missing = missing_columns(ds.column_names, fmt)
+    if missing:
+        raise DataError(
+            f"data: format {fmt} needs the columns {', '.join(missing)} (have {', '.join(ds.column_names)})."
+        )
+    max_length = int(data_cfg.get("max_length", 512))
+    rows = []
+    for i in range(min(n, len(ds))):
+        segs = row_segments(ds[i], fmt, tokenizer)
+        enc = tokenize_row(ds[i], fmt, tokenizer, max_length, data_cfg.get("mask_prompt", True))
+        rows.append(
+            {
+                "row": i + 1,
+                "prompt": "".join(t for t, trainable in segs if not trainable),
+                "completion": "".join(t for t, trainable in segs if trainable),
+                "n_tokens": enc["length"],
+                "n_trained": sum(label != IGNORE_INDEX for label in enc["labels"]),
+            }
+        )
+    sample = ds.select(range(min(length_rows, len(ds))))
+    lengths = [tokenize_row(r, fmt, tokenizer, max_length)["length"] for r in sample]
+    return {
+        "format": fmt,
+        "rows": rows,
+        "lengths": lengths,
+        "max_length": max_length,
+        "truncated": sum(n_tok > max_length for n_tok in lengths),
+        "total_rows": len(ds),
+    }

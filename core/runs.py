@@ -1,0 +1,296 @@
+"""The launcher: create run directories, start `python -m core.train` as a detached subprocess, list runs with
+their live state, stop them. UI-free: the dashboard calls these functions, nothing here imports streamlit.
+
+A run's truth is its directory: the pid file says which process trains it, status.json what that process last
+reported. When the pid is gone but the status still says starting/running, the process died without a word
+(SIGKILL, out of memory, a segfault): the run is marked failed with the last lines of stderr.log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from core.config import atomic_write_text, dump_config, validate_config
+from core.train import read_status, write_status
+from core.workspace import WorkspaceError, check_run_name, inside, runs_dir
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+LIVE_STATES = ("starting", "running")
+TAIL_LINES = 20
+
+
+class RunError(RuntimeError):
+    """A launcher problem the user can act on (the message says how)."""
+
+
+@dataclass
+class RunInfo:
+    name: str
+    path: Path
+    state: str  # starting / running / finished / failed / stopped, or "new" before any launch
+    reason: str | None
+    step: int
+    max_steps: int | None
+    pid: int | None
+    alive: bool
+    updated: float | None
+
+    def to_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["path"] = str(self.path)
+        return d
+
+
+# ---- creating ------------------------------------------------------------------------------------------------
+
+
+def create_run(workspace: str | os.PathLike, name: str, config: dict, plan: dict | None = None) -> Path:
+    """Make runs/<name>/ with the validated config (and the planner's estimate) in it. Refuses an existing name."""
+    name = check_run_name(name)
+    run_dir = inside(workspace, runs_dir(workspace) / name)
+    cfg = validate_config(config)
+    if run_dir.exists():
+        raise RunError(f"A run named {name!r} already exists in {run_dir.parent}: choose another name.")
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    run_dir.mkdir()
+    dump_config(cfg, run_dir / "config.yaml")
+    if plan:
+        atomic_write_text(run_dir / "plan.json", json.dumps(plan, default=str))
+    return run_dir
+
+
+# ---- process liveness -----------------------------------------------------------------------------------------
+
+
+def read_pid(run_dir: str | os.PathLike) -> int | None:
+    try:
+        return int((Path(run_dir) / "pid").read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def pid_alive(pid: int | None) -> bool:
+    """True while the process exists and is not a zombie (a finished child we have not reaped yet)."""
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        import psutil
+
+        if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+            _reap(pid)
+            return False
+    except Exception:  # psutil missing or the process vanished between the calls
+        return _reap(pid) is None
+    return True
+
+
+def _reap(pid: int):
+    """Collect our own finished child so it does not linger as a zombie; returns its status or None."""
+    try:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        return status if done else None
+    except ChildProcessError:  # not our child, or already reaped
+        return 0
+
+
+def tail(path: str | os.PathLike, lines: int = TAIL_LINES, max_bytes: int = 64_000) -> str:
+    """The last `lines` lines of a text file (reads only its end)."""
+    p = Path(path)
+    try:
+        with open(p, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - max_bytes))
+            data = fh.read()
+    except OSError:
+        return ""
+    return "\n".join(data.decode("utf-8", errors="replace").splitlines()[-lines:])
+
+
+# ---- launching ------------------------------------------------------------------------------------------------
+
+
+def launch(run_dir: str | os.PathLike, resume: bool = False, smoke: bool = False) -> int:
+    """Start the trainer for `run_dir` in its own session (process group); returns the pid.
+
+    Refuses while a live process already trains this run. stdout/stderr go to files in the run dir, never to
+    pipes (a full pipe would block training when nobody reads it).
+    """
+    run_dir = Path(run_dir).resolve()
+    config = run_dir / "config.yaml"
+    if not config.is_file():
+        raise RunError(f"{run_dir} has no config.yaml: create the run with create_run() first.")
+    pid = read_pid(run_dir)
+    if pid_alive(pid):
+        raise RunError(f"Run {run_dir.name} is already running (pid {pid}): stop it before launching again.")
+    status = read_status(run_dir)
+    if status and status.get("state") == "finished" and not smoke:
+        raise RunError(f"Run {run_dir.name} has finished: create a new run to train again.")
+    cmd = [sys.executable, "-m", "core.train", str(config), "--run-dir", str(run_dir)]
+    if resume:
+        cmd.append("--resume")
+    if smoke:
+        # Smoke tests belong in their own folder (core.runs_admin keeps them apart): they write status.json too.
+        cmd.append("--smoke")
+        (run_dir / "smoke.json").unlink(missing_ok=True)  # so a reader waits for this test's result
+    write_status(
+        run_dir,
+        state="starting",
+        reason=None,
+        ended=None,
+        **({} if resume and status else {"started": time.time(), "step": 0, "max_steps": None}),
+    )
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    with open(run_dir / "stdout.log", "ab") as out, open(run_dir / "stderr.log", "ab") as err:
+        try:
+            proc = subprocess.Popen(
+                cmd,
+                cwd=str(REPO_ROOT),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                start_new_session=True,  # own process group: survives the UI server and is stopped as a whole
+                env=env,
+            )
+        except OSError as exc:
+            write_status(run_dir, state="failed", reason=f"could not start {sys.executable}: {exc}")
+            raise RunError(f"Could not start the trainer ({exc}).") from None
+    atomic_write_text(run_dir / "pid", str(proc.pid))
+    return proc.pid
+
+
+def stop_run(run_dir: str | os.PathLike, grace_s: float = 60.0) -> str:
+    """SIGTERM the run's process group (the trainer checkpoints and exits), wait, then SIGKILL. Returns the state."""
+    run_dir = Path(run_dir)
+    pid = read_pid(run_dir)
+    if not pid_alive(pid):
+        return run_state(run_dir).state
+    try:
+        os.killpg(os.getpgid(pid), signal.SIGTERM)
+    except ProcessLookupError:
+        return run_state(run_dir).state
+    deadline = time.time() + grace_s
+    while time.time() < deadline and pid_alive(pid):
+        time.sleep(0.2)
+    if pid_alive(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(os.getpgid(pid), signal.SIGKILL)
+        for _ in range(50):
+            if not pid_alive(pid):
+                break
+            time.sleep(0.1)
+        write_status(
+            run_dir, state="stopped", reason=f"killed after {grace_s:.0f} s without stopping by itself"
+        )
+    elif (read_status(run_dir) or {}).get("state") in LIVE_STATES:  # ended before its signal handler was set
+        write_status(run_dir, state="stopped", reason="stopped before training began")
+    return run_state(run_dir).state
+
+
+# ---- listing --------------------------------------------------------------------------------------------------
+
+
+def run_state(run_dir: str | os.PathLike) -> RunInfo:
+    """The run's state from its files; a live-looking status whose process is gone is turned into failed."""
+    run_dir = Path(run_dir)
+    status = read_status(run_dir)
+    pid = read_pid(run_dir)
+    alive = pid_alive(pid)
+    if status is None:
+        state = "starting" if alive else "new"
+        return RunInfo(run_dir.name, run_dir, state, None, 0, None, pid, alive, None)
+    if status.get("state") in LIVE_STATES and not alive and pid is not None:
+        last = tail(run_dir / "stderr.log")
+        reason = f"the training process (pid {pid}) ended without reporting"
+        reason += f"; last lines of stderr.log:\n{last}" if last else " and wrote nothing to stderr.log"
+        status = write_status(run_dir, state="failed", reason=reason)
+    return RunInfo(
+        name=run_dir.name,
+        path=run_dir,
+        state=status.get("state", "new"),
+        reason=status.get("reason"),
+        step=int(status.get("step") or 0),
+        max_steps=status.get("max_steps"),
+        pid=pid,
+        alive=alive,
+        updated=status.get("updated"),
+    )
+
+
+def list_runs(workspace: str | os.PathLike) -> list[RunInfo]:
+    """Every run under <workspace>/runs, newest first."""
+    root = runs_dir(workspace)
+    if not root.is_dir():
+        return []
+    dirs = [d for d in root.iterdir() if d.is_dir() and (d / "config.yaml").exists()]
+    dirs.sort(key=lambda d: (d / "config.yaml").stat().st_mtime, reverse=True)
+    return [run_state(d) for d in dirs]
+
+
+def wait_for(
+    run_dir: str | os.PathLike, states=("finished", "failed", "stopped"), timeout: float = 300.0
+) -> RunInfo:
+    """Poll until the run reaches one of `states` (for CLIs and tests; the UI polls by itself)."""
+    deadline = time.time() + timeout
+    while True:
+        info = run_state(run_dir)
+        if info.state in states or time.time() > deadline:
+            return info
+        time.sleep(0.2)
+
+
+def wait_for_smoke(run_dir: str | os.PathLike, timeout: float = 600.0) -> dict | None:
+    """Poll for smoke.json; None on timeout. A smoke process that died silently gives a failed result."""
+    from core.train import read_smoke
+
+    run_dir = Path(run_dir)
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        result = read_smoke(run_dir)
+        if result is not None:
+            pid = read_pid(run_dir)
+            for _ in range(
+                300
+            ):  # it exits right after writing: wait, so a launch that follows is not refused
+                if not pid_alive(pid):
+                    break
+                time.sleep(0.1)
+            return result
+        if not pid_alive(read_pid(run_dir)):
+            result = read_smoke(run_dir)  # it may have written just before exiting
+            return result or {
+                "state": "failed",
+                "reason": "smoke test ended without a result; stderr.log:\n" + tail(run_dir / "stderr.log"),
+            }
+        time.sleep(0.2)
+    return None
+
+
+__all__ = [
+    "RunError",
+    "RunInfo",
+    "WorkspaceError",
+    "create_run",
+    "launch",
+    "list_runs",
+    "pid_alive",
+    "run_state",
+    "stop_run",
+    "tail",
+    "wait_for",
+    "wait_for_smoke",
+]

@@ -1,0 +1,640 @@
+"""Train one run: `python -m core.train run.yaml --run-dir DIR [--resume] [--smoke]`.
+
+An ordinary program (transformers Trainer + peft, bitsandbytes for QLoRA) whose only channel to the outside is
+the run directory: status.json (state + reason), metrics.jsonl (one flushed line per log), gpu.jsonl (NVML at
+1 Hz), checkpoints/, adapter/, smoke.json. The dashboard, a terminal or another machine run it the same way.
+
+Signals: SIGTERM (or Ctrl+C) saves a checkpoint at the end of the current step and exits with state `stopped`;
+`--resume` continues from the newest checkpoint in DIR/checkpoints with the same step count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+from core.config import ConfigError, atomic_write_text, dump_config, load_config
+from core.data import Collator, DataError, prepare_datasets
+
+METRIC_KEYS = ("loss", "eval_loss", "learning_rate", "grad_norm")
+STATUS_FILE, METRICS_FILE, GPU_FILE, SMOKE_FILE = "status.json", "metrics.jsonl", "gpu.jsonl", "smoke.json"
+EXIT_BAD_INPUT, EXIT_FAILED, EXIT_STOPPED = 2, 1, 0
+
+
+class TrainError(RuntimeError):
+    """The run cannot go on; the message is the user-facing reason written to status.json."""
+
+
+# ---- run directory files ------------------------------------------------------------------------------------
+
+
+def read_status(run_dir: str | os.PathLike) -> dict | None:
+    try:
+        return json.loads((Path(run_dir) / STATUS_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def write_status(run_dir: str | os.PathLike, **fields) -> dict:
+    """Merge `fields` into status.json and write it atomically (readers never see half a file)."""
+    status = read_status(run_dir) or {
+        "state": "starting",
+        "reason": None,
+        "step": 0,
+        "max_steps": None,
+        "started": time.time(),
+        "ended": None,
+    }
+    status.update(fields)
+    status["updated"] = time.time()
+    if status["state"] in ("finished", "failed", "stopped") and not status.get("ended"):
+        status["ended"] = status["updated"]
+    atomic_write_text(Path(run_dir) / STATUS_FILE, json.dumps(status))
+    return status
+
+
+def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
+    """All complete lines of metrics.jsonl (a half-written last line is skipped)."""
+    out = []
+    path = Path(run_dir) / METRICS_FILE
+    if path.exists():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            with contextlib.suppress(ValueError):
+                out.append(json.loads(line))
+    return out
+
+
+def truncate_metrics(run_dir: str | os.PathLike, last_step: int) -> None:
+    """Drop lines logged after `last_step` (a run killed after its last checkpoint), so a resumed run's file
+    stays continuous: every step appears once, in order."""
+    path = Path(run_dir) / METRICS_FILE
+    if path.exists():
+        keep = [json.dumps(m) + "\n" for m in read_metrics(run_dir) if m.get("step", 0) <= last_step]
+        atomic_write_text(path, "".join(keep))
+
+
+def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    ckpts = Path(run_dir) / "checkpoints"
+    if not ckpts.is_dir():
+        return None
+    found = [p for p in ckpts.glob("checkpoint-*") if p.is_dir() and p.name.split("-")[-1].isdigit()]
+    # A checkpoint without trainer_state.json was cut off while saving: not resumable.
+    found = [p for p in found if (p / "trainer_state.json").exists()]
+    return max(found, key=lambda p: int(p.name.split("-")[-1])) if found else None
+
+
+# ---- device and precision -----------------------------------------------------------------------------------
+
+
+def choose_precision(cfg: dict) -> dict:
+    """Device, load dtype and Trainer precision flags. On a CPU always float32 math (no bf16/fp16 autocast)."""
+    import torch
+
+    notes = []
+    t, m = cfg["training"], cfg["model"]
+    if torch.cuda.is_available():
+        device = f"cuda:{torch.cuda.current_device()} ({torch.cuda.get_device_name()})"
+        bf16_ok = torch.cuda.is_bf16_supported()
+        bf16 = bf16_ok if t["bf16"] == "auto" else bool(t["bf16"])
+        if bf16 and not bf16_ok:
+            raise TrainError(
+                "training.bf16 is true but this GPU has no bfloat16 support: set bf16: false, fp16: true."
+            )
+        fp16 = bool(t["fp16"]) and not bf16
+        dtype = (
+            m["dtype"] if m["dtype"] != "auto" else ("bfloat16" if bf16 else "float16" if fp16 else "float32")
+        )
+    else:
+        device = "cpu"
+        if t["bf16"] is True or t["fp16"]:
+            notes.append("bf16/fp16 requested but there is no CUDA GPU: training in float32 on the CPU")
+        bf16 = fp16 = False
+        dtype = m["dtype"] if m["dtype"] != "auto" else "float32"
+        if dtype == "float16":
+            notes.append("float16 weights are not supported for CPU training: loading float32")
+            dtype = "float32"
+    return {"device": device, "dtype": dtype, "bf16": bf16, "fp16": fp16, "notes": notes}
+
+
+# ---- model --------------------------------------------------------------------------------------------------
+
+
+def load_model(cfg: dict, prec: dict):
+    """The base model (4-bit when asked), wrapped with LoRA unless lora.enabled is false."""
+    import torch
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    m, q, lora = cfg["model"], cfg["quantization"], cfg["lora"]
+    dtype = getattr(torch, prec["dtype"])
+    kwargs = {
+        "dtype": dtype,
+        "attn_implementation": m["attn_implementation"],
+        "trust_remote_code": m["trust_remote_code"],
+    }
+    if q["load_in_4bit"]:
+        compute = q["bnb_4bit_compute_dtype"]
+        compute = prec["dtype"] if compute == "auto" else compute
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type=q["bnb_4bit_quant_type"],
+            bnb_4bit_use_double_quant=q["bnb_4bit_use_double_quant"],
+            bnb_4bit_compute_dtype=getattr(torch, compute),
+        )
+        kwargs["device_map"] = {"": 0} if prec["device"].startswith("cuda") else {"": "cpu"}
+    model = AutoModelForCausalLM.from_pretrained(m["path"], **kwargs)
+    model.config.use_cache = False  # the KV cache only costs memory in training
+    gc = cfg["training"]["gradient_checkpointing"]
+    if q["load_in_4bit"]:
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(
+            model, use_gradient_checkpointing=gc, gradient_checkpointing_kwargs={"use_reentrant": False}
+        )
+    if not lora["enabled"]:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    peft_cfg = LoraConfig(
+        r=lora["r"],
+        lora_alpha=lora["lora_alpha"],
+        lora_dropout=lora["lora_dropout"],
+        target_modules=lora["target_modules"],
+        bias=lora["bias"],
+        use_rslora=lora["use_rslora"],
+        task_type="CAUSAL_LM",
+    )
+    if gc and not q["load_in_4bit"]:
+        model.enable_input_require_grads()  # checkpointed blocks need a grad-requiring input with frozen embeddings
+    return get_peft_model(model, peft_cfg)
+
+
+# ---- the callback -------------------------------------------------------------------------------------------
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGINT; checked at the end of each step (a signal handler must not save by itself)."""
+
+    def __init__(self):
+        self.signal: str | None = None
+
+    def install(self):
+        def handler(signum, _frame):
+            self.signal = signal.Signals(signum).name
+
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+        return self
+
+
+def _make_callback_class():
+    from transformers import TrainerCallback
+
+    class RunCallback(TrainerCallback):
+        """Writes metrics.jsonl and status.json; turns a stop signal or a NaN loss into a clean end."""
+
+        def __init__(self, run_dir: Path, collator: Collator, stop: StopFlag, smoke: bool, device: str):
+            self.run_dir, self.collator, self.stop, self.smoke, self.device = (
+                run_dir,
+                collator,
+                stop,
+                smoke,
+                device,
+            )
+            self.nan_step: int | None = None
+            self.stopped_at: int | None = None
+            self.step_seconds: list[float] = []
+            # A smoke test writes no metrics: its one step is not a training curve.
+            self._fh = None if smoke else open(run_dir / METRICS_FILE, "a", encoding="utf-8")  # noqa: SIM115
+            self._last_t = time.time()
+            self._last_tokens = 0
+            self._last_samples = 0
+            self._step_t0 = 0.0
+            self._status_t = 0.0
+
+        def close(self):
+            if self._fh is not None:
+                self._fh.close()
+
+        def _status(self, **fields):
+            write_status(self.run_dir, **fields)
+
+        def on_train_begin(self, args, state, control, **kw):
+            self._last_t, self._last_tokens, self._last_samples = time.time(), self.collator.tokens_seen, 0
+            self._status(state="running", step=state.global_step, max_steps=state.max_steps)
+            if self.stop.signal:  # signalled while loading: stop before the first step
+                control.should_training_stop = True
+
+        def on_step_begin(self, args, state, control, **kw):
+            self._step_t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            self.step_seconds.append(time.perf_counter() - self._step_t0)
+            if self.stop.signal and self.stopped_at is None:
+                self.stopped_at = state.global_step
+                control.should_training_stop = True
+                control.should_save = not self.smoke
+            now = time.time()
+            if now - self._status_t > 1.0:  # at most one status write a second keeps the overhead invisible
+                self._status_t = now
+                self._status(step=state.global_step)
+
+        def on_save(self, args, state, control, **kw):
+            self._last_t = time.time()  # checkpoint writing is not training time: keep it out of tokens/s
+
+        def on_evaluate(self, args, state, control, **kw):
+            self._last_t = time.time()  # likewise evaluation
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            logs = logs or {}
+            if not any(k in logs for k in METRIC_KEYS):
+                return  # the end-of-training summary (train_runtime, ...) is not a metric line
+            now = time.time()
+            rec = {"time": now, "step": state.global_step, "epoch": float(state.epoch or 0.0)}
+            rec.update({k: float(logs[k]) for k in METRIC_KEYS if logs.get(k) is not None})
+            if "loss" in logs:
+                dt = max(now - self._last_t, 1e-9)
+                tokens = self.collator.tokens_seen - self._last_tokens
+                samples = self.collator.samples_seen - self._last_samples
+                rec["tokens_per_s"] = tokens / dt
+                rec["samples_per_s"] = samples / dt
+                self._last_t, self._last_tokens, self._last_samples = (
+                    now,
+                    self.collator.tokens_seen,
+                    self.collator.samples_seen,
+                )
+            rec.update(cuda_memory())
+            # json.dumps writes NaN for a NaN loss: the file stays readable by Python's json and the UI sees it.
+            if self._fh is not None:
+                self._fh.write(json.dumps(rec) + "\n")
+                self._fh.flush()
+            loss = logs.get("loss")
+            if loss is not None and not math.isfinite(loss) and self.nan_step is None:
+                self.nan_step = state.global_step
+                control.should_training_stop = True
+                control.should_save = False  # a NaN checkpoint is worthless
+            self._status(step=state.global_step)
+
+    return RunCallback
+
+
+def cuda_memory() -> dict:
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    return {
+        "cuda_allocated": torch.cuda.memory_allocated(),
+        "cuda_reserved": torch.cuda.memory_reserved(),
+        "cuda_peak": torch.cuda.max_memory_allocated(),
+    }
+
+
+# ---- peak memory for smoke mode (one small function, so the measuring method can be swapped) ----------------
+
+
+@contextlib.contextmanager
+def measure_peak(model):
+    """Yields a dict that gets peak_bytes / peak_phase / measured_by when the block (the training step) ends.
+
+    CUDA: torch's allocator peaks. CPU: core.tracker's live-tensor count when it is importable, else the
+    process RSS rise during the block (psutil) plus the model's own bytes, marked measured_by "rss".
+    """
+    import torch
+
+    result: dict = {}
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+        yield result
+        torch.cuda.synchronize()
+        result.update(
+            peak_bytes=torch.cuda.max_memory_allocated(),
+            reserved_peak_bytes=torch.cuda.max_memory_reserved(),
+            peak_phase="step",
+            measured_by="torch.cuda",
+        )
+        return
+    try:
+        from core.tracker import track_live_tensors
+    except Exception:
+        track_live_tensors = None
+    if track_live_tensors is not None:
+        with track_live_tensors(model=model, device="cpu", auto_phases=True) as tracker:
+            yield result
+        result.update(
+            peak_bytes=int(tracker.peak_bytes), peak_phase=tracker.peak_phase, measured_by="tracker"
+        )
+        return
+    import psutil
+
+    proc, peak, done = psutil.Process(), [0], threading.Event()
+    base = proc.memory_info().rss
+    model_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+
+    def poll():
+        while not done.is_set():
+            peak[0] = max(peak[0], proc.memory_info().rss)
+            done.wait(0.005)
+
+    t = threading.Thread(target=poll, daemon=True)
+    t.start()
+    try:
+        yield result
+    finally:
+        done.set()
+        t.join()
+    result.update(peak_bytes=max(0, peak[0] - base) + model_bytes, peak_phase="step", measured_by="rss")
+
+
+# ---- the run ------------------------------------------------------------------------------------------------
+
+
+def _checkpointing_args(on: bool) -> dict:
+    """transformers >= 5.x names it activation_checkpointing (gradient_checkpointing is a deprecated alias)."""
+    from transformers import TrainingArguments
+
+    kwargs = {"use_reentrant": False} if on else None
+    if "activation_checkpointing" in TrainingArguments.__dataclass_fields__:
+        return {"activation_checkpointing": on, "activation_checkpointing_kwargs": kwargs}
+    return {"gradient_checkpointing": on, "gradient_checkpointing_kwargs": kwargs}
+
+
+def training_arguments(cfg: dict, run_dir: Path, prec: dict, has_eval: bool, smoke: bool):
+    from transformers import TrainingArguments
+
+    t = cfg["training"]
+    report_to = "none"
+    if not smoke:
+        try:
+            import tensorboard  # noqa: F401
+
+            report_to = "tensorboard"
+            os.environ.setdefault("TENSORBOARD_LOGGING_DIR", str(run_dir / "tensorboard"))
+        except ImportError:
+            pass
+    eval_steps = t["eval_steps"] or t["logging_steps"]
+    return TrainingArguments(
+        output_dir=str(run_dir / "checkpoints"),
+        per_device_train_batch_size=1 if smoke else t["per_device_train_batch_size"],
+        per_device_eval_batch_size=1 if smoke else t["per_device_train_batch_size"],
+        gradient_accumulation_steps=1 if smoke else t["gradient_accumulation_steps"],
+        num_train_epochs=t["num_train_epochs"],
+        max_steps=1 if smoke else t["max_steps"],
+        learning_rate=t["learning_rate"],
+        lr_scheduler_type=t["lr_scheduler_type"],
+        warmup_steps=t["warmup_steps"],
+        weight_decay=t["weight_decay"],
+        max_grad_norm=t["max_grad_norm"],
+        bf16=prec["bf16"],
+        fp16=prec["fp16"],
+        use_cpu=prec["device"] == "cpu",
+        **_checkpointing_args(t["gradient_checkpointing"]),
+        optim=t["optim"],
+        logging_strategy="steps",
+        logging_steps=1 if smoke else t["logging_steps"],
+        logging_nan_inf_filter=False,  # the default hides NaN losses; we must see them to stop
+        eval_strategy="steps" if has_eval and not smoke else "no",
+        eval_steps=eval_steps,
+        save_strategy="no" if smoke else "steps",
+        save_steps=t["save_steps"],
+        save_total_limit=t["save_total_limit"],
+        seed=t["seed"],
+        report_to=report_to,
+        disable_tqdm=True,  # progress bars would bury the stderr tail shown when a run fails
+        remove_unused_columns=False,
+        dataloader_pin_memory=prec["device"] != "cpu",
+    )
+
+
+def _quiet_progress_bars():
+    """Progress bars would bury the stderr tail the launcher shows when a run fails."""
+    import datasets
+    import transformers
+
+    datasets.disable_progress_bars()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def run_training(
+    config_path: str | os.PathLike,
+    run_dir: str | os.PathLike,
+    resume: bool = False,
+    smoke: bool = False,
+    stop: StopFlag | None = None,
+) -> dict:
+    """Train and return a summary; raises ConfigError/DataError/TrainError for the user's problems."""
+    import transformers
+    from transformers import AutoTokenizer, Trainer
+
+    from core.gpu import GpuSampler
+    from core.preflight import has_errors, run_preflight
+
+    run_dir = Path(run_dir).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    _quiet_progress_bars()
+    if stop is None:
+        stop = StopFlag().install() if threading.current_thread() is threading.main_thread() else StopFlag()
+    cfg = load_config(config_path)
+    if (
+        Path(config_path).resolve() != (run_dir / "config.yaml").resolve()
+        and not (run_dir / "config.yaml").exists()
+    ):
+        dump_config(cfg, run_dir / "config.yaml")  # the run dir must say what it ran
+
+    checkpoint = latest_checkpoint(run_dir) if resume else None
+    if resume and checkpoint is None:
+        print("resume: no checkpoint in checkpoints/ yet: starting from step 0", flush=True)
+    if not smoke:
+        truncate_metrics(run_dir, int(checkpoint.name.split("-")[-1]) if checkpoint else 0)
+    prec = choose_precision(cfg)
+    status = {"state": "starting", "reason": None, "step": 0, "max_steps": None, "ended": None}
+    if not resume or read_status(run_dir) is None:
+        status["started"] = time.time()
+    write_status(run_dir, device=prec["device"], precision=prec["dtype"], smoke=smoke, **status)
+    print(
+        f"device: {prec['device']}  weights: {prec['dtype']}  bf16: {prec['bf16']}  fp16: {prec['fp16']}",
+        flush=True,
+    )
+    for note in prec["notes"]:
+        print(f"note: {note}", flush=True)
+
+    transformers.set_seed(cfg["training"]["seed"])
+    tokenizer = AutoTokenizer.from_pretrained(
+        cfg["model"]["path"], trust_remote_code=cfg["model"]["trust_remote_code"]
+    )
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token  # padding is masked out of the loss anyway
+    from transformers import AutoConfig
+
+    model_config = AutoConfig.from_pretrained(
+        cfg["model"]["path"], trust_remote_code=cfg["model"]["trust_remote_code"]
+    )
+    findings = run_preflight(cfg, tokenizer, model_config)
+    for f in findings:
+        print(f"preflight: {f}", flush=True)
+    if has_errors(findings):
+        raise DataError(
+            "preflight found errors: " + " | ".join(str(f) for f in findings if f.level == "error")
+        )
+    train_ds, eval_ds = prepare_datasets(cfg, tokenizer)
+    train_ds = train_ds.remove_columns("length")
+    if eval_ds is not None:  # marked so the collator leaves eval batches out of tokens/s
+        eval_ds = eval_ds.remove_columns("length")
+        eval_ds = eval_ds.add_column("is_eval", [1] * len(eval_ds))
+
+    sampler = GpuSampler(
+        run_dir / GPU_FILE,
+        interval=1.0,
+        watch_pid=os.getpid(),
+        on_unavailable=lambda why: print(f"gpu.jsonl: not written: {why}", flush=True),
+    ).start()
+    collator = Collator(tokenizer.pad_token_id)
+    callback = None
+    try:
+        model = load_model(cfg, prec)
+        if hasattr(model, "print_trainable_parameters"):
+            model.print_trainable_parameters()
+        args = training_arguments(cfg, run_dir, prec, eval_ds is not None, smoke)
+        callback = _make_callback_class()(run_dir, collator, stop, smoke, prec["device"])
+        trainer = Trainer(
+            model=model,
+            args=args,
+            train_dataset=train_ds,
+            eval_dataset=eval_ds,
+            data_collator=collator,
+            processing_class=tokenizer,
+            callbacks=[callback],
+        )
+        with measure_peak(model) if smoke else contextlib.nullcontext({}) as peak:
+            t0, cpu0 = time.perf_counter(), time.process_time()
+            trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+            train_seconds, train_cpu_seconds = time.perf_counter() - t0, time.process_time() - cpu0
+    finally:
+        sampler.stop()
+        if callback is not None:
+            callback.close()
+
+    step = trainer.state.global_step
+    summary = {
+        "step": step,
+        "max_steps": trainer.state.max_steps,
+        "train_seconds": train_seconds,
+        "train_cpu_seconds": train_cpu_seconds,  # all threads of this process (the GPU sampler's too)
+        "tokens": collator.tokens_seen,
+        "device": prec["device"],
+    }
+    if callback.nan_step is not None:
+        raise TrainError(f"loss became NaN at step {callback.nan_step}")
+    if smoke:
+        plan = _read_json(run_dir / "plan.json") or {}
+        smoke_result = {
+            "state": "finished",
+            "reason": None,
+            "time": time.time(),
+            "peak_bytes": peak.get("peak_bytes"),
+            "peak_phase": peak.get("peak_phase"),
+            "measured_by": peak.get("measured_by"),
+            "reserved_peak_bytes": peak.get("reserved_peak_bytes"),
+            "seconds_per_step": callback.step_seconds[-1] if callback.step_seconds else None,
+            "device": prec["device"],
+            "estimate_bytes": plan.get("tensor_peak_bytes"),
+            "estimate_reserved_bytes": plan.get("reserved_peak_bytes"),
+            "max_length": cfg["data"]["max_length"],
+        }
+        atomic_write_text(run_dir / SMOKE_FILE, json.dumps(smoke_result))
+        with contextlib.suppress(OSError):  # the Trainer made an output folder that stays empty in smoke mode
+            (run_dir / "checkpoints").rmdir()
+        write_status(run_dir, state="finished", reason="smoke test: one step at batch size 1", step=step)
+        return {**summary, "state": "finished", "smoke": smoke_result}
+    if callback.stopped_at is not None:
+        reason = f"stopped by {stop.signal} at step {step}; saved checkpoints/checkpoint-{step}; continue with --resume"
+        write_status(run_dir, state="stopped", reason=reason, step=step)
+        return {**summary, "state": "stopped"}
+    if stop.signal and step == 0:  # signalled before the first step ended: nothing to save
+        write_status(
+            run_dir, state="stopped", reason=f"stopped by {stop.signal} before the first step", step=0
+        )
+        return {**summary, "state": "stopped"}
+    # A signal after the last step (while saving) does not undo a finished run: the adapter is still saved.
+    save_final(trainer, tokenizer, run_dir, cfg)
+    write_status(run_dir, state="finished", reason=None, step=step)
+    return {**summary, "state": "finished"}
+
+
+def save_final(trainer, tokenizer, run_dir: Path, cfg: dict) -> Path:
+    """The adapter (peft format) + tokenizer into DIR/adapter, written to a temp folder then renamed."""
+    import shutil
+
+    name = "adapter" if cfg["lora"]["enabled"] else "model"
+    final, tmp = run_dir / name, run_dir / f".{name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    trainer.model.save_pretrained(str(tmp))
+    tokenizer.save_pretrained(str(tmp))
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    return final
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def report_failure(run_dir: Path, reason: str, smoke: bool) -> None:
+    """failed + reason into status.json (and into smoke.json for a smoke test)."""
+    if not run_dir.is_dir():
+        return
+    if smoke:
+        atomic_write_text(
+            run_dir / SMOKE_FILE, json.dumps({"state": "failed", "reason": reason, "time": time.time()})
+        )
+    write_status(run_dir, state="failed", reason=reason)
+
+
+def read_smoke(run_dir: str | os.PathLike) -> dict | None:
+    """smoke.json: {"state": finished|failed, "reason", "peak_bytes", "seconds_per_step", ...} or None."""
+    return _read_json(Path(run_dir) / SMOKE_FILE)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m core.train", description=__doc__.splitlines()[0])
+    parser.add_argument("config", help="run config YAML (see core/config.py)")
+    parser.add_argument("--run-dir", required=True, help="the run directory to write into")
+    parser.add_argument(
+        "--resume", action="store_true", help="continue from the newest checkpoint in the run dir"
+    )
+    parser.add_argument("--smoke", action="store_true", help="one step at batch size 1: measure peak memory")
+    stop = StopFlag().install()  # first thing: a stop during the slow imports must not kill us mid-write
+    args = parser.parse_args(argv)
+    run_dir = Path(args.run_dir)
+    mode = " (smoke test)" if args.smoke else " (resume)" if args.resume else ""
+    print(f"core.train: pid {os.getpid()} training {run_dir}{mode}", file=sys.stderr, flush=True)
+    try:
+        summary = run_training(args.config, run_dir, resume=args.resume, smoke=args.smoke, stop=stop)
+    except (ConfigError, DataError, TrainError) as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        report_failure(run_dir, str(exc), args.smoke)
+        return EXIT_BAD_INPUT if isinstance(exc, (ConfigError, DataError)) else EXIT_FAILED
+    except Exception as exc:
+        traceback.print_exc()
+        reason = f"{type(exc).__name__}: {exc}"
+        report_failure(run_dir, reason, args.smoke)
+        print(f"error: {reason}", file=sys.stderr, flush=True)
+        return EXIT_FAILED
+    print(f"run {summary['state']} at step {summary['step']}", flush=True)
+    return EXIT_STOPPED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

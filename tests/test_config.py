@@ -1,0 +1,140 @@
+"""Run config: defaults, strict validation with key paths, YAML round trip, the planner's plan mapping."""
+
+import pytest
+import yaml
+
+from core.config import ConfigError, default_config, dump_config, load_config, plan_to_config, validate_config
+
+
+def minimal(**sections):
+    cfg = {"model": {"path": "some/model"}, "data": {"path": "data.jsonl"}}
+    for name, values in sections.items():
+        cfg.setdefault(name, {}).update(values)
+    return cfg
+
+
+def test_defaults_fill_every_section():
+    cfg = validate_config(minimal())
+    assert set(cfg) == {"model", "quantization", "lora", "data", "training"}
+    assert cfg["lora"]["r"] == default_config()["lora"]["r"]
+    assert cfg["model"]["path"] == "some/model"
+
+
+@pytest.mark.parametrize(
+    "sections, path",
+    [
+        ({"training": {"learning_rat": 1e-4}}, "training.learning_rat: unknown key"),
+        ({"lora": {"r": 0}}, "lora.r must be between 1 and 4096"),
+        ({"lora": {"lora_dropout": 1.0}}, "lora.lora_dropout must be in [0, 1)"),
+        ({"training": {"learning_rate": -1}}, "training.learning_rate must be in (0, 1]"),
+        ({"training": {"optim": "adamw_magic"}}, "training.optim must be one of"),
+        (
+            {"training": {"per_device_train_batch_size": 2.5}},
+            "training.per_device_train_batch_size must be a whole",
+        ),
+        ({"training": {"max_steps": 0}}, "training.max_steps must be -1"),
+        (
+            {"quantization": {"bnb_4bit_quant_type": "int4"}},
+            "quantization.bnb_4bit_quant_type must be one of",
+        ),
+        ({"data": {"columns": {"answer": "output"}}}, "data.columns has unknown key 'answer'"),
+        ({"data": {"max_length": 4}}, "data.max_length must be between 8"),
+        ({"model": {"dtype": "float8"}}, "model.dtype must be one of"),
+        ({"lora": {"use_rslora": "yes"}}, "lora.use_rslora must be true or false"),
+    ],
+)
+def test_bad_values_name_the_key_path(sections, path):
+    with pytest.raises(ConfigError) as err:
+        validate_config(minimal(**sections))
+    assert path in str(err.value)
+
+
+def test_unknown_section_and_missing_paths():
+    with pytest.raises(ConfigError, match="optimizer: unknown section"):
+        validate_config(minimal(optimizer={"lr": 1}))
+    with pytest.raises(ConfigError, match="model.path is required"):
+        validate_config({"data": {"path": "x.jsonl"}})
+    with pytest.raises(ConfigError, match="data.path is required"):
+        validate_config({"model": {"path": "m"}})
+
+
+def test_conflicting_flags():
+    with pytest.raises(ConfigError, match="bf16 and training.fp16"):
+        validate_config(minimal(training={"bf16": True, "fp16": True}))
+    with pytest.raises(ConfigError, match="load_in_4bit needs lora.enabled"):
+        validate_config(minimal(quantization={"load_in_4bit": True}, lora={"enabled": False}))
+
+
+def test_yaml_round_trip_and_errors(tmp_path):
+    cfg = validate_config(minimal(lora={"r": 4, "target_modules": ["q_proj", "v_proj"]}))
+    path = dump_config(cfg, tmp_path / "run.yaml")
+    assert load_config(path) == cfg
+    assert not list(tmp_path.glob(".*tmp"))  # no temp file left behind
+    (tmp_path / "bad.yaml").write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(tmp_path / "bad.yaml")
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    (tmp_path / "typo.yaml").write_text(yaml.safe_dump(minimal(training={"epochs": 3})))
+    with pytest.raises(ConfigError, match="training.epochs: unknown key"):
+        load_config(tmp_path / "typo.yaml")
+
+
+def test_plan_to_config_maps_qlora_plan():
+    plan = {
+        "method": "qlora",
+        "lora_r": 32,
+        "lora_alpha": 64,
+        "lora_dropout": 0.1,
+        "target_modules": ["q_proj", "k_proj"],
+        "batch_size": 8,
+        "seq_len": 1024,
+        "gradient_checkpointing": True,
+        "attn": "sdpa",
+        "optim": "paged_adamw_8bit",
+        "load_dtype": "bf16",
+        "quant_type": "nf4",
+        "double_quant": False,
+    }
+    cfg = plan_to_config(plan, base=minimal())
+    assert cfg["model"]["path"] == "some/model"  # the plan named no model: the base's stays
+    assert cfg["quantization"]["load_in_4bit"] is True
+    assert cfg["quantization"]["bnb_4bit_use_double_quant"] is False
+    assert (cfg["lora"]["r"], cfg["lora"]["lora_alpha"], cfg["lora"]["lora_dropout"]) == (32, 64, 0.1)
+    assert cfg["lora"]["target_modules"] == ["q_proj", "k_proj"]
+    assert cfg["training"]["per_device_train_batch_size"] == 8
+    assert cfg["training"]["gradient_checkpointing"] is True
+    assert cfg["training"]["optim"] == "paged_adamw_8bit"
+    assert cfg["data"]["max_length"] == 1024
+    assert cfg["model"]["dtype"] == "bfloat16"
+    assert cfg["quantization"]["bnb_4bit_compute_dtype"] == "bfloat16"
+
+
+def test_plan_to_config_takes_the_estimate_plan_dataclass():
+    estimate = pytest.importorskip("core.estimate")
+    plan = estimate.Plan(
+        model="org/model-7b", method="qlora", lora_r=8, batch_size=4, seq_len=512, compute_dtype="fp16"
+    )
+    cfg = plan_to_config(plan.to_dict(), base=minimal())
+    assert cfg["model"]["path"] == "org/model-7b"
+    assert cfg["quantization"]["load_in_4bit"] is True
+    assert (cfg["lora"]["r"], cfg["training"]["per_device_train_batch_size"], cfg["data"]["max_length"]) == (
+        8,
+        4,
+        512,
+    )
+    assert cfg["training"]["fp16"] is True and cfg["training"]["bf16"] is False
+    assert plan_to_config(plan, base=minimal()) == cfg  # the dataclass itself works too
+
+
+def test_plan_to_config_tolerates_missing_keys_and_objects():
+    class Plan:  # stands in for core.estimate.Plan: attribute access, most fields absent
+        method = "full"
+        batch_size = 2
+
+    cfg = plan_to_config(Plan(), base=minimal())
+    assert cfg["lora"]["enabled"] is False
+    assert cfg["training"]["per_device_train_batch_size"] == 2
+    assert cfg["lora"]["r"] == default_config()["lora"]["r"]
+    partial = plan_to_config({})  # no base paths: an unvalidated dict the page completes
+    assert partial["model"]["path"] is None
