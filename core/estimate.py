@@ -257,7 +257,9 @@ def optimizer_state_bytes(tensors: list[int], plan: Plan) -> tuple[int, int]:
             b = states * n * 4
         else:
             b = states * n * (state_bytes or param_bytes)
-        if kind.endswith("paged") and n >= PAGED_MIN_SIZE:
+        # bitsandbytes pages only on CUDA (unified memory, outside torch's allocator); on the CPU it falls back
+        # to ordinary tensors.
+        if kind.endswith("paged") and n >= PAGED_MIN_SIZE and plan.device == "cuda":
             paged += b
         else:
             inside += b
@@ -268,10 +270,12 @@ def optimizer_step_temporaries(tensors: list[int], plan: Plan) -> int:
     """Scratch memory inside optimizer.step()."""
     _, _, kind = OPTIMIZERS[plan.optim]
     if kind == "foreach" and tensors:
-        # foreach AdamW builds one list shaped like all parameters (sqrt of exp_avg_sq) on CUDA;
-        # the CPU path loops per tensor, so only the largest tensor's scratch is alive.
+        # CUDA runs torch's foreach AdamW: `exp_avg_sq_sqrt = _foreach_sqrt(exp_avg_sqs)` is one list shaped
+        # like all trainable tensors (divided and added to in place). The CPU default loops per tensor:
+        # `denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)` holds the sqrt and the quotient of
+        # the largest tensor at once.
         if plan.device == "cpu":
-            return max(tensors) * _param_bytes(plan)
+            return 2 * max(tensors) * _param_bytes(plan)
         return sum(tensors) * _param_bytes(plan)
     return 0
 
@@ -417,19 +421,44 @@ def outside_layers_saved_bytes(spec: ModelSpec, plan: Plan) -> float:
     return b
 
 
+def _embedding_output_requires_grad(plan: Plan) -> bool:
+    """Does the first decoder layer get an input that requires grad? Only when the embedding trains (full
+    fine-tuning) or the run engine calls enable_input_require_grads (LoRA with gradient checkpointing)."""
+    return plan.method == "full" or (plan.method == "lora" and _checkpointing(plan))
+
+
+def first_layer_unsaved(saved: dict[str, float], targets) -> float:
+    """Per token: what the first layer does not save when its input (the frozen embedding's output) needs no
+    grad. Autograd saves an op's input only to compute a gradient that someone needs: the input RMSNorm saves
+    nothing, LoRA dropout on the layer input keeps no mask (its output, lora_A's input, is still saved);
+    when no attention projection is adapted, nothing in the attention block requires grad either."""
+    adapted = {s.name.rsplit(".", 1)[-1] for s in targets}
+    attn_in = {"q_proj", "k_proj", "v_proj", "qkv_proj"}
+    skip = ("input_layernorm.",) + tuple(f"{m}.lora_dropout_mask" for m in attn_in)
+    if not adapted & attn_in:
+        skip += ("q_rotary", "k_", "v", "attn_", "o_proj.lora_dropout_mask")
+        if "o_proj" not in adapted:
+            skip += ("post_attention_layernorm.", "gate_proj.lora_dropout_mask", "up_proj.lora_dropout_mask")
+            skip += ("gate_up_proj.lora_dropout_mask",)
+    return sum(v for k, v in saved.items() if k.startswith(skip))
+
+
 def activation_bytes(spec: ModelSpec, plan: Plan, targets, tokens: int) -> tuple[int, int]:
     """(saved activations alive at the end of forward, one layer recomputed in backward with checkpointing)."""
-    per_layer = layer_activation_bytes(spec, plan, targets)
+    saved = layer_saved_tensors(spec, plan, targets)
+    per_layer = sum(saved.values())
     outside = outside_layers_saved_bytes(spec, plan)
     if _checkpointing(plan):
         layer_inputs = spec.num_layers * spec.hidden_size * _dtypes(plan).hidden
         return int(tokens * (layer_inputs + outside)), int(tokens * per_layer)
-    return int(tokens * (spec.num_layers * per_layer + outside)), 0
+    first = 0 if _embedding_output_requires_grad(plan) else first_layer_unsaved(saved, targets)
+    return int(tokens * (spec.num_layers * per_layer - first + outside)), 0
 
 
 def _checkpointing(plan: Plan) -> bool:
-    # prepare_model_for_kbit_training turns gradient checkpointing on by default
-    return plan.gradient_checkpointing or (plan.method == "qlora" and plan.prepare_kbit)
+    # The run engine calls prepare_model_for_kbit_training(use_gradient_checkpointing=<this flag>), so
+    # checkpointing follows the plan's setting for QLoRA too (peft's own default would turn it on).
+    return plan.gradient_checkpointing
 
 
 def logits_bytes(spec: ModelSpec, plan: Plan, tokens: int) -> tuple[int, int]:
@@ -453,13 +482,30 @@ def kv_cache_bytes_per_token(spec: ModelSpec, plan: Plan) -> int:
     return spec.kv_cache_bytes_per_token_per_byte * DTYPE_BYTES[plan.compute_dtype]
 
 
-def _autocast_weight_copies(spec: ModelSpec, plan: Plan, trainable: int) -> int:
-    """fp32 weights under bf16/fp16 autocast: each matmul saves a 16-bit copy of its weight for backward."""
-    if plan.method == "qlora" or DTYPE_BYTES[plan.load_dtype] != 4 or DTYPE_BYTES[plan.compute_dtype] == 4:
-        return 0
+def _autocast_weight_copies(spec: ModelSpec, plan: Plan, trainable: int) -> tuple[int, int]:
+    """(alive at the end of forward, alive at the start of backward): 16-bit copies of fp32 weights that
+    matmuls make under bf16/fp16 autocast.
+
+    Which weights are fp32: all of them for an fp32 load; the LoRA adapters always (peft keeps them fp32);
+    with QLoRA and prepare_model_for_kbit_training the lm_head (or the tied embedding it reuses).
+    bitsandbytes 4-bit Linears dequantize straight to the compute dtype: no copy.
+    How long a copy lives: autocast caches the casts of trainable leaf weights until forward leaves the
+    autocast region, and a matmul saves its weight copy for backward unless the layer is checkpointed. So
+    inside checkpointed layers the copies are gone when backward starts; the lm_head, outside the layers,
+    keeps its copy until its own backward.
+    """
+    if not _dtypes(plan).autocast:
+        return 0, 0
     head = spec.lm_head_params or spec.embedding_params
-    copies = spec.linear_params + head + (trainable if plan.method != "full" else 0)
-    return copies * DTYPE_BYTES[plan.compute_dtype]
+    fp32_load = DTYPE_BYTES[plan.load_dtype] == 4
+    head_copy = head if (fp32_load or (plan.method == "qlora" and plan.prepare_kbit)) else 0
+    trainable_in_layers = trainable if plan.method != "full" else (spec.linear_params if fp32_load else 0)
+    frozen_in_layers = spec.linear_params if (plan.method == "lora" and fp32_load) else 0
+    c = DTYPE_BYTES[plan.compute_dtype]
+    if _checkpointing(plan):
+        return (head_copy + trainable_in_layers) * c, head_copy * c
+    both = (head_copy + trainable_in_layers + frozen_in_layers) * c
+    return both, both
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -487,7 +533,7 @@ def estimate(plan: Plan, spec: ModelSpec | None = None) -> Estimate:
     opt_temp = optimizer_step_temporaries(tensors, plan)
     saved, recompute = activation_bytes(spec, plan, targets, tokens)
     logits_fwd, logits_bwd = logits_bytes(spec, plan, tokens)
-    autocast = _autocast_weight_copies(spec, plan, trainable)
+    autocast_fwd, autocast_bwd = _autocast_weight_copies(spec, plan, trainable)
     kv_per_token = kv_cache_bytes_per_token(spec, plan)
     kv_cache = plan.eval_kv_tokens * kv_per_token
 
@@ -516,7 +562,7 @@ def estimate(plan: Plan, spec: ModelSpec | None = None) -> Estimate:
     phase_components = {
         "forward": {
             **static,
-            "autocast_weight_copies": autocast,
+            "autocast_weight_copies": autocast_fwd,
             "activations": saved,
             "logits_loss": logits_fwd,
         },
@@ -526,19 +572,58 @@ def estimate(plan: Plan, spec: ModelSpec | None = None) -> Estimate:
     # tensors + logit gradients) or the end (all gradients). Model the two ends and keep the larger.
     early = {
         **static,
-        "autocast_weight_copies": autocast,
+        "autocast_weight_copies": autocast_bwd,
         "activations": saved,
         "logits_loss": logits_bwd,
+        "gradients": 0,
+    }
+    # The lm_head's weight gradient appears only after the cross-entropy backward has freed its 12 B per
+    # logit; then just the 16-bit gradient of the logits is left next to it.
+    head_moment = {
+        **early,
+        "logits_loss": tokens * spec.vocab_size * _dtypes(plan).logits,
         "gradients": head_grad,
     }
-    late = {
+    if sum(head_moment.values()) > sum(early.values()):
+        early = head_moment
+    # Later in backward the activations drain while gradients pile up. Two moments bound it:
+    # - the last decoder layer backward meets (layer 0): with checkpointing its recomputed activations
+    #   next to the gradients of everything above it (taken as all gradients but the embedding's: an upper
+    #   bound, some of layer 0's own come only after its activations are freed);
+    # - the tail, the embedding's backward: all gradients, the gradient reaching the embedding, and for a
+    #   tied embedding trained in full its two gradients (lm_head's, the embedding's) and their out-of-place
+    #   sum (AccumulateGrad) alive at once.
+    tied = spec.tie_word_embeddings and plan.method == "full"
+    embedding_grad = spec.embedding_params * param_bytes if (plan.method == "full" and not tied) else 0
+    last_layer = {
         **static,
-        "autocast_weight_copies": autocast,
+        "autocast_weight_copies": 0,  # released with the activations they were saved for
         "activations": recompute,
-        "gradients": grads,
+        "gradients": grads - embedding_grad,
         "logits_loss": hidden_grad,
     }
-    phase_components["backward"] = early if sum(early.values()) >= sum(late.values()) else late
+    tail = {
+        **static,
+        "autocast_weight_copies": 0,
+        "activations": 0,
+        "gradients": grads + (2 * spec.embedding_params * param_bytes if tied else 0),
+        "logits_loss": tokens * spec.hidden_size * _dtypes(plan).hidden,
+    }
+    # The first decoder layer backward meets (the last one): its saved tensors (recomputed ones with
+    # checkpointing) next to the gradients flowing through its SwiGLU MLP: the gradient of the gated product
+    # and of its two factors (3 x tokens x intermediate) plus the one of the residual stream. It outgrows the
+    # start of backward only when the vocabulary is small.
+    flowing = tokens * (
+        3 * spec.intermediate_size * _dtypes(plan).proj + spec.hidden_size * _dtypes(plan).hidden
+    )
+    first_layer = {
+        **static,
+        "autocast_weight_copies": autocast_bwd,
+        "activations": saved + recompute,
+        "logits_loss": flowing,
+        "gradients": head_grad,
+    }
+    phase_components["backward"] = max((early, first_layer, last_layer, tail), key=lambda c: sum(c.values()))
     if kv_cache:
         phase_components["eval"] = {**static, "kv_cache": kv_cache}
     phases = {name: sum(c.values()) for name, c in phase_components.items()}
@@ -663,7 +748,14 @@ def what_would_fit(plan: Plan, spec: ModelSpec | None = None) -> list[dict]:
     if plan.method == "full":
         candidates.append(("train a LoRA adapter instead of all weights", {"method": "lora"}))
     if plan.method != "qlora":
-        candidates.append(("QLoRA: load the base in 4-bit NF4", {"method": "qlora", "quant_type": "nf4"}))
+        # prepare_model_for_kbit_training makes the residual stream fp32, so QLoRA pays off together with the
+        # checkpointing that peft's prepare turns on by default.
+        candidates.append(
+            (
+                "QLoRA: load the base in 4-bit NF4, with gradient checkpointing (peft's default for QLoRA)",
+                {"method": "qlora", "quant_type": "nf4", "gradient_checkpointing": True},
+            )
+        )
     if plan.method == "qlora" and not plan.double_quant:
         candidates.append(("double quantization of the 4-bit constants", {"double_quant": True}))
     if OPTIMIZERS[plan.optim][2] in ("foreach", "fused", "plain", "bnb32", "bnb32_paged", "factored"):

@@ -1,0 +1,526 @@
+"""Measure a training configuration for real: build the model the way a run builds it (transformers + peft +
+bitsandbytes, `prepare_model_for_kbit_training`, gradient checkpointing, the optimizer Trainer would pick),
+run one step under the tracker, and compare with the planner.
+
+- `measure_plan(config, plan, num_layers=...)`: one step of `plan` on a model built from a transformers config
+  (random weights; the memory of a step does not depend on their values).
+- `measure_depths(config, plan)`: the real widths at 2 and 3 layers, extrapolated to the full depth per phase
+  (per-layer term = m3 - m2, the rest is constant): how we measure 7B-70B models on a CPU.
+- `measure_config(model_dir_or_config, plan_or_run_config)`: the smoke-test hook; measured vs estimated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import torch
+
+from core.tracker import StepMemory, TrackerError, main_phase, main_phase_peaks, track_live_tensors
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+
+
+@dataclass
+class MeasurePlan:
+    """What a run does that changes its memory. Names follow TrainingArguments / LoraConfig / BitsAndBytesConfig."""
+
+    method: str = "lora"  # lora | qlora | full
+    dtype: str = "bfloat16"  # load dtype of the base weights
+    mixed_precision: str | None = (
+        "auto"  # "bf16"/"fp16" = Trainer autocast; "auto": bf16 when dtype is 16-bit
+    )
+    quant_type: str = "nf4"
+    double_quant: bool = True
+    compute_dtype: str = "bfloat16"
+    prepare_kbit: bool = True  # prepare_model_for_kbit_training (QLoRA only)
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.0
+    target_modules: str | list = "all-linear"
+    batch_size: int = 1
+    seq_len: int = 512
+    gradient_checkpointing: bool = False
+    attn: str = "sdpa"
+    optim: str = "adamw_torch"
+    max_grad_norm: float = 1.0
+    foreach: bool | None = (
+        None  # torch optimizers: None = torch default for the device (CPU: per-tensor loop)
+    )
+    extra: dict = field(default_factory=dict)
+
+    def autocast_dtype(self) -> torch.dtype | None:
+        mp = self.mixed_precision
+        if mp == "auto":
+            mp = {"bfloat16": "bf16", "float16": "fp16"}.get(self.dtype)
+        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mp) if mp else None
+
+
+def _dtype_name(value) -> str:
+    name = str(value).replace("torch.", "")
+    name = ALIASES.get(name, name)
+    if name not in DTYPES:
+        raise TrackerError(f"unknown dtype {value!r}: use one of {', '.join(DTYPES)}")
+    return name
+
+
+def plan_from(obj) -> MeasurePlan:
+    """A MeasurePlan from a MeasurePlan, a flat dict of its fields, a run config (sections model, quantization,
+    lora, data, training) or any object with those attributes (e.g. the planner's plan)."""
+    if isinstance(obj, MeasurePlan):
+        return obj
+    if not isinstance(obj, dict):
+        obj = asdict(obj) if hasattr(obj, "__dataclass_fields__") else dict(vars(obj))
+    if {"model", "training"} & set(obj) and isinstance(obj.get("training", {}), dict):
+        return _plan_from_run_config(obj)
+    names = {f.name for f in fields(MeasurePlan)}
+    unknown = sorted(set(obj) - names)
+    plan = MeasurePlan(**{k: v for k, v in obj.items() if k in names})
+    plan.extra.update({k: obj[k] for k in unknown})
+    return _checked(plan)
+
+
+def _plan_from_run_config(cfg: dict) -> MeasurePlan:
+    m, q, lo = cfg.get("model") or {}, cfg.get("quantization") or {}, cfg.get("lora") or {}
+    d, t = cfg.get("data") or {}, cfg.get("training") or {}
+    qlora = bool(q.get("load_in_4bit"))
+    mp = "bf16" if t.get("bf16") else "fp16" if t.get("fp16") else None
+    plan = MeasurePlan(
+        method="qlora" if qlora else ("lora" if lo else "full"),
+        dtype=_dtype_name(m.get("dtype", "bfloat16")),
+        mixed_precision=mp,
+        quant_type=q.get("bnb_4bit_quant_type", "nf4"),
+        double_quant=bool(q.get("bnb_4bit_use_double_quant", False)),
+        compute_dtype=_dtype_name(q.get("bnb_4bit_compute_dtype", "bfloat16")),
+        prepare_kbit=bool(q.get("prepare_model_for_kbit_training", qlora)),
+        lora_r=int(lo.get("r", 16)),
+        lora_alpha=int(lo.get("lora_alpha", 32)),
+        lora_dropout=float(lo.get("lora_dropout", 0.0)),
+        target_modules=lo.get("target_modules", "all-linear"),
+        batch_size=int(t.get("per_device_train_batch_size", 1)),
+        seq_len=int(d.get("max_length", 512)),
+        gradient_checkpointing=bool(t.get("gradient_checkpointing", False)),
+        attn=m.get("attn_implementation", "sdpa"),
+        optim=t.get("optim", "adamw_torch"),
+        max_grad_norm=float(t.get("max_grad_norm", 1.0)),
+    )
+    return _checked(plan)
+
+
+def _checked(plan: MeasurePlan) -> MeasurePlan:
+    if plan.method not in ("lora", "qlora", "full"):
+        raise TrackerError(f"method {plan.method!r} is not one of lora, qlora, full")
+    plan.dtype = _dtype_name(plan.dtype)
+    plan.compute_dtype = _dtype_name(plan.compute_dtype)
+    for name in ("batch_size", "seq_len", "lora_r"):
+        if int(getattr(plan, name)) < 1:
+            raise TrackerError(f"{name} must be a positive integer, got {getattr(plan, name)!r}")
+    if isinstance(plan.target_modules, str) and plan.target_modules.strip() != "all-linear":
+        plan.target_modules = [t.strip() for t in plan.target_modules.split(",") if t.strip()]
+    if plan.attn not in ("sdpa", "eager"):
+        raise TrackerError(f"attention {plan.attn!r} is not measurable here: use sdpa or eager")
+    return plan
+
+
+# -- building the model --------------------------------------------------------------------------------------
+def with_layers(config, num_layers: int):
+    """A copy of a transformers config with `num_layers` decoder layers (per-layer lists cut to match)."""
+    cfg = copy.deepcopy(config)
+    attr = (
+        "n_layer"
+        if hasattr(cfg, "n_layer") and not hasattr(cfg, "num_hidden_layers")
+        else "num_hidden_layers"
+    )
+    setattr(cfg, attr, num_layers)
+    if isinstance(getattr(cfg, "layer_types", None), list):
+        cfg.layer_types = cfg.layer_types[:num_layers]
+    return cfg
+
+
+def _config_key(config) -> str:
+    return hashlib.sha1(config.to_json_string(use_diff=False).encode()).hexdigest()[:16]
+
+
+def _fill_random(model, seed: int = 0):
+    # Random values keep the numerics finite (bnb quantizes them, the loss is defined); the memory of a step
+    # does not depend on them. uniform_ is cheaper than each module's own init.
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point():
+                p.uniform_(-0.02, 0.02, generator=g)
+
+
+def _random_model(config, dtype: torch.dtype, attn: str | None = None):
+    """The real architecture with random weights, skipping transformers' own (slow) initialisation."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # transformers 4.x
+        from transformers.modeling_utils import no_init_weights
+
+    kwargs = {"attn_implementation": attn} if attn else {}
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
+    model.tie_weights()  # init_weights (skipped above) is also where tied embeddings get tied
+    _fill_random(model)
+    return model
+
+
+def _saved_checkpoint(config, dtype: str, cache_dir: Path) -> Path:
+    """QLoRA loads through from_pretrained (the real quantizing path), so the random model is saved once."""
+
+    out = cache_dir / f"ckpt-{_config_key(config)}-{dtype}"
+    if (out / "config.json").exists():
+        return out
+    model = _random_model(config, DTYPES[dtype])
+    tmp = out.with_name(out.name + ".tmp")
+    model.save_pretrained(str(tmp))
+    os.replace(tmp, out)
+    return out
+
+
+def build_model(
+    config_or_dir, plan: MeasurePlan, cache_dir: str | os.PathLike | None = None, device: str = "cpu"
+):
+    """The model a run with `plan` trains: base (+ 4-bit) + prepare_model_for_kbit_training + LoRA, with the
+    attention implementation and gradient checkpointing set as Trainer sets them, on `device` (4-bit weights
+    are quantized where they land). Returns (model, config)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
+
+    from_dir = isinstance(config_or_dir, (str, os.PathLike))
+    config = AutoConfig.from_pretrained(str(config_or_dir)) if from_dir else config_or_dir
+    config = copy.deepcopy(config)
+    config.use_cache = False  # training: no KV cache
+    dtype = DTYPES[plan.dtype]
+    if plan.method == "qlora":
+        src = Path(config_or_dir) if from_dir else _saved_checkpoint(config, plan.dtype, Path(cache_dir))
+        quant = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type=plan.quant_type,
+            bnb_4bit_use_double_quant=plan.double_quant,
+            bnb_4bit_compute_dtype=DTYPES[plan.compute_dtype],
+        )
+        model = AutoModelForCausalLM.from_pretrained(
+            str(src),
+            quantization_config=quant,
+            dtype=dtype,
+            attn_implementation=plan.attn,
+            device_map={"": device},
+        )
+    elif from_dir:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(config_or_dir), dtype=dtype, attn_implementation=plan.attn
+        )
+    else:
+        model = _random_model(config, dtype, plan.attn)
+    if plan.method != "qlora":
+        model.to(device)
+    model.config.use_cache = False
+    # As core.train builds it: prepare_model_for_kbit_training with non-reentrant checkpointing for QLoRA,
+    # enable_input_require_grads for LoRA + checkpointing, then Trainer's gradient_checkpointing_enable.
+    no_reentrant = {"use_reentrant": False}
+    if plan.method == "qlora" and plan.prepare_kbit:
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(
+            model,
+            use_gradient_checkpointing=plan.gradient_checkpointing,
+            gradient_checkpointing_kwargs=no_reentrant,
+        )
+    if plan.gradient_checkpointing:
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs=no_reentrant)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=no_reentrant)
+        if plan.method == "lora":
+            model.enable_input_require_grads()  # checkpointed blocks need a grad-requiring input
+    if plan.method in ("lora", "qlora"):
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(
+            r=plan.lora_r,
+            lora_alpha=plan.lora_alpha,
+            lora_dropout=plan.lora_dropout,
+            target_modules=plan.target_modules,
+            task_type="CAUSAL_LM",
+        )
+        model = get_peft_model(model, lora)
+    return model, config
+
+
+def build_optimizer(model, plan: MeasurePlan):
+    """The optimizer Trainer builds for `plan.optim` (its own name→class mapping)."""
+    from transformers import Trainer, TrainingArguments
+
+    with tempfile.TemporaryDirectory() as tmp:
+        args = TrainingArguments(output_dir=tmp, optim=plan.optim, report_to=[], use_cpu=True)
+        cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+    if cls.__module__.startswith("torch.optim") and plan.foreach is not None and "fused" not in kwargs:
+        kwargs["foreach"] = plan.foreach
+    params = [p for p in model.parameters() if p.requires_grad]
+    return cls(params, **kwargs)
+
+
+def make_batch(config, plan: MeasurePlan, seed: int = 0) -> dict:
+    """A full batch of random tokens with labels and an all-ones attention mask, as a padding collator gives
+    for equal-length rows."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, config.vocab_size, (plan.batch_size, plan.seq_len), generator=g)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+
+def _trainer_forward(model, plan: MeasurePlan, device_type: str = "cpu"):
+    """Wrap forward as accelerate does under Trainer(bf16=True): autocast, outputs converted to fp32."""
+    dt = plan.autocast_dtype()
+    if dt is None:
+        return contextlib.nullcontext()
+    from accelerate.utils import convert_outputs_to_fp32
+
+    original = model.forward
+    model.forward = convert_outputs_to_fp32(torch.autocast(device_type, dtype=dt)(original))
+
+    @contextlib.contextmanager
+    def restore():
+        try:
+            yield
+        finally:
+            model.forward = original
+
+    return restore()
+
+
+def run_step(model, optimizer, batch, plan: MeasurePlan, detail: bool = False) -> StepMemory:
+    """One Trainer-like step under the tracker: forward + loss, backward, grad clipping, optimizer step,
+    zero_grad(set_to_none)."""
+    model.train()
+    device_type = batch["input_ids"].device.type
+    with (
+        _trainer_forward(model, plan, device_type),
+        track_live_tensors(model, optimizer, tensors=batch, detail=detail) as tr,
+    ):
+        hooks = _backward_landmarks(model, tr)
+        with tr.phase("forward"):
+            loss = _loss(model, batch)
+        with tr.phase("backward"):
+            loss.backward()
+            del loss
+        for h in hooks:
+            h.remove()
+        with tr.phase("optimizer"):
+            if plan.max_grad_norm:
+                params = [p for p in model.parameters() if p.grad is not None]
+                torch.nn.utils.clip_grad_norm_(params, plan.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    result = tr.result()
+    if detail:
+        result.extra["peak_detail"] = tr.peak_detail
+        result.extra["phase_detail"] = tr.phase_detail
+    return result
+
+
+def _backward_landmarks(model, tracker) -> list:
+    """Name the moments of backward as sub-phases, so that each one's peak is linear in the depth:
+    backward (loss, lm_head, final norm), :first-layer (the last decoder layer, met first), :middle,
+    :last-layer (layer 0), :tail (the embedding). Where in backward the peak falls moves with the depth
+    (activations drain while gradients pile up); within each of these moments it does not."""
+    layers = _decoder_layers(model)
+    n = len(layers)
+
+    def landmark(name):
+        def on_output(_module, _args, out):
+            t = out[0] if isinstance(out, (tuple, list)) else out
+            # not during checkpoint recomputation (inside backward): that output is never backpropagated
+            if torch.is_tensor(t) and t.requires_grad and torch._C._current_autograd_node() is None:
+                t.register_hook(on_grad)
+
+        def on_grad(_grad):  # the gradient w.r.t. this output is ready: its module's backward starts
+            tracker.phase(name)
+
+        return on_output
+
+    hooks = []
+    for i, layer in enumerate(layers):
+        name = (
+            "backward:first-layer" if i == n - 1 else "backward:last-layer" if i == 0 else "backward:middle"
+        )
+        hooks.append(layer.register_forward_hook(landmark(name)))
+    hooks.append(model.get_input_embeddings().register_forward_hook(landmark("backward:tail")))
+    return hooks
+
+
+def _decoder_layers(model):
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    if not lists:
+        raise TrackerError(f"{type(model).__name__} has no decoder layers (no nn.ModuleList) to measure")
+    return max(lists, key=len)
+
+
+def _loss(model, batch):
+    return model(**batch).loss  # the outputs (logits) die here, before backward, as in Trainer.compute_loss
+
+
+def measure_plan(config, plan, num_layers: int | None = None, cache_dir=None) -> StepMemory:
+    """One measured step of `plan` on a model built from `config` (at `num_layers` when given)."""
+    plan = _checked(copy.deepcopy(plan_from(plan)))
+    if num_layers is not None:
+        config = with_layers(config, num_layers)
+    with tempfile.TemporaryDirectory() as tmp:
+        model, cfg = build_model(config, plan, cache_dir or tmp)
+        optimizer = build_optimizer(model, plan)
+        return run_step(model, optimizer, make_batch(cfg, plan), plan)
+
+
+# -- reduced depth ------------------------------------------------------------------------------------------
+@dataclass
+class DepthFit:
+    """Per-phase peaks at two depths, extrapolated linearly in the number of layers."""
+
+    layers: tuple[int, int]
+    small: StepMemory
+    large: StepMemory
+
+    def _per_phase(self, which: str, num_layers: int) -> dict[str, int]:
+        (l1, l2), out = self.layers, {}
+        a, b = getattr(self.small, which), getattr(self.large, which)
+        for p in a.keys() & b.keys():  # a "middle" layer exists only from 3 layers on: bounded by first/last
+            per_layer = (b[p] - a[p]) // (l2 - l1)
+            out[p] = a[p] + (num_layers - l1) * per_layer
+        return out
+
+    def phase_peaks_at(self, num_layers: int, steady: bool = True) -> dict[str, int]:
+        """Extrapolated peak of each phase (sub-phases folded in)."""
+        return main_phase_peaks(
+            self._per_phase("steady_phase_peaks" if steady else "phase_peaks", num_layers)
+        )
+
+    def peak_at(self, num_layers: int, steady: bool = True) -> tuple[int, str]:
+        """(bytes, phase) of the extrapolated peak. steady=True: a later step (optimizer state alive)."""
+        peaks = self._per_phase("steady_phase_peaks" if steady else "phase_peaks", num_layers)
+        phase = max(peaks, key=peaks.get)
+        return peaks[phase], main_phase(phase)
+
+    def saved_at(self, num_layers: int) -> int:
+        (l1, l2), a, b = self.layers, self.small.saved_bytes, self.large.saved_bytes
+        return a + (num_layers - l1) * ((b - a) // (l2 - l1))
+
+
+def num_layers_of(config) -> int:
+    n = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None)
+    if not n:
+        raise TrackerError(f"{type(config).__name__} has no num_hidden_layers: not a decoder config")
+    return int(n)
+
+
+def measure_depths(config, plan, layers=(2, 3), seq_lens=None, cache_dir=None) -> dict[int, DepthFit]:
+    """Measure `plan` at the real widths with layers[0] and layers[1] decoder layers, for each sequence length
+    in `seq_lens` (default: the plan's). Returns {seq_len: DepthFit}; `fit.peak_at(num_layers_of(config))`.
+
+    Why 2 and 3 layers by default, not 1 and 2: the first layer saves less (its input comes from a frozen
+    embedding, so e.g. LoRA dropout keeps no mask there) and the last one differs too; a 1-layer model is both
+    at once, so m(2) - m(1) is not a middle layer's bytes. From 2 layers on, each added layer is a middle one."""
+    plan = plan_from(plan)
+    out = {}
+    for s in seq_lens or [plan.seq_len]:
+        p = copy.copy(plan)
+        p.seq_len = s
+        small, large = (measure_plan(config, p, n, cache_dir) for n in layers)
+        out[s] = DepthFit(tuple(layers), small, large)
+    return out
+
+
+# -- the smoke-test hook ---------------------------------------------------------------------------------------
+def measure_config(model_dir_or_spec, plan_or_run_config, device: str = "cpu") -> dict:
+    """One real step of the user's model and config under the tracker, next to the planner's estimate.
+    `model_dir_or_spec`: a local model folder (its weights are loaded) or a transformers config.
+    Returns {"measured": StepMemory as dict, "estimated": planner figures or None, "error": relative error}."""
+    plan = plan_from(plan_or_run_config)
+    if device != "cpu" and not torch.cuda.is_available():
+        raise TrackerError(f"device {device!r} asked for but CUDA is not available; use device='cpu'")
+    src = model_dir_or_spec
+    if isinstance(src, (str, os.PathLike)) and not (Path(src) / "config.json").exists():
+        raise TrackerError(
+            f"{src} is not a model folder (no config.json); pass a local model folder or a config"
+        )
+    with tempfile.TemporaryDirectory() as tmp:
+        model, cfg = build_model(src, plan, tmp, device)
+        optimizer = build_optimizer(model, plan)
+        batch = {k: v.to(device) for k, v in make_batch(cfg, plan).items()}
+        measured = run_step(model, optimizer, batch, plan)
+        if not isinstance(src, (str, os.PathLike)):  # the planner reads a folder's config.json
+            src = Path(tmp) / "planner-config"
+            src.mkdir()
+            cfg.to_json_file(str(src / "config.json"))
+        estimated = estimate_for(str(src), plan, device)
+    out = {"measured": measured.to_dict(), "estimated": estimated, "error": None}
+    if estimated and estimated.get("tensor_peak_bytes"):
+        # the planner predicts a steady step (optimizer state alive), which the first step's figures give
+        out["error"] = estimated["tensor_peak_bytes"] / measured.steady_peak_bytes - 1
+    return out
+
+
+def planner_plan(model: str, plan: MeasurePlan, device: str = "cpu"):
+    """The core.estimate Plan for the same configuration (model: a preset id or a folder with config.json)."""
+    from core.estimate import Plan
+
+    short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+    targets = plan.target_modules
+    autocast = plan.autocast_dtype()
+    if autocast is not None:  # Trainer's bf16/fp16 flag decides the activations' dtype
+        compute = short[str(autocast).replace("torch.", "")]
+    else:
+        compute = short[plan.compute_dtype] if plan.method == "qlora" else short[plan.dtype]
+    return Plan(
+        model=str(model),
+        method=plan.method,
+        load_dtype=short[plan.dtype],
+        compute_dtype=compute,
+        quant_type=plan.quant_type,
+        double_quant=plan.double_quant,
+        prepare_kbit=plan.prepare_kbit,
+        lora_r=plan.lora_r,
+        lora_alpha=plan.lora_alpha,
+        lora_dropout=plan.lora_dropout,
+        target_modules=targets if isinstance(targets, str) else ",".join(targets),
+        batch_size=plan.batch_size,
+        seq_len=plan.seq_len,
+        gradient_checkpointing=plan.gradient_checkpointing,
+        attn=plan.attn,
+        optim=plan.optim,
+        device="cpu" if device == "cpu" else "cuda",
+        autocast=autocast is not None,
+    )
+
+
+def estimate_for(model: str, plan: MeasurePlan, device: str = "cpu") -> dict | None:
+    """The planner's figures for this model and plan: tensor_peak_bytes, peak_phase, phases, components."""
+    from core.estimate import PlanError, estimate
+    from core.specs import SpecError
+
+    try:
+        est = estimate(planner_plan(model, plan, device))
+    except (PlanError, SpecError) as exc:
+        return {"error": str(exc)}
+    keep = (
+        "tensor_peak_bytes",
+        "reserved_peak_bytes",
+        "device_total_bytes",
+        "peak_phase",
+        "phases",
+        "components",
+    )
+    return {k: getattr(est, k) for k in keep}
+
+
+def to_json(result: dict) -> str:
+    return json.dumps(result, indent=2, default=str)
