@@ -3,6 +3,7 @@
 import altair as alt
 import pandas as pd
 import streamlit as st
+from streamlit.runtime.pages_manager import PagesManager
 
 from core import gpu
 from core.estimate import (
@@ -19,6 +20,12 @@ from core.estimate import (
     what_would_fit,
 )
 from core.specs import SpecError, load_spec, preset_ids
+
+# Opened by its URL before the router ever ran in this server process, Streamlit is still in its legacy pages/
+# mode and ran this file alone (no sidebar, no workspace). Leave that mode and rerun through dashboard.py.
+if PagesManager.uses_pages_directory and not st.session_state.pop("_routed", False):
+    PagesManager.uses_pages_directory = False
+    st.rerun()
 
 LOCAL = "Local model folder…"
 CARD_SIZES = [24, 32, 48, 80, 141]

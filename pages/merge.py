@@ -9,9 +9,16 @@ import pandas as pd
 import psutil
 import streamlit as st
 import torch
+from streamlit.runtime.pages_manager import PagesManager
 
 from core import merge as M
 from core.workspace import WorkspaceError, check_run_name, default_workspace, inside
+
+# Opened by its URL before the router ever ran in this server process, Streamlit is still in its legacy pages/
+# mode and ran this file alone (no sidebar, no workspace). Leave that mode and rerun through dashboard.py.
+if PagesManager.uses_pages_directory and not st.session_state.pop("_routed", False):
+    PagesManager.uses_pages_directory = False
+    st.rerun()
 
 FOLDER = "Another adapter folder…"
 

@@ -1,4 +1,220 @@
-import streamlit as st
+"""Monitor page: one run, live. The run directory is the truth: a RunWatcher (core.watch) per run reads only what
+its files gained since the last tick, so a reload or a server restart reattaches to a live run with no lost point.
+The live part is a fragment re-run by the browser every ~2 s while the run is live; static otherwise."""
 
-st.title("monitor")
-st.info("This page is not built yet.")
+import time
+from pathlib import Path
+
+import altair as alt
+import pandas as pd
+import streamlit as st
+from streamlit.runtime.pages_manager import PagesManager
+
+from core import gpu
+from core.runs import LIVE_STATES, list_runs, stop_run
+from core.watch import RunWatcher
+from core.workspace import default_workspace
+
+# Opened by its URL before the router ever ran in this server process, Streamlit is still in its legacy pages/
+# mode and ran this file alone (no sidebar, no workspace). Leave that mode and rerun through dashboard.py.
+if PagesManager.uses_pages_directory and not st.session_state.pop("_routed", False):
+    PagesManager.uses_pages_directory = False
+    st.rerun()
+
+REFRESH_S = 2.0
+ENDED = ("finished", "failed", "stopped")
+LEVEL = {"error": st.error, "warning": st.warning, "info": st.info}
+
+
+@st.cache_data(ttl=60, show_spinner=False)
+def _no_gpu_reason() -> str | None:
+    devices, reason = gpu.detect_gpus()
+    return None if devices else (reason or "no NVIDIA GPU found")
+
+
+def _watcher(run_dir: str) -> RunWatcher:
+    watchers = st.session_state.setdefault("watchers", {})
+    if run_dir not in watchers:
+        watchers[run_dir] = RunWatcher(run_dir)
+    return watchers[run_dir]
+
+
+def _duration(seconds) -> str:
+    if seconds is None:
+        return "–"
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    return f"{h}:{rem // 60:02d}:{rem % 60:02d}" if h else f"{rem // 60}:{rem % 60:02d}"
+
+
+def _lines(df: pd.DataFrame, x: str, title: str, y_title: str, height: int = 330) -> alt.Chart:
+    return (
+        alt.Chart(df)
+        .mark_line(interpolate="linear", strokeWidth=1.5)
+        .encode(
+            alt.X(f"{x}:Q", title=x),
+            alt.Y("value:Q", title=y_title, scale=alt.Scale(zero=False)),
+            alt.Color("series:N", title=None, legend=alt.Legend(orient="top", direction="horizontal")),
+            tooltip=[x, "value", "series"],
+        )
+        .properties(title=title, height=height)
+    )
+
+
+def _chart(df: pd.DataFrame, x: str, title: str, y_title: str, empty: str) -> None:
+    if df is None or df.empty:
+        st.caption(f"{title}: {empty}")
+        return
+    st.altair_chart(_lines(df, x, title, y_title), width="stretch")
+
+
+def memory_chart(snap) -> None:
+    df = snap.charts.get("gpu_memory")
+    rules = []
+    names = {"gpu_capacity_gib": "card capacity", "plan_peak_gib": "plan's predicted peak"}
+    for key, label in names.items():
+        if key in snap.lines:
+            rules.append({"value": snap.lines[key], "line": label})
+    if df is None or df.empty:
+        reason = _no_gpu_reason()
+        st.info(
+            f"GPU memory: no GPU samples: {reason}" if reason else "GPU memory: no samples yet in gpu.jsonl."
+        )
+        return
+    chart = _lines(df, "minutes", "GPU memory (GiB)", "GiB", height=330)
+    if rules:
+        rule = (
+            alt.Chart(pd.DataFrame(rules))
+            .mark_rule(strokeDash=[6, 4])
+            .encode(
+                y="value:Q",
+                color=alt.Color("line:N", title=None, scale=alt.Scale(range=["#d62728", "#7f7f7f"])),
+            )
+        )
+        chart = alt.layer(chart, rule).resolve_scale(color="independent")
+    st.altair_chart(chart, width="stretch")
+
+
+def header(snap) -> None:
+    c = st.columns(5)
+    c[0].metric("State", snap.state)
+    label = f"Step (of {snap.max_steps:,})" if snap.max_steps else "Step"
+    c[1].metric(label, f"{snap.step:,}" if snap.step is not None else "–")
+    c[2].metric("ETA", _duration(snap.eta_s) if snap.eta_s is not None else "–")
+    c[3].metric("Tokens/s", f"{snap.tokens_per_s:,.0f}" if snap.tokens_per_s else "–")
+    c[4].metric("Elapsed", _duration(snap.elapsed_s))
+    if snap.progress is not None:
+        st.progress(snap.progress)
+
+
+def health(snap) -> None:
+    for w in snap.warnings:
+        LEVEL.get(w.level, st.warning)(f"**{w.title}**: {w.detail}\n\nFix: {w.fix}")
+    if snap.other_processes:
+        others = ", ".join(
+            f"pid {p.get('pid')} ({(p.get('memory') or 0) / 2**30:.1f} GiB)" for p in snap.other_processes
+        )
+        st.warning(f"Other processes on this GPU: {others}")
+    if snap.malformed_lines:
+        st.caption(f"{snap.malformed_lines} malformed line(s) in the run's JSONL files were skipped.")
+
+
+def failure(snap) -> None:
+    if snap.state != "failed":
+        return
+    reason = (snap.status or {}).get("reason") or "no reason recorded"
+    st.error(f"**The run failed.** {reason.splitlines()[0] if reason else ''}")
+    if snap.diagnosis is not None:
+        with st.container(border=True):
+            st.markdown("#### Diagnosis")
+            st.markdown(snap.diagnosis.markdown())
+
+
+def charts(snap) -> None:
+    c1, c2 = st.columns(2)
+    with c1:
+        _chart(snap.charts.get("loss"), "step", "Loss", "loss", "no loss logged yet")
+    with c2:
+        memory_chart(snap)
+    c1, c2 = st.columns(2)
+    with c1:
+        _chart(snap.charts.get("learning_rate"), "step", "Learning rate", "lr", "not logged yet")
+    with c2:
+        _chart(snap.charts.get("grad_norm"), "step", "Grad norm", "norm", "not logged yet")
+    util, temp = snap.charts.get("gpu_util"), snap.charts.get("gpu_temperature")
+    if (util is not None and not util.empty) or (temp is not None and not temp.empty):
+        c1, c2 = st.columns(2)
+        with c1:
+            _chart(util, "minutes", "GPU utilisation (%)", "%", "no samples")
+        with c2:
+            _chart(temp, "minutes", "GPU temperature (°C)", "°C", "no samples")
+
+
+def logs(snap) -> None:
+    with st.expander("stderr (last lines)", expanded=snap.state == "failed"):
+        st.code(snap.stderr_tail or "(empty)", language=None)
+    with st.expander("stdout (last lines)"):
+        st.code(snap.stdout_tail or "(empty)", language=None)
+
+
+def show(run_dir: str, live: bool) -> None:
+    """The run's panels; drawn inside a fragment that the browser re-runs while the run is live."""
+
+    @st.fragment(run_every=REFRESH_S if live else None)
+    def panel():
+        snap = _watcher(run_dir).refresh()
+        if live and snap.state in ENDED:
+            st.rerun()  # the run just ended: redraw the whole page once, static, with Stop disabled
+        header(snap)
+        failure(snap)
+        health(snap)
+        charts(snap)
+        logs(snap)
+        st.caption(
+            f"{run_dir} · updated {time.strftime('%H:%M:%S')}"
+            + (f" · every {REFRESH_S:.0f} s" if live else "")
+        )
+
+    panel()
+
+
+# ---- page -------------------------------------------------------------------------------------------------------
+
+st.title("Monitor")
+workspace = st.session_state.get("workspace") or str(default_workspace())
+runs = list_runs(workspace)
+if not runs:
+    st.info(f"No runs yet in {Path(workspace) / 'runs'}. Set one up and launch it on the Train page.")
+    st.stop()
+
+paths = [str(r.path) for r in runs]
+wanted = st.session_state.get("monitor_run")
+if wanted not in paths:
+    wanted = paths[0]  # newest
+if st.session_state.get("mon_run") not in paths or st.session_state.get("mon_for") != wanted:
+    st.session_state["mon_run"] = wanted  # follow a run chosen on another page
+    st.session_state["mon_for"] = wanted
+by_path = {str(r.path): r for r in runs}
+c1, c2 = st.columns([4, 1], vertical_alignment="bottom")
+run_dir = c1.selectbox(
+    "Run",
+    paths,
+    key="mon_run",
+    format_func=lambda p: f"{by_path[p].name} · {by_path[p].state}",
+)
+st.session_state["monitor_run"] = run_dir
+st.session_state["mon_for"] = run_dir
+info = by_path[run_dir]
+live = info.state in LIVE_STATES
+if c2.button(
+    "Stop",
+    key="mon_stop",
+    disabled=not (live or info.alive),
+    icon=":material/stop_circle:",
+    help="Graceful: checkpoint, then exit",
+):
+    with st.spinner("Stopping: the trainer saves a checkpoint at the end of the current step…"):
+        state = stop_run(run_dir)
+    st.success(f"Run {info.name} is {state}.")
+    live = False
+show(run_dir, live)

@@ -1,4 +1,124 @@
-import streamlit as st
+"""Runs page: every run of the workspace at a glance, loss curves side by side, open one in the Monitor, delete
+finished ones. UI only: summaries come from core.watch, deleting from core.runs_admin."""
 
-st.title("runs")
-st.info("This page is not built yet.")
+from datetime import datetime
+from pathlib import Path
+
+import altair as alt
+import pandas as pd
+import streamlit as st
+from streamlit.runtime.pages_manager import PagesManager
+
+from core.runs import RunError, list_runs
+from core.runs_admin import delete_run
+from core.watch import compare_loss_frame, summarize_runs
+from core.workspace import default_workspace, runs_dir
+
+# Opened by its URL before the router ever ran in this server process, Streamlit is still in its legacy pages/
+# mode and ran this file alone (no sidebar, no workspace). Leave that mode and rerun through dashboard.py.
+if PagesManager.uses_pages_directory and not st.session_state.pop("_routed", False):
+    PagesManager.uses_pages_directory = False
+    st.rerun()
+
+
+def _duration(seconds) -> str | None:
+    if seconds is None:
+        return None
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    return f"{h}:{rem // 60:02d}:{rem % 60:02d}" if h else f"{rem // 60}:{rem % 60:02d}"
+
+
+def table(summaries) -> None:
+    rows = [
+        {
+            "run": s.name,
+            "state": s.state,
+            "started": datetime.fromtimestamp(s.started) if s.started else None,
+            "duration": _duration(s.duration_s),
+            "steps": f"{s.step if s.step is not None else 0}" + (f" / {s.max_steps}" if s.max_steps else ""),
+            "best eval loss": s.best_eval_loss,
+            "final loss": s.final_loss,
+            "peak memory (GiB)": s.peak_memory_gib,
+        }
+        for s in summaries
+    ]
+    st.dataframe(
+        pd.DataFrame(rows),
+        hide_index=True,
+        width="stretch",
+        column_config={
+            "started": st.column_config.DatetimeColumn(format="YYYY-MM-DD HH:mm"),
+            "best eval loss": st.column_config.NumberColumn(format="%.4f"),
+            "final loss": st.column_config.NumberColumn(format="%.4f"),
+            "peak memory (GiB)": st.column_config.NumberColumn(format="%.2f"),
+        },
+    )
+
+
+def compare(summaries) -> None:
+    st.subheader("Compare loss curves")
+    names = [s.name for s in summaries]
+    by_name = {s.name: s.run_dir for s in summaries}
+    chosen = st.multiselect("Runs", names, default=names[:2], key="runs_compare")
+    smoothed = st.toggle("Smoothed", value=True, key="runs_smoothed")
+    if not chosen:
+        st.caption("Choose runs to compare.")
+        return
+    df = compare_loss_frame([by_name[n] for n in chosen], smoothed=smoothed)
+    if df.empty:
+        st.caption("None of these runs has logged a loss yet.")
+        return
+    chart = (
+        alt.Chart(df)
+        .mark_line(strokeWidth=1.5)
+        .encode(
+            alt.X("step:Q"),
+            alt.Y("value:Q", title="loss" + (" (smoothed)" if smoothed else ""), scale=alt.Scale(zero=False)),
+            alt.Color("run:N", legend=alt.Legend(orient="top", direction="horizontal")),
+            tooltip=["run", "step", "value"],
+        )
+        .properties(height=420)
+    )
+    st.altair_chart(chart, width="stretch")
+
+
+def open_and_delete(summaries) -> None:
+    st.subheader("One run")
+    by_name = {s.name: s for s in summaries}
+    c1, c2 = st.columns([3, 1], vertical_alignment="bottom")
+    name = c1.selectbox("Run", list(by_name), key="runs_one")
+    run = by_name[name]
+    if c2.button("Open in Monitor", key="runs_open", icon=":material/monitoring:"):
+        st.session_state["monitor_run"] = run.run_dir
+        st.switch_page("pages/monitor.py")
+    with st.expander(f"Delete {name}"):
+        st.caption("Deletes the run folder with its checkpoints and adapter. Running runs cannot be deleted.")
+        sure = st.checkbox(f"Yes, delete {name} and all its files", key=f"runs_sure_{name}")
+        if st.button("Delete", key="runs_delete", disabled=not sure, icon=":material/delete:"):
+            try:
+                delete_run(run.run_dir, workspace)
+            except RunError as exc:
+                st.error(str(exc))
+            else:
+                st.session_state["runs_deleted"] = name
+                st.rerun()
+
+
+# ---- page -------------------------------------------------------------------------------------------------------
+
+st.title("Runs")
+workspace = st.session_state.get("workspace") or str(default_workspace())
+deleted = st.session_state.pop("runs_deleted", None)
+if deleted:
+    st.success(f"Deleted run {deleted}.")
+list_runs(workspace)  # marks runs whose process died silently as failed before they are summarised
+summaries = summarize_runs(runs_dir(workspace))
+if not summaries:
+    st.info(
+        f"No runs yet in {Path(workspace) / 'runs'}. Launch one on the Train page; it will be listed here."
+    )
+    st.stop()
+table(summaries)
+compare(summaries)
+open_and_delete(summaries)

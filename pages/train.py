@@ -1,4 +1,531 @@
-import streamlit as st
+"""Train page: set up a run (prefilled from the Estimate page's plan, else the demo), check it, smoke-test it,
+launch it. UI only: checks, estimates, previews and processes are core's (runs_admin, runs, data, preflight)."""
 
-st.title("train")
-st.info("This page is not built yet.")
+import copy
+import time
+from pathlib import Path
+
+import altair as alt
+import pandas as pd
+import streamlit as st
+from streamlit.runtime.pages_manager import PagesManager
+
+from core import gpu
+from core.config import (
+    ATTN,
+    DTYPES,
+    FORMATS,
+    OPTIMIZERS,
+    SCHEDULERS,
+    ConfigError,
+    config_to_yaml,
+    default_config,
+    plan_to_config,
+    validate_config,
+)
+from core.data import DataError, preview_dataset
+from core.demo import DemoError, build_demo, demo_config, demo_dir, demo_ready
+from core.estimate import GiB, PlanError
+from core.preflight import load_tokenizer_and_config, run_preflight
+from core.runs import RunError, create_run, launch, wait_for_smoke
+from core.runs_admin import (
+    check_fields,
+    check_model_folder,
+    check_new_run_name,
+    estimate_for_config,
+    plan_record,
+    start_smoke_test,
+)
+from core.specs import SpecError
+from core.workspace import WorkspaceError, default_workspace, suggest_run_name
+
+# Opened by its URL before the router ever ran in this server process, Streamlit is still in its legacy pages/
+# mode and ran this file alone (no sidebar, no workspace). Leave that mode and rerun through dashboard.py.
+if PagesManager.uses_pages_directory and not st.session_state.pop("_routed", False):
+    PagesManager.uses_pages_directory = False
+    st.rerun()
+
+SMOKE_TIMEOUT_S = 600
+VERDICT = {"fits": st.success, "tight": st.warning, "does not fit": st.error}
+
+# form widget key -> (section, key) of the run config
+FIELDS = {
+    "tr_model_path": ("model", "path"),
+    "tr_dtype": ("model", "dtype"),
+    "tr_attn": ("model", "attn_implementation"),
+    "tr_4bit": ("quantization", "load_in_4bit"),
+    "tr_lora": ("lora", "enabled"),
+    "tr_r": ("lora", "r"),
+    "tr_alpha": ("lora", "lora_alpha"),
+    "tr_dropout": ("lora", "lora_dropout"),
+    "tr_targets": ("lora", "target_modules"),
+    "tr_data_path": ("data", "path"),
+    "tr_format": ("data", "format"),
+    "tr_max_length": ("data", "max_length"),
+    "tr_eval_split": ("data", "eval_split"),
+    "tr_batch": ("training", "per_device_train_batch_size"),
+    "tr_accum": ("training", "gradient_accumulation_steps"),
+    "tr_max_steps": ("training", "max_steps"),
+    "tr_epochs": ("training", "num_train_epochs"),
+    "tr_lr": ("training", "learning_rate"),
+    "tr_sched": ("training", "lr_scheduler_type"),
+    "tr_warmup": ("training", "warmup_steps"),
+    "tr_optim": ("training", "optim"),
+    "tr_ckpt": ("training", "gradient_checkpointing"),
+    "tr_logging": ("training", "logging_steps"),
+    "tr_save": ("training", "save_steps"),
+}
+CHOICES = {
+    "tr_dtype": DTYPES,
+    "tr_attn": ATTN,
+    "tr_format": FORMATS,
+    "tr_sched": SCHEDULERS,
+    "tr_optim": OPTIMIZERS,
+}
+FLOAT_KEYS = {"tr_alpha", "tr_dropout", "tr_eval_split", "tr_epochs", "tr_lr", "tr_warmup"}
+
+
+# ---- cached core calls (keyed on plain values, so edits re-run them) -------------------------------------------
+
+
+@st.cache_data(ttl=10, show_spinner=False)
+def _field_errors(raw_yaml: str) -> dict[str, str]:
+    import yaml
+
+    return check_fields(yaml.safe_load(raw_yaml))
+
+
+@st.cache_resource(show_spinner=False, max_entries=4)
+def _tokenizer_and_config(model_path: str, trust_remote_code: bool):
+    return load_tokenizer_and_config({"path": model_path, "trust_remote_code": trust_remote_code})
+
+
+@st.cache_data(ttl=30, show_spinner="Reading the dataset…")
+def _preview(cfg_yaml: str) -> dict:
+    import yaml
+
+    cfg = yaml.safe_load(cfg_yaml)
+    tok, _ = _tokenizer_and_config(cfg["model"]["path"], cfg["model"]["trust_remote_code"])
+    return preview_dataset(cfg["data"], tok, n=5, length_rows=5000)
+
+
+@st.cache_data(ttl=30, show_spinner="Running preflight…")
+def _preflight(cfg_yaml: str) -> list[dict]:
+    import yaml
+
+    cfg = yaml.safe_load(cfg_yaml)
+    tok, conf = _tokenizer_and_config(cfg["model"]["path"], cfg["model"]["trust_remote_code"])
+    return [f.__dict__ for f in run_preflight(cfg, tok, conf)]
+
+
+@st.cache_data(ttl=30, show_spinner=False)
+def _cards() -> tuple[list[tuple[str, float]], str | None]:
+    devices, reason = gpu.detect_gpus()
+    return [(d.name, d.memory_total / GiB) for d in devices if d.memory_total], reason
+
+
+# ---- the form -------------------------------------------------------------------------------------------------
+
+
+def _base_config(workspace: str) -> tuple[dict, str]:
+    """The config the form starts from, and where it came from."""
+    plan = st.session_state.get("plan")
+    if st.session_state.get("train_config"):
+        return st.session_state["train_config"], "your last edits"
+    base = demo_config(workspace) if demo_ready(workspace) else _demo_paths(workspace)
+    if plan:
+        return _from_plan(plan, base)
+    return base, "the demo model and dataset"
+
+
+def _from_plan(plan: dict, base: dict) -> tuple[dict, str]:
+    """The plan's settings over `base`. A hub id as the plan's model is not a folder here (nothing is downloaded):
+    the form keeps base's local model and says so."""
+    # Without the paths plan_to_config returns the config unvalidated: a planner setting the trainer does not
+    # offer is then flagged at its field instead of failing the whole page.
+    unchecked = copy.deepcopy(base)
+    unchecked["model"]["path"] = unchecked["data"]["path"] = None
+    cfg = plan_to_config({k: v for k, v in plan.items() if k != "model"}, unchecked)
+    cfg["data"]["path"] = base["data"].get("path")
+    cfg["model"]["path"] = plan.get("model") or base["model"].get("path")
+    source = f"the Estimate page's plan ({plan.get('model')})"
+    if check_model_folder(plan.get("model")) and base["model"].get("path"):
+        cfg["model"]["path"] = base["model"]["path"]
+        source += (
+            f"; its model is not a local folder, so the model stays {base['model']['path']}: point the model "
+            "folder at your local copy to train it"
+        )
+    return cfg, source
+
+
+def _demo_paths(workspace: str) -> dict:
+    """The demo config before its assets exist (same paths; the form shows that the folder is missing)."""
+    cfg = default_config()
+    folder = demo_dir(workspace).resolve()
+    cfg["model"]["path"], cfg["data"]["path"] = str(folder / "base"), str(folder / "train.jsonl")
+    return cfg
+
+
+def _fill_form(cfg: dict) -> None:
+    """Put a config's values into the form's widgets (before they are drawn)."""
+    notes = []
+    for key, (section, name) in FIELDS.items():
+        default = default_config()[section][name]
+        value = cfg.get(section, {}).get(name, default)
+        if key == "tr_targets" and isinstance(value, list):
+            value = ", ".join(value)
+        if key == "tr_model_path" or key == "tr_data_path":
+            value = "" if value is None else str(value)
+        if key in FLOAT_KEYS and value is not None:
+            value = float(value)  # number_input takes its type from the value: keep floats floats
+        if (
+            key in CHOICES and value not in CHOICES[key]
+        ):  # e.g. a planner optimizer the trainer does not offer
+            notes.append(f"{section}.{name} {value!r} is not available here; the form uses {default!r}.")
+            value = default
+        st.session_state[key] = value
+    st.session_state["tr_notes"] = notes
+    st.session_state["tr_base"] = copy.deepcopy(cfg)
+
+
+def _raw_config() -> dict:
+    """The config as the form says it (not validated: the checks report each field's problem)."""
+    raw = copy.deepcopy(st.session_state.get("tr_base") or default_config())
+    for section in default_config():
+        raw.setdefault(section, {})
+    for key, (section, name) in FIELDS.items():
+        value = st.session_state.get(key)
+        if key == "tr_targets":
+            value = (value or "").strip()
+            if value != "all-linear":
+                value = [m.strip() for m in value.split(",") if m.strip()] or value
+        if (
+            key in ("tr_alpha", "tr_warmup")
+            and isinstance(value, float)
+            and value >= 1
+            and value.is_integer()
+        ):
+            value = int(value)  # whole numbers read as such in the YAML (warmup >= 1 counts steps)
+        if key in ("tr_model_path", "tr_data_path"):
+            value = (value or "").strip() or None
+        raw[section][name] = value
+    return raw
+
+
+def _errors_below(slot, errors: dict, *paths: str) -> None:
+    msgs = [errors[p] for p in paths if p in errors]
+    if msgs:
+        slot.error("\n\n".join(msgs))
+
+
+def config_form(workspace: str) -> tuple[dict, dict, str]:
+    """Draw the form; returns (raw config, field errors, run name)."""
+    base, source = _base_config(workspace)
+    plan = st.session_state.get("plan")
+    plan_key = repr(sorted(plan.items())) if plan else None
+    pending = st.session_state.pop("tr_pending", None)
+    if pending is not None:
+        _fill_form(pending)
+        source = "the uploaded YAML"
+    elif "tr_model_path" not in st.session_state or st.session_state.get("tr_plan_seen") != plan_key:
+        if st.session_state.get("tr_plan_seen") != plan_key and plan:
+            base, source = _from_plan(plan, base)
+        _fill_form(base)
+        st.session_state["tr_plan_seen"] = plan_key
+    st.caption(f"Prefilled from {source}. Every value is also in the YAML (download below).")
+    for note in st.session_state.get("tr_notes") or []:
+        st.warning(note)
+    if "tr_name" not in st.session_state:
+        model_name = Path(st.session_state["tr_model_path"] or "run").name
+        st.session_state["tr_name"] = suggest_run_name(f"{model_name}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+    slots = {}
+    name = st.text_input(
+        "Run name", key="tr_name", help="A folder under <workspace>/runs: letters, digits, . _ -"
+    )
+    slots["name"] = st.empty()
+
+    st.markdown("##### Model")
+    c1, c2, c3 = st.columns([3, 1, 1])
+    c1.text_input(
+        "Model folder", key="tr_model_path", help="A local transformers model (config.json + weights)."
+    )
+    c2.selectbox("Weights dtype", DTYPES, key="tr_dtype")
+    c3.selectbox("Attention", ATTN, key="tr_attn")
+    slots["model"] = st.empty()
+
+    st.markdown("##### LoRA")
+    c = st.columns([1, 1, 1, 1, 1, 2])
+    c[0].checkbox("LoRA", key="tr_lora", help="Off: full fine-tuning.")
+    c[1].checkbox("4-bit", key="tr_4bit", help="QLoRA: NF4 base weights via bitsandbytes.")
+    c[2].number_input("r", key="tr_r", step=1)
+    c[3].number_input("alpha", key="tr_alpha", step=1.0)
+    c[4].number_input("dropout", key="tr_dropout", step=0.05, format="%.2f")
+    c[5].text_input("Target modules", key="tr_targets", help="all-linear, or a list such as q_proj, v_proj")
+    slots["lora"] = st.empty()
+
+    st.markdown("##### Data")
+    c1, c2, c3, c4 = st.columns([3, 1, 1, 1])
+    c1.text_input(
+        "Dataset file", key="tr_data_path", help=".jsonl/.json/.csv/.parquet or a save_to_disk folder"
+    )
+    c2.selectbox(
+        "Format", FORMATS, key="tr_format", help="auto: chat if 'messages', alpaca if instruction+output"
+    )
+    c3.number_input("Max length (tokens)", key="tr_max_length", step=64)
+    c4.number_input(
+        "Eval split", key="tr_eval_split", step=0.01, format="%.2f", help="Fraction held out (0: none)"
+    )
+    slots["data"] = st.empty()
+
+    st.markdown("##### Training")
+    c = st.columns(4)
+    c[0].number_input("Batch size (per device)", key="tr_batch", step=1)
+    c[1].number_input("Gradient accumulation", key="tr_accum", step=1)
+    c[2].number_input("Max steps (-1: epochs)", key="tr_max_steps", step=10)
+    c[3].number_input("Epochs", key="tr_epochs", step=1.0)
+    c = st.columns(4)
+    c[0].number_input("Learning rate", key="tr_lr", step=1e-5, format="%.2e")
+    c[1].selectbox("Scheduler", SCHEDULERS, key="tr_sched")
+    c[2].number_input("Warmup (fraction < 1, or steps)", key="tr_warmup", step=0.01)
+    c[3].selectbox("Optimizer", OPTIMIZERS, key="tr_optim")
+    c = st.columns(4)
+    c[0].checkbox("Gradient checkpointing", key="tr_ckpt")
+    c[1].number_input("Log every (steps)", key="tr_logging", step=1)
+    c[2].number_input("Checkpoint every (steps)", key="tr_save", step=10)
+    slots["training"] = st.empty()
+
+    raw = _raw_config()
+    st.session_state["train_config"] = raw  # survives a visit to another page (widget state does not)
+    errors = _field_errors(config_to_yaml(raw))
+    name_problem = check_new_run_name(workspace, name)
+    if name_problem:
+        errors = {**errors, "run_name": name_problem}
+    _errors_below(slots["name"], errors, "run_name")
+    for section in ("model", "quantization", "lora", "data", "training"):
+        slot = slots.get(section) or slots["lora"]
+        _errors_below(slot, errors, *[k for k in errors if k.startswith(section + ".")])
+    _errors_below(slots["training"], errors, *[k for k in errors if "." not in k and k != "run_name"])
+    return raw, errors, name
+
+
+# ---- checks and estimates ----------------------------------------------------------------------------------------
+
+
+def _size(b: float) -> str:
+    return f"{b / GiB:.2f} GiB" if b >= GiB / 10 else f"{b / 2**20:.1f} MiB"
+
+
+def _gpu_gb() -> tuple[float, str]:
+    plan = st.session_state.get("plan") or {}
+    if plan.get("gpu_gb"):
+        return float(plan["gpu_gb"]), "the Estimate page's card"
+    cards, _ = _cards()
+    if cards:
+        return cards[0][1], f"the detected {cards[0][0]}"
+    return 24.0, "a 24 GiB card (no GPU detected here; choose the card on the Estimate page)"
+
+
+def verdict_panel(cfg: dict) -> dict | None:
+    """The planner's verdict for this config on the card; returns the plan.json record (or None)."""
+    gpu_gb, where = _gpu_gb()
+    try:
+        est = estimate_for_config(cfg, gpu_gb, "cuda", base=st.session_state.get("plan"))
+    except (PlanError, SpecError, ValueError) as exc:
+        st.warning(f"No memory estimate for this config: {exc}")
+        return None
+    VERDICT.get(est.verdict, st.info)(
+        f"**{est.verdict.capitalize()}** on {where}: {_size(est.device_total_bytes)} of "
+        f"{est.gpu_bytes / GiB:.0f} GiB ({est.fraction:.0%}); tensor peak {_size(est.tensor_peak_bytes)} "
+        f"in the {est.peak_phase} phase."
+    )
+    for w in est.warnings:
+        st.caption(f"planner: {w}")
+    return plan_record(est)
+
+
+def preview_panel(cfg: dict) -> None:
+    try:
+        pv = _preview(config_to_yaml(cfg))
+    except (DataError, OSError, ValueError) as exc:
+        st.error(f"Cannot preview the dataset: {exc}")
+        return
+    st.caption(
+        f"{pv['total_rows']} rows, format **{pv['format']}**. The prompt is masked out of the loss; the "
+        f"completion is what the model learns. {pv['truncated']} of the first {len(pv['lengths'])} rows exceed "
+        f"max length {pv['max_length']}."
+    )
+    st.dataframe(pd.DataFrame(pv["rows"]), hide_index=True, width="stretch")
+    lengths = pd.DataFrame({"tokens": pv["lengths"]})
+    bars = (
+        alt.Chart(lengths)
+        .mark_bar()
+        .encode(
+            alt.X("tokens:Q", bin=alt.Bin(maxbins=40, minstep=1), title="tokens per row"),
+            alt.Y("count()", title="rows"),
+        )
+    )
+    limit = (
+        alt.Chart(pd.DataFrame({"tokens": [pv["max_length"]]})).mark_rule(color="red").encode(x="tokens:Q")
+    )
+    st.altair_chart((bars + limit).properties(height=300), width="stretch")
+
+
+def preflight_panel(cfg: dict) -> bool:
+    """Show the preflight findings; True when one of them blocks the run."""
+    try:
+        findings = _preflight(config_to_yaml(cfg))
+    except (OSError, ValueError) as exc:
+        st.error(f"Preflight could not run: {exc}")
+        return True
+    if not findings:
+        st.success("Preflight: no problems found in the data for this model.")
+    for f in findings:
+        (st.error if f["level"] == "error" else st.warning)(
+            f"**{f['check']}**: {f['message']}\n\nFix: {f['fix']}"
+        )
+    return any(f["level"] == "error" for f in findings)
+
+
+def smoke_panel(workspace: str, cfg: dict, name: str) -> None:
+    st.caption(
+        "One real training step at batch size 1 on this machine: measured peak memory and time per step."
+    )
+    if st.button("Smoke test", key="tr_smoke", icon=":material/science:"):
+        devices, _ = gpu.detect_gpus()
+        device = "cuda" if devices else "cpu"
+        gpu_gb, _ = _gpu_gb()
+        try:
+            plan = plan_record(estimate_for_config(cfg, gpu_gb, device, batch_size=1))
+        except (PlanError, SpecError, ValueError):
+            plan = None
+        try:
+            with st.spinner("Smoke test: loading the model and running one step…"):
+                run_dir = start_smoke_test(workspace, name, cfg, plan)
+                result = wait_for_smoke(run_dir, timeout=SMOKE_TIMEOUT_S)
+        except (RunError, WorkspaceError, ConfigError) as exc:
+            st.error(str(exc))
+            return
+        st.session_state["tr_smoke_result"] = {"dir": str(run_dir), "result": result}
+    res = st.session_state.get("tr_smoke_result")
+    if not res:
+        return
+    smoke = res["result"]
+    if smoke is None:
+        st.error(f"Smoke test: no result after {SMOKE_TIMEOUT_S} s; see stderr.log in {res['dir']}.")
+        return
+    if smoke.get("state") == "failed":
+        st.error(f"Smoke test failed: {smoke.get('reason') or 'no reason recorded'} (folder {res['dir']}).")
+        return
+    c = st.columns(4)
+    peak, est = smoke.get("peak_bytes"), smoke.get("estimate_bytes")
+    c[0].metric(
+        "Measured peak", f"{peak / GiB:.3f} GiB" if peak else "n/a", help=f"by {smoke.get('measured_by')}"
+    )
+    delta = f"{peak / est - 1:+.0%} vs estimate" if peak and est else None
+    c[1].metric("Estimated peak", _size(est) if est else "n/a", delta=delta, delta_color="off")
+    sps = smoke.get("seconds_per_step")
+    c[2].metric("Seconds per step", f"{sps:.2f}" if sps else "n/a")
+    c[3].metric("Device", smoke.get("device") or "n/a")
+    st.caption(f"Batch size 1, max length {smoke.get('max_length')}; results in {res['dir']}.")
+
+
+def yaml_panel(raw: dict, errors: dict) -> None:
+    c1, c2 = st.columns(2)
+    with c1:
+        st.download_button(
+            "Download config YAML",
+            config_to_yaml(raw),
+            file_name=f"{st.session_state.get('tr_name') or 'run'}.yaml",
+            mime="application/x-yaml",
+            icon=":material/download:",
+        )
+    with c2:
+        up = st.file_uploader("Load a config YAML", type=["yaml", "yml"], key="tr_upload")
+        if up is not None and st.session_state.get("tr_upload_seen") != up.file_id:
+            import yaml
+
+            try:
+                cfg = validate_config(yaml.safe_load(up.getvalue().decode("utf-8")))
+            except (ConfigError, yaml.YAMLError, UnicodeDecodeError) as exc:
+                st.error(f"{up.name} was not loaded: {exc}")
+                return
+            st.session_state["tr_upload_seen"] = up.file_id
+            st.session_state["tr_pending"] = cfg  # filled in before the widgets are drawn on the rerun
+            st.rerun()
+
+
+def launch_button(
+    workspace: str, cfg: dict | None, name: str, plan: dict | None, blocked: str | None
+) -> None:
+    if blocked:
+        st.caption(blocked)
+    if st.button(
+        "Launch", type="primary", key="tr_launch", disabled=bool(blocked), icon=":material/rocket_launch:"
+    ):
+        if blocked or cfg is None:  # also refuse when the click raced an edit
+            st.error(f"Not launched: {blocked}")
+            return
+        try:
+            run_dir = create_run(workspace, name, cfg, plan)
+            launch(run_dir)
+        except (RunError, WorkspaceError, ConfigError) as exc:
+            st.error(f"Not launched: {exc}")
+            return
+        st.session_state["monitor_run"] = str(run_dir)
+        st.session_state.pop("tr_name", None)  # the next run gets a fresh name
+        st.switch_page("pages/monitor.py")
+
+
+# ---- page -------------------------------------------------------------------------------------------------------
+
+st.title("Train")
+workspace = st.session_state.get("workspace") or str(default_workspace())
+
+demo_model = str((demo_dir(workspace) / "base").resolve())
+if not demo_ready(workspace) and st.session_state.get("tr_model_path") in (None, demo_model):
+    st.info(
+        "The default run uses the demo assets (a tiny pretrained model and an instruction dataset that it learns "
+        f"in about a minute on a CPU). They are not built yet in {demo_dir(workspace)}."
+    )
+    if st.button("Build the demo assets", icon=":material/build:"):
+        try:
+            with st.spinner("Building the demo model and dataset (a minute or two on a CPU)…"):
+                build_demo(demo_dir(workspace), log=lambda *_: None)
+        except (DemoError, OSError) as exc:
+            st.error(str(exc))
+        else:
+            for key in [k for k in st.session_state if k.startswith("tr_") or k == "train_config"]:
+                del st.session_state[key]  # refill the form from the demo config
+            st.rerun()
+
+raw, errors, name = config_form(workspace)
+cfg = None
+if not errors:
+    try:
+        cfg = validate_config(raw)
+    except ConfigError as exc:
+        st.error(str(exc))
+
+st.divider()
+st.subheader("Memory plan")
+plan = verdict_panel(cfg) if cfg else None
+if not cfg:
+    st.caption("Fix the marked fields to see the estimate, the data preview and the preflight report.")
+
+blocked = None
+if errors:
+    blocked = f"Fix the {len(errors)} problem(s) marked above to launch."
+if cfg:
+    st.subheader("Dataset preview")
+    preview_panel(cfg)
+    st.subheader("Preflight")
+    if preflight_panel(cfg):
+        blocked = "Preflight found errors: fix them to launch."
+
+st.subheader("Smoke test and launch")
+if cfg and not errors:
+    smoke_panel(workspace, cfg, name)
+launch_button(workspace, cfg, name, plan, blocked)
+st.divider()
+yaml_panel(raw, errors)

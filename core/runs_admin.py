@@ -1,0 +1,249 @@
+"""What the Train and Runs pages need beyond the launcher (core.runs): field-by-field checks of a run form, the
+planner's estimate for a run config, smoke-test runs kept apart from real runs, and deleting a run.
+
+UI-free like the rest of core: the pages show the sentences these functions return or raise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+from core.config import RULES, SECTIONS, ConfigError, atomic_write_text, dump_config, validate_config
+from core.runs import LIVE_STATES, RunError, launch, run_state
+from core.workspace import WorkspaceError, check_run_name, inside, runs_dir
+
+SMOKE_DIR = "smoke"  # <workspace>/smoke/<run>-<n>/: one-step runs, not listed among the real runs
+# The planner models sdpa and eager; flash/flex attention keep no score matrix either, like sdpa.
+_PLAN_ATTN = {"flash_attention_2": "sdpa", "flex_attention": "sdpa"}
+_PLAN_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+# ---- checking a run form --------------------------------------------------------------------------------------
+
+
+def check_fields(raw: dict) -> dict[str, str]:
+    """Every problem of a raw run config, keyed by the field's path ("training.learning_rate"), one sentence each.
+
+    Unlike validate_config (which stops at the first problem) this reports all of them, so a form can show each
+    message next to its field. Also checks what validation cannot: the model folder and the data's columns.
+    """
+    errors: dict[str, str] = {}
+    for section in raw or {}:
+        if section not in SECTIONS:
+            errors[section] = f"{section}: unknown section; a run config has only {', '.join(SECTIONS)}."
+            continue
+        for key, value in (raw[section] or {}).items():
+            rule = RULES[section].get(key)
+            if rule is None:
+                errors[f"{section}.{key}"] = f"{section}.{key}: unknown key."
+                continue
+            problem = rule(value)
+            if problem:
+                errors[f"{section}.{key}"] = f"{section}.{key} {problem} (got {value!r})."
+    model_path = ((raw or {}).get("model") or {}).get("path")
+    if "model.path" not in errors:
+        problem = check_model_folder(model_path)
+        if problem:
+            errors["model.path"] = problem
+    data = (raw or {}).get("data") or {}
+    if not any(k.startswith("data.") for k in errors):
+        problem = check_data_columns(data)
+        if problem:
+            errors["data.path"] = problem
+    if not errors:
+        try:
+            validate_config(raw)
+        except ConfigError as exc:  # combinations (bf16 with fp16, 4-bit without LoRA, ...)
+            errors["config"] = str(exc)
+    return errors
+
+
+def check_model_folder(path) -> str | None:
+    """None when `path` is a local transformers model folder; else what is wrong and how to fix it."""
+    if not isinstance(path, str) or not path.strip():
+        return "model.path is empty: give the folder of a local model (config.json + weights)."
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        return (
+            f"model.path: the folder {p} does not exist. Nothing is downloaded here: give the folder of a "
+            "local model (config.json, weights and tokenizer files), e.g. one saved with save_pretrained."
+        )
+    if not (p / "config.json").is_file():
+        return f"model.path: {p} has no config.json, so it is not a transformers model folder."
+    return None
+
+
+def check_data_columns(data_cfg: dict) -> str | None:
+    """None when the dataset loads and has the columns its format needs; else the sentence from core.data."""
+    from core.data import DataError, detect_format, load_rows, missing_columns
+
+    if not data_cfg.get("path"):
+        return "data.path is empty: give a .jsonl/.json/.csv/.parquet file or a save_to_disk folder."
+    try:
+        ds = load_rows(data_cfg)
+        fmt = detect_format(ds.column_names, data_cfg.get("format", "auto"))
+    except DataError as exc:
+        return str(exc)
+    missing = missing_columns(ds.column_names, fmt)
+    if missing:
+        return (
+            f"data.path: format {fmt} needs the column(s) {', '.join(missing)}, but the data has "
+            f"{', '.join(ds.column_names)}. Map yours with data.columns or choose another format."
+        )
+    return None
+
+
+def check_new_run_name(workspace: str | os.PathLike, name: str) -> str | None:
+    """None when `name` can become a new run folder in the workspace; else the reason."""
+    try:
+        name = check_run_name(name)
+        run_dir = inside(workspace, runs_dir(workspace) / name)
+    except WorkspaceError as exc:
+        return str(exc)
+    if run_dir.exists():
+        return f"A run named {name!r} already exists in {run_dir.parent}: choose another name."
+    return None
+
+
+# ---- the planner's view of a run config ------------------------------------------------------------------------
+
+
+def plan_for_config(
+    cfg: dict,
+    gpu_gb: float = 24.0,
+    device: str = "cuda",
+    batch_size: int | None = None,
+    base: dict | None = None,
+):
+    """The core.estimate.Plan that describes training `cfg` (a validated run config) on a `gpu_gb` card.
+
+    `base` (the Estimate page's plan dict) keeps the settings a run config does not carry (DPO, eval KV cache,
+    expandable segments). On a CPU the trainer never uses bf16/fp16 autocast, so the plan computes in fp32.
+    """
+    from core.estimate import Plan
+
+    m, q, lo, d, t = (cfg[s] for s in SECTIONS)
+    method = "full" if not lo["enabled"] else ("qlora" if q["load_in_4bit"] else "lora")
+    if device == "cpu":
+        load, compute = "fp32", "fp32"
+    else:
+        load = "bf16" if m["dtype"] == "auto" else _PLAN_DTYPE[m["dtype"]]
+        compute = "fp16" if t["fp16"] else ("bf16" if t["bf16"] in (True, "auto") else "fp32")
+    if q["load_in_4bit"] and device != "cpu":
+        qc = q["bnb_4bit_compute_dtype"]
+        compute = compute if qc == "auto" else _PLAN_DTYPE[qc]
+    targets = lo["target_modules"]
+    fields = dict(base or {})
+    fields = {k: v for k, v in fields.items() if k in Plan.__dataclass_fields__}
+    fields.update(
+        model=m["path"],
+        method=method,
+        load_dtype=load,
+        compute_dtype=compute,
+        autocast=compute != "fp32",
+        quant_type=q["bnb_4bit_quant_type"],
+        double_quant=q["bnb_4bit_use_double_quant"],
+        lora_r=lo["r"],
+        lora_alpha=lo["lora_alpha"],
+        lora_dropout=lo["lora_dropout"],
+        target_modules=targets if isinstance(targets, str) else ",".join(targets),
+        batch_size=batch_size or t["per_device_train_batch_size"],
+        seq_len=d["max_length"],
+        gradient_checkpointing=t["gradient_checkpointing"],
+        attn=_PLAN_ATTN.get(m["attn_implementation"], m["attn_implementation"]),
+        optim=t["optim"],
+        gpu_gb=float(gpu_gb),
+        device=device,
+    )
+    return Plan(**fields)
+
+
+def estimate_for_config(cfg: dict, gpu_gb: float = 24.0, device: str = "cuda", batch_size=None, base=None):
+    """core.estimate.estimate of plan_for_config(...); raises PlanError/SpecError with the planner's sentence."""
+    from core.estimate import estimate
+
+    return estimate(plan_for_config(cfg, gpu_gb, device, batch_size, base))
+
+
+def plan_record(est) -> dict:
+    """What goes into a run's plan.json: the estimate's totals and the plan it was made for."""
+    d = est.to_dict()
+    d.pop("phase_components", None)  # per-phase detail: large and read by nobody downstream
+    return d
+
+
+# ---- smoke tests ------------------------------------------------------------------------------------------------
+
+
+def create_smoke_run(workspace: str | os.PathLike, name: str, config: dict, plan: dict | None = None) -> Path:
+    """A fresh folder <workspace>/smoke/<name>-<n> holding the config (and plan.json) for a one-step run.
+
+    Kept out of <workspace>/runs so smoke tests do not crowd the Runs page and never block the run name.
+    """
+    name = check_run_name(name)
+    cfg = validate_config(config)
+    root = inside(workspace, Path(workspace) / SMOKE_DIR)
+    root.mkdir(parents=True, exist_ok=True)
+    n = 1
+    while True:
+        run_dir = root / f"{name}-{n}"
+        try:
+            run_dir.mkdir()  # atomic claim of the folder: two clicks never share one
+            break
+        except FileExistsError:
+            n += 1
+    dump_config(cfg, run_dir / "config.yaml")
+    if plan:
+        atomic_write_text(run_dir / "plan.json", json.dumps(plan, default=str))
+    return run_dir
+
+
+def start_smoke_test(workspace, name: str, config: dict, plan: dict | None = None) -> Path:
+    """Create a smoke run and launch it (one step at batch size 1); returns its folder."""
+    run_dir = create_smoke_run(workspace, name, config, plan)
+    launch(run_dir, smoke=True)
+    return run_dir
+
+
+# ---- deleting a run ---------------------------------------------------------------------------------------------
+
+
+def delete_run(run_dir: str | os.PathLike, workspace: str | os.PathLike) -> None:
+    """Delete a finished, failed or stopped run folder inside <workspace>/runs; refuse anything else.
+
+    The folder is first renamed to a hidden name (one atomic step: it leaves every listing at once), then
+    removed, so an interrupted delete never leaves half a run that looks real.
+    """
+    root = runs_dir(workspace).expanduser().resolve()
+    target = Path(run_dir).expanduser().resolve()
+    if target.parent != root:
+        raise RunError(f"{target} is not a run folder in {root}: only runs of this workspace can be deleted.")
+    if not target.is_dir():
+        raise RunError(f"Run {target.name} does not exist (already deleted?).")
+    info = run_state(target)
+    if info.alive or info.state in LIVE_STATES:
+        raise RunError(
+            f"Run {target.name} is {info.state} (pid {info.pid}): stop it on the Monitor page before deleting it."
+        )
+    trash = root / f".deleting-{target.name}-{time.time_ns()}"
+    os.replace(target, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+__all__ = [
+    "SMOKE_DIR",
+    "check_data_columns",
+    "check_fields",
+    "check_model_folder",
+    "check_new_run_name",
+    "create_smoke_run",
+    "delete_run",
+    "estimate_for_config",
+    "plan_for_config",
+    "plan_record",
+    "start_smoke_test",
+]

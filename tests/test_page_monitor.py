@@ -1,0 +1,119 @@
+"""The Monitor page through AppTest, on run directories written by real runs: one that finished (trained in this
+process by core.train.run_training) and one that failed (a real trainer subprocess whose model folder vanished)."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from core.diagnose import diagnose_run
+from core.runs import create_run, launch, wait_for
+from core.train import StopFlag, run_training
+
+PAGE = str(Path(__file__).resolve().parent.parent / "pages" / "monitor.py")
+
+
+def write_dataset(path: Path, n: int = 40) -> Path:
+    path.write_text(
+        "".join(json.dumps({"instruction": f"twice {i}", "output": f"{2 * i}"}) + "\n" for i in range(n))
+    )
+    return path
+
+
+def finished_run(workspace: Path, model: Path, name: str = "done") -> Path:
+    """A real, short LoRA run with eval, trained in this process (the trainer's own code path)."""
+    data = write_dataset(workspace / "train.jsonl")
+    cfg = {
+        "model": {"path": str(model)},
+        "data": {"path": str(data), "max_length": 48, "eval_split": 0.2},
+        "training": {
+            "per_device_train_batch_size": 4,
+            "gradient_accumulation_steps": 1,
+            "max_steps": 6,
+            "logging_steps": 1,
+            "eval_steps": 3,
+            "save_steps": 3,
+        },
+    }
+    run_dir = create_run(workspace, name, cfg)
+    run_training(run_dir / "config.yaml", run_dir, stop=StopFlag())
+    return run_dir
+
+
+def failed_run(workspace: Path, model: Path, name: str = "broken") -> Path:
+    """A real trainer subprocess that dies: its model folder is deleted between create and launch."""
+    gone = shutil.copytree(model, workspace / "model-that-vanishes")
+    cfg = {"model": {"path": str(gone)}, "data": {"path": str(write_dataset(workspace / "d2.jsonl"))}}
+    run_dir = create_run(workspace, name, cfg)
+    shutil.rmtree(gone)
+    launch(run_dir)
+    info = wait_for(run_dir, timeout=120)
+    assert info.state == "failed", info
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_llama) -> tuple[Path, Path, Path]:
+    ws = tmp_path_factory.mktemp("ws_monitor")
+    return ws, finished_run(ws, tiny_llama), failed_run(ws, tiny_llama)
+
+
+def _page(workspace: Path, monitor_run: Path | None = None) -> AppTest:
+    at = AppTest.from_file(PAGE, default_timeout=60)
+    at.session_state["workspace"] = str(workspace)
+    if monitor_run is not None:
+        at.session_state["monitor_run"] = str(monitor_run)
+    at.run()
+    assert not at.exception, at.exception
+    return at
+
+
+def _metric(at, label: str) -> str:
+    return next(m.value for m in at.metric if m.label == label)
+
+
+def test_no_runs_is_a_friendly_message(workspace):
+    at = _page(workspace)
+    assert any("No runs yet" in i.value for i in at.info)
+    assert not at.error
+
+
+@pytest.mark.slow  # builds the two real runs (~20 s) shared by this module
+def test_finished_run_shows_state_charts_and_no_gpu_reason(runs):
+    ws, done, _ = runs
+    at = _page(ws, done)
+    assert at.selectbox(key="mon_run").value == str(done)
+    assert _metric(at, "State") == "finished"
+    status = json.loads((done / "status.json").read_text())
+    assert _metric(at, f"Step (of {status['max_steps']})") == str(status["step"])
+    assert at.button(key="mon_stop").disabled  # nothing to stop
+    charts = at.get("vega_lite_chart")
+    assert len(charts) >= 3  # loss, learning rate, grad norm
+    assert any(i.value.startswith("GPU memory: no GPU samples:") for i in at.info)  # no NVML here: a reason
+    assert not at.error
+
+
+@pytest.mark.slow
+def test_failed_run_shows_reason_diagnosis_and_stderr(runs):
+    ws, _, broken = runs
+    at = _page(ws, broken)
+    assert _metric(at, "State") == "failed"
+    assert any(e.value.startswith("**The run failed.**") for e in at.error)
+    title = diagnose_run(broken).title
+    assert any("#### Diagnosis" in m.value for m in at.markdown)
+    assert any(title in m.value for m in at.markdown), title
+    stderr = (broken / "stderr.log").read_text().strip().splitlines()[-1]
+    assert any(stderr in c.value for c in at.code)
+
+
+@pytest.mark.slow
+def test_newest_run_is_the_default_and_the_selection_follows_other_pages(runs):
+    ws, done, broken = runs
+    at = _page(ws)
+    assert at.selectbox(key="mon_run").value == str(broken)  # created last
+    at.session_state["monitor_run"] = str(done)  # what the Train or Runs page sets before switching
+    at.run()
+    assert at.selectbox(key="mon_run").value == str(done)
+    assert _metric(at, "State") == "finished"

@@ -1,0 +1,199 @@
+"""The Train page through AppTest, on a tiny local model and a small JSONL dataset (the demo takes minutes to
+build on 2 cores, so a stand-in config with the same shape is seeded as the form's starting point)."""
+
+import json
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+PAGE = str(Path(__file__).resolve().parent.parent / "pages" / "train.py")
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "train.jsonl"
+    rows = [{"instruction": f"Add one to {i}", "output": f"{i + 1}"} for i in range(60)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def wrong_columns(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("bad") / "qa.jsonl"
+    path.write_text("".join(json.dumps({"question": f"q{i}", "reply": f"a{i}"}) + "\n" for i in range(5)))
+    return path
+
+
+def tiny_config(model: Path, data: Path) -> dict:
+    return {
+        "model": {"path": str(model)},
+        "data": {"path": str(data), "max_length": 64},
+        "training": {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 1, "max_steps": 20},
+    }
+
+
+def _page(workspace: Path, config: dict | None = None) -> AppTest:
+    at = AppTest.from_file(PAGE, default_timeout=180)
+    at.session_state["workspace"] = str(workspace)
+    if config is not None:
+        at.session_state["train_config"] = config
+    at.run()
+    assert not at.exception, at.exception
+    return at
+
+
+def _files(workspace: Path) -> set[str]:
+    return {str(p.relative_to(workspace)) for p in workspace.rglob("*")}
+
+
+def test_demo_default_without_assets_offers_to_build_them(workspace):
+    at = _page(workspace)
+    assert any("not built yet" in i.value for i in at.info)
+    assert any(b.label == "Build the demo assets" for b in at.button)
+    assert at.text_input(key="tr_model_path").value == str((workspace / "demo" / "base").resolve())
+    assert any("does not exist" in e.value for e in at.error)  # the missing demo folder, named at its field
+    assert at.button(key="tr_launch").disabled
+    assert _files(workspace) == set()
+
+
+def test_valid_config_shows_preview_preflight_and_verdict(workspace, tiny_llama, dataset):
+    at = _page(workspace, tiny_config(tiny_llama, dataset))
+    assert not at.error, [e.value for e in at.error]
+    assert any(s.value.startswith("Preflight: no problems") for s in at.success)
+    assert any(s.value.startswith("**Fits**") for s in at.success)  # the plan's verdict for this config
+    preview = at.dataframe[0].value
+    assert len(preview) == 5 and preview["completion"].iloc[0].startswith("1")
+    assert at.get("vega_lite_chart"), "token length histogram"
+    assert not at.button(key="tr_launch").disabled
+    assert at.text_input(key="tr_data_path").value == str(dataset)
+
+
+BAD_INPUTS = [
+    (
+        "text_input",
+        "tr_model_path",
+        "/nonexistent/model",
+        "model.path: the folder /nonexistent/model does not exist",
+    ),
+    ("number_input", "tr_lr", 0.0, "training.learning_rate must be in (0, 1]"),
+    ("number_input", "tr_lr", -1e-4, "training.learning_rate must be in (0, 1]"),
+    ("number_input", "tr_batch", 0, "training.per_device_train_batch_size must be between 1"),
+    ("text_input", "tr_name", "../escape", "Run name '../escape' is not allowed"),
+]
+
+
+@pytest.mark.parametrize(("kind", "key", "value", "message"), BAD_INPUTS, ids=lambda v: str(v)[:20])
+def test_bad_input_shows_message_and_launches_nothing(
+    workspace, tiny_llama, dataset, kind, key, value, message
+):
+    at = _page(workspace, tiny_config(tiny_llama, dataset))
+    before = _files(workspace)
+    getattr(at, kind)(key=key).set_value(value).run()
+    assert any(message in e.value for e in at.error), [e.value for e in at.error]
+    assert at.button(key="tr_launch").disabled
+    assert _files(workspace) == before
+    assert not (workspace.parent / "escape").exists()
+
+
+def test_dataset_without_needed_columns_is_named(workspace, tiny_llama, wrong_columns):
+    at = _page(workspace, tiny_config(tiny_llama, wrong_columns))
+    errors = [e.value for e in at.error]
+    assert any("Cannot tell the data format" in e and "question, reply" in e for e in errors), errors
+    at.selectbox(key="tr_format").set_value("alpaca").run()
+    errors = [e.value for e in at.error]
+    assert any("format alpaca needs the column(s) instruction, output" in e for e in errors), errors
+    assert at.button(key="tr_launch").disabled
+    assert _files(workspace) == set()
+
+
+def test_uploading_a_bad_yaml_shows_the_error_and_keeps_the_form(workspace, tiny_llama, dataset):
+    at = _page(workspace, tiny_config(tiny_llama, dataset))
+    bad = b"model:\n  path: /x\ntraining:\n  learning_rate: 0\n"
+    at.file_uploader(key="tr_upload").set_value(("bad.yaml", bad, "application/x-yaml")).run()
+    assert any("bad.yaml was not loaded" in e.value and "training.learning_rate" in e.value for e in at.error)
+    assert at.text_input(key="tr_model_path").value == str(tiny_llama)
+
+
+def test_uploading_a_good_yaml_fills_the_form(workspace, tiny_llama, dataset):
+    from core.config import config_to_yaml, validate_config
+
+    cfg = validate_config(tiny_config(tiny_llama, dataset))
+    cfg["lora"]["r"], cfg["training"]["learning_rate"] = 4, 5e-4
+    at = _page(workspace, tiny_config(tiny_llama, dataset))
+    at.file_uploader(key="tr_upload").set_value(
+        ("run.yaml", config_to_yaml(cfg).encode(), "application/x-yaml")
+    )
+    at.run()
+    assert not at.exception, at.exception
+    assert at.number_input(key="tr_r").value == 4
+    assert at.number_input(key="tr_lr").value == pytest.approx(5e-4)
+
+
+@pytest.mark.slow  # one real training step in a subprocess: ~15 s
+def test_smoke_test_shows_measured_peak_next_to_estimate(workspace, tiny_llama, dataset):
+    at = _page(workspace, tiny_config(tiny_llama, dataset))
+    at.button(key="tr_smoke").click().run()
+    assert not at.exception, at.exception
+    assert not at.error, [e.value for e in at.error]
+    metrics = {m.label: m.value for m in at.metric}
+    assert metrics["Measured peak"].endswith("iB") and metrics["Estimated peak"].endswith("iB")
+    assert float(metrics["Seconds per step"]) > 0
+    smoke = [d for d in (workspace / "smoke").iterdir()]
+    assert len(smoke) == 1 and (smoke[0] / "smoke.json").is_file()
+    result = json.loads((smoke[0] / "smoke.json").read_text())
+    assert result["estimate_bytes"] > 0 and result["peak_bytes"] > 0  # both sides of the comparison are real
+    assert not (workspace / "runs").exists()  # a smoke test is not a run
+
+
+# ---- core.runs_admin: the checks and the planner mapping behind the page ---------------------------------------
+
+
+def test_check_fields_reports_every_bad_field_at_once(tiny_llama, dataset):
+    from core.runs_admin import check_fields
+
+    raw = tiny_config(tiny_llama, dataset)
+    raw["training"].update(learning_rate=0, per_device_train_batch_size=0)
+    raw["lora"] = {"r": 0}
+    errors = check_fields(raw)
+    assert set(errors) == {"training.learning_rate", "training.per_device_train_batch_size", "lora.r"}
+    assert all(msg.startswith(path) for path, msg in errors.items())  # each sentence names its field
+    assert check_fields(tiny_config(tiny_llama, dataset)) == {}
+
+
+def test_plan_for_config_describes_the_run(tiny_llama, dataset):
+    from core.config import validate_config
+    from core.runs_admin import plan_for_config
+
+    cfg = validate_config(tiny_config(tiny_llama, dataset))
+    cfg["quantization"]["load_in_4bit"] = True
+    cfg["lora"].update(r=4, target_modules=["q_proj", "v_proj"])
+    cfg["training"].update(gradient_checkpointing=True, optim="paged_adamw_8bit")
+    plan = plan_for_config(
+        cfg, gpu_gb=48, device="cuda", base={"expandable_segments": True, "model": "ignored"}
+    )
+    assert (plan.method, plan.lora_r, plan.target_modules) == ("qlora", 4, "q_proj,v_proj")
+    assert (plan.batch_size, plan.seq_len, plan.gpu_gb) == (2, 64, 48.0)
+    assert plan.gradient_checkpointing and plan.optim == "paged_adamw_8bit"
+    assert plan.expandable_segments and plan.model == str(tiny_llama)  # base fills only what a config lacks
+    cpu = plan_for_config(cfg, device="cpu", batch_size=1)
+    assert (cpu.compute_dtype, cpu.autocast, cpu.batch_size) == (
+        "fp32",
+        False,
+        1,
+    )  # the trainer never autocasts on CPU
+
+
+def test_plan_from_estimate_page_prefills_and_flags_what_the_trainer_lacks(workspace, tiny_llama, dataset):
+    from core.estimate import Plan
+
+    plan = Plan(model=str(tiny_llama), batch_size=3, seq_len=64, lora_r=4, optim="adagrad", load_dtype="fp32")
+    at = AppTest.from_file(PAGE, default_timeout=180)
+    at.session_state["workspace"] = str(workspace)
+    at.session_state["train_config"] = tiny_config(tiny_llama, dataset)  # the data path comes from here
+    at.session_state["plan"] = plan.to_dict()
+    at.run()
+    assert not at.exception, at.exception
+    assert at.number_input(key="tr_batch").value == 3 and at.number_input(key="tr_r").value == 4
+    assert any("'adagrad' is not available here" in w.value for w in at.warning)
+    assert at.selectbox(key="tr_optim").value == "adamw_torch"
