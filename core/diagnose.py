@@ -194,8 +194,8 @@ def _explain_cuda_oom(ev: Evidence) -> tuple[list[str], list[str]]:
             "subtract their memory when planning."
         )
     plan = ev.plan or {}
-    predicted = plan.get("gpu_bytes") or plan.get("reserved_peak_bytes")
-    total = plan.get("device_total_bytes") or cap_b
+    predicted = plan.get("device_total_bytes") or plan.get("reserved_peak_bytes")
+    total = plan.get("gpu_bytes") or cap_b
     if predicted and total:
         if predicted > total:
             details.append(

@@ -106,7 +106,7 @@ class HealthChecker:
             source = "GPU memory in use (NVML, all processes)"
         else:
             _, reserved = series.metric("cuda_reserved")
-            cap = float((plan or {}).get("device_total_bytes") or 0)
+            cap = float((plan or {}).get("gpu_bytes") or 0)  # the card the plan was made for
             if not reserved.size or cap <= 0:
                 return None
             peak = float(np.nanmax(reserved[-20:]))
@@ -237,7 +237,7 @@ class HealthChecker:
             ),
             (
                 "process_memory",
-                "gpu_bytes",
+                "device_total_bytes",
                 "the run's GPU memory (NVML)",
                 lambda: series.gpu_series("process_memory")[1],
             ),

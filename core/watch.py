@@ -128,7 +128,7 @@ def _frame(x_name: str, parts: list[tuple[str, np.ndarray, np.ndarray]], x_dtype
 def plan_peak_bytes(plan: dict | None) -> float | None:
     """The plan's predicted whole-GPU footprint, comparable with NVML's memory curve."""
     plan = plan or {}
-    v = plan.get("gpu_bytes") or plan.get("reserved_peak_bytes")
+    v = plan.get("device_total_bytes") or plan.get("reserved_peak_bytes")
     return float(v) if isinstance(v, (int, float)) and v > 0 else None
 
 
@@ -267,7 +267,7 @@ class RunWatcher:
         idx = s.main_gpu()
         lines = {}
         _, total = s.gpu_series("memory_total")
-        cap = float(total[-1]) if total.size else (plan or {}).get("device_total_bytes")
+        cap = float(total[-1]) if total.size else (plan or {}).get("gpu_bytes")
         if cap:
             lines["gpu_capacity_gib"] = float(cap) / GiB
         peak_plan = plan_peak_bytes(plan)

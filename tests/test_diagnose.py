@@ -106,7 +106,7 @@ def test_cuda_oom_other_processes_from_nvml_samples_and_plan_fake_gpu_samples():
         for i in range(5)
     ]
     text = stderr("transcribed_cuda_oom_fragmentation")
-    plan = {"gpu_bytes": int(26 * GiB), "device_total_bytes": 24 * GiB}
+    plan = {"device_total_bytes": int(26 * GiB), "gpu_bytes": 24 * GiB}
     d = diagnose(Evidence(stderr=text, status=failed(), series=RunSeries.from_records([], gpu), plan=plan))
     assert any("Other processes held 6.00 GiB" in x and "777" in x for x in d.details)
     assert any("does not fit" in x for x in d.details)

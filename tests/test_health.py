@@ -114,7 +114,7 @@ def test_healthy_run_is_quiet_fake_gpu_samples(healthy_records):
     t0 = healthy_records[0]["time"]
     gpu = fake_gpu_records(t0 - 10, 200, used=int(17 * GiB), util=97, process_memory=int(16.5 * GiB))
     series = RunSeries.from_records(healthy_records, gpu)
-    plan = {"gpu_bytes": int(16.0 * GiB), "device_total_bytes": 24 * GiB}
+    plan = {"device_total_bytes": int(16.0 * GiB), "gpu_bytes": 24 * GiB}
     assert healthy_records[-1]["loss"] < 0.5 * healthy_records[0]["loss"]  # it really learned
     assert HealthChecker(FAST).check(series, plan, {"state": "running"}) == []
 
@@ -175,8 +175,8 @@ def test_measured_peak_against_plan_fake_gpu_samples(healthy_records):
     t0 = healthy_records[0]["time"]
     gpu = fake_gpu_records(t0, 30, used=int(20 * GiB), util=99, process_memory=int(19.5 * GiB))
     series = RunSeries.from_records(healthy_records, gpu)
-    over = [w for w in check_health(series, {"gpu_bytes": 16 * GiB}) if w.code == "plan_mismatch"]
+    over = [w for w in check_health(series, {"device_total_bytes": 16 * GiB}) if w.code == "plan_mismatch"]
     assert len(over) == 1 and over[0].level == "warning" and "22% above" in over[0].title
-    under = [w for w in check_health(series, {"gpu_bytes": 24 * GiB}) if w.code == "plan_mismatch"]
+    under = [w for w in check_health(series, {"device_total_bytes": 24 * GiB}) if w.code == "plan_mismatch"]
     assert len(under) == 1 and under[0].level == "info" and "below" in under[0].title
-    assert "plan_mismatch" not in codes(check_health(series, {"gpu_bytes": 18.5 * GiB}))
+    assert "plan_mismatch" not in codes(check_health(series, {"device_total_bytes": 18.5 * GiB}))

@@ -182,7 +182,7 @@ def test_health_warnings_and_plan_line_in_snapshot(tmp_path):
         "".join(metric(s) for s in range(1, 20)) + metric(20, loss=float("nan"))
     )
     (run / "gpu.jsonl").write_text("".join(gpu(s, used=int(23 * GiB)) for s in range(20)))
-    (run / "plan.json").write_text(json.dumps({"gpu_bytes": 12 * GiB, "device_total_bytes": 24 * GiB}))
+    (run / "plan.json").write_text(json.dumps({"device_total_bytes": 12 * GiB, "gpu_bytes": 24 * GiB}))
     write_status(run, step=20)
     snap = RunWatcher(run).refresh()
     assert {w.code for w in snap.warnings} >= {"nonfinite_loss", "memory_high", "plan_mismatch"}
