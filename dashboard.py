@@ -45,6 +45,6 @@ PAGES = [
 
 page = st.navigation(PAGES)
 sidebar()
-# Tells the page it runs under this router (see the legacy-mode guard at the top of each page).
+# This session has been through the router (see the legacy-mode guard at the top of each page).
 st.session_state["_routed"] = True
 page.run()

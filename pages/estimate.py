@@ -21,9 +21,10 @@ from core.estimate import (
 )
 from core.specs import SpecError, load_spec, preset_ids
 
-# Opened by its URL before the router ever ran in this server process, Streamlit is still in its legacy pages/
-# mode and ran this file alone (no sidebar, no workspace). Leave that mode and rerun through dashboard.py.
-if PagesManager.uses_pages_directory and not st.session_state.pop("_routed", False):
+# A session whose first request is this page's URL, before the router ever ran in this server process: Streamlit
+# is still in its legacy pages/ mode and ran this file alone (no sidebar, no workspace). Leave that mode for good
+# and rerun through dashboard.py (a first run has no widget events to lose).
+if PagesManager.uses_pages_directory and not st.session_state.get("_routed"):
     PagesManager.uses_pages_directory = False
     st.rerun()
 

@@ -15,9 +15,10 @@ from core.runs import LIVE_STATES, list_runs, stop_run
 from core.watch import RunWatcher
 from core.workspace import default_workspace
 
-# Opened by its URL before the router ever ran in this server process, Streamlit is still in its legacy pages/
-# mode and ran this file alone (no sidebar, no workspace). Leave that mode and rerun through dashboard.py.
-if PagesManager.uses_pages_directory and not st.session_state.pop("_routed", False):
+# A session whose first request is this page's URL, before the router ever ran in this server process: Streamlit
+# is still in its legacy pages/ mode and ran this file alone (no sidebar, no workspace). Leave that mode for good
+# and rerun through dashboard.py (a first run has no widget events to lose).
+if PagesManager.uses_pages_directory and not st.session_state.get("_routed"):
     PagesManager.uses_pages_directory = False
     st.rerun()
 
@@ -133,7 +134,14 @@ def failure(snap) -> None:
 def charts(snap) -> None:
     c1, c2 = st.columns(2)
     with c1:
-        _chart(snap.charts.get("loss"), "step", "Loss", "loss", "no loss logged yet")
+        loss = snap.charts.get("loss")
+        _chart(loss, "step", "Loss", "loss", "no loss logged yet")
+        if loss is not None and not loss.empty:
+            last = snap.latest.get("loss")
+            st.caption(
+                f"{int((loss['series'] == 'train').sum())} train-loss points charted"
+                + (f" · last {last:.4f}" if isinstance(last, float) else "")
+            )
     with c2:
         memory_chart(snap)
     c1, c2 = st.columns(2)

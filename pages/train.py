@@ -39,9 +39,10 @@ from core.runs_admin import (
 from core.specs import SpecError
 from core.workspace import WorkspaceError, default_workspace, suggest_run_name
 
-# Opened by its URL before the router ever ran in this server process, Streamlit is still in its legacy pages/
-# mode and ran this file alone (no sidebar, no workspace). Leave that mode and rerun through dashboard.py.
-if PagesManager.uses_pages_directory and not st.session_state.pop("_routed", False):
+# A session whose first request is this page's URL, before the router ever ran in this server process: Streamlit
+# is still in its legacy pages/ mode and ran this file alone (no sidebar, no workspace). Leave that mode for good
+# and rerun through dashboard.py (a first run has no widget events to lose).
+if PagesManager.uses_pages_directory and not st.session_state.get("_routed"):
     PagesManager.uses_pages_directory = False
     st.rerun()
 
@@ -151,9 +152,13 @@ def _from_plan(plan: dict, base: dict) -> tuple[dict, str]:
     source = f"the Estimate page's plan ({plan.get('model')})"
     if check_model_folder(plan.get("model")) and base["model"].get("path"):
         cfg["model"]["path"] = base["model"]["path"]
+        # The plan's batch size and length were sized for its model and card, not for the model kept here
+        # (the demo model has 64 positions): keep base's until the user points at the planned model.
+        cfg["data"]["max_length"] = base["data"]["max_length"]
+        cfg["training"]["per_device_train_batch_size"] = base["training"]["per_device_train_batch_size"]
         source += (
-            f"; its model is not a local folder, so the model stays {base['model']['path']}: point the model "
-            "folder at your local copy to train it"
+            f"; its model is not a local folder, so the model, batch size and max length stay those of "
+            f"{base['model']['path']}: point the model folder at your local copy to train it"
         )
     return cfg, source
 

@@ -15,7 +15,8 @@ pytestmark = [
 ]
 
 SHOTS = REPO / "e2e-screenshots"
-PAGES = ["", "train", "monitor", "runs", "merge"]
+# "train" first: a server whose first request is a page URL must still route through dashboard.py.
+PAGES = ["train", "", "monitor", "runs", "merge"]
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +46,10 @@ def test_every_page_loads_without_an_exception_box(browser, server):
         page.wait_for_selector('[data-testid="stSidebar"]')
         page.screenshot(path=str(SHOTS / f"page-{path or 'estimate'}.png"), full_page=True)
         assert exceptions_on(page) == [], f"page /{path} raised"
+        sidebar = page.inner_text('[data-testid="stSidebar"]')
+        assert "Workspace" in sidebar and "Merge & Export" in sidebar, (
+            f"/{path} was not routed: {sidebar[:200]}"
+        )
         assert "no NVIDIA GPU found" in page.inner_text(
             '[data-testid="stSidebar"]'
         ) or "GiB" in page.inner_text('[data-testid="stSidebar"]')

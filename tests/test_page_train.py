@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from core.config import default_config
+
 PAGE = str(Path(__file__).resolve().parent.parent / "pages" / "train.py")
 
 
@@ -197,3 +199,22 @@ def test_plan_from_estimate_page_prefills_and_flags_what_the_trainer_lacks(works
     assert at.number_input(key="tr_batch").value == 3 and at.number_input(key="tr_r").value == 4
     assert any("'adagrad' is not available here" in w.value for w in at.warning)
     assert at.selectbox(key="tr_optim").value == "adamw_torch"
+
+
+def test_plan_for_a_hub_model_keeps_the_local_model_and_its_sizes(workspace, tiny_llama, dataset):
+    """Estimate a preset (no weights here), then Train: the plan's 2048 tokens must not land on a 256-position
+    model; the LoRA settings still come across."""
+    from core.estimate import Plan
+
+    plan = Plan(model="meta-llama/Llama-2-7b-hf", batch_size=7, seq_len=2048, lora_r=8)
+    at = AppTest.from_file(PAGE, default_timeout=180)
+    at.session_state["workspace"] = str(workspace)
+    at.session_state["train_config"] = None
+    at.session_state["plan"] = plan.to_dict()
+    at.run()
+    assert not at.exception, at.exception
+    assert at.text_input(key="tr_model_path").value.endswith("demo/base")
+    # The demo is not built here, so the form starts from the default config: its length, not the plan's 2048.
+    assert at.number_input(key="tr_max_length").value == default_config()["data"]["max_length"] != 2048
+    assert at.number_input(key="tr_batch").value != 7
+    assert at.number_input(key="tr_r").value == 8
