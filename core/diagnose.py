@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from core.config import read_json_object
 from core.tail import RunFiles, RunSeries, tail_text
 
 GiB = 1024**3
@@ -590,14 +591,6 @@ def diagnose(ev: Evidence, rules: list[Rule] | None = None) -> Diagnosis:
     raise AssertionError("the 'unknown' rule always matches")
 
 
-def _read_json(path: Path) -> dict | None:
-    try:
-        data = json.loads(path.read_text())
-        return data if isinstance(data, dict) else None
-    except (OSError, ValueError):
-        return None
-
-
 def _read_yaml(path: Path) -> dict | None:
     try:
         import yaml
@@ -617,9 +610,9 @@ def load_evidence(run_dir: str | os.PathLike, series: RunSeries | None = None) -
         series = files.series
     return Evidence(
         stderr=tail_text(run_dir / "stderr.log", n_lines=400, max_bytes=256 * 1024),
-        status=_read_json(run_dir / "status.json"),
+        status=read_json_object(run_dir / "status.json"),
         series=series,
-        plan=_read_json(run_dir / "plan.json"),
+        plan=read_json_object(run_dir / "plan.json"),
         config=_read_yaml(run_dir / "config.yaml"),
     )
 

@@ -22,7 +22,7 @@ import time
 import traceback
 from pathlib import Path
 
-from core.config import ConfigError, atomic_write_text, dump_config, load_config
+from core.config import ConfigError, atomic_write_text, dump_config, load_config, read_json_object
 from core.data import Collator, DataError, prepare_datasets
 
 METRIC_KEYS = ("loss", "eval_loss", "learning_rate", "grad_norm")
@@ -534,7 +534,7 @@ def run_training(
     if callback.nan_step is not None:
         raise TrainError(f"loss became NaN at step {callback.nan_step}")
     if smoke:
-        plan = _read_json(run_dir / "plan.json") or {}
+        plan = read_json_object(run_dir / "plan.json") or {}
         smoke_result = {
             "state": "finished",
             "reason": None,
@@ -584,13 +584,6 @@ def save_final(trainer, tokenizer, run_dir: Path, cfg: dict) -> Path:
     return final
 
 
-def _read_json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-
-
 def report_failure(run_dir: Path, reason: str, smoke: bool) -> None:
     """failed + reason into status.json (and into smoke.json for a smoke test)."""
     if not run_dir.is_dir():
@@ -604,7 +597,7 @@ def report_failure(run_dir: Path, reason: str, smoke: bool) -> None:
 
 def read_smoke(run_dir: str | os.PathLike) -> dict | None:
     """smoke.json: {"state": finished|failed, "reason", "peak_bytes", "seconds_per_step", ...} or None."""
-    return _read_json(Path(run_dir) / SMOKE_FILE)
+    return read_json_object(Path(run_dir) / SMOKE_FILE)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,7 +12,6 @@ dtypes, ready for `alt.Chart(df).mark_line().encode(x=..., y="value", color="ser
 from __future__ import annotations
 
 import io
-import json
 import os
 import time
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from core.config import read_json_object
 from core.diagnose import Diagnosis, diagnose, load_evidence
 from core.health import HealthChecker, HealthWarning
 from core.series import downsample_minmax, stride
@@ -81,14 +81,6 @@ def frame_bytes(df: pd.DataFrame) -> int:
     return sink.tell()
 
 
-def _read_json(path: Path) -> dict | None:
-    try:
-        data = json.loads(path.read_text())
-        return data if isinstance(data, dict) else None
-    except (OSError, ValueError):
-        return None
-
-
 class _CachedJson:
     """A small JSON file (status.json, plan.json) re-read only when its stat changes."""
 
@@ -103,7 +95,7 @@ class _CachedJson:
             key = None
         if key != self._key:
             self._key = key
-            self.data = _read_json(self.path) if key else None
+            self.data = read_json_object(self.path) if key else None
         return self.data
 
 
@@ -362,7 +354,7 @@ def _files_for(run_dir: Path) -> RunFiles:
 def summarize_run(run_dir: str | os.PathLike, clock=time.time) -> RunSummary:
     run_dir = Path(run_dir)
     s = _files_for(run_dir).series
-    st = _read_json(run_dir / "status.json") or {}
+    st = read_json_object(run_dir / "status.json") or {}
     started, ended = st.get("started"), st.get("ended")
     duration = None
     if isinstance(started, (int, float)):
