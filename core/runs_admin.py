@@ -122,20 +122,16 @@ def plan_for_config(
     """The core.estimate.Plan that describes training `cfg` (a validated run config) on a `gpu_gb` card.
 
     `base` (the Estimate page's plan dict) keeps the settings a run config does not carry (DPO, eval KV cache,
-    expandable segments). On a CPU the trainer never uses bf16/fp16 autocast, so the plan computes in fp32.
+    expandable segments). The dtypes follow core.train.choose_precision for `device`: on a CPU there is no
+    bf16/fp16 autocast, but model.dtype bfloat16 still loads (and computes in) bfloat16 weights.
     """
     from core.estimate import Plan
 
     m, q, lo, d, t = (cfg[s] for s in SECTIONS)
     method = "full" if not lo["enabled"] else ("qlora" if q["load_in_4bit"] else "lora")
-    if device == "cpu":
-        load, compute = "fp32", "fp32"
-    else:
-        load = "bf16" if m["dtype"] == "auto" else _PLAN_DTYPE[m["dtype"]]
-        compute = "fp16" if t["fp16"] else ("bf16" if t["bf16"] in (True, "auto") else "fp32")
-    if q["load_in_4bit"] and device != "cpu":
-        qc = q["bnb_4bit_compute_dtype"]
-        compute = compute if qc == "auto" else _PLAN_DTYPE[qc]
+    load, compute, autocast = _plan_dtypes(m["dtype"], t, device)
+    if q["load_in_4bit"] and q["bnb_4bit_compute_dtype"] != "auto":  # else core.train uses the load dtype
+        compute = _PLAN_DTYPE[q["bnb_4bit_compute_dtype"]]
     targets = lo["target_modules"]
     fields = dict(base or {})
     fields = {k: v for k, v in fields.items() if k in Plan.__dataclass_fields__}
@@ -144,7 +140,7 @@ def plan_for_config(
         method=method,
         load_dtype=load,
         compute_dtype=compute,
-        autocast=compute != "fp32",
+        autocast=autocast,
         quant_type=q["bnb_4bit_quant_type"],
         double_quant=q["bnb_4bit_use_double_quant"],
         lora_r=lo["r"],
@@ -160,6 +156,20 @@ def plan_for_config(
         device=device,
     )
     return Plan(**fields)
+
+
+def _plan_dtypes(model_dtype: str, training: dict, device: str) -> tuple[str, str, bool]:
+    """(load, compute, autocast) as core.train.choose_precision sets them up on `device` (a bf16-capable GPU).
+
+    CPU: never autocast; "auto" loads float32 and float16 weights are loaded as float32 (CPU training cannot
+    use them), so the step computes in the load dtype. GPU: the Trainer's bf16/fp16 flag is the autocast
+    dtype, and model.dtype "auto" loads in it; without a flag the step computes in the load dtype."""
+    if device == "cpu":
+        load = "fp32" if model_dtype in ("auto", "float16") else _PLAN_DTYPE[model_dtype]
+        return load, load, False
+    mixed = "bf16" if training["bf16"] in (True, "auto") else ("fp16" if training["fp16"] else None)
+    load = (mixed or "fp32") if model_dtype == "auto" else _PLAN_DTYPE[model_dtype]
+    return load, mixed or load, mixed is not None
 
 
 def estimate_for_config(cfg: dict, gpu_gb: float = 24.0, device: str = "cuda", batch_size=None, base=None):

@@ -23,7 +23,7 @@ import traceback
 from pathlib import Path
 
 from core.config import ConfigError, atomic_write_text, dump_config, load_config, read_json_object
-from core.data import Collator, DataError, prepare_datasets
+from core.data import IGNORE_INDEX, Collator, DataError, prepare_datasets
 
 METRIC_KEYS = ("loss", "eval_loss", "learning_rate", "grad_norm")
 STATUS_FILE, METRICS_FILE, GPU_FILE, SMOKE_FILE = "status.json", "metrics.jsonl", "gpu.jsonl", "smoke.json"
@@ -305,13 +305,41 @@ def cuda_memory() -> dict:
 def measure_peak(model):
     """Yields a dict that gets peak_bytes / peak_phase / measured_by when the block (the training step) ends.
 
-    CUDA: torch's allocator peaks. CPU: core.tracker's live-tensor count when it is importable, else the
-    process RSS rise during the block (psutil) plus the model's own bytes, marked measured_by "rss".
+    peak_bytes is comparable to the planner's tensor_peak_bytes: the most bytes live tensors hold at once in a
+    *steady* step. The smoke step is the first one, where the optimizer makes its state (Adam's moments) only
+    at the end; from the second step on that state is alive during forward and backward too, so the tracker's
+    steady peak adds it there. The first step's own peak stays as first_step_peak_bytes. On CUDA torch's
+    allocator peaks (first step) come next to it; without core.tracker, the process RSS rise (psutil) plus the
+    model's own bytes, marked measured_by "rss".
     """
     import torch
 
     result: dict = {}
-    if torch.cuda.is_available():
+    cuda = torch.cuda.is_available()
+    try:
+        from core.tracker import track_live_tensors
+    except Exception:
+        track_live_tensors = None
+    if track_live_tensors is not None:
+        # The model is on its device already (Trainer moved it): its tensors are the baseline.
+        with track_live_tensors(model=model, device="cuda" if cuda else "cpu", auto_phases=True) as tracker:
+            yield result
+        step = tracker.result()
+        result.update(
+            peak_bytes=int(step.steady_peak_bytes),
+            peak_phase=step.steady_peak_phase,
+            first_step_peak_bytes=int(step.peak_bytes),
+            baseline_bytes=int(step.baseline_bytes),
+            optimizer_state_bytes=int(step.optimizer_state_bytes),
+            measured_by="tracker",
+        )
+        if step.cuda:
+            result.update(
+                cuda_peak_bytes=step.cuda.get("allocated_peak"),
+                reserved_peak_bytes=step.cuda.get("reserved_peak"),
+            )
+        return
+    if cuda:
         torch.cuda.reset_peak_memory_stats()
         yield result
         torch.cuda.synchronize()
@@ -320,17 +348,6 @@ def measure_peak(model):
             reserved_peak_bytes=torch.cuda.max_memory_reserved(),
             peak_phase="step",
             measured_by="torch.cuda",
-        )
-        return
-    try:
-        from core.tracker import track_live_tensors
-    except Exception:
-        track_live_tensors = None
-    if track_live_tensors is not None:
-        with track_live_tensors(model=model, device="cpu", auto_phases=True) as tracker:
-            yield result
-        result.update(
-            peak_bytes=int(tracker.peak_bytes), peak_phase=tracker.peak_phase, measured_by="tracker"
         )
         return
     import psutil
@@ -352,6 +369,31 @@ def measure_peak(model):
         done.set()
         t.join()
     result.update(peak_bytes=max(0, peak[0] - base) + model_bytes, peak_phase="step", measured_by="rss")
+
+
+class SmokeCollator(Collator):
+    """Fills every batch up to data.max_length: the smoke step then has the longest rows a run can meet, the
+    sequence length the planner's estimate is made for (a batch of one short row would measure far less).
+
+    The filler is attended to (attention_mask 1) but not trained on (labels -100): a row that really is
+    max_length long has no padding mask either, and a mask would switch sdpa to a slower path that keeps
+    more. The smoke step's weights are never saved, so what it attends to does not matter."""
+
+    def __init__(self, pad_token_id: int, max_length: int):
+        super().__init__(pad_token_id)
+        self.max_length = max_length
+
+    def __call__(self, features: list[dict]) -> dict:
+        import torch
+
+        batch = super().__call__(features)  # counts the real tokens, as in a run
+        extra = self.max_length - batch["input_ids"].shape[1]
+        if extra > 0:
+            fill = {"input_ids": self.pad_token_id, "attention_mask": 1, "labels": IGNORE_INDEX}
+            for key, value in fill.items():
+                pad = torch.full((batch[key].shape[0], extra), value, dtype=batch[key].dtype)
+                batch[key] = torch.cat([batch[key], pad], dim=1)
+        return batch
 
 
 # ---- the run ------------------------------------------------------------------------------------------------
@@ -496,7 +538,8 @@ def run_training(
         watch_pid=os.getpid(),
         on_unavailable=lambda why: print(f"gpu.jsonl: not written: {why}", flush=True),
     ).start()
-    collator = Collator(tokenizer.pad_token_id)
+    collator = SmokeCollator(tokenizer.pad_token_id, cfg["data"]["max_length"]) if smoke else None
+    collator = collator or Collator(tokenizer.pad_token_id)
     callback = None
     try:
         model = load_model(cfg, prec)
@@ -543,6 +586,12 @@ def run_training(
             "peak_phase": peak.get("peak_phase"),
             "measured_by": peak.get("measured_by"),
             "reserved_peak_bytes": peak.get("reserved_peak_bytes"),
+            # how the steady peak came about: the first step's own peak, what was alive before it, and the
+            # optimizer state it made (alive through every later step)
+            "first_step_peak_bytes": peak.get("first_step_peak_bytes"),
+            "baseline_bytes": peak.get("baseline_bytes"),
+            "optimizer_state_bytes": peak.get("optimizer_state_bytes"),
+            "cuda_peak_bytes": peak.get("cuda_peak_bytes"),
             "seconds_per_step": callback.step_seconds[-1] if callback.step_seconds else None,
             "device": prec["device"],
             "estimate_bytes": plan.get("tensor_peak_bytes"),

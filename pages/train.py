@@ -424,15 +424,18 @@ def smoke_panel(workspace: str, cfg: dict, name: str) -> None:
         return
     c = st.columns(4)
     peak, est = smoke.get("peak_bytes"), smoke.get("estimate_bytes")
+    # The same unit for both: "0.002 GiB" next to "2.9 MiB" cannot be compared at a glance.
     c[0].metric(
-        "Measured peak", f"{peak / GiB:.3f} GiB" if peak else "n/a", help=f"by {smoke.get('measured_by')}"
+        "Measured peak",
+        _size(peak) if peak else "n/a",
+        help=f"Live tensors in a steady step (optimizer state included), by {smoke.get('measured_by')}.",
     )
     delta = f"{peak / est - 1:+.0%} vs estimate" if peak and est else None
     c[1].metric("Estimated peak", _size(est) if est else "n/a", delta=delta, delta_color="off")
     sps = smoke.get("seconds_per_step")
     c[2].metric("Seconds per step", f"{sps:.2f}" if sps else "n/a")
     c[3].metric("Device", smoke.get("device") or "n/a")
-    st.caption(f"Batch size 1, max length {smoke.get('max_length')}; results in {res['dir']}.")
+    st.caption(f"Batch size 1, padded to max length {smoke.get('max_length')}; results in {res['dir']}.")
 
 
 def yaml_panel(raw: dict, errors: dict) -> None:
