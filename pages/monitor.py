@@ -208,7 +208,10 @@ run_dir = c1.selectbox(
     "Run",
     paths,
     key="mon_run",
-    format_func=lambda p: f"{by_path[p].name} · {by_path[p].state}",
+    # Outside the live fragment this label is not redrawn each tick: a live run says "live", not a stale state.
+    format_func=lambda p: (
+        f"{by_path[p].name} · {'live' if by_path[p].state in LIVE_STATES else by_path[p].state}"
+    ),
 )
 st.session_state["monitor_run"] = run_dir
 st.session_state["mon_for"] = run_dir
