@@ -203,7 +203,12 @@ def bill_chart(est) -> alt.LayerChart:
                 scale=alt.Scale(domain=[0, max(cap, est.device_total_bytes / GiB) * 1.05]),
             ),
             y=alt.Y("plan:N", title=None),
-            color=alt.Color("component:N", sort=[r["component"] for r in rows]),
+            # Legend below the bar in columns: beside a 120 px bar it is cut after five entries.
+            color=alt.Color(
+                "component:N",
+                sort=[r["component"] for r in rows],
+                legend=alt.Legend(orient="bottom", columns=4, title=None, labelLimit=220),
+            ),
             order=alt.Order("order:Q"),
             tooltip=["component", alt.Tooltip("GiB:Q", format=".2f")],
         )
@@ -215,7 +220,7 @@ def bill_chart(est) -> alt.LayerChart:
         .encode(x="lo:Q", x2="hi:Q")
     )
     line = alt.Chart(pd.DataFrame([{"cap": cap}])).mark_rule(color="red", strokeWidth=2).encode(x="cap:Q")
-    return alt.layer(band, bars, line).properties(height=120)
+    return alt.layer(band, bars, line).properties(height=230)
 
 
 def curve_chart(rows: list[dict], name: str, cap_gib: float) -> alt.LayerChart:
@@ -263,9 +268,14 @@ def show(plan: Plan) -> None:
         st.info(f"DPO reference model: {est.dpo_reference}.")
 
     fit = fit_search(plan, spec)
+
+    def _largest(value, what: str) -> str:
+        return f"**{value}**" if value else f"**none** (even {what} is over 90% of the card)"
+
     st.markdown(
-        f"**Largest batch size** at {plan.seq_len} tokens: **{fit['max_batch_size']}** · "
-        f"**largest sequence length** at batch {plan.batch_size}: **{fit['max_seq_len']}** (≤90% of the card)."
+        f"**Largest batch size** at {plan.seq_len} tokens: {_largest(fit['max_batch_size'], 'batch size 1')} · "
+        f"**largest sequence length** at batch {plan.batch_size}: "
+        f"{_largest(fit['max_seq_len'], 'the shortest sequence tried')} (≤90% of the card)."
     )
     cap = est.gpu_bytes / GiB
     c1, c2 = st.columns(2)
