@@ -23,6 +23,7 @@ class GpuInfo:
     index: int
     name: str
     memory_total: int | None  # bytes
+    uuid: str | None = None  # "GPU-xxxxxxxx-..." from NVML: ties an NVML index to a torch CUDA device
 
 
 @dataclass
@@ -94,8 +95,50 @@ class NvmlSource:
             if isinstance(name, bytes):
                 name = name.decode(errors="replace")
             mem = _guard(self._nvml.nvmlDeviceGetMemoryInfo, h)
-            out.append(GpuInfo(i, str(name), getattr(mem, "total", None)))
+            uuid = _guard(self._nvml.nvmlDeviceGetUUID, h)
+            if isinstance(uuid, bytes):
+                uuid = uuid.decode(errors="replace")
+            out.append(GpuInfo(i, str(name), getattr(mem, "total", None), uuid))
         return out
+
+    def _temperature(self, h):
+        # nvmlDeviceGetTemperature is deprecated (to be removed with CUDA 14); its successor
+        # nvmlDeviceGetTemperatureV needs a recent driver. Try the new one first, the old one second.
+        nv = self._nvml
+        sensor = getattr(nv, "NVML_TEMPERATURE_GPU", 0)
+        for getter in ("nvmlDeviceGetTemperatureV", "nvmlDeviceGetTemperature"):
+            fn = getattr(nv, getter, None)
+            value = _guard(fn, h, sensor) if fn is not None else None
+            if isinstance(value, (int, float)):
+                return value
+        return None
+
+    def _processes(self, h) -> list[dict]:
+        """[{pid, memory}] of the compute and graphics processes on the card, one entry per pid.
+
+        A process with both a CUDA and a graphics context is listed by both queries: counted once, with the
+        larger figure. usedGpuMemory is None where the driver cannot tell (pynvml maps
+        NVML_VALUE_NOT_AVAILABLE to None). The unversioned getters call the _v3 entry points; a driver
+        without them (NVMLError_FunctionNotFound) gets the _v2 ones."""
+        nv, by_pid = self._nvml, {}
+        for getter in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"):
+            found = None
+            for name in (getter, getter + "_v2"):
+                fn = getattr(nv, name, None)
+                found = _guard(fn, h) if fn is not None else None
+                if found is not None:
+                    break
+            for p in found or []:
+                pid = getattr(p, "pid", None)
+                if pid is None:
+                    continue
+                memory = getattr(p, "usedGpuMemory", None)
+                if not isinstance(memory, int) or memory < 0:
+                    memory = None
+                known = by_pid.get(int(pid))
+                if known is None or (memory is not None and (known["memory"] or 0) < memory):
+                    by_pid[int(pid)] = {"pid": int(pid), "memory": memory}
+        return list(by_pid.values())
 
     def read(self, index: int) -> dict:
         nv, h = self._nvml, self._handle(index)
@@ -103,18 +146,14 @@ class NvmlSource:
             return {}
         mem = _guard(nv.nvmlDeviceGetMemoryInfo, h)
         util = _guard(nv.nvmlDeviceGetUtilizationRates, h)
-        power = _guard(nv.nvmlDeviceGetPowerUsage, h)
-        procs = []
-        for getter in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"):
-            for p in _guard(getattr(nv, getter, None) or (lambda _h: []), h, default=[]) or []:
-                procs.append({"pid": int(p.pid), "memory": getattr(p, "usedGpuMemory", None)})
+        power = _guard(nv.nvmlDeviceGetPowerUsage, h)  # milliwatts
         return {
             "memory_used": getattr(mem, "used", None),
             "memory_total": getattr(mem, "total", None),
             "utilization": getattr(util, "gpu", None),
-            "temperature": _guard(nv.nvmlDeviceGetTemperature, h, getattr(nv, "NVML_TEMPERATURE_GPU", 0)),
+            "temperature": self._temperature(h),
             "power_w": power / 1000.0 if isinstance(power, (int, float)) else None,
-            "processes": procs,
+            "processes": self._processes(h),
         }
 
 
@@ -146,14 +185,15 @@ def take_samples(source: GpuSource, devices: list[GpuInfo], watch_pid: int | Non
     for dev in devices:
         r = _guard(source.read, dev.index, default={}) or {}
         procs = r.get("processes") or []
-        mine = [p["memory"] or 0 for p in procs if p.get("pid") in tree]
+        # None when no process of the tree reports a figure: "unknown" must not read as 0 bytes
+        mine = [p["memory"] for p in procs if p.get("pid") in tree and p.get("memory") is not None]
         others = [p for p in procs if p.get("pid") not in tree]
         out.append(
             GpuSample(
                 time=now,
                 index=dev.index,
                 memory_used=r.get("memory_used"),
-                memory_total=r.get("memory_total", dev.memory_total),
+                memory_total=r.get("memory_total") or dev.memory_total,
                 utilization=r.get("utilization"),
                 temperature=r.get("temperature"),
                 power_w=r.get("power_w"),

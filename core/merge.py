@@ -1215,6 +1215,7 @@ def verify_export(
 
     vocab = plan.config.get("vocab_size") or 32
     prompts = _prompt_ids(tokenizer, vocab)
+    device = _logits_device(plan, device, v)
     try:
         base_model = AutoModelForCausalLM.from_pretrained(str(plan.base_dir), dtype=torch.float32).to(device)
         if plan.new_vocab_size:  # as in training: resized first, the adapter then brings the trained rows
@@ -1260,6 +1261,26 @@ def verify_export(
             "changes nothing (an untrained adapter, lora_B all zeros?)."
         )
     return v
+
+
+def _logits_device(plan: MergePlan, device: str, v: Verification) -> str:
+    """Where the logits check runs. It loads the whole model in float32 (4 bytes a parameter), which the merge
+    itself never does: on a GPU that cannot hold it (a 7B model is ~28 GB, an RTX 4090 has 24) it runs on
+    the CPU instead of failing the merge with CUDA out of memory. The preflight sized it for the RAM."""
+    if device != "cuda":
+        return device
+    need = sum(math.prod(t.shape) for t in plan.tensors) * 4 + plan.adapter.nbytes
+    try:
+        torch.cuda.empty_cache()  # blocks the merge's deltas left cached count as taken in mem_get_info
+        free, _total = torch.cuda.mem_get_info()
+    except Exception:  # no figure: trust the GPU
+        return device
+    if need * 1.2 < free:  # activations and the allocator's rounding on top of the weights
+        return device
+    v.messages.append(
+        f"The logits check needs ~{_gb(need)} of GPU memory in float32 but {_gb(free)} is free: it ran on the CPU."
+    )
+    return "cpu"
 
 
 def _qlora_deviation(plan: MergePlan, prompts, merged_logits, device: str, v: Verification) -> float | None:

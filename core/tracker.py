@@ -92,6 +92,11 @@ def _storage(x) -> torch.UntypedStorage | None:
         return None
 
 
+def _is_paged(x) -> bool:
+    """bitsandbytes marks its paged (CUDA managed memory) tensors with is_paged = True."""
+    return getattr(x, "is_paged", False) is True
+
+
 def module_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
     """Every tensor a model holds: parameters, buffers, their grads and bitsandbytes quantization state
     (absmax, nested absmax, code maps hang off `weight.quant_state`, not registered as buffers)."""
@@ -135,7 +140,7 @@ class _Mode(TorchDispatchMode):
         for x in tree_leaves((args, kwargs)):
             st = _storage(x)
             if st is not None:
-                t._track(st, kind)  # no-op for known storages
+                t._track(st, kind, _is_paged(x))  # no-op for known storages
         out = func(*args, **kwargs)
         for x in tree_leaves(out):
             st = _storage(x)
@@ -199,7 +204,7 @@ class LiveTensorTracker:
         ]
 
     # -- bookkeeping -------------------------------------------------------------------------------------
-    def _track(self, st: torch.UntypedStorage, kind: str) -> _Entry | None:
+    def _track(self, st: torch.UntypedStorage, kind: str, paged: bool = False) -> _Entry | None:
         key = st._cdata
         e = self._entries.get(key)
         if e is not None:
@@ -211,7 +216,13 @@ class LiveTensorTracker:
                 e.nbytes = n
                 self._bump()
             return e
-        if self.device is not None and st.device.type != self.device:
+        # bitsandbytes' paged optimizer state (paged_adamw_*) is CUDA managed memory that torch sees as a CPU
+        # tensor marked is_paged: it lives on the GPU while the optimizer runs, so it counts as "cuda".
+        if (
+            self.device is not None
+            and st.device.type != self.device
+            and not (paged and self.device == "cuda")
+        ):
             return None
         n = st.nbytes()
         e = _Entry(n, self._phase, kind, origin=self._origin)
@@ -272,7 +283,7 @@ class LiveTensorTracker:
         for t in tree_leaves(tensors):
             st = _storage(t)
             if st is not None:
-                self._track(st, kind)
+                self._track(st, kind, _is_paged(t))
 
     def reset_peaks(self):
         """Start a new measured step: the bytes alive now become its baseline."""
@@ -386,7 +397,9 @@ class LiveTensorTracker:
             return
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
-        self.cuda = {"index": dev.index or 0, "allocated_start": torch.cuda.memory_allocated(dev)}
+        # a bare "cuda" device means the current one, not necessarily index 0
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        self.cuda = {"index": index, "allocated_start": torch.cuda.memory_allocated(dev)}
 
     def _cuda_end(self):
         if self.cuda is None:
@@ -407,13 +420,39 @@ def _device_of(model) -> str:
 
 
 def _nvml_used(index: int) -> int | None:
-    """NVML's used memory of the card (whole card, all processes), or None without NVML."""
+    """NVML's used memory of the card (whole card, all processes), or None without NVML.
+
+    `index` is torch's CUDA index; NVML numbers every card of the machine in PCI order, while CUDA counts only
+    CUDA_VISIBLE_DEVICES and by default puts the fastest first. The card's UUID says which NVML device it is."""
     from core.gpu import NvmlSource
 
     src = NvmlSource()
     if src.init() is not None:
         return None
-    return src.read(index).get("memory_used")
+    nvml_index = _nvml_index_of_cuda(index, src.devices())
+    return src.read(nvml_index).get("memory_used") if nvml_index is not None else None
+
+
+def _uuid_key(uuid) -> str:
+    """torch prints a CUDA UUID bare ("ffc79498-8ff3-..."), NVML prefixes it ("GPU-ffc79498-8ff3-...")."""
+    text = str(uuid).strip().lower()
+    return text[4:] if text.startswith("gpu-") else text
+
+
+def _nvml_index_of_cuda(cuda_index: int, devices) -> int | None:
+    """The NVML index of torch's CUDA device `cuda_index` by UUID; without UUIDs only an unambiguous guess
+    (one card, nothing hidden by CUDA_VISIBLE_DEVICES), else None rather than another card's figure."""
+    try:
+        cuda_uuid = _uuid_key(torch.cuda.get_device_properties(cuda_index).uuid)
+    except Exception:  # torch without the uuid property
+        cuda_uuid = None
+    if cuda_uuid:
+        for d in devices:
+            if getattr(d, "uuid", None) and _uuid_key(d.uuid) == cuda_uuid:
+                return d.index
+    if len(devices) == 1 and torch.cuda.device_count() == 1:
+        return devices[0].index
+    return None
 
 
 def track_live_tensors(

@@ -214,7 +214,8 @@ def build_model(
             quantization_config=quant,
             dtype=dtype,
             attn_implementation=plan.attn,
-            device_map={"": device},
+            # a bare "cuda" as core.train names it: the current GPU's index (the documented device_map form)
+            device_map={"": torch.cuda.current_device() if device == "cuda" else device},
         )
     elif from_dir:
         model = AutoModelForCausalLM.from_pretrained(
@@ -306,7 +307,10 @@ def run_step(model, optimizer, batch, plan: MeasurePlan, detail: bool = False) -
     device_type = batch["input_ids"].device.type
     with (
         _trainer_forward(model, plan, device_type),
-        track_live_tensors(model, optimizer, tensors=batch, detail=detail) as tr,
+        # On a GPU only GPU memory is the planner's business (torch keeps e.g. Adam's step counts on the CPU).
+        track_live_tensors(
+            model, optimizer, tensors=batch, device="cuda" if device_type == "cuda" else None, detail=detail
+        ) as tr,
     ):
         hooks = _backward_landmarks(model, tr)
         with tr.phase("forward"):

@@ -103,8 +103,16 @@ def choose_precision(cfg: dict) -> dict:
     t, m = cfg["training"], cfg["model"]
     if torch.cuda.is_available():
         device = f"cuda:{torch.cuda.current_device()} ({torch.cuda.get_device_name()})"
+        # "auto" wants native bf16 (Ampere and newer: RTX 30xx/40xx, A6000, L40), not the slow emulation that
+        # is_bf16_supported() also accepts by default (core.runs_admin plans "auto" as bf16 on such a card).
+        bf16_native = torch.cuda.is_bf16_supported(including_emulation=False)
         bf16_ok = torch.cuda.is_bf16_supported()
-        bf16 = bf16_ok if t["bf16"] == "auto" else bool(t["bf16"])
+        bf16 = bf16_native if t["bf16"] == "auto" else bool(t["bf16"])
+        if bf16 and t["fp16"]:
+            notes.append(
+                "training.fp16 is true but training.bf16 is auto on a bf16 GPU: training in bf16 "
+                "(set bf16: false to train in fp16)"
+            )
         if bf16 and not bf16_ok:
             raise TrainError(
                 "training.bf16 is true but this GPU has no bfloat16 support: set bf16: false, fp16: true."
@@ -149,7 +157,10 @@ def load_model(cfg: dict, prec: dict):
             bnb_4bit_use_double_quant=q["bnb_4bit_use_double_quant"],
             bnb_4bit_compute_dtype=getattr(torch, compute),
         )
-        kwargs["device_map"] = {"": 0} if prec["device"].startswith("cuda") else {"": "cpu"}
+        # 4-bit weights are quantized where they land: on the GPU choose_precision named (torch's current one)
+        kwargs["device_map"] = (
+            {"": torch.cuda.current_device()} if prec["device"].startswith("cuda") else {"": "cpu"}
+        )
     model = AutoModelForCausalLM.from_pretrained(m["path"], **kwargs)
     model.config.use_cache = False  # the KV cache only costs memory in training
     gc = cfg["training"]["gradient_checkpointing"]
@@ -160,7 +171,7 @@ def load_model(cfg: dict, prec: dict):
             model, use_gradient_checkpointing=gc, gradient_checkpointing_kwargs={"use_reentrant": False}
         )
     if not lora["enabled"]:
-        return model
+        return _fp32_trainable(model, prec)
     from peft import LoraConfig, get_peft_model
 
     peft_cfg = LoraConfig(
@@ -174,7 +185,20 @@ def load_model(cfg: dict, prec: dict):
     )
     if gc and not q["load_in_4bit"]:
         model.enable_input_require_grads()  # checkpointed blocks need a grad-requiring input with frozen embeddings
-    return get_peft_model(model, peft_cfg)
+    return _fp32_trainable(get_peft_model(model, peft_cfg), prec)
+
+
+def _fp32_trainable(model, prec: dict):
+    """fp16 mixed precision (CUDA only) needs float32 trainable weights: torch's GradScaler refuses float16
+    gradients ("Attempting to unscale FP16 gradients"). peft makes the LoRA weights float32 already; trainable
+    biases (lora.bias) and full fine-tuning on float16 weights would hit that at the first step."""
+    if prec["fp16"]:
+        import torch
+
+        for p in model.parameters():
+            if p.requires_grad and p.dtype == torch.float16:
+                p.data = p.data.float()
+    return model
 
 
 # ---- the callback -------------------------------------------------------------------------------------------
