@@ -4,10 +4,11 @@ for training with Adam).
 
 Measured: core.tracker_plan builds each model the way a run does (transformers + peft + bitsandbytes,
 prepare_model_for_kbit_training, gradient checkpointing, the optimizer Trainer picks for the optim name,
-Trainer's bf16 autocast) at 2 and 3 decoder layers and real widths, runs forward + loss, backward, grad
-clipping, optimizer step, zero_grad under the live-tensor tracker, and extrapolates each phase's peak to the
-full depth (exact: tests/test_tracker.py). The figure compared is the steady-state tensor peak (a step after
-the first, when the optimizer state exists), what `torch.cuda.max_memory_allocated` reports on a GPU.
+Trainer's bf16 autocast, or none: the last rows run bf16 weights without it, as core.train does on a CPU)
+at 2 and 3 decoder layers and real widths, runs forward + loss, backward, grad clipping, optimizer step,
+zero_grad under the live-tensor tracker, and extrapolates each phase's peak to the full depth (exact:
+tests/test_tracker.py). The figure compared is the steady-state tensor peak (a step after the first, when the
+optimizer state exists), what `torch.cuda.max_memory_allocated` reports on a GPU.
 Estimated: core.estimate for the same plan at the full depth, device "cpu" (CPU kernels; see RESULTS.md).
 
 Architectures: TinyLlama-1.1B (Llama, GQA 32/4) and Qwen2.5-0.5B (tied embeddings, 152k vocabulary) at their
@@ -144,6 +145,15 @@ def matrix() -> list[tuple[str, MeasurePlan]]:
             (arch, P("full", batch_size=1, seq_len=256, optim="adamw_torch")),
             (arch, P("full", batch_size=2, seq_len=256, gradient_checkpointing=True, optim="adamw_8bit")),
         ]
+    # bf16 weights without autocast, as core.train runs a bfloat16 model on a CPU: the LoRA matmuls cast their
+    # input up to the fp32 adapters and their result back down.
+    rows += [
+        (
+            "llama2-7b/4",
+            P("lora", target_modules=AL, lora_dropout=0.05, batch_size=1, seq_len=256, mixed_precision=None),
+        ),
+        ("tinyllama", P("lora", target_modules=QV, batch_size=1, seq_len=256, mixed_precision=None)),
+    ]
     return rows
 
 
@@ -187,6 +197,8 @@ def describe(p: MeasurePlan) -> str:
         bits.append("qv" if p.target_modules == QV else "all")
         if p.lora_dropout:
             bits.append(f"drop{p.lora_dropout:g}")
+    if p.autocast_dtype() is None and p.dtype != "float32":
+        bits.append("no-autocast")
     bits += [
         "gc" if p.gradient_checkpointing else "no-gc",
         p.attn,

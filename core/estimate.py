@@ -410,15 +410,18 @@ def layer_activation_bytes(spec: ModelSpec, plan: Plan, targets=()) -> float:
     return sum(layer_saved_tensors(spec, plan, targets).values())
 
 
+def head_saved_bytes(spec: ModelSpec, plan: Plan) -> float:
+    """Per token: what the final norm's weight multiply and the lm_head save when their weights train (full
+    fine-tuning): the normed input of the weight multiply and the lm_head input."""
+    if plan.method != "full":
+        return 0
+    d = _dtypes(plan)
+    return spec.hidden_size * (d.hidden + (d.proj if d.autocast else d.hidden))
+
+
 def outside_layers_saved_bytes(spec: ModelSpec, plan: Plan) -> float:
     """Per token: final norm, the lm_head input (when it trains), token ids and labels."""
-    d = _dtypes(plan)
-    h = spec.hidden_size
-    full = plan.method == "full"
-    b = 4 * h + 4 + 16
-    if full:
-        b += h * d.hidden + h * (d.proj if d.autocast else d.hidden)
-    return b
+    return 4 * spec.hidden_size + 4 + 16 + head_saved_bytes(spec, plan)
 
 
 def _embedding_output_requires_grad(plan: Plan) -> bool:
@@ -453,6 +456,58 @@ def activation_bytes(spec: ModelSpec, plan: Plan, targets, tokens: int) -> tuple
         return int(tokens * (layer_inputs + outside)), int(tokens * per_layer)
     first = 0 if _embedding_output_requires_grad(plan) else first_layer_unsaved(saved, targets)
     return int(tokens * (spec.num_layers * per_layer - first + outside)), 0
+
+
+def last_layer_forward_temporaries(spec: ModelSpec, plan: Plan, targets=()) -> float:
+    """Per token: what is alive but not saved for backward while the last decoder layer runs its down_proj.
+
+    With a small vocabulary (or a short sequence of a wide model) forward peaks here, not at the loss. Alive
+    then, from the module code: LlamaModel keeps `inputs_embeds` (one more tensor when it is not also the
+    layer input), the decoder loop the layer input, the layer its `residual`, and the MLP its input (the
+    post-attention norm output) and the gated product; the base down_proj's output; and for a LoRA
+    down_proj, peft's `x = x.to(lora_A.weight.dtype)` (a local alive until forward returns; saved, so
+    already counted, only without dropout and autocast), and `result + lora_B(lora_A(x)) * scaling`: the
+    lora_B output and its scaled copy (or the scaled copy and the sum, promoted to fp32 when the base is
+    16-bit and the adapter fp32). Tensors a full fine-tune saves anyway are not counted twice.
+    Not used with gradient checkpointing: there the recompute moments of backward bound the step."""
+    saved = layer_saved_tensors(spec, plan, targets)
+    d = _dtypes(plan)
+    h, inter = spec.hidden_size, spec.intermediate_size
+    adapted = {s.name.rsplit(".", 1)[-1] for s in targets}
+    # A 32-bit residual stream needs no upcast in RMSNorm, so the norms save the stream tensors themselves:
+    # the layer input (input_layernorm's) and `residual` (post_attention_layernorm's) are counted already,
+    # and so is `inputs_embeds` when layer 0 saves it (its input needs grad).
+    stream_saved = d.hidden == 4
+    needs_grad = _embedding_output_requires_grad(plan)
+    stream = 0 if stream_saved else 2  # the layer input and `residual`
+    if spec.num_layers > 1 and not (stream_saved and needs_grad):
+        stream += 1  # `inputs_embeds`, a tensor of its own once the first layer has run
+    elif spec.num_layers == 1 and stream_saved and not needs_grad:
+        stream += 1  # the one layer's input is `inputs_embeds`, which layer 0 leaves unsaved
+    if "mlp_norm_out" not in saved:
+        stream += 1  # the post-attention norm output, the MLP's input
+    b = stream * h * d.hidden
+    if "gated_product" not in saved:
+        b += inter * d.proj
+    b += h * d.proj  # the base down_proj output
+    if "down_proj" in adapted:
+        lora = DTYPE_BYTES[plan.compute_dtype] if d.autocast else 4
+        if d.proj != 4 and (plan.lora_dropout > 0 or d.autocast):
+            b += inter * 4  # peft's fp32 cast of the input, not itself saved
+        b += h * lora + h * max(lora, d.proj)
+    return b
+
+
+# Families whose final norm is nn.LayerNorm: its backward is one fused kernel, without RMSNorm's fp32 chain.
+LAYERNORM_MODELS = ("gpt2", "gpt_neox", "gptj", "opt", "bloom", "falcon", "phi")
+
+
+def final_norm_backward_temporaries(spec: ModelSpec) -> float:
+    """Per token: the fp32 temporaries of the final RMSNorm's backward (its input was upcast to fp32), alive
+    next to every saved activation once the logits' gradients are gone. Through `x * rsqrt(mean(x^2) + eps)`:
+    the gradient g * rstd (kept until the two paths into x are summed), the mean's expanded gradient, pow's
+    x^1 and 2 * x^1, and their product with the gradient: five fp32 tensors as wide as the hidden state."""
+    return 5 * spec.hidden_size * 4
 
 
 def _checkpointing(plan: Plan) -> bool:
@@ -623,7 +678,31 @@ def estimate(plan: Plan, spec: ModelSpec | None = None) -> Estimate:
         "logits_loss": flowing,
         "gradients": head_grad,
     }
-    phase_components["backward"] = max((early, first_layer, last_layer, tail), key=lambda c: sum(c.values()))
+    # The final norm's backward, after the cross-entropy's and lm_head's: the saved activations (less what
+    # lm_head and the norm's weight multiply saved, freed by their backward) next to its fp32 temporaries.
+    # It outgrows the start of backward only when the vocabulary is small.
+    final_norm = {
+        **static,
+        "autocast_weight_copies": autocast_bwd,
+        "activations": saved - int(tokens * head_saved_bytes(spec, plan)),
+        "logits_loss": int(tokens * final_norm_backward_temporaries(spec)),
+        "gradients": head_grad,
+    }
+    moments = (early, first_layer, last_layer, tail)
+    if spec.model_type not in LAYERNORM_MODELS:
+        moments += (final_norm,)
+    phase_components["backward"] = max(moments, key=lambda c: sum(c.values()))
+    if not _checkpointing(plan):
+        # Inside the last layer's down_proj: everything saved but the final norm's and the loss's tensors,
+        # next to that layer's unsaved temporaries.
+        in_layer = {
+            **static,
+            "autocast_weight_copies": autocast_fwd,
+            "activations": saved - int(tokens * outside_layers_saved_bytes(spec, plan)),
+            "logits_loss": int(tokens * last_layer_forward_temporaries(spec, plan, targets)),
+        }
+        if sum(in_layer.values()) > sum(phase_components["forward"].values()):
+            phase_components["forward"] = in_layer
     if kv_cache:
         phase_components["eval"] = {**static, "kv_cache": kv_cache}
     phases = {name: sum(c.values()) for name, c in phase_components.items()}
