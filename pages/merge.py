@@ -102,9 +102,10 @@ def try_it(base_dir: str, adapter_dir: str) -> None:
 def show_preflight(pf: M.Preflight, where) -> None:
     with where.container():
         c = st.columns(4)
-        c[0].metric("RAM needed / free", f"{_size(pf.ram_needed)} / {_size(pf.ram_available)}")
-        c[1].metric("Disk needed / free", f"{_size(pf.disk_needed)} / {_size(pf.disk_free)}")
-        c[2].metric("Output", f"{_size(pf.out_bytes)} · {pf.out_dtype}")
+        # The "of what" goes into the label: a metric value this long is cut off in a quarter-width column.
+        c[0].metric(f"RAM needed ({_size(pf.ram_available)} free)", _size(pf.ram_needed))
+        c[1].metric(f"Disk needed ({_size(pf.disk_free)} free)", _size(pf.disk_needed))
+        c[2].metric(f"Output ({pf.out_dtype})", _size(pf.out_bytes))
         c[3].metric("Tensors · shards", f"{pf.n_tensors} · {pf.n_shards}")
         st.caption(
             f"{pf.n_lora_modules} LoRA modules, {pf.n_replaced} replaced tensors; verification: {pf.verify_mode} "
