@@ -4,7 +4,7 @@ from pathlib import Path
 
 import streamlit as st
 
-from core import gpu
+from core.monitor import gpu
 from core.workspace import default_workspace
 
 st.set_page_config(page_title="LoRA Cockpit", page_icon=":material/flight:", layout="wide")

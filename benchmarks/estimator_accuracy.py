@@ -40,7 +40,7 @@ warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
 
-from core.tracker_plan import MeasurePlan, measure_depths, num_layers_of, planner_plan  # noqa: E402
+from core.measure.step import MeasurePlan, measure_depths, num_layers_of, planner_plan  # noqa: E402
 
 GOAL_MEDIAN, GOAL_WORST = 0.03, 0.07
 MiB = 2**20
@@ -158,7 +158,7 @@ def matrix() -> list[tuple[str, MeasurePlan]]:
 
 
 def full_config(arch: str):
-    from core.specs import load_config
+    from core.estimate.specs import load_config
 
     preset, overrides = ARCHS[arch]
     cfg = load_config(preset)
@@ -217,7 +217,7 @@ def main(argv=None) -> int:
     ap.add_argument("--verbose", action="store_true", help="per-phase figures")
     args = ap.parse_args(argv)
     torch.set_num_threads(min(2, os.cpu_count() or 1))
-    from core.estimate import estimate
+    from core.estimate.bill import estimate
 
     rows = list(enumerate(matrix()))
     if args.only:

@@ -88,7 +88,7 @@ def build_base(out: Path, cfg: dict, shard_bytes: int) -> tuple[int, int]:
     import torch
     from safetensors.torch import save_file
 
-    from core.toy import build_tokenizer
+    from core.demo.toy import build_tokenizer
 
     out.mkdir(parents=True)
     shapes = weight_shapes(cfg)

@@ -33,7 +33,7 @@ class TimedCollator:
     batch SKIP and the last batch is steady state, without train()'s start-up and wind-down."""
 
     def __init__(self, pad_token_id: int):
-        from core.data import Collator
+        from core.train.data import Collator
 
         self.inner = Collator(pad_token_id)
         self.marks: list[tuple[float, float, int]] = []  # (wall, cpu, tokens so far) before each batch
@@ -57,7 +57,7 @@ class TimedCollator:
 
 
 def make_assets(root: Path, seq_chars: int) -> tuple[Path, Path]:
-    from core.toy import build_tiny_model
+    from core.demo.toy import build_tiny_model
 
     model = build_tiny_model(
         root / "model", "llama", hidden_size=128, intermediate_size=256, num_hidden_layers=4
@@ -88,8 +88,8 @@ def run_config(model: Path, data: Path, steps: int, seq_chars: int) -> dict:
 
 
 def run_core(cfg_path: Path, root: Path, i: int) -> tuple[float, float]:
-    import core.train
-    from core.train import StopFlag, run_training
+    import core.train.trainer
+    from core.train.trainer import StopFlag, run_training
 
     made = []
 
@@ -108,8 +108,8 @@ def run_plain(cfg: dict, i: int, root: Path) -> float:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
 
-    from core.config import validate_config
-    from core.data import prepare_datasets
+    from core.train.config import validate_config
+    from core.train.data import prepare_datasets
 
     cfg = validate_config(cfg)
     t, lora = cfg["training"], cfg["lora"]

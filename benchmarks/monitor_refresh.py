@@ -23,7 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from core.watch import RunWatcher  # noqa: E402
+from core.monitor.watch import RunWatcher  # noqa: E402
 
 GiB = 1024**3
 STEPS = 100_000
@@ -123,7 +123,7 @@ def shipped_bytes(charts: dict) -> tuple[int, str]:
             total += len(json.dumps({k: v for k, v in spec.items() if k != "datasets"}))
         return total, "Streamlit Altair spec + Arrow datasets"
     except Exception as exc:  # pragma: no cover
-        from core.watch import frame_bytes
+        from core.monitor.watch import frame_bytes
 
         return sum(frame_bytes(df) for df in charts.values()), f"pyarrow IPC ({exc.__class__.__name__})"
 

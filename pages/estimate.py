@@ -5,8 +5,7 @@ import pandas as pd
 import streamlit as st
 from streamlit.runtime.pages_manager import PagesManager
 
-from core import gpu
-from core.estimate import (
+from core.estimate.bill import (
     FIT_LIMIT,
     OPTIMIZERS,
     OUTSIDE_TORCH,
@@ -19,7 +18,8 @@ from core.estimate import (
     memory_curve,
     what_would_fit,
 )
-from core.specs import SpecError, load_spec, preset_ids
+from core.estimate.specs import SpecError, load_spec, preset_ids
+from core.monitor import gpu
 
 # A session whose first request is this page's URL, before the router ever ran in this server process: Streamlit
 # is still in its legacy pages/ mode and ran this file alone (no sidebar, no workspace). Leave that mode for good

@@ -10,9 +10,10 @@ import pandas as pd
 import streamlit as st
 from streamlit.runtime.pages_manager import PagesManager
 
-from core import gpu
-from core.runs import LIVE_STATES, list_runs, stop_run
-from core.watch import RunWatcher
+from core.monitor import gpu
+from core.monitor.watch import RunWatcher
+from core.runs.launcher import list_runs, stop_run
+from core.runs.rundir import LIVE_STATES
 from core.workspace import default_workspace
 
 # A session whose first request is this page's URL, before the router ever ran in this server process: Streamlit

@@ -9,9 +9,9 @@ import pandas as pd
 import streamlit as st
 from streamlit.runtime.pages_manager import PagesManager
 
-from core.runs import RunError, list_runs
-from core.runs_admin import delete_run
-from core.watch import compare_loss_frame, summarize_runs
+from core.monitor.watch import compare_loss_frame, summarize_runs
+from core.runs.admin import delete_run
+from core.runs.launcher import RunError, list_runs
 from core.workspace import default_workspace, runs_dir
 
 # A session whose first request is this page's URL, before the router ever ran in this server process: Streamlit

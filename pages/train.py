@@ -10,8 +10,20 @@ import pandas as pd
 import streamlit as st
 from streamlit.runtime.pages_manager import PagesManager
 
-from core import gpu
-from core.config import (
+from core.demo.build import DemoError, build_demo, demo_config, demo_dir, demo_ready
+from core.estimate.bill import GiB, PlanError
+from core.estimate.specs import SpecError
+from core.monitor import gpu
+from core.runs.admin import (
+    check_fields,
+    check_model_folder,
+    check_new_run_name,
+    estimate_for_config,
+    plan_record,
+    start_smoke_test,
+)
+from core.runs.launcher import RunError, create_run, launch, wait_for_smoke
+from core.train.config import (
     ATTN,
     DTYPES,
     FORMATS,
@@ -23,20 +35,8 @@ from core.config import (
     plan_to_config,
     validate_config,
 )
-from core.data import DataError, preview_dataset
-from core.demo import DemoError, build_demo, demo_config, demo_dir, demo_ready
-from core.estimate import GiB, PlanError
-from core.preflight import load_tokenizer_and_config, run_preflight
-from core.runs import RunError, create_run, launch, wait_for_smoke
-from core.runs_admin import (
-    check_fields,
-    check_model_folder,
-    check_new_run_name,
-    estimate_for_config,
-    plan_record,
-    start_smoke_test,
-)
-from core.specs import SpecError
+from core.train.data import DataError, preview_dataset
+from core.train.preflight import load_tokenizer_and_config, run_preflight
 from core.workspace import WorkspaceError, default_workspace, suggest_run_name
 
 # A session whose first request is this page's URL, before the router ever ran in this server process: Streamlit

@@ -26,21 +26,21 @@ def _few_threads():
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     """A 2-layer Llama-style model with GQA and the char tokenizer, fp32, one safetensors file."""
-    from core.toy import build_tiny_model
+    from core.demo.toy import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny_llama"), "llama")
 
 
 @pytest.fixture(scope="session")
 def tiny_llama_tied(tmp_path_factory) -> Path:
-    from core.toy import build_tiny_model
+    from core.demo.toy import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny_llama_tied"), "llama", tie_word_embeddings=True)
 
 
 @pytest.fixture(scope="session")
 def tiny_gpt2(tmp_path_factory) -> Path:
-    from core.toy import build_tiny_model
+    from core.demo.toy import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny_gpt2"), "gpt2")
 

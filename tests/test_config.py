@@ -3,7 +3,14 @@
 import pytest
 import yaml
 
-from core.config import ConfigError, default_config, dump_config, load_config, plan_to_config, validate_config
+from core.train.config import (
+    ConfigError,
+    default_config,
+    dump_config,
+    load_config,
+    plan_to_config,
+    validate_config,
+)
 
 
 def minimal(**sections):
@@ -111,7 +118,7 @@ def test_plan_to_config_maps_qlora_plan():
 
 
 def test_plan_to_config_takes_the_estimate_plan_dataclass():
-    estimate = pytest.importorskip("core.estimate")
+    estimate = pytest.importorskip("core.estimate.bill")
     plan = estimate.Plan(
         model="org/model-7b", method="qlora", lora_r=8, batch_size=4, seq_len=512, compute_dtype="fp16"
     )

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from core.data import (
+from core.demo.toy import build_tokenizer
+from core.train.data import (
     IGNORE_INDEX,
     Collator,
     DataError,
@@ -13,7 +14,6 @@ from core.data import (
     preview_dataset,
     tokenize_row,
 )
-from core.toy import build_tokenizer
 
 ALPACA = [
     {"instruction": "Reverse the word", "input": "abc", "output": "cba"},

@@ -4,9 +4,9 @@ import hashlib
 
 import pytest
 
-from core.demo import build_demo, demo_config, heldout_accuracy, read_manifest, task_rows
-from core.runs import create_run, launch, wait_for
-from core.train import read_metrics
+from core.demo.build import build_demo, demo_config, heldout_accuracy, read_manifest, task_rows
+from core.runs.launcher import create_run, launch, wait_for
+from core.runs.rundir import read_metrics
 
 
 def digest(path) -> str:
@@ -21,9 +21,9 @@ def test_task_rows_hold_out_unseen_words():
 
 
 def test_fast_pretraining_encoding_matches_the_chat_format():
-    from core.data import tokenize_row
-    from core.demo import encode_chat_pairs
-    from core.toy import build_tokenizer
+    from core.demo.build import encode_chat_pairs
+    from core.demo.toy import build_tokenizer
+    from core.train.data import tokenize_row
 
     tok = build_tokenizer()
     row = task_rows()[0][0]

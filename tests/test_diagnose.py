@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.diagnose import RULES, Evidence, diagnose, diagnose_run, troubleshooting_markdown
-from core.tail import RunSeries
+from core.monitor.diagnose import RULES, Evidence, diagnose, diagnose_run, troubleshooting_markdown
+from core.monitor.tail import RunSeries
 
 DATA = Path(__file__).parent / "data" / "stderr"
 GiB = 1024**3

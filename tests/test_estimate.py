@@ -5,7 +5,8 @@ import dataclasses
 import pytest
 import torch
 
-from core.estimate import (
+from core.demo.toy import tiny_config
+from core.estimate.bill import (
     COMPONENT_ORDER,
     OPTIMIZERS,
     OUTSIDE_TORCH,
@@ -18,8 +19,7 @@ from core.estimate import (
     memory_curve,
     what_would_fit,
 )
-from core.specs import load_spec, lora_targets, normalize_targets
-from core.toy import tiny_config
+from core.estimate.specs import load_spec, lora_targets, normalize_targets
 
 WIDE = dict(
     vocab_size=500, hidden_size=128, intermediate_size=352, num_attention_heads=8, num_key_value_heads=2

@@ -10,10 +10,10 @@ core.train builds it, counted by core.tracker's live-tensor tracker (core.tracke
 
 import pytest
 
-from core.config import validate_config
-from core.estimate import estimate
-from core.runs_admin import plan_for_config
-from core.tracker_plan import MeasurePlan, measure_plan
+from core.estimate.bill import estimate
+from core.measure.step import MeasurePlan, measure_plan
+from core.runs.admin import plan_for_config
+from core.train.config import validate_config
 
 TOLERANCE = 0.015
 
@@ -21,7 +21,7 @@ TOLERANCE = 0.015
 @pytest.fixture(scope="module")
 def wide_llama(tmp_path_factory):
     """A tiny Llama wide enough that activations, not the few scalars of the step, make up its peak."""
-    from core.toy import build_tiny_model
+    from core.demo.toy import build_tiny_model
 
     return build_tiny_model(
         tmp_path_factory.mktemp("bf16_llama"), "llama", hidden_size=128, intermediate_size=256

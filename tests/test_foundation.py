@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from core import gpu, workspace
+from core import workspace
+from core.monitor import gpu
 
 
 class FakeNvmlNoGpu:

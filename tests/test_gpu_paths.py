@@ -17,8 +17,8 @@ import pynvml
 import pytest
 import torch
 
-from core import gpu
-from core.tracker import _nvml_index_of_cuda, _uuid_key, track_live_tensors
+from core.measure.tracker import _nvml_index_of_cuda, _uuid_key, track_live_tensors
+from core.monitor import gpu
 
 GiB = 2**30
 FAN_PID = 424242  # a pid that is not ours: "another program on the card"
@@ -230,8 +230,8 @@ def test_tracker_cuda_filter_counts_bitsandbytes_paged_state():
 def test_fp16_mixed_precision_gets_float32_trainable_weights(tiny_llama):
     """fp16 AMP (CUDA only): torch's GradScaler refuses float16 gradients. load_model must hand the Trainer
     float32 trainable weights for full fine-tuning and trainable LoRA biases, loaded in float16."""
-    from core.config import default_config
-    from core.train import load_model
+    from core.train.config import default_config
+    from core.train.trainer import load_model
 
     cfg = default_config()
     cfg["model"]["path"] = str(tiny_llama)

@@ -11,9 +11,9 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from core.gpu import GpuInfo, take_samples
-from core.health import HealthChecker, HealthSettings, check_health
-from core.tail import RunSeries
+from core.monitor.gpu import GpuInfo, take_samples
+from core.monitor.health import HealthChecker, HealthSettings, check_health
+from core.monitor.tail import RunSeries
 
 GiB = 1024**3
 FAST = HealthSettings(flat_steps=12)  # the 200-step rule, scaled to a 15-step CPU run
@@ -53,7 +53,7 @@ def train_tiny(
 
 @pytest.fixture(scope="module")
 def small_llama(tmp_path_factory):
-    from core.toy import build_tiny_model
+    from core.demo.toy import build_tiny_model
 
     return build_tiny_model(
         tmp_path_factory.mktemp("small_llama"),

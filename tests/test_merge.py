@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from core import merge as M
-from core.toy import build_tiny_model
+from core.demo.toy import build_tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPTS = [torch.tensor([[1, 10, 20, 30, 40, 50, 60, 70]]), torch.tensor([[5, 99, 3, 42, 7]])]

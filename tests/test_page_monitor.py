@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from core.diagnose import diagnose_run
-from core.runs import create_run, launch, wait_for
-from core.train import StopFlag, run_training
+from core.monitor.diagnose import diagnose_run
+from core.runs.launcher import create_run, launch, wait_for
+from core.train.trainer import StopFlag, run_training
 
 PAGE = str(Path(__file__).resolve().parent.parent / "pages" / "monitor.py")
 

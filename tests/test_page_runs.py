@@ -11,9 +11,9 @@ import pytest
 from streamlit.testing.v1 import AppTest
 from test_page_monitor import failed_run, finished_run
 
-from core.runs import RunError
-from core.runs_admin import delete_run
-from core.train import write_status
+from core.runs.admin import delete_run
+from core.runs.launcher import RunError
+from core.runs.rundir import write_status
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = str(ROOT / "pages" / "runs.py")

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from core.config import default_config
+from core.train.config import default_config
 
 PAGE = str(Path(__file__).resolve().parent.parent / "pages" / "train.py")
 
@@ -118,7 +118,7 @@ def test_uploading_a_bad_yaml_shows_the_error_and_keeps_the_form(workspace, tiny
 
 
 def test_uploading_a_good_yaml_fills_the_form(workspace, tiny_llama, dataset):
-    from core.config import config_to_yaml, validate_config
+    from core.train.config import config_to_yaml, validate_config
 
     cfg = validate_config(tiny_config(tiny_llama, dataset))
     cfg["lora"]["r"], cfg["training"]["learning_rate"] = 4, 5e-4
@@ -152,7 +152,7 @@ def test_smoke_test_shows_measured_peak_next_to_estimate(workspace, tiny_llama, 
 
 
 def test_check_fields_reports_every_bad_field_at_once(tiny_llama, dataset):
-    from core.runs_admin import check_fields
+    from core.runs.admin import check_fields
 
     raw = tiny_config(tiny_llama, dataset)
     raw["training"].update(learning_rate=0, per_device_train_batch_size=0)
@@ -164,8 +164,8 @@ def test_check_fields_reports_every_bad_field_at_once(tiny_llama, dataset):
 
 
 def test_plan_for_config_describes_the_run(tiny_llama, dataset):
-    from core.config import validate_config
-    from core.runs_admin import plan_for_config
+    from core.runs.admin import plan_for_config
+    from core.train.config import validate_config
 
     cfg = validate_config(tiny_config(tiny_llama, dataset))
     cfg["quantization"]["load_in_4bit"] = True
@@ -187,7 +187,7 @@ def test_plan_for_config_describes_the_run(tiny_llama, dataset):
 
 
 def test_plan_from_estimate_page_prefills_and_flags_what_the_trainer_lacks(workspace, tiny_llama, dataset):
-    from core.estimate import Plan
+    from core.estimate.bill import Plan
 
     plan = Plan(model=str(tiny_llama), batch_size=3, seq_len=64, lora_r=4, optim="adagrad", load_dtype="fp32")
     at = AppTest.from_file(PAGE, default_timeout=180)
@@ -204,7 +204,7 @@ def test_plan_from_estimate_page_prefills_and_flags_what_the_trainer_lacks(works
 def test_plan_for_a_hub_model_keeps_the_local_model_and_its_sizes(workspace, tiny_llama, dataset):
     """Estimate a preset (no weights here), then Train: the plan's 2048 tokens must not land on a 256-position
     model; the LoRA settings still come across."""
-    from core.estimate import Plan
+    from core.estimate.bill import Plan
 
     plan = Plan(model="meta-llama/Llama-2-7b-hf", batch_size=7, seq_len=2048, lora_r=8)
     at = AppTest.from_file(PAGE, default_timeout=180)

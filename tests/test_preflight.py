@@ -5,9 +5,9 @@ import json
 import pytest
 import yaml
 
-from core.config import validate_config
-from core.preflight import has_errors, main, run_preflight
-from core.toy import build_tokenizer, tiny_config
+from core.demo.toy import build_tokenizer, tiny_config
+from core.train.config import validate_config
+from core.train.preflight import has_errors, main, run_preflight
 
 
 def jsonl(path, rows):

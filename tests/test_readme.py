@@ -1,7 +1,7 @@
 """The README stays true: its troubleshooting block is what the diagnosis rules generate, and the set-up
 commands CI and the fresh-clone check rely on are there."""
 
-from core.diagnose import README_END, README_START, troubleshooting_markdown
+from core.monitor.diagnose import README_END, README_START, troubleshooting_markdown
 from tests.conftest import REPO
 
 

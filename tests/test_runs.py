@@ -7,8 +7,7 @@ import time
 
 import pytest
 
-from core.config import validate_config
-from core.runs import (
+from core.runs.launcher import (
     RunError,
     create_run,
     launch,
@@ -19,7 +18,8 @@ from core.runs import (
     stop_run,
     wait_for,
 )
-from core.train import read_metrics, read_status
+from core.runs.rundir import read_metrics, read_status
+from core.train.config import validate_config
 from core.workspace import WorkspaceError
 
 WORDS = ["cat", "dog", "emu", "fox", "gnu", "hen", "ibis", "jay"]
@@ -114,7 +114,7 @@ def test_sigkill_is_reported_as_failed_with_stderr_tail(workspace, tiny_llama):
 
 @pytest.mark.slow
 def test_smoke_launch_writes_smoke_json_and_finishes(workspace, tiny_llama):
-    from core.runs import wait_for_smoke
+    from core.runs.launcher import wait_for_smoke
 
     run_dir = create_run(workspace, "smoke-first", run_config(workspace, tiny_llama))
     launch(run_dir, smoke=True)

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from core.series import downsample_minmax, ema, rolling_median, stride
+from core.monitor.series import downsample_minmax, ema, rolling_median, stride
 
 
 def _noisy_loss(n, seed=0):

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from core.config import validate_config
-from core.runs import wait_for_smoke
-from core.runs_admin import estimate_for_config, plan_record, start_smoke_test
+from core.runs.admin import estimate_for_config, plan_record, start_smoke_test
+from core.runs.launcher import wait_for_smoke
+from core.train.config import validate_config
 
 TOLERANCE = 0.10
 
@@ -21,7 +21,7 @@ TOLERANCE = 0.10
 @pytest.fixture(scope="module")
 def wide_llama(tmp_path_factory) -> Path:
     """A tiny Llama wide enough that activations, not the Trainer's few scalars, make up its step's peak."""
-    from core.toy import build_tiny_model
+    from core.demo.toy import build_tiny_model
 
     return build_tiny_model(
         tmp_path_factory.mktemp("wide_llama"), "llama", hidden_size=128, intermediate_size=256

@@ -5,8 +5,15 @@ import json
 import pytest
 import torch
 
-from core.estimate import Plan, kv_cache_bytes_per_token, weight_bytes
-from core.specs import SpecError, load_spec, lora_param_count, lora_targets, normalize_targets, preset_ids
+from core.estimate.bill import Plan, kv_cache_bytes_per_token, weight_bytes
+from core.estimate.specs import (
+    SpecError,
+    load_spec,
+    lora_param_count,
+    lora_targets,
+    normalize_targets,
+    preset_ids,
+)
 
 
 def _real_model(path):
@@ -90,7 +97,7 @@ def _bnb_storage_bytes(model) -> int:
 def test_nf4_bytes_equal_bitsandbytes_real_storage(tmp_path, double_quant):
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from core.toy import build_tiny_model
+    from core.demo.toy import build_tiny_model
 
     # widths with blocks that do not divide evenly into 256-block groups, to exercise the rounding
     path = build_tiny_model(tmp_path / "m", "llama", hidden_size=192, intermediate_size=520, tokenizer=False)

@@ -8,7 +8,7 @@ import sys
 import textwrap
 import time
 
-from core.tail import JsonlTail, RunFiles, RunSeries, TextTail, tail_text
+from core.monitor.tail import JsonlTail, RunFiles, RunSeries, TextTail, tail_text
 
 
 def _append(path, text: str):

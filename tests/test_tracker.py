@@ -6,9 +6,9 @@ import warnings
 import pytest
 import torch
 
-from core.toy import tiny_config
-from core.tracker import TrackerError, measure_step, track_live_tensors
-from core.tracker_plan import MeasurePlan, measure_depths, measure_plan, plan_from
+from core.demo.toy import tiny_config
+from core.measure.step import MeasurePlan, measure_depths, measure_plan, plan_from
+from core.measure.tracker import TrackerError, measure_step, track_live_tensors
 
 warnings.filterwarnings("ignore")
 
@@ -127,8 +127,8 @@ def test_bnb_4bit_qlora_step_works_under_the_mode():
 
 def test_bnb_4bit_weights_are_counted_with_their_quantization_state(tmp_path):
     pytest.importorskip("bitsandbytes")
-    from core.tracker import module_tensors
-    from core.tracker_plan import build_model
+    from core.measure.step import build_model
+    from core.measure.tracker import module_tensors
 
     plan = MeasurePlan(method="qlora", double_quant=False, prepare_kbit=False, lora_r=4)
     model, _ = build_model(tiny_config("llama"), plan, tmp_path)
@@ -141,7 +141,7 @@ def test_bnb_4bit_weights_are_counted_with_their_quantization_state(tmp_path):
 
 @pytest.mark.slow
 def test_extrapolation_from_two_and_three_layers_equals_full_depth():
-    from core.tracker import main_phase_peaks
+    from core.measure.tracker import main_phase_peaks
 
     for config, plan in (
         # LoRA with dropout under Trainer's bf16 autocast: the first layer saves less than the others
@@ -199,7 +199,7 @@ def test_mode_around_trainer_train(tmp_path, lora_llama):
 
 
 def test_measure_config_on_a_model_folder(tiny_llama):
-    from core.tracker_plan import measure_config
+    from core.measure.step import measure_config
 
     run_config = {
         "model": {"path": str(tiny_llama), "dtype": "float32"},
@@ -215,7 +215,7 @@ def test_measure_config_on_a_model_folder(tiny_llama):
 
 
 def test_bad_inputs_say_what_to_fix(tmp_path):
-    from core.tracker_plan import measure_config
+    from core.measure.step import measure_config
 
     with pytest.raises(TrackerError, match="no config.json"):
         measure_config(tmp_path, {"method": "lora"})
@@ -277,7 +277,7 @@ def test_plan_from_run_config_reads_the_sections():
 def test_planner_agrees_with_the_measured_step_on_tiny_models(tmp_path, name, overrides, plan):
     """core.estimate (device cpu) against one measured step of the same plan: the planner's terms come from
     the module code, so even a tiny model, where small terms weigh more, lands within 1%."""
-    from core.estimate import Plan, estimate
+    from core.estimate.bill import Plan, estimate
 
     config = tiny_config(
         "llama", num_hidden_layers=4, vocab_size=2000, intermediate_size=256, hidden_size=128

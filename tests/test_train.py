@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from core.train import StopFlag, read_metrics, read_status, run_training
+from core.runs.rundir import read_metrics, read_status
+from core.train.trainer import StopFlag, run_training
 
 REPO = Path(__file__).resolve().parent.parent
 WORDS = ["cat", "dog", "emu", "fox", "gnu", "hen", "ibis", "jay"]
@@ -90,8 +91,8 @@ def test_qlora_nf4_with_paged_adamw_8bit_trains_on_cpu(tmp_path, tiny_llama):
     losses = [m["loss"] for m in read_metrics(tmp_path / "run")]
     assert len(losses) == 5 and all(loss == loss for loss in losses)  # five finite log lines
 
-    from core.config import load_config
-    from core.train import choose_precision, load_model
+    from core.train.config import load_config
+    from core.train.trainer import choose_precision, load_model
 
     c = load_config(cfg)
     names = {type(m).__name__ for m in load_model(c, choose_precision(c)).modules()}
@@ -110,7 +111,7 @@ def test_nan_loss_fails_the_run_with_the_step(tmp_path, tiny_llama):
     for f in Path(tiny_llama).glob("tokenizer*"):
         (broken / f.name).write_bytes(f.read_bytes())
     cfg = write_run(tmp_path, broken, training={"max_steps": 6, "logging_steps": 2, "save_steps": 2})
-    from core.train import TrainError
+    from core.train.trainer import TrainError
 
     with pytest.raises(TrainError, match="loss became NaN at step 2"):
         run_training(cfg, tmp_path / "run", stop=StopFlag())
@@ -136,7 +137,7 @@ def test_smoke_mode_measures_one_step_without_checkpoint(tmp_path, tiny_llama):
 def test_cli_bad_config_names_the_key_without_traceback(tmp_path, tiny_llama, capsys):
     import signal
 
-    from core.train import main
+    from core.train.trainer import main
 
     cfg = write_run(tmp_path, tiny_llama, training={"learning_rate": 5})
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -152,7 +153,7 @@ def test_cli_bad_config_names_the_key_without_traceback(tmp_path, tiny_llama, ca
 
 
 def test_resume_helpers_keep_metrics_continuous(tmp_path):
-    from core.train import latest_checkpoint, truncate_metrics
+    from core.runs.rundir import latest_checkpoint, truncate_metrics
 
     lines = [{"time": 0.0, "step": s, "epoch": 0.0, "loss": 1.0} for s in range(2, 12, 2)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines) + '{"step": 12, "lo')

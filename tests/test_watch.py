@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from core.watch import RunWatcher, compare_loss_frame, summarize_run, summarize_runs
+from core.monitor.watch import RunWatcher, compare_loss_frame, summarize_run, summarize_runs
 
 GiB = 1024**3
 

@@ -15,7 +15,7 @@ REPO = OUT.parents[2]
 PRE = textwrap.dedent("""
     import sys, tempfile, torch
     sys.path.insert(0, {repo!r})
-    from core.toy import build_tiny_model
+    from core.demo.toy import build_tiny_model
     from transformers import AutoModelForCausalLM
     d = build_tiny_model(tempfile.mkdtemp(), 'llama')
     model = AutoModelForCausalLM.from_pretrained(d)
@@ -49,7 +49,7 @@ CASES = {
     import sys, tempfile, torch
     sys.path.insert(0, {repo!r})
     torch.set_num_threads(2)
-    from core.toy import build_tiny_model, build_tokenizer
+    from core.demo.toy import build_tiny_model, build_tokenizer
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
     from peft import LoraConfig, get_peft_model
     from datasets import Dataset

@@ -424,7 +424,7 @@ def _nvml_used(index: int) -> int | None:
 
     `index` is torch's CUDA index; NVML numbers every card of the machine in PCI order, while CUDA counts only
     CUDA_VISIBLE_DEVICES and by default puts the fastest first. The card's UUID says which NVML device it is."""
-    from core.gpu import NvmlSource
+    from core.monitor.gpu import NvmlSource
 
     src = NvmlSource()
     if src.init() is not None:

@@ -8,12 +8,12 @@ code it drives. Validation is strict: an unknown key or an out-of-range value is
 from __future__ import annotations
 
 import copy
-import json
 import math
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from core.files import atomic_write_text
 
 SECTIONS = ("model", "quantization", "lora", "data", "training")
 
@@ -328,29 +328,6 @@ def dump_config(cfg: dict, path: str | os.PathLike) -> Path:
     """Validate, then write atomically (temp file + os.replace) so a reader never sees half a file."""
     cfg = validate_config(cfg)
     return atomic_write_text(path, config_to_yaml(cfg))
-
-
-def read_json_object(path: str | os.PathLike) -> dict | None:
-    """A JSON object from a file another process may be rewriting: None when missing, torn or not an object."""
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-        return data if isinstance(data, dict) else None
-    except (OSError, ValueError):
-        return None
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, p)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return p
 
 
 # ---- from the planner ---------------------------------------------------------------------------------------

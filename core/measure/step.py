@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from core.tracker import StepMemory, TrackerError, main_phase, main_phase_peaks, track_live_tensors
+from core.measure.tracker import StepMemory, TrackerError, main_phase, main_phase_peaks, track_live_tensors
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
@@ -475,7 +475,7 @@ def measure_config(model_dir_or_spec, plan_or_run_config, device: str = "cpu") -
 
 def planner_plan(model: str, plan: MeasurePlan, device: str = "cpu"):
     """The core.estimate Plan for the same configuration (model: a preset id or a folder with config.json)."""
-    from core.estimate import Plan
+    from core.estimate.bill import Plan
 
     short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
     targets = plan.target_modules
@@ -508,8 +508,8 @@ def planner_plan(model: str, plan: MeasurePlan, device: str = "cpu"):
 
 def estimate_for(model: str, plan: MeasurePlan, device: str = "cpu") -> dict | None:
     """The planner's figures for this model and plan: tensor_peak_bytes, peak_phase, phases, components."""
-    from core.estimate import PlanError, estimate
-    from core.specs import SpecError
+    from core.estimate.bill import PlanError, estimate
+    from core.estimate.specs import SpecError
 
     try:
         est = estimate(planner_plan(model, plan, device))

@@ -22,74 +22,17 @@ import time
 import traceback
 from pathlib import Path
 
-from core.config import ConfigError, atomic_write_text, dump_config, load_config, read_json_object
-from core.data import IGNORE_INDEX, Collator, DataError, prepare_datasets
+from core.runs import rundir
+from core.runs.rundir import latest_checkpoint, read_status, truncate_metrics, write_status
+from core.train.config import ConfigError, dump_config, load_config
+from core.train.data import IGNORE_INDEX, Collator, DataError, prepare_datasets
 
 METRIC_KEYS = ("loss", "eval_loss", "learning_rate", "grad_norm")
-STATUS_FILE, METRICS_FILE, GPU_FILE, SMOKE_FILE = "status.json", "metrics.jsonl", "gpu.jsonl", "smoke.json"
 EXIT_BAD_INPUT, EXIT_FAILED, EXIT_STOPPED = 2, 1, 0
 
 
 class TrainError(RuntimeError):
     """The run cannot go on; the message is the user-facing reason written to status.json."""
-
-
-# ---- run directory files ------------------------------------------------------------------------------------
-
-
-def read_status(run_dir: str | os.PathLike) -> dict | None:
-    try:
-        return json.loads((Path(run_dir) / STATUS_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-
-
-def write_status(run_dir: str | os.PathLike, **fields) -> dict:
-    """Merge `fields` into status.json and write it atomically (readers never see half a file)."""
-    status = read_status(run_dir) or {
-        "state": "starting",
-        "reason": None,
-        "step": 0,
-        "max_steps": None,
-        "started": time.time(),
-        "ended": None,
-    }
-    status.update(fields)
-    status["updated"] = time.time()
-    if status["state"] in ("finished", "failed", "stopped") and not status.get("ended"):
-        status["ended"] = status["updated"]
-    atomic_write_text(Path(run_dir) / STATUS_FILE, json.dumps(status))
-    return status
-
-
-def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
-    """All complete lines of metrics.jsonl (a half-written last line is skipped)."""
-    out = []
-    path = Path(run_dir) / METRICS_FILE
-    if path.exists():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            with contextlib.suppress(ValueError):
-                out.append(json.loads(line))
-    return out
-
-
-def truncate_metrics(run_dir: str | os.PathLike, last_step: int) -> None:
-    """Drop lines logged after `last_step` (a run killed after its last checkpoint), so a resumed run's file
-    stays continuous: every step appears once, in order."""
-    path = Path(run_dir) / METRICS_FILE
-    if path.exists():
-        keep = [json.dumps(m) + "\n" for m in read_metrics(run_dir) if m.get("step", 0) <= last_step]
-        atomic_write_text(path, "".join(keep))
-
-
-def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
-    ckpts = Path(run_dir) / "checkpoints"
-    if not ckpts.is_dir():
-        return None
-    found = [p for p in ckpts.glob("checkpoint-*") if p.is_dir() and p.name.split("-")[-1].isdigit()]
-    # A checkpoint without trainer_state.json was cut off while saving: not resumable.
-    found = [p for p in found if (p / "trainer_state.json").exists()]
-    return max(found, key=lambda p: int(p.name.split("-")[-1])) if found else None
 
 
 # ---- device and precision -----------------------------------------------------------------------------------
@@ -237,7 +180,7 @@ def _make_callback_class():
             self.stopped_at: int | None = None
             self.step_seconds: list[float] = []
             # A smoke test writes no metrics: its one step is not a training curve.
-            self._fh = None if smoke else open(run_dir / METRICS_FILE, "a", encoding="utf-8")  # noqa: SIM115
+            self._fh = None if smoke else open(run_dir / rundir.METRICS, "a", encoding="utf-8")  # noqa: SIM115
             self._last_t = time.time()
             self._last_tokens = 0
             self._last_samples = 0
@@ -341,7 +284,7 @@ def measure_peak(model):
     result: dict = {}
     cuda = torch.cuda.is_available()
     try:
-        from core.tracker import track_live_tensors
+        from core.measure.tracker import track_live_tensors
     except Exception:
         track_live_tensors = None
     if track_live_tensors is not None:
@@ -448,7 +391,7 @@ def training_arguments(cfg: dict, run_dir: Path, prec: dict, has_eval: bool, smo
             pass
     eval_steps = t["eval_steps"] or t["logging_steps"]
     return TrainingArguments(
-        output_dir=str(run_dir / "checkpoints"),
+        output_dir=str(run_dir / rundir.CHECKPOINTS),
         per_device_train_batch_size=1 if smoke else t["per_device_train_batch_size"],
         per_device_eval_batch_size=1 if smoke else t["per_device_train_batch_size"],
         gradient_accumulation_steps=1 if smoke else t["gradient_accumulation_steps"],
@@ -500,8 +443,8 @@ def run_training(
     import transformers
     from transformers import AutoTokenizer, Trainer
 
-    from core.gpu import GpuSampler
-    from core.preflight import has_errors, run_preflight
+    from core.monitor.gpu import GpuSampler
+    from core.train.preflight import has_errors, run_preflight
 
     run_dir = Path(run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -510,10 +453,10 @@ def run_training(
         stop = StopFlag().install() if threading.current_thread() is threading.main_thread() else StopFlag()
     cfg = load_config(config_path)
     if (
-        Path(config_path).resolve() != (run_dir / "config.yaml").resolve()
-        and not (run_dir / "config.yaml").exists()
+        Path(config_path).resolve() != (run_dir / rundir.CONFIG).resolve()
+        and not (run_dir / rundir.CONFIG).exists()
     ):
-        dump_config(cfg, run_dir / "config.yaml")  # the run dir must say what it ran
+        dump_config(cfg, run_dir / rundir.CONFIG)  # the run dir must say what it ran
 
     checkpoint = latest_checkpoint(run_dir) if resume else None
     if resume and checkpoint is None:
@@ -557,7 +500,7 @@ def run_training(
         eval_ds = eval_ds.add_column("is_eval", [1] * len(eval_ds))
 
     sampler = GpuSampler(
-        run_dir / GPU_FILE,
+        run_dir / rundir.GPU,
         interval=1.0,
         watch_pid=os.getpid(),
         on_unavailable=lambda why: print(f"gpu.jsonl: not written: {why}", flush=True),
@@ -601,7 +544,7 @@ def run_training(
     if callback.nan_step is not None:
         raise TrainError(f"loss became NaN at step {callback.nan_step}")
     if smoke:
-        plan = read_json_object(run_dir / "plan.json") or {}
+        plan = rundir.read_plan(run_dir) or {}
         smoke_result = {
             "state": "finished",
             "reason": None,
@@ -622,9 +565,9 @@ def run_training(
             "estimate_reserved_bytes": plan.get("reserved_peak_bytes"),
             "max_length": cfg["data"]["max_length"],
         }
-        atomic_write_text(run_dir / SMOKE_FILE, json.dumps(smoke_result))
+        rundir.write_smoke(run_dir, smoke_result)
         with contextlib.suppress(OSError):  # the Trainer made an output folder that stays empty in smoke mode
-            (run_dir / "checkpoints").rmdir()
+            (run_dir / rundir.CHECKPOINTS).rmdir()
         write_status(run_dir, state="finished", reason="smoke test: one step at batch size 1", step=step)
         return {**summary, "state": "finished", "smoke": smoke_result}
     if callback.stopped_at is not None:
@@ -646,7 +589,7 @@ def save_final(trainer, tokenizer, run_dir: Path, cfg: dict) -> Path:
     """The adapter (peft format) + tokenizer into DIR/adapter, written to a temp folder then renamed."""
     import shutil
 
-    name = "adapter" if cfg["lora"]["enabled"] else "model"
+    name = rundir.ADAPTER if cfg["lora"]["enabled"] else rundir.MODEL
     final, tmp = run_dir / name, run_dir / f".{name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     trainer.model.save_pretrained(str(tmp))
@@ -662,15 +605,8 @@ def report_failure(run_dir: Path, reason: str, smoke: bool) -> None:
     if not run_dir.is_dir():
         return
     if smoke:
-        atomic_write_text(
-            run_dir / SMOKE_FILE, json.dumps({"state": "failed", "reason": reason, "time": time.time()})
-        )
+        rundir.write_smoke(run_dir, {"state": "failed", "reason": reason, "time": time.time()})
     write_status(run_dir, state="failed", reason=reason)
-
-
-def read_smoke(run_dir: str | os.PathLike) -> dict | None:
-    """smoke.json: {"state": finished|failed, "reason", "peak_bytes", "seconds_per_step", ...} or None."""
-    return read_json_object(Path(run_dir) / SMOKE_FILE)
 
 
 def main(argv: list[str] | None = None) -> int:

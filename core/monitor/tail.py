@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from core.runs import rundir
+
 try:  # 3-4x faster on the first read of a long run; optional
     from orjson import loads as _fast_loads
 except ImportError:  # pragma: no cover - depends on the environment
@@ -348,8 +350,8 @@ class RunFiles:
     def __init__(self, run_dir: str | os.PathLike, ema_alpha: float = 0.05):
         self.run_dir = Path(run_dir)
         self.ema_alpha = ema_alpha
-        self.metrics_tail = JsonlTail(self.run_dir / "metrics.jsonl")
-        self.gpu_tail = JsonlTail(self.run_dir / "gpu.jsonl")
+        self.metrics_tail = JsonlTail(self.run_dir / rundir.METRICS)
+        self.gpu_tail = JsonlTail(self.run_dir / rundir.GPU)
         self.series = RunSeries(ema_alpha)
         self.restarts = 0
 

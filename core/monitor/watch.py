@@ -20,11 +20,12 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from core.config import read_json_object
-from core.diagnose import Diagnosis, diagnose, load_evidence
-from core.health import HealthChecker, HealthWarning
-from core.series import downsample_minmax, stride
-from core.tail import RunFiles, RunSeries, TextTail
+from core.files import read_json_object
+from core.monitor.diagnose import Diagnosis, diagnose, load_evidence
+from core.monitor.health import HealthChecker, HealthWarning
+from core.monitor.series import downsample_minmax, stride
+from core.monitor.tail import RunFiles, RunSeries, TextTail
+from core.runs import rundir
 
 GiB = 1024**3
 
@@ -137,10 +138,10 @@ class RunWatcher:
         self.run_dir = Path(run_dir)
         self.budget = budget or ChartBudget()
         self.files = RunFiles(self.run_dir)
-        self.status_file = _CachedJson(self.run_dir / "status.json")
-        self.plan_file = _CachedJson(self.run_dir / "plan.json")
-        self.stderr = TextTail(self.run_dir / "stderr.log", n_lines=tail_lines)
-        self.stdout = TextTail(self.run_dir / "stdout.log", n_lines=tail_lines)
+        self.status_file = _CachedJson(self.run_dir / rundir.STATUS)
+        self.plan_file = _CachedJson(self.run_dir / rundir.PLAN)
+        self.stderr = TextTail(self.run_dir / rundir.STDERR, n_lines=tail_lines)
+        self.stdout = TextTail(self.run_dir / rundir.STDOUT, n_lines=tail_lines)
         self.health = HealthChecker()
         self.clock = clock
         self._charts: dict[str, pd.DataFrame] | None = None
@@ -354,7 +355,7 @@ def _files_for(run_dir: Path) -> RunFiles:
 def summarize_run(run_dir: str | os.PathLike, clock=time.time) -> RunSummary:
     run_dir = Path(run_dir)
     s = _files_for(run_dir).series
-    st = read_json_object(run_dir / "status.json") or {}
+    st = read_json_object(run_dir / rundir.STATUS) or {}
     started, ended = st.get("started"), st.get("ended")
     duration = None
     if isinstance(started, (int, float)):

@@ -6,14 +6,15 @@ UI-free like the rest of core: the pages show the sentences these functions retu
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
 from pathlib import Path
 
-from core.config import RULES, SECTIONS, ConfigError, atomic_write_text, dump_config, validate_config
-from core.runs import LIVE_STATES, RunError, launch, run_state
+from core.runs import rundir
+from core.runs.launcher import RunError, launch, run_state
+from core.runs.rundir import LIVE_STATES
+from core.train.config import RULES, SECTIONS, ConfigError, dump_config, validate_config
 from core.workspace import WorkspaceError, check_run_name, inside, runs_dir
 
 SMOKE_DIR = "smoke"  # <workspace>/smoke/<run>-<n>/: one-step runs, not listed among the real runs
@@ -79,7 +80,7 @@ def check_model_folder(path) -> str | None:
 
 def check_data_columns(data_cfg: dict) -> str | None:
     """None when the dataset loads and has the columns its format needs; else the sentence from core.data."""
-    from core.data import DataError, detect_format, load_rows, missing_columns
+    from core.train.data import DataError, detect_format, load_rows, missing_columns
 
     if not data_cfg.get("path"):
         return "data.path is empty: give a .jsonl/.json/.csv/.parquet file or a save_to_disk folder."
@@ -125,7 +126,7 @@ def plan_for_config(
     expandable segments). The dtypes follow core.train.choose_precision for `device`: on a CPU there is no
     bf16/fp16 autocast, but model.dtype bfloat16 still loads (and computes in) bfloat16 weights.
     """
-    from core.estimate import Plan
+    from core.estimate.bill import Plan
 
     m, q, lo, d, t = (cfg[s] for s in SECTIONS)
     method = "full" if not lo["enabled"] else ("qlora" if q["load_in_4bit"] else "lora")
@@ -174,7 +175,7 @@ def _plan_dtypes(model_dtype: str, training: dict, device: str) -> tuple[str, st
 
 def estimate_for_config(cfg: dict, gpu_gb: float = 24.0, device: str = "cuda", batch_size=None, base=None):
     """core.estimate.estimate of plan_for_config(...); raises PlanError/SpecError with the planner's sentence."""
-    from core.estimate import estimate
+    from core.estimate.bill import estimate
 
     return estimate(plan_for_config(cfg, gpu_gb, device, batch_size, base))
 
@@ -206,9 +207,9 @@ def create_smoke_run(workspace: str | os.PathLike, name: str, config: dict, plan
             break
         except FileExistsError:
             n += 1
-    dump_config(cfg, run_dir / "config.yaml")
+    dump_config(cfg, run_dir / rundir.CONFIG)
     if plan:
-        atomic_write_text(run_dir / "plan.json", json.dumps(plan, default=str))
+        rundir.write_plan(run_dir, plan)
     return run_dir
 
 

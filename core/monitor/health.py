@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from core.tail import RunSeries
+from core.monitor.tail import RunSeries
 
 GiB = 1024**3
 

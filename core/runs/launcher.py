@@ -9,7 +9,6 @@ reported. When the pid is gone but the status still says starting/running, the p
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -18,12 +17,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.config import atomic_write_text, dump_config, validate_config
-from core.train import read_status, write_status
+from core.runs import rundir
+from core.runs.rundir import LIVE_STATES, read_pid, read_status, write_status
+from core.train.config import dump_config, validate_config
 from core.workspace import WorkspaceError, check_run_name, inside, runs_dir
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-LIVE_STATES = ("starting", "running")
+REPO_ROOT = Path(__file__).resolve().parents[2]
 TAIL_LINES = 20
 
 
@@ -61,20 +60,13 @@ def create_run(workspace: str | os.PathLike, name: str, config: dict, plan: dict
         raise RunError(f"A run named {name!r} already exists in {run_dir.parent}: choose another name.")
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     run_dir.mkdir()
-    dump_config(cfg, run_dir / "config.yaml")
+    dump_config(cfg, run_dir / rundir.CONFIG)
     if plan:
-        atomic_write_text(run_dir / "plan.json", json.dumps(plan, default=str))
+        rundir.write_plan(run_dir, plan)
     return run_dir
 
 
 # ---- process liveness -----------------------------------------------------------------------------------------
-
-
-def read_pid(run_dir: str | os.PathLike) -> int | None:
-    try:
-        return int((Path(run_dir) / "pid").read_text().strip())
-    except (OSError, ValueError):
-        return None
 
 
 def pid_alive(pid: int | None) -> bool:
@@ -131,7 +123,7 @@ def launch(run_dir: str | os.PathLike, resume: bool = False, smoke: bool = False
     pipes (a full pipe would block training when nobody reads it).
     """
     run_dir = Path(run_dir).resolve()
-    config = run_dir / "config.yaml"
+    config = run_dir / rundir.CONFIG
     if not config.is_file():
         raise RunError(f"{run_dir} has no config.yaml: create the run with create_run() first.")
     pid = read_pid(run_dir)
@@ -146,7 +138,7 @@ def launch(run_dir: str | os.PathLike, resume: bool = False, smoke: bool = False
     if smoke:
         # Smoke tests belong in their own folder (core.runs_admin keeps them apart): they write status.json too.
         cmd.append("--smoke")
-        (run_dir / "smoke.json").unlink(missing_ok=True)  # so a reader waits for this test's result
+        (run_dir / rundir.SMOKE).unlink(missing_ok=True)  # so a reader waits for this test's result
     write_status(
         run_dir,
         state="starting",
@@ -155,7 +147,7 @@ def launch(run_dir: str | os.PathLike, resume: bool = False, smoke: bool = False
         **({} if resume and status else {"started": time.time(), "step": 0, "max_steps": None}),
     )
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    with open(run_dir / "stdout.log", "ab") as out, open(run_dir / "stderr.log", "ab") as err:
+    with open(run_dir / rundir.STDOUT, "ab") as out, open(run_dir / rundir.STDERR, "ab") as err:
         try:
             proc = subprocess.Popen(
                 cmd,
@@ -169,7 +161,7 @@ def launch(run_dir: str | os.PathLike, resume: bool = False, smoke: bool = False
         except OSError as exc:
             write_status(run_dir, state="failed", reason=f"could not start {sys.executable}: {exc}")
             raise RunError(f"Could not start the trainer ({exc}).") from None
-    atomic_write_text(run_dir / "pid", str(proc.pid))
+    rundir.write_pid(run_dir, proc.pid)
     return proc.pid
 
 
@@ -214,7 +206,7 @@ def run_state(run_dir: str | os.PathLike) -> RunInfo:
         state = "starting" if alive else "new"
         return RunInfo(run_dir.name, run_dir, state, None, 0, None, pid, alive, None)
     if status.get("state") in LIVE_STATES and not alive and pid is not None:
-        last = tail(run_dir / "stderr.log")
+        last = tail(run_dir / rundir.STDERR)
         reason = f"the training process (pid {pid}) ended without reporting"
         reason += f"; last lines of stderr.log:\n{last}" if last else " and wrote nothing to stderr.log"
         status = write_status(run_dir, state="failed", reason=reason)
@@ -236,8 +228,8 @@ def list_runs(workspace: str | os.PathLike) -> list[RunInfo]:
     root = runs_dir(workspace)
     if not root.is_dir():
         return []
-    dirs = [d for d in root.iterdir() if d.is_dir() and (d / "config.yaml").exists()]
-    dirs.sort(key=lambda d: (d / "config.yaml").stat().st_mtime, reverse=True)
+    dirs = [d for d in root.iterdir() if d.is_dir() and (d / rundir.CONFIG).exists()]
+    dirs.sort(key=lambda d: (d / rundir.CONFIG).stat().st_mtime, reverse=True)
     return [run_state(d) for d in dirs]
 
 
@@ -255,7 +247,7 @@ def wait_for(
 
 def wait_for_smoke(run_dir: str | os.PathLike, timeout: float = 600.0) -> dict | None:
     """Poll for smoke.json; None on timeout. A smoke process that died silently gives a failed result."""
-    from core.train import read_smoke
+    from core.runs.rundir import read_smoke
 
     run_dir = Path(run_dir)
     deadline = time.time() + timeout
@@ -274,7 +266,7 @@ def wait_for_smoke(run_dir: str | os.PathLike, timeout: float = 600.0) -> dict |
             result = read_smoke(run_dir)  # it may have written just before exiting
             return result or {
                 "state": "failed",
-                "reason": "smoke test ended without a result; stderr.log:\n" + tail(run_dir / "stderr.log"),
+                "reason": "smoke test ended without a result; stderr.log:\n" + tail(run_dir / rundir.STDERR),
             }
         time.sleep(0.2)
     return None

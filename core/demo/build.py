@@ -28,7 +28,9 @@ import sys
 import time
 from pathlib import Path
 
-from core.config import atomic_write_text, validate_config
+from core.files import atomic_write_text
+from core.runs import rundir
+from core.train.config import validate_config
 from core.workspace import default_workspace
 
 VERSION = 1
@@ -83,7 +85,7 @@ def task_rows(seed: int = SEED) -> tuple[list[dict], list[dict]]:
 def encode_chat_pairs(tokenizer, pairs: list[tuple[str, str]]) -> list[dict]:
     """Tokenize one-turn chats like core.data does for the chat format (answer trained, prompt masked), but
     fast: the template is rendered once around two markers and the rows are tokenized in one batch call."""
-    from core.data import IGNORE_INDEX
+    from core.train.data import IGNORE_INDEX
 
     q_mark, a_mark = "\x01", "\x02"
     rendered = tokenizer.apply_chat_template(_messages(q_mark, a_mark), tokenize=False)
@@ -98,7 +100,7 @@ def encode_chat_pairs(tokenizer, pairs: list[tuple[str, str]]) -> list[dict]:
 
 
 def _batch(rows: list[dict], tokenizer):
-    from core.data import Collator
+    from core.train.data import Collator
 
     pairs = [(r["messages"][0]["content"], r["messages"][1]["content"]) for r in rows]
     return Collator(tokenizer.pad_token_id)(encode_chat_pairs(tokenizer, pairs))
@@ -109,7 +111,7 @@ def pretrain_base(out: Path, steps: int = PRETRAIN_STEPS, seed: int = SEED, log=
     import torch
     from transformers import AutoModelForCausalLM
 
-    from core.toy import build_tokenizer, tiny_config
+    from core.demo.toy import build_tokenizer, tiny_config
 
     tokenizer = build_tokenizer()
     torch.manual_seed(seed)
@@ -316,15 +318,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"held-out accuracy before training: {before:.0%}", flush=True)
         adapter = Path(args.adapter) if args.adapter else None
         if args.run:
-            from core.config import dump_config
-            from core.train import run_training
+            from core.train.config import dump_config
+            from core.train.trainer import run_training
 
             run_dir = out / "example-run"
             n = 2
             while run_dir.exists():  # never reuse (overwrite) an earlier run
                 run_dir, n = out / f"example-run-{n}", n + 1
             run_dir.mkdir()
-            cfg_path = dump_config(demo_config(out=out), run_dir / "config.yaml")
+            cfg_path = dump_config(demo_config(out=out), run_dir / rundir.CONFIG)
             t0 = time.time()
             summary = run_training(cfg_path, run_dir)
             print(f"demo run {summary['state']} in {time.time() - t0:.0f} s: {run_dir}", flush=True)

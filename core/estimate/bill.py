@@ -18,7 +18,7 @@ import math
 import sys
 from dataclasses import asdict, dataclass, field, fields, replace
 
-from core.specs import ModelSpec, SpecError, load_spec, lora_targets, normalize_targets, preset_ids
+from core.estimate.specs import ModelSpec, SpecError, load_spec, lora_targets, normalize_targets, preset_ids
 
 GiB = 2**30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}

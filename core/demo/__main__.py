@@ -1,0 +1,5 @@
+import sys
+
+from core.demo.build import main
+
+sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from core.estimate.bill import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""Monitoring: NVML, incremental log readers, series, health warnings and failure diagnosis."""

@@ -1,0 +1,676 @@
+"""Why did a run fail, and what to change: rules over stderr, status.json, metrics, GPU samples and the plan.
+
+The rules are data (`RULES`): each says how it is recognised, the cause and the fix, so the README's
+troubleshooting section is generated from the same text the Monitor shows (`troubleshooting_markdown()`).
+The first rule that matches wins, so specific rules come before general ones. A rule may add figures from the
+evidence (`explain`): how much memory other processes held, the allocator's unallocated reserve, the plan.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from core.files import read_json_object
+from core.monitor.tail import RunFiles, RunSeries, tail_text
+from core.runs import rundir
+
+GiB = 1024**3
+_UNITS = {
+    "B": 1,
+    "KiB": 1024,
+    "MiB": 1024**2,
+    "GiB": 1024**3,
+    "TiB": 1024**4,
+    "KB": 1e3,
+    "MB": 1e6,
+    "GB": 1e9,
+}
+
+
+@dataclass
+class Evidence:
+    """Everything a rule may look at. Any part may be missing (a run that died before writing it)."""
+
+    stderr: str = ""
+    status: dict | None = None
+    series: RunSeries | None = None
+    plan: dict | None = None
+    config: dict | None = None
+
+    @property
+    def state(self) -> str | None:
+        return (self.status or {}).get("state")
+
+    @property
+    def reason(self) -> str:
+        return str((self.status or {}).get("reason") or "")
+
+    def training(self) -> dict:
+        return ((self.config or {}).get("training") or {}) if isinstance(self.config, dict) else {}
+
+
+@dataclass
+class Diagnosis:
+    rule: str
+    title: str
+    cause: str
+    fixes: list[str]
+    details: list[str] = field(default_factory=list)  # figures drawn from the evidence
+    evidence: list[str] = field(default_factory=list)  # the stderr lines that matched
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def markdown(self) -> str:
+        parts = [f"**{self.title}**", "", self.cause]
+        if self.details:
+            parts += [""] + [f"- {d}" for d in self.details]
+        parts += ["", "**What to change**", ""] + [f"{i}. {f}" for i, f in enumerate(self.fixes, 1)]
+        if self.evidence:
+            parts += ["", "```", *self.evidence, "```"]
+        return "\n".join(parts)
+
+
+Explain = Callable[[Evidence], tuple[list[str], list[str]]]  # -> (details, specific fixes first)
+
+
+@dataclass
+class Rule:
+    name: str
+    title: str
+    signs: str  # how it is recognised, in words (for the docs)
+    cause: str
+    fix: list[str]
+    patterns: tuple[str, ...] = ()  # regexes searched in stderr (multiline); any one matches
+    test: Callable[[Evidence], bool] | None = None  # evidence beyond stderr; used when no pattern matched
+    explain: Explain | None = None
+
+    def match(self, ev: Evidence) -> list[str] | None:
+        """The matched stderr lines ([] when matched on other evidence), or None."""
+        # The status reason counts too: the trainer writes the exception text there when it fails cleanly.
+        for text in (ev.stderr, ev.reason):
+            for pat in self.patterns:
+                if re.search(pat, text, re.MULTILINE):
+                    return _matched_lines(text, pat)
+        if self.test is not None and _safe(self.test, ev):
+            return []
+        return None
+
+
+def _safe(fn, ev) -> bool:
+    try:
+        return bool(fn(ev))
+    except Exception:  # a rule must never break the diagnosis panel
+        return False
+
+
+def _matched_lines(text: str, pat: str, limit: int = 3) -> list[str]:
+    rx = re.compile(pat)
+    lines = [ln.strip() for ln in text.splitlines() if rx.search(ln)]
+    # Device asserts repeat once per GPU thread: show a few distinct ones.
+    seen, out = set(), []
+    for ln in lines:
+        key = re.sub(r"\[\d+,\d+,\d+\]", "", ln)
+        if key not in seen:
+            seen.add(key)
+            out.append(ln[:600])
+    return out[:limit]
+
+
+def _bytes(text: str | None) -> float | None:
+    if not text:
+        return None
+    m = re.match(r"([\d.]+)\s*([KMGT]?i?B)", text.strip())
+    if not m or m.group(2) not in _UNITS:
+        return None
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+def _gib(b: float) -> str:
+    return f"{b / GiB:.2f} GiB"
+
+
+def _search(pat: str, text: str) -> re.Match | None:
+    found = None
+    for found in re.finditer(pat, text):  # noqa: B007 - the last occurrence is the failure that ended the run
+        pass
+    return found
+
+
+# --- CUDA out of memory -------------------------------------------------------------------------------
+
+
+def _explain_cuda_oom(ev: Evidence) -> tuple[list[str], list[str]]:
+    details, fixes = [], []
+    text = ev.stderr
+    tried = _search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", text)
+    cap = _search(r"total capacity of ([\d.]+ [KMGT]?i?B) of which ([\d.]+ [KMGT]?i?B) is free", text)
+    unalloc = _search(r"([\d.]+ [KMGT]?i?B) is reserved by PyTorch but unallocated", text)
+    alloc = _search(r"([\d.]+ [KMGT]?i?B) is allocated by PyTorch", text)
+    tried_b = _bytes(tried.group(1)) if tried else None
+    cap_b = _bytes(cap.group(1)) if cap else None
+    if tried:
+        line = f"PyTorch asked for {tried.group(1)} more"
+        if cap:
+            line += f" with {cap.group(2)} free on a {cap.group(1)} card"
+        details.append(line + ".")
+    if alloc and unalloc:
+        details.append(
+            f"Tensors held {alloc.group(1)}; {unalloc.group(1)} was reserved by PyTorch but unallocated."
+        )
+    unalloc_b = _bytes(unalloc.group(1)) if unalloc else None
+    if unalloc_b and (
+        (tried_b and unalloc_b >= tried_b) or (cap_b and unalloc_b >= 0.1 * cap_b) or unalloc_b >= 2 * GiB
+    ):
+        details.append(
+            "The unallocated reserve is large next to the request: memory is fragmented into pieces too small "
+            "for the allocation."
+        )
+        fixes.append(
+            "Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the run's environment (lets PyTorch grow "
+            "segments instead of fragmenting) and launch again."
+        )
+    # Other processes: NVML samples know the run's process tree; stderr's "Process N" lines include our own
+    # process when it runs in a container, so they count only when "this process" is listed separately.
+    others = []
+    if ev.series is not None:
+        for procs in ev.series.gpu_other_processes.values():
+            others += [p for p in procs if isinstance(p, dict)]
+    other_bytes = sum(float(p.get("memory") or 0) for p in others)
+    if not others and "this process has" in text:
+        for pid, amount in re.findall(r"Process (\d+) has ([\d.]+ [KMGT]?i?B) memory in use", text):
+            others.append({"pid": int(pid), "memory": _bytes(amount)})
+            other_bytes += _bytes(amount) or 0
+    if other_bytes >= 0.5 * GiB:
+        pids = ", ".join(str(p.get("pid")) for p in others[:5])
+        details.append(f"Other processes held {_gib(other_bytes)} of the GPU (pid {pids}).")
+        fixes.append(
+            f"Close the other programs on the GPU (pid {pids}: another run, a notebook, a desktop app), or "
+            "subtract their memory when planning."
+        )
+    plan = ev.plan or {}
+    predicted = plan.get("device_total_bytes") or plan.get("reserved_peak_bytes")
+    total = plan.get("gpu_bytes") or cap_b
+    if predicted and total:
+        if predicted > total:
+            details.append(
+                f"The plan already predicted {_gib(predicted)} for a {_gib(total)} card: this config does not fit."
+            )
+            fixes.append("Use the batch size / sequence length the Estimate page suggests for this card.")
+        else:
+            details.append(
+                f"The plan predicted {_gib(predicted)} of {_gib(total)}; the run needed more (a longer batch "
+                "than planned, or other processes)."
+            )
+            fixes.append(
+                "Check the dataset's longest sample against max_seq_length in the plan, and run the Smoke test "
+                "to measure before launching."
+            )
+    elif not plan:
+        details.append(
+            "No plan.json for this run: estimate it on the Estimate page to see where memory goes."
+        )
+    return details, fixes
+
+
+# --- index out of range / device-side assert ----------------------------------------------------------
+
+
+def _model_limits(ev: Evidence) -> tuple[int | None, int | None]:
+    """vocab_size and max_position_embeddings of the run's model, when its folder is readable."""
+    model = (ev.config or {}).get("model") or {}
+    path = (
+        model.get("path") or model.get("name_or_path") or model.get("name")
+        if isinstance(model, dict)
+        else None
+    )
+    try:
+        cfg = json.loads((Path(str(path)) / "config.json").read_text())
+    except Exception:
+        return None, None
+    cfg = cfg.get("text_config", cfg)
+    return cfg.get("vocab_size"), cfg.get("max_position_embeddings") or cfg.get("n_positions")
+
+
+def _explain_index(ev: Evidence) -> tuple[list[str], list[str]]:
+    details, fixes = [], []
+    vocab, max_pos = _model_limits(ev)
+    target = _search(r"Target (-?\d+) is out of bounds", ev.stderr)
+    if target or "n_classes" in ev.stderr:
+        what = f"label {target.group(1)}" if target else "a label"
+        details.append(
+            f"The loss received {what} outside the vocabulary" + (f" (vocab_size {vocab})." if vocab else ".")
+        )
+        fixes.append(
+            "Labels must be token ids of this model's tokenizer or -100: use the model's own tokenizer, and if "
+            "you added tokens, call model.resize_token_embeddings(len(tokenizer))."
+        )
+    if re.search(r"index out of range in self|srcIndex < srcSelectDimSize", ev.stderr):
+        lim = []
+        if vocab:
+            lim.append(f"vocab_size {vocab}")
+        if max_pos:
+            lim.append(f"max_position_embeddings {max_pos}")
+        details.append(
+            "An embedding lookup got an index beyond its table: a token id past the vocabulary or a position "
+            "past the model's maximum" + (f" ({', '.join(lim)})." if lim else ".")
+        )
+        fixes.append(
+            "Set max_seq_length no larger than the model's max_position_embeddings and make sure the tokenizer "
+            "matches the model (same vocabulary)."
+        )
+    if "device-side assert" in ev.stderr:
+        details.append(
+            "On the GPU this surfaces as a device-side assert; the traceback line may be misleading."
+        )
+    return details, fixes
+
+
+# --- NaN loss ---------------------------------------------------------------------------------------------
+
+
+def _nonfinite_loss(ev: Evidence) -> bool:
+    if re.search(r"(?i)\b(?:nan|inf)\b", ev.reason) and re.search(r"(?i)loss", ev.reason):
+        return True  # core.train stops with "loss became NaN at step N"
+    if ev.series is None:
+        return False
+    _, loss = ev.series.metric("loss")
+    return bool(loss.size) and not np.isfinite(loss).all()
+
+
+def _explain_nan(ev: Evidence) -> tuple[list[str], list[str]]:
+    details, fixes = [], []
+    if ev.series is not None:
+        steps, loss = ev.series.metric("loss")
+        bad = ~np.isfinite(loss)
+        if bad.any():
+            i = int(np.argmax(bad))
+            before = loss[:i][np.isfinite(loss[:i])]
+            details.append(
+                f"Loss became {loss[i]} at step {int(steps[i])}"
+                + (
+                    f" (last finite value {before[-1]:.4g})."
+                    if before.size
+                    else " (from the first logged step)."
+                )
+            )
+            gsteps, gn = ev.series.metric("grad_norm")
+            if gn.size:
+                upto = gn[gsteps <= steps[i]]
+                if upto.size:
+                    details.append(f"Gradient norm just before: {upto[-1]:.4g}.")
+    tr = ev.training()
+    lr = tr.get("learning_rate")
+    if lr is None and ev.series is not None:
+        lr = ev.series.metrics.get("learning_rate").last() if ev.series.metrics.get("learning_rate") else None
+    if isinstance(lr, (int, float)) and lr > 5e-4:
+        details.append(f"learning_rate {lr:g} is high for LoRA (typical 1e-4 to 3e-4).")
+        fixes.append(f"Lower learning_rate to {lr / 10:g} and keep a warmup.")
+    if tr.get("fp16"):
+        details.append("fp16 is on: its range ends at 65504, and activations or the loss scale can overflow.")
+        fixes.append("Switch fp16 off and bf16 on (RTX 30xx/40xx, A6000 and L40 support bf16).")
+    return details, fixes
+
+
+# --- data loader ------------------------------------------------------------------------------------------
+
+
+def _dataloader_hang(ev: Evidence) -> bool:
+    """No step completed for a long time while the GPU sat idle."""
+    s = ev.series
+    if s is None or ev.state not in ("failed", "stopped", "running"):
+        return False
+    t, util = s.gpu_series("utilization")
+    if util.size < 30:
+        return False
+    last_metric = s.last_time or (ev.status or {}).get("started") or t[0]
+    idle = util[t > last_metric]
+    span = t[-1] - max(last_metric, t[0])
+    return span >= 120 and idle.size >= 30 and float(np.mean(idle)) < 5.0
+
+
+def _explain_hang(ev: Evidence) -> tuple[list[str], list[str]]:
+    s = ev.series
+    t, util = s.gpu_series("utilization")
+    last_metric = s.last_time or (ev.status or {}).get("started") or t[0]
+    idle = util[t > last_metric]
+    step = (ev.status or {}).get("step")
+    details = [
+        f"No progress for {t[-1] - max(last_metric, t[0]):.0f} s"
+        + (f" (stuck at step {step})" if step is not None else "")
+        + f" while GPU utilisation averaged {float(np.mean(idle)):.1f}%."
+    ]
+    tr = ev.training()
+    workers = tr.get("dataloader_num_workers")
+    if workers:
+        details.append(f"dataloader_num_workers is {workers}.")
+    return details, []
+
+
+# --- SIGKILL without a traceback: the kernel's OOM killer --------------------------------------------------
+
+
+def _killed(ev: Evidence) -> bool:
+    if ev.state != "failed":
+        return False
+    # core.runs writes "ended without reporting" when the trainer vanished without writing its own status:
+    # with no Python traceback in stderr that is almost always the kernel's OOM killer (SIGKILL).
+    killed = re.search(
+        r"SIGKILL|signal 9|\bkilled\b|exit(?:ed)? (?:code|status) (?:-9|137)|ended without reporting",
+        ev.reason,
+        re.I,
+    )
+    return bool(killed) and "Traceback (most recent call last)" not in ev.stderr[-20000:]
+
+
+def _explain_cpu_oom(ev: Evidence) -> tuple[list[str], list[str]]:
+    details = []
+    m = _search(r"you tried to allocate (\d+) bytes", ev.stderr)
+    if m:
+        details.append(f"A CPU allocation of {_gib(float(m.group(1)))} failed.")
+    if ev.reason:
+        details.append(f"Run status: {ev.reason}")
+    try:
+        import psutil
+
+        vm = psutil.virtual_memory()
+        details.append(f"This machine has {_gib(vm.total)} of RAM ({_gib(vm.available)} available now).")
+    except Exception:
+        pass
+    return details, []
+
+
+# --- missing pieces -------------------------------------------------------------------------------------
+
+_PIP_NAMES = {"yaml": "pyyaml", "sklearn": "scikit-learn", "flash_attn": "flash-attn", "PIL": "pillow"}
+
+
+def _explain_module(ev: Evidence) -> tuple[list[str], list[str]]:
+    m = _search(r"No module named '([\w.]+)'", ev.stderr)
+    if not m:
+        return [], []
+    mod = m.group(1)
+    top = mod.split(".")[0]
+    pkg = _PIP_NAMES.get(top, top.replace("_", "-"))
+    return [f"Python could not import {mod!r}."], [
+        f"Install it in the environment that runs training: python -m pip install {pkg}"
+    ]
+
+
+def _explain_file(ev: Evidence) -> tuple[list[str], list[str]]:
+    for pat in (
+        r"No such file or directory: '([^']+)'",
+        r"Unable to find '([^']+)'",
+        r"Repo id must be in the form [^:]*: '([^']+)'",
+        r"'([^']+)' is not a local folder",
+        r"(\S+) does not appear to have a file named ([\w.]+)",
+    ):
+        m = _search(pat, ev.stderr)
+        if m:
+            return [
+                f"Missing: {m.group(1)}" + (f" (no {m.group(2)})" if m.lastindex and m.lastindex > 1 else "")
+            ], []
+    return [], []
+
+
+def _explain_unknown(ev: Evidence) -> tuple[list[str], list[str]]:
+    lines = [ln.strip() for ln in ev.stderr.splitlines() if ln.strip()]
+    exc = [ln for ln in lines if re.match(r"^[\w.]+(Error|Exception|Interrupt)\b.*", ln)]
+    details = []
+    if exc:
+        details.append(f"Last error: {exc[-1][:400]}")
+    elif lines:
+        details.append(f"Last stderr line: {lines[-1][:400]}")
+    if ev.reason:
+        details.append(f"Run status: {ev.reason}")
+    return details, []
+
+
+RULES: list[Rule] = [
+    Rule(
+        name="cuda_oom",
+        title="GPU out of memory (CUDA OOM)",
+        signs="stderr contains `torch.OutOfMemoryError: CUDA out of memory` (or CUBLAS_STATUS_ALLOC_FAILED).",
+        cause="The run needed more GPU memory than was free at that moment.",
+        fix=[
+            "Lower per_device_train_batch_size and raise gradient_accumulation_steps to keep the effective batch.",
+            "Lower max_seq_length, enable gradient_checkpointing, or use QLoRA (4-bit) with paged_adamw_8bit.",
+            "If the message shows a large 'reserved by PyTorch but unallocated' figure, memory is fragmented: "
+            "set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True.",
+            "If other processes hold GPU memory (the Monitor lists them from NVML), close them.",
+        ],
+        patterns=(r"CUDA out of memory", r"OutOfMemoryError", r"CUBLAS_STATUS_ALLOC_FAILED"),
+        explain=_explain_cuda_oom,
+    ),
+    Rule(
+        name="index_out_of_range",
+        title="A token id or label is out of range (device-side assert)",
+        signs="`CUDA error: device-side assert triggered` with `t >= 0 && t < n_classes` or `srcIndex < "
+        "srcSelectDimSize`; on CPU `IndexError: Target N is out of bounds` or `index out of range in self`.",
+        cause="A label is not a valid token id of the model (>= vocab_size), a token id is past the embedding "
+        "table, or a sequence is longer than the model's maximum positions.",
+        fix=[
+            "Run the dataset preflight on the Train page: it checks token ids, labels and lengths against the model.",
+            "Use the model's own tokenizer; after adding tokens call model.resize_token_embeddings(len(tokenizer)).",
+            "Keep max_seq_length at or below the model's max_position_embeddings.",
+        ],
+        patterns=(
+            r"device-side assert triggered",
+            r"Assertion `t >= 0 && t < n_classes` failed",
+            r"Assertion `srcIndex < srcSelectDimSize` failed",
+            r"IndexError: Target -?\d+ is out of bounds",
+            r"IndexError: index out of range in self",
+        ),
+        explain=_explain_index,
+    ),
+    Rule(
+        name="cpu_oom",
+        title="Out of CPU memory (RAM)",
+        signs="`DefaultCPUAllocator: can't allocate memory`, `MemoryError`, `Cannot allocate memory`, or the "
+        "process vanished (SIGKILL, 'ended without reporting') with no Python traceback: the kernel's OOM killer.",
+        cause="The machine ran out of RAM: loading the model in full precision before quantising, a large "
+        "dataset held in memory, or many data loader workers each copying it.",
+        fix=[
+            "Close other memory-hungry programs, or add swap.",
+            "Lower dataloader_num_workers (each worker holds its own copy of the dataset pipeline).",
+            "Load the model directly in 4-bit (QLoRA) and with low_cpu_mem_usage; tokenise the dataset to disk "
+            "(datasets map with a cache) instead of holding it in Python lists.",
+        ],
+        patterns=(
+            r"DefaultCPUAllocator: can't allocate memory",
+            r"^\s*MemoryError\b",
+            r"Cannot allocate memory",
+            r"std::bad_alloc",
+        ),
+        test=_killed,
+        explain=_explain_cpu_oom,
+    ),
+    Rule(
+        name="dataloader_worker_died",
+        title="A data loader worker died",
+        signs="`DataLoader worker (pid N) is killed by signal` or `DataLoader worker ... exited unexpectedly`.",
+        cause="A worker process of the PyTorch DataLoader was killed, most often by the kernel's OOM killer "
+        "(each worker copies the dataset) or because shared memory (/dev/shm) is too small.",
+        fix=[
+            "Set dataloader_num_workers=0 (or 1-2) and launch again.",
+            "Set dataloader_pin_memory=False; in Docker, raise --shm-size.",
+        ],
+        patterns=(r"DataLoader worker \(pid", r"DataLoader worker .*exited unexpectedly"),
+        explain=_explain_cpu_oom,
+    ),
+    Rule(
+        name="nan_loss",
+        title="Loss became NaN / inf",
+        signs="A non-finite loss in metrics.jsonl, a status reason such as 'loss became NaN at step N', or "
+        "stderr reporting a NaN loss / anomaly.",
+        cause="The optimisation diverged: a learning rate too high for this model, or fp16 overflow (values "
+        "beyond 65504).",
+        fix=[
+            "Lower learning_rate (10x), keep max_grad_norm=1.0 and a warmup.",
+            "Use bf16 instead of fp16 on GPUs that support it.",
+            "Resume from the last checkpoint before the NaN, not from the end.",
+        ],
+        patterns=(r"(?i)\bloss (?:is|became) (?:nan|inf)\b", r"returned nan values in its \d+th output"),
+        test=_nonfinite_loss,
+        explain=_explain_nan,
+    ),
+    Rule(
+        name="missing_module",
+        title="A Python package is missing",
+        signs="`ModuleNotFoundError: No module named '...'`.",
+        cause="The training process runs in a Python environment without a package it needs.",
+        fix=["Install the package in the environment that runs training (python -m pip install <package>)."],
+        patterns=(r"ModuleNotFoundError: No module named",),
+        explain=_explain_module,
+    ),
+    Rule(
+        name="file_not_found",
+        title="A model or data file was not found",
+        signs="`FileNotFoundError`, `No such file or directory`, or transformers reporting a path that is not a "
+        "model folder (`Repo id must be in the form`, `does not appear to have a file named`).",
+        cause="A path in the run config (model folder, dataset file, checkpoint) does not exist or is incomplete.",
+        fix=[
+            "Check model.path and the dataset path in config.yaml; the app works offline, so models must be "
+            "local folders with config.json and weights.",
+        ],
+        patterns=(
+            r"FileNotFoundError",
+            r"No such file or directory",
+            r"Repo id must be in the form",
+            r"is not a local folder and is not a valid model identifier",
+            r"does not appear to have a file named",
+        ),
+        explain=_explain_file,
+    ),
+    Rule(
+        name="dataloader_hang",
+        title="No progress with the GPU idle (data loader hang)",
+        signs="No new step for two minutes or more while GPU utilisation stays near 0%.",
+        cause="The data loader is stuck (a worker deadlock, a slow network file system, or tokenisation on the "
+        "fly that cannot keep up), so the GPU waits.",
+        fix=[
+            "Set dataloader_num_workers=0 to rule out worker deadlocks, then raise it gradually.",
+            "Set dataloader_pin_memory=False.",
+            "Tokenise the dataset before training and keep it on a local disk.",
+        ],
+        test=_dataloader_hang,
+        explain=_explain_hang,
+    ),
+    Rule(
+        name="unknown",
+        title="Unrecognised failure",
+        signs="None of the rules above matched.",
+        cause="The run failed for a reason these rules do not know; the last error line is shown below.",
+        fix=["Read the stderr tail below, fix the cause, and launch again."],
+        test=lambda ev: True,
+        explain=_explain_unknown,
+    ),
+]
+
+
+def diagnose(ev: Evidence, rules: list[Rule] | None = None) -> Diagnosis:
+    """The first matching rule's diagnosis, with figures from the evidence and specific fixes first."""
+    for rule in rules or RULES:
+        lines = rule.match(ev)
+        if lines is None:
+            continue
+        details, specific = [], []
+        if rule.explain is not None:
+            try:
+                details, specific = rule.explain(ev)
+            except Exception as exc:  # a broken explanation must not hide the diagnosis itself
+                details = [f"(could not read details: {exc})"]
+        fixes = specific + [f for f in rule.fix if f not in specific]
+        return Diagnosis(rule.name, rule.title, rule.cause, fixes, details, lines)
+    raise AssertionError("the 'unknown' rule always matches")
+
+
+def _read_yaml(path: Path) -> dict | None:
+    try:
+        import yaml
+
+        data = yaml.safe_load(path.read_text())
+        return data if isinstance(data, dict) else None
+    except Exception:
+        return None
+
+
+def load_evidence(run_dir: str | os.PathLike, series: RunSeries | None = None) -> Evidence:
+    """Read a run directory's evidence; pass `series` when a watcher already holds the metrics in memory."""
+    run_dir = Path(run_dir)
+    if series is None:
+        files = RunFiles(run_dir)
+        files.poll()
+        series = files.series
+    return Evidence(
+        stderr=tail_text(run_dir / rundir.STDERR, n_lines=400, max_bytes=256 * 1024),
+        status=read_json_object(run_dir / rundir.STATUS),
+        series=series,
+        plan=read_json_object(run_dir / rundir.PLAN),
+        config=_read_yaml(run_dir / rundir.CONFIG),
+    )
+
+
+def diagnose_run(run_dir: str | os.PathLike, series: RunSeries | None = None) -> Diagnosis:
+    return diagnose(load_evidence(run_dir, series))
+
+
+def troubleshooting_markdown(rules: list[Rule] | None = None) -> str:
+    """The README's troubleshooting section, generated from the rules the Monitor uses."""
+    out = [
+        "## Troubleshooting",
+        "",
+        "When a run fails, the Monitor page names the cause and the fix with these rules (core/diagnose.py).",
+    ]
+    for rule in rules or RULES:
+        out += ["", f"### {rule.title}", "", f"**Signs:** {rule.signs}", "", f"**Cause:** {rule.cause}", ""]
+        out += ["**Fix:**", ""] + [f"- {f}" for f in rule.fix]
+    return "\n".join(out) + "\n"
+
+
+README_START = (
+    "<!-- troubleshooting: generated by `python -m core.diagnose --readme README.md`; do not edit -->"
+)
+README_END = "<!-- end troubleshooting -->"
+
+
+def update_readme(path: str | os.PathLike) -> bool:
+    """Rewrite the generated troubleshooting block of the README in place; True when it changed."""
+    text = Path(path).read_text(encoding="utf-8")
+    start, end = text.index(README_START), text.index(README_END)
+    new = text[: start + len(README_START)] + "\n" + troubleshooting_markdown() + text[end:]
+    if new != text:
+        Path(path).write_text(new, encoding="utf-8")
+    return new != text
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import sys
+
+    ap = argparse.ArgumentParser(prog="python -m core.diagnose", description=__doc__.splitlines()[0])
+    ap.add_argument("run_dir", nargs="?", help="a run directory to diagnose")
+    ap.add_argument("--readme", help="regenerate the troubleshooting block of this README file")
+    args = ap.parse_args(argv)
+    if args.readme:
+        print("updated" if update_readme(args.readme) else "up to date")
+        return 0
+    if not args.run_dir:
+        print(troubleshooting_markdown())
+        return 0
+    if not Path(args.run_dir).is_dir():
+        print(f"error: {args.run_dir} is not a run directory.", file=sys.stderr)
+        return 2
+    print(diagnose_run(args.run_dir).markdown())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

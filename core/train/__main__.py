@@ -1,0 +1,5 @@
+import sys
+
+from core.train.trainer import main
+
+sys.exit(main())

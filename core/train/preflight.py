@@ -1,0 +1,238 @@
+"""Preflight: check the data against the tokenizer and the model config before any GPU work.
+
+Loads only the tokenizer and the model's config (no weights), so it takes seconds and can run from the UI.
+Each finding names the rows (counted from 1, the first record of the data being row 1) and the fix.
+
+CLI: python -m core.preflight run.yaml   (exit 1 when there is an error)
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+from core.train.data import (
+    FORMAT_COLUMNS,
+    IGNORE_INDEX,
+    DataError,
+    detect_format,
+    load_rows,
+    missing_columns,
+    tokenize_row,
+)
+
+SHOW_ROWS = 20
+
+
+@dataclass
+class Finding:
+    level: str  # "error" blocks the run, "warning" does not
+    check: str  # short id: data, columns, chat_template, empty_rows, vocab, position_limit, truncation, ...
+    message: str
+    fix: str
+    rows: list[int] = field(default_factory=list)  # 1-based row numbers
+
+    def __str__(self) -> str:
+        return f"{self.level.upper()} [{self.check}] {self.message} Fix: {self.fix}"
+
+
+def format_rows(rows: list[int]) -> str:
+    shown = ", ".join(map(str, rows[:SHOW_ROWS]))
+    return f"{shown} and {len(rows) - SHOW_ROWS} more" if len(rows) > SHOW_ROWS else shown
+
+
+def has_errors(findings: list[Finding]) -> bool:
+    return any(f.level == "error" for f in findings)
+
+
+def load_tokenizer_and_config(model_cfg: dict):
+    from transformers import AutoConfig, AutoTokenizer
+
+    kw = {"trust_remote_code": model_cfg.get("trust_remote_code", False)}
+    return AutoTokenizer.from_pretrained(model_cfg["path"], **kw), AutoConfig.from_pretrained(
+        model_cfg["path"], **kw
+    )
+
+
+def _text_config(model_config):
+    getter = getattr(model_config, "get_text_config", None)
+    return getter() if getter else model_config
+
+
+def _is_blank(v) -> bool:
+    return v is None or (isinstance(v, str) and not v.strip())
+
+
+def _empty_rows(ds, fmt: str) -> list[int]:
+    bad = []
+    for i, row in enumerate(ds):
+        if fmt == "chat":
+            msgs = row.get("messages") or []
+            blank = (
+                not msgs
+                or any(_is_blank(m.get("content")) for m in msgs)
+                or not any(m.get("role") == "assistant" for m in msgs)
+            )
+        else:
+            blank = any(_is_blank(row.get(c)) for c in FORMAT_COLUMNS[fmt])
+        if blank:
+            bad.append(i + 1)
+    return bad
+
+
+def run_preflight(cfg: dict, tokenizer=None, model_config=None) -> list[Finding]:
+    """All findings for a validated run config; an empty list means the data is ready."""
+    data = cfg["data"]
+    try:
+        ds = load_rows(data)
+    except DataError as exc:
+        return [Finding("error", "data", str(exc), "Point data.path at a readable dataset.")]
+    if len(ds) == 0:
+        return [
+            Finding("error", "data", f"{data['path']} has no rows.", "Give a dataset with at least one row.")
+        ]
+    try:
+        fmt = detect_format(ds.column_names, data["format"])
+    except DataError as exc:
+        return [Finding("error", "columns", str(exc), "Rename columns with data.columns or set data.format.")]
+    missing = missing_columns(ds.column_names, fmt)
+    if missing:
+        return [
+            Finding(
+                "error",
+                "columns",
+                f"Format {fmt} needs the column(s) {', '.join(missing)}; the data has {', '.join(ds.column_names)}.",
+                f"Map your columns in data.columns, e.g. {{{missing[0]}: <your column>}}, or set data.format.",
+                rows=list(range(1, len(ds) + 1)),
+            )
+        ]
+    if tokenizer is None or model_config is None:
+        tok, conf = load_tokenizer_and_config(cfg["model"])
+        tokenizer, model_config = tokenizer or tok, model_config or conf
+    findings: list[Finding] = []
+    if fmt == "chat" and not getattr(tokenizer, "chat_template", None):
+        findings.append(
+            Finding(
+                "error",
+                "chat_template",
+                f"The data is in chat format (messages) but the tokenizer of {cfg['model']['path']} has no chat "
+                "template, so conversations cannot be rendered.",
+                "Use an instruct/chat model's tokenizer, set tokenizer.chat_template, or convert rows to text.",
+            )
+        )
+        return findings
+
+    empty = _empty_rows(ds, fmt)
+    if empty:
+        findings.append(
+            Finding(
+                "error",
+                "empty_rows",
+                f"{len(empty)} row(s) are empty or whitespace only (or have no assistant turn): rows "
+                f"{format_rows(empty)}.",
+                "Remove or fill those rows.",
+                rows=empty,
+            )
+        )
+
+    text_conf = _text_config(model_config)
+    vocab = getattr(text_conf, "vocab_size", None)
+    max_pos = getattr(text_conf, "max_position_embeddings", None) or getattr(text_conf, "n_positions", None)
+    max_length = data["max_length"]
+    if max_pos and max_length > max_pos:
+        findings.append(
+            Finding(
+                "error",
+                "position_limit",
+                f"data.max_length {max_length} is longer than the model's max_position_embeddings {max_pos}.",
+                f"Set data.max_length to {max_pos} or less.",
+            )
+        )
+
+    over_vocab, over_pos, truncated, nothing_to_learn = [], [], [], []
+    for i, row in enumerate(ds):
+        try:
+            enc = tokenize_row(row, fmt, tokenizer, 10**9, data["mask_prompt"])  # untruncated
+        except DataError as exc:
+            findings.append(Finding("error", "format", f"Row {i + 1}: {exc}.", "Fix or remove the row."))
+            continue
+        n = enc["length"]
+        if vocab and any(t >= vocab or t < 0 for t in enc["input_ids"]):
+            over_vocab.append(i + 1)
+        if max_pos and n > max_pos:
+            over_pos.append(i + 1)
+        if n > max_length:
+            truncated.append(i + 1)
+        if (i + 1) not in empty and all(label == IGNORE_INDEX for label in enc["labels"][:max_length]):
+            nothing_to_learn.append(i + 1)
+
+    if over_vocab:
+        findings.append(
+            Finding(
+                "error",
+                "vocab",
+                f"{len(over_vocab)} row(s) contain token ids >= the model's vocab_size {vocab} (the tokenizer has "
+                f"{len(tokenizer)} tokens): rows {format_rows(over_vocab)}.",
+                "Use the model's own tokenizer, or resize the model's embeddings to the tokenizer before training.",
+                rows=over_vocab,
+            )
+        )
+    if over_pos:
+        findings.append(
+            Finding(
+                "warning",
+                "position_limit",
+                f"{len(over_pos)} row(s) are longer than max_position_embeddings {max_pos}: rows "
+                f"{format_rows(over_pos)}. They are cut at data.max_length {max_length}.",
+                "Shorten or split those rows if their ends matter.",
+                rows=over_pos,
+            )
+        )
+    if truncated:
+        pct = 100.0 * len(truncated) / len(ds)
+        findings.append(
+            Finding(
+                "warning",
+                "truncation",
+                f"{len(truncated)} of {len(ds)} rows ({pct:.1f}%) would be truncated at data.max_length "
+                f"{max_length}: rows {format_rows(truncated)}.",
+                "Raise data.max_length (memory grows with it) or shorten those rows.",
+                rows=truncated,
+            )
+        )
+    if nothing_to_learn:
+        findings.append(
+            Finding(
+                "warning",
+                "no_labels",
+                f"{len(nothing_to_learn)} row(s) have no answer tokens left within data.max_length {max_length} "
+                f"(the prompt fills it): rows {format_rows(nothing_to_learn)}. They are skipped.",
+                "Raise data.max_length or shorten those prompts.",
+                rows=nothing_to_learn,
+            )
+        )
+    return findings
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from core.train.config import ConfigError, load_config
+
+    parser = argparse.ArgumentParser(prog="python -m core.preflight", description=__doc__.splitlines()[0])
+    parser.add_argument("config", help="run config YAML")
+    args = parser.parse_args(argv)
+    try:
+        findings = run_preflight(load_config(args.config))
+    except (ConfigError, DataError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for f in findings:
+        print(f, file=sys.stderr if f.level == "error" else sys.stdout)
+    if not findings:
+        print("preflight: no problems found")
+    return 1 if has_errors(findings) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
