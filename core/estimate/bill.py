@@ -75,7 +75,12 @@ class Plan:
     compute_dtype: str = "bf16"  # activations: the Trainer's bf16/fp16 flag, bnb_4bit_compute_dtype
     quant_type: str = "nf4"
     double_quant: bool = True
-    prepare_kbit: bool = True  # peft.prepare_model_for_kbit_training (QLoRA only)
+    # QLoRA only. False (the engine, TRL's SFTTrainer): no fp32 upcast; input grads for checkpointing and the
+    # trainable adapters cast to bf16. True: peft.prepare_model_for_kbit_training (the plain-Trainer path).
+    prepare_kbit: bool = False
+    # SFTTrainer's trl.trainer.utils.add_fused_lm_head: the loss from (token x vocab) tiles, never the full
+    # logits. False: the plain causal-LM cross-entropy over b*s*V logits (Trainer without TRL).
+    fused_lm_head: bool = True
     lora_r: int = 16
     lora_alpha: int = 32
     lora_dropout: float = 0.05
@@ -234,9 +239,22 @@ def _trainable_tensors(spec: ModelSpec, plan: Plan, targets) -> list[int]:
     return [n for s in targets for n in (r * s.in_features, r * s.out_features)]
 
 
+def _trl_qlora(plan: Plan) -> bool:
+    """QLoRA prepared as TRL's SFTTrainer does (prepare_kbit False)."""
+    return plan.method == "qlora" and not plan.prepare_kbit
+
+
+def adapter_bytes(plan: Plan) -> int:
+    """Bytes per LoRA parameter (and so per gradient and per parameter-dtype optimizer state).
+
+    peft keeps adapter weights in fp32 (get_peft_model's autocast_adapter_dtype) whatever the base dtype; for a
+    quantized model trl 1.16 SFTTrainer.__init__ then casts every trainable parameter to bfloat16
+    (`param.data = param.data.to(torch.bfloat16)`, the QLoRA paper's recommendation)."""
+    return 2 if _trl_qlora(plan) else 4
+
+
 def _param_bytes(plan: Plan) -> int:
-    # peft keeps adapter weights in fp32 (autocast_adapter_dtype) whatever the base dtype
-    return DTYPE_BYTES[plan.load_dtype] if plan.method == "full" else 4
+    return DTYPE_BYTES[plan.load_dtype] if plan.method == "full" else adapter_bytes(plan)
 
 
 def optimizer_state_bytes(tensors: list[int], plan: Plan) -> tuple[int, int]:
@@ -334,7 +352,8 @@ def layer_saved_tensors(spec: ModelSpec, plan: Plan, targets=()) -> dict[str, fl
     fused_gate_up = "gate_up_proj" in linear_names
     r = plan.lora_r
     compute = DTYPE_BYTES[plan.compute_dtype]
-    lora_bytes = compute if d.autocast else 4
+    ad = adapter_bytes(plan)
+    lora_bytes = compute if d.autocast else ad
     saved: dict[str, float] = {}
 
     def norm(name: str) -> None:
@@ -352,12 +371,14 @@ def layer_saved_tensors(spec: ModelSpec, plan: Plan, targets=()) -> dict[str, fl
                 saved[shared_key] = width * in_bytes
         if module not in adapted:
             return
-        # peft casts x to the fp32 adapter dtype; under autocast lora_A then saves a 16-bit copy of it.
-        copy_bytes = compute if d.autocast else 4
+        # peft casts x to the adapter dtype (fp32, or bf16 after TRL's QLoRA cast); under autocast lora_A
+        # then saves a 16-bit copy of it unless the adapter is already in the compute dtype.
+        autocast_copy = d.autocast and ad != compute
+        copy_bytes = compute if autocast_copy else ad
         if plan.lora_dropout > 0:
             saved[f"{module}.lora_dropout_mask"] = width * _mask_bytes(plan)
             saved[f"{module}.lora_dropout_out"] = width * copy_bytes
-        elif d.autocast or in_bytes != 4:
+        elif autocast_copy or in_bytes != ad:
             saved[f"{module}.lora_input_copy"] = width * copy_bytes
         else:
             saved[shared_key] = width * in_bytes
@@ -416,6 +437,8 @@ def head_saved_bytes(spec: ModelSpec, plan: Plan) -> float:
     if plan.method != "full":
         return 0
     d = _dtypes(plan)
+    if plan.fused_lm_head:  # the fused head saves its own input (fused_head_bytes), no lm_head module call
+        return spec.hidden_size * d.hidden
     return spec.hidden_size * (d.hidden + (d.proj if d.autocast else d.hidden))
 
 
@@ -468,7 +491,7 @@ def last_layer_forward_temporaries(spec: ModelSpec, plan: Plan, targets=()) -> f
     down_proj, peft's `x = x.to(lora_A.weight.dtype)` (a local alive until forward returns; saved, so
     already counted, only without dropout and autocast), and `result + lora_B(lora_A(x)) * scaling`: the
     lora_B output and its scaled copy (or the scaled copy and the sum, promoted to fp32 when the base is
-    16-bit and the adapter fp32). Tensors a full fine-tune saves anyway are not counted twice.
+    16-bit and the adapter fp32; TRL's bf16 QLoRA adapters need no cast). Tensors a full fine-tune saves anyway are not counted twice.
     Not used with gradient checkpointing: there the recompute moments of backward bound the step."""
     saved = layer_saved_tensors(spec, plan, targets)
     d = _dtypes(plan)
@@ -491,9 +514,10 @@ def last_layer_forward_temporaries(spec: ModelSpec, plan: Plan, targets=()) -> f
         b += inter * d.proj
     b += h * d.proj  # the base down_proj output
     if "down_proj" in adapted:
-        lora = DTYPE_BYTES[plan.compute_dtype] if d.autocast else 4
-        if d.proj != 4 and (plan.lora_dropout > 0 or d.autocast):
-            b += inter * 4  # peft's fp32 cast of the input, not itself saved
+        ad, compute = adapter_bytes(plan), DTYPE_BYTES[plan.compute_dtype]
+        lora = compute if d.autocast else ad
+        if d.proj != ad and (plan.lora_dropout > 0 or (d.autocast and ad != compute)):
+            b += inter * ad  # peft's cast of the input to the adapter dtype, not itself saved
         b += h * lora + h * max(lora, d.proj)
     return b
 
@@ -533,6 +557,90 @@ def logits_bytes(spec: ModelSpec, plan: Plan, tokens: int) -> tuple[int, int]:
     return forward, backward
 
 
+# trl 1.16: trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE and trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE
+FUSED_TOKEN_CHUNK = 4096
+FUSED_VOCAB_CHUNK = 32768
+
+
+@dataclass(frozen=True)
+class FusedHead:
+    """TRL's fused LM head + SFTTrainer.compute_loss, in bytes next to the saved activations at each moment."""
+
+    held: int  # saved by the fused loss for backward (its hidden input, per-token statistics)
+    forward: int  # held + the forward's tile temporaries, at its largest
+    backward: int  # held + the backward's tile temporaries and fp32 gradient accumulators, at its largest
+    end: int  # as the loss backward returns: the fp32 accumulators and their casts to the input dtypes
+
+
+def fused_head_bytes(spec: ModelSpec, plan: Plan, rows: int) -> FusedHead:
+    """The loss through trl.trainer.utils.add_fused_lm_head (SFTTrainer adds it with outputs log_probs,
+    entropy, is_top1) and trl.kernels.chunked_logprob.ChunkedLogProbFunction, from their code (trl 1.16).
+
+    `_fused_forward` scores hidden_states[:, :-1]: N = rows x (seq_len - 1) positions. On CUDA with Triton
+    (`compact = _use_triton(device)`) only positions whose label is not -100 are gathered (`hidden[mask]`, a
+    copy, saved); planned as all positions valid. Elsewhere (the CPU) every position is scored through
+    `hidden.reshape(-1, H)`: a view of the final norm's output for one row (which the save then keeps alive),
+    a saved copy for more. The Function saves the hidden input, the clamped targets (int64), log_z and the
+    entropy (fp32 per token).
+
+    Both passes project min(N, 4096) tokens x 32768 vocabulary columns at a time into `mm_buf`, allocated
+    full width in the compute dtype (the autocast dtype, else the hidden dtype) even when the vocabulary is
+    smaller; `hidden_chunk = hidden[..].to(compute)` and the weight chunk `.to(compute)` are copies only when
+    the dtypes differ. Forward keeps seven fp32 per-token statistics. Backward allocates the fp32 grad_hidden
+    (N x H) and, when the head trains, the fp32 grad_weight (V x H), then returns both cast to their inputs'
+    dtypes.
+
+    Triton branch (modelled from the code, not measured here): the fold and the gradient are written in place
+    into the tile, and `_addmm_fp32` accumulates with `torch.addmm(out_dtype=float32)`: no tile temporaries.
+    CPU branch (measured): `_forward_tile` holds z, exp(z - max), e * z (entropy) and the top-1 bool mask: 13
+    B per tile element; `_backward_tile` holds y, z, log_p, p, grad, the bool and float target masks, and
+    `is_target.float() - p` with its product: 29 B per element; `_addmm_fp32` then makes fp32 copies of the
+    tile and of the weight chunk (or of the hidden chunk for grad_weight) when the compute dtype is 16-bit.
+    """
+    d = _dtypes(plan)
+    h, vocab = spec.hidden_size, spec.vocab_size
+    n_all = rows * (plan.seq_len - 1)
+    n = min(n_all, FUSED_TOKEN_CHUNK)
+    cols = min(vocab, FUSED_VOCAB_CHUNK)
+    tile = n * cols
+    hd = d.hidden
+    cd = DTYPE_BYTES[plan.compute_dtype] if d.autocast else hd
+    if plan.method == "full" or not (plan.method == "qlora" and plan.prepare_kbit):
+        wd = DTYPE_BYTES[plan.load_dtype]
+    else:
+        wd = 4  # prepare_model_for_kbit_training upcast the lm_head
+    triton = plan.device == "cuda"
+    head_trains = plan.method == "full"
+    final_norm_out = rows * plan.seq_len * h * hd  # last_hidden_state
+    mm_buf = n * FUSED_VOCAB_CHUNK * cd
+    hidden_chunk = n * h * cd if hd != cd else 0
+    weight_chunk = cols * h * cd if wd != cd else 0
+    # the saved hidden: a gathered (Triton) or reshaped (CPU, several rows) copy, or the norm output itself
+    hidden_own = n_all * h * hd if (triton or rows > 1) else 0
+    per_token_saved = n_all * (8 + 4 + 4 + 1)  # targets, log_z, entropy, masked_fill's mask
+    held = hidden_own + (0 if hidden_own else final_norm_out) + per_token_saved
+    stats = 7 * n_all * 4
+    outputs = n_all * (4 + 4 + 1 + 1)  # log_probs, entropy, is_top1, label mask
+    if triton:
+        fold_fwd = weight_chunk  # the transient weight-chunk copy inside torch.mm
+        fold_bwd = 0
+    else:
+        fold_fwd = max(13 * tile, weight_chunk)
+        addmm = 0 if cd == 4 else 4 * tile + 4 * max(cols * h, n * h if head_trains else 0)
+        fold_bwd = max(29 * tile, addmm)
+    # forward: the norm output stays alive until the loss returns, next to the saved copy
+    forward = (
+        held + (final_norm_out if hidden_own else 0) + stats + outputs + mm_buf + hidden_chunk + fold_fwd
+    )
+    grad_weight = vocab * h * 4 if head_trains else 0
+    grad_in = n_all * 4  # the incoming gradient of log_probs (masked_fill's backward)
+    backward = held + grad_in + n_all * h * 4 + grad_weight + mm_buf + hidden_chunk + weight_chunk + fold_bwd
+    end = (
+        held + n_all * h * (4 + (hd if hd != 4 else 0)) + grad_weight + (vocab * h * wd if head_trains else 0)
+    )
+    return FusedHead(held, forward, backward, end)
+
+
 def kv_cache_bytes_per_token(spec: ModelSpec, plan: Plan) -> int:
     return spec.kv_cache_bytes_per_token_per_byte * DTYPE_BYTES[plan.compute_dtype]
 
@@ -541,8 +649,10 @@ def _autocast_weight_copies(spec: ModelSpec, plan: Plan, trainable: int) -> tupl
     """(alive at the end of forward, alive at the start of backward): 16-bit copies of fp32 weights that
     matmuls make under bf16/fp16 autocast.
 
-    Which weights are fp32: all of them for an fp32 load; the LoRA adapters always (peft keeps them fp32);
-    with QLoRA and prepare_model_for_kbit_training the lm_head (or the tied embedding it reuses).
+    Which weights are fp32: all of them for an fp32 load; the LoRA adapters (peft keeps them fp32) unless
+    TRL cast them to bf16 (QLoRA); with QLoRA and prepare_model_for_kbit_training the lm_head (or the tied
+    embedding it reuses) -- but only on the plain path: TRL's fused head casts its weight chunks itself
+    (`weight[start:end].to(compute_dtype)`), outside autocast's cache.
     bitsandbytes 4-bit Linears dequantize straight to the compute dtype: no copy.
     How long a copy lives: autocast caches the casts of trainable leaf weights until forward leaves the
     autocast region, and a matmul saves its weight copy for backward unless the layer is checkpointed. So
@@ -554,9 +664,14 @@ def _autocast_weight_copies(spec: ModelSpec, plan: Plan, trainable: int) -> tupl
     head = spec.lm_head_params or spec.embedding_params
     fp32_load = DTYPE_BYTES[plan.load_dtype] == 4
     head_copy = head if (fp32_load or (plan.method == "qlora" and plan.prepare_kbit)) else 0
-    trainable_in_layers = trainable if plan.method != "full" else (spec.linear_params if fp32_load else 0)
-    frozen_in_layers = spec.linear_params if (plan.method == "lora" and fp32_load) else 0
+    if plan.fused_lm_head:
+        head_copy = 0
     c = DTYPE_BYTES[plan.compute_dtype]
+    if plan.method != "full":
+        trainable_in_layers = trainable if adapter_bytes(plan) != c else 0
+    else:
+        trainable_in_layers = spec.linear_params if fp32_load else 0
+    frozen_in_layers = spec.linear_params if (plan.method == "lora" and fp32_load) else 0
     if _checkpointing(plan):
         return (head_copy + trainable_in_layers) * c, head_copy * c
     both = (head_copy + trainable_in_layers + frozen_in_layers) * c
@@ -582,7 +697,7 @@ def estimate(plan: Plan, spec: ModelSpec | None = None) -> Estimate:
     tensors = _trainable_tensors(spec, plan, targets)
     trainable = sum(tensors)
     param_bytes = _param_bytes(plan)
-    lora_params = trainable * 4 if plan.method != "full" else 0
+    lora_params = trainable * param_bytes if plan.method != "full" else 0
     grads = trainable * param_bytes
     opt_inside, opt_paged = optimizer_state_bytes(tensors, plan)
     opt_temp = optimizer_step_temporaries(tensors, plan)
@@ -614,12 +729,16 @@ def estimate(plan: Plan, spec: ModelSpec | None = None) -> Estimate:
     }
     hidden_grad = 2 * tokens * spec.hidden_size * _dtypes(plan).hidden
     head_grad = (spec.lm_head_params or spec.embedding_params) * param_bytes if plan.method == "full" else 0
+    # The loss: full logits and cross-entropy (plain Trainer) or TRL's fused head (tiles, never the logits).
+    fused = fused_head_bytes(spec, plan, batch) if plan.fused_lm_head else None
+    loss_fwd = {"lm_head_loss": fused.forward} if fused else {"logits_loss": logits_fwd}
+    loss_bwd = {"lm_head_loss": fused.backward} if fused else {"logits_loss": logits_bwd}
     phase_components = {
         "forward": {
             **static,
             "autocast_weight_copies": autocast_fwd,
             "activations": saved,
-            "logits_loss": logits_fwd,
+            **loss_fwd,
         },
         "optimizer": {**static, "gradients": grads, "optimizer_temporaries": opt_temp},
     }
@@ -629,16 +748,20 @@ def estimate(plan: Plan, spec: ModelSpec | None = None) -> Estimate:
         **static,
         "autocast_weight_copies": autocast_bwd,
         "activations": saved,
-        "logits_loss": logits_bwd,
+        **loss_bwd,
         "gradients": 0,
     }
-    # The lm_head's weight gradient appears only after the cross-entropy backward has freed its 12 B per
-    # logit; then just the 16-bit gradient of the logits is left next to it.
-    head_moment = {
-        **early,
-        "logits_loss": tokens * spec.vocab_size * _dtypes(plan).logits,
-        "gradients": head_grad,
-    }
+    if fused:
+        # As the fused loss's backward returns: its fp32 accumulators and their casts, the head's gradient.
+        head_moment = {**early, "lm_head_loss": fused.end, "gradients": head_grad}
+    else:
+        # The lm_head's weight gradient appears only after the cross-entropy backward has freed its 12 B per
+        # logit; then just the 16-bit gradient of the logits is left next to it.
+        head_moment = {
+            **early,
+            "logits_loss": tokens * spec.vocab_size * _dtypes(plan).logits,
+            "gradients": head_grad,
+        }
     if sum(head_moment.values()) > sum(early.values()):
         early = head_moment
     # Later in backward the activations drain while gradients pile up. Two moments bound it:
@@ -727,6 +850,7 @@ def estimate(plan: Plan, spec: ModelSpec | None = None) -> Estimate:
         "gradients",
         "activations",
         "logits_loss",
+        "lm_head_loss",
         "kv_cache",
         "autocast_weight_copies",
         "optimizer_temporaries",
@@ -771,6 +895,7 @@ COMPONENT_ORDER = (
     "autocast_weight_copies",
     "activations",
     "logits_loss",
+    "lm_head_loss",  # TRL's fused LM head + loss (fused_lm_head); logits_loss is the plain path's
     "kv_cache",
     "allocator_overhead",
     "cuda_context",
@@ -947,7 +1072,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--attn", default=d.attn, help="sdpa | eager")
     p.add_argument("--double-quant", action=argparse.BooleanOptionalAction, default=d.double_quant)
     p.add_argument("--quant-type", default=d.quant_type, help="nf4 | fp4")
-    p.add_argument("--prepare-kbit", action=argparse.BooleanOptionalAction, default=d.prepare_kbit)
+    p.add_argument(
+        "--prepare-kbit",
+        action=argparse.BooleanOptionalAction,
+        default=d.prepare_kbit,
+        help="QLoRA: peft.prepare_model_for_kbit_training (plain Trainer); off: TRL's bf16 adapters",
+    )
+    p.add_argument(
+        "--fused-lm-head",
+        action=argparse.BooleanOptionalAction,
+        default=d.fused_lm_head,
+        help="TRL SFTTrainer's fused LM head (tiles); off: plain cross-entropy over the full logits",
+    )
     p.add_argument("--load-dtype", default=d.load_dtype, help="fp32 | bf16 | fp16")
     p.add_argument("--compute-dtype", default=d.compute_dtype, help="fp32 | bf16 | fp16")
     p.add_argument("--eval-kv-tokens", type=int, default=d.eval_kv_tokens)
@@ -989,6 +1125,7 @@ def main(argv: list[str] | None = None) -> int:
     values = {k: v for k, v in vars(args).items() if k not in ("list_models", "json")}
     values["gradient_checkpointing"] = args.gradient_checkpointing
     values["prepare_kbit"] = args.prepare_kbit
+    values["fused_lm_head"] = args.fused_lm_head
     try:
         plan = Plan.from_dict(values)
         est = estimate(plan)

@@ -1,6 +1,7 @@
 """Measure a training configuration for real: build the model the way a run builds it (transformers + peft +
-bitsandbytes, `prepare_model_for_kbit_training`, gradient checkpointing, the optimizer Trainer would pick),
-run one step under the tracker, and compare with the planner.
+bitsandbytes, gradient checkpointing, the optimizer Trainer would pick, and either TRL's SFTTrainer
+preparation -- fused LM head, bf16 QLoRA adapters -- or the plain Trainer path with
+`prepare_model_for_kbit_training`), run one step under the tracker, and compare with the planner.
 
 - `measure_plan(config, plan, num_layers=...)`: one step of `plan` on a model built from a transformers config
   (random weights; the memory of a step does not depend on their values).
@@ -40,7 +41,12 @@ class MeasurePlan:
     quant_type: str = "nf4"
     double_quant: bool = True
     compute_dtype: str = "bfloat16"
-    prepare_kbit: bool = True  # prepare_model_for_kbit_training (QLoRA only)
+    # QLoRA only. True: peft.prepare_model_for_kbit_training (the plain-Trainer path). False: what TRL's
+    # SFTTrainer does instead: enable_input_require_grads with checkpointing, trainable params cast to bf16.
+    prepare_kbit: bool = False
+    # SFTTrainer's trl.trainer.utils.add_fused_lm_head + compute_loss (no full logits); False = the plain
+    # causal-LM loss over (tokens x vocab) logits.
+    fused_lm_head: bool = True
     lora_r: int = 16
     lora_alpha: int = 32
     lora_dropout: float = 0.0
@@ -99,7 +105,9 @@ def _plan_from_run_config(cfg: dict) -> MeasurePlan:
         quant_type=q.get("bnb_4bit_quant_type", "nf4"),
         double_quant=bool(q.get("bnb_4bit_use_double_quant", False)),
         compute_dtype=_dtype_name(q.get("bnb_4bit_compute_dtype", "bfloat16")),
-        prepare_kbit=bool(q.get("prepare_model_for_kbit_training", qlora)),
+        # the engine follows TRL's SFTTrainer: no prepare_model_for_kbit_training, fused LM head
+        prepare_kbit=bool(q.get("prepare_model_for_kbit_training", False)),
+        fused_lm_head=bool(t.get("fused_lm_head", True)),
         lora_r=int(lo.get("r", 16)),
         lora_alpha=int(lo.get("lora_alpha", 32)),
         lora_dropout=float(lo.get("lora_dropout", 0.0)),
@@ -191,9 +199,10 @@ def _saved_checkpoint(config, dtype: str, cache_dir: Path) -> Path:
 def build_model(
     config_or_dir, plan: MeasurePlan, cache_dir: str | os.PathLike | None = None, device: str = "cpu"
 ):
-    """The model a run with `plan` trains: base (+ 4-bit) + prepare_model_for_kbit_training + LoRA, with the
-    attention implementation and gradient checkpointing set as Trainer sets them, on `device` (4-bit weights
-    are quantized where they land). Returns (model, config)."""
+    """The model a run with `plan` trains: base (+ 4-bit) + LoRA, with the attention implementation and
+    gradient checkpointing set as Trainer sets them, on `device` (4-bit weights are quantized where they land),
+    prepared for QLoRA by prepare_model_for_kbit_training (plan.prepare_kbit) or as SFTTrainer does, and with
+    SFTTrainer's fused LM head (plan.fused_lm_head). Returns (model, config)."""
     from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
 
     from_dir = isinstance(config_or_dir, (str, os.PathLike))
@@ -256,7 +265,30 @@ def build_model(
             task_type="CAUSAL_LM",
         )
         model = get_peft_model(model, lora)
+    if plan.method == "qlora" and not plan.prepare_kbit:
+        _trl_qlora_preparation(model, plan)
+    if plan.fused_lm_head:
+        from trl.trainer.utils import add_fused_lm_head
+
+        # As SFTTrainer.__init__ does it, on the base model under the peft wrapper; the metrics' outputs
+        # (entropy for logging, is_top1 for mean_token_accuracy) change the kernel's temporaries.
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        add_fused_lm_head(base, outputs=TRL_FUSED_OUTPUTS)
     return model, config
+
+
+TRL_FUSED_OUTPUTS = ("log_probs", "entropy", "is_top1")  # what trl 1.16 SFTTrainer asks of the fused head
+
+
+def _trl_qlora_preparation(model, plan: MeasurePlan) -> None:
+    """SFTTrainer.__init__ (trl 1.16) for a quantized peft model, in place of prepare_model_for_kbit_training:
+    input grads for checkpointed blocks, and every trainable parameter cast to bfloat16 (the QLoRA paper's
+    recommendation; DoRA's magnitude vector excluded), so their grads and Adam states are bf16 too."""
+    if plan.gradient_checkpointing:
+        model.enable_input_require_grads()
+    for name, param in model.named_parameters():
+        if param.requires_grad and "lora_magnitude_vector" not in name:
+            param.data = param.data.to(torch.bfloat16)
 
 
 def build_optimizer(model, plan: MeasurePlan):
@@ -314,7 +346,7 @@ def run_step(model, optimizer, batch, plan: MeasurePlan, detail: bool = False) -
     ):
         hooks = _backward_landmarks(model, tr)
         with tr.phase("forward"):
-            loss = _loss(model, batch)
+            loss = _loss(model, batch, plan)
         with tr.phase("backward"):
             loss.backward()
             del loss
@@ -370,8 +402,20 @@ def _decoder_layers(model):
     return max(lists, key=len)
 
 
-def _loss(model, batch):
-    return model(**batch).loss  # the outputs (logits) die here, before backward, as in Trainer.compute_loss
+def _loss(model, batch, plan: MeasurePlan | None = None):
+    """The training loss as the trainer computes it; the outputs die here, before backward."""
+    if plan is None or not plan.fused_lm_head:
+        return model(**batch).loss  # Trainer.compute_loss: the (tokens x vocab) logits die with the outputs
+    # SFTTrainer.compute_loss (trl 1.16, default loss_type "nll", no num_items_in_batch): per-token
+    # log-probabilities from the fused head, then its logged metrics (entropy, mean_token_accuracy).
+    outputs = model(**batch, use_cache=False, fused_lm_head=True)
+    per_token_loss = -outputs.log_probs  # zero on ignored positions
+    num_tokens = outputs.label_mask.sum()
+    loss = per_token_loss.sum() / torch.as_tensor(num_tokens).clamp(min=1)
+    # the logged metrics: scalars, but the per-token outputs stay alive until they are taken
+    num_valid = outputs.label_mask.sum().clamp(min=1)
+    _ = (outputs.entropy.detach().sum() / num_valid, outputs.is_top1.sum() / num_valid)
+    return loss
 
 
 def measure_plan(config, plan, num_layers: int | None = None, cache_dir=None) -> StepMemory:
@@ -492,6 +536,7 @@ def planner_plan(model: str, plan: MeasurePlan, device: str = "cpu"):
         quant_type=plan.quant_type,
         double_quant=plan.double_quant,
         prepare_kbit=plan.prepare_kbit,
+        fused_lm_head=plan.fused_lm_head,
         lora_r=plan.lora_r,
         lora_alpha=plan.lora_alpha,
         lora_dropout=plan.lora_dropout,
