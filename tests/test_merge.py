@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from core import merge as M
 from core.demo.toy import build_tiny_model
+from core.merge import delta
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPTS = [torch.tensor([[1, 10, 20, 30, 40, 50, 60, 70]]), torch.tensor([[5, 99, 3, 42, 7]])]
@@ -173,7 +174,7 @@ def test_row_chunked_merge_matches(case, request, tmp_path, workspace, monkeypat
     base = request.getfixturevalue(fixture)
     adapter = make_adapter(base, tmp_path / "adapter", **lora_kwargs)
     ref, _, _ = peft_oracle(base, adapter)
-    monkeypatch.setattr(M, "CHUNK_BYTES", 3 * 64 * 4 + 4)  # 3 rows of a 64-wide fp32 tensor
+    monkeypatch.setattr(delta, "CHUNK_BYTES", 3 * 64 * 4 + 4)  # 3 rows of a 64-wide fp32 tensor
     out = Path(M.merge(base, adapter, "exports/chunked", workspace=workspace).out_dir)
     assert max_diff(logits_of(load_export(out)[0]), ref) <= 1e-4
 

@@ -1,0 +1,81 @@
+"""Merge a LoRA adapter into its base model shard by shard, verify it, and export it atomically.
+
+`merge_and_unload()` loads the whole model (often in fp32); this engine instead reads the base checkpoint one
+tensor (or one block of rows) at a time and streams each output tensor straight into its output shard, so RAM
+stays near one tensor plus the adapter whatever the model size. Every merged weight is computed in fp32 and
+rounded once to the output dtype. The export is written into a temporary folder beside the target and renamed
+into place only when it is complete and verified: a merge killed midway leaves no target folder.
+
+Pitfalls handled (shared/design/merge.md): tied embeddings (lm_head written explicitly, tie flag cleared),
+GPT-2 Conv1D (layer kind from the model built on the meta device, never from shapes), embedding LoRA
+(transposed delta), modules_to_save (replace, not add), rsLoRA, rank/alpha patterns (r read from tensor shapes),
+key mapping (an adapter tensor that matches nothing fails loudly), DoRA on Linear/Conv1D, unknown adapter
+types and features refused with a clear message.
+
+Modules: common (sizes, MergeError, progress), shards (safetensors/.bin reading, streaming shard writer),
+adapter (reading a peft adapter), plan (key mapping, layer kinds, tied embeddings, output shards), delta (the
+merged-weight math), precheck (preflight: RAM, disk, target), verify (verification), export (the atomic merge),
+tryit (base vs adapter generation), discover (adapters and their base for the page), __main__ (the CLI).
+
+The public names below are loaded on first use: `from core import merge as M` imports no torch, so the pages
+and `python -m core.merge --help` start fast; `M.merge`, `M.preflight`, ... import what they need.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+# name -> submodule that defines it
+_EXPORTS = {
+    "core.merge.common": (
+        "GB",
+        "MB",
+        "TOKENIZER_FILES",
+        "MergeError",
+        "MergeProgress",
+        "ProgressFn",
+    ),
+    "core.merge.shards": (
+        "COPY_BLOCK",
+        "ST_DTYPES",
+        "TORCH_TO_ST",
+        "FLOAT_CODES",
+        "DTYPE_ARGS",
+        "DTYPE_NAMES",
+        "TensorInfo",
+        "read_safetensors_header",
+        "BaseCheckpoint",
+    ),
+    "core.merge.adapter": ("UNSUPPORTED_FEATURES", "LoraModule", "Adapter", "load_adapter"),
+    "core.merge.plan": ("TensorPlan", "MergePlan", "parse_size", "plan_merge"),
+    "core.merge.delta": ("CHUNK_BYTES", "merged_blocks"),
+    "core.merge.precheck": ("RUNTIME_OVERHEAD", "Preflight", "preflight"),
+    "core.merge.verify": ("TOLERANCES", "DEFAULT_PROMPTS", "Verification", "verify_export"),
+    "core.merge.export": ("TEMP_MARKER", "PAUSE_ENV", "MergeResult", "clean_stale_temps", "merge"),
+    "core.merge.tryit": ("TryResult", "try_adapter"),
+    "core.merge.discover": (
+        "run_config_for",
+        "is_qlora",
+        "AdapterChoice",
+        "guess_base",
+        "list_adapters",
+        "suggest_export_name",
+        "folder_listing",
+    ),
+    "core.merge.__main__": ("main",),
+}
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'core.merge' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))

@@ -1,0 +1,101 @@
+"""CLI: python -m core.merge --base DIR --adapter DIR --out DIR [--dtype bf16|fp16|fp32] [--shard-size 5GB]
+[--device cpu|cuda] [--verify auto|full|quick]"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import TYPE_CHECKING
+
+from core.merge.common import MergeError, MergeProgress, gb
+from core.workspace import WorkspaceError
+
+if TYPE_CHECKING:
+    from core.merge.precheck import Preflight
+
+# The --dtype choices without importing torch, so --help and argument errors answer at once.
+DTYPE_CHOICES = ("bf16", "fp16", "fp32")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m core.merge",
+        description="Merge a LoRA adapter into its base model, shard by shard, verified, written atomically.",
+    )
+    ap.add_argument("--base", required=True, help="folder of the base model (safetensors or .bin)")
+    ap.add_argument("--adapter", required=True, help="peft adapter folder (adapter_config.json + weights)")
+    ap.add_argument(
+        "--out", required=True, help="new export folder, inside the workspace (never overwritten)"
+    )
+    ap.add_argument(
+        "--dtype", choices=sorted(DTYPE_CHOICES), default=None, help="output dtype (default: the base's)"
+    )
+    ap.add_argument("--shard-size", default="5GB", help="maximum size of an output shard (default 5GB)")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the deltas are computed")
+    ap.add_argument(
+        "--verify",
+        choices=["auto", "full", "quick"],
+        default="auto",
+        help="full: logits vs base+adapter (needs RAM for one fp32 model); quick: structure and spot checks",
+    )
+    args = ap.parse_args(argv)
+    # The CLI prints its own progress and verdict; library progress bars and advisory warnings are noise here.
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    from core.merge.export import merge
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", category=UserWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+
+    state = {"last": -1.0}
+
+    def progress(p: MergeProgress) -> None:
+        if p.phase == "merge" and p.tensors_total:
+            frac = p.tensors_done / p.tensors_total
+            if frac - state["last"] >= 0.1 or p.tensors_done == p.tensors_total:
+                state["last"] = frac
+                print(
+                    f"  merged {p.tensors_done}/{p.tensors_total} tensors, {gb(p.bytes_written)} written",
+                    file=sys.stderr,
+                )
+        elif p.phase == "verify":
+            print("  verifying ...", file=sys.stderr)
+
+    def show_preflight(pf: Preflight) -> None:
+        print("preflight:")
+        for line in pf.lines():
+            print("  " + line)
+        for note in pf.notes:
+            print("  note: " + note)
+        sys.stdout.flush()
+
+    try:
+        result = merge(
+            args.base,
+            args.adapter,
+            args.out,
+            args.dtype,
+            args.shard_size,
+            args.device,
+            args.verify,
+            progress=progress,
+            on_preflight=show_preflight,
+        )
+    except (MergeError, WorkspaceError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for line in result.verification.lines():
+        print(line)
+    print(
+        f"exported {result.out_dir}: {len(result.files)} files, {gb(result.total_bytes)}, in {result.seconds:.1f} s"
+    )
+    print(f"peak RSS {gb(result.peak_rss)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

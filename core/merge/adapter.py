@@ -1,0 +1,198 @@
+"""Reading a peft LoRA adapter: its config, its tensors mapped to module names, and what cannot be merged."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from core.merge.common import MergeError
+
+# adapter_config fields whose adapters cannot be folded into plain weights exactly.
+UNSUPPORTED_FEATURES = {
+    "target_parameters": "LoRA on raw parameters (target_parameters, e.g. MoE experts)",
+    "trainable_token_indices": "trainable tokens (trainable_token_indices)",
+    "use_qalora": "QA-LoRA",
+    "layer_replication": "layer replication",
+    "alora_invocation_tokens": "activated LoRA (aLoRA only acts after its invocation tokens)",
+    "arrow_config": "Arrow routing",
+    "use_bdlora": "BD-LoRA",
+    "monteclora_config": "MonteCLoRA",
+    "velora_config": "VeLoRA",
+    "kasa_config": "KaSA",
+}
+
+
+@dataclass
+class LoraModule:
+    name: str  # module path in the model, e.g. model.layers.0.self_attn.q_proj
+    A: torch.Tensor | None = None  # fp32; Linear/Conv1D: (r, in); Embedding: (r, vocab)
+    B: torch.Tensor | None = None  # fp32; Linear/Conv1D: (out, r); Embedding: (hidden, r)
+    embedding: bool = False  # saved as lora_embedding_A/B
+    magnitude: torch.Tensor | None = None  # DoRA
+    bias: torch.Tensor | None = None  # lora_bias: lora_B's bias
+    scale: float = 1.0
+    kind: str = ""  # linear, conv1d, embedding: from the meta model
+
+    @property
+    def r(self) -> int:
+        return self.A.shape[0]
+
+
+@dataclass
+class Adapter:
+    dir: Path
+    config: dict
+    modules: dict[str, LoraModule]
+    replacements: dict[
+        str, torch.Tensor
+    ]  # param key (model naming) -> full tensor (modules_to_save, base_layer)
+    nbytes: int
+
+    @property
+    def use_dora(self) -> bool:
+        return bool(self.config.get("use_dora"))
+
+
+_LORA_KEY = re.compile(r"^(?P<mod>.+)\.(?P<part>lora_A|lora_B)\.(?P<param>weight|bias)$")
+_EMB_KEY = re.compile(r"^(?P<mod>.+)\.(?P<part>lora_embedding_A|lora_embedding_B)$")
+_MAG_KEY = re.compile(r"^(?P<mod>.+)\.lora_magnitude_vector(\.weight)?$")
+_MTS_KEY = re.compile(r"^(?P<mod>.+)\.(?P<which>modules_to_save|original_module)\.(?P<param>[^.]+)$")
+_BASE_LAYER_KEY = re.compile(r"^(?P<mod>.+)\.base_layer\.(?P<param>[^.]+)$")
+_PREFIX = "base_model.model."
+
+
+def _pattern_value(patterns: dict, module: str, default):
+    """peft's get_pattern_key: a pattern applies when it matches the end of the module name at a dot."""
+    for pattern, value in patterns.items():
+        if re.match(rf"(.*\.)?({pattern})$", module):
+            return value
+    return default
+
+
+def load_adapter(adapter_dir: str | os.PathLike) -> Adapter:
+    d = Path(adapter_dir)
+    cfg_path = d / "adapter_config.json"
+    if not cfg_path.is_file():
+        raise MergeError(f"{d} is not a peft adapter folder: adapter_config.json is missing.")
+    cfg = json.loads(cfg_path.read_text())
+    ptype = str(cfg.get("peft_type", "")).upper()
+    if ptype != "LORA":
+        raise MergeError(
+            f"Adapter type {cfg.get('peft_type')!r} in {cfg_path} cannot be merged by this tool: only LoRA (and DoRA) "
+            "adapters fold exactly into the base weights."
+        )
+    for key, what in UNSUPPORTED_FEATURES.items():
+        if cfg.get(key):
+            raise MergeError(
+                f"The adapter uses {what} ({key}={cfg[key]!r} in {cfg_path}); this merge cannot fold that into "
+                "plain weights exactly. Use the adapter unmerged with peft instead."
+            )
+    if cfg.get("use_dora") and cfg.get("lora_bias"):
+        raise MergeError(f"DoRA together with lora_bias ({cfg_path}) is not supported by this merge.")
+
+    if (d / "adapter_model.safetensors").is_file():
+        from safetensors.torch import load_file
+
+        state = load_file(str(d / "adapter_model.safetensors"))
+    elif (d / "adapter_model.bin").is_file():
+        state = torch.load(d / "adapter_model.bin", map_location="cpu", weights_only=True)
+    else:
+        raise MergeError(
+            f"No adapter weights in {d}: expected adapter_model.safetensors (or adapter_model.bin)."
+        )
+
+    modules: dict[str, LoraModule] = {}
+    replacements: dict[str, torch.Tensor] = {}
+    originals: dict[str, torch.Tensor] = {}
+    nbytes = 0
+    for key, t in state.items():
+        nbytes += t.numel() * 4
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            raise MergeError(
+                f"Adapter tensor {key!r} contains NaN or inf: the adapter is broken (diverged training?)."
+            )
+        if not key.startswith(_PREFIX):
+            raise MergeError(
+                f"Adapter tensor {key!r} does not start with {_PREFIX!r}: this is not a peft LoRA adapter for a "
+                "causal LM saved with save_pretrained."
+            )
+        k = key[len(_PREFIX) :]
+        if m := _LORA_KEY.match(k):
+            mod = modules.setdefault(m["mod"], LoraModule(m["mod"]))
+            if m["param"] == "bias":
+                if m["part"] != "lora_B":
+                    raise MergeError(f"Unexpected adapter tensor {key!r}: lora_A never has a bias.")
+                mod.bias = t.float()
+            elif m["part"] == "lora_A":
+                mod.A = t.float()
+            else:
+                mod.B = t.float()
+        elif m := _EMB_KEY.match(k):
+            mod = modules.setdefault(m["mod"], LoraModule(m["mod"]))
+            mod.embedding = True
+            if m["part"] == "lora_embedding_A":
+                mod.A = t.float()
+            else:
+                mod.B = t.float()
+        elif m := _MAG_KEY.match(k):
+            modules.setdefault(m["mod"], LoraModule(m["mod"])).magnitude = t.float()
+        elif m := _MTS_KEY.match(k):
+            # peft also saves the wrapper's own names when it saves embedding layers (resized vocabulary):
+            # modules_to_save.* is the trained copy (same as the plain key), original_module.* the untrained base.
+            target = f"{m['mod']}.{m['param']}"
+            if m["which"] == "original_module":
+                originals[target] = t
+            elif target in replacements and not torch.equal(replacements[target], t):
+                raise MergeError(
+                    f"Adapter holds two different trained copies of {target}: cannot tell which is right."
+                )
+            else:
+                replacements[target] = t
+        elif m := _BASE_LAYER_KEY.match(k):
+            # peft saved the base layer itself (embedding layers, possibly resized): it replaces the base tensor.
+            replacements[f"{m['mod']}.{m['param']}"] = t
+        elif "lora_" in k or "modules_to_save" in k or "token_adapter" in k or "trainable_tokens" in k:
+            raise MergeError(
+                f"Adapter tensor {key!r} is of a kind this merge does not know; refusing rather than writing a "
+                "model that silently differs from the adapter."
+            )
+        else:
+            if k in replacements and not torch.equal(replacements[k], t):
+                raise MergeError(
+                    f"Adapter holds two different trained copies of {k}: cannot tell which is right."
+                )
+            replacements[k] = t  # modules_to_save: a full trained copy of the module's parameter
+    for k, t in originals.items():
+        replacements.setdefault(
+            k, t
+        )  # an untrained (possibly resized) base copy counts only without a trained one
+
+    rank_pattern = cfg.get("rank_pattern") or {}
+    alpha_pattern = cfg.get("alpha_pattern") or {}
+    for name, mod in modules.items():
+        if mod.A is None or mod.B is None:
+            raise MergeError(
+                f"Adapter module {name} has only one of its LoRA A/B matrices: the adapter is incomplete."
+            )
+        r = mod.A.shape[0]  # read r from the shape: rank_pattern may differ per module
+        if mod.B.shape[-1] != r:
+            raise MergeError(f"Adapter module {name}: lora_A has rank {r} but lora_B has {mod.B.shape[-1]}.")
+        expected_r = _pattern_value(rank_pattern, name, cfg.get("r", r))
+        if expected_r != r:
+            raise MergeError(
+                f"Adapter module {name}: tensors have rank {r} but adapter_config.json says r={expected_r} "
+                "(r/rank_pattern): the config and the weights do not belong together."
+            )
+        alpha = _pattern_value(alpha_pattern, name, cfg.get("lora_alpha", 8))
+        mod.scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+        if cfg.get("use_dora") and mod.magnitude is None:
+            raise MergeError(
+                f"DoRA adapter module {name} has no lora_magnitude_vector: the adapter is incomplete."
+            )
+    return Adapter(d, cfg, modules, replacements, nbytes)

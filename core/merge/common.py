@@ -1,0 +1,56 @@
+"""Small shared pieces: sizes, the error type, progress records, tokenizer files. Imports no torch, so the
+package (and `python -m core.merge --help`) stays light until a merge actually runs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+GB = 1024**3
+MB = 1024**2
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+class MergeError(ValueError):
+    """A user-facing problem with a merge; the message says what is wrong and how to fix it."""
+
+
+@dataclass
+class MergeProgress:
+    phase: str  # "merge", "verify", "done"
+    tensors_done: int
+    tensors_total: int
+    bytes_written: int
+    bytes_total: int
+    key: str = ""
+
+
+ProgressFn = Callable[[MergeProgress], None]
+
+
+def gb(n: int) -> str:
+    return f"{n / GB:.2f} GB" if n >= 0.1 * GB else f"{n / MB:.1f} MB"
+
+
+def tokenizer_source(adapter_dir: Path, base_dir: Path) -> Path:
+    # A run's adapter folder carries the tokenizer it trained with (maybe with added tokens): prefer it.
+    return adapter_dir if (adapter_dir / "tokenizer_config.json").is_file() else base_dir
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))

@@ -1,0 +1,183 @@
+"""The merge itself: preflight, stream every shard into a temporary folder beside the target, write the small
+files, verify, then rename into place. A merge killed midway leaves no target folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import psutil
+import torch
+
+from core.merge.common import TOKENIZER_FILES, MergeError, MergeProgress, ProgressFn, tokenizer_source
+from core.merge.delta import tensor_stream
+from core.merge.plan import MergePlan, TensorPlan
+from core.merge.precheck import Preflight, preflight
+from core.merge.shards import write_shard
+from core.merge.verify import Verification, verify_export
+from core.workspace import WorkspaceError, default_workspace, inside
+
+TEMP_MARKER = ".lora-cockpit-merge"
+PAUSE_ENV = "LORA_COCKPIT_TEST_MERGE_PAUSE_AFTER_FIRST_SHARD"  # test-only: makes the kill test deterministic
+
+
+def _pid_alive(pid: int) -> bool:
+    return pid != os.getpid() and psutil.pid_exists(pid)
+
+
+def clean_stale_temps(target: Path) -> list[Path]:
+    """Remove temp folders of earlier merges into `target` whose process is gone. Only folders carrying our
+    marker file are touched, so nothing the user made is ever deleted."""
+    removed = []
+    if not target.parent.is_dir():
+        return removed
+    for p in target.parent.glob(f".{target.name}.merging-*"):
+        marker = p / TEMP_MARKER
+        if not marker.is_file():
+            continue
+        try:
+            pid = int(json.loads(marker.read_text()).get("pid", -1))
+        except (ValueError, OSError):
+            pid = -1
+        if not _pid_alive(pid):
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
+
+
+@dataclass
+class MergeResult:
+    out_dir: str
+    preflight: Preflight
+    verification: Verification
+    files: list[tuple[str, int]]
+    total_bytes: int
+    seconds: float
+    peak_rss: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_small_files(plan: MergePlan, tmp: Path) -> None:
+    (tmp / "config.json").write_text(json.dumps(plan.config, indent=2, sort_keys=True) + "\n")
+    tok_dir = tokenizer_source(plan.adapter.dir, plan.base_dir)
+    for name in TOKENIZER_FILES:
+        if (tok_dir / name).is_file():
+            shutil.copyfile(tok_dir / name, tmp / name)
+    if (plan.base_dir / "generation_config.json").is_file():
+        shutil.copyfile(plan.base_dir / "generation_config.json", tmp / "generation_config.json")
+    if len(plan.shards) > 1:
+        index = {
+            "metadata": {"total_size": plan.out_bytes},  # bytes, as transformers expects
+            "weight_map": {t.out_key: name for name, ts in plan.shards for t in ts},
+        }
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    for p in tmp.iterdir():
+        if p.is_file() and p.name != TEMP_MARKER:
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+
+
+def merge(
+    base_dir: str | os.PathLike,
+    adapter_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    dtype: str | torch.dtype | None = None,
+    shard_size: int | str = "5GB",
+    device: str = "cpu",
+    verify: str = "auto",
+    workspace: str | os.PathLike | None = None,
+    progress: ProgressFn | None = None,
+    on_preflight: Callable[[Preflight], None] | None = None,
+) -> MergeResult:
+    """Merge `adapter_dir` into `base_dir` and export to `out_dir` (inside the workspace). Raises MergeError
+    with a sentence saying what to fix; on any failure nothing is left at `out_dir`."""
+    started = time.time()
+    if device not in ("cpu", "cuda"):
+        raise MergeError(f"Device {device!r} is not supported: use cpu or cuda.")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise MergeError("--device cuda was asked for but PyTorch sees no CUDA GPU: use --device cpu.")
+    ws = Path(workspace) if workspace else default_workspace()
+    try:
+        target = inside(ws, out_dir)
+    except WorkspaceError as e:
+        raise MergeError(f"Output folder: {e}") from e
+    clean_stale_temps(target)
+    pf, plan = preflight(base_dir, adapter_dir, target, dtype, shard_size, ws, verify)
+    if on_preflight:
+        on_preflight(pf)
+    if not pf.ok:
+        raise MergeError(" ".join(pf.problems))
+
+    proc = psutil.Process()
+    peak = proc.memory_info().rss
+    total_tensors, total_bytes = len(plan.tensors), plan.out_bytes
+    done = {"tensors": 0, "bytes": 0}
+
+    def report(phase: str, key: str = "") -> None:
+        if progress:
+            progress(MergeProgress(phase, done["tensors"], total_tensors, done["bytes"], total_bytes, key))
+
+    def on_tensor(t: TensorPlan, n: int) -> None:
+        nonlocal peak
+        done["tensors"] += 1
+        done["bytes"] += n
+        peak = max(peak, proc.memory_info().rss)
+        report("merge", t.out_key)
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.merging-{os.getpid()}"
+    tmp.mkdir()
+    (tmp / TEMP_MARKER).write_text(
+        json.dumps({"pid": os.getpid(), "target": str(target), "started": started})
+    )
+    ok = False
+    try:
+        report("merge")
+        for i, (name, tensors) in enumerate(plan.shards):
+            write_shard(tmp / name, tensors, lambda t: tensor_stream(t, plan.base, device), on_tensor)
+            if i == 0 and os.environ.get(PAUSE_ENV):
+                (tmp / ".paused").write_text("paused after the first shard (test hook)")
+                time.sleep(float(os.environ[PAUSE_ENV]))
+        _write_small_files(plan, tmp)
+        report("verify")
+        verification = verify_export(plan, tmp, pf.verify_mode, device, qlora=pf.qlora)
+        peak = max(peak, proc.memory_info().rss)
+        if not verification.passed:
+            raise MergeError("Verification failed, nothing was exported: " + " ".join(verification.messages))
+        (tmp / TEMP_MARKER).unlink()
+        (tmp / ".paused").unlink(missing_ok=True)
+        _fsync_dir(tmp)
+        if target.exists():
+            raise MergeError(f"The target {target} appeared while merging: not overwriting it.")
+        os.rename(tmp, target)
+        _fsync_dir(target.parent)
+        ok = True
+    finally:
+        if not ok:
+            shutil.rmtree(tmp, ignore_errors=True)
+    files = sorted((p.name, p.stat().st_size) for p in target.iterdir() if p.is_file())
+    report("done")
+    return MergeResult(
+        out_dir=str(target),
+        preflight=pf,
+        verification=verification,
+        files=files,
+        total_bytes=sum(s for _, s in files),
+        seconds=time.time() - started,
+        peak_rss=peak,
+    )

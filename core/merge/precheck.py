@@ -1,0 +1,166 @@
+"""Preflight: everything checked before anything is written (adapter, base, RAM, disk, target)."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import torch
+
+from core.merge import delta
+from core.merge.adapter import load_adapter
+from core.merge.common import MB, TOKENIZER_FILES, MergeError, gb, tokenizer_source
+from core.merge.discover import is_qlora
+from core.merge.plan import MergePlan, plan_merge
+from core.merge.shards import DTYPE_NAMES
+from core.workspace import WorkspaceError, default_workspace, inside
+
+# Python + torch + transformers already use a few hundred MB before any tensor is read.
+RUNTIME_OVERHEAD = 768 * MB
+
+
+@dataclass
+class Preflight:
+    base_dir: str
+    adapter_dir: str
+    target: str
+    out_dtype: str
+    n_tensors: int
+    n_lora_modules: int
+    n_replaced: int
+    n_shards: int
+    base_bytes: int
+    adapter_bytes: int
+    out_bytes: int
+    largest_tensor_bytes: int
+    ram_available: int
+    ram_needed: int
+    verify_ram_needed: int
+    disk_free: int
+    disk_needed: int
+    verify_mode: str
+    qlora: bool
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def lines(self) -> list[str]:
+        return [
+            f"base: {self.base_dir} ({gb(self.base_bytes)}), adapter: {self.adapter_dir} ({self.n_lora_modules} "
+            f"LoRA modules, {self.n_replaced} replaced tensors)",
+            f"output: {self.target} — {self.n_tensors} tensors, {gb(self.out_bytes)} in {self.out_dtype}, "
+            f"{self.n_shards} shard(s)",
+            f"RAM: need ~{gb(self.ram_needed)} to merge, {gb(self.verify_ram_needed)} for the logits check; "
+            f"{gb(self.ram_available)} available",
+            f"disk: need {gb(self.disk_needed)}, {gb(self.disk_free)} free",
+            f"verification: {self.verify_mode}",
+        ]
+
+
+def preflight(
+    base_dir: str | os.PathLike,
+    adapter_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    dtype: str | torch.dtype | None = None,
+    shard_size: int | str = "5GB",
+    workspace: str | os.PathLike | None = None,
+    verify: str = "auto",
+) -> tuple[Preflight, MergePlan]:
+    """Check everything before writing anything. Structural problems (bad adapter, wrong base) raise
+    MergeError; resource problems (RAM, disk, existing target) are listed in `problems` with the numbers."""
+    ws = Path(workspace) if workspace else default_workspace()
+    try:
+        target = inside(ws, out_dir)
+    except WorkspaceError as e:
+        raise MergeError(f"Output folder: {e}") from e
+    base_dir, adapter_dir = Path(base_dir).expanduser().resolve(), Path(adapter_dir).expanduser().resolve()
+    if not base_dir.is_dir():
+        raise MergeError(f"Base model folder {base_dir} does not exist.")
+    if not adapter_dir.is_dir():
+        raise MergeError(f"Adapter folder {adapter_dir} does not exist.")
+    if verify not in ("auto", "full", "quick"):
+        raise MergeError(f"verify must be auto, full or quick, not {verify!r}.")
+    adapter = load_adapter(adapter_dir)
+    plan = plan_merge(base_dir, adapter, dtype, shard_size)
+
+    problems: list[str] = []
+    notes = list(plan.base.warnings) + list(plan.notes)
+    if target.exists():
+        problems.append(
+            f"The target {target} already exists: choose a new folder name (an export is never overwritten)."
+        )
+    if target in (base_dir, adapter_dir) or base_dir in target.parents or adapter_dir in target.parents:
+        problems.append(
+            f"The target {target} lies inside the base or adapter folder: choose a folder under exports/."
+        )
+
+    qlora = is_qlora(adapter_dir)
+    if qlora:
+        notes.append(
+            "QLoRA adapter: it was trained against the 4-bit (NF4) dequantized weights, but it is merged into the "
+            "bf16/fp16 base, the usual choice. The merged model is therefore not bit-identical to what training saw; "
+            "expect a small deviation (the verification compares against base+adapter at full precision)."
+        )
+    largest = max((t.nbytes for t in plan.tensors), default=0)
+    largest_src = max((t.nbytes for t in plan.base.tensors.values()), default=0)
+    chunk = min(delta.CHUNK_BYTES, max(largest_src, largest) * 4)
+    ram_needed = adapter.nbytes + 4 * chunk + RUNTIME_OVERHEAD
+    if plan.base.kind == "bin":
+        ram_needed += plan.base.largest_file_bytes
+    n_params = sum(math.prod(t.shape) for t in plan.tensors)
+    verify_ram = n_params * 4 + adapter.nbytes + RUNTIME_OVERHEAD  # one fp32 model at a time
+    ram_available = psutil.virtual_memory().available
+    if ram_needed > ram_available:
+        problems.append(
+            f"Not enough free RAM: the merge needs about {gb(ram_needed)}, {gb(ram_available)} is available. "
+            "Close other programs, or merge on a machine with more memory."
+        )
+    if verify == "auto":
+        verify = "full" if verify_ram < 0.8 * ram_available else "quick"
+        if verify == "quick":
+            notes.append(
+                f"The logits check needs ~{gb(verify_ram)} RAM but {gb(ram_available)} is available: only the quick "
+                "check (every tensor re-read, merged rows recomputed, config and tokenizer loaded) will run."
+            )
+    probe = target.parent
+    while not probe.exists():
+        probe = probe.parent
+    disk_free = shutil.disk_usage(probe).free
+    tok_dir = tokenizer_source(adapter_dir, base_dir)
+    small = sum((tok_dir / n).stat().st_size for n in TOKENIZER_FILES if (tok_dir / n).is_file())
+    disk_needed = plan.out_bytes + small + 64 * MB
+    if disk_needed > disk_free:
+        problems.append(
+            f"Not enough free disk at {probe}: the export needs {gb(disk_needed)}, {gb(disk_free)} is free."
+        )
+    pf = Preflight(
+        base_dir=str(base_dir),
+        adapter_dir=str(adapter_dir),
+        target=str(target),
+        out_dtype=DTYPE_NAMES[plan.out_dtype],
+        n_tensors=len(plan.tensors),
+        n_lora_modules=len(adapter.modules),
+        n_replaced=len(adapter.replacements),
+        n_shards=len(plan.shards),
+        base_bytes=plan.base.total_bytes,
+        adapter_bytes=adapter.nbytes,
+        out_bytes=plan.out_bytes,
+        largest_tensor_bytes=largest,
+        ram_available=ram_available,
+        ram_needed=ram_needed,
+        verify_ram_needed=verify_ram,
+        disk_free=disk_free,
+        disk_needed=disk_needed,
+        verify_mode=verify,
+        qlora=qlora,
+        problems=problems,
+        notes=notes,
+    )
+    return pf, plan
