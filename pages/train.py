@@ -12,14 +12,13 @@ from streamlit.runtime.pages_manager import PagesManager
 
 from core.demo.build import DemoError, build_demo, demo_config, demo_dir, demo_ready
 from core.estimate.bill import GiB, PlanError
+from core.estimate.from_config import estimate_for_config, plan_record
 from core.estimate.specs import SpecError
 from core.monitor import gpu
 from core.runs.admin import (
     check_fields,
     check_model_folder,
     check_new_run_name,
-    estimate_for_config,
-    plan_record,
     start_smoke_test,
 )
 from core.runs.launcher import RunError, create_run, launch, wait_for_smoke
@@ -62,7 +61,7 @@ FIELDS = {
     "tr_targets": ("lora", "target_modules"),
     "tr_data_path": ("data", "path"),
     "tr_format": ("data", "format"),
-    "tr_max_length": ("data", "max_length"),
+    "tr_max_length": ("training", "max_length"),
     "tr_eval_split": ("data", "eval_split"),
     "tr_batch": ("training", "per_device_train_batch_size"),
     "tr_accum": ("training", "gradient_accumulation_steps"),
@@ -107,7 +106,7 @@ def _preview(cfg_yaml: str) -> dict:
 
     cfg = yaml.safe_load(cfg_yaml)
     tok, _ = _tokenizer_and_config(cfg["model"]["path"], cfg["model"]["trust_remote_code"])
-    return preview_dataset(cfg["data"], tok, n=5, length_rows=5000)
+    return preview_dataset(cfg["data"], tok, n=5, length_rows=5000, max_length=cfg["training"]["max_length"])
 
 
 @st.cache_data(ttl=30, show_spinner="Running preflight…")
@@ -154,7 +153,7 @@ def _from_plan(plan: dict, base: dict) -> tuple[dict, str]:
         cfg["model"]["path"] = base["model"]["path"]
         # The plan's batch size and length were sized for its model and card, not for the model kept here
         # (the demo model has 64 positions): keep base's until the user points at the planned model.
-        cfg["data"]["max_length"] = base["data"]["max_length"]
+        cfg["training"]["max_length"] = base["training"]["max_length"]
         cfg["training"]["per_device_train_batch_size"] = base["training"]["per_device_train_batch_size"]
         source += (
             f"; its model is not a local folder, so the model, batch size and max length stay those of "
@@ -335,7 +334,7 @@ def verdict_panel(cfg: dict) -> dict | None:
     """The planner's verdict for this config on the card; returns the plan.json record (or None)."""
     gpu_gb, where = _gpu_gb()
     try:
-        est = estimate_for_config(cfg, gpu_gb, "cuda", base=st.session_state.get("plan"))
+        est = estimate_for_config(cfg, gpu_gb, "cuda")
     except (PlanError, SpecError, ValueError) as exc:
         st.warning(f"No memory estimate for this config: {exc}")
         return None

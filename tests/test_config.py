@@ -45,7 +45,7 @@ def test_defaults_fill_every_section():
             "quantization.bnb_4bit_quant_type must be one of",
         ),
         ({"data": {"columns": {"answer": "output"}}}, "data.columns has unknown key 'answer'"),
-        ({"data": {"max_length": 4}}, "data.max_length must be between 8"),
+        ({"training": {"max_length": 4}}, "training.max_length must be in [8, 1048576]"),
         ({"model": {"dtype": "float8"}}, "model.dtype must be one of"),
         ({"lora": {"use_rslora": "yes"}}, "lora.use_rslora must be true or false"),
     ],
@@ -112,7 +112,7 @@ def test_plan_to_config_maps_qlora_plan():
     assert cfg["training"]["per_device_train_batch_size"] == 8
     assert cfg["training"]["gradient_checkpointing"] is True
     assert cfg["training"]["optim"] == "paged_adamw_8bit"
-    assert cfg["data"]["max_length"] == 1024
+    assert cfg["training"]["max_length"] == 1024
     assert cfg["model"]["dtype"] == "bfloat16"
     assert cfg["quantization"]["bnb_4bit_compute_dtype"] == "bfloat16"
 
@@ -125,7 +125,11 @@ def test_plan_to_config_takes_the_estimate_plan_dataclass():
     cfg = plan_to_config(plan.to_dict(), base=minimal())
     assert cfg["model"]["path"] == "org/model-7b"
     assert cfg["quantization"]["load_in_4bit"] is True
-    assert (cfg["lora"]["r"], cfg["training"]["per_device_train_batch_size"], cfg["data"]["max_length"]) == (
+    assert (
+        cfg["lora"]["r"],
+        cfg["training"]["per_device_train_batch_size"],
+        cfg["training"]["max_length"],
+    ) == (
         8,
         4,
         512,

@@ -120,7 +120,7 @@ def test_bad_paths_say_what_to_do(tmp_path):
 def test_preview_shows_formatted_rows_and_lengths(tmp_path, tok):
     rows = ALPACA + [{"instruction": "Long " * 20, "input": "", "output": "ok"}]
     path = write_jsonl(tmp_path / "d.jsonl", rows)
-    pv = preview_dataset({"path": str(path), "max_length": 80}, tok, n=2)
+    pv = preview_dataset({"path": str(path)}, tok, n=2, max_length=80)
     assert pv["format"] == "alpaca" and pv["total_rows"] == 4
     assert [r["row"] for r in pv["rows"]] == [1, 2]
     assert pv["rows"][0]["completion"] == "cba</s>" and "Reverse the word" in pv["rows"][0]["prompt"]

@@ -4,15 +4,15 @@ LoRA matmul casts its input up to fp32 and its result back down; with a small vo
 the last decoder layer (forward) or in the final RMSNorm's backward, not at the loss.
 
 Both sides are independent: the plan comes from the run config the way the Train page makes it
-(core.runs_admin.plan_for_config, device "cpu"); the measurement is a steady-state step of the model built as
+(core.estimate.from_config.plan_for_config, device "cpu"); the measurement is a steady-state step of the model built as
 core.train builds it, counted by core.tracker's live-tensor tracker (core.tracker_plan.measure_plan).
 """
 
 import pytest
 
 from core.estimate.bill import estimate
+from core.estimate.from_config import plan_for_config
 from core.measure.step import MeasurePlan, measure_plan
-from core.runs.admin import plan_for_config
 from core.train.config import validate_config
 
 TOLERANCE = 0.015
@@ -60,7 +60,7 @@ def test_bf16_weights_without_autocast_estimate_within_tolerance(wide_llama, dro
         lora_dropout=lora["lora_dropout"],
         target_modules=lora["target_modules"],
         batch_size=cfg["training"]["per_device_train_batch_size"],
-        seq_len=cfg["data"]["max_length"],
+        seq_len=cfg["training"]["max_length"],
         attn="sdpa",
         optim=cfg["training"]["optim"],
     )

@@ -164,20 +164,19 @@ def test_check_fields_reports_every_bad_field_at_once(tiny_llama, dataset):
 
 
 def test_plan_for_config_describes_the_run(tiny_llama, dataset):
-    from core.runs.admin import plan_for_config
+    from core.estimate.from_config import plan_for_config
     from core.train.config import validate_config
 
     cfg = validate_config(tiny_config(tiny_llama, dataset))
     cfg["quantization"]["load_in_4bit"] = True
     cfg["lora"].update(r=4, target_modules=["q_proj", "v_proj"])
     cfg["training"].update(gradient_checkpointing=True, optim="paged_adamw_8bit")
-    plan = plan_for_config(
-        cfg, gpu_gb=48, device="cuda", base={"expandable_segments": True, "model": "ignored"}
-    )
+    plan = plan_for_config(cfg, gpu_gb=48, device="cuda", expandable_segments=True)
     assert (plan.method, plan.lora_r, plan.target_modules) == ("qlora", 4, "q_proj,v_proj")
     assert (plan.batch_size, plan.seq_len, plan.gpu_gb) == (2, 64, 48.0)
     assert plan.gradient_checkpointing and plan.optim == "paged_adamw_8bit"
-    assert plan.expandable_segments and plan.model == str(tiny_llama)  # base fills only what a config lacks
+    assert plan.expandable_segments and plan.model == str(tiny_llama)
+    assert not plan.dpo  # an SFT config plans an SFT run, whatever the Estimate page last showed
     cpu = plan_for_config(cfg, device="cpu", batch_size=1)
     assert (cpu.compute_dtype, cpu.autocast, cpu.batch_size) == (
         "fp32",
@@ -215,6 +214,6 @@ def test_plan_for_a_hub_model_keeps_the_local_model_and_its_sizes(workspace, tin
     assert not at.exception, at.exception
     assert at.text_input(key="tr_model_path").value.endswith("demo/base")
     # The demo is not built here, so the form starts from the default config: its length, not the plan's 2048.
-    assert at.number_input(key="tr_max_length").value == default_config()["data"]["max_length"] != 2048
+    assert at.number_input(key="tr_max_length").value == default_config()["training"]["max_length"] != 2048
     assert at.number_input(key="tr_batch").value != 7
     assert at.number_input(key="tr_r").value == 8

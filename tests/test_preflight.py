@@ -83,7 +83,7 @@ def test_position_limit_and_truncation(tmp_path, tok):
     model_config = tiny_config(max_position_embeddings=32)
     findings = run_preflight(cfg_for(path, max_length=64), tok, model_config)
     limit = [f for f in findings if f.check == "position_limit"]
-    assert any(f.level == "error" and "Set data.max_length to 32" in f.fix for f in limit)
+    assert any(f.level == "error" and "Set training.max_length to 32" in f.fix for f in limit)
     too_long = next(f for f in limit if f.level == "warning")
     assert too_long.rows == [2, 4]  # 42 and 102 tokens with BOS/EOS, over 32
     trunc = by_check(findings, "truncation")

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from core.runs.admin import estimate_for_config, plan_record, start_smoke_test
+from core.estimate.from_config import estimate_for_config, plan_record
+from core.runs.admin import start_smoke_test
 from core.runs.launcher import wait_for_smoke
 from core.train.config import validate_config
 

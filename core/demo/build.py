@@ -260,10 +260,10 @@ def demo_config(workspace: str | os.PathLike | None = None, out: str | os.PathLi
             "data": {
                 "path": str(folder / "train.jsonl"),
                 "format": "chat",
-                "max_length": 32,
                 "eval_split": 0.05,
             },
             "training": {
+                "max_length": 32,
                 "per_device_train_batch_size": 16,
                 "gradient_accumulation_steps": 1,
                 "max_steps": 150,
@@ -314,11 +314,14 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out) if args.out else demo_dir(default_workspace())
     try:
         build_demo(out, pretrain_steps=args.pretrain_steps)
+        from core.train.config import dump_config
+
+        run_yaml = dump_config(demo_config(out=out), out / "run.yaml")
+        print(f"demo run config: {run_yaml} (python -m core.train {run_yaml} --run-dir RUN_DIR)", flush=True)
         before = heldout_accuracy(out)
         print(f"held-out accuracy before training: {before:.0%}", flush=True)
         adapter = Path(args.adapter) if args.adapter else None
         if args.run:
-            from core.train.config import dump_config
             from core.train.trainer import run_training
 
             run_dir = out / "example-run"

@@ -19,8 +19,6 @@ from core.workspace import WorkspaceError, check_run_name, inside, runs_dir
 
 SMOKE_DIR = "smoke"  # <workspace>/smoke/<run>-<n>/: one-step runs, not listed among the real runs
 # The planner models sdpa and eager; flash/flex attention keep no score matrix either, like sdpa.
-_PLAN_ATTN = {"flash_attention_2": "sdpa", "flex_attention": "sdpa"}
-_PLAN_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
 # ---- checking a run form --------------------------------------------------------------------------------------
@@ -110,83 +108,6 @@ def check_new_run_name(workspace: str | os.PathLike, name: str) -> str | None:
     return None
 
 
-# ---- the planner's view of a run config ------------------------------------------------------------------------
-
-
-def plan_for_config(
-    cfg: dict,
-    gpu_gb: float = 24.0,
-    device: str = "cuda",
-    batch_size: int | None = None,
-    base: dict | None = None,
-):
-    """The core.estimate.Plan that describes training `cfg` (a validated run config) on a `gpu_gb` card.
-
-    `base` (the Estimate page's plan dict) keeps the settings a run config does not carry (DPO, eval KV cache,
-    expandable segments). The dtypes follow core.train.choose_precision for `device`: on a CPU there is no
-    bf16/fp16 autocast, but model.dtype bfloat16 still loads (and computes in) bfloat16 weights.
-    """
-    from core.estimate.bill import Plan
-
-    m, q, lo, d, t = (cfg[s] for s in SECTIONS)
-    method = "full" if not lo["enabled"] else ("qlora" if q["load_in_4bit"] else "lora")
-    load, compute, autocast = _plan_dtypes(m["dtype"], t, device)
-    if q["load_in_4bit"] and q["bnb_4bit_compute_dtype"] != "auto":  # else core.train uses the load dtype
-        compute = _PLAN_DTYPE[q["bnb_4bit_compute_dtype"]]
-    targets = lo["target_modules"]
-    fields = dict(base or {})
-    fields = {k: v for k, v in fields.items() if k in Plan.__dataclass_fields__}
-    fields.update(
-        model=m["path"],
-        method=method,
-        load_dtype=load,
-        compute_dtype=compute,
-        autocast=autocast,
-        quant_type=q["bnb_4bit_quant_type"],
-        double_quant=q["bnb_4bit_use_double_quant"],
-        lora_r=lo["r"],
-        lora_alpha=lo["lora_alpha"],
-        lora_dropout=lo["lora_dropout"],
-        target_modules=targets if isinstance(targets, str) else ",".join(targets),
-        batch_size=batch_size or t["per_device_train_batch_size"],
-        seq_len=d["max_length"],
-        gradient_checkpointing=t["gradient_checkpointing"],
-        attn=_PLAN_ATTN.get(m["attn_implementation"], m["attn_implementation"]),
-        optim=t["optim"],
-        gpu_gb=float(gpu_gb),
-        device=device,
-    )
-    return Plan(**fields)
-
-
-def _plan_dtypes(model_dtype: str, training: dict, device: str) -> tuple[str, str, bool]:
-    """(load, compute, autocast) as core.train.choose_precision sets them up on `device` (a bf16-capable GPU).
-
-    CPU: never autocast; "auto" loads float32 and float16 weights are loaded as float32 (CPU training cannot
-    use them), so the step computes in the load dtype. GPU: the Trainer's bf16/fp16 flag is the autocast
-    dtype, and model.dtype "auto" loads in it; without a flag the step computes in the load dtype."""
-    if device == "cpu":
-        load = "fp32" if model_dtype in ("auto", "float16") else _PLAN_DTYPE[model_dtype]
-        return load, load, False
-    mixed = "bf16" if training["bf16"] in (True, "auto") else ("fp16" if training["fp16"] else None)
-    load = (mixed or "fp32") if model_dtype == "auto" else _PLAN_DTYPE[model_dtype]
-    return load, mixed or load, mixed is not None
-
-
-def estimate_for_config(cfg: dict, gpu_gb: float = 24.0, device: str = "cuda", batch_size=None, base=None):
-    """core.estimate.estimate of plan_for_config(...); raises PlanError/SpecError with the planner's sentence."""
-    from core.estimate.bill import estimate
-
-    return estimate(plan_for_config(cfg, gpu_gb, device, batch_size, base))
-
-
-def plan_record(est) -> dict:
-    """What goes into a run's plan.json: the estimate's totals and the plan it was made for."""
-    d = est.to_dict()
-    d.pop("phase_components", None)  # per-phase detail: large and read by nobody downstream
-    return d
-
-
 # ---- smoke tests ------------------------------------------------------------------------------------------------
 
 
@@ -253,8 +174,5 @@ __all__ = [
     "check_new_run_name",
     "create_smoke_run",
     "delete_run",
-    "estimate_for_config",
-    "plan_for_config",
-    "plan_record",
     "start_smoke_test",
 ]

@@ -1,25 +1,41 @@
-"""The run config: one YAML file with five sections (model, quantization, lora, data, training).
+"""The run config: one YAML file, whose sections are the libraries' own configuration classes.
 
-Key names are the library's own (BitsAndBytesConfig, LoraConfig, TrainingArguments) so a config reads like the
-code it drives. Validation is strict: an unknown key or an out-of-range value is an error naming the key's path
-(`training.learning_rate`), because a silently ignored typo costs a whole run.
+    method: sft
+    model:        {path, dtype, attn_implementation, trust_remote_code}      from_pretrained's arguments
+    quantization: the fields of transformers.BitsAndBytesConfig
+    lora:         the fields of peft.LoraConfig (+ `enabled`: false for a full fine-tune)
+    data:         {path, format, columns, split, eval_split, mask_prompt}    the cockpit's data loader
+    training:     every field of trl.SFTConfig (TrainingArguments + SFT's own), e.g. max_length, packing
+
+The schema of the library sections is read from the installed libraries (their dataclass fields, types and
+choices), so a key that a new TRL/transformers/peft release adds works the day it is installed. It is cached per
+library version (core.train.schema), so validating a config does not import torch. Errors name the key's path
+and suggest the nearest key for a typo, because a silently ignored key costs a whole run.
+
+`check_with_libraries(cfg)` then builds the real SFTConfig/LoraConfig/BitsAndBytesConfig objects: the libraries'
+own cross-field checks (done by `--dry-run`, the trainer and the smoke test).
 """
 
 from __future__ import annotations
 
 import copy
+import difflib
 import math
 import os
 from pathlib import Path
 from typing import Any
 
 from core.files import atomic_write_text
+from core.train import schema
 
+METHODS = ("sft",)
 SECTIONS = ("model", "quantization", "lora", "data", "training")
+TOP_LEVEL = ("method", *SECTIONS)
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTN = ("eager", "sdpa", "flash_attention_2", "flex_attention")
 FORMATS = ("auto", "alpaca", "chat", "text")
+# Suggestions for the Train page's selectors (every other value the library accepts is valid too).
 SCHEDULERS = (
     "linear",
     "cosine",
@@ -31,7 +47,6 @@ SCHEDULERS = (
     "cosine_with_min_lr",
     "warmup_stable_decay",
 )
-# The optimizers that make sense for one-GPU LoRA/full fine-tuning and run without extra packages.
 OPTIMIZERS = (
     "adamw_torch",
     "adamw_torch_fused",
@@ -50,9 +65,12 @@ class ConfigError(ValueError):
     """A run config problem; the message names the key path and says how to fix it."""
 
 
-DEFAULTS: dict[str, dict[str, Any]] = {
+# The cockpit's defaults where they differ from the libraries' (LoRA-sized learning rate, a short max_length
+# for the first run, bf16 only where the GPU has it). Everything not listed takes the library's default.
+DEFAULTS: dict[str, Any] = {
+    "method": "sft",
     "model": {
-        "path": None,  # a local folder or a hub id (required)
+        "path": None,  # a local folder or a hub id already in the local cache (required)
         "dtype": "auto",  # auto: bfloat16 on a CUDA GPU that supports it, float32 otherwise
         "attn_implementation": "sdpa",
         "trust_remote_code": False,
@@ -61,7 +79,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "load_in_4bit": False,
         "bnb_4bit_quant_type": "nf4",
         "bnb_4bit_use_double_quant": True,
-        "bnb_4bit_compute_dtype": "auto",
+        "bnb_4bit_compute_dtype": "auto",  # auto: the dtype the weights are loaded in
     },
     "lora": {
         "enabled": True,  # false: full fine-tuning (the planner's method "full")
@@ -77,11 +95,11 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "format": "auto",
         "columns": {},  # rename map, e.g. {"instruction": "question", "output": "answer"}
         "split": "train",  # which split of a DatasetDict folder to train on
-        "max_length": 512,
         "eval_split": 0.0,  # fraction of rows held out for eval_loss (0 = no eval)
-        "mask_prompt": True,
+        "mask_prompt": True,  # train on the answer only, with any chat template
     },
     "training": {
+        "max_length": 512,
         "per_device_train_batch_size": 4,
         "gradient_accumulation_steps": 4,
         "num_train_epochs": 1.0,
@@ -91,7 +109,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "warmup_steps": 0.03,
         "weight_decay": 0.0,
         "max_grad_norm": 1.0,
-        "bf16": "auto",  # auto: on when the CUDA GPU supports it; never on a CPU
+        "bf16": "auto",  # auto: on when the CUDA GPU supports bf16 natively; never on a CPU
         "fp16": False,
         "gradient_checkpointing": False,
         "optim": "adamw_torch",
@@ -103,152 +121,108 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     },
 }
 
-
-# ---- validation ---------------------------------------------------------------------------------------------
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _choice(options):
-    def check(v):
-        return None if v in options else f"must be one of {', '.join(map(str, options))}"
-
-    return check
-
-
-def _bool(v):
-    return None if isinstance(v, bool) else "must be true or false"
-
-
-def _int_range(lo, hi=None):
-    def check(v):
-        if not _is_int(v):
-            return "must be a whole number"
-        if v < lo or (hi is not None and v > hi):
-            return f"must be between {lo} and {hi}" if hi is not None else f"must be at least {lo}"
-        return None
-
-    return check
-
-
-def _num_range(lo, hi, lo_open=False, hi_open=False):
-    def check(v):
-        if not _is_num(v):
-            return "must be a number"
-        bad_lo = v <= lo if lo_open else v < lo
-        bad_hi = hi is not None and (v >= hi if hi_open else v > hi)
-        if bad_lo or bad_hi:
-            left, right = "(" if lo_open else "[", ")" if hi_open else "]"
-            return f"must be in {left}{lo}, {hi if hi is not None else 'inf'}{right}"
-        return None
-
-    return check
-
-
-def _optional(check):
-    return lambda v: None if v is None else check(v)
-
-
-def _nonempty_str(v):
-    return None if isinstance(v, str) and v.strip() else "must be a non-empty string"
-
-
-def _paths(v):
-    if isinstance(v, str) and v.strip():
-        return None
-    if isinstance(v, list) and v and all(isinstance(p, str) and p.strip() for p in v):
-        return None
-    return "must be a file/folder path or a non-empty list of file paths"
-
-
-def _targets(v):
-    if isinstance(v, str) and v.strip():
-        return None
-    if isinstance(v, list) and v and all(isinstance(m, str) and m for m in v):
-        return None
-    return "must be 'all-linear' or a non-empty list of module names such as [q_proj, v_proj]"
-
-
-def _columns(v):
-    if not isinstance(v, dict):
-        return "must be a mapping from the expected column to your column, e.g. {output: answer}"
-    allowed = {"instruction", "input", "output", "messages", "text"}
-    for k, col in v.items():
-        if k not in allowed:
-            return f"has unknown key {k!r}: the expected columns are {', '.join(sorted(allowed))}"
-        if not isinstance(col, str) or not col:
-            return f"maps {k!r} to {col!r}: give the name of a column in your data"
-    return None
-
-
-def _bf16(v):
-    return None if isinstance(v, bool) or v == "auto" else "must be true, false or auto"
-
-
-RULES: dict[str, dict[str, Any]] = {
-    "model": {
-        "path": _nonempty_str,
-        "dtype": _choice(DTYPES),
-        "attn_implementation": _choice(ATTN),
-        "trust_remote_code": _bool,
-    },
-    "quantization": {
-        "load_in_4bit": _bool,
-        "bnb_4bit_quant_type": _choice(("nf4", "fp4")),
-        "bnb_4bit_use_double_quant": _bool,
-        "bnb_4bit_compute_dtype": _choice(DTYPES),
+# Keys whose meaning the cockpit owns: the run directory, the logs the UI reads, the data pipeline and the model
+# loading are the engine's. Each maps to the sentence that says where the setting lives instead.
+OWNED = {
+    "training": {
+        "output_dir": "the engine writes checkpoints into the run directory (core.train --run-dir)",
+        "logging_dir": "the engine logs into the run directory (metrics.jsonl)",
+        "overwrite_output_dir": "a run directory is never overwritten; start a new run instead",
+        "resume_from_checkpoint": "resume a run with `python -m core.train ... --resume` (or Resume in the app)",
+        "disable_tqdm": "the engine turns progress bars off so that stderr.log stays readable",
+        "logging_nan_inf_filter": "the engine must see NaN losses to stop the run",
+        "remove_unused_columns": "the engine feeds the trainer tokenized columns only",
+        "use_cpu": "the engine picks the device (a CUDA GPU when there is one)",
+        "model_init_kwargs": "the engine loads the model: use the model and quantization sections",
+        "trust_remote_code": "set model.trust_remote_code",
+        "dataset_text_field": "the engine tokenizes the data itself: set data.format and data.columns",
+        "dataset_kwargs": "the engine tokenizes the data itself: set data.format and data.columns",
+        "completion_only_loss": "the engine masks the prompt itself: set data.mask_prompt",
+        "assistant_only_loss": "the engine masks the prompt itself: set data.mask_prompt",
+        "pad_token": "the engine pads with the tokenizer's pad token (eos when it has none)",
+        "chat_template_path": "the engine uses the model folder's chat template",
     },
     "lora": {
-        "enabled": _bool,
-        "r": _int_range(1, 4096),
-        "lora_alpha": _num_range(0, None, lo_open=True),
-        "lora_dropout": _num_range(0, 1, hi_open=True),
-        "target_modules": _targets,
-        "bias": _choice(("none", "all", "lora_only")),
-        "use_rslora": _bool,
+        "task_type": "the engine trains causal language models (CAUSAL_LM)",
+        "peft_type": "this section is LoRA",
+        "base_model_name_or_path": "the base is model.path",
+        "revision": "the base is model.path",
+        "inference_mode": "the adapter is trained",
+        "auto_mapping": "set by peft",
+        "peft_version": "set by peft",
     },
-    "data": {
-        "path": _paths,
-        "format": _choice(FORMATS),
-        "columns": _columns,
-        "split": _nonempty_str,
-        "max_length": _int_range(8, 1_048_576),
-        "eval_split": _num_range(0, 0.5, hi_open=True),
-        "mask_prompt": _bool,
-    },
-    "training": {
-        "per_device_train_batch_size": _int_range(1, 65536),
-        "gradient_accumulation_steps": _int_range(1, 65536),
-        "num_train_epochs": _num_range(0, 10000, lo_open=True),
-        "max_steps": lambda v: (
-            None if _is_int(v) and (v == -1 or v >= 1) else "must be -1 (use num_train_epochs) or at least 1"
-        ),
-        "learning_rate": _num_range(0, 1, lo_open=True),
-        "lr_scheduler_type": _choice(SCHEDULERS),
-        "warmup_steps": lambda v: (
-            None
-            if _is_num(v) and v >= 0 and (v < 1 or float(v).is_integer())
-            else "must be a fraction of the steps (0 to <1) or a whole number of steps"
-        ),
-        "weight_decay": _num_range(0, 1),
-        "max_grad_norm": _num_range(0, None),
-        "bf16": _bf16,
-        "fp16": _bool,
-        "gradient_checkpointing": _bool,
-        "optim": _choice(OPTIMIZERS),
-        "logging_steps": _int_range(1),
-        "eval_steps": _optional(_int_range(1)),
-        "save_steps": _int_range(1),
-        "save_total_limit": _optional(_int_range(1)),
-        "seed": _int_range(0, 2**32 - 1),
+    "quantization": {
+        "load_in_8bit": "8-bit training is not planned or tested here: use load_in_4bit (QLoRA) or none",
     },
 }
+
+# Names people bring from other tools -> where the setting lives here.
+ALIASES = {
+    "max_length": "training.max_length",
+    "seq_len": "training.max_length",
+    "cutoff_len": "training.max_length",
+    "sequence_len": "training.max_length",
+    "lr": "training.learning_rate",
+    "epochs": "training.num_train_epochs",
+    "num_epochs": "training.num_train_epochs",
+    "batch_size": "training.per_device_train_batch_size",
+    "micro_batch_size": "training.per_device_train_batch_size",
+    "lora_r": "lora.r",
+    "rank": "lora.r",
+    "alpha": "lora.lora_alpha",
+    "dropout": "lora.lora_dropout",
+    "model_name_or_path": "model.path",
+    "base_model": "model.path",
+    "dataset": "data.path",
+    "torch_dtype": "model.dtype",
+    "gradient_checkpointing": "training.gradient_checkpointing",
+    "optim": "training.optim",
+    "optimizer": "training.optim",
+    "load_in_4bit": "quantization.load_in_4bit",
+}
+
+# Sanity ranges the libraries do not check themselves (a negative learning rate trains "fine" for a while).
+RANGES: dict[str, tuple] = {
+    "lora.r": (1, 4096),
+    "lora.lora_alpha": (0, None, "open"),
+    "lora.lora_dropout": (0, 1, "right-open"),
+    "training.max_length": (8, 1_048_576),
+    "training.per_device_train_batch_size": (1, 65536),
+    "training.per_device_eval_batch_size": (1, 65536),
+    "training.gradient_accumulation_steps": (1, 65536),
+    "training.num_train_epochs": (0, 10000, "open"),
+    "training.learning_rate": (0, 1, "left-open"),
+    "training.weight_decay": (0, 1),
+    "training.max_grad_norm": (0, None),
+    "training.logging_steps": (0, None, "open"),
+    "training.save_steps": (0, None, "open"),
+    "training.eval_steps": (0, None, "open"),
+    "training.save_total_limit": (1, None),
+    "training.seed": (0, 2**32 - 1),
+    "training.dataloader_num_workers": (0, 256),
+    "data.eval_split": (0, 0.5, "right-open"),
+}
+
+# The cockpit's own sections, described the way core.train.schema describes the libraries' fields.
+OWN_SCHEMA = {
+    "model": {
+        "path": {"kinds": ["str"]},
+        "dtype": {"kinds": ["str"], "choices": list(DTYPES)},
+        "attn_implementation": {"kinds": ["str"], "choices": list(ATTN)},
+        "trust_remote_code": {"kinds": ["bool"]},
+    },
+    "data": {
+        "path": {"kinds": ["str", "list"]},
+        "format": {"kinds": ["str"], "choices": list(FORMATS)},
+        "columns": {"kinds": ["dict"]},
+        "split": {"kinds": ["str"]},
+        "eval_split": {"kinds": ["float"]},
+        "mask_prompt": {"kinds": ["bool"]},
+    },
+}
+# Values the cockpit adds to a library field: "auto" precision/dtype is resolved by the engine per device.
+EXTRA_VALUES = {"training.bf16": ("auto",), "quantization.bnb_4bit_compute_dtype": ("auto",)}
+COLUMN_KEYS = ("instruction", "input", "output", "messages", "text")
 
 
 def default_config() -> dict:
@@ -256,49 +230,297 @@ def default_config() -> dict:
     return copy.deepcopy(DEFAULTS)
 
 
-def validate_config(raw: Any) -> dict:
-    """Fill defaults and check every key; return the complete config or raise ConfigError naming the key path."""
+def section_schema(section: str) -> dict[str, dict]:
+    """{key: {"kinds": [...], "choices": [...]}} for one section: the libraries' fields, or the cockpit's own."""
+    if section in OWN_SCHEMA:
+        return OWN_SCHEMA[section]
+    fields = dict(schema.library_schema()[section])
+    if section == "lora":
+        fields["enabled"] = {"kinds": ["bool"]}
+    for key in OWNED.get(section, {}):
+        fields.pop(key, None)
+    return fields
+
+
+# ---- validation ---------------------------------------------------------------------------------------------
+
+
+def _suggest(section: str, key: str) -> str:
+    """ "Did you mean" for a key: the nearest key of the same section, or where the setting lives here."""
+    if key in ALIASES and ALIASES[key] != f"{section}.{key}":
+        return f" It is called {ALIASES[key]} here."
+    known = list(section_schema(section))
+    near = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
+    if near:
+        return f" Did you mean {section}.{near[0]}?"
+    for other in SECTIONS:
+        if other != section and key in section_schema(other):
+            return f" {key} belongs in the {other} section ({other}.{key})."
+    return f" See the {section} keys in the README's run-config section."
+
+
+def _check_value(path: str, value: Any, spec: dict) -> tuple[Any, str | None]:
+    """(the value, coerced where YAML is ambiguous, or the problem)."""
+    kinds, choices = spec.get("kinds") or ["any"], spec.get("choices")
+    extra = EXTRA_VALUES.get(path, ())
+    if value in extra and not isinstance(value, bool):
+        return value, None
+    if value is None:
+        return (
+            (None, None)
+            if "none" in kinds or "any" in kinds
+            else (None, "must be set (it has no 'none' value)")
+        )
+    if "any" in kinds:
+        return value, None
+    if isinstance(value, bool):
+        if "bool" in kinds:
+            return value, None
+        return value, "must not be true/false" + (
+            f": one of {', '.join(map(str, choices))}" if choices else ""
+        )
+    if isinstance(value, int) and ("int" in kinds or "float" in kinds):
+        return value, None  # a whole number stays one (logging_steps: 10, not 10.0)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return value, "must be a finite number"
+        if "float" in kinds:
+            return value, None
+        if "int" in kinds:
+            return value, "must be a whole number"
+    if isinstance(value, str):
+        # YAML 1.1 reads 2e-4 (no dot) as a string: take it as the number it is
+        if "float" in kinds and "str" not in kinds:
+            try:
+                number = float(value)
+            except ValueError:
+                return value, "must be a number"
+            return (number, None) if math.isfinite(number) else (value, "must be a finite number")
+        if "str" in kinds:
+            if choices and value not in choices:
+                near = difflib.get_close_matches(value, [str(c) for c in choices], n=1, cutoff=0.6)
+                hint = f" Did you mean {near[0]!r}?" if near else ""
+                listed = ", ".join(map(str, choices[:12])) + (
+                    f", ... ({len(choices)} in all)" if len(choices) > 12 else ""
+                )
+                return value, f"must be one of {listed}.{hint}"
+            return value, None
+    if isinstance(value, list) and "list" in kinds:
+        return value, None
+    if isinstance(value, dict) and "dict" in kinds:
+        return value, None
+    wanted = {
+        "bool": "true or false",
+        "int": "a whole number",
+        "float": "a number",
+        "str": "a string",
+        "list": "a list",
+        "dict": "a mapping",
+    }
+    words = [wanted[k] for k in kinds if k in wanted]
+    return value, "must be " + " or ".join(words or ["a value of another type"])
+
+
+def _check_range(path: str, value: Any) -> str | None:
+    if path not in RANGES or not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    lo, hi, *mode = RANGES[path]
+    mode = mode[0] if mode else "closed"
+    lo_open, hi_open = mode in ("open", "left-open"), mode in ("open", "right-open")
+    bad = (value <= lo if lo_open else value < lo) or (
+        hi is not None and (value >= hi if hi_open else value > hi)
+    )
+    if not bad:
+        return None
+    if hi is None:
+        return f"must be {'above' if lo_open else 'at least'} {lo}"
+    left, right = "(" if lo_open else "[", ")" if hi_open else "]"
+    return f"must be in {left}{lo}, {hi}{right}"
+
+
+def _special_checks(path: str, value: Any) -> str | None:
+    if path in ("model.path", "data.split") and not (isinstance(value, str) and value.strip()):
+        return "must be a non-empty string"
+    if path == "data.path":
+        ok = (isinstance(value, str) and value.strip()) or (
+            isinstance(value, list) and value and all(isinstance(p, str) and p.strip() for p in value)
+        )
+        return None if ok else "must be a file/folder path or a non-empty list of file paths"
+    if path == "data.columns":
+        for k, col in value.items():
+            if k not in COLUMN_KEYS:
+                return f"has unknown key {k!r}: the expected columns are {', '.join(COLUMN_KEYS)}"
+            if not isinstance(col, str) or not col:
+                return f"maps {k!r} to {col!r}: give the name of a column in your data"
+    if path == "lora.target_modules" and not (
+        (isinstance(value, str) and value.strip())
+        or (isinstance(value, list) and value and all(isinstance(m, str) and m for m in value))
+    ):
+        return "must be 'all-linear' or a non-empty list of module names such as [q_proj, v_proj]"
+    if path == "training.max_steps" and not (value == -1 or value >= 1):
+        return "must be -1 (use num_train_epochs) or at least 1"
+    if path == "training.warmup_steps" and not (value >= 0 and (value < 1 or float(value).is_integer())):
+        return "must be a fraction of the steps (0 to <1) or a whole number of steps"
+    return None
+
+
+def field_errors(raw: Any) -> tuple[dict, dict[str, str]]:
+    """(the config with defaults filled in and values coerced, {key path: one sentence}) for every problem.
+
+    A form shows each message next to its field; validate_config raises the first one.
+    """
+    errors: dict[str, str] = {}
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise ConfigError("The run config must be a mapping with the sections " + ", ".join(SECTIONS) + ".")
-    for section in raw:
-        if section not in DEFAULTS:
-            raise ConfigError(
-                f"{section}: unknown section; the run config has only the sections {', '.join(SECTIONS)}."
-            )
+        return default_config(), {
+            "config": "The run config must be a mapping with the keys " + ", ".join(TOP_LEVEL) + "."
+        }
+    raw = _migrate(raw)
     cfg = default_config()
-    for section, values in raw.items():
+    for top, values in raw.items():
+        if top == "method":
+            if values not in METHODS:
+                errors["method"] = f"method must be one of {', '.join(METHODS)} (got {values!r})."
+            else:
+                cfg["method"] = values
+            continue
+        if top not in SECTIONS:
+            near = difflib.get_close_matches(str(top), TOP_LEVEL, n=1, cutoff=0.6)
+            hint = f" Did you mean {near[0]}?" if near else ""
+            errors[str(top)] = (
+                f"{top}: unknown section; the run config has only {', '.join(TOP_LEVEL)}.{hint}"
+            )
+            continue
         if values is None:
             continue
         if not isinstance(values, dict):
-            raise ConfigError(f"{section}: must be a mapping of keys, got {type(values).__name__}.")
+            errors[top] = f"{top}: must be a mapping of keys, got {type(values).__name__}."
+            continue
+        fields = section_schema(top)
+        owned = OWNED.get(top, {})
         for key, value in values.items():
-            if key not in RULES[section]:
-                known = ", ".join(RULES[section])
-                raise ConfigError(f"{section}.{key}: unknown key. Known keys in {section}: {known}.")
-            problem = RULES[section][key](value)
+            path = f"{top}.{key}"
+            if key in owned:
+                errors[path] = f"{path} is set by the engine: {owned[key]}."
+                continue
+            if key not in fields:
+                errors[path] = f"{path}: unknown key.{_suggest(top, str(key))}"
+                continue
+            value, problem = _check_value(path, value, fields[key])
+            problem = problem or (
+                None if value is None else _check_range(path, value) or _special_checks(path, value)
+            )
             if problem:
-                raise ConfigError(f"{section}.{key} {problem} (got {value!r}).")
-            cfg[section][key] = copy.deepcopy(value)
-    _check_combinations(cfg)
+                errors[path] = f"{path} {problem} (got {_short(value)})."
+                continue
+            cfg[top][key] = copy.deepcopy(value)
+    if not errors:
+        problem = _combination_problem(cfg)
+        if problem:
+            errors[problem[0]] = problem[1]
+    return cfg, errors
+
+
+def validate_config(raw: Any) -> dict:
+    """Fill defaults and check every key; return the complete config or raise ConfigError naming the key path."""
+    cfg, errors = field_errors(raw)
+    if errors:
+        raise ConfigError(next(iter(errors.values())))
     return cfg
 
 
-def _check_combinations(cfg: dict) -> None:
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# Keys that moved or that a library renamed: (section, old key) -> (section, new key, value map). The config is
+# stored under the current names; an old spelling from another tool or an older release still reads.
+RENAMED = {
+    ("data", "max_length"): ("training", "max_length", None),
+    ("training", "max_seq_length"): ("training", "max_length", None),
+    ("training", "evaluation_strategy"): ("training", "eval_strategy", None),
+    # transformers 5 turned the flag into a sampling strategy
+    ("training", "group_by_length"): (
+        "training",
+        "train_sampling_strategy",
+        {True: "group_by_length", False: None},
+    ),
+    ("model", "torch_dtype"): ("model", "dtype", None),
+}
+
+
+def _migrate(raw: dict) -> dict:
+    """Old spellings (RENAMED) rewritten to today's keys, unless the library still knows the old key."""
+    out = None
+    for (section, key), (new_section, new_key, values) in RENAMED.items():
+        old = raw.get(section)
+        if not isinstance(old, dict) or key not in old:
+            continue
+        if section not in OWN_SCHEMA and key in section_schema(section):
+            continue  # the installed library still has this key: keep it as the user wrote it
+        out = out or copy.deepcopy(raw)
+        value = out[section].pop(key)
+        if values is not None:
+            value = values.get(value, value) if isinstance(value, (bool, str, int)) else value
+            if value is None:
+                continue
+        target = out.get(new_section)
+        if target is None:
+            out[new_section] = target = {}
+        if isinstance(target, dict):
+            target.setdefault(new_key, value)
+    return out if out is not None else raw
+
+
+def _combination_problem(cfg: dict) -> tuple[str, str] | None:
     if cfg["model"]["path"] is None:
-        raise ConfigError("model.path is required: the folder of a local model or a hub id.")
+        return "model.path", "model.path is required: the folder of a local model or a hub id."
     if cfg["data"]["path"] is None:
-        raise ConfigError(
-            "data.path is required: a .jsonl/.json/.csv/.parquet file or a save_to_disk folder."
+        return (
+            "data.path",
+            "data.path is required: a .jsonl/.json/.csv/.parquet file or a save_to_disk folder.",
         )
     t, q = cfg["training"], cfg["quantization"]
-    if t["bf16"] is True and t["fp16"]:
-        raise ConfigError("training.bf16 and training.fp16 are both true: choose one (bf16 on recent GPUs).")
-    if q["load_in_4bit"] and not cfg["lora"]["enabled"]:
-        raise ConfigError(
-            "quantization.load_in_4bit needs lora.enabled: true (4-bit weights cannot be trained directly)."
+    if t.get("bf16") is True and t.get("fp16"):
+        return (
+            "training.bf16",
+            "training.bf16 and training.fp16 are both true: choose one (bf16 on recent GPUs).",
         )
+    if q.get("load_in_4bit") and not cfg["lora"]["enabled"]:
+        return (
+            "quantization.load_in_4bit",
+            "quantization.load_in_4bit needs lora.enabled: true (4-bit weights cannot be trained directly).",
+        )
+    if t.get("padding_free") and not t.get("packing") and t.get("max_length") is not None:
+        return (
+            "training.padding_free",
+            "training.padding_free without training.packing: TRL cannot enforce training.max_length then; "
+            "set training.packing: true (it packs rows up to max_length) or drop padding_free.",
+        )
+    return None
+
+
+def checkpointing(cfg: dict) -> bool:
+    """Gradient checkpointing on? transformers 5 also spells it activation_checkpointing."""
+    t = cfg["training"]
+    return bool(t.get("activation_checkpointing", t.get("gradient_checkpointing")))
+
+
+def check_with_libraries(cfg: dict, run_dir: str | os.PathLike | None = None) -> None:
+    """Build the libraries' own objects from a validated config, so their cross-field checks run before any model
+    loads. Raises ConfigError with the library's message, prefixed by the section it came from."""
+    from core.train.engine_args import bnb_config, lora_config, sft_config
+
+    for section, build in (("quantization", bnb_config), ("lora", lora_config), ("training", sft_config)):
+        try:
+            build(cfg, run_dir) if section == "training" else build(cfg)
+        except ConfigError:
+            raise
+        except Exception as exc:  # the libraries raise ValueError/TypeError/... with their own sentence
+            text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ConfigError(f"{section}: {text}") from None
 
 
 # ---- files --------------------------------------------------------------------------------------------------
@@ -310,18 +532,51 @@ def config_to_yaml(cfg: dict) -> str:
     return yaml.safe_dump(cfg, sort_keys=False, default_flow_style=False)
 
 
-def load_config(path: str | os.PathLike) -> dict:
-    """Read and validate a YAML run config."""
-    import yaml
+MAX_CONFIG_BYTES = 1_000_000
 
+
+def load_config(path: str | os.PathLike) -> dict:
+    """Read and validate a YAML run config (aliases refused: a tiny file must not expand without bound)."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"Run config {p} does not exist: give the path of a YAML file.")
     try:
-        raw = yaml.safe_load(p.read_text(encoding="utf-8"))
+        size = p.stat().st_size
+        if size > MAX_CONFIG_BYTES:
+            raise ConfigError(
+                f"{p} is {size:,} bytes: a run config is a few hundred bytes; give the right file."
+            )
+        text = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"{p} is not a text file (not UTF-8): give a YAML run config.") from None
+    except OSError as exc:
+        raise ConfigError(f"{p} cannot be read ({exc.strerror}).") from None
+    return validate_config(parse_yaml(text, str(p)))
+
+
+def parse_yaml(text: str, where: str = "the run config") -> Any:
+    """yaml.safe_load without anchors/aliases: a 400-byte file of nested aliases expands to gigabytes."""
+    import yaml
+
+    class NoAliasLoader(yaml.SafeLoader):
+        def compose_node(self, parent, index):
+            if self.check_event(yaml.AliasEvent):
+                event = self.peek_event()
+                raise ConfigError(
+                    f"{where} uses a YAML alias (*{event.anchor}) at line {event.start_mark.line + 1}: "
+                    "aliases are not accepted in run configs; write the values out."
+                )
+            return super().compose_node(parent, index)
+
+    try:
+        return yaml.load(text, Loader=NoAliasLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{p} is not valid YAML ({exc}).") from None
-    return validate_config(raw)
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or "a syntax error"
+        raise ConfigError(f"{where} is not valid YAML{at} ({problem}).") from None
+    except RecursionError:
+        raise ConfigError(f"{where} is nested too deeply to be a run config.") from None
 
 
 def dump_config(cfg: dict, path: str | os.PathLike) -> Path:
@@ -340,7 +595,8 @@ def _get(plan: Any, key: str, default=None):
 
 
 def plan_to_config(plan: Any, base: dict | None = None) -> dict:
-    """Turn the planner's plan (core.estimate.Plan or its dict) into a run config, on top of `base`.
+    """The Estimate page's plan (core.estimate Plan or its dict) as a run config, on top of `base`: the inverse
+    of core.estimate.from_config.plan_for_config for the settings a run config carries.
 
     Tolerant: a missing or None key leaves the base value alone. Returns a validated config when base has the
     required paths, else an unvalidated dict the caller completes.
@@ -368,6 +624,8 @@ def plan_to_config(plan: Any, base: dict | None = None) -> dict:
     put("lora", "lora_dropout", _get(plan, "lora_dropout", lora.get("dropout", lora.get("lora_dropout"))))
     targets = _get(plan, "target_modules", lora.get("target_modules"))
     if targets:
+        if isinstance(targets, str) and targets != "all-linear":
+            targets = [t.strip() for t in targets.split(",") if t.strip()]
         put("lora", "target_modules", targets if isinstance(targets, str) else list(targets))
 
     put(
@@ -376,7 +634,7 @@ def plan_to_config(plan: Any, base: dict | None = None) -> dict:
         _get(plan, "batch_size", _get(plan, "micro_batch_size")),
         int,
     )
-    put("data", "max_length", _get(plan, "seq_len", _get(plan, "max_length")), int)
+    put("training", "max_length", _get(plan, "seq_len", _get(plan, "max_length")), int)
     put("training", "gradient_checkpointing", _get(plan, "gradient_checkpointing"), bool)
     put("training", "optim", _get(plan, "optim"))
 

@@ -176,7 +176,7 @@ def prepare_datasets(cfg: dict, tokenizer):
         raise DataError(
             "data.format is chat but the tokenizer has no chat template: use a chat model or text."
         )
-    tok = tokenize_dataset(ds, fmt, tokenizer, data["max_length"], data["mask_prompt"])
+    tok = tokenize_dataset(ds, fmt, tokenizer, cfg["training"]["max_length"], data["mask_prompt"])
     tok = tok.filter(lambda r: any(label != IGNORE_INDEX for label in r["labels"]), keep_in_memory=True)
     if len(tok) == 0:
         raise DataError("data: no row has a token left to learn after masking and truncation; run preflight.")
@@ -216,7 +216,9 @@ class Collator:
 # ---- preview for the UI -------------------------------------------------------------------------------------
 
 
-def preview_dataset(data_cfg: dict, tokenizer, n: int = 5, length_rows: int = 5000) -> dict[str, Any]:
+def preview_dataset(
+    data_cfg: dict, tokenizer, n: int = 5, length_rows: int = 5000, max_length: int = 512
+) -> dict[str, Any]:
     """The first `n` rows as the model will see them, and token lengths (first `length_rows`) for a histogram.
 
     Returns {"format", "rows": [{"row", "prompt", "completion", "n_tokens", "n_trained"}], "lengths",
@@ -229,7 +231,6 @@ def preview_dataset(data_cfg: dict, tokenizer, n: int = 5, length_rows: int = 50
         raise DataError(
             f"data: format {fmt} needs the columns {', '.join(missing)} (have {', '.join(ds.column_names)})."
         )
-    max_length = int(data_cfg.get("max_length", 512))
     rows = []
     for i in range(min(n, len(ds))):
         segs = row_segments(ds[i], fmt, tokenizer)

@@ -138,14 +138,14 @@ def run_preflight(cfg: dict, tokenizer=None, model_config=None) -> list[Finding]
     text_conf = _text_config(model_config)
     vocab = getattr(text_conf, "vocab_size", None)
     max_pos = getattr(text_conf, "max_position_embeddings", None) or getattr(text_conf, "n_positions", None)
-    max_length = data["max_length"]
+    max_length = cfg["training"]["max_length"]
     if max_pos and max_length > max_pos:
         findings.append(
             Finding(
                 "error",
                 "position_limit",
-                f"data.max_length {max_length} is longer than the model's max_position_embeddings {max_pos}.",
-                f"Set data.max_length to {max_pos} or less.",
+                f"training.max_length {max_length} is longer than the model's max_position_embeddings {max_pos}.",
+                f"Set training.max_length to {max_pos} or less.",
             )
         )
 
@@ -183,7 +183,7 @@ def run_preflight(cfg: dict, tokenizer=None, model_config=None) -> list[Finding]
                 "warning",
                 "position_limit",
                 f"{len(over_pos)} row(s) are longer than max_position_embeddings {max_pos}: rows "
-                f"{format_rows(over_pos)}. They are cut at data.max_length {max_length}.",
+                f"{format_rows(over_pos)}. They are cut at training.max_length {max_length}.",
                 "Shorten or split those rows if their ends matter.",
                 rows=over_pos,
             )
@@ -194,9 +194,9 @@ def run_preflight(cfg: dict, tokenizer=None, model_config=None) -> list[Finding]
             Finding(
                 "warning",
                 "truncation",
-                f"{len(truncated)} of {len(ds)} rows ({pct:.1f}%) would be truncated at data.max_length "
+                f"{len(truncated)} of {len(ds)} rows ({pct:.1f}%) would be truncated at training.max_length "
                 f"{max_length}: rows {format_rows(truncated)}.",
-                "Raise data.max_length (memory grows with it) or shorten those rows.",
+                "Raise training.max_length (memory grows with it) or shorten those rows.",
                 rows=truncated,
             )
         )
@@ -205,9 +205,9 @@ def run_preflight(cfg: dict, tokenizer=None, model_config=None) -> list[Finding]
             Finding(
                 "warning",
                 "no_labels",
-                f"{len(nothing_to_learn)} row(s) have no answer tokens left within data.max_length {max_length} "
+                f"{len(nothing_to_learn)} row(s) have no answer tokens left within training.max_length {max_length} "
                 f"(the prompt fills it): rows {format_rows(nothing_to_learn)}. They are skipped.",
-                "Raise data.max_length or shorten those prompts.",
+                "Raise training.max_length or shorten those prompts.",
                 rows=nothing_to_learn,
             )
         )

@@ -80,55 +80,64 @@ def choose_precision(cfg: dict) -> dict:
 
 
 def load_model(cfg: dict, prec: dict):
-    """The base model (4-bit when asked), wrapped with LoRA unless lora.enabled is false."""
+    """The base model as the run trains it: in the load dtype, 4-bit when asked (quantized where it lands), KV cache
+    off. LoRA, the QLoRA preparation and the fused LM head are SFTTrainer's (make_trainer), so that the planner,
+    the tracker and a run all see one model-building path."""
     import torch
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers import AutoModelForCausalLM
 
-    m, q, lora = cfg["model"], cfg["quantization"], cfg["lora"]
-    dtype = getattr(torch, prec["dtype"])
+    from core.train.engine_args import bnb_config
+
+    m = cfg["model"]
     kwargs = {
-        "dtype": dtype,
+        "dtype": getattr(torch, prec["dtype"]),
         "attn_implementation": m["attn_implementation"],
         "trust_remote_code": m["trust_remote_code"],
     }
-    if q["load_in_4bit"]:
-        compute = q["bnb_4bit_compute_dtype"]
-        compute = prec["dtype"] if compute == "auto" else compute
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type=q["bnb_4bit_quant_type"],
-            bnb_4bit_use_double_quant=q["bnb_4bit_use_double_quant"],
-            bnb_4bit_compute_dtype=getattr(torch, compute),
-        )
+    quant = bnb_config(cfg, prec["dtype"])
+    if quant is not None:
+        kwargs["quantization_config"] = quant
         # 4-bit weights are quantized where they land: on the GPU choose_precision named (torch's current one)
         kwargs["device_map"] = (
             {"": torch.cuda.current_device()} if prec["device"].startswith("cuda") else {"": "cpu"}
         )
     model = AutoModelForCausalLM.from_pretrained(m["path"], **kwargs)
     model.config.use_cache = False  # the KV cache only costs memory in training
-    gc = cfg["training"]["gradient_checkpointing"]
-    if q["load_in_4bit"]:
-        from peft import prepare_model_for_kbit_training
+    return model
 
-        model = prepare_model_for_kbit_training(
-            model, use_gradient_checkpointing=gc, gradient_checkpointing_kwargs={"use_reentrant": False}
-        )
-    if not lora["enabled"]:
-        return _fp32_trainable(model, prec)
-    from peft import LoraConfig, get_peft_model
 
-    peft_cfg = LoraConfig(
-        r=lora["r"],
-        lora_alpha=lora["lora_alpha"],
-        lora_dropout=lora["lora_dropout"],
-        target_modules=lora["target_modules"],
-        bias=lora["bias"],
-        use_rslora=lora["use_rslora"],
-        task_type="CAUSAL_LM",
+def make_trainer(
+    cfg: dict,
+    prec: dict,
+    model,
+    tokenizer,
+    train_ds,
+    eval_ds=None,
+    run_dir=None,
+    smoke=False,
+    collator=None,
+    callbacks=(),
+    report_to=None,
+):
+    """The run's SFTTrainer: LoRA (peft_config) or full, TRL's QLoRA handling (no fp32 upcast; adapters in bf16),
+    its fused LM head, every training key of the config as SFTConfig. Used by core.train and core.measure."""
+    from trl import SFTTrainer
+
+    from core.train.engine_args import lora_config, sft_config
+
+    args = sft_config(cfg, run_dir, prec, smoke=smoke, has_eval=eval_ds is not None, report_to=report_to)
+    trainer = SFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=train_ds,
+        eval_dataset=eval_ds,
+        data_collator=collator,
+        processing_class=tokenizer,
+        peft_config=lora_config(cfg),
+        callbacks=list(callbacks),
     )
-    if gc and not q["load_in_4bit"]:
-        model.enable_input_require_grads()  # checkpointed blocks need a grad-requiring input with frozen embeddings
-    return _fp32_trainable(get_peft_model(model, peft_cfg), prec)
+    _fp32_trainable(trainer.model, prec)
+    return trainer
 
 
 def _fp32_trainable(model, prec: dict):
@@ -168,22 +177,17 @@ def _make_callback_class():
     class RunCallback(TrainerCallback):
         """Writes metrics.jsonl and status.json; turns a stop signal or a NaN loss into a clean end."""
 
-        def __init__(self, run_dir: Path, collator: Collator, stop: StopFlag, smoke: bool, device: str):
-            self.run_dir, self.collator, self.stop, self.smoke, self.device = (
-                run_dir,
-                collator,
-                stop,
-                smoke,
-                device,
-            )
+        def __init__(self, run_dir: Path, stop: StopFlag, smoke: bool, device: str, samples_per_step: int):
+            self.run_dir, self.stop, self.smoke, self.device = run_dir, stop, smoke, device
+            self.samples_per_step = samples_per_step
             self.nan_step: int | None = None
             self.stopped_at: int | None = None
             self.step_seconds: list[float] = []
             # A smoke test writes no metrics: its one step is not a training curve.
             self._fh = None if smoke else open(run_dir / rundir.METRICS, "a", encoding="utf-8")  # noqa: SIM115
             self._last_t = time.time()
-            self._last_tokens = 0
-            self._last_samples = 0
+            self._last_tokens = 0.0
+            self._last_step = 0
             self._step_t0 = 0.0
             self._status_t = 0.0
 
@@ -195,7 +199,7 @@ def _make_callback_class():
             write_status(self.run_dir, **fields)
 
         def on_train_begin(self, args, state, control, **kw):
-            self._last_t, self._last_tokens, self._last_samples = time.time(), self.collator.tokens_seen, 0
+            self._last_t, self._last_step = time.time(), state.global_step
             self._status(state="running", step=state.global_step, max_steps=state.max_steps)
             if self.stop.signal:  # signalled while loading: stop before the first step
                 control.should_training_stop = True
@@ -226,18 +230,17 @@ def _make_callback_class():
                 return  # the end-of-training summary (train_runtime, ...) is not a metric line
             now = time.time()
             rec = {"time": now, "step": state.global_step, "epoch": float(state.epoch or 0.0)}
-            rec.update({k: float(logs[k]) for k in METRIC_KEYS if logs.get(k) is not None})
+            # every number the trainer logs: loss, learning rate, grad norm and TRL's own (mean_token_accuracy,
+            # entropy, num_tokens, their eval_ twins); the end-of-run summary was filtered out above
+            for key, value in logs.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in rec:
+                    rec[key] = float(value)
             if "loss" in logs:
                 dt = max(now - self._last_t, 1e-9)
-                tokens = self.collator.tokens_seen - self._last_tokens
-                samples = self.collator.samples_seen - self._last_samples
-                rec["tokens_per_s"] = tokens / dt
-                rec["samples_per_s"] = samples / dt
-                self._last_t, self._last_tokens, self._last_samples = (
-                    now,
-                    self.collator.tokens_seen,
-                    self.collator.samples_seen,
-                )
+                tokens = float(logs.get("num_tokens", self._last_tokens))
+                rec["tokens_per_s"] = max(0.0, tokens - self._last_tokens) / dt
+                rec["samples_per_s"] = (state.global_step - self._last_step) * self.samples_per_step / dt
+                self._last_t, self._last_tokens, self._last_step = now, tokens, state.global_step
             rec.update(cuda_memory())
             # json.dumps writes NaN for a NaN loss: the file stays readable by Python's json and the UI sees it.
             if self._fh is not None:
@@ -339,7 +342,7 @@ def measure_peak(model):
 
 
 class SmokeCollator(Collator):
-    """Fills every batch up to data.max_length: the smoke step then has the longest rows a run can meet, the
+    """Fills every batch up to training.max_length: the smoke step then has the longest rows a run can meet, the
     sequence length the planner's estimate is made for (a batch of one short row would measure far less).
 
     The filler is attended to (attention_mask 1) but not trained on (labels -100): a row that really is
@@ -366,61 +369,16 @@ class SmokeCollator(Collator):
 # ---- the run ------------------------------------------------------------------------------------------------
 
 
-def _checkpointing_args(on: bool) -> dict:
-    """transformers >= 5.x names it activation_checkpointing (gradient_checkpointing is a deprecated alias)."""
-    from transformers import TrainingArguments
-
-    kwargs = {"use_reentrant": False} if on else None
-    if "activation_checkpointing" in TrainingArguments.__dataclass_fields__:
-        return {"activation_checkpointing": on, "activation_checkpointing_kwargs": kwargs}
-    return {"gradient_checkpointing": on, "gradient_checkpointing_kwargs": kwargs}
-
-
-def training_arguments(cfg: dict, run_dir: Path, prec: dict, has_eval: bool, smoke: bool):
-    from transformers import TrainingArguments
-
-    t = cfg["training"]
-    report_to = "none"
-    if not smoke:
-        try:
-            import tensorboard  # noqa: F401
-
-            report_to = "tensorboard"
-            os.environ.setdefault("TENSORBOARD_LOGGING_DIR", str(run_dir / "tensorboard"))
-        except ImportError:
-            pass
-    eval_steps = t["eval_steps"] or t["logging_steps"]
-    return TrainingArguments(
-        output_dir=str(run_dir / rundir.CHECKPOINTS),
-        per_device_train_batch_size=1 if smoke else t["per_device_train_batch_size"],
-        per_device_eval_batch_size=1 if smoke else t["per_device_train_batch_size"],
-        gradient_accumulation_steps=1 if smoke else t["gradient_accumulation_steps"],
-        num_train_epochs=t["num_train_epochs"],
-        max_steps=1 if smoke else t["max_steps"],
-        learning_rate=t["learning_rate"],
-        lr_scheduler_type=t["lr_scheduler_type"],
-        warmup_steps=t["warmup_steps"],
-        weight_decay=t["weight_decay"],
-        max_grad_norm=t["max_grad_norm"],
-        bf16=prec["bf16"],
-        fp16=prec["fp16"],
-        use_cpu=prec["device"] == "cpu",
-        **_checkpointing_args(t["gradient_checkpointing"]),
-        optim=t["optim"],
-        logging_strategy="steps",
-        logging_steps=1 if smoke else t["logging_steps"],
-        logging_nan_inf_filter=False,  # the default hides NaN losses; we must see them to stop
-        eval_strategy="steps" if has_eval and not smoke else "no",
-        eval_steps=eval_steps,
-        save_strategy="no" if smoke else "steps",
-        save_steps=t["save_steps"],
-        save_total_limit=t["save_total_limit"],
-        seed=t["seed"],
-        report_to=report_to,
-        disable_tqdm=True,  # progress bars would bury the stderr tail shown when a run fails
-        remove_unused_columns=False,
-        dataloader_pin_memory=prec["device"] != "cpu",
-    )
+def _report_to(cfg: dict, run_dir: Path, smoke: bool):
+    """TensorBoard next to the run's own files when it is installed, unless the config says report_to."""
+    if smoke or "report_to" in cfg["training"]:
+        return None
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        return "none"
+    os.environ.setdefault("TENSORBOARD_LOGGING_DIR", str(run_dir / "tensorboard"))
+    return "tensorboard"
 
 
 def _quiet_progress_bars():
@@ -441,7 +399,7 @@ def run_training(
 ) -> dict:
     """Train and return a summary; raises ConfigError/DataError/TrainError for the user's problems."""
     import transformers
-    from transformers import AutoTokenizer, Trainer
+    from transformers import AutoTokenizer
 
     from core.monitor.gpu import GpuSampler
     from core.train.preflight import has_errors, run_preflight
@@ -494,10 +452,10 @@ def run_training(
             "preflight found errors: " + " | ".join(str(f) for f in findings if f.level == "error")
         )
     train_ds, eval_ds = prepare_datasets(cfg, tokenizer)
+    # pre-tokenized with the prompt masked (labels -100): SFTTrainer uses input_ids/labels as they are
     train_ds = train_ds.remove_columns("length")
-    if eval_ds is not None:  # marked so the collator leaves eval batches out of tokens/s
+    if eval_ds is not None:
         eval_ds = eval_ds.remove_columns("length")
-        eval_ds = eval_ds.add_column("is_eval", [1] * len(eval_ds))
 
     sampler = GpuSampler(
         run_dir / rundir.GPU,
@@ -505,32 +463,35 @@ def run_training(
         watch_pid=os.getpid(),
         on_unavailable=lambda why: print(f"gpu.jsonl: not written: {why}", flush=True),
     ).start()
-    collator = SmokeCollator(tokenizer.pad_token_id, cfg["data"]["max_length"]) if smoke else None
-    collator = collator or Collator(tokenizer.pad_token_id)
-    callback = None
+    t = cfg["training"]
+    collator = SmokeCollator(tokenizer.pad_token_id, t["max_length"]) if smoke else None
+    samples_per_step = 1 if smoke else t["per_device_train_batch_size"] * t["gradient_accumulation_steps"]
+    callback = _make_callback_class()(run_dir, stop, smoke, prec["device"], samples_per_step)
     try:
         model = load_model(cfg, prec)
+        trainer = make_trainer(
+            cfg,
+            prec,
+            model,
+            tokenizer,
+            train_ds,
+            eval_ds,
+            run_dir=run_dir,
+            smoke=smoke,
+            collator=collator,
+            callbacks=[callback],
+            report_to=_report_to(cfg, run_dir, smoke),
+        )
+        model = trainer.model
         if hasattr(model, "print_trainable_parameters"):
             model.print_trainable_parameters()
-        args = training_arguments(cfg, run_dir, prec, eval_ds is not None, smoke)
-        callback = _make_callback_class()(run_dir, collator, stop, smoke, prec["device"])
-        trainer = Trainer(
-            model=model,
-            args=args,
-            train_dataset=train_ds,
-            eval_dataset=eval_ds,
-            data_collator=collator,
-            processing_class=tokenizer,
-            callbacks=[callback],
-        )
         with measure_peak(model) if smoke else contextlib.nullcontext({}) as peak:
             t0, cpu0 = time.perf_counter(), time.process_time()
             trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
             train_seconds, train_cpu_seconds = time.perf_counter() - t0, time.process_time() - cpu0
     finally:
         sampler.stop()
-        if callback is not None:
-            callback.close()
+        callback.close()
 
     step = trainer.state.global_step
     summary = {
@@ -538,7 +499,7 @@ def run_training(
         "max_steps": trainer.state.max_steps,
         "train_seconds": train_seconds,
         "train_cpu_seconds": train_cpu_seconds,  # all threads of this process (the GPU sampler's too)
-        "tokens": collator.tokens_seen,
+        "tokens": int(callback._last_tokens),
         "device": prec["device"],
     }
     if callback.nan_step is not None:
@@ -563,7 +524,7 @@ def run_training(
             "device": prec["device"],
             "estimate_bytes": plan.get("tensor_peak_bytes"),
             "estimate_reserved_bytes": plan.get("reserved_peak_bytes"),
-            "max_length": cfg["data"]["max_length"],
+            "max_length": cfg["training"]["max_length"],
         }
         rundir.write_smoke(run_dir, smoke_result)
         with contextlib.suppress(OSError):  # the Trainer made an output folder that stays empty in smoke mode

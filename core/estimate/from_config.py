@@ -1,0 +1,99 @@
+"""The one mapping from a run config to the planner's input (a core.estimate Plan).
+
+Everything that plans or measures a run goes through `plan_for_config`: the Train page's estimate, the launcher's
+plan.json, the smoke test, the tracker and the benchmarks. Its dtypes follow core.train.trainer.choose_precision
+for the device, and its memory switches follow what the engine (TRL's SFTTrainer) really does.
+"""
+
+from __future__ import annotations
+
+from core.estimate.bill import Plan
+from core.train.config import checkpointing
+
+# The planner models sdpa and eager; flash/flex attention keep no score matrix either, like sdpa.
+PLAN_ATTN = {"flash_attention_2": "sdpa", "flash_attention_3": "sdpa", "flex_attention": "sdpa"}
+PLAN_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def method_of(cfg: dict) -> str:
+    if not cfg["lora"]["enabled"]:
+        return "full"
+    return "qlora" if cfg["quantization"]["load_in_4bit"] else "lora"
+
+
+def plan_dtypes(cfg: dict, device: str) -> tuple[str, str, bool]:
+    """(load, compute, autocast) as choose_precision sets them up on `device` (a bf16-capable GPU for "cuda").
+
+    CPU: never autocast; "auto" loads float32 and float16 weights are loaded as float32 (CPU training cannot use
+    them), so the step computes in the load dtype. GPU: the Trainer's bf16/fp16 flag is the autocast dtype, and
+    model.dtype "auto" loads in it; without a flag the step computes in the load dtype. QLoRA's 4-bit matmuls
+    compute in bnb_4bit_compute_dtype ("auto": the load dtype)."""
+    model_dtype, t, q = cfg["model"]["dtype"], cfg["training"], cfg["quantization"]
+    if device == "cpu":
+        load = "fp32" if model_dtype in ("auto", "float16") else PLAN_DTYPE[model_dtype]
+        compute, autocast = load, False
+    else:
+        mixed = "bf16" if t.get("bf16") in (True, "auto") else ("fp16" if t.get("fp16") else None)
+        load = (mixed or "fp32") if model_dtype == "auto" else PLAN_DTYPE[model_dtype]
+        compute, autocast = mixed or load, mixed is not None
+    if q.get("load_in_4bit") and q.get("bnb_4bit_compute_dtype", "auto") != "auto" and not autocast:
+        compute = PLAN_DTYPE[q["bnb_4bit_compute_dtype"]]
+    return load, compute, autocast
+
+
+def plan_for_config(
+    cfg: dict,
+    gpu_gb: float = 24.0,
+    device: str = "cuda",
+    batch_size: int | None = None,
+    expandable_segments: bool = False,
+    model: str | None = None,
+) -> Plan:
+    """The Plan that describes training `cfg` (a validated run config) on a `gpu_gb` card.
+
+    `batch_size` overrides the config's (the smoke test runs at 1); `model` overrides model.path (a preset id
+    or a folder with config.json, for planning a config against another model's shapes)."""
+    lo, t = cfg["lora"], cfg["training"]
+    load, compute, autocast = plan_dtypes(cfg, device)
+    targets = lo["target_modules"]
+    fields = dict(
+        model=model or cfg["model"]["path"],
+        method=method_of(cfg),
+        dpo=False,
+        load_dtype=load,
+        compute_dtype=compute,
+        autocast=autocast,
+        quant_type=cfg["quantization"]["bnb_4bit_quant_type"],
+        double_quant=cfg["quantization"]["bnb_4bit_use_double_quant"],
+        lora_r=lo["r"],
+        lora_alpha=lo["lora_alpha"],
+        lora_dropout=lo["lora_dropout"],
+        target_modules=targets if isinstance(targets, str) else ",".join(targets),
+        batch_size=batch_size or t["per_device_train_batch_size"],
+        seq_len=t["max_length"],
+        gradient_checkpointing=checkpointing(cfg),
+        attn=PLAN_ATTN.get(cfg["model"]["attn_implementation"], cfg["model"]["attn_implementation"]),
+        optim=t["optim"],
+        gpu_gb=float(gpu_gb),
+        expandable_segments=expandable_segments,
+        device=device,
+        # what SFTTrainer does: no prepare_model_for_kbit_training, the tiled (fused) LM head
+        prepare_kbit=False,
+    )
+    if "fused_lm_head" in Plan.__dataclass_fields__:
+        fields["fused_lm_head"] = True
+    return Plan(**fields)
+
+
+def estimate_for_config(cfg: dict, gpu_gb: float = 24.0, device: str = "cuda", batch_size=None, **kw):
+    """core.estimate.estimate of plan_for_config(...); raises PlanError/SpecError with the planner's sentence."""
+    from core.estimate.bill import estimate
+
+    return estimate(plan_for_config(cfg, gpu_gb, device, batch_size, **kw))
+
+
+def plan_record(est) -> dict:
+    """What goes into a run's plan.json: the estimate's totals and the plan it was made for."""
+    d = est.to_dict()
+    d.pop("phase_components", None)  # per-phase detail: large and read by nobody downstream
+    return d

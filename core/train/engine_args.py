@@ -1,0 +1,121 @@
+"""A validated run config turned into the libraries' own objects: BitsAndBytesConfig, LoraConfig, SFTConfig.
+
+The user's keys pass through unchanged; the engine adds only what it owns (the run directory, logging that the
+UI reads, NaN visibility, the device and precision it resolved).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from core.runs import rundir
+
+# Library defaults the engine fills in where the run config leaves them unset
+LORA_ENGINE = {"task_type": "CAUSAL_LM"}
+
+
+def _dtype(name: str):
+    import torch
+
+    return getattr(torch, name)
+
+
+def bnb_config(cfg: dict, load_dtype: str | None = None):
+    """BitsAndBytesConfig for QLoRA, or None. bnb_4bit_compute_dtype "auto" = the dtype the weights load in."""
+    q = dict(cfg["quantization"])
+    if not q.get("load_in_4bit"):
+        return None
+    from transformers import BitsAndBytesConfig
+
+    compute = q.get("bnb_4bit_compute_dtype", "auto")
+    if compute == "auto":
+        compute = load_dtype or (cfg["model"]["dtype"] if cfg["model"]["dtype"] != "auto" else "bfloat16")
+    q["bnb_4bit_compute_dtype"] = _dtype(compute)
+    if isinstance(q.get("bnb_4bit_quant_storage"), str):
+        q["bnb_4bit_quant_storage"] = _dtype(q["bnb_4bit_quant_storage"])
+    return BitsAndBytesConfig(**q)
+
+
+def lora_config(cfg: dict):
+    """peft.LoraConfig from the lora section, or None for a full fine-tune."""
+    lora = {k: v for k, v in cfg["lora"].items() if k != "enabled"}
+    if not cfg["lora"]["enabled"]:
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig(**{**LORA_ENGINE, **lora})
+
+
+def resolved_bf16_fp16(cfg: dict, prec: dict | None) -> tuple[bool, bool]:
+    if prec is not None:
+        return prec["bf16"], prec["fp16"]
+    t = cfg["training"]
+    bf16 = t.get("bf16")
+    return (False if bf16 == "auto" else bool(bf16)), bool(t.get("fp16"))
+
+
+def sft_config(
+    cfg: dict,
+    run_dir: str | os.PathLike | None = None,
+    prec: dict | None = None,
+    smoke: bool = False,
+    has_eval: bool = False,
+    report_to: str | list | None = None,
+):
+    """trl.SFTConfig: every key of the training section as given, plus what the engine owns.
+
+    `prec` is core.train.trainer.choose_precision's result (bf16/fp16 resolved for the device); without it
+    (checking a config) "auto" counts as off. A smoke test is one optimizer step at batch size 1, no saving.
+    """
+    from trl import SFTConfig
+
+    t = dict(cfg["training"])
+    bf16, fp16 = resolved_bf16_fp16(cfg, prec)
+    t["bf16"], t["fp16"] = bf16, fp16
+    if t.get("eval_steps") is None:
+        t["eval_steps"] = t.get("logging_steps")
+    if "eval_strategy" not in cfg["training"]:
+        t["eval_strategy"] = "steps" if has_eval else "no"
+    elif not has_eval and t["eval_strategy"] != "no":
+        t["eval_strategy"] = "no"  # no held-out rows (data.eval_split 0): nothing to evaluate
+    # transformers 5 renamed gradient_checkpointing to activation_checkpointing (the old name warns); TRL reads
+    # either, since the old one mirrors the new one after __post_init__.
+    new_name = "activation_checkpointing" in SFTConfig.__dataclass_fields__
+    on = t.pop("activation_checkpointing", None)
+    on = t.pop("gradient_checkpointing", False) if on is None else on
+    kwargs = t.pop("activation_checkpointing_kwargs", None) or t.pop("gradient_checkpointing_kwargs", None)
+    t.pop("gradient_checkpointing_kwargs", None)
+    if on:
+        kwargs = dict(kwargs or {})
+        kwargs.setdefault("use_reentrant", False)  # the planner models non-reentrant checkpointing
+    prefix = "activation" if new_name else "gradient"
+    t[f"{prefix}_checkpointing"], t[f"{prefix}_checkpointing_kwargs"] = bool(on), kwargs
+    if report_to is not None and "report_to" not in cfg["training"]:
+        t["report_to"] = report_to
+    t.setdefault("report_to", "none")
+    if smoke:
+        t.update(
+            per_device_train_batch_size=1,
+            per_device_eval_batch_size=1,
+            gradient_accumulation_steps=1,
+            max_steps=1,
+            logging_steps=1,
+            eval_strategy="no",
+            save_strategy="no",
+            report_to="none",
+        )
+    out = (
+        Path(run_dir) / rundir.CHECKPOINTS
+        if run_dir is not None
+        else Path(tempfile.gettempdir()) / "lc-check"
+    )
+    return SFTConfig(
+        output_dir=str(out),
+        disable_tqdm=True,  # progress bars would bury the stderr tail shown when a run fails
+        logging_nan_inf_filter=False,  # the default hides NaN losses; the engine must see them to stop
+        remove_unused_columns=False,
+        use_cpu=bool(prec) and prec["device"] == "cpu",
+        **t,
+    )
