@@ -149,13 +149,14 @@ def test_extrapolation_from_two_and_three_layers_equals_full_depth():
             tiny_config("llama", num_hidden_layers=6),
             MeasurePlan("lora", batch_size=2, seq_len=32, lora_dropout=0.05),
         ),
-        # full fine-tuning with checkpointing and a tied embedding: backward's peak moves from its start
-        # (logits) at 2-3 layers to its end (all gradients + the tied gradient's out-of-place sum) at 6 layers
+        # full fine-tuning with checkpointing and a tied embedding on the plain path (full logits): backward's
+        # peak moves from its start (logits) at 2-3 layers to its end (all gradients + the tied gradient's
+        # out-of-place sum) at 6 layers. (TRL's fused head on a CPU keeps backward's start the peak.)
         (
             tiny_config(
                 "llama", num_hidden_layers=6, tie_word_embeddings=True, vocab_size=2000, intermediate_size=512
             ),
-            MeasurePlan("full", batch_size=1, seq_len=64, gradient_checkpointing=True),
+            MeasurePlan("full", batch_size=1, seq_len=64, gradient_checkpointing=True, fused_lm_head=False),
         ),
     ):
         fit = measure_depths(config, plan)[plan.seq_len]
@@ -254,7 +255,19 @@ def test_plan_from_run_config_reads_the_sections():
     "name, overrides, plan",
     [
         ("lora-dropout", {}, MeasurePlan("lora", batch_size=2, seq_len=64, lora_dropout=0.05)),
-        ("qlora-prepare", {}, MeasurePlan("qlora", batch_size=2, seq_len=64, target_modules="q_proj,v_proj")),
+        # the plain-Trainer QLoRA path, stated explicitly (the defaults follow TRL: tests/test_estimate_trl.py)
+        (
+            "qlora-prepare",
+            {},
+            MeasurePlan(
+                "qlora",
+                batch_size=2,
+                seq_len=64,
+                target_modules="q_proj,v_proj",
+                prepare_kbit=True,
+                fused_lm_head=False,
+            ),
+        ),
         (
             "full-gc-tied",
             {"tie_word_embeddings": True},
@@ -297,6 +310,8 @@ def test_planner_agrees_with_the_measured_step_on_tiny_models(tmp_path, name, ov
             gradient_checkpointing=plan.gradient_checkpointing,
             attn=plan.attn,
             optim=plan.optim,
+            prepare_kbit=plan.prepare_kbit,
+            fused_lm_head=plan.fused_lm_head,
             device="cpu",
         )
     )
