@@ -97,3 +97,19 @@ def plan_record(est) -> dict:
     d = est.to_dict()
     d.pop("phase_components", None)  # per-phase detail: large and read by nobody downstream
     return d
+
+
+def local_card() -> tuple[str, float]:
+    """("cuda", the first GPU's GiB) when NVML sees one, else ("cpu", 24.0): what a run started here trains on."""
+    from core.monitor.gpu import detect_gpus
+
+    gpus, _ = detect_gpus()
+    if gpus and gpus[0].memory_total:
+        return "cuda", gpus[0].memory_total / 2**30
+    return "cpu", 24.0
+
+
+def plan_json(cfg: dict, gpu_gb: float | None = None, device: str | None = None) -> dict:
+    """The object a run's plan.json holds for `cfg` on this machine's card (or the one given)."""
+    here, gb = local_card()
+    return plan_record(estimate_for_config(cfg, gpu_gb or gb, device or here))

@@ -264,7 +264,11 @@ def lora_targets(model: str, target_modules: str | tuple[str, ...]) -> tuple[Lin
     for name, mod in peft_model.base_model.model.named_modules():
         if isinstance(mod, LoraLayer):
             base = mod.get_base_layer()
-            out.append(LinearShape(name, base.in_features, base.out_features, base.bias is not None))
+            if hasattr(base, "in_features"):
+                fan_in, fan_out = base.in_features, base.out_features
+            else:  # GPT-2's Conv1D stores its weight as (in, out) and has no in_features
+                fan_in, fan_out = base.weight.shape
+            out.append(LinearShape(name, int(fan_in), int(fan_out), base.bias is not None))
     return tuple(out)
 
 

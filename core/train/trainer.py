@@ -369,6 +369,18 @@ class SmokeCollator(Collator):
 # ---- the run ------------------------------------------------------------------------------------------------
 
 
+def _write_plan(cfg: dict, run_dir: Path) -> None:
+    """plan.json for a run started without one (from a terminal): the Monitor draws it on the memory chart."""
+    from core.estimate.bill import PlanError
+    from core.estimate.from_config import plan_json
+    from core.estimate.specs import SpecError
+
+    try:
+        rundir.write_plan(run_dir, plan_json(cfg))
+    except (PlanError, SpecError) as exc:
+        print(f"plan.json: not written: {exc}", flush=True)
+
+
 def _report_to(cfg: dict, run_dir: Path, smoke: bool):
     """TensorBoard next to the run's own files when it is installed, unless the config says report_to."""
     if smoke or "report_to" in cfg["training"]:
@@ -416,6 +428,8 @@ def run_training(
     ):
         dump_config(cfg, run_dir / rundir.CONFIG)  # the run dir must say what it ran
 
+    if not smoke and rundir.read_plan(run_dir) is None:
+        _write_plan(cfg, run_dir)
     checkpoint = latest_checkpoint(run_dir) if resume else None
     if resume and checkpoint is None:
         print("resume: no checkpoint in checkpoints/ yet: starting from step 0", flush=True)
@@ -570,16 +584,57 @@ def report_failure(run_dir: Path, reason: str, smoke: bool) -> None:
     write_status(run_dir, state="failed", reason=reason)
 
 
+def dry_run(config_path: str, gpu_gb: float | None = None) -> int:
+    """Everything a launch checks, without a model's weights: the config (by the libraries' own classes), the
+    data against the tokenizer and the model config, and the plan. Prints the plan as JSON."""
+    from core.estimate.bill import PlanError
+    from core.estimate.from_config import plan_json
+    from core.estimate.specs import SpecError
+    from core.train.config import check_with_libraries
+    from core.train.preflight import has_errors, load_tokenizer_and_config, run_preflight
+
+    try:
+        cfg = load_config(config_path)
+        check_with_libraries(cfg)
+        tokenizer, model_config = load_tokenizer_and_config(cfg["model"])
+        findings = run_preflight(cfg, tokenizer, model_config)
+        for f in findings:
+            print(f"preflight: {f}", file=sys.stderr, flush=True)
+        if has_errors(findings):
+            first = next(f for f in findings if f.level == "error")
+            raise DataError(f"preflight: {first}")
+        plan = plan_json(cfg, gpu_gb)
+    except (ConfigError, DataError, PlanError, SpecError) as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
+    except (OSError, ValueError) as exc:  # the model folder's tokenizer or config.json could not be read
+        print(f"error: model.path: {exc}", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
+    print(json.dumps(plan, indent=1, default=str), flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m core.train", description=__doc__.splitlines()[0])
     parser.add_argument("config", help="run config YAML (see core/config.py)")
-    parser.add_argument("--run-dir", required=True, help="the run directory to write into")
+    parser.add_argument("--run-dir", help="the run directory to write into (not needed with --dry-run)")
     parser.add_argument(
         "--resume", action="store_true", help="continue from the newest checkpoint in the run dir"
     )
     parser.add_argument("--smoke", action="store_true", help="one step at batch size 1: measure peak memory")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="validate the config, run the data preflight and print the plan (plan.json's object); no training",
+    )
+    parser.add_argument("--gpu-gb", type=float, help="plan for a card of this many GiB (default: this machine's)")
     stop = StopFlag().install()  # first thing: a stop during the slow imports must not kill us mid-write
     args = parser.parse_args(argv)
+    if args.dry_run:
+        return dry_run(args.config, args.gpu_gb)
+    if not args.run_dir:
+        print("error: give --run-dir DIR (the folder the run writes into), or --dry-run.", file=sys.stderr)
+        return EXIT_BAD_INPUT
     run_dir = Path(args.run_dir)
     mode = " (smoke test)" if args.smoke else " (resume)" if args.resume else ""
     print(f"core.train: pid {os.getpid()} training {run_dir}{mode}", file=sys.stderr, flush=True)
