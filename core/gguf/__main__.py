@@ -1,0 +1,95 @@
+"""python -m core.gguf --model DIR --out FILE.gguf --type f16 [--verify auto|full|quick|none]
+
+Exit 0: written and verified. Exit 1: the export or its verification failed (nothing at --out).
+Exit 2: bad input (one sentence on stderr, nothing written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+
+
+def _summary(result) -> list[str]:
+    r = result.report
+    lines = [
+        f"wrote {result.out} ({result.size / 1024**2:.1f} MiB, {result.out_type}) in {result.seconds:.1f} s"
+    ]
+    v = result.vocab
+    lines.append(f"tokenizer: {v['style']}, {v['tokens']} tokens, special ids {v['special_ids']}")
+    if r.get("mode") == "none":
+        lines.append("verification: skipped (--verify none)")
+    else:
+        t = r["tensors"]
+        w = t["worst"]
+        lines.append(
+            f"verify ({r['mode']}): {t['checked']} tensors compared, worst {w['name']} relative error "
+            f"{w['rel_rms']:.2g} (limit {w['limit']})"
+        )
+        tk = r["tokenizer"]
+        extra = f", {len(tk['not_judged'])} with <unk> not judged" if tk.get("not_judged") else ""
+        lines.append(
+            f"tokenizer round-trip: {tk.get('matched', 0)}/{tk.get('judged', 0)} samples identical{extra}"
+        )
+        lg = r.get("logits")
+        if lg:
+            line = (
+                f"logits on {lg['positions']} positions: max |delta| {lg['max_abs_delta']:.3g}, "
+                f"argmax agreement {lg['argmax_agreement']:.1%}, top-5 overlap {lg['top5_overlap']:.1%}"
+            )
+            if "tolerance" in lg:
+                line += f" (tolerance {lg['tolerance']:.3g}; {lg['argmax_agreement_beyond_ties']:.1%} beyond near-ties)"
+            lines.append(line)
+        for note in tk.get("notes", []) + (lg or {}).get("notes", []):
+            lines.append(f"note: {note}")
+    if result.modelfile:
+        fam = result.template_family or "none recognised (write TEMPLATE by hand)"
+        lines.append(f"Modelfile: {result.modelfile} (chat template: {fam})")
+        lines.append(f"to use it in Ollama: {result.ollama_command}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    from core.gguf import ALL_TYPES, VERIFY_MODES, BadInput, ExportError, export_gguf, report_path
+
+    ap = argparse.ArgumentParser(prog="python -m core.gguf", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True, help="local HF model folder (safetensors)")
+    ap.add_argument("--out", required=True, help="the .gguf file to create (never overwritten)")
+    ap.add_argument("--type", default="f16", help=f"one of {', '.join(ALL_TYPES)} (default f16)")
+    ap.add_argument("--verify", default="auto", help=f"one of {', '.join(VERIFY_MODES)} (default auto)")
+    ap.add_argument("--name", default=None, help="general.name in the GGUF (default: the folder name)")
+    ap.add_argument("--no-modelfile", action="store_true", help="do not write an Ollama Modelfile")
+    ap.add_argument("--json", action="store_true", help="print the result as JSON instead of the summary")
+    args = ap.parse_args(argv)
+
+    # SIGTERM unwinds like Ctrl-C, so the temporary file is removed.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        result = export_gguf(
+            args.model,
+            args.out,
+            args.type,
+            args.verify,
+            name=args.name,
+            modelfile=not args.no_modelfile,
+        )
+    except BadInput as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except ExportError as e:
+        print(f"error: {e} Nothing was written to {args.out}.", file=sys.stderr)
+        if e.report:
+            print(f"report: {report_path(os.path.abspath(args.out))}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(result.to_dict(), default=str))
+    else:
+        print("\n".join(_summary(result)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

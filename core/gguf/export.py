@@ -1,0 +1,267 @@
+"""The export as a whole: plan, stream into a temporary file beside --out, verify, and only then rename.
+
+The temporary file lives in a private folder `.<name>.<pid>.partial/` beside --out (same filesystem, so the
+final step is a rename; a folder of its own, so transformers' loaders see no other tokenizer files). --out is
+created with a hard link, which fails rather than replace a file that appeared meanwhile. A killed export
+leaves only that hidden folder, which the next export to the same target removes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from core.gguf.source import BadInput, open_source
+from core.gguf.tensors import K_TYPES, TYPES, plan_tensors
+from core.gguf.verify import full_check_fits, verify
+from core.gguf.vocab import load_source_tokenizer, read_vocab
+from core.gguf.writer import ProgressFile, progress_path, write_gguf
+
+ALL_TYPES = tuple(TYPES) + tuple(K_TYPES)
+VERIFY_MODES = ("auto", "full", "quick", "none")
+PAUSE_ENV = "LORA_COCKPIT_TEST_GGUF_PAUSE_AFTER_FIRST_TENSOR"  # test-only: makes the kill test deterministic
+SKIP_PERMUTE_ENV = "LORA_COCKPIT_TEST_GGUF_SKIP_QK_PERMUTE"  # test-only: a wrong mapping the check must catch
+ALIGN = 32
+
+
+class ExportError(RuntimeError):
+    """The export ran but failed (write error, verification); nothing was left at --out (CLI exit 1)."""
+
+    def __init__(self, message: str, report: dict | None = None):
+        super().__init__(message)
+        self.report = report
+
+
+@dataclass
+class ExportResult:
+    out: Path
+    out_type: str
+    size: int
+    seconds: float
+    report: dict
+    vocab: dict
+    modelfile: Path | None = None
+    ollama_command: str | None = None
+    template_family: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["out"] = str(self.out)
+        d["modelfile"] = str(self.modelfile) if self.modelfile else None
+        return d
+
+
+def report_path(out: Path) -> Path:
+    return out.with_name(out.name + ".verify.json")
+
+
+def _check_type(out_type: str) -> None:
+    if out_type in TYPES:
+        return
+    if out_type in K_TYPES:
+        if shutil.which("llama-quantize") is None:
+            raise BadInput(
+                f"--type {out_type} needs llama.cpp's llama-quantize on PATH (build llama.cpp with cmake and add "
+                "build/bin to PATH, or use f16, bf16, q8_0, q5_0 or q4_0, which need nothing)."
+            )
+        return
+    raise BadInput(f"Unknown --type {out_type!r}; choose one of {', '.join(ALL_TYPES)}.")
+
+
+def _check_out(out: Path) -> None:
+    if out.suffix.lower() != ".gguf":
+        raise BadInput(f"--out {out} should end in .gguf.")
+    if out.exists() or out.is_symlink():
+        raise BadInput(f"{out} already exists; choose another name (an export never overwrites a file).")
+    if not out.parent.is_dir():
+        raise BadInput(f"The folder {out.parent} for --out does not exist.")
+    if not os.access(out.parent, os.W_OK | os.X_OK):
+        raise BadInput(f"The folder {out.parent} is not writable.")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean_stale_temps(out: Path) -> list[Path]:
+    """Remove `.<name>.<pid>.partial` folders left by exports to `out` whose process is gone."""
+    removed = []
+    pattern = re.compile(rf"^\.{re.escape(out.name)}\.(\d+)\.partial$")
+    for p in out.parent.glob(f".{out.name}.*.partial"):
+        m = pattern.match(p.name)
+        if m and not _pid_alive(int(m.group(1))):
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
+
+
+def estimate_size(model_dir: str | os.PathLike, out_type: str = "f16") -> dict:
+    """Output size of an export without reading any tensor data: bytes, tensors, and bytes per GGUF type."""
+    src = open_source(model_dir)
+    base = "f16" if out_type in K_TYPES else out_type
+    if base not in TYPES:
+        raise BadInput(f"Unknown --type {out_type!r}; choose one of {', '.join(ALL_TYPES)}.")
+    jobs = plan_tensors(src, base)
+    by_type: dict[str, int] = {}
+    total = 0
+    for j in jobs:
+        n = (j.nbytes + ALIGN - 1) // ALIGN * ALIGN
+        by_type[j.qtype.name] = by_type.get(j.qtype.name, 0) + n
+        total += n
+    # Tokenizer metadata: each token is a length-prefixed string plus a type and a score; merges add as much.
+    meta = int(src.config["vocab_size"]) * 40 + 64 * 1024
+    return {
+        "bytes": total + meta,
+        "tensor_bytes": total,
+        "metadata_bytes_approx": meta,
+        "tensors": len(jobs),
+        "by_type": by_type,
+        "source_bytes": sum(t.nbytes for t in src.tensors.values()),
+        "exact": out_type not in K_TYPES,  # llama-quantize picks per-tensor types itself
+    }
+
+
+def _quantize_k(f16: Path, out: Path, out_type: str) -> None:
+    cmd = ["llama-quantize", str(f16), str(out), K_TYPES[out_type]]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0 or not out.is_file():
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise ExportError(f"llama-quantize failed (exit {proc.returncode}): {tail[0]}")
+
+
+def export_gguf(
+    model_dir: str | os.PathLike,
+    out: str | os.PathLike,
+    out_type: str = "f16",
+    verify_mode: str = "auto",
+    name: str | None = None,
+    on_progress: Callable[[dict], None] | None = None,
+    progress_file: bool = True,
+    modelfile: bool = True,
+    skip_qk_permute: bool = False,
+) -> ExportResult:
+    """Export `model_dir` to the GGUF file `out`. BadInput before anything is written; ExportError (with the
+    verification report) when the export or its check fails; in both cases nothing is at `out`."""
+    t0 = time.time()
+    out = Path(out).absolute()
+    if verify_mode not in VERIFY_MODES:
+        raise BadInput(f"Unknown --verify {verify_mode!r}; choose one of {', '.join(VERIFY_MODES)}.")
+    _check_type(out_type)
+    _check_out(out)
+    src = open_source(model_dir)
+    tok = load_source_tokenizer(src.path)
+    vocab = read_vocab(src.path, int(src.config["vocab_size"]), tok)
+    skip_qk_permute = skip_qk_permute or os.environ.get(SKIP_PERMUTE_ENV) == "1"
+    base_type = "f16" if out_type in K_TYPES else out_type
+    jobs = plan_tensors(src, base_type, skip_qk_permute=skip_qk_permute)
+    mode = verify_mode
+    if mode == "auto":
+        mode = "full" if full_check_fits(src) else "quick"
+
+    clean_stale_temps(out)
+    progress = ProgressFile(progress_path(out) if progress_file else None, on_progress)
+    tmp_dir = out.parent / f".{out.name}.{os.getpid()}.partial"
+    tmp_file = tmp_dir / out.name
+    total_bytes = sum(j.nbytes for j in jobs)
+    pause = float(os.environ.get(PAUSE_ENV, "0") or 0)
+    done = {"tensors": 0, "bytes": 0}
+
+    def on_tensor(job, written: int) -> None:
+        done["tensors"] += 1
+        done["bytes"] += written
+        progress.update(
+            force=done["tensors"] == 1,
+            phase="writing",
+            tensor=job.name,
+            tensors_done=done["tensors"],
+            bytes_done=done["bytes"],
+        )
+        if pause and done["tensors"] == 1:
+            time.sleep(pause)
+
+    progress.update(
+        force=True,
+        phase="writing",
+        out=str(out),
+        type=out_type,
+        tensors_done=0,
+        tensors_total=len(jobs),
+        bytes_done=0,
+        bytes_total=total_bytes,
+    )
+    report: dict = {}
+    try:
+        tmp_dir.mkdir()
+        model_name = name or src.path.name
+        file_type = TYPES[base_type][1]
+        if out_type in K_TYPES:
+            f16 = tmp_dir / ("f16-" + out.name)
+            write_gguf(f16, src, jobs, vocab, file_type, model_name, on_tensor)
+            progress.update(force=True, phase="quantizing")
+            _quantize_k(f16, tmp_file, out_type)
+            f16.unlink()
+        else:
+            write_gguf(tmp_file, src, jobs, vocab, file_type, model_name, on_tensor)
+        size = tmp_file.stat().st_size
+        progress.update(force=True, phase="verifying", size=size)
+        report = verify(
+            tmp_dir, out.name, src, tok, out_type, mode, char_level=vocab.style == "character-level"
+        )
+        report["size"] = size
+        report_path(out).write_text(json.dumps(report, indent=1, default=str))
+        if not report["ok"]:
+            raise ExportError(f"Verification failed: {report['reason']}.", report)
+        try:
+            os.link(tmp_file, out)  # fails if `out` appeared meanwhile: never overwrite
+        except FileExistsError:
+            raise ExportError(
+                f"{out} appeared during the export; the new file was not put in its place."
+            ) from None
+        except OSError:
+            if out.exists():
+                raise ExportError(
+                    f"{out} appeared during the export; the new file was not put in its place."
+                ) from None
+            os.rename(tmp_file, out)
+    except ExportError as e:
+        progress.update(force=True, phase="failed", error=str(e))
+        raise
+    except (OSError, ValueError, RuntimeError) as e:
+        progress.update(force=True, phase="failed", error=str(e))
+        raise ExportError(f"The export failed: {e}", report) from e
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+
+    result = ExportResult(
+        out=out, out_type=out_type, size=size, seconds=0.0, report=report, vocab=vocab.summary()
+    )
+    if modelfile:
+        eos_id = vocab.special.get("eos")
+        eos = vocab.tokens[eos_id] if eos_id is not None else None
+        ctx = int(src.config.get("max_position_embeddings", 4096))
+        result.modelfile, result.ollama_command, result.template_family = _modelfile(
+            out, vocab.chat_template, ctx, eos
+        )
+    result.seconds = time.time() - t0
+    progress.update(force=True, phase="done", size=size, seconds=result.seconds)
+    return result
+
+
+def _modelfile(out: Path, template: str | None, ctx: int, eos: str | None):
+    from core.gguf.modelfile import write_modelfile
+
+    return write_modelfile(out, template, ctx, eos)

@@ -1,0 +1,145 @@
+"""The source side of an export: a local HF model folder, read without loading any tensor data.
+
+Only safetensors checkpoints are accepted: they can be memory-mapped and sliced by rows, which is what keeps
+the export's RAM near one tensor. Shapes and dtypes come from the file headers.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# HF architecture -> (llama.cpp architecture name, whether q/k rows get llama.cpp's rotary permutation).
+# llama.cpp converts Mistral with its Llama model class, so a Mistral GGUF says "llama" too.
+ARCHITECTURES = {
+    "LlamaForCausalLM": ("llama", True),
+    "MistralForCausalLM": ("llama", True),
+    "Qwen2ForCausalLM": ("qwen2", False),
+}
+SUPPORTED_ROPE = {None, "default", "linear", "llama3"}
+ST_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2}
+
+
+class BadInput(ValueError):
+    """Input the export cannot use; its message is one sentence for the user (CLI exit 2)."""
+
+
+@dataclass
+class SourceTensor:
+    key: str
+    file: Path
+    dtype: str  # safetensors code: F32, F16, BF16
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = ST_ITEMSIZE[self.dtype]
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass
+class Source:
+    path: Path
+    config: dict
+    hf_arch: str
+    arch: str
+    permute_qk: bool
+    tensors: dict[str, SourceTensor] = field(default_factory=dict)
+
+    @property
+    def n_layers(self) -> int:
+        return int(self.config["num_hidden_layers"])
+
+    @property
+    def n_head(self) -> int:
+        return int(self.config["num_attention_heads"])
+
+    @property
+    def n_kv_head(self) -> int:
+        return int(self.config.get("num_key_value_heads") or self.n_head)
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.config.get("head_dim") or self.config["hidden_size"] // self.n_head)
+
+    @property
+    def tied(self) -> bool:
+        return bool(self.config.get("tie_word_embeddings", False))
+
+    @property
+    def rope_parameters(self) -> dict:
+        """transformers 5 keeps rope settings in `rope_parameters`; older configs use rope_theta/rope_scaling."""
+        rp = dict(self.config.get("rope_parameters") or {})
+        scaling = self.config.get("rope_scaling") or {}
+        for k, v in scaling.items():
+            rp.setdefault(k, v)
+        if "type" in rp and "rope_type" not in rp:
+            rp["rope_type"] = rp["type"]
+        rp.setdefault("rope_theta", self.config.get("rope_theta", 10000.0))
+        return rp
+
+    @property
+    def largest_file(self) -> int:
+        return max((f.stat().st_size for f in {t.file for t in self.tensors.values()}), default=0)
+
+
+def _read_header(path: Path) -> dict:
+    with open(path, "rb") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        if n > 100 * 1024 * 1024:
+            raise BadInput(f"{path.name} is not a safetensors file (header size {n}).")
+        return json.loads(fh.read(n))
+
+
+def open_source(model_dir: str | Path) -> Source:
+    """Read config.json and the safetensors headers of `model_dir`; BadInput says what is wrong."""
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise BadInput(f"Model folder {path} does not exist.")
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise BadInput(f"{path} has no config.json, so it is not a Hugging Face model folder.")
+    try:
+        config = json.loads(cfg_file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise BadInput(f"{cfg_file} cannot be read as JSON ({e}).") from None
+    archs = config.get("architectures") or []
+    hf_arch = next((a for a in archs if a in ARCHITECTURES), None)
+    if hf_arch is None:
+        shown = ", ".join(archs) or config.get("model_type", "unknown")
+        raise BadInput(
+            f"Architecture {shown} is not supported for GGUF export (supported: Llama, Mistral, Qwen2)."
+        )
+    if config.get("quantization_config"):
+        raise BadInput(f"{path} holds a quantized checkpoint; export the unquantized (merged) model instead.")
+    arch, permute = ARCHITECTURES[hf_arch]
+    src = Source(path=path, config=config, hf_arch=hf_arch, arch=arch, permute_qk=permute)
+    rope_type = src.rope_parameters.get("rope_type")
+    if rope_type not in SUPPORTED_ROPE:
+        raise BadInput(f"RoPE scaling type {rope_type!r} is not supported (supported: none, linear, llama3).")
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        if list(path.glob("*.bin")) or list(path.glob("*.pt")):
+            raise BadInput(f"{path} has only .bin weights; resave it as safetensors (save_pretrained does).")
+        raise BadInput(f"{path} has no safetensors weights.")
+    for f in files:
+        if not f.is_file():
+            raise BadInput(f"{f.name} is listed in the index but missing from {path}.")
+        for key, info in _read_header(f).items():
+            if key == "__metadata__":
+                continue
+            if info["dtype"] not in ST_ITEMSIZE:
+                raise BadInput(
+                    f"Tensor {key} is {info['dtype']}; only F32, F16 and BF16 weights can be exported."
+                )
+            src.tensors[key] = SourceTensor(key, f, info["dtype"], tuple(info["shape"]))
+    return src

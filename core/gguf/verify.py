@@ -1,0 +1,404 @@
+"""Check a written GGUF against its source before it is allowed to become --out.
+
+Everything is read back through independent code: tensors through gguf-py's reader and dequantizers with
+transformers' own q/k un-permutation (so a wrong permutation in our writer cannot cancel itself out), the
+config and tokenizer through transformers' GGUF loaders, and (full mode) the whole model through
+`AutoModelForCausalLM.from_pretrained(..., gguf_file=...)`, compared with the source model on fixed prompts.
+
+quick: tensors (row blocks, bounded memory), config, tokenizer.  full: quick + logits.  The report is a dict.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from pathlib import Path
+
+import numpy as np
+
+from core.gguf.source import Source
+
+MB = 1024**2
+BLOCK_BYTES = 16 * MB
+
+# Relative RMS error allowed per GGUF tensor type, against the source tensor. Rounding alone gives
+# f16 <= 2^-11 and bf16 <= 2^-9 per element; the quant figures are ~2x what gaussian weights give.
+TENSOR_RMS_LIMITS = {
+    "F32": 1e-6,
+    "F16": 1e-3,
+    "BF16": 4e-3,
+    "Q8_0": 0.02,
+    "Q6_K": 0.03,
+    "Q5_0": 0.08,
+    "Q5_K": 0.08,
+    "Q4_0": 0.15,
+    "Q4_K": 0.15,
+    "Q3_K": 0.3,
+    "Q2_K": 0.5,
+}
+# Logit checks per --type. f16/bf16: every argmax must agree unless the source itself has a near-tie (the two
+# tokens' source logits closer than the tolerance), and max |delta logit| <= rtol * max |source logit| + atol.
+# Quantized: fractions of positions; thresholds chosen for 4-8 bit rounding of the weights.
+LOGIT_LIMITS = {
+    "f16": {"rtol": 1e-2, "atol": 1e-3, "argmax": 1.0},
+    "bf16": {"rtol": 5e-2, "atol": 1e-3, "argmax": 1.0},
+    "q8_0": {"argmax": 0.95, "top5": 0.90},
+    "q6_k": {"argmax": 0.95, "top5": 0.90},
+    "q5_0": {"argmax": 0.85, "top5": 0.75},
+    "q5_k_m": {"argmax": 0.85, "top5": 0.75},
+    "q5_k_s": {"argmax": 0.85, "top5": 0.75},
+    "q4_0": {"argmax": 0.80, "top5": 0.70},
+    "q4_k_m": {"argmax": 0.80, "top5": 0.70},
+    "q4_k_s": {"argmax": 0.80, "top5": 0.70},
+    "q3_k_m": {"argmax": 0.65, "top5": 0.55},
+    "q2_k": {"argmax": 0.5, "top5": 0.4},
+}
+SAMPLE_TEXTS = (
+    "Hello world! How are you today?",
+    "The quick brown fox jumps over the lazy dog. 0123456789",
+    "def add(a, b):\n    return a + b  # sum of two numbers\n",
+    "Bonjour, ça va ? Grüße aus München. ¿Qué tal, señor?",
+    "日本語のテキストと中文字符。",
+    "Привет, мир! Ελληνικά γράμματα. مرحبا بالعالم",
+    "emoji 🙂🚀 and   several   spaces\tand tabs",
+    " leading space and trailing space ",
+)
+PROMPTS = (
+    "The capital of France is",
+    "Hello! How are you today? I am fine, thank you.",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+)
+
+
+def _reverse_permute(rows: np.ndarray, n_head: int) -> np.ndarray:
+    # transformers' own inverse of llama.cpp's permutation, not ours: an error in either shows up here.
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    return LlamaTensorProcessor()._reverse_permute_weights(rows, n_head, n_head)
+
+
+def check_tensors(gguf_path: Path, src: Source, sample: bool) -> dict:
+    """Dequantize GGUF tensors block by block and compare them with the source (relative RMS error)."""
+    import gguf
+    from safetensors import safe_open
+
+    from core.gguf.tensors import ARCH_ENUM
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    name_map = gguf.get_tensor_name_map(ARCH_ENUM[src.arch], src.n_layers)
+    by_name = {t.name: t for t in reader.tensors}
+    pairs = []
+    for key, st in src.tensors.items():
+        stem, _, suffix = key.rpartition(".")
+        mapped = name_map.get_name(stem)
+        if mapped is None or (key == "lm_head.weight" and src.tied):
+            continue
+        pairs.append((f"{mapped}.{suffix}", st))
+    missing = [n for n, _ in pairs if n not in by_name]
+    if sample:
+        last = src.n_layers - 1
+        keep = (
+            "token_embd.",
+            "output.",
+            "output_norm.",
+            "blk.0.",
+            f"blk.{last}.attn_q",
+            f"blk.{last}.attn_k",
+        )
+        pairs = [(n, st) for n, st in pairs if n.startswith(keep)]
+    worst = {"name": None, "rel_rms": 0.0, "limit": None}
+    failures = []
+    for name, st in pairs:
+        t = by_name.get(name)
+        if t is None:
+            continue
+        qname = t.tensor_type.name
+        limit = TENSOR_RMS_LIMITS.get(qname, 0.5)
+        rows = st.shape[0]
+        cols = math.prod(st.shape[1:]) if len(st.shape) > 1 else 1
+        heads = 0
+        if src.permute_qk and name.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = src.n_head if "attn_q" in name else src.n_kv_head
+        unit = rows // heads if heads else 1
+        step = max(unit, (BLOCK_BYTES // (4 * cols)) // unit * unit)
+        err2 = ref2 = 0.0
+        with safe_open(str(st.file), framework="pt") as f:
+            sl = f.get_slice(st.key)
+            for start in range(0, rows, step):
+                stop = min(rows, start + step)
+                ref = sl[start:stop].float().numpy().reshape(stop - start, -1)
+                got = gguf.dequantize(np.asarray(t.data[start:stop]), t.tensor_type).reshape(stop - start, -1)
+                if heads:
+                    got = _reverse_permute(got, (stop - start) // unit)
+                err2 += float(np.square(got.astype(np.float64) - ref).sum())
+                ref2 += float(np.square(ref.astype(np.float64)).sum())
+        rel = math.sqrt(err2 / ref2) if ref2 > 0 else math.sqrt(err2)
+        if rel > worst["rel_rms"] or worst["name"] is None:
+            worst = {"name": name, "rel_rms": rel, "limit": limit}
+        if not rel <= limit:
+            failures.append({"name": name, "type": qname, "rel_rms": rel, "limit": limit})
+    expected = {n for n, _ in pairs}
+    return {
+        "ok": not failures and not missing,
+        "gguf_tensors": len(reader.tensors),
+        "checked": len(expected),
+        "worst": worst,
+        "failures": failures[:10],
+        "missing": missing[:10],
+    }
+
+
+def check_config(tmp_dir: Path, gguf_name: str, src: Source) -> dict:
+    from transformers import AutoConfig
+
+    got = AutoConfig.from_pretrained(str(tmp_dir), gguf_file=gguf_name)
+    c = src.config
+    want = {
+        "model_type": {"llama": "llama", "qwen2": "qwen2"}[src.arch],
+        "hidden_size": c["hidden_size"],
+        "intermediate_size": c["intermediate_size"],
+        "num_hidden_layers": c["num_hidden_layers"],
+        "num_attention_heads": c["num_attention_heads"],
+        "num_key_value_heads": src.n_kv_head,
+        "vocab_size": c["vocab_size"],
+        "tie_word_embeddings": src.tied,
+    }
+    mismatches = [
+        {"field": k, "source": v, "gguf": getattr(got, k, None)}
+        for k, v in want.items()
+        if getattr(got, k, None) != v
+    ]
+    eps = getattr(got, "rms_norm_eps", None)
+    if eps is None or not math.isclose(eps, c.get("rms_norm_eps", 1e-6), rel_tol=1e-6):
+        mismatches.append({"field": "rms_norm_eps", "source": c.get("rms_norm_eps"), "gguf": eps})
+    theta = (getattr(got, "rope_parameters", None) or {}).get("rope_theta", getattr(got, "rope_theta", None))
+    if theta is None or not math.isclose(
+        float(theta), float(src.rope_parameters["rope_theta"]), rel_tol=1e-6
+    ):
+        mismatches.append({"field": "rope_theta", "source": src.rope_parameters["rope_theta"], "gguf": theta})
+    return {"ok": not mismatches, "mismatches": mismatches}
+
+
+def load_gguf_tokenizer(tmp_dir: Path, gguf_name: str, notes: list[str]):
+    """transformers' GGUF tokenizer, made to honour `add_space_prefix = false`, which its loader ignores."""
+    import gguf
+    from tokenizers import pre_tokenizers
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tmp_dir), gguf_file=gguf_name)
+    reader = gguf.GGUFReader(str(tmp_dir / gguf_name))
+    field = reader.get_field(gguf.Keys.Tokenizer.ADD_PREFIX)
+    if field is not None and not bool(field.contents()):
+        pre = tok.backend_tokenizer.pre_tokenizer
+        if pre is not None and "Metaspace" in type(pre).__name__:
+            tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
+                prepend_scheme="never", split=False
+            )
+            notes.append(
+                "tokenizer.ggml.add_space_prefix is false; transformers' GGUF loader ignores that key (llama.cpp "
+                "reads it), so the check applies it to the loaded tokenizer."
+            )
+    return tok
+
+
+def sample_texts(tokenizer) -> list[str]:
+    texts = list(SAMPLE_TEXTS)
+    specials = [t for t in tokenizer.all_special_tokens if t]
+    if specials:
+        texts.append("before " + " mid ".join(specials) + " after")
+    if getattr(tokenizer, "chat_template", None):
+        try:
+            chat = [
+                {"role": "system", "content": "You are helpful."},
+                {"role": "user", "content": "Hi there!"},
+                {"role": "assistant", "content": "Hello, how can I help?"},
+            ]
+            texts.append(tokenizer.apply_chat_template(chat, tokenize=False))
+        except Exception:  # a template that needs other roles or tools: the plain samples still run
+            pass
+    return texts
+
+
+def check_tokenizer(tmp_dir: Path, gguf_name: str, source_tok, char_level: bool) -> dict:
+    notes: list[str] = []
+    try:
+        gtok = load_gguf_tokenizer(tmp_dir, gguf_name, notes)
+    except Exception as e:
+        return {
+            "ok": False,
+            "error": f"transformers cannot build a tokenizer from the GGUF: {e}",
+            "notes": notes,
+        }
+    unk = source_tok.unk_token_id
+    matched, mismatches, not_judged = 0, [], []
+    texts = sample_texts(source_tok)
+    for text in texts:
+        want = source_tok(text, add_special_tokens=False)["input_ids"]
+        got = gtok(text, add_special_tokens=False)["input_ids"]
+        if char_level and unk is not None and unk in want:
+            # The source maps unknown characters to <unk>; a GGUF vocabulary has no such rule (llama.cpp
+            # cannot tokenize them at all), so these texts are reported, not judged.
+            not_judged.append(text)
+            continue
+        if want == got:
+            matched += 1
+        else:
+            mismatches.append({"text": text, "source": want[:40], "gguf": got[:40]})
+    want = source_tok("Hello")["input_ids"]
+    got = gtok("Hello")["input_ids"]
+    specials_ok = want == got
+    if not specials_ok:
+        mismatches.append({"text": "Hello (with special tokens added)", "source": want, "gguf": got})
+    judged = len(texts) - len(not_judged)
+    return {
+        "ok": not mismatches,
+        "samples": len(texts),
+        "judged": judged,
+        "matched": matched,
+        "add_special_tokens_agree": specials_ok,
+        "not_judged": not_judged,
+        "mismatches": mismatches[:5],
+        "notes": notes,
+    }
+
+
+def _prompt_ids(tok, vocab_size: int) -> list[list[int]]:
+    import torch
+
+    texts = list(PROMPTS)
+    if getattr(tok, "chat_template", None):
+        with contextlib.suppress(Exception):
+            texts.append(
+                tok.apply_chat_template([{"role": "user", "content": "Write a haiku."}], tokenize=False)
+                + "Morning"
+            )
+    out = []
+    for t in texts:
+        ids = [i for i in tok(t)["input_ids"] if i < vocab_size][:64]
+        if ids:
+            out.append(torch.tensor([ids]))
+    return out
+
+
+def _logits(model, prompts):
+    import torch
+
+    with torch.no_grad():
+        return [model(input_ids=p).logits[0].float() for p in prompts]
+
+
+def check_logits(tmp_dir: Path, gguf_name: str, src: Source, source_tok, out_type: str) -> dict:
+    """Source model vs the GGUF as transformers dequantizes it, one model in memory at a time."""
+    import gc
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    notes = []
+    prompts = _prompt_ids(source_tok, int(src.config["vocab_size"]))
+    model = AutoModelForCausalLM.from_pretrained(str(src.path), dtype=torch.float32)
+    want = _logits(model, prompts)
+    del model
+    gc.collect()
+    kwargs = {}
+    rp = src.rope_parameters
+    if rp.get("rope_type") in ("linear", "llama3"):
+        # transformers' GGUF loader does not read llama.cpp's rope-scaling keys or rope_freqs; give it the
+        # source's scaling so the comparison tests the weights rather than that gap.
+        cfg = AutoConfig.from_pretrained(str(tmp_dir), gguf_file=gguf_name)
+        cfg.rope_parameters = dict(rp)
+        kwargs["config"] = cfg
+        notes.append(
+            f"RoPE scaling {rp['rope_type']!r} applied from the source config (not read from the GGUF)."
+        )
+    model = AutoModelForCausalLM.from_pretrained(
+        str(tmp_dir), gguf_file=gguf_name, dtype=torch.float32, **kwargs
+    )
+    got = _logits(model, prompts)
+    del model
+    gc.collect()
+
+    a, b = torch.cat(want), torch.cat(got)
+    limits = LOGIT_LIMITS.get(out_type, {"argmax": 0.5, "top5": 0.4})
+    delta = (a - b).abs().max().item()
+    top_src, top_gguf = a.argmax(-1), b.argmax(-1)
+    raw_agree = (top_src == top_gguf).float().mean().item()
+    k = min(5, a.shape[-1])
+    ta, tb = a.topk(k, -1).indices, b.topk(k, -1).indices
+    overlap = float(
+        np.mean([len(set(x.tolist()) & set(y.tolist())) / k for x, y in zip(ta, tb, strict=True)])
+    )
+    report = {
+        "positions": int(a.shape[0]),
+        "max_abs_delta": delta,
+        "source_max_abs_logit": a.abs().max().item(),
+        "argmax_agreement": raw_agree,
+        "top5_overlap": overlap,
+        "limits": limits,
+        "notes": notes,
+    }
+    if "rtol" in limits:
+        tol = limits["rtol"] * report["source_max_abs_logit"] + limits["atol"]
+        # A disagreement only counts when the GGUF's pick is worse than the source's best by more than the
+        # rounding tolerance; otherwise the source itself cannot tell the two tokens apart.
+        chosen = a.gather(-1, top_gguf[:, None])[:, 0]
+        real = (a.max(-1).values - chosen) > tol
+        agree = 1.0 - real.float().mean().item()
+        report.update(tolerance=tol, argmax_agreement_beyond_ties=agree)
+        report["ok"] = delta <= tol and agree >= limits["argmax"]
+        if not report["ok"]:
+            report["reason"] = (
+                f"max |delta logit| {delta:.3g} (tolerance {tol:.3g}), argmax agreement {agree:.1%} outside near-ties"
+            )
+    else:
+        report["ok"] = raw_agree >= limits["argmax"] and overlap >= limits["top5"]
+        if not report["ok"]:
+            report["reason"] = (
+                f"argmax agreement {raw_agree:.1%} (need {limits['argmax']:.0%}), "
+                f"top-5 overlap {overlap:.1%} (need {limits['top5']:.0%})"
+            )
+    return report
+
+
+def full_check_fits(src: Source) -> bool:
+    """Whether two fp32 copies of the model (source, then GGUF) fit comfortably in available RAM."""
+    import psutil
+
+    params = sum(math.prod(t.shape) for t in src.tensors.values())
+    return 2 * 4 * params + 1024 * MB < 0.7 * psutil.virtual_memory().available
+
+
+def verify(
+    tmp_dir: Path, gguf_name: str, src: Source, source_tok, out_type: str, mode: str, char_level: bool
+) -> dict:
+    report: dict = {"mode": mode, "type": out_type}
+    if mode == "none":
+        report["ok"] = True
+        return report
+    report["tensors"] = check_tensors(tmp_dir / gguf_name, src, sample=(mode == "quick"))
+    report["config"] = check_config(tmp_dir, gguf_name, src)
+    report["tokenizer"] = check_tokenizer(tmp_dir, gguf_name, source_tok, char_level)
+    reasons = []
+    t = report["tensors"]
+    if not t["ok"]:
+        if t["missing"]:
+            reasons.append(f"tensors missing from the GGUF: {', '.join(t['missing'][:3])}")
+        for f in t["failures"][:2]:
+            reasons.append(
+                f"{f['name']} differs from the source (relative error {f['rel_rms']:.3g} > {f['limit']})"
+            )
+    if not report["config"]["ok"]:
+        fields = ", ".join(m["field"] for m in report["config"]["mismatches"])
+        reasons.append(f"the config read back from the GGUF differs in {fields}")
+    tk = report["tokenizer"]
+    if not tk["ok"]:
+        reasons.append(
+            tk.get("error") or f"the GGUF tokenizer gives different ids on {len(tk['mismatches'])} sample(s)"
+        )
+    if mode == "full":
+        report["logits"] = check_logits(tmp_dir, gguf_name, src, source_tok, out_type)
+        if not report["logits"]["ok"]:
+            reasons.append("logits differ: " + report["logits"]["reason"])
+    report["ok"] = not reasons
+    report["reason"] = "; ".join(reasons) or None
+    return report

@@ -1,0 +1,233 @@
+"""Tokenizer -> GGUF metadata (`tokenizer.ggml.*`), in the spellings llama.cpp reads.
+
+Three tokenizer styles are recognised from the source's `tokenizer.json` (transformers builds one from a
+`tokenizer.model` when only that is present):
+
+* SentencePiece-style BPE (Llama 1/2, Mistral): `tokenizer.ggml.model = "llama"`, tokens spelled with `▁`,
+  `<0xXX>` byte tokens, scores that order the merges (llama.cpp merges the best-scored pair first).
+* Byte-level BPE (Llama 3, Qwen2): `"gpt2"`, tokens in the byte alphabet, merges, and a pre-tokenizer name
+  that llama.cpp and transformers both know, recognised from the source's split regex.
+* Character-level vocabularies like the demo's WordLevel tokenizer: written as `"llama"` with no merges and no
+  space prefix. llama.cpp's "gpt2" loader insists on at least one merge, and transformers refuses a merge whose
+  result is not in the vocabulary, so a one-character vocabulary can only be expressed this way.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import gguf
+
+from core.gguf.source import BadInput
+
+# Split regexes as they appear in real tokenizer.json files -> llama.cpp's pre-tokenizer names.
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+KNOWN_SPLITS = {LLAMA3_SPLIT: "llama-bpe", QWEN2_SPLIT: "qwen2"}
+BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+@dataclass
+class VocabInfo:
+    model: str  # tokenizer.ggml.model: "llama" or "gpt2"
+    style: str  # for people: what was recognised
+    tokens: list[str]
+    types: list[int]
+    scores: list[float] | None = None
+    merges: list[str] | None = None
+    pre: str | None = None
+    add_space_prefix: bool | None = None
+    special: dict[str, int] = field(default_factory=dict)  # bos/eos/unk/pad -> id
+    add_bos: bool = False
+    add_eos: bool = False
+    chat_template: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def summary(self) -> dict:
+        return {
+            "ggml_model": self.model,
+            "style": self.style,
+            "pre_tokenizer": self.pre,
+            "tokens": len(self.tokens),
+            "merges": len(self.merges or []),
+            "special_ids": self.special,
+            "add_bos": self.add_bos,
+            "add_eos": self.add_eos,
+            "chat_template": bool(self.chat_template),
+            "notes": self.notes,
+        }
+
+
+def load_source_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    names = ("tokenizer.json", "tokenizer.model", "vocab.json")
+    if not any((path / n).is_file() for n in names):
+        raise BadInput(
+            f"{path} has no tokenizer files (tokenizer.json or tokenizer.model); a GGUF needs one."
+        )
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:  # any loader failure is a property of the input folder
+        raise BadInput(f"The tokenizer in {path} cannot be loaded ({type(e).__name__}: {e}).") from None
+
+
+def _has(node, type_name: str) -> bool:
+    return type_name in json.dumps(node or {})
+
+
+def _split_regex(pre) -> str | None:
+    if not pre:
+        return None
+    if pre.get("type") == "Split":
+        return (pre.get("pattern") or {}).get("Regex")
+    for p in pre.get("pretokenizers") or []:
+        found = _split_regex(p)
+        if found:
+            return found
+    return None
+
+
+def _byte_level_pre(pre) -> tuple[str, str | None]:
+    regex = _split_regex(pre)
+    if regex is not None:
+        if regex in KNOWN_SPLITS:
+            return KNOWN_SPLITS[regex], None
+        return (
+            "default",
+            "The pre-tokenizer regex is not one llama.cpp knows; it will split text its default way.",
+        )
+    if _has(pre, '"use_regex": true'):
+        return "gpt-2", None
+    return "default", None
+
+
+def read_vocab(path: Path, vocab_size: int, tokenizer=None) -> VocabInfo:
+    tok = tokenizer or load_source_tokenizer(path)
+    tj = json.loads(tok.backend_tokenizer.to_str())
+    model = tj["model"]
+    kind = model.get("type")
+    vocab: dict[str, int] = dict(model.get("vocab") or {}) if isinstance(model.get("vocab"), dict) else {}
+    added = {a["id"]: a for a in tj.get("added_tokens") or []}
+    for i, a in added.items():
+        vocab[a["content"]] = i
+    n = max(vocab.values()) + 1
+    if n > vocab_size:
+        raise BadInput(f"The tokenizer has {n} tokens but the model's embedding has only {vocab_size} rows.")
+    by_id = {i: t for t, i in vocab.items()}
+    raw_merges = model.get("merges") or []
+    merges = [m if isinstance(m, str) else " ".join(m) for m in raw_merges]
+
+    pre, normalizer, decoder = tj.get("pre_tokenizer"), tj.get("normalizer"), tj.get("decoder")
+    notes: list[str] = []
+    if kind == "BPE" and (model.get("byte_fallback") or _has(pre, "Metaspace") or _has(normalizer, "\u2581")):
+        ggml_model, style = "llama", "SentencePiece BPE"
+        prepend = '"prepend_scheme": "never"' not in json.dumps(pre or {})
+        add_space_prefix = prepend and (_has(pre, "Metaspace") or _has(normalizer, "Prepend"))
+        respell = {}
+    elif kind == "BPE" and (_has(pre, "ByteLevel") or _has(decoder, "ByteLevel")):
+        ggml_model, style = "gpt2", "byte-level BPE"
+        add_space_prefix = None
+        respell = {}
+    elif kind == "WordLevel" and all(len(t) == 1 for t, i in vocab.items() if i not in added):
+        ggml_model, style = "llama", "character-level"
+        add_space_prefix = False
+        respell = {" ": "\u2581"}  # llama.cpp's sentencepiece path always escapes spaces as ▁
+        notes.append(
+            "Characters outside the vocabulary become <unk> in the source; llama.cpp maps them to unk too."
+        )
+    else:
+        raise BadInput(
+            f"Tokenizer model {kind} ({type(tok).__name__}) cannot be written to GGUF by this exporter."
+        )
+
+    unk_id = tok.unk_token_id
+    tokens, types = [], []
+    for i in range(vocab_size):
+        t = by_id.get(i)
+        if t is None:
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+            continue
+        tokens.append(respell.get(t, t))
+        if i == unk_id:
+            types.append(gguf.TokenType.UNKNOWN)
+        elif i in added:
+            types.append(gguf.TokenType.CONTROL if added[i]["special"] else gguf.TokenType.USER_DEFINED)
+        elif ggml_model == "llama" and BYTE_TOKEN.fullmatch(t):
+            types.append(gguf.TokenType.BYTE)
+        else:
+            types.append(gguf.TokenType.NORMAL)
+    if len(set(tokens)) != len(tokens):
+        raise BadInput("The tokenizer spells two ids the same way, which a GGUF vocabulary cannot hold.")
+
+    info = VocabInfo(model=ggml_model, style=style, tokens=tokens, types=[int(t) for t in types], notes=notes)
+    info.add_space_prefix = add_space_prefix
+    if ggml_model == "llama":
+        # The merge order is the tokenizer's: rank r gets score -r, so the best merge scores highest, which is
+        # how llama.cpp and transformers' GGUF loader both read sentencepiece scores.
+        rank: dict[str, float] = {}
+        for r, m in enumerate(merges):
+            rank.setdefault(m.replace(" ", "", 1), -float(r))
+        info.scores = [
+            (rank.get(t, -float(len(merges) + i)) if ty == gguf.TokenType.NORMAL else 0.0)
+            for i, (t, ty) in enumerate(zip(tokens, types, strict=True))
+        ]
+    else:
+        if not merges:
+            raise BadInput(
+                "This byte-level BPE tokenizer has no merges; llama.cpp cannot load such a vocabulary."
+            )
+        info.merges = merges
+        info.pre, note = _byte_level_pre(pre)
+        if note:
+            notes.append(note)
+        info.style += f" ({info.pre} pre-tokenizer)"
+
+    for name in ("bos", "eos", "unk", "pad"):
+        i = getattr(tok, f"{name}_token_id", None)
+        if i is not None:
+            info.special[name] = int(i)
+    probe_plain = tok("a", add_special_tokens=False)["input_ids"]
+    probe = tok("a")["input_ids"]
+    bos, eos = info.special.get("bos"), info.special.get("eos")
+    info.add_bos = bos is not None and len(probe) > len(probe_plain) and probe[0] == bos
+    info.add_eos = eos is not None and len(probe) > len(probe_plain) and probe[-1] == eos
+    template = getattr(tok, "chat_template", None)
+    info.chat_template = template if isinstance(template, str) else None
+    return info
+
+
+def write_vocab(w: gguf.GGUFWriter, info: VocabInfo) -> None:
+    w.add_tokenizer_model(info.model)
+    if info.pre:
+        w.add_tokenizer_pre(info.pre)
+    w.add_token_list(info.tokens)
+    w.add_token_types(info.types)
+    if info.scores is not None:
+        w.add_token_scores(info.scores)
+    if info.merges:
+        w.add_token_merges(info.merges)
+    if info.add_space_prefix is not None:
+        w.add_add_space_prefix(info.add_space_prefix)
+    setters = {
+        "bos": w.add_bos_token_id,
+        "eos": w.add_eos_token_id,
+        "unk": w.add_unk_token_id,
+        "pad": w.add_pad_token_id,
+    }
+    for name, i in info.special.items():
+        setters[name](i)
+    w.add_add_bos_token(info.add_bos)
+    w.add_add_eos_token(info.add_eos)
+    if info.chat_template:
+        w.add_chat_template(info.chat_template)
