@@ -22,7 +22,7 @@ def minimal(**sections):
 
 def test_defaults_fill_every_section():
     cfg = validate_config(minimal())
-    assert set(cfg) == {"model", "quantization", "lora", "data", "training"}
+    assert set(cfg) == {"method", "model", "quantization", "lora", "data", "training"}
     assert cfg["lora"]["r"] == default_config()["lora"]["r"]
     assert cfg["model"]["path"] == "some/model"
 
@@ -30,8 +30,11 @@ def test_defaults_fill_every_section():
 @pytest.mark.parametrize(
     "sections, path",
     [
-        ({"training": {"learning_rat": 1e-4}}, "training.learning_rat: unknown key"),
-        ({"lora": {"r": 0}}, "lora.r must be between 1 and 4096"),
+        (
+            {"training": {"learning_rat": 1e-4}},
+            "training.learning_rat: unknown key. Did you mean training.learning_rate?",
+        ),
+        ({"lora": {"r": 0}}, "lora.r must be in [1, 4096]"),
         ({"lora": {"lora_dropout": 1.0}}, "lora.lora_dropout must be in [0, 1)"),
         ({"training": {"learning_rate": -1}}, "training.learning_rate must be in (0, 1]"),
         ({"training": {"optim": "adamw_magic"}}, "training.optim must be one of"),
@@ -149,3 +152,110 @@ def test_plan_to_config_tolerates_missing_keys_and_objects():
     assert cfg["lora"]["r"] == default_config()["lora"]["r"]
     partial = plan_to_config({})  # no base paths: an unvalidated dict the page completes
     assert partial["model"]["path"] is None
+
+
+# ---- the config is the libraries' own schema (issue #10) ------------------------------------------------------
+
+
+def test_training_takes_every_sft_config_key_users_set():
+    """Keys of TrainingArguments/SFTConfig that the old 19-key whitelist refused."""
+    cfg = validate_config(
+        minimal(
+            training={
+                "dataloader_num_workers": 0,
+                "report_to": "none",
+                "seed": 7,
+                "per_device_eval_batch_size": 2,
+                "neftune_noise_alpha": 5.0,
+                "packing": True,
+                "lr_scheduler_kwargs": {"min_lr": 1e-6},
+            }
+        )
+    )
+    assert cfg["training"]["neftune_noise_alpha"] == 5.0 and cfg["training"]["packing"] is True
+
+
+def test_keys_from_other_tools_and_older_releases_read_under_todays_names():
+    cfg = validate_config(
+        minimal(training={"group_by_length": True, "max_seq_length": 256, "evaluation_strategy": "no"})
+    )
+    assert cfg["training"]["train_sampling_strategy"] == "group_by_length"  # transformers 5's name
+    assert cfg["training"]["max_length"] == 256 and cfg["training"]["eval_strategy"] == "no"
+    legacy = validate_config({"model": {"path": "m"}, "data": {"path": "d", "max_length": 96}})
+    assert legacy["training"]["max_length"] == 96 and "max_length" not in legacy["data"]
+
+
+@pytest.mark.parametrize(
+    "sections, message",
+    [
+        ({"training": {"output_dir": "/tmp/x"}}, "training.output_dir is set by the engine"),
+        ({"training": {"resume_from_checkpoint": True}}, "--resume"),
+        ({"training": {"r": 8}}, "r belongs in the lora section (lora.r)"),
+        ({"training": {"lr": 1e-4}}, "It is called training.learning_rate here"),
+        (
+            {"lora": {"lora_alpha": 16.5}},
+            "lora.lora_alpha must be a whole number",
+        ),  # the planner refused it later
+        ({"training": {"lr_scheduler_type": "cosin"}}, "Did you mean 'cosine'?"),
+        ({"training": {"report_to": 3}}, "training.report_to must be"),
+        ({"trainig": {}}, "Did you mean training?"),
+    ],
+)
+def test_problems_come_back_as_one_sentence_with_the_key_path(sections, message):
+    with pytest.raises(ConfigError) as err:
+        validate_config(minimal(**sections))
+    assert message in str(err.value)
+
+
+def test_method_is_checked():
+    with pytest.raises(ConfigError, match="method must be one of sft"):
+        validate_config({**minimal(), "method": "ppo"})
+
+
+def test_yaml_numbers_without_a_dot_and_full_round_trip(tmp_path):
+    (tmp_path / "run.yaml").write_text(
+        "model: {path: m}\ndata: {path: d.jsonl}\ntraining: {learning_rate: 2e-4, warmup_steps: 10}\n"
+    )
+    cfg = load_config(tmp_path / "run.yaml")
+    assert cfg["training"]["learning_rate"] == 2e-4  # YAML 1.1 reads 2e-4 as a string
+    dumped = dump_config(cfg, tmp_path / "again.yaml")
+    assert load_config(dumped) == cfg and yaml.safe_load(dumped.read_text()) == cfg
+
+
+def test_yaml_aliases_are_refused_before_they_expand(tmp_path):
+    bomb = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{c}: &{c} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]\n"
+        for p, c in zip("abcdefgh", "bcdefghi")
+    )
+    (tmp_path / "bomb.yaml").write_text(bomb)
+    with pytest.raises(ConfigError, match="alias"):
+        load_config(tmp_path / "bomb.yaml")
+
+
+def test_the_libraries_check_the_combination(tmp_path):
+    from core.train.config import check_with_libraries
+
+    check_with_libraries(validate_config(minimal(training={"packing": True, "packing_strategy": "bfd"})))
+    with pytest.raises(ConfigError, match="^training: "):
+        check_with_libraries(
+            validate_config(
+                minimal(
+                    training={
+                        "eval_strategy": "steps",
+                        "load_best_model_at_end": True,
+                        "save_strategy": "epoch",
+                    }
+                )
+            )
+        )
+
+
+def test_schema_is_read_from_the_installed_libraries():
+    import dataclasses
+
+    from trl import SFTConfig
+
+    from core.train.config import OWNED, section_schema
+
+    sft_fields = {f.name for f in dataclasses.fields(SFTConfig) if f.init}
+    assert set(section_schema("training")) == sft_fields - set(OWNED["training"])

@@ -72,7 +72,7 @@ def test_embedding_out_of_range_mentions_positions_and_vocab(tiny_llama):
     config = {"model": {"path": str(tiny_llama)}}
     d = diagnose(Evidence(stderr=stderr("cpu_embedding_index_out_of_range"), status=failed(), config=config))
     assert any("max_position_embeddings 256" in x for x in d.details)
-    assert any("max_seq_length" in f for f in d.fixes)
+    assert any("training.max_length" in f for f in d.fixes)
 
 
 def test_cuda_oom_fragmentation_recommends_expandable_segments():

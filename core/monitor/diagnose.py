@@ -210,7 +210,7 @@ def _explain_cuda_oom(ev: Evidence) -> tuple[list[str], list[str]]:
                 "than planned, or other processes)."
             )
             fixes.append(
-                "Check the dataset's longest sample against max_seq_length in the plan, and run the Smoke test "
+                "Check the dataset's longest sample against training.max_length in the plan, and run the Smoke test "
                 "to measure before launching."
             )
     elif not plan:
@@ -263,7 +263,7 @@ def _explain_index(ev: Evidence) -> tuple[list[str], list[str]]:
             "past the model's maximum" + (f" ({', '.join(lim)})." if lim else ".")
         )
         fixes.append(
-            "Set max_seq_length no larger than the model's max_position_embeddings and make sure the tokenizer "
+            "Set training.max_length no larger than the model's max_position_embeddings and make sure the tokenizer "
             "matches the model (same vocabulary)."
         )
     if "device-side assert" in ev.stderr:
@@ -311,8 +311,8 @@ def _explain_nan(ev: Evidence) -> tuple[list[str], list[str]]:
     if lr is None and ev.series is not None:
         lr = ev.series.metrics.get("learning_rate").last() if ev.series.metrics.get("learning_rate") else None
     if isinstance(lr, (int, float)) and lr > 5e-4:
-        details.append(f"learning_rate {lr:g} is high for LoRA (typical 1e-4 to 3e-4).")
-        fixes.append(f"Lower learning_rate to {lr / 10:g} and keep a warmup.")
+        details.append(f"training.learning_rate {lr:g} is high for LoRA (typical 1e-4 to 3e-4).")
+        fixes.append(f"Lower training.learning_rate to {lr / 10:g} and keep a warmup.")
     if tr.get("fp16"):
         details.append("fp16 is on: its range ends at 65504, and activations or the loss scale can overflow.")
         fixes.append("Switch fp16 off and bf16 on (RTX 30xx/40xx, A6000 and L40 support bf16).")
@@ -350,7 +350,7 @@ def _explain_hang(ev: Evidence) -> tuple[list[str], list[str]]:
     tr = ev.training()
     workers = tr.get("dataloader_num_workers")
     if workers:
-        details.append(f"dataloader_num_workers is {workers}.")
+        details.append(f"training.dataloader_num_workers is {workers}.")
     return details, []
 
 
@@ -440,8 +440,8 @@ RULES: list[Rule] = [
         signs="stderr contains `torch.OutOfMemoryError: CUDA out of memory` (or CUBLAS_STATUS_ALLOC_FAILED).",
         cause="The run needed more GPU memory than was free at that moment.",
         fix=[
-            "Lower per_device_train_batch_size and raise gradient_accumulation_steps to keep the effective batch.",
-            "Lower max_seq_length, enable gradient_checkpointing, or use QLoRA (4-bit) with paged_adamw_8bit.",
+            "Lower training.per_device_train_batch_size and raise training.gradient_accumulation_steps to keep the effective batch.",
+            "Lower training.max_length, enable training.gradient_checkpointing, or use QLoRA (4-bit) with paged_adamw_8bit.",
             "If the message shows a large 'reserved by PyTorch but unallocated' figure, memory is fragmented: "
             "set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True.",
             "If other processes hold GPU memory (the Monitor lists them from NVML), close them.",
@@ -459,7 +459,7 @@ RULES: list[Rule] = [
         fix=[
             "Run the dataset preflight on the Train page: it checks token ids, labels and lengths against the model.",
             "Use the model's own tokenizer; after adding tokens call model.resize_token_embeddings(len(tokenizer)).",
-            "Keep max_seq_length at or below the model's max_position_embeddings.",
+            "Keep training.max_length at or below the model's max_position_embeddings.",
         ],
         patterns=(
             r"device-side assert triggered",
@@ -479,7 +479,7 @@ RULES: list[Rule] = [
         "dataset held in memory, or many data loader workers each copying it.",
         fix=[
             "Close other memory-hungry programs, or add swap.",
-            "Lower dataloader_num_workers (each worker holds its own copy of the dataset pipeline).",
+            "Lower training.dataloader_num_workers (each worker holds its own copy of the dataset pipeline).",
             "Load the model directly in 4-bit (QLoRA) and with low_cpu_mem_usage; tokenise the dataset to disk "
             "(datasets map with a cache) instead of holding it in Python lists.",
         ],
@@ -499,8 +499,8 @@ RULES: list[Rule] = [
         cause="A worker process of the PyTorch DataLoader was killed, most often by the kernel's OOM killer "
         "(each worker copies the dataset) or because shared memory (/dev/shm) is too small.",
         fix=[
-            "Set dataloader_num_workers=0 (or 1-2) and launch again.",
-            "Set dataloader_pin_memory=False; in Docker, raise --shm-size.",
+            "Set training.dataloader_num_workers=0 (or 1-2) and launch again.",
+            "Set training.dataloader_pin_memory=False; in Docker, raise --shm-size.",
         ],
         patterns=(r"DataLoader worker \(pid", r"DataLoader worker .*exited unexpectedly"),
         explain=_explain_cpu_oom,
@@ -513,7 +513,7 @@ RULES: list[Rule] = [
         cause="The optimisation diverged: a learning rate too high for this model, or fp16 overflow (values "
         "beyond 65504).",
         fix=[
-            "Lower learning_rate (10x), keep max_grad_norm=1.0 and a warmup.",
+            "Lower training.learning_rate (10x), keep training.max_grad_norm=1.0 and a warmup.",
             "Use bf16 instead of fp16 on GPUs that support it.",
             "Resume from the last checkpoint before the NaN, not from the end.",
         ],
@@ -556,8 +556,8 @@ RULES: list[Rule] = [
         cause="The data loader is stuck (a worker deadlock, a slow network file system, or tokenisation on the "
         "fly that cannot keep up), so the GPU waits.",
         fix=[
-            "Set dataloader_num_workers=0 to rule out worker deadlocks, then raise it gradually.",
-            "Set dataloader_pin_memory=False.",
+            "Set training.dataloader_num_workers=0 to rule out worker deadlocks, then raise it gradually.",
+            "Set training.dataloader_pin_memory=False.",
             "Tokenise the dataset before training and keep it on a local disk.",
         ],
         test=_dataloader_hang,

@@ -92,8 +92,8 @@ class HealthChecker:
                     f"{'Training' if name == 'loss' else 'Eval'} loss is {vals[first]} (not a number)",
                     f"{name} became {vals[first]} at step {int(steps[first])}; {int(bad.sum())} of {vals.size} "
                     "logged values are NaN/inf. Training past this point learns nothing.",
-                    "Stop the run and restart from the last good checkpoint with a lower learning_rate (try 10x "
-                    "lower) and max_grad_norm=1.0; if fp16 is on, switch to bf16 (fp16 overflows above 65504).",
+                    "Stop the run and restart from the last good checkpoint with a lower training.learning_rate (try 10x "
+                    "lower) and training.max_grad_norm=1.0; if fp16 is on, switch to bf16 (fp16 overflows above 65504).",
                 )
         return None
 
@@ -120,8 +120,8 @@ class HealthChecker:
             f"GPU memory {frac:.0%} full",
             f"{source}: {_gib(peak)} of {_gib(cap)} ({frac:.0%}, limit {self.s.memory_fraction:.0%}). A longer "
             "batch or an eval pass can run out of memory.",
-            "Lower per_device_train_batch_size (raise gradient_accumulation_steps to keep the effective batch), "
-            "lower max_seq_length, enable gradient_checkpointing, or load the model in 4-bit (QLoRA).",
+            "Lower training.per_device_train_batch_size (raise training.gradient_accumulation_steps to keep the effective batch), "
+            "lower training.max_length, enable training.gradient_checkpointing, or load the model in 4-bit (QLoRA).",
         )
 
     def _utilization(self, series: RunSeries) -> HealthWarning | None:
@@ -144,9 +144,10 @@ class HealthChecker:
             "GPU is waiting: data loading is the bottleneck",
             f"Utilisation averaged {mean:.0f}% over the last {t[-1] - start:.0f} s ({sel.sum()} samples, "
             f"{low:.0%} of them under {self.s.util_threshold:.0f}%).",
-            "Raise dataloader_num_workers (e.g. 4), set dataloader_pin_memory=True, tokenise the dataset once "
-            "before training instead of on the fly, and group_by_length to cut padding; a larger "
-            "per_device_train_batch_size also gives the GPU more work per step.",
+            "Raise training.dataloader_num_workers (e.g. 4), set training.dataloader_pin_memory=True, tokenise the dataset once "
+            "before training instead of on the fly, and set training.train_sampling_strategy: group_by_length "
+            "(or training.packing: true) to cut padding; a larger training.per_device_train_batch_size also "
+            "gives the GPU more work per step.",
         )
 
     def _spikes_warning(self, series: RunSeries) -> HealthWarning | None:
@@ -167,7 +168,7 @@ class HealthChecker:
             f"Loss spiked {len(self._spikes)} time(s)",
             f"Largest: {v:.4g} at step {int(step)} against a rolling median of {med:.4g} "
             f"({v / max(med, 1e-12):.1f}x); latest at step {int(last[0])}.",
-            "Lower learning_rate, keep max_grad_norm=1.0, use a warmup (warmup_steps 0.03-0.1), and check the "
+            "Lower training.learning_rate, keep training.max_grad_norm=1.0, use a warmup (training.warmup_steps 0.03-0.1), and check the "
             "data around those steps for very long or broken samples.",
         )
 
@@ -213,7 +214,7 @@ class HealthChecker:
                 f"Loss has not fallen over the first {self.s.flat_steps} steps",
                 f"Median loss {first:.4g} over the first {k} logged points and {last:.4g} over the last {k} up "
                 f"to step {self.s.flat_steps}.",
-                "Raise learning_rate (LoRA usually trains at 1e-4 to 3e-4) and check that warmup is not most of "
+                "Raise training.learning_rate (LoRA usually trains at 1e-4 to 3e-4) and check that warmup is not most of "
                 "these steps; check that the labels are not all masked (-100) and that the chat template matches "
                 "the model; make sure LoRA targets the attention/MLP projections.",
             )
@@ -264,7 +265,7 @@ class HealthChecker:
                     "sequence length run the Smoke test to measure; the plan may miss an activation or the "
                     "longest batch of this dataset."
                     if over
-                    else "More headroom than planned: a larger per_device_train_batch_size or max_seq_length "
+                    else "More headroom than planned: a larger training.per_device_train_batch_size or training.max_length "
                     "may fit (confirm with the Smoke test)."
                 ),
             )
