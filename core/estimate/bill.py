@@ -635,9 +635,9 @@ def fused_head_bytes(spec: ModelSpec, plan: Plan, rows: int) -> FusedHead:
     grad_weight = vocab * h * 4 if head_trains else 0
     grad_in = n_all * 4  # the incoming gradient of log_probs (masked_fill's backward)
     backward = held + grad_in + n_all * h * 4 + grad_weight + mm_buf + hidden_chunk + weight_chunk + fold_bwd
-    end = (
-        held + n_all * h * (4 + (hd if hd != 4 else 0)) + grad_weight + (vocab * h * wd if head_trains else 0)
-    )
+    # `.to(dtype)` of an fp32 accumulator is the same tensor when the input is fp32; the head's returned
+    # gradient becomes its .grad (counted under gradients), so only a separate fp32 accumulator adds here.
+    end = held + n_all * h * (4 + (hd if hd != 4 else 0)) + (grad_weight if wd != 4 else 0)
     return FusedHead(held, forward, backward, end)
 
 

@@ -113,7 +113,7 @@ def _plan_from_run_config(cfg: dict) -> MeasurePlan:
         lora_dropout=float(lo.get("lora_dropout", 0.0)),
         target_modules=lo.get("target_modules", "all-linear"),
         batch_size=int(t.get("per_device_train_batch_size", 1)),
-        seq_len=int(d.get("max_length", 512)),
+        seq_len=int(t.get("max_length", d.get("max_length", 512))),  # SFTConfig's max_length, or data's
         gradient_checkpointing=bool(t.get("gradient_checkpointing", False)),
         attn=m.get("attn_implementation", "sdpa"),
         optim=t.get("optim", "adamw_torch"),
