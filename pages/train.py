@@ -28,9 +28,11 @@ from core.train.config import (
     FORMATS,
     OPTIMIZERS,
     SCHEDULERS,
+    SECTIONS,
     ConfigError,
     config_to_yaml,
     default_config,
+    migrate,
     plan_to_config,
     validate_config,
 )
@@ -131,7 +133,7 @@ def _base_config(workspace: str) -> tuple[dict, str]:
     """The config the form starts from, and where it came from."""
     plan = st.session_state.get("plan")
     if st.session_state.get("train_config"):
-        return st.session_state["train_config"], "your last edits"
+        return migrate(st.session_state["train_config"]), "your last edits"
     base = demo_config(workspace) if demo_ready(workspace) else _demo_paths(workspace)
     if plan:
         return _from_plan(plan, base)
@@ -195,7 +197,7 @@ def _fill_form(cfg: dict) -> None:
 def _raw_config() -> dict:
     """The config as the form says it (not validated: the checks report each field's problem)."""
     raw = copy.deepcopy(st.session_state.get("tr_base") or default_config())
-    for section in default_config():
+    for section in SECTIONS:
         raw.setdefault(section, {})
     for key, (section, name) in FIELDS.items():
         value = st.session_state.get(key)

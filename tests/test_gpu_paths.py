@@ -229,9 +229,14 @@ def test_tracker_cuda_filter_counts_bitsandbytes_paged_state():
 
 def test_fp16_mixed_precision_gets_float32_trainable_weights(tiny_llama):
     """fp16 AMP (CUDA only): torch's GradScaler refuses float16 gradients. load_model must hand the Trainer
-    float32 trainable weights for full fine-tuning and trainable LoRA biases, loaded in float16."""
+    float32 trainable weights for full fine-tuning and trainable LoRA biases, loaded in float16 (make_trainer
+    applies _fp32_trainable to the model SFTTrainer hands back)."""
     from core.train.config import default_config
-    from core.train.trainer import load_model
+    from core.train.trainer import _fp32_trainable
+    from core.train.trainer import load_model as load_base
+
+    def load_model(cfg, prec):
+        return _fp32_trainable(load_base(cfg, prec), prec)
 
     cfg = default_config()
     cfg["model"]["path"] = str(tiny_llama)

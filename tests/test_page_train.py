@@ -80,7 +80,7 @@ BAD_INPUTS = [
     ),
     ("number_input", "tr_lr", 0.0, "training.learning_rate must be in (0, 1]"),
     ("number_input", "tr_lr", -1e-4, "training.learning_rate must be in (0, 1]"),
-    ("number_input", "tr_batch", 0, "training.per_device_train_batch_size must be between 1"),
+    ("number_input", "tr_batch", 0, "training.per_device_train_batch_size must be in [1, 65536]"),
     ("text_input", "tr_name", "../escape", "Run name '../escape' is not allowed"),
 ]
 

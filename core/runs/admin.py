@@ -14,7 +14,7 @@ from pathlib import Path
 from core.runs import rundir
 from core.runs.launcher import RunError, launch, run_state
 from core.runs.rundir import LIVE_STATES
-from core.train.config import RULES, SECTIONS, ConfigError, dump_config, validate_config
+from core.train.config import dump_config, field_errors, validate_config
 from core.workspace import WorkspaceError, check_run_name, inside, runs_dir
 
 SMOKE_DIR = "smoke"  # <workspace>/smoke/<run>-<n>/: one-step runs, not listed among the real runs
@@ -30,19 +30,8 @@ def check_fields(raw: dict) -> dict[str, str]:
     Unlike validate_config (which stops at the first problem) this reports all of them, so a form can show each
     message next to its field. Also checks what validation cannot: the model folder and the data's columns.
     """
-    errors: dict[str, str] = {}
-    for section in raw or {}:
-        if section not in SECTIONS:
-            errors[section] = f"{section}: unknown section; a run config has only {', '.join(SECTIONS)}."
-            continue
-        for key, value in (raw[section] or {}).items():
-            rule = RULES[section].get(key)
-            if rule is None:
-                errors[f"{section}.{key}"] = f"{section}.{key}: unknown key."
-                continue
-            problem = rule(value)
-            if problem:
-                errors[f"{section}.{key}"] = f"{section}.{key} {problem} (got {value!r})."
+    _, errors = field_errors(raw)
+    errors = {k: v for k, v in errors.items() if k not in ("model.path", "data.path") or "required" not in v}
     model_path = ((raw or {}).get("model") or {}).get("path")
     if "model.path" not in errors:
         problem = check_model_folder(model_path)
@@ -53,11 +42,6 @@ def check_fields(raw: dict) -> dict[str, str]:
         problem = check_data_columns(data)
         if problem:
             errors["data.path"] = problem
-    if not errors:
-        try:
-            validate_config(raw)
-        except ConfigError as exc:  # combinations (bf16 with fp16, 4-bit without LoRA, ...)
-            errors["config"] = str(exc)
     return errors
 
 

@@ -376,7 +376,7 @@ def field_errors(raw: Any) -> tuple[dict, dict[str, str]]:
         return default_config(), {
             "config": "The run config must be a mapping with the keys " + ", ".join(TOP_LEVEL) + "."
         }
-    raw = _migrate(raw)
+    raw = migrate(raw)
     cfg = default_config()
     for top, values in raw.items():
         if top == "method":
@@ -451,7 +451,7 @@ RENAMED = {
 }
 
 
-def _migrate(raw: dict) -> dict:
+def migrate(raw: dict) -> dict:
     """Old spellings (RENAMED) rewritten to today's keys, unless the library still knows the old key."""
     out = None
     for (section, key), (new_section, new_key, values) in RENAMED.items():
