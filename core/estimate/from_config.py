@@ -79,9 +79,8 @@ def plan_for_config(
         device=device,
         # what SFTTrainer does: no prepare_model_for_kbit_training, the tiled (fused) LM head
         prepare_kbit=False,
+        fused_lm_head=True,
     )
-    if "fused_lm_head" in Plan.__dataclass_fields__:
-        fields["fused_lm_head"] = True
     return Plan(**fields)
 
 
