@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import sys
+from pathlib import Path
 
 
 def _summary(result) -> list[str]:
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     except ExportError as e:
         print(f"error: {e} Nothing was written to {args.out}.", file=sys.stderr)
         if e.report:
-            print(f"report: {report_path(os.path.abspath(args.out))}", file=sys.stderr)
+            print(f"report: {report_path(Path(args.out).absolute())}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(result.to_dict(), default=str))

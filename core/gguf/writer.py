@@ -59,6 +59,10 @@ def progress_path(out: Path) -> Path:
 
 def add_model_metadata(w: gguf.GGUFWriter, src: Source, file_type: int, name: str) -> None:
     c = src.config
+    if name == "mistral":
+        # transformers' GGUF loader switches to a "mistral" architecture that gguf-py does not know when
+        # general.name is exactly this; llama.cpp itself does not care.
+        name = "mistral-model"
     w.add_name(name)
     w.add_file_type(int(file_type))
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
