@@ -81,8 +81,8 @@ def test_fused_head_switch_changes_exactly_the_loss_term():
 
 
 def test_triton_tiles_do_not_grow_with_the_vocabulary(tmp_path):
-    """On CUDA only min(N, 4096) x 32768 tiles and per-token terms exist: doubling a large vocabulary leaves the
-    fused term unchanged, while the plain path's logits double."""
+    """On CUDA only min(N, 4096) x 32768 tiles and per-token terms exist: doubling a large vocabulary leaves
+    the fused term unchanged, while the plain path's logits double."""
     specs = [load_spec(_folder(tmp_path, f"v{v}", vocab_size=v)[1]) for v in (65536, 131072)]
     plan = Plan(method="lora", batch_size=1, seq_len=256, device="cuda")
     fused = [fused_head_bytes(s, replace(plan, model=s.model_id), 1) for s in specs]
@@ -132,7 +132,7 @@ def test_cli_flags_reach_the_plan(capsys):
         assert (plan["fused_lm_head"], plan["prepare_kbit"]) == (fused, prep)
 
 
-# -- the measured step does what SFTTrainer does ---------------------------------------------------------------
+# -- the measured step does what SFTTrainer does ------------------------------------------------------------
 
 
 def test_build_model_prepares_qlora_as_sfttrainer(tmp_path):

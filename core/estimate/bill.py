@@ -247,8 +247,8 @@ def _trl_qlora(plan: Plan) -> bool:
 def adapter_bytes(plan: Plan) -> int:
     """Bytes per LoRA parameter (and so per gradient and per parameter-dtype optimizer state).
 
-    peft keeps adapter weights in fp32 (get_peft_model's autocast_adapter_dtype) whatever the base dtype; for a
-    quantized model trl 1.16 SFTTrainer.__init__ then casts every trainable parameter to bfloat16
+    peft keeps adapter weights in fp32 (get_peft_model's autocast_adapter_dtype) whatever the base dtype; for
+    a quantized model trl 1.16 SFTTrainer.__init__ then casts every trainable parameter to bfloat16
     (`param.data = param.data.to(torch.bfloat16)`, the QLoRA paper's recommendation)."""
     return 2 if _trl_qlora(plan) else 4
 
@@ -491,7 +491,8 @@ def last_layer_forward_temporaries(spec: ModelSpec, plan: Plan, targets=()) -> f
     down_proj, peft's `x = x.to(lora_A.weight.dtype)` (a local alive until forward returns; saved, so
     already counted, only without dropout and autocast), and `result + lora_B(lora_A(x)) * scaling`: the
     lora_B output and its scaled copy (or the scaled copy and the sum, promoted to fp32 when the base is
-    16-bit and the adapter fp32; TRL's bf16 QLoRA adapters need no cast). Tensors a full fine-tune saves anyway are not counted twice.
+    16-bit and the adapter fp32; TRL's bf16 QLoRA adapters need no cast). Tensors a full fine-tune saves
+    anyway are not counted twice.
     Not used with gradient checkpointing: there the recompute moments of backward bound the step."""
     saved = layer_saved_tensors(spec, plan, targets)
     d = _dtypes(plan)
@@ -564,7 +565,7 @@ FUSED_VOCAB_CHUNK = 32768
 
 @dataclass(frozen=True)
 class FusedHead:
-    """TRL's fused LM head + SFTTrainer.compute_loss, in bytes next to the saved activations at each moment."""
+    """TRL's fused LM head + SFTTrainer.compute_loss: bytes next to the saved activations at each moment."""
 
     held: int  # saved by the fused loss for backward (its hidden input, per-token statistics)
     forward: int  # held + the forward's tile temporaries, at its largest
@@ -960,6 +961,8 @@ def what_would_fit(plan: Plan, spec: ModelSpec | None = None) -> list[dict]:
                 {"method": "qlora", "quant_type": "nf4", "gradient_checkpointing": True},
             )
         )
+    if not plan.fused_lm_head:
+        candidates.append(("TRL's fused LM head (SFTTrainer): no full logits", {"fused_lm_head": True}))
     if plan.method == "qlora" and not plan.double_quant:
         candidates.append(("double quantization of the 4-bit constants", {"double_quant": True}))
     if OPTIMIZERS[plan.optim][2] in ("foreach", "fused", "plain", "bnb32", "bnb32_paged", "factored"):

@@ -200,8 +200,8 @@ def build_model(
     config_or_dir, plan: MeasurePlan, cache_dir: str | os.PathLike | None = None, device: str = "cpu"
 ):
     """The model a run with `plan` trains: base (+ 4-bit) + LoRA, with the attention implementation and
-    gradient checkpointing set as Trainer sets them, on `device` (4-bit weights are quantized where they land),
-    prepared for QLoRA by prepare_model_for_kbit_training (plan.prepare_kbit) or as SFTTrainer does, and with
+    gradient checkpointing set as Trainer sets them, on `device` (4-bit weights are quantized where they
+    land), prepared for QLoRA by prepare_model_for_kbit_training (plan.prepare_kbit) or as SFTTrainer does, and with
     SFTTrainer's fused LM head (plan.fused_lm_head). Returns (model, config)."""
     from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
 
