@@ -2,11 +2,13 @@
 matrix of configurations, next to the naive baseline (weights x 4, what `accelerate estimate-memory` reports
 for training with Adam).
 
-Measured: core.tracker_plan builds each model the way a run does (transformers + peft + bitsandbytes,
-prepare_model_for_kbit_training, gradient checkpointing, the optimizer Trainer picks for the optim name,
-Trainer's bf16 autocast, or none: the last rows run bf16 weights without it, as core.train does on a CPU)
-at 2 and 3 decoder layers and real widths, runs forward + loss, backward, grad clipping, optimizer step,
-zero_grad under the live-tensor tracker, and extrapolates each phase's peak to the full depth (exact:
+Measured: core.measure.step builds each model the way a run does (transformers + peft + bitsandbytes,
+gradient checkpointing, the optimizer Trainer picks for the optim name, Trainer's bf16 autocast, or none:
+some rows run bf16 weights without it, as core.train does on a CPU) along one of two paths: the plain
+Trainer (cross-entropy over the full logits; QLoRA with prepare_model_for_kbit_training, "prep") or TRL's
+SFTTrainer ("trl": fused LM head, loss from per-token log-probabilities; QLoRA with bf16 adapters,
+"trl-prep"), at 2 and 3 decoder layers and real widths, runs forward + loss, backward, grad clipping,
+optimizer step, zero_grad under the live-tensor tracker, and extrapolates each phase's peak to the full depth (exact:
 tests/test_tracker.py). The figure compared is the steady-state tensor peak (a step after the first, when the
 optimizer state exists), what `torch.cuda.max_memory_allocated` reports on a GPU.
 Estimated: core.estimate for the same plan at the full depth, device "cpu" (CPU kernels; see RESULTS.md).
@@ -56,11 +58,17 @@ ARCHS = {
 
 QV = "q_proj,v_proj"
 AL = "all-linear"
+PAGED = "paged_adamw_8bit"
 
 
 def matrix() -> list[tuple[str, MeasurePlan]]:
-    """The configurations: every axis of the issue appears on each side, spread over the architectures."""
-    P = MeasurePlan
+    """The configurations: every axis of the issue appears on each side, spread over the architectures.
+    Rows 0-28 run the plain-Trainer loss (full logits, `fused_lm_head=False`); the rows after them run what
+    TRL's SFTTrainer does (fused LM head; QLoRA prepared without prepare_model_for_kbit_training)."""
+
+    def P(*args, **kw):  # the plain path: cross-entropy over the full logits
+        return MeasurePlan(*args, fused_lm_head=False, **kw)
+
     rows = []
     for arch in ARCHS:
         rows += [
@@ -154,7 +162,64 @@ def matrix() -> list[tuple[str, MeasurePlan]]:
         ),
         ("tinyllama", P("lora", target_modules=QV, batch_size=1, seq_len=256, mixed_precision=None)),
     ]
-    return rows
+    return rows + trl_matrix()
+
+
+def trl_matrix() -> list[tuple[str, MeasurePlan]]:
+    """SFTTrainer's path (trl 1.16): add_fused_lm_head + compute_loss from per-token log-probabilities, and for
+    QLoRA enable_input_require_grads (with checkpointing) + bf16 adapters instead of prepare_kbit. Qwen's
+    152k vocabulary is where the head's tiles dominate; on the CPU every position is scored."""
+    T = MeasurePlan  # its defaults are TRL's: fused_lm_head=True, prepare_kbit=False
+    return [
+        ("tinyllama", T("lora", target_modules=QV, batch_size=1, seq_len=512)),
+        (
+            "tinyllama",
+            T(
+                "qlora",
+                target_modules=AL,
+                batch_size=1,
+                seq_len=512,
+                gradient_checkpointing=True,
+                optim=PAGED,
+            ),
+        ),
+        ("tinyllama", T("qlora", double_quant=False, target_modules=QV, batch_size=2, seq_len=256)),
+        ("tinyllama", T("lora", target_modules=QV, batch_size=1, seq_len=256, mixed_precision=None)),
+        (
+            "qwen0.5b",
+            T("lora", target_modules=AL, batch_size=2, seq_len=512, gradient_checkpointing=True, optim=PAGED),
+        ),
+        (
+            "qwen0.5b",
+            T(
+                "qlora",
+                target_modules=AL,
+                lora_dropout=0.05,
+                batch_size=1,
+                seq_len=512,
+                gradient_checkpointing=True,
+                optim="adamw_8bit",
+            ),
+        ),
+        ("qwen0.5b", T("lora", target_modules=QV, batch_size=1, seq_len=256)),
+        (
+            "llama2-7b/4",
+            T(
+                "qlora",
+                target_modules=AL,
+                batch_size=1,
+                seq_len=256,
+                gradient_checkpointing=True,
+                attn="eager",
+                optim="adamw_8bit",
+            ),
+        ),
+        ("llama2-7b/4", T("lora", target_modules=AL, lora_dropout=0.05, batch_size=2, seq_len=256)),
+        (
+            "llama2-7b/4",
+            T("full", batch_size=1, seq_len=256, gradient_checkpointing=True, optim="adamw_8bit"),
+        ),
+    ]
 
 
 def full_config(arch: str):
@@ -189,10 +254,10 @@ def naive_bytes(est) -> int:
 
 
 def describe(p: MeasurePlan) -> str:
-    bits = [p.method]
+    bits = ["trl" if p.fused_lm_head else "plain", p.method]
     if p.method == "qlora":
         bits.append("dq" if p.double_quant else "no-dq")
-        bits.append("prep" if p.prepare_kbit else "no-prep")
+        bits.append("prep" if p.prepare_kbit else "trl-prep")
     if p.method != "full":
         bits.append("qv" if p.target_modules == QV else "all")
         if p.lora_dropout:
@@ -229,7 +294,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     out = []
     print(
-        f"{'#':>2} {'arch':<12} {'config':<66} {'measured':>9} {'estimate':>9} {'err':>7} {'naive':>9} {'err':>7}"
+        f"{'#':>2} {'arch':<12} {'config':<72} {'measured':>9} {'estimate':>9} {'err':>7} {'naive':>9} {'err':>7}"
     )
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -273,7 +338,7 @@ def main(argv=None) -> int:
             }
             out.append(row)
             print(
-                f"{i:>2} {arch:<12} {describe(p):<66} {m['peak'] / MiB:>8.0f}M {est.tensor_peak_bytes / MiB:>8.0f}M "
+                f"{i:>2} {arch:<12} {describe(p):<72} {m['peak'] / MiB:>8.0f}M {est.tensor_peak_bytes / MiB:>8.0f}M "
                 f"{err:>+7.1%} {naive / MiB:>8.0f}M {naive_err:>+7.1%}",
                 flush=True,
             )
@@ -284,9 +349,17 @@ def main(argv=None) -> int:
     errs = [abs(r["error"]) for r in out]
     naive_errs = [abs(r["naive_error"]) for r in out]
     med, worst = statistics.median(errs), max(errs)
+    for path in ("plain", "trl"):
+        part = [abs(r["error"]) for r in out if r["config"].startswith(path + " ")]
+        if part:
+            print(
+                f"{path} path: {len(part)} configurations, median {statistics.median(part):.2%} "
+                f"worst {max(part):.2%}"
+            )
     print(
         f"\n{len(out)} configurations in {time.perf_counter() - t0:.0f} s; torch {torch.__version__}, "
-        f"transformers {_version('transformers')}, peft {_version('peft')}, bitsandbytes {_version('bitsandbytes')}"
+        f"transformers {_version('transformers')}, peft {_version('peft')}, bitsandbytes {_version('bitsandbytes')}, "
+        f"trl {_version('trl')}"
     )
     print(
         f"naive baseline (weights x 4): median {statistics.median(naive_errs):.1%} worst {max(naive_errs):.1%}"
