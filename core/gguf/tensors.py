@@ -147,18 +147,21 @@ def encode(block, qtype: Q, key: str) -> np.ndarray:
     """A torch row block -> the bytes GGUF stores for it (as a numpy array)."""
     import torch
 
-    if qtype == Q.BF16:
-        return block.to(torch.bfloat16).contiguous().view(torch.int16).numpy()
+    if qtype in (Q.F16, Q.BF16, Q.F32):
+        # torch converts in one pass; a value that turns infinite was NaN/inf already or is out of range.
+        out = block.to(
+            {Q.F16: torch.float16, Q.BF16: torch.bfloat16, Q.F32: torch.float32}[qtype]
+        ).contiguous()
+        if not bool(torch.isfinite(out).all()):
+            if not bool(torch.isfinite(block).all()):
+                raise ValueError(
+                    f"Tensor {key} contains NaN or infinite values; the source checkpoint is broken."
+                )
+            raise ValueError(f"Tensor {key} has values beyond float16's range; export as bf16 instead.")
+        return out.view(torch.int16).numpy() if qtype == Q.BF16 else out.numpy()
     arr = block.to(torch.float32).contiguous().numpy()
     if not np.isfinite(arr).all():
         raise ValueError(f"Tensor {key} contains NaN or infinite values; the source checkpoint is broken.")
-    if qtype == Q.F32:
-        return arr
-    if qtype == Q.F16:
-        out = arr.astype(np.float16)
-        if not np.isfinite(out).all():
-            raise ValueError(f"Tensor {key} has values beyond float16's range; export as bf16 instead.")
-        return out
     return gguf.quants.quantize(arr, qtype)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -122,12 +123,20 @@ def check_tensors(gguf_path: Path, src: Source, sample: bool) -> dict:
         unit = rows // heads if heads else 1
         step = max(unit, (BLOCK_BYTES // (4 * cols)) // unit * unit)
         err2 = ref2 = 0.0
-        with safe_open(str(st.file), framework="pt") as f:
+        row_bytes = int(t.n_bytes) // rows
+        plain = {"F32": np.float32, "F16": np.float16}.get(qname, np.uint8)
+        # Plain reads, not the reader's memory map: mapped pages would stay in RSS for the whole check.
+        with safe_open(str(st.file), framework="pt") as f, open(gguf_path, "rb") as fh:
             sl = f.get_slice(st.key)
             for start in range(0, rows, step):
                 stop = min(rows, start + step)
                 ref = sl[start:stop].float().numpy().reshape(stop - start, -1)
-                got = gguf.dequantize(np.asarray(t.data[start:stop]), t.tensor_type).reshape(stop - start, -1)
+                raw = os.pread(
+                    fh.fileno(), (stop - start) * row_bytes, int(t.data_offset) + start * row_bytes
+                )
+                data = np.frombuffer(raw, dtype=np.uint8).reshape(stop - start, row_bytes).view(plain)
+                got = gguf.dequantize(data, t.tensor_type).reshape(stop - start, -1)
+                del raw, data
                 if heads:
                     got = _reverse_permute(got, (stop - start) // unit)
                 err2 += float(np.square(got.astype(np.float64) - ref).sum())
