@@ -12,8 +12,8 @@ from streamlit.runtime.pages_manager import PagesManager
 
 from core.monitor import gpu
 from core.monitor.watch import RunWatcher
-from core.runs.launcher import list_runs, stop_run
-from core.runs.rundir import LIVE_STATES
+from core.runs.launcher import RunError, launch, list_runs, stop_run
+from core.runs.rundir import LIVE_STATES, latest_checkpoint
 from core.workspace import default_workspace
 
 # A session whose first request is this page's URL, before the router ever ran in this server process: Streamlit
@@ -218,7 +218,17 @@ st.session_state["monitor_run"] = run_dir
 st.session_state["mon_for"] = run_dir
 info = by_path[run_dir]
 live = info.state in LIVE_STATES
-if c2.button(
+checkpoint = None if live else latest_checkpoint(run_dir)
+if info.state in ("stopped", "failed") and checkpoint is not None:
+    if c2.button(
+        "Resume", key="mon_resume", icon=":material/play_circle:", help=f"Continue from {checkpoint.name}"
+    ):
+        try:
+            launch(run_dir, resume=True)
+            st.rerun()
+        except RunError as exc:
+            st.error(str(exc))
+elif c2.button(
     "Stop",
     key="mon_stop",
     disabled=not (live or info.alive),
@@ -229,4 +239,6 @@ if c2.button(
         state = stop_run(run_dir)
     st.success(f"Run {info.name} is {state}.")
     live = False
+if info.state in ("stopped", "failed") and info.reason:
+    st.caption(f"Why it {info.state}: {info.reason.splitlines()[0]}")
 show(run_dir, live)

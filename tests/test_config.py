@@ -225,7 +225,7 @@ def test_yaml_numbers_without_a_dot_and_full_round_trip(tmp_path):
 def test_yaml_aliases_are_refused_before_they_expand(tmp_path):
     bomb = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
         f"{c}: &{c} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]\n"
-        for p, c in zip("abcdefgh", "bcdefghi")
+        for p, c in zip("abcdefgh", "bcdefghi", strict=True)
     )
     (tmp_path / "bomb.yaml").write_text(bomb)
     with pytest.raises(ConfigError, match="alias"):

@@ -89,8 +89,17 @@ class JsonlTail:
                     break
                 end = chunk.rfind(b"\n")
                 if end < 0:
-                    # No complete line in this chunk: a torn tail (or one absurdly long line still being written).
-                    break
+                    if len(chunk) < _CHUNK:
+                        break  # a torn tail: the writer has not finished this line yet
+                    # One line longer than a whole chunk (MiBs): no metrics line is that long. Skip to its end
+                    # (counted as malformed) instead of waiting on it for ever.
+                    skipped = self._skip_line(fh)
+                    if skipped is None:
+                        break  # its end is not written yet
+                    self.offset += skipped
+                    self.malformed += 1
+                    fh.seek(self.offset)
+                    continue
                 self._parse(chunk[: end + 1], records)
                 self.offset += end + 1
                 if end + 1 < len(chunk):
@@ -100,17 +109,30 @@ class JsonlTail:
                 self._head = fh.read(min(_HEAD, self.offset))
         return records
 
+    def _skip_line(self, fh) -> int | None:
+        """Bytes from self.offset to just past the next newline, or None when the file ends first."""
+        fh.seek(self.offset)
+        n = 0
+        while True:
+            block = fh.read(_CHUNK)
+            if not block:
+                return None
+            i = block.find(b"\n")
+            if i >= 0:
+                return n + i + 1
+            n += len(block)
+
     def _parse(self, blob: bytes, out: list[dict]):
         for line in blob.split(b"\n"):
             if not line.strip():
                 continue
             try:
                 rec = _fast_loads(line)
-            except ValueError:  # JSONDecodeError and UnicodeDecodeError both derive from ValueError
+            except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
                 try:
                     # json.dumps writes NaN/Infinity (a diverged loss); orjson rejects those tokens.
                     rec = json.loads(line)
-                except ValueError:
+                except (ValueError, RecursionError):  # deep nesting overflows json's recursion
                     self.malformed += 1
                     continue
             if isinstance(rec, dict):
@@ -193,12 +215,12 @@ def _num(v) -> float | None:
     """JSON value as float; NaN/inf kept (they are evidence); None for missing or non-numeric."""
     if isinstance(v, bool) or v is None:
         return None
-    if isinstance(v, (int, float)):
-        return float(v)
-    if isinstance(v, str):  # transformers formats some logged floats as strings ("4.553", "nan")
+    if isinstance(
+        v, (int, float, str)
+    ):  # transformers formats some logged floats as strings ("4.553", "nan")
         try:
             return float(v)
-        except ValueError:
+        except (ValueError, OverflowError):  # not a number, or an integer beyond float range
             return None
     return None
 
@@ -270,7 +292,7 @@ class RunSeries:
                 v = rec.get(name)
                 if v is None:
                     continue
-                if type(v) is not float and type(v) is not int:  # common cases skip the conversion call
+                if type(v) is not float:  # the common case skips the conversion call (ints may overflow)
                     v = _num(v)
                     if v is None:
                         continue
@@ -308,7 +330,7 @@ class RunSeries:
                 v = rec.get(name)
                 if v is None:
                     continue
-                if type(v) is not float and type(v) is not int:
+                if type(v) is not float:
                     v = _num(v)
                     if v is None:
                         continue

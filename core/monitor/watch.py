@@ -160,7 +160,11 @@ class RunWatcher:
         plan = self.plan_file.read()
         if changed or self._charts is None:
             self._charts = self._build_charts(series)
-        state = (status or {}).get("state") or "unknown"
+        # the lock, not the last status written, says whether the process lives: a SIGKILLed trainer shows as
+        # failed on the next tick, a trainer still exiting as stopping
+        state, _alive = rundir.live_state(self.run_dir, status)
+        if state == "new":
+            state = "unknown"
         health_key = (series.n_metric_records, series.n_gpu_records, state, id(plan), id(series))
         if health_key != self._health_key:
             self._warnings = self.health.check(series, plan, status)
@@ -334,6 +338,8 @@ class RunSummary:
     best_eval_loss: float | None
     final_loss: float | None
     peak_memory_gib: float | None
+    malformed: int = 0  # log lines that could not be used
+    error: str | None = None  # why this run's files could not be read at all
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -380,7 +386,28 @@ def summarize_run(run_dir: str | os.PathLike, clock=time.time) -> RunSummary:
         best_eval_loss=float(ev.min()) if ev.size else None,
         final_loss=loss.last() if loss is not None and len(loss) else None,
         peak_memory_gib=peak / GiB if peak else None,
+        malformed=_files_for(run_dir).metrics_tail.malformed,
     )
+
+
+def _summary_or_error(run_dir: Path) -> RunSummary:
+    """One broken run is one row with its error, never a broken page for the others."""
+    try:
+        return summarize_run(run_dir)
+    except Exception as exc:  # anything a hostile or half-written file can raise
+        return RunSummary(
+            run_dir.name,
+            str(run_dir),
+            "unreadable",
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            error=f"{type(exc).__name__}: {str(exc)[:200]}",
+        )
 
 
 def summarize_runs(runs_dir: str | os.PathLike) -> list[RunSummary]:
@@ -392,7 +419,7 @@ def summarize_runs(runs_dir: str | os.PathLike) -> list[RunSummary]:
     alive = {str(d.resolve()) for d in dirs}
     for key in [k for k in _FILES_CACHE if k.startswith(str(root.resolve())) and k not in alive]:
         del _FILES_CACHE[key]  # a deleted run must not keep its points in memory
-    out = [summarize_run(d) for d in dirs]
+    out = [_summary_or_error(d) for d in dirs]
     return sorted(out, key=lambda r: r.started or 0.0, reverse=True)
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from core.runs import rundir
-from core.runs.rundir import LIVE_STATES, read_pid, read_status, write_status
+from core.runs.rundir import read_pid, read_status, write_status
 from core.train.config import dump_config, validate_config
 from core.workspace import WorkspaceError, check_run_name, inside, runs_dir
 
@@ -119,107 +119,144 @@ def tail(path: str | os.PathLike, lines: int = TAIL_LINES, max_bytes: int = 64_0
 def launch(run_dir: str | os.PathLike, resume: bool = False, smoke: bool = False) -> int:
     """Start the trainer for `run_dir` in its own session (process group); returns the pid.
 
-    Refuses while a live process already trains this run. stdout/stderr go to files in the run dir, never to
-    pipes (a full pipe would block training when nobody reads it).
+    Atomic: the launcher takes the run's lock first and hands it to the trainer, so of two launches at the same
+    instant exactly one starts a trainer and the other gets RunError. stdout/stderr go to files in the run dir,
+    never to pipes (a full pipe would block training when nobody reads it).
     """
     run_dir = Path(run_dir).resolve()
     config = run_dir / rundir.CONFIG
     if not config.is_file():
         raise RunError(f"{run_dir} has no config.yaml: create the run with create_run() first.")
-    pid = read_pid(run_dir)
-    if pid_alive(pid):
-        raise RunError(f"Run {run_dir.name} is already running (pid {pid}): stop it before launching again.")
-    status = read_status(run_dir)
-    if status and status.get("state") == "finished" and not smoke:
-        raise RunError(f"Run {run_dir.name} has finished: create a new run to train again.")
-    cmd = [sys.executable, "-m", "core.train", str(config), "--run-dir", str(run_dir)]
-    if resume:
-        cmd.append("--resume")
-    if smoke:
-        # Smoke tests belong in their own folder (core.runs_admin keeps them apart): they write status.json too.
-        cmd.append("--smoke")
-        (run_dir / rundir.SMOKE).unlink(missing_ok=True)  # so a reader waits for this test's result
-    write_status(
-        run_dir,
-        state="starting",
-        reason=None,
-        ended=None,
-        **({} if resume and status else {"started": time.time(), "step": 0, "max_steps": None}),
-    )
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    with open(run_dir / rundir.STDOUT, "ab") as out, open(run_dir / rundir.STDERR, "ab") as err:
-        try:
-            proc = subprocess.Popen(
-                cmd,
-                cwd=str(REPO_ROOT),
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=err,
-                start_new_session=True,  # own process group: survives the UI server and is stopped as a whole
-                env=env,
-            )
-        except OSError as exc:
-            write_status(run_dir, state="failed", reason=f"could not start {sys.executable}: {exc}")
-            raise RunError(f"Could not start the trainer ({exc}).") from None
-    rundir.write_pid(run_dir, proc.pid)
-    return proc.pid
+    stopping = (read_status(run_dir) or {}).get("state") in rundir.END_STATES
+    try:
+        lock_fd = rundir.claim(run_dir, wait_s=15.0 if stopping else 1.0)
+    except rundir.RunBusy:
+        raise RunError(
+            f"Run {run_dir.name} is already running (pid {read_pid(run_dir)}): stop it before launching again."
+        ) from None
+    try:
+        status = read_status(run_dir)
+        if status and status.get("state") == "finished" and not smoke:
+            raise RunError(f"Run {run_dir.name} has finished: create a new run to train again.")
+        if not smoke:
+            try:
+                rundir.check_run_dir(run_dir, resume)
+            except rundir.RunRefused as exc:
+                raise RunError(str(exc).replace("--resume", "Resume").replace("--run-dir", "run")) from None
+        cmd = [sys.executable, "-m", "core.train", str(config), "--run-dir", str(run_dir)]
+        if resume:
+            cmd.append("--resume")
+        if smoke:
+            # Smoke tests belong in their own folder (core.runs.admin keeps them apart): they write status too.
+            cmd.append("--smoke")
+            (run_dir / rundir.SMOKE).unlink(missing_ok=True)  # so a reader waits for this test's result
+        write_status(
+            run_dir,
+            state="starting",
+            reason=None,
+            ended=None,
+            **({} if resume and status else {"started": time.time(), "step": 0, "max_steps": None}),
+        )
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **{rundir.LOCK_FD_ENV: str(lock_fd)})
+        with open(run_dir / rundir.STDOUT, "ab") as out, open(run_dir / rundir.STDERR, "ab") as err:
+            try:
+                proc = subprocess.Popen(
+                    cmd,
+                    cwd=str(REPO_ROOT),
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=err,
+                    start_new_session=True,  # own process group: survives the UI server, stopped as a whole
+                    env=env,
+                    pass_fds=(lock_fd,),  # the trainer keeps the lock this launcher took
+                )
+            except OSError as exc:
+                write_status(run_dir, state="failed", reason=f"could not start {sys.executable}: {exc}")
+                raise RunError(f"Could not start the trainer ({exc}).") from None
+        rundir.write_pid_info(run_dir, proc.pid)
+        _children.append(proc)
+        return proc.pid
+    finally:
+        os.close(lock_fd)  # the child holds the lock through its own copy of the descriptor
+
+
+_children: list = []  # Popen objects of trainers started here, reaped as they end (no zombies in the server)
+
+
+def _reap_children() -> None:
+    for proc in list(_children):
+        if proc.poll() is not None:
+            _children.remove(proc)
 
 
 def stop_run(run_dir: str | os.PathLike, grace_s: float = 60.0) -> str:
-    """SIGTERM the run's process group (the trainer checkpoints and exits), wait, then SIGKILL. Returns the state."""
+    """SIGTERM the run's process group (the trainer checkpoints and exits), wait until the process is gone, then
+    SIGKILL if it is not. Returns the state once the process has exited."""
     run_dir = Path(run_dir)
-    pid = read_pid(run_dir)
-    if not pid_alive(pid):
+    info = rundir.read_pid_info(run_dir)
+    if not rundir.is_live(run_dir) or not rundir.same_process(info):
         return run_state(run_dir).state
     try:
-        os.killpg(os.getpgid(pid), signal.SIGTERM)
+        os.killpg(os.getpgid(info["pid"]), signal.SIGTERM)
     except ProcessLookupError:
         return run_state(run_dir).state
-    deadline = time.time() + grace_s
-    while time.time() < deadline and pid_alive(pid):
-        time.sleep(0.2)
-    if pid_alive(pid):
+    if not _wait_dead(run_dir, grace_s, info):
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(os.getpgid(pid), signal.SIGKILL)
-        for _ in range(50):
-            if not pid_alive(pid):
-                break
-            time.sleep(0.1)
+            os.killpg(os.getpgid(info["pid"]), signal.SIGKILL)
+        _wait_dead(run_dir, 10.0, info)
         write_status(
             run_dir, state="stopped", reason=f"killed after {grace_s:.0f} s without stopping by itself"
         )
-    elif (read_status(run_dir) or {}).get("state") in LIVE_STATES:  # ended before its signal handler was set
+    elif (read_status(run_dir) or {}).get("state") in (
+        "starting",
+        "running",
+    ):  # ended before its handler was set
         write_status(run_dir, state="stopped", reason="stopped before training began")
     return run_state(run_dir).state
+
+
+def _wait_dead(run_dir: Path, timeout: float, info: dict | None = None) -> bool:
+    """Wait until the trainer is gone: its lock released and its process (if recorded) exited."""
+    info = info or rundir.read_pid_info(run_dir)
+    deadline = time.time() + timeout
+    while True:
+        _reap_children()
+        gone = not rundir.is_live(run_dir) and not (
+            info and pid_alive(info["pid"]) and rundir.same_process(info)
+        )
+        if gone or time.time() > deadline:
+            return gone
+        time.sleep(0.1)
 
 
 # ---- listing --------------------------------------------------------------------------------------------------
 
 
 def run_state(run_dir: str | os.PathLike) -> RunInfo:
-    """The run's state from its files; a live-looking status whose process is gone is turned into failed."""
+    """The run's state from its files and its lock; a live-looking status whose process is gone becomes failed
+    (written to status.json with the tail of stderr.log)."""
     run_dir = Path(run_dir)
+    _reap_children()
     status = read_status(run_dir)
+    state, alive = rundir.live_state(run_dir, status)
     pid = read_pid(run_dir)
-    alive = pid_alive(pid)
-    if status is None:
-        state = "starting" if alive else "new"
-        return RunInfo(run_dir.name, run_dir, state, None, 0, None, pid, alive, None)
-    if status.get("state") in LIVE_STATES and not alive and pid is not None:
+    if state == "failed" and (status or {}).get("state") in ("starting", "running"):
         last = tail(run_dir / rundir.STDERR)
         reason = f"the training process (pid {pid}) ended without reporting"
         reason += f"; last lines of stderr.log:\n{last}" if last else " and wrote nothing to stderr.log"
         status = write_status(run_dir, state="failed", reason=reason)
+    status = status or {}
+    step = status.get("step")
     return RunInfo(
         name=run_dir.name,
         path=run_dir,
-        state=status.get("state", "new"),
-        reason=status.get("reason"),
-        step=int(status.get("step") or 0),
-        max_steps=status.get("max_steps"),
+        state=state,
+        reason=status.get("reason") if isinstance(status.get("reason"), str) else None,
+        step=step if isinstance(step, int) else 0,
+        max_steps=status.get("max_steps") if isinstance(status.get("max_steps"), int) else None,
         pid=pid,
         alive=alive,
-        updated=status.get("updated"),
+        updated=status.get("updated") if isinstance(status.get("updated"), (int, float)) else None,
     )
 
 
@@ -254,15 +291,11 @@ def wait_for_smoke(run_dir: str | os.PathLike, timeout: float = 600.0) -> dict |
     while time.time() < deadline:
         result = read_smoke(run_dir)
         if result is not None:
-            pid = read_pid(run_dir)
-            for _ in range(
-                300
-            ):  # it exits right after writing: wait, so a launch that follows is not refused
-                if not pid_alive(pid):
-                    break
-                time.sleep(0.1)
+            _wait_dead(
+                run_dir, 30.0
+            )  # it exits right after writing: wait, so a launch that follows is not refused
             return result
-        if not pid_alive(read_pid(run_dir)):
+        if not rundir.is_live(run_dir):
             result = read_smoke(run_dir)  # it may have written just before exiting
             return result or {
                 "state": "failed",

@@ -25,7 +25,7 @@ STDOUT, STDERR = "stdout.log", "stderr.log"
 CHECKPOINTS = "checkpoints"
 ADAPTER, MODEL = "adapter", "model"  # the final weights: a LoRA adapter, or a full fine-tune
 
-LIVE_STATES = ("starting", "running")
+LIVE_STATES = ("starting", "running", "stopping")
 END_STATES = ("finished", "failed", "stopped")
 
 
@@ -106,11 +106,159 @@ def write_plan(run_dir: str | os.PathLike, plan: dict) -> None:
 
 
 def read_pid(run_dir: str | os.PathLike) -> int | None:
+    info = read_pid_info(run_dir)
+    return info["pid"] if info else None
+
+
+# ---- liveness: owned by the training process ------------------------------------------------------------------
+#
+# The trainer holds an exclusive flock on <run>/lock for its whole life, whoever started it (the app, the launcher
+# or a terminal). "Running" means the lock is held: the kernel drops it the instant the process dies (SIGKILL,
+# OOM killer, segfault), so a dead run is seen dead at once, a reused pid means nothing, and a second trainer on
+# the same folder cannot start. The pid file records pid and process start time only to find and signal it.
+
+LOCK = "lock"
+LOCK_FD_ENV = "LORA_COCKPIT_LOCK_FD"  # a launcher that took the lock hands it to the trainer it starts
+
+
+class RunBusy(RuntimeError):
+    """Another process trains this run directory."""
+
+
+class RunRefused(RuntimeError):
+    """The run directory cannot be used as asked; nothing in it was touched."""
+
+
+# What a run leaves behind once it has trained: training into such a folder again needs --resume.
+TRAINED_MARKS = (METRICS, CHECKPOINTS, ADAPTER, MODEL)
+
+
+def check_run_dir(run_dir: Path, resume: bool) -> None:
+    """Refuse (touching nothing) a run directory that is a file, or one that already trained without --resume:
+    a second run into it would truncate its metrics and mix old and new checkpoints."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunRefused(f"--run-dir {run_dir} is a file, not a folder: give a new folder for the run.")
+    if resume or not run_dir.is_dir():
+        return
+    status = read_status(run_dir) or {}
+    if status.get("state") in (*END_STATES, "running") or any(
+        (run_dir / name).exists() for name in TRAINED_MARKS
+    ):
+        raise RunRefused(
+            f"{run_dir} already holds a run ({status.get('state') or 'it has metrics or checkpoints'}): "
+            "continue it with --resume, or give a new --run-dir."
+        )
+
+
+def _try_flock(fd: int) -> bool:
+    import fcntl
+
     try:
-        return int((Path(run_dir) / PID).read_text().strip())
-    except (OSError, ValueError):
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
+def claim(run_dir: str | os.PathLike, wait_s: float = 1.0) -> int:
+    """Take the run's lock (an open fd that holds it; keep it open for the process's life) or raise RunBusy.
+
+    Retries for `wait_s`: a watcher testing the lock holds it for microseconds."""
+    path = Path(run_dir) / LOCK
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    deadline = time.monotonic() + wait_s
+    while not _try_flock(fd):
+        if time.monotonic() > deadline:
+            os.close(fd)
+            info = read_pid_info(run_dir)
+            who = f" (pid {info['pid']})" if info else ""
+            raise RunBusy(f"Run {Path(run_dir).name} is already being trained by another process{who}.")
+        time.sleep(0.02)
+    return fd
+
+
+def adopt_claim() -> int | None:
+    """The lock fd a launcher handed down (LORA_COCKPIT_LOCK_FD), still locked by the same open file."""
+    value = os.environ.pop(LOCK_FD_ENV, None)
+    if not value or not value.isdigit():
+        return None
+    fd = int(value)
+    try:
+        os.fstat(fd)
+    except OSError:
+        return None
+    os.set_inheritable(fd, False)  # data loader workers and other children must not keep the run "alive"
+    return fd
+
+
+def is_live(run_dir: str | os.PathLike) -> bool:
+    """True while a process holds the run's lock (a trainer is alive in this folder)."""
+    path = Path(run_dir) / LOCK
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        return not _try_flock(fd)  # got it: nobody holds it (closing the fd below releases it at once)
+    finally:
+        os.close(fd)
+
+
+def process_start_time(pid: int) -> float | None:
+    try:
+        import psutil
+
+        return psutil.Process(pid).create_time()
+    except Exception:
         return None
 
 
-def write_pid(run_dir: str | os.PathLike, pid: int) -> None:
-    atomic_write_text(Path(run_dir) / PID, str(pid))
+def write_pid_info(run_dir: str | os.PathLike, pid: int | None = None) -> None:
+    """pid + process start time: with them a stop signals this process, never a later one that reused the pid."""
+    pid = pid or os.getpid()
+    atomic_write_text(Path(run_dir) / PID, json.dumps({"pid": pid, "start_time": process_start_time(pid)}))
+
+
+def read_pid_info(run_dir: str | os.PathLike) -> dict | None:
+    """{"pid", "start_time"} (an old plain-number pid file gives start_time None)."""
+    try:
+        text = (Path(run_dir) / PID).read_text().strip()
+    except OSError:
+        return None
+    if text.isdigit():
+        return {"pid": int(text), "start_time": None}
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return None
+    if isinstance(data, dict) and isinstance(data.get("pid"), int):
+        return data
+    return None
+
+
+def same_process(info: dict | None) -> bool:
+    """The recorded process still exists and is the same one (its start time matches)."""
+    if not info:
+        return False
+    started = process_start_time(info["pid"])
+    if started is None:
+        return False
+    return info.get("start_time") is None or abs(started - info["start_time"]) < 1.0
+
+
+def live_state(run_dir: str | os.PathLike, status: dict | None = None) -> tuple[str, bool]:
+    """(state, alive) from the status file and the lock. A live-looking status without a lock holder is a
+    process that died without a word ("failed"); an ended status while the lock is still held is a process
+    that is winding down ("stopping"), so nothing is relaunched under it."""
+    status = read_status(run_dir) if status is None else status
+    if (Path(run_dir) / LOCK).exists():
+        alive = is_live(run_dir)
+    else:  # a run directory from before the lock: its pid file is all there is
+        info = read_pid_info(run_dir)
+        alive = bool(info) and same_process(info)
+    state = (status or {}).get("state") or ("starting" if alive else "new")
+    if state in ("starting", "running") and not alive and (status or {}).get("state"):
+        return "failed", False
+    if state in END_STATES and alive:
+        return "stopping", True
+    return state, alive

@@ -408,16 +408,35 @@ def run_training(
     resume: bool = False,
     smoke: bool = False,
     stop: StopFlag | None = None,
+    keep_lock: bool = False,
 ) -> dict:
-    """Train and return a summary; raises ConfigError/DataError/TrainError for the user's problems."""
+    """Train and return a summary; raises ConfigError/DataError/TrainError for the user's problems, RunRefused
+    and RunBusy (core.runs.rundir; touching nothing) for a run directory that cannot be trained into.
+
+    The process holds the run's lock from here to the end: that, not a pid, is what makes the run "running".
+    keep_lock (the CLI): hold it until the process exits, so the run reads as ended only once it is gone."""
+    run_dir = Path(run_dir).resolve()
+    rundir.check_run_dir(run_dir, resume)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise rundir.RunRefused(f"--run-dir {run_dir} cannot be created ({exc.strerror}).") from None
+    lock_fd = rundir.adopt_claim() or rundir.claim(run_dir)
+    try:
+        rundir.write_pid_info(run_dir)
+        return _run_training(config_path, run_dir, resume, smoke, stop)
+    finally:
+        if not keep_lock:
+            os.close(lock_fd)  # in-process callers: the run is seen ended from here on
+
+
+def _run_training(config_path, run_dir: Path, resume: bool, smoke: bool, stop: StopFlag | None) -> dict:
     import transformers
     from transformers import AutoTokenizer
 
     from core.monitor.gpu import GpuSampler
     from core.train.preflight import has_errors, run_preflight
 
-    run_dir = Path(run_dir).resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
     _quiet_progress_bars()
     if stop is None:
         stop = StopFlag().install() if threading.current_thread() is threading.main_thread() else StopFlag()
@@ -627,7 +646,9 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="validate the config, run the data preflight and print the plan (plan.json's object); no training",
     )
-    parser.add_argument("--gpu-gb", type=float, help="plan for a card of this many GiB (default: this machine's)")
+    parser.add_argument(
+        "--gpu-gb", type=float, help="plan for a card of this many GiB (default: this machine's)"
+    )
     stop = StopFlag().install()  # first thing: a stop during the slow imports must not kill us mid-write
     args = parser.parse_args(argv)
     if args.dry_run:
@@ -639,7 +660,12 @@ def main(argv: list[str] | None = None) -> int:
     mode = " (smoke test)" if args.smoke else " (resume)" if args.resume else ""
     print(f"core.train: pid {os.getpid()} training {run_dir}{mode}", file=sys.stderr, flush=True)
     try:
-        summary = run_training(args.config, run_dir, resume=args.resume, smoke=args.smoke, stop=stop)
+        summary = run_training(
+            args.config, run_dir, resume=args.resume, smoke=args.smoke, stop=stop, keep_lock=True
+        )
+    except (rundir.RunRefused, rundir.RunBusy) as exc:  # not our run directory to write into: touch nothing
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
     except (ConfigError, DataError, TrainError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         report_failure(run_dir, str(exc), args.smoke)

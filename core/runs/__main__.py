@@ -1,0 +1,130 @@
+"""Runs from the terminal, the same as from the pages: `python -m core.runs list|show|launch|stop|resume|delete`.
+
+The workspace is $LORA_COCKPIT_WORKSPACE or ./workspace, as for the app. A run is findable, stoppable and seen
+dead at once whatever started it (the page, this command or `python -m core.train`): the trainer holds its run's
+lock for its whole life.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from core.runs import rundir
+from core.runs.admin import delete_run
+from core.runs.launcher import RunError, RunInfo, create_run, launch, list_runs, run_state, stop_run
+from core.workspace import WorkspaceError, check_run_name, default_workspace, runs_dir
+
+EXIT_BAD_INPUT = 2
+
+
+def run_object(info: RunInfo) -> dict:
+    """What `list --json` / `show --json` print for one run."""
+    from core.monitor.tail import JsonlTail
+
+    tail = JsonlTail(info.path / rundir.METRICS)
+    loss = None
+    for rec in tail.read_new():
+        value = rec.get("loss")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            loss = float(value)
+    return {
+        "name": info.name,
+        "path": str(info.path),
+        "state": info.state,
+        "alive": info.alive,
+        "pid": info.pid,
+        "step": info.step,
+        "max_steps": info.max_steps,
+        "loss": loss,
+        "malformed": tail.malformed,
+        "reason": info.reason,
+    }
+
+
+def _find(workspace: Path, name: str) -> Path:
+    try:
+        name = check_run_name(name)
+    except WorkspaceError as exc:
+        raise RunError(str(exc)) from None
+    path = runs_dir(workspace) / name
+    if not (path / rundir.CONFIG).is_file():
+        known = ", ".join(r.name for r in list_runs(workspace)[:10]) or "none yet"
+        raise RunError(f"No run named {name!r} in {runs_dir(workspace)} (runs: {known}).")
+    return path
+
+
+def _print_run(obj: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(obj))
+        return
+    loss = f"{obj['loss']:.4g}" if obj["loss"] is not None else "-"
+    pid = obj["pid"] if obj["alive"] else "-"
+    print(f"{obj['name']:<32} {obj['state']:<9} step {obj['step']:>6}  loss {loss:<8} pid {pid}")
+    if obj["reason"] and obj["state"] in ("failed", "stopped"):
+        print(f"    {obj['reason'].splitlines()[0]}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m core.runs", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("list", help="every run, newest first")
+    p.add_argument("--json", action="store_true", help="a JSON list of run objects")
+    p = sub.add_parser("show", help="one run")
+    p.add_argument("name")
+    p.add_argument("--json", action="store_true", help="one run object")
+    p = sub.add_parser("launch", help="create a run from a config and start it, detached")
+    p.add_argument("config", help="run config YAML")
+    p.add_argument("--name", required=True, help="the run's name (its folder under <workspace>/runs)")
+    p = sub.add_parser("stop", help="graceful stop: checkpoint, then exit; returns once the process is gone")
+    p.add_argument("name")
+    p.add_argument("--grace", type=float, default=60.0, help="seconds before SIGKILL (default 60)")
+    p = sub.add_parser("resume", help="continue a stopped or failed run from its newest checkpoint")
+    p.add_argument("name")
+    p = sub.add_parser("delete", help="delete an ended run (never a live one)")
+    p.add_argument("name")
+    args = parser.parse_args(argv)
+    workspace = default_workspace()
+    try:
+        if args.command == "list":
+            objs = [run_object(r) for r in list_runs(workspace)]
+            if args.json:
+                print(json.dumps(objs))
+            elif not objs:
+                print(f"no runs in {runs_dir(workspace)}")
+            for obj in [] if args.json else objs:
+                _print_run(obj, False)
+        elif args.command == "show":
+            _print_run(run_object(run_state(_find(workspace, args.name))), args.json)
+        elif args.command == "launch":
+            from core.train.config import ConfigError, load_config
+
+            try:
+                cfg = load_config(args.config)
+            except ConfigError as exc:
+                raise RunError(str(exc)) from None
+            run_dir = create_run(workspace, args.name, cfg)
+            launch(run_dir)
+            print(run_dir)
+        elif args.command == "stop":
+            state = stop_run(_find(workspace, args.name), grace_s=args.grace)
+            print(f"{args.name}: {state}")
+        elif args.command == "resume":
+            run_dir = _find(workspace, args.name)
+            if rundir.latest_checkpoint(run_dir) is None:
+                raise RunError(f"Run {args.name} has no checkpoint to resume from yet.")
+            launch(run_dir, resume=True)
+            print(run_dir)
+        elif args.command == "delete":
+            delete_run(_find(workspace, args.name), workspace)
+            print(f"deleted {args.name}")
+    except (RunError, WorkspaceError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

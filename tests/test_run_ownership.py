@@ -1,0 +1,153 @@
+"""Every run owned by its own process (issue #11): whatever started the trainer, the run is findable, stoppable
+and seen dead at once; two launches train once; a rerun without --resume touches nothing. Real subprocesses."""
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import yaml
+from test_runs import run_config, wait_until
+
+from core.runs import rundir
+from core.runs.launcher import RunError, create_run, launch, run_state, stop_run
+from core.train.config import validate_config
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+
+def _runs_cli(workspace, *args, timeout=240):
+    env = dict(os.environ, LORA_COCKPIT_WORKSPACE=str(workspace))
+    return subprocess.run(
+        [sys.executable, "-m", "core.runs", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _tree_digest(folder: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+def _start_cli_trainer(workspace, tiny_llama, name, **training):
+    """A trainer started the README's way, from a terminal: no launcher, no pid file written for it."""
+    cfg_path = workspace / f"{name}.yaml"
+    cfg_path.write_text(yaml.safe_dump(validate_config(run_config(workspace, tiny_llama, **training))))
+    run_dir = workspace / "runs" / name
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "core.train", str(cfg_path), "--run-dir", str(run_dir)],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    assert wait_until(lambda: (run_state(run_dir).state == "running") if run_dir.is_dir() else False, 180), (
+        proc.stderr.read().decode() if proc.poll() is not None else "never ran"
+    )
+    return proc, run_dir
+
+
+def test_cli_started_run_is_listed_stopped_and_seen_dead(workspace, tiny_llama):
+    proc, run_dir = _start_cli_trainer(workspace, tiny_llama, "from-terminal", max_steps=2000)
+    listed = json.loads(_runs_cli(workspace, "list", "--json").stdout)
+    assert [(r["name"], r["state"], r["pid"]) for r in listed] == [("from-terminal", "running", proc.pid)]
+    assert set(listed[0]) >= {"name", "state", "pid", "step", "loss", "malformed", "reason"}
+    out = _runs_cli(workspace, "stop", "from-terminal")
+    assert out.returncode == 0 and out.stdout.strip() == "from-terminal: stopped", out.stderr
+    assert proc.poll() is not None  # `stop` returns once the process has exited
+    assert rundir.latest_checkpoint(run_dir) is not None
+    shown = json.loads(_runs_cli(workspace, "show", "from-terminal", "--json").stdout)
+    assert shown["state"] == "stopped" and "stopped by SIGTERM" in shown["reason"]
+
+
+def test_sigkill_is_seen_at_once_and_delete_then_works(workspace, tiny_llama):
+    proc, run_dir = _start_cli_trainer(workspace, tiny_llama, "killed", max_steps=2000)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    info = run_state(run_dir)  # the very next look, no grace period
+    assert (info.state, info.alive) == ("failed", False)
+    assert "ended without reporting" in info.reason
+    assert _runs_cli(workspace, "delete", "killed").returncode == 0 and not run_dir.exists()
+
+
+def test_two_racing_launches_start_one_trainer(workspace, tiny_llama):
+    run_dir = create_run(workspace, "race", run_config(workspace, tiny_llama, max_steps=2000))
+    results, barrier = [], threading.Barrier(2)
+
+    def go():
+        barrier.wait()
+        try:
+            results.append(launch(run_dir))
+        except RunError as exc:
+            results.append(exc)
+
+    threads = [threading.Thread(target=go) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    pids = [r for r in results if isinstance(r, int)]
+    errors = [r for r in results if isinstance(r, RunError)]
+    assert len(pids) == 1 and len(errors) == 1 and "already running" in str(errors[0])
+    assert wait_until(lambda: run_state(run_dir).state == "running")
+    assert stop_run(run_dir, grace_s=120) == "stopped"
+
+
+def test_stop_then_immediate_resume(workspace, tiny_llama):
+    run_dir = create_run(workspace, "again", run_config(workspace, tiny_llama, max_steps=2000, save_steps=5))
+    launch(run_dir)
+    assert wait_until(lambda: run_state(run_dir).step >= 3)
+    assert stop_run(run_dir, grace_s=120) == "stopped"
+    launch(run_dir, resume=True)  # no "already running" window after a stop
+    assert wait_until(lambda: run_state(run_dir).state == "running")
+    out = _runs_cli(workspace, "stop", "again")
+    assert out.returncode == 0, out.stderr
+
+
+def test_rerun_without_resume_is_refused_and_touches_nothing(workspace, tiny_llama):
+    cfg = run_config(workspace, tiny_llama, max_steps=4, save_steps=2)
+    run_dir = create_run(workspace, "done", cfg)
+    launch(run_dir)
+    assert wait_until(lambda: run_state(run_dir).state == "finished")
+    before = _tree_digest(run_dir)
+    out = subprocess.run(
+        [sys.executable, "-m", "core.train", str(run_dir / "config.yaml"), "--run-dir", str(run_dir)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2 and "already holds a run" in out.stderr and "Traceback" not in out.stderr
+    assert _tree_digest(run_dir) == before
+    a_file = workspace / "a-file"
+    a_file.write_text("x")
+    out = subprocess.run(
+        [sys.executable, "-m", "core.train", str(run_dir / "config.yaml"), "--run-dir", str(a_file)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2 and "is a file" in out.stderr and a_file.read_text() == "x"
+
+
+def test_runs_cli_bad_input_is_one_line(workspace):
+    out = _runs_cli(workspace, "show", "nope")
+    assert out.returncode == 2 and out.stderr.startswith("error: No run named 'nope'")
+    assert len(out.stderr.strip().splitlines()) == 1
+    (workspace / "bad.yaml").write_text("training: {learning_rat: 1}\n")
+    out = _runs_cli(workspace, "launch", str(workspace / "bad.yaml"), "--name", "x")
+    assert out.returncode == 2 and "Did you mean training.learning_rate?" in out.stderr
