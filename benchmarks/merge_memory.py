@@ -240,7 +240,7 @@ def main() -> int:
             "--adapter",
             str(root / "adapter"),
             "--out",
-            "exports/ours",
+            str(ws / "exports" / "ours"),  # the CLI resolves relative paths from its current folder
             "--shard-size",
             f"{args.shard_gb}GB",
             "--verify",

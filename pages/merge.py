@@ -150,6 +150,12 @@ def merge_form(ws: Path, base_dir: str, adapter_dir: str, run: str | None) -> No
     )
     devices = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
     device = st.radio("Compute the deltas on", devices, horizontal=True, key="merge_device")
+    force = st.checkbox(
+        "Merge anyway",
+        key="merge_force",
+        help="Merge even when the adapter's recorded base model or its tokenizer's vocabulary does not match "
+        "this base (the check refuses by default: such a merge usually gives a broken model).",
+    )
 
     try:
         check_run_name(name)
@@ -163,7 +169,7 @@ def merge_form(ws: Path, base_dir: str, adapter_dir: str, run: str | None) -> No
     b1, b2 = st.columns(2)
     if b1.button("Check (preflight)", key="merge_check"):
         try:
-            pf, _ = M.preflight(base_dir, adapter_dir, target, dt, shard, ws, verify)
+            pf, _ = M.preflight(base_dir, adapter_dir, target, dt, shard, ws, verify, force=force)
             show_preflight(pf, pre_slot)
             if pf.ok:
                 st.success("Ready to merge.")
@@ -199,6 +205,7 @@ def merge_form(ws: Path, base_dir: str, adapter_dir: str, run: str | None) -> No
                 ws,
                 progress=progress,
                 on_preflight=lambda pf: show_preflight(pf, pre_slot),
+                force=force,
             )
         except (M.MergeError, WorkspaceError) as e:
             bar.empty()

@@ -415,7 +415,7 @@ def test_killed_merge_leaves_no_target_and_rerun_succeeds(tmp_path, workspace):
         "--adapter",
         str(adapter),
         "--out",
-        "exports/killed",
+        str(workspace / "exports" / "killed"),  # the CLI resolves relative paths from its current folder
         "--shard-size",
         "100KB",
     ]
@@ -449,13 +449,15 @@ def test_killed_merge_leaves_no_target_and_rerun_succeeds(tmp_path, workspace):
 @pytest.mark.slow
 def test_cli_bad_inputs_exit_nonzero_without_traceback(tiny_llama, tmp_path, workspace):
     adapter = make_adapter(tiny_llama, tmp_path / "a", r=4, target_modules=["q_proj"])
+    out = str(workspace / "exports" / "a")  # the CLI resolves relative paths from its current folder
+    (tmp_path / "a-file").write_text("not a folder")
     bad = [
         (
-            ["--base", str(tmp_path / "nope"), "--adapter", str(adapter), "--out", "exports/a"],
+            ["--base", str(tmp_path / "nope"), "--adapter", str(adapter), "--out", out],
             "does not exist",
         ),
         (
-            ["--base", str(tiny_llama), "--adapter", str(tiny_llama), "--out", "exports/a"],
+            ["--base", str(tiny_llama), "--adapter", str(tiny_llama), "--out", out],
             "adapter_config.json",
         ),
         (
@@ -465,16 +467,19 @@ def test_cli_bad_inputs_exit_nonzero_without_traceback(tiny_llama, tmp_path, wor
                 "--adapter",
                 str(adapter),
                 "--out",
-                "exports/a",
+                out,
                 "--shard-size",
                 "big",
             ],
             "not a size",
         ),
-        (["--base", str(tiny_llama), "--adapter", str(adapter), "--out", "/etc/x"], "outside the workspace"),
+        (
+            ["--base", str(tiny_llama), "--adapter", str(adapter), "--out", str(tmp_path / "a-file" / "x")],
+            "not a folder",
+        ),
     ]
     for args, message in bad:
         r = run_cli(*args)
         assert r.returncode != 0 and message in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
-    r = run_cli("--base", str(tiny_llama), "--adapter", str(adapter), "--out", "exports/a", "--dtype", "int3")
+    r = run_cli("--base", str(tiny_llama), "--adapter", str(adapter), "--out", out, "--dtype", "int3")
     assert r.returncode != 0 and "invalid choice" in r.stderr

@@ -14,8 +14,12 @@ types and features refused with a clear message.
 
 Modules: common (sizes, MergeError, progress), shards (safetensors/.bin reading, streaming shard writer),
 adapter (reading a peft adapter), plan (key mapping, layer kinds, tied embeddings, output shards), delta (the
-merged-weight math), precheck (preflight: RAM, disk, target), verify (verification), export (the atomic merge),
-tryit (base vs adapter generation), discover (adapters and their base for the page), __main__ (the CLI).
+merged-weight math), compat (does the adapter belong to this base: recorded base, vocabulary), precheck
+(preflight: RAM, disk, target), verify (verification), export (the atomic merge), tryit (base vs adapter
+generation), discover (adapters and their base for the page), __main__ (the CLI).
+
+Paths: merge() and preflight() are the page's: the output must lie inside the workspace. merge_at() and
+preflight_at() take any output folder (the CLI's: the user owns the shell).
 
 The public names below are loaded on first use: `from core import merge as M` imports no torch, so the pages
 and `python -m core.merge --help` start fast; `M.merge`, `M.preflight`, ... import what they need.
@@ -49,9 +53,16 @@ _EXPORTS = {
     "core.merge.adapter": ("UNSUPPORTED_FEATURES", "LoraModule", "Adapter", "load_adapter"),
     "core.merge.plan": ("TensorPlan", "MergePlan", "parse_size", "plan_merge"),
     "core.merge.delta": ("CHUNK_BYTES", "merged_blocks"),
-    "core.merge.precheck": ("RUNTIME_OVERHEAD", "Preflight", "preflight"),
+    "core.merge.precheck": ("RUNTIME_OVERHEAD", "Preflight", "preflight", "preflight_at", "workspace_target"),
     "core.merge.verify": ("TOLERANCES", "DEFAULT_PROMPTS", "Verification", "verify_export"),
-    "core.merge.export": ("TEMP_MARKER", "PAUSE_ENV", "MergeResult", "clean_stale_temps", "merge"),
+    "core.merge.export": (
+        "TEMP_MARKER",
+        "PAUSE_ENV",
+        "MergeResult",
+        "clean_stale_temps",
+        "merge",
+        "merge_at",
+    ),
     "core.merge.tryit": ("TryResult", "try_adapter"),
     "core.merge.discover": (
         "run_config_for",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from core.merge.common import MergeError, MergeProgress, gb
@@ -25,7 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--base", required=True, help="folder of the base model (safetensors or .bin)")
     ap.add_argument("--adapter", required=True, help="peft adapter folder (adapter_config.json + weights)")
     ap.add_argument(
-        "--out", required=True, help="new export folder, inside the workspace (never overwritten)"
+        "--out",
+        required=True,
+        help="new export folder, anywhere you can write (never overwritten); relative to the current folder",
     )
     ap.add_argument(
         "--dtype", choices=sorted(DTYPE_CHOICES), default=None, help="output dtype (default: the base's)"
@@ -38,13 +41,19 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         help="full: logits vs base+adapter (needs RAM for one fp32 model); quick: structure and spot checks",
     )
+    ap.add_argument(
+        "--force",
+        action="store_true",
+        help="merge even when the adapter's recorded base (base_model_name_or_path) or its tokenizer's "
+        "vocabulary does not match --base",
+    )
     args = ap.parse_args(argv)
     # The CLI prints its own progress and verdict; library progress bars and advisory warnings are noise here.
     import warnings
 
     from transformers.utils import logging as hf_logging
 
-    from core.merge.export import merge
+    from core.merge.export import merge_at
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
@@ -74,19 +83,21 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
 
     try:
-        result = merge(
-            args.base,
-            args.adapter,
-            args.out,
+        result = merge_at(
+            *(Path(p).expanduser().resolve() for p in (args.base, args.adapter, args.out)),
             args.dtype,
             args.shard_size,
             args.device,
             args.verify,
             progress=progress,
             on_preflight=show_preflight,
+            force=args.force,
         )
     except (MergeError, WorkspaceError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a file that vanished or cannot be read mid-way: still one sentence, no trace
+        print(f"error: {e.filename or 'a file'}: {e.strerror or e}.", file=sys.stderr)
         return 2
     for line in result.verification.lines():
         print(line)

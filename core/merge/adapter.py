@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -11,7 +10,10 @@ from pathlib import Path
 
 import torch
 
-from core.merge.common import MergeError
+from core.merge.common import MergeError, read_json_object
+from core.merge.shards import read_safetensors_header
+
+RESAVE = "re-save the adapter with peft's save_pretrained, or copy its folder again."
 
 # adapter_config fields whose adapters cannot be folded into plain weights exactly.
 UNSUPPORTED_FEATURES = {
@@ -77,10 +79,15 @@ def _pattern_value(patterns: dict, module: str, default):
 
 def load_adapter(adapter_dir: str | os.PathLike) -> Adapter:
     d = Path(adapter_dir)
+    if not d.is_dir():
+        raise MergeError(
+            f"Adapter folder {d} does not exist: point --adapter at the folder holding adapter_config.json "
+            "(a run's adapter/ folder)."
+        )
     cfg_path = d / "adapter_config.json"
     if not cfg_path.is_file():
         raise MergeError(f"{d} is not a peft adapter folder: adapter_config.json is missing.")
-    cfg = json.loads(cfg_path.read_text())
+    cfg = read_json_object(cfg_path, RESAVE)
     ptype = str(cfg.get("peft_type", "")).upper()
     if ptype != "LORA":
         raise MergeError(
@@ -95,13 +102,34 @@ def load_adapter(adapter_dir: str | os.PathLike) -> Adapter:
             )
     if cfg.get("use_dora") and cfg.get("lora_bias"):
         raise MergeError(f"DoRA together with lora_bias ({cfg_path}) is not supported by this merge.")
+    # Every LoRA config peft saves has both; without them the file is not the config of these weights.
+    r = cfg.get("r")
+    if r is None:
+        raise MergeError(f"{cfg_path} has no 'r' (the LoRA rank): it is incomplete; {RESAVE}")
+    if isinstance(r, bool) or not isinstance(r, (int, float)) or r < 1 or r != int(r):
+        raise MergeError(f"{cfg_path} has r={r!r}, not a positive whole number: {RESAVE}")
+    targets = cfg.get("target_modules")
+    if targets is None:
+        raise MergeError(f"{cfg_path} has no 'target_modules': it is incomplete; {RESAVE}")
+    if not isinstance(targets, (str, list)):
+        raise MergeError(f"{cfg_path} has target_modules={targets!r}, not a name or a list: {RESAVE}")
 
-    if (d / "adapter_model.safetensors").is_file():
+    st_path, bin_path = d / "adapter_model.safetensors", d / "adapter_model.bin"
+    if st_path.is_file():
         from safetensors.torch import load_file
 
-        state = load_file(str(d / "adapter_model.safetensors"))
-    elif (d / "adapter_model.bin").is_file():
-        state = torch.load(d / "adapter_model.bin", map_location="cpu", weights_only=True)
+        read_safetensors_header(st_path, RESAVE)  # truncated or corrupt: one sentence, not the library trace
+        try:
+            state = load_file(str(st_path))
+        except Exception as e:
+            raise MergeError(f"{st_path} cannot be read ({e}): {RESAVE}") from e
+    elif bin_path.is_file():
+        try:
+            state = torch.load(bin_path, map_location="cpu", weights_only=True)
+        except Exception as e:  # truncated zip, pickle errors, ...
+            raise MergeError(f"{bin_path} cannot be read ({type(e).__name__}: {e}): {RESAVE}") from e
+        if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
+            raise MergeError(f"{bin_path} does not hold a dict of tensors: {RESAVE}")
     else:
         raise MergeError(
             f"No adapter weights in {d}: expected adapter_model.safetensors (or adapter_model.bin)."

@@ -3,6 +3,7 @@ package (and `python -m core.merge --help`) stays light until a merge actually r
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,21 @@ class MergeProgress:
 
 
 ProgressFn = Callable[[MergeProgress], None]
+
+
+def read_json_object(path: Path, fix: str) -> dict:
+    """The JSON object in `path`; a broken file is a MergeError naming it and `fix` (how to repair it)."""
+    try:
+        data = json.loads(path.read_text())
+    except OSError as e:
+        raise MergeError(f"{path} cannot be read ({e.strerror or e}): {fix}") from e
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise MergeError(f"{path} is not valid JSON ({e}): {fix}") from e
+    if not isinstance(data, dict):
+        kinds = {list: "a list", str: "a string", bool: "true/false", type(None): "null"}
+        kind = kinds.get(type(data), "a number")
+        raise MergeError(f"{path} does not hold a JSON object (it holds {kind}): {fix}")
+    return data
 
 
 def gb(n: int) -> str:

@@ -64,8 +64,9 @@ def guess_base(adapter_dir: str | os.PathLike) -> tuple[str | None, str]:
                 cands.append((model[k], f"run config.yaml model.{k}"))
     try:
         cfg = json.loads((d / "adapter_config.json").read_text())
-        if cfg.get("base_model_name_or_path"):
-            cands.append((cfg["base_model_name_or_path"], "adapter_config.json"))
+        recorded = cfg.get("base_model_name_or_path") if isinstance(cfg, dict) else None
+        if recorded and isinstance(recorded, str):
+            cands.append((recorded, "adapter_config.json"))
     except (OSError, ValueError):
         pass
     for path, source in cands:
@@ -86,7 +87,7 @@ def list_adapters(workspace: str | os.PathLike) -> list[AdapterChoice]:
     for cfg in sorted(Path(workspace).glob("runs/*/adapter/adapter_config.json")):
         adapter = cfg.parent
         state = None
-        with contextlib.suppress(OSError, ValueError):
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # a broken status.json: no state
             state = json.loads((adapter.parent / "status.json").read_text()).get("state")
         base, note = guess_base(adapter)
         out.append(AdapterChoice(adapter.parent.name, str(adapter), base, state, note))

@@ -17,34 +17,52 @@ import torch
 from core.merge.common import TOKENIZER_FILES, MergeError, MergeProgress, ProgressFn, tokenizer_source
 from core.merge.delta import tensor_stream
 from core.merge.plan import MergePlan, TensorPlan
-from core.merge.precheck import Preflight, preflight
+from core.merge.precheck import Preflight, preflight_at, workspace_target
 from core.merge.shards import write_shard
 from core.merge.verify import Verification, verify_export
-from core.workspace import WorkspaceError, default_workspace, inside
 
 TEMP_MARKER = ".lora-cockpit-merge"
 PAUSE_ENV = "LORA_COCKPIT_TEST_MERGE_PAUSE_AFTER_FIRST_SHARD"  # test-only: makes the kill test deterministic
 
 
-def _pid_alive(pid: int) -> bool:
-    return pid != os.getpid() and psutil.pid_exists(pid)
+# Temp folders of merges running in this process: a page server may run two at once, under one pid.
+_ACTIVE: set[Path] = set()
+
+
+def _still_running(marker: dict, folder: Path) -> bool:
+    """Whether the merge that wrote `marker` still runs. A live pid is not enough: after a reboot or in a fresh
+    container a killed merge's pid can belong to an unrelated process, started after that merge began."""
+    try:
+        pid, started = int(marker.get("pid", -1)), marker.get("started")
+    except (TypeError, ValueError, AttributeError):
+        return False
+    if pid <= 0:
+        return False
+    if pid == os.getpid():
+        return folder in _ACTIVE
+    try:
+        created = psutil.Process(pid).create_time()
+    except (psutil.Error, ValueError, OverflowError):
+        return False
+    return not isinstance(started, (int, float)) or created <= started + 1  # 1 s: clock granularity
 
 
 def clean_stale_temps(target: Path) -> list[Path]:
-    """Remove temp folders of earlier merges into `target` whose process is gone. Only folders carrying our
-    marker file are touched, so nothing the user made is ever deleted."""
+    """Remove the temp folders that killed merges left beside `target`, into any target of the same parent
+    folder. Only folders carrying our marker file are touched, so nothing the user made is ever deleted, and
+    never one whose merge still runs."""
     removed = []
     if not target.parent.is_dir():
         return removed
-    for p in target.parent.glob(f".{target.name}.merging-*"):
+    for p in target.parent.glob(".*.merging-*"):
         marker = p / TEMP_MARKER
         if not marker.is_file():
             continue
         try:
-            pid = int(json.loads(marker.read_text()).get("pid", -1))
+            info = json.loads(marker.read_text())
         except (ValueError, OSError):
-            pid = -1
-        if not _pid_alive(pid):
+            info = {}
+        if not _still_running(info, p):
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p)
     return removed
@@ -103,21 +121,40 @@ def merge(
     workspace: str | os.PathLike | None = None,
     progress: ProgressFn | None = None,
     on_preflight: Callable[[Preflight], None] | None = None,
+    force: bool = False,
 ) -> MergeResult:
-    """Merge `adapter_dir` into `base_dir` and export to `out_dir` (inside the workspace). Raises MergeError
-    with a sentence saying what to fix; on any failure nothing is left at `out_dir`."""
+    """Merge `adapter_dir` into `base_dir` and export to `out_dir`, which must lie inside the workspace (the
+    page's rule; relative names start there). See merge_at()."""
+    target = workspace_target(out_dir, workspace)
+    return merge_at(
+        base_dir, adapter_dir, target, dtype, shard_size, device, verify, progress, on_preflight, force
+    )
+
+
+def merge_at(
+    base_dir: str | os.PathLike,
+    adapter_dir: str | os.PathLike,
+    target: str | os.PathLike,
+    dtype: str | torch.dtype | None = None,
+    shard_size: int | str = "5GB",
+    device: str = "cpu",
+    verify: str = "auto",
+    progress: ProgressFn | None = None,
+    on_preflight: Callable[[Preflight], None] | None = None,
+    force: bool = False,
+) -> MergeResult:
+    """Merge `adapter_dir` into `base_dir` and export to `target`, any folder the caller may write (relative:
+    from the current folder; the CLI's rule). Raises MergeError with a sentence saying what to fix; on any
+    failure nothing is left at `target`. `force` merges even into a base or vocabulary that does not match
+    the adapter's record."""
     started = time.time()
     if device not in ("cpu", "cuda"):
         raise MergeError(f"Device {device!r} is not supported: use cpu or cuda.")
     if device == "cuda" and not torch.cuda.is_available():
         raise MergeError("--device cuda was asked for but PyTorch sees no CUDA GPU: use --device cpu.")
-    ws = Path(workspace) if workspace else default_workspace()
-    try:
-        target = inside(ws, out_dir)
-    except WorkspaceError as e:
-        raise MergeError(f"Output folder: {e}") from e
+    target = Path(target).expanduser().resolve()
     clean_stale_temps(target)
-    pf, plan = preflight(base_dir, adapter_dir, target, dtype, shard_size, ws, verify)
+    pf, plan = preflight_at(base_dir, adapter_dir, target, dtype, shard_size, verify, force)
     if on_preflight:
         on_preflight(pf)
     if not pf.ok:
@@ -139,14 +176,21 @@ def merge(
         peak = max(peak, proc.memory_info().rss)
         report("merge", t.out_key)
 
-    target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f".{target.name}.merging-{os.getpid()}"
-    tmp.mkdir()
-    (tmp / TEMP_MARKER).write_text(
-        json.dumps({"pid": os.getpid(), "target": str(target), "started": started})
-    )
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+    except OSError as e:
+        raise MergeError(
+            f"Cannot create {tmp} beside the target ({e.strerror or e}): choose an output folder (--out) you can "
+            "write to."
+        ) from e
+    _ACTIVE.add(tmp)
     ok = False
     try:
+        (tmp / TEMP_MARKER).write_text(
+            json.dumps({"pid": os.getpid(), "target": str(target), "started": started})
+        )
         report("merge")
         for i, (name, tensors) in enumerate(plan.shards):
             write_shard(tmp / name, tensors, lambda t: tensor_stream(t, plan.base, device), on_tensor)
@@ -168,6 +212,7 @@ def merge(
         _fsync_dir(target.parent)
         ok = True
     finally:
+        _ACTIVE.discard(tmp)
         if not ok:
             shutil.rmtree(tmp, ignore_errors=True)
     files = sorted((p.name, p.stat().st_size) for p in target.iterdir() if p.is_file())

@@ -3,7 +3,6 @@ the model built on the meta device, tied embeddings, resized vocabulary, output 
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -13,7 +12,7 @@ from pathlib import Path
 import torch
 
 from core.merge.adapter import Adapter, LoraModule
-from core.merge.common import MergeError
+from core.merge.common import MergeError, read_json_object
 from core.merge.shards import (
     DTYPE_ARGS,
     DTYPE_NAMES,
@@ -135,11 +134,12 @@ def plan_merge(
     cfg_path = base_dir / "config.json"
     if not cfg_path.is_file():
         raise MergeError(f"{base_dir} has no config.json: point --base at a transformers model folder.")
-    config = json.loads(cfg_path.read_text())
+    config = read_json_object(cfg_path, "restore it (copy or download the base model again).")
     quant = config.get("quantization_config")
     if quant:
+        method = quant.get("quant_method", "quantized") if isinstance(quant, dict) else "quantized"
         raise MergeError(
-            f"The base model in {base_dir} is stored quantized ({quant.get('quant_method', 'quantized')}): its "
+            f"The base model in {base_dir} is stored quantized ({method}): its "
             "weights cannot be merged exactly. Point --base at the original bf16/fp16 model the quantized one was "
             "made from (for QLoRA, the model you passed to training before 4-bit loading)."
         )

@@ -13,7 +13,8 @@ import torch
 
 from core.merge import delta
 from core.merge.adapter import load_adapter
-from core.merge.common import MB, TOKENIZER_FILES, MergeError, gb, tokenizer_source
+from core.merge.common import MB, TOKENIZER_FILES, MergeError, gb, read_json_object, tokenizer_source
+from core.merge.compat import check_recorded_base, check_vocabulary, signature
 from core.merge.discover import is_qlora
 from core.merge.plan import MergePlan, plan_merge
 from core.merge.shards import DTYPE_NAMES
@@ -64,6 +65,21 @@ class Preflight:
         ]
 
 
+FORCE_FIX = (
+    "point --base at the model the adapter was trained on, or pass --force (on the page: 'Merge anyway') if you "
+    "are sure."
+)
+
+
+def workspace_target(out_dir: str | os.PathLike, workspace: str | os.PathLike | None = None) -> Path:
+    """The page's rule: an export is written only inside the workspace (relative names start there)."""
+    ws = Path(workspace) if workspace else default_workspace()
+    try:
+        return inside(ws, out_dir)
+    except WorkspaceError as e:
+        raise MergeError(f"Output folder: {e}") from e
+
+
 def preflight(
     base_dir: str | os.PathLike,
     adapter_dir: str | os.PathLike,
@@ -72,26 +88,55 @@ def preflight(
     shard_size: int | str = "5GB",
     workspace: str | os.PathLike | None = None,
     verify: str = "auto",
+    force: bool = False,
 ) -> tuple[Preflight, MergePlan]:
-    """Check everything before writing anything. Structural problems (bad adapter, wrong base) raise
-    MergeError; resource problems (RAM, disk, existing target) are listed in `problems` with the numbers."""
-    ws = Path(workspace) if workspace else default_workspace()
-    try:
-        target = inside(ws, out_dir)
-    except WorkspaceError as e:
-        raise MergeError(f"Output folder: {e}") from e
-    base_dir, adapter_dir = Path(base_dir).expanduser().resolve(), Path(adapter_dir).expanduser().resolve()
-    if not base_dir.is_dir():
-        raise MergeError(f"Base model folder {base_dir} does not exist.")
-    if not adapter_dir.is_dir():
-        raise MergeError(f"Adapter folder {adapter_dir} does not exist.")
+    """preflight_at() for an output folder inside the workspace (the page's rule; see workspace_target)."""
+    target = workspace_target(out_dir, workspace)
+    return preflight_at(base_dir, adapter_dir, target, dtype, shard_size, verify, force)
+
+
+def _folder(path: str | os.PathLike, what: str, flag: str, holds: str) -> Path:
+    p = Path(path).expanduser().resolve()
+    if not p.is_dir():
+        state = "is a file, not a folder" if p.exists() else "does not exist"
+        raise MergeError(f"{what} {p} {state}: point {flag} at the folder holding {holds}.")
+    return p
+
+
+def preflight_at(
+    base_dir: str | os.PathLike,
+    adapter_dir: str | os.PathLike,
+    target: str | os.PathLike,
+    dtype: str | torch.dtype | None = None,
+    shard_size: int | str = "5GB",
+    verify: str = "auto",
+    force: bool = False,
+) -> tuple[Preflight, MergePlan]:
+    """Check everything before writing anything; `target` may be anywhere (relative: from the current folder).
+    Structural problems (bad adapter, wrong base) raise MergeError; resource problems (RAM, disk, existing or
+    unwritable target) are listed in `problems` with the numbers. A base or vocabulary that does not match the
+    adapter is refused unless `force`, then kept as a note."""
+    target = Path(target).expanduser().resolve()
+    base_dir = _folder(base_dir, "Base model folder", "--base", "the base model's config.json and weights")
+    adapter_dir = _folder(
+        adapter_dir, "Adapter folder", "--adapter", "adapter_config.json (a run's adapter/ folder)"
+    )
     if verify not in ("auto", "full", "quick"):
         raise MergeError(f"verify must be auto, full or quick, not {verify!r}.")
     adapter = load_adapter(adapter_dir)
     plan = plan_merge(base_dir, adapter, dtype, shard_size)
 
-    problems: list[str] = []
     notes = list(plan.base.warnings) + list(plan.notes)
+    # plan_merge has read and checked it; the recorded-base check needs it as on disk, before any resize
+    base_config = read_json_object(base_dir / "config.json", "restore it.")
+    mismatch, note = check_recorded_base(adapter, base_dir, base_config)
+    vocab = check_vocabulary(adapter_dir, base_dir, signature(plan.config).get("vocab_size"))
+    mismatches = [m for m in (mismatch, vocab) if m]
+    if mismatches and not force:
+        raise MergeError("; ".join(mismatches) + ": " + FORCE_FIX)
+    notes += [f"Merging anyway (forced): {m}." for m in mismatches] + ([note] if note else [])
+
+    problems: list[str] = []
     if target.exists():
         problems.append(
             f"The target {target} already exists: choose a new folder name (an export is never overwritten)."
@@ -100,6 +145,15 @@ def preflight(
         problems.append(
             f"The target {target} lies inside the base or adapter folder: choose a folder under exports/."
         )
+    probe = target.parent
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        problems.append(
+            f"Cannot create {target}: {probe} is a file, not a folder; choose another output folder (--out)."
+        )
+    elif not os.access(probe, os.W_OK | os.X_OK):
+        problems.append(f"Cannot write into {probe}: choose an output folder (--out) you can write to.")
 
     qlora = is_qlora(adapter_dir)
     if qlora:
@@ -129,9 +183,6 @@ def preflight(
                 f"The logits check needs ~{gb(verify_ram)} RAM but {gb(ram_available)} is available: only the quick "
                 "check (every tensor re-read, merged rows recomputed, config and tokenizer loaded) will run."
             )
-    probe = target.parent
-    while not probe.exists():
-        probe = probe.parent
     disk_free = shutil.disk_usage(probe).free
     tok_dir = tokenizer_source(adapter_dir, base_dir)
     small = sum((tok_dir / n).stat().st_size for n in TOKENIZER_FILES if (tok_dir / n).is_file())

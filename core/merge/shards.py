@@ -13,7 +13,9 @@ from pathlib import Path
 
 import torch
 
-from core.merge.common import MB, MergeError
+from core.merge.common import MB, MergeError, read_json_object
+
+BASE_FIX = "copy or download the base model again."
 
 COPY_BLOCK = 64 * MB
 
@@ -54,16 +56,46 @@ def itemsize(code: str) -> int:
     return torch.empty((), dtype=ST_DTYPES[code]).element_size()
 
 
-def read_safetensors_header(path: Path) -> tuple[dict, int]:
-    """(header dict, byte offset where data starts)."""
+def read_safetensors_header(path: Path, fix: str = "copy or download it again.") -> tuple[dict, int]:
+    """(header dict, byte offset where data starts). A file that is truncated or whose header is corrupt is a
+    MergeError naming it and `fix`, checked before any tensor is read: a shard cut short by a failed copy must
+    not surface halfway through a merge, nor as the safetensors library's own trace."""
+    size = path.stat().st_size
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) != 8:
-            raise MergeError(f"{path} is not a safetensors file (shorter than 8 bytes).")
+            raise MergeError(f"{path} is truncated ({size} bytes, not even a safetensors header): {fix}")
         (n,) = struct.unpack("<Q", raw)
         if n > 100 * MB:
-            raise MergeError(f"{path} is not a valid safetensors file (header of {n} bytes).")
-        header = json.loads(f.read(n))
+            raise MergeError(f"{path} is not a valid safetensors file (header of {n} bytes): {fix}")
+        if 8 + n > size:
+            raise MergeError(f"{path} is truncated (its header needs {n} bytes, {size - 8} follow): {fix}")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+            raise MergeError(f"{path} has a corrupt safetensors header ({type(e).__name__}): {fix}") from e
+    if not isinstance(header, dict):
+        raise MergeError(f"{path} has a corrupt safetensors header (not a JSON object): {fix}")
+    end = 0
+    for key, v in header.items():
+        if key == "__metadata__":
+            continue
+        offsets = v.get("data_offsets") if isinstance(v, dict) else None
+        if not (
+            isinstance(v, dict)
+            and isinstance(v.get("dtype"), str)
+            and isinstance(v.get("shape"), list)
+            and isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(isinstance(o, int) for o in offsets)
+            and 0 <= offsets[0] <= offsets[1]
+        ):
+            raise MergeError(f"{path} has a corrupt safetensors header (entry {key!r}): {fix}")
+        end = max(end, offsets[1])
+    if 8 + n + end > size:
+        raise MergeError(
+            f"{path} is truncated (its tensors need {end} bytes of data, {size - 8 - n} follow): {fix}"
+        )
     return header, 8 + n
 
 
@@ -79,7 +111,7 @@ class BaseCheckpoint:
         files = self._weight_files()
         for file in files:
             if self.kind == "safetensors":
-                header, data_start = read_safetensors_header(file)
+                header, data_start = read_safetensors_header(file, BASE_FIX)
                 entries = [(k, v) for k, v in header.items() if k != "__metadata__"]
                 for key, v in sorted(entries, key=lambda kv: kv[1]["data_offsets"][0]):
                     if v["dtype"] not in ST_DTYPES:
@@ -107,7 +139,11 @@ class BaseCheckpoint:
         ):
             self.kind = kind
             if (d / index_name).is_file():
-                weight_map = json.loads((d / index_name).read_text())["weight_map"]
+                weight_map = read_json_object(d / index_name, BASE_FIX).get("weight_map")
+                if not isinstance(weight_map, dict) or not all(
+                    isinstance(v, str) for v in weight_map.values()
+                ):
+                    raise MergeError(f"{d / index_name} has no valid weight_map: {BASE_FIX}")
                 names = list(dict.fromkeys(weight_map.values()))
                 missing = [n for n in names if not (d / n).is_file()]
                 if missing:
@@ -134,9 +170,16 @@ class BaseCheckpoint:
         if file not in self._bin:
             self._bin.clear()  # keep one .bin file in memory at a time
             try:
-                sd = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-            except RuntimeError:
-                sd = torch.load(file, map_location="cpu", weights_only=True)  # legacy non-zip format: no mmap
+                try:
+                    sd = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+                except RuntimeError:
+                    sd = torch.load(
+                        file, map_location="cpu", weights_only=True
+                    )  # legacy non-zip format: no mmap
+            except Exception as e:  # truncated zip, pickle errors, ...
+                raise MergeError(f"{file} cannot be read ({type(e).__name__}: {e}): {BASE_FIX}") from e
+            if not isinstance(sd, dict) or not all(isinstance(t, torch.Tensor) for t in sd.values()):
+                raise MergeError(f"{file} does not hold a dict of tensors: {BASE_FIX}")
             self._bin[file] = sd
         return self._bin[file]
 
