@@ -46,18 +46,10 @@ def check_fields(raw: dict) -> dict[str, str]:
 
 
 def check_model_folder(path) -> str | None:
-    """None when `path` is a local transformers model folder; else what is wrong and how to fix it."""
-    if not isinstance(path, str) or not path.strip():
-        return "model.path is empty: give the folder of a local model (config.json + weights)."
-    p = Path(path).expanduser()
-    if not p.is_dir():
-        return (
-            f"model.path: the folder {p} does not exist. Nothing is downloaded here: give the folder of a "
-            "local model (config.json, weights and tokenizer files), e.g. one saved with save_pretrained."
-        )
-    if not (p / "config.json").is_file():
-        return f"model.path: {p} has no config.json, so it is not a transformers model folder."
-    return None
+    """None when `path` is a usable local model folder; else what is wrong and how to fix it."""
+    from core.train.preflight import check_model_folder as check
+
+    return check(path)
 
 
 def check_data_columns(data_cfg: dict) -> str | None:

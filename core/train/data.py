@@ -133,7 +133,13 @@ def row_segments(row: dict, fmt: str, tokenizer) -> list[tuple[str, bool]]:
         prompt = template.format(instruction=row.get("instruction") or "", input=extra or "")
         return [(prompt, False), (str(row.get("output") or "") + eos, True)]
     if fmt == "chat":
-        return _chat_segments(list(row.get("messages") or []), tokenizer)
+        messages = row.get("messages")
+        ok = isinstance(messages, list) and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages
+        )
+        # an empty or malformed conversation is an empty row: preflight reports it with its row number
+        return _chat_segments(messages, tokenizer) if ok and messages else []
     if fmt == "text":
         return [(str(row.get("text") or "") + eos, True)]
     raise DataError(f"data.format {fmt!r} is unknown: use alpaca, chat or text.")

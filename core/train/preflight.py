@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from core.train.data import (
     FORMAT_COLUMNS,
@@ -45,6 +46,104 @@ def has_errors(findings: list[Finding]) -> bool:
     return any(f.level == "error" for f in findings)
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def check_model_folder(path, need_weights: bool = True) -> str | None:
+    """None when `path` is a usable local model folder (or a hub id in the local cache); else one sentence: what
+    is wrong, where, how to fix it. Checks config.json and each safetensors header without loading weights."""
+    import json
+
+    if not isinstance(path, str) or not path.strip():
+        return "model.path is empty: give the folder of a local model (config.json + weights)."
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        cached = _cached_hub_folder(path)
+        if cached is None:
+            return (
+                f"model.path: the folder {folder} does not exist. Nothing is downloaded here: give the folder of a "
+                "local model (config.json, weights and tokenizer files), e.g. one saved with save_pretrained."
+            )
+        folder = cached
+    config = folder / "config.json"
+    if not config.is_file():
+        return f"model.path: {folder} has no config.json, so it is not a transformers model folder."
+    try:
+        data = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return f"model.path: {config} is not valid JSON: restore it from the model's original files."
+    if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
+        return f"model.path: {config} has no model_type: restore it from the model's original files."
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        return (
+            f"model.path: {folder} has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...): save the "
+            "tokenizer next to the weights (tokenizer.save_pretrained)."
+        )
+    if need_weights:
+        weights = [p for p in folder.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file()]
+        if not weights:
+            return (
+                f"model.path: {folder} has no weights (*.safetensors or *.bin): the download is incomplete."
+            )
+        for shard in weights:
+            problem = _safetensors_problem(shard) if shard.suffix == ".safetensors" else None
+            if problem:
+                return f"model.path: {shard} is {problem}: download or copy that file again."
+        index = folder / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                files = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
+            except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+                return f"model.path: {index} is not a valid shard index: download or copy it again."
+            missing = sorted(f for f in files if not (folder / f).is_file())
+            if missing:
+                return f"model.path: {folder} lacks the shard(s) {', '.join(missing[:3])}: the download is incomplete."
+    return None
+
+
+def _cached_hub_folder(repo_id: str):
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        hit = try_to_load_from_cache(repo_id, "config.json")
+    except Exception:  # not a valid repo id, no cache
+        return None
+    return Path(hit).parent if isinstance(hit, str) else None
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    """'truncated' / 'not a safetensors file' from the header alone (8-byte length + JSON), else None."""
+    import json
+    import struct
+
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                return "truncated (shorter than a safetensors header)"
+            (n,) = struct.unpack("<Q", head)
+            if n > min(size - 8, 100 << 20):
+                return "not a valid safetensors file (its header length is wrong)"
+            header = json.loads(fh.read(n))
+    except (OSError, ValueError, RecursionError):
+        return "not a valid safetensors file (unreadable header)"
+    if not isinstance(header, dict):
+        return "not a valid safetensors file (unreadable header)"
+    ends = [
+        v["data_offsets"][1]
+        for k, v in header.items()
+        if k != "__metadata__"
+        and isinstance(v, dict)
+        and isinstance(v.get("data_offsets"), list)
+        and len(v["data_offsets"]) == 2
+    ]
+    if ends and 8 + n + max(ends) > size:
+        return f"truncated ({size:,} bytes, its header describes {8 + n + max(ends):,})"
+    return None
+
+
 def load_tokenizer_and_config(model_cfg: dict):
     from transformers import AutoConfig, AutoTokenizer
 
@@ -69,7 +168,9 @@ def _empty_rows(ds, fmt: str) -> list[int]:
         if fmt == "chat":
             msgs = row.get("messages") or []
             blank = (
-                not msgs
+                not isinstance(msgs, list)
+                or not msgs
+                or not all(isinstance(m, dict) for m in msgs)  # a message that is not {role, content}
                 or any(_is_blank(m.get("content")) for m in msgs)
                 or not any(m.get("role") == "assistant" for m in msgs)
             )

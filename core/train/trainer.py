@@ -369,6 +369,11 @@ class SmokeCollator(Collator):
 # ---- the run ------------------------------------------------------------------------------------------------
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else type(exc).__name__)[:300]
+
+
 def _write_plan(cfg: dict, run_dir: Path) -> None:
     """plan.json for a run started without one (from a terminal): the Monitor draws it on the memory chart."""
     from core.estimate.bill import PlanError
@@ -441,6 +446,11 @@ def _run_training(config_path, run_dir: Path, resume: bool, smoke: bool, stop: S
     if stop is None:
         stop = StopFlag().install() if threading.current_thread() is threading.main_thread() else StopFlag()
     cfg = load_config(config_path)
+    from core.train.preflight import check_model_folder
+
+    problem = check_model_folder(cfg["model"]["path"])  # before anything is written or loaded
+    if problem:
+        raise ConfigError(problem)
     if (
         Path(config_path).resolve() != (run_dir / rundir.CONFIG).resolve()
         and not (run_dir / rundir.CONFIG).exists()
@@ -467,9 +477,14 @@ def _run_training(config_path, run_dir: Path, resume: bool, smoke: bool, stop: S
         print(f"note: {note}", flush=True)
 
     transformers.set_seed(cfg["training"]["seed"])
-    tokenizer = AutoTokenizer.from_pretrained(
-        cfg["model"]["path"], trust_remote_code=cfg["model"]["trust_remote_code"]
-    )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            cfg["model"]["path"], trust_remote_code=cfg["model"]["trust_remote_code"]
+        )
+    except (OSError, ValueError) as exc:
+        raise ConfigError(
+            f"model.path: the tokenizer in {cfg['model']['path']} does not load ({_first_line(exc)})."
+        ) from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token  # padding is masked out of the loss anyway
     from transformers import AutoConfig
@@ -501,7 +516,12 @@ def _run_training(config_path, run_dir: Path, resume: bool, smoke: bool, stop: S
     samples_per_step = 1 if smoke else t["per_device_train_batch_size"] * t["gradient_accumulation_steps"]
     callback = _make_callback_class()(run_dir, stop, smoke, prec["device"], samples_per_step)
     try:
-        model = load_model(cfg, prec)
+        try:
+            model = load_model(cfg, prec)
+        except (OSError, ValueError) as exc:  # a folder that passed the checks but still does not load
+            raise ConfigError(
+                f"model.path: {cfg['model']['path']} does not load ({_first_line(exc)})."
+            ) from None
         trainer = make_trainer(
             cfg,
             prec,
@@ -610,11 +630,14 @@ def dry_run(config_path: str, gpu_gb: float | None = None) -> int:
     from core.estimate.from_config import plan_json
     from core.estimate.specs import SpecError
     from core.train.config import check_with_libraries
-    from core.train.preflight import has_errors, load_tokenizer_and_config, run_preflight
+    from core.train.preflight import check_model_folder, has_errors, load_tokenizer_and_config, run_preflight
 
     try:
         cfg = load_config(config_path)
         check_with_libraries(cfg)
+        problem = check_model_folder(cfg["model"]["path"])
+        if problem:
+            raise ConfigError(problem)
         tokenizer, model_config = load_tokenizer_and_config(cfg["model"])
         findings = run_preflight(cfg, tokenizer, model_config)
         for f in findings:

@@ -1,0 +1,89 @@
+"""Broken input to the trainer is one sentence and exit 2, never a traceback (issue #11): a missing or incomplete
+model folder, a corrupt config.json, corrupt weights, an empty conversation. Real CLI subprocesses."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from core.train.config import validate_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _break(kind: str, model: Path, tmp: Path) -> Path:
+    folder = tmp / kind
+    if kind == "missing":
+        return folder
+    shutil.copytree(model, folder)
+    if kind == "incomplete":
+        for p in folder.iterdir():
+            if p.name != "config.json":
+                p.unlink()
+    elif kind == "corrupt-config":
+        (folder / "config.json").write_text("{not json")
+    elif kind == "truncated-weights":
+        shard = next(folder.glob("*.safetensors"))
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    elif kind == "garbage-weights":
+        next(folder.glob("*.safetensors")).write_bytes(b"\xff" * 64)
+    return folder
+
+
+def _config(tmp: Path, model: Path, rows: list[dict]) -> Path:
+    data = tmp / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = validate_config(
+        {"model": {"path": str(model)}, "data": {"path": str(data)}, "training": {"max_steps": 1}}
+    )
+    path = tmp / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+ROWS = [{"instruction": "Say hi", "output": "hi"}] * 4
+
+
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [
+        ("missing", "does not exist. Nothing is downloaded here"),
+        ("incomplete", "has no tokenizer files"),
+        ("corrupt-config", "config.json is not valid JSON"),
+        ("truncated-weights", "is truncated"),
+        ("garbage-weights", "is not a valid safetensors file"),
+    ],
+)
+def test_broken_model_folder_is_one_sentence(tmp_path, tiny_llama, kind, message):
+
+    cfg = _config(tmp_path, _break(kind, tiny_llama, tmp_path), ROWS)
+    for extra in (["--dry-run"], ["--run-dir", str(tmp_path / "run")]):
+        out = subprocess.run(
+            [sys.executable, "-m", "core.train", str(cfg), *extra],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+        assert out.returncode == 2 and len(errors) == 1 and message in errors[0], out.stderr[-2000:]
+        assert "Traceback" not in out.stderr
+
+
+def test_empty_conversation_is_a_preflight_row_not_a_crash(tmp_path, tiny_llama):
+
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    cfg = _config(tmp_path, tiny_llama, [{"messages": []}, good, {"messages": ["not a message"]}, good])
+    out = subprocess.run(
+        [sys.executable, "-m", "core.train", str(cfg), "--dry-run"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "rows 1, 3" in out.stderr and "empty" in out.stderr
