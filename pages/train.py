@@ -26,6 +26,7 @@ from core.train.config import (
     ATTN,
     DTYPES,
     FORMATS,
+    MAX_CONFIG_BYTES,
     OPTIMIZERS,
     SCHEDULERS,
     SECTIONS,
@@ -33,6 +34,7 @@ from core.train.config import (
     config_to_yaml,
     default_config,
     migrate,
+    parse_yaml,
     plan_to_config,
     validate_config,
 )
@@ -55,6 +57,7 @@ FIELDS = {
     "tr_model_path": ("model", "path"),
     "tr_dtype": ("model", "dtype"),
     "tr_attn": ("model", "attn_implementation"),
+    "tr_trust": ("model", "trust_remote_code"),
     "tr_4bit": ("quantization", "load_in_4bit"),
     "tr_lora": ("lora", "enabled"),
     "tr_r": ("lora", "r"),
@@ -239,6 +242,12 @@ def config_form(workspace: str) -> tuple[dict, dict, str]:
         _fill_form(base)
         st.session_state["tr_plan_seen"] = plan_key
     st.caption(f"Prefilled from {source}. Every value is also in the YAML (download below).")
+    asked = st.session_state.get("tr_trust_asked")
+    if asked and not st.session_state.get("tr_trust"):
+        st.warning(
+            f"{asked} asks for trust_remote_code: it was left off. Tick 'Run Python code shipped in the model "
+            "folder' under Model only if you trust that folder's code."
+        )
     for note in st.session_state.get("tr_notes") or []:
         st.warning(note)
     if "tr_name" not in st.session_state:
@@ -258,6 +267,12 @@ def config_form(workspace: str) -> tuple[dict, dict, str]:
     )
     c2.selectbox("Weights dtype", DTYPES, key="tr_dtype")
     c3.selectbox("Attention", ATTN, key="tr_attn")
+    st.checkbox(
+        "Run Python code shipped in the model folder (trust_remote_code)",
+        key="tr_trust",
+        help="Only for architectures transformers does not have yet. The folder's .py files run with your rights: "
+        "tick it only for a model you trust. A loaded YAML never ticks it for you.",
+    )
     slots["model"] = st.empty()
 
     st.markdown("##### LoRA")
@@ -452,13 +467,17 @@ def yaml_panel(raw: dict, errors: dict) -> None:
     with c2:
         up = st.file_uploader("Load a config YAML", type=["yaml", "yml"], key="tr_upload")
         if up is not None and st.session_state.get("tr_upload_seen") != up.file_id:
-            import yaml
-
             try:
-                cfg = validate_config(yaml.safe_load(up.getvalue().decode("utf-8")))
-            except (ConfigError, yaml.YAMLError, UnicodeDecodeError) as exc:
+                if up.size > MAX_CONFIG_BYTES:
+                    raise ConfigError(f"it is {up.size:,} bytes; a run config is a few hundred")
+                cfg = validate_config(parse_yaml(up.getvalue().decode("utf-8"), up.name))
+            except (ConfigError, UnicodeDecodeError) as exc:
                 st.error(f"{up.name} was not loaded: {exc}")
                 return
+            if cfg["model"]["trust_remote_code"]:
+                # code from a model folder runs only when the user ticks the box, never because a file said so
+                cfg["model"]["trust_remote_code"] = False
+                st.session_state["tr_trust_asked"] = up.name
             st.session_state["tr_upload_seen"] = up.file_id
             st.session_state["tr_pending"] = cfg  # filled in before the widgets are drawn on the rerun
             st.rerun()

@@ -132,6 +132,30 @@ def test_uploading_a_good_yaml_fills_the_form(workspace, tiny_llama, dataset):
     assert at.number_input(key="tr_lr").value == pytest.approx(5e-4)
 
 
+def test_an_uploaded_yaml_never_switches_on_trust_remote_code(workspace, tiny_llama, dataset):
+    from core.train.config import config_to_yaml, validate_config
+
+    cfg = validate_config(tiny_config(tiny_llama, dataset))
+    cfg["model"]["trust_remote_code"] = True
+    at = _page(workspace, tiny_config(tiny_llama, dataset))
+    at.file_uploader(key="tr_upload").set_value(
+        ("remote.yaml", config_to_yaml(cfg).encode(), "application/x-yaml")
+    )
+    at.run()
+    assert not at.exception, at.exception
+    assert at.checkbox(key="tr_trust").value is False
+    assert any("remote.yaml asks for trust_remote_code" in w.value for w in at.warning)
+    at.checkbox(key="tr_trust").check().run()  # the visible control the user ticks
+    assert not any("asks for trust_remote_code" in w.value for w in at.warning)
+
+
+def test_an_uploaded_yaml_with_aliases_is_refused(workspace, tiny_llama, dataset):
+    at = _page(workspace, tiny_config(tiny_llama, dataset))
+    bomb = b"a: &a [x, x]\nb: &b [*a, *a]\nmodel: {path: /x}\n"
+    at.file_uploader(key="tr_upload").set_value(("bomb.yaml", bomb, "application/x-yaml")).run()
+    assert any("bomb.yaml was not loaded" in e.value and "alias" in e.value for e in at.error)
+
+
 @pytest.mark.slow  # one real training step in a subprocess: ~15 s
 def test_smoke_test_shows_measured_peak_next_to_estimate(workspace, tiny_llama, dataset):
     at = _page(workspace, tiny_config(tiny_llama, dataset))
