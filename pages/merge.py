@@ -6,11 +6,11 @@ All logic lives in core.merge; this page only collects choices and shows what th
 from pathlib import Path
 
 import pandas as pd
-import psutil
 import streamlit as st
 import torch
 from streamlit.runtime.pages_manager import PagesManager
 
+from core import jobs
 from core import merge as M
 from core.workspace import WorkspaceError, check_run_name, default_workspace, inside
 
@@ -175,46 +175,79 @@ def merge_form(ws: Path, base_dir: str, adapter_dir: str, run: str | None) -> No
                 st.success("Ready to merge.")
         except M.MergeError as e:
             st.error(str(e))
-    if b2.button("Merge and export", type="primary", key="merge_go"):
-        bar = st.progress(0.0, text="Preflight…")
-        ram = st.empty()
-        proc = psutil.Process()
-
-        def progress(p: M.MergeProgress) -> None:
-            frac = p.tensors_done / p.tensors_total if p.tensors_total else 0.0
-            label = {"merge": "Merging", "verify": "Verifying", "done": "Done"}[p.phase]
-            bar.progress(
-                min(1.0, frac),
-                text=f"{label}: {p.tensors_done}/{p.tensors_total} tensors, "
-                f"{_size(p.bytes_written)} of {_size(p.bytes_total)} written",
-            )
-            ram.caption(
-                f"RAM: this process {_size(proc.memory_info().rss)}, "
-                f"{_size(psutil.virtual_memory().available)} free"
-            )
-
+    job = jobs.latest(ws, "merge", key=str(target))
+    running = job is not None and not job.done
+    if b2.button("Merge and export", type="primary", key="merge_go", disabled=running):
+        params = {
+            "base": base_dir,
+            "adapter": adapter_dir,
+            "out": str(target),
+            "dtype": dt,
+            "shard": shard,
+            "device": device,
+            "verify": verify,
+            "workspace": str(ws),
+            "force": force,
+        }
         try:
-            result = M.merge(
-                base_dir,
-                adapter_dir,
-                target,
-                dt,
-                shard,
-                device,
-                verify,
-                ws,
-                progress=progress,
-                on_preflight=lambda pf: show_preflight(pf, pre_slot),
-                force=force,
-            )
-        except (M.MergeError, WorkspaceError) as e:
-            bar.empty()
+            jobs.start(ws, "merge", params, key=str(target))
+        except jobs.JobError as e:
             st.error(str(e))
             return
-        st.session_state["merge_result"] = result
-    result = st.session_state.get("merge_result")
+        st.rerun()
+    if job is not None:
+        merge_job(job, ws, str(target), pre_slot)
+
+
+def merge_job(job, ws: Path, key: str, pre_slot) -> None:
+    """The merge runs as its own process (core.jobs): a reload or another tab reattaches to it here."""
+    if not job.done:
+
+        @st.fragment(run_every=1.0)
+        def follow():
+            view = jobs.latest(ws, "merge", key=key)
+            if view is None or view.done:
+                st.rerun()  # finished: draw the result once, statically
+            p = view.progress
+            if p.get("preflight"):  # drawn inside the fragment: it may not write to the page's own slots
+                show_preflight(M.Preflight(**p["preflight"]), st.empty())
+            total, done = p.get("total") or 0, p.get("done") or 0
+            label = {"merge": "Merging", "verify": "Verifying", "done": "Done"}.get(
+                p.get("phase"), "Preflight"
+            )
+            st.progress(
+                min(1.0, done / total) if total else 0.0,
+                text=f"{label}: {done}/{total} tensors, {_size(p.get('bytes_done') or 0)} of "
+                f"{_size(p.get('bytes_total') or 0)} written",
+            )
+            st.caption(
+                f"Running as a background job ({view.path.name}); reloading this page reattaches to it."
+            )
+
+        follow()
+        return
+    if job.state == "failed":
+        st.error(job.error or "The merge failed.")
+        return
+    result = _result_from_dict(job.result or {})
     if result is not None:
+        show_preflight(result.preflight, pre_slot)
         show_result(result)
+
+
+def _result_from_dict(d: dict):
+    try:
+        return M.MergeResult(
+            **{
+                **d,
+                "preflight": M.Preflight(**d["preflight"]),
+                "verification": M.Verification(**d["verification"]),
+                "files": [tuple(f) for f in d["files"]],
+            }
+        )
+    except (KeyError, TypeError):  # a result file from another version: say so instead of breaking the page
+        st.warning("The last merge's result file could not be read; merge again to see its report.")
+        return None
 
 
 st.title("Merge & Export")

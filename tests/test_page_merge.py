@@ -58,6 +58,8 @@ def test_page_lists_run_tries_and_merges(finished_run, tiny_llama, workspace):
 
     at.button(key="merge_go").click().run()
     assert not at.exception and not at.error, [e.value for e in at.error]
+    _wait_for_merge_job(workspace)  # a background process (core.jobs): the page reattaches on its next run
+    at.run()
     out = workspace / "exports" / "demo-1-merged"
     assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
     assert any("PASSED" in s.value for s in at.success)
@@ -66,7 +68,23 @@ def test_page_lists_run_tries_and_merges(finished_run, tiny_llama, workspace):
     # Merging again into the same folder is refused (the default name now moves on to a free one).
     at.text_input(key=f"merge_name_{finished_run / 'adapter'}").set_value("demo-1-merged")
     at.button(key="merge_go").click().run()
+    _wait_for_merge_job(workspace)
+    at.run()
     assert any("already exists" in e.value for e in at.error)
+
+
+def _wait_for_merge_job(workspace, timeout=300):
+    import time
+
+    from core import jobs
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        job = jobs.latest(workspace, "merge")
+        if job is not None and job.done:
+            return job
+        time.sleep(0.2)
+    raise AssertionError("the merge job did not end")
 
 
 def test_page_bad_inputs_show_errors(finished_run, workspace, tmp_path):

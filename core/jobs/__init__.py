@@ -1,0 +1,160 @@
+"""Long jobs (merge, demo build, full-dataset preflight, GGUF export) as processes with their state in files.
+
+The same pattern as runs: <workspace>/jobs/<kind>-<time>-<n>/ holds job.json (what to do), progress.json (how
+far), result.json (the outcome) and the job's logs; the job process holds the folder's lock for its whole life.
+A page starts a job and polls its folder, so a reload, a second tab or a restarted server reattaches to it and
+the page never blocks for more than a moment. UI-free and light: no torch import here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from core.files import atomic_write_text, read_json_object
+from core.runs import rundir
+from core.workspace import inside
+
+JOBS_DIR = "jobs"
+JOB, PROGRESS, RESULT = "job.json", "progress.json", "result.json"
+KINDS = ("merge", "demo", "preflight", "gguf")
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class JobError(RuntimeError):
+    """A job could not be started; the message says why."""
+
+
+@dataclass
+class JobView:
+    path: Path
+    kind: str
+    params: dict
+    state: str  # running | finished | failed
+    progress: dict = field(default_factory=dict)
+    result: dict | None = None  # the job's return value when finished
+    error: str | None = None  # one sentence when failed
+    started: float | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.state != "running"
+
+
+def jobs_dir(workspace: str | os.PathLike) -> Path:
+    return Path(workspace).expanduser().resolve() / JOBS_DIR
+
+
+def start(workspace: str | os.PathLike, kind: str, params: dict, key: str = "") -> Path:
+    """Start `kind` with `params` (JSON-able) as a detached process; returns the job's folder at once.
+
+    `key` tags the job (e.g. the merge's target) so that a page can find it again with `latest`."""
+    if kind not in KINDS:
+        raise JobError(f"unknown job kind {kind!r}: one of {', '.join(KINDS)}")
+    root = inside(workspace, jobs_dir(workspace))
+    root.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    n = 1
+    while True:
+        folder = root / f"{kind}-{stamp}-{n}"
+        try:
+            folder.mkdir()  # atomic claim: two clicks never share a folder
+            break
+        except FileExistsError:
+            n += 1
+    atomic_write_text(
+        folder / JOB, json.dumps({"kind": kind, "params": params, "key": key, "started": time.time()})
+    )
+    lock_fd = rundir.claim(folder)
+    try:
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **{rundir.LOCK_FD_ENV: str(lock_fd)})
+        with open(folder / rundir.STDOUT, "ab") as out, open(folder / rundir.STDERR, "ab") as err:
+            try:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "core.jobs", str(folder)],
+                    cwd=str(REPO_ROOT),
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=err,
+                    start_new_session=True,  # survives the page's script run and the server
+                    env=env,
+                    pass_fds=(lock_fd,),
+                )
+            except OSError as exc:
+                _write_result(folder, {"state": "failed", "error": f"could not start the job ({exc})"})
+                raise JobError(f"Could not start the {kind} job ({exc}).") from None
+        rundir.write_pid_info(folder, proc.pid)
+        _children.append(proc)
+    finally:
+        os.close(lock_fd)
+    return folder
+
+
+_children: list = []
+
+
+def read(folder: str | os.PathLike) -> JobView:
+    """The job's state from its files and its lock (a job killed without a word is failed at once)."""
+    folder = Path(folder)
+    for proc in list(_children):  # reap finished children so they do not linger as zombies
+        if proc.poll() is not None:
+            _children.remove(proc)
+    job = read_json_object(folder / JOB) or {}
+    result = read_json_object(folder / RESULT)
+    progress = read_json_object(folder / PROGRESS) or {}
+    view = JobView(
+        folder, str(job.get("kind")), job.get("params") or {}, "running", progress, started=job.get("started")
+    )
+    if result is not None:
+        view.state = "finished" if result.get("state") == "finished" else "failed"
+        view.result, view.error = result.get("result"), result.get("error")
+    elif not rundir.is_live(folder):
+        view.state = "failed"
+        tail = _tail(folder / rundir.STDERR)
+        view.error = "the job ended without a result" + (
+            f"; last lines of its stderr:\n{tail}" if tail else ""
+        )
+    return view
+
+
+def latest(workspace: str | os.PathLike, kind: str, key: str | None = None) -> JobView | None:
+    """The newest job of `kind` (with `key`, when given): what a page reattaches to after a reload."""
+    root = jobs_dir(workspace)
+    if not root.is_dir():
+        return None
+    found = []
+    for folder in root.glob(f"{kind}-*"):
+        job = read_json_object(folder / JOB)
+        if job and (key is None or job.get("key") == key):
+            found.append((job.get("started") or 0.0, folder))
+    return read(max(found)[1]) if found else None
+
+
+def _tail(path: Path, lines: int = 8) -> str:
+    try:
+        text = path.read_bytes()[-8000:].decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def _write_result(folder: Path, result: dict) -> None:
+    atomic_write_text(folder / RESULT, json.dumps(result, default=str))
+
+
+class Progress:
+    """What a job reports: written to progress.json at most every 0.2 s (and always the last report)."""
+
+    def __init__(self, folder: Path):
+        self.folder, self._t = folder, 0.0
+
+    def __call__(self, **fields) -> None:
+        now = time.time()
+        if now - self._t >= 0.2 or fields.get("final"):
+            self._t = now
+            atomic_write_text(self.folder / PROGRESS, json.dumps({**fields, "time": now}, default=str))

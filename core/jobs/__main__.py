@@ -1,0 +1,126 @@
+"""`python -m core.jobs FOLDER`: run the job described in FOLDER/job.json (started by core.jobs.start).
+
+Holds the folder's lock for its life; writes progress.json while it works and result.json at the end:
+{"state": "finished", "result": ...} or {"state": "failed", "error": "one sentence"}.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from dataclasses import asdict
+from pathlib import Path
+
+from core.files import read_json_object
+from core.jobs import JOB, Progress, _write_result
+from core.runs import rundir
+
+
+def run_merge(p: dict, report: Progress) -> dict:
+    from core import merge as M
+
+    def progress(mp) -> None:
+        report(
+            phase=mp.phase,
+            done=mp.tensors_done,
+            total=mp.tensors_total,
+            bytes_done=mp.bytes_written,
+            bytes_total=mp.bytes_total,
+        )
+
+    result = M.merge(
+        p["base"],
+        p["adapter"],
+        p["out"],
+        p.get("dtype"),
+        p.get("shard", "5GB"),
+        p.get("device", "cpu"),
+        p.get("verify", "auto"),
+        p["workspace"],
+        progress=progress,
+        on_preflight=lambda pf: report(phase="preflight", preflight=asdict(pf), final=True),
+        force=bool(p.get("force")),
+    )
+    return result.to_dict()
+
+
+def run_demo(p: dict, report: Progress) -> dict:
+    from core.demo.build import build_demo, read_manifest
+
+    lines: list[str] = []
+
+    def log(*parts) -> None:
+        lines.append(" ".join(str(x) for x in parts))
+        report(phase="build", log=lines[-20:])
+
+    out = build_demo(p["out"], log=log)
+    return {"out": str(out), "manifest": read_manifest(out)}
+
+
+def run_preflight_job(p: dict, report: Progress) -> dict:
+    from core.train.config import validate_config
+    from core.train.preflight import load_tokenizer_and_config, run_preflight
+
+    cfg = validate_config(p["config"])
+    report(phase="loading the tokenizer")
+    tok, conf = load_tokenizer_and_config(cfg["model"])
+    report(phase="checking every row")
+    return {"findings": [f.__dict__ for f in run_preflight(cfg, tok, conf)]}
+
+
+def run_gguf(p: dict, report: Progress) -> dict:
+    from core.gguf import export_gguf
+
+    result = export_gguf(
+        p["model"], p["out"], p.get("type", "f16"), p.get("verify", "auto"), on_progress=lambda d: report(**d)
+    )
+    return result.to_dict()
+
+
+RUNNERS = {"merge": run_merge, "demo": run_demo, "preflight": run_preflight_job, "gguf": run_gguf}
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """The exceptions that carry a sentence for the user (anything else is a bug: traceback in stderr.log)."""
+    from core.demo.build import DemoError
+    from core.gguf import BadInput, ExportError
+    from core.merge import MergeError
+    from core.train.data import DataError
+    from core.workspace import WorkspaceError
+
+    return (ValueError, OSError, MergeError, DemoError, DataError, BadInput, ExportError, WorkspaceError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m core.jobs FOLDER (started by core.jobs.start)", file=sys.stderr)
+        return 2
+    folder = Path(args[0]).resolve()
+    job = read_json_object(folder / JOB)
+    if not job or job.get("kind") not in RUNNERS:
+        print(f"error: {folder / JOB} is missing or names no known job kind.", file=sys.stderr)
+        return 2
+    lock = rundir.adopt_claim() or rundir.claim(folder)  # noqa: F841 - held until this process exits
+    report = Progress(folder)
+    try:
+        result = RUNNERS[job["kind"]](job.get("params") or {}, report)
+    except _user_errors() as exc:
+        _write_result(folder, {"state": "failed", "error": str(exc).strip() or type(exc).__name__})
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except Exception as exc:
+        traceback.print_exc()
+        _write_result(folder, {"state": "failed", "error": f"{type(exc).__name__}: {exc}"})
+        return 1
+    report(phase="done", final=True)
+    _write_result(folder, {"state": "finished", "result": result})
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # the lock goes with the process, the moment the result is written
