@@ -113,3 +113,34 @@ def test_gpt2_conv1d_folder_plans_lora(tmp_path):
         LoraConfig(r=4, target_modules="all-linear"),
     )
     assert est.trainable_params == sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_tracker_measures_the_plan_of_the_one_mapping(tiny_llama, dataset, variant):
+    from core.measure.step import plan_from, planner_plan
+
+    cfg = _config(tiny_llama, dataset, VARIANTS[variant])
+    for device in ("cpu", "cuda"):
+        mapped = plan_for_config(cfg, device=device)
+        measured = planner_plan(
+            cfg["model"]["path"], plan_from(cfg) if device == "cpu" else _cuda(cfg), device
+        )
+        card = ("gpu_gb", "expandable_segments", "eval_kv_tokens", "dpo_reference")
+        assert {k: v for k, v in asdict(measured).items() if k not in card} == {
+            k: v for k, v in asdict(mapped).items() if k not in card
+        }
+
+
+def _cuda(cfg):
+    from core.measure.step import _plan_from_run_config
+
+    return _plan_from_run_config(cfg, device="cuda")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_plan_to_config_is_the_inverse_of_the_mapping(tiny_llama, dataset, variant):
+    from core.train.config import plan_to_config
+
+    cfg = _config(tiny_llama, dataset, VARIANTS[variant])
+    plan = plan_for_config(cfg, device="cuda")
+    assert plan_for_config(plan_to_config(asdict(plan), cfg), device="cuda") == plan

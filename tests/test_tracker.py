@@ -231,15 +231,18 @@ def test_bad_inputs_say_what_to_fix(tmp_path):
 
 
 def test_plan_from_run_config_reads_the_sections():
-    plan = plan_from(
-        {
-            "model": {"path": "x", "dtype": "bfloat16", "attn_implementation": "eager"},
-            "quantization": {"load_in_4bit": True, "bnb_4bit_use_double_quant": True},
-            "lora": {"r": 32, "lora_dropout": 0.1, "target_modules": "all-linear"},
-            "data": {"max_length": 1024},
-            "training": {"per_device_train_batch_size": 4, "gradient_checkpointing": True, "bf16": True},
-        }
-    )
+    from core.measure.step import _plan_from_run_config
+
+    cfg = {
+        "model": {"path": "x", "dtype": "bfloat16", "attn_implementation": "eager"},
+        "quantization": {"load_in_4bit": True, "bnb_4bit_use_double_quant": True},
+        "lora": {"r": 32, "lora_dropout": 0.1, "target_modules": "all-linear"},
+        "data": {"max_length": 1024},
+        "training": {"per_device_train_batch_size": 4, "gradient_checkpointing": True, "bf16": True},
+    }
+    # through the one config -> plan mapping: on a CPU the trainer never autocasts, on a GPU bf16 does
+    assert plan_from(cfg).autocast_dtype() is None
+    plan = _plan_from_run_config(cfg, device="cuda")
     assert (plan.method, plan.attn, plan.lora_r, plan.seq_len, plan.batch_size) == (
         "qlora",
         "eager",

@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import tempfile
+import weakref
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -93,33 +94,48 @@ def plan_from(obj) -> MeasurePlan:
     return _checked(plan)
 
 
-def _plan_from_run_config(cfg: dict) -> MeasurePlan:
-    m, q, lo = cfg.get("model") or {}, cfg.get("quantization") or {}, cfg.get("lora") or {}
-    d, t = cfg.get("data") or {}, cfg.get("training") or {}
-    qlora = bool(q.get("load_in_4bit"))
-    mp = "bf16" if t.get("bf16") else "fp16" if t.get("fp16") else None
-    plan = MeasurePlan(
-        method="qlora" if qlora else ("lora" if lo else "full"),
-        dtype=_dtype_name(m.get("dtype", "bfloat16")),
-        mixed_precision=mp,
-        quant_type=q.get("bnb_4bit_quant_type", "nf4"),
-        double_quant=bool(q.get("bnb_4bit_use_double_quant", False)),
-        compute_dtype=_dtype_name(q.get("bnb_4bit_compute_dtype", "bfloat16")),
-        # the engine follows TRL's SFTTrainer: no prepare_model_for_kbit_training, fused LM head
-        prepare_kbit=bool(q.get("prepare_model_for_kbit_training", False)),
-        fused_lm_head=bool(t.get("fused_lm_head", True)),
-        lora_r=int(lo.get("r", 16)),
-        lora_alpha=int(lo.get("lora_alpha", 32)),
-        lora_dropout=float(lo.get("lora_dropout", 0.0)),
-        target_modules=lo.get("target_modules", "all-linear"),
-        batch_size=int(t.get("per_device_train_batch_size", 1)),
-        seq_len=int(t.get("max_length", d.get("max_length", 512))),  # SFTConfig's max_length, or data's
-        gradient_checkpointing=bool(t.get("gradient_checkpointing", False)),
-        attn=m.get("attn_implementation", "sdpa"),
-        optim=t.get("optim", "adamw_torch"),
-        max_grad_norm=float(t.get("max_grad_norm", 1.0)),
+def _plan_from_run_config(cfg: dict, device: str = "cpu") -> MeasurePlan:
+    """Through the one run config -> plan mapping (core.estimate.from_config), then into the measurement's terms:
+    the dtypes are resolved for `device` exactly as the trainer resolves them."""
+    from core.estimate.from_config import plan_for_config
+    from core.train.config import ConfigError, validate_config
+
+    cfg = dict(cfg)  # the data and the weights play no part in a step's memory: placeholders where absent
+    for section in ("model", "data"):
+        cfg[section] = {"path": "unused", **(cfg.get(section) or {})}
+    try:
+        cfg = validate_config(cfg)
+    except ConfigError as exc:
+        raise TrackerError(str(exc)) from None
+    return from_planner(plan_for_config(cfg, device=device), max_grad_norm=cfg["training"]["max_grad_norm"])
+
+
+def from_planner(plan, max_grad_norm: float = 1.0) -> MeasurePlan:
+    """The MeasurePlan of a core.estimate Plan (the inverse of planner_plan)."""
+    long = {v: k for k, v in {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.items()}
+    mixed = plan.compute_dtype if plan.autocast and plan.compute_dtype != "fp32" else None
+    return _checked(
+        MeasurePlan(
+            method=plan.method,
+            dtype=long[plan.load_dtype],
+            mixed_precision=mixed,
+            quant_type=plan.quant_type,
+            double_quant=plan.double_quant,
+            compute_dtype=long[plan.compute_dtype],
+            prepare_kbit=plan.prepare_kbit,
+            fused_lm_head=plan.fused_lm_head,
+            lora_r=plan.lora_r,
+            lora_alpha=plan.lora_alpha,
+            lora_dropout=plan.lora_dropout,
+            target_modules=plan.target_modules,
+            batch_size=plan.batch_size,
+            seq_len=plan.seq_len,
+            gradient_checkpointing=plan.gradient_checkpointing,
+            attn=plan.attn,
+            optim=plan.optim,
+            max_grad_norm=max_grad_norm,
+        )
     )
-    return _checked(plan)
 
 
 def _checked(plan: MeasurePlan) -> MeasurePlan:
@@ -209,6 +225,9 @@ def build_model(
     config = AutoConfig.from_pretrained(str(config_or_dir)) if from_dir else config_or_dir
     config = copy.deepcopy(config)
     config.use_cache = False  # training: no KV cache
+    if is_engine_path(plan):
+        src = Path(config_or_dir) if from_dir else _saved_checkpoint(config, plan.dtype, Path(cache_dir))
+        return _build_with_engine(src, plan, device), config
     dtype = DTYPES[plan.dtype]
     if plan.method == "qlora":
         src = Path(config_or_dir) if from_dir else _saved_checkpoint(config, plan.dtype, Path(cache_dir))
@@ -278,6 +297,54 @@ def build_model(
 
 
 TRL_FUSED_OUTPUTS = ("log_probs", "entropy", "is_top1")  # what trl 1.16 SFTTrainer asks of the fused head
+# The engine's trainer of each model built through it: its optimizer and its loss are used for the step.
+_ENGINE_TRAINERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def is_engine_path(plan: MeasurePlan) -> bool:
+    """What core.train does (TRL's SFTTrainer): the fused LM head, QLoRA without prepare_model_for_kbit_training.
+    Such plans are measured on the model the engine itself builds; the others (the HF-default baseline the
+    planner also knows) on a model built here the way plain Trainer + peft would build it."""
+    return plan.fused_lm_head and not plan.prepare_kbit
+
+
+def _build_with_engine(src: Path, plan: MeasurePlan, device: str):
+    """The model through core.train's own functions: load_model (the base, 4-bit where asked) and make_trainer
+    (SFTTrainer: peft, its QLoRA casts, its fused head), from the run config that plan describes (the inverse of
+    the one config -> plan mapping). Gradient checkpointing is switched on as Trainer.train does."""
+    from datasets import Dataset
+
+    from core.demo.toy import build_tokenizer
+    from core.train.config import plan_to_config, validate_config
+    from core.train.trainer import load_model, make_trainer
+
+    planned = planner_plan(str(src), plan, device).to_dict()
+    base = validate_config({"model": {"path": str(src)}, "data": {"path": "unused.jsonl"}})
+    cfg = validate_config(plan_to_config(planned, base))
+    cfg["model"]["dtype"], cfg["training"]["max_grad_norm"] = plan.dtype, plan.max_grad_norm
+    autocast = plan.autocast_dtype()
+    prec = {
+        "device": device,
+        "dtype": plan.dtype,
+        "bf16": autocast is torch.bfloat16,
+        "fp16": autocast is torch.float16,
+        "notes": [],
+    }
+    tokenizer = build_tokenizer()  # the measured batch is random ids: only the trainer's pad token matters
+    data = Dataset.from_dict({"input_ids": [[1, 2, 3]], "labels": [[1, 2, 3]]})
+    model = load_model(cfg, prec)
+    with tempfile.TemporaryDirectory() as run_dir:
+        trainer = make_trainer(cfg, prec, model, tokenizer, data, run_dir=run_dir)
+    model = trainer.model
+    if plan.gradient_checkpointing:  # Trainer.train() switches it on with the args' kwargs
+        kwargs = trainer.args.gradient_checkpointing_kwargs
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    _ENGINE_TRAINERS[model] = trainer
+    return model
 
 
 def _trl_qlora_preparation(model, plan: MeasurePlan) -> None:
@@ -292,8 +359,13 @@ def _trl_qlora_preparation(model, plan: MeasurePlan) -> None:
 
 
 def build_optimizer(model, plan: MeasurePlan):
-    """The optimizer Trainer builds for `plan.optim` (its own name→class mapping)."""
+    """The optimizer Trainer builds for `plan.optim` (its own name→class mapping); the engine's trainer's own
+    for a model built through the engine."""
     from transformers import Trainer, TrainingArguments
+
+    trainer = _ENGINE_TRAINERS.get(model)
+    if trainer is not None and plan.foreach is None:
+        return trainer.create_optimizer()
 
     with tempfile.TemporaryDirectory() as tmp:
         args = TrainingArguments(output_dir=tmp, optim=plan.optim, report_to=[], use_cpu=True)
@@ -404,6 +476,9 @@ def _decoder_layers(model):
 
 def _loss(model, batch, plan: MeasurePlan | None = None):
     """The training loss as the trainer computes it; the outputs die here, before backward."""
+    trainer = _ENGINE_TRAINERS.get(model)
+    if trainer is not None:
+        return trainer.compute_loss(model, dict(batch))  # SFTTrainer's own (it edits the inputs: a copy)
     if plan is None or not plan.fused_lm_head:
         return model(**batch).loss  # Trainer.compute_loss: the (tokens x vocab) logits die with the outputs
     # SFTTrainer.compute_loss (trl 1.16, default loss_type "nll", no num_items_in_batch): per-token
