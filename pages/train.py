@@ -10,7 +10,8 @@ import pandas as pd
 import streamlit as st
 from streamlit.runtime.pages_manager import PagesManager
 
-from core.demo.build import DemoError, build_demo, demo_config, demo_dir, demo_ready
+from core import jobs
+from core.demo.build import demo_config, demo_dir, demo_ready
 from core.estimate.bill import GiB, PlanError
 from core.estimate.from_config import estimate_for_config, plan_record
 from core.estimate.specs import SpecError
@@ -19,9 +20,11 @@ from core.runs.admin import (
     check_fields,
     check_model_folder,
     check_new_run_name,
+    latest_smoke,
+    smoke_result,
     start_smoke_test,
 )
-from core.runs.launcher import RunError, create_run, launch, wait_for_smoke
+from core.runs.launcher import RunError, create_run, launch
 from core.train.config import (
     ATTN,
     DTYPES,
@@ -49,7 +52,6 @@ if PagesManager.uses_pages_directory and not st.session_state.get("_routed"):
     PagesManager.uses_pages_directory = False
     st.rerun()
 
-SMOKE_TIMEOUT_S = 600
 VERDICT = {"fits": st.success, "tight": st.warning, "does not fit": st.error}
 
 # form widget key -> (section, key) of the run config
@@ -412,7 +414,9 @@ def smoke_panel(workspace: str, cfg: dict, name: str) -> None:
     st.caption(
         "One real training step at batch size 1 on this machine: measured peak memory and time per step."
     )
-    if st.button("Smoke test", key="tr_smoke", icon=":material/science:"):
+    running = latest_smoke(workspace, name)
+    live = running is not None and smoke_result(running) is None
+    if st.button("Smoke test", key="tr_smoke", icon=":material/science:", disabled=live):
         devices, _ = gpu.detect_gpus()
         device = "cuda" if devices else "cpu"
         gpu_gb, _ = _gpu_gb()
@@ -421,20 +425,25 @@ def smoke_panel(workspace: str, cfg: dict, name: str) -> None:
         except (PlanError, SpecError, ValueError):
             plan = None
         try:
-            with st.spinner("Smoke test: loading the model and running one step…"):
-                run_dir = start_smoke_test(workspace, name, cfg, plan)
-                result = wait_for_smoke(run_dir, timeout=SMOKE_TIMEOUT_S)
+            start_smoke_test(workspace, name, cfg, plan)  # its own process: the page does not wait for it
         except (RunError, WorkspaceError, ConfigError) as exc:
             st.error(str(exc))
             return
-        st.session_state["tr_smoke_result"] = {"dir": str(run_dir), "result": result}
-    res = st.session_state.get("tr_smoke_result")
-    if not res:
+        st.rerun()
+    if running is None:
         return
+    if live:
+
+        @st.fragment(run_every=1.0)
+        def follow_smoke():
+            if smoke_result(running) is not None:
+                st.rerun()
+            st.info(f"Smoke test running in {running.name}: loading the model and running one step…")
+
+        follow_smoke()
+        return
+    res = {"dir": str(running), "result": smoke_result(running)}
     smoke = res["result"]
-    if smoke is None:
-        st.error(f"Smoke test: no result after {SMOKE_TIMEOUT_S} s; see stderr.log in {res['dir']}.")
-        return
     if smoke.get("state") == "failed":
         st.error(f"Smoke test failed: {smoke.get('reason') or 'no reason recorded'} (folder {res['dir']}).")
         return
@@ -516,16 +525,44 @@ if not demo_ready(workspace) and st.session_state.get("tr_model_path") in (None,
         "The default run uses the demo assets (a tiny pretrained model and an instruction dataset that it learns "
         f"in about a minute on a CPU). They are not built yet in {demo_dir(workspace)}."
     )
-    if st.button("Build the demo assets", icon=":material/build:"):
+    demo_job = jobs.latest(workspace, "demo", key=str(demo_dir(workspace).resolve()))
+    if demo_job is not None and not demo_job.done:
+
+        @st.fragment(run_every=1.0)
+        def follow_demo():
+            view = jobs.read(demo_job.path)
+            if view.done:
+                st.rerun()
+            log = (view.progress.get("log") or ["starting…"])[-1]
+            st.info(f"Building the demo assets as a background job (a minute or two on a CPU): {log}")
+
+        follow_demo()
+    elif st.button("Build the demo assets", icon=":material/build:"):
         try:
-            with st.spinner("Building the demo model and dataset (a minute or two on a CPU)…"):
-                build_demo(demo_dir(workspace), log=lambda *_: None)
-        except (DemoError, OSError) as exc:
+            jobs.start(
+                workspace,
+                "demo",
+                {"out": str(demo_dir(workspace).resolve())},
+                key=str(demo_dir(workspace).resolve()),
+            )
+        except (jobs.JobError, WorkspaceError, OSError) as exc:
             st.error(str(exc))
         else:
-            for key in [k for k in st.session_state if k.startswith("tr_") or k == "train_config"]:
-                del st.session_state[key]  # refill the form from the demo config
             st.rerun()
+    if demo_job is not None and demo_job.state == "failed":
+        st.error(f"Building the demo failed: {demo_job.error}")
+elif st.session_state.pop("tr_demo_refill", None) is None and (
+    (job := jobs.latest(workspace, "demo", key=str(demo_dir(workspace).resolve()))) is not None
+    and job.state == "finished"
+    and st.session_state.get("tr_demo_built") != str(job.path)
+):
+    st.session_state["tr_demo_built"] = str(job.path)
+    for key in [
+        k for k in st.session_state if (k.startswith("tr_") and k != "tr_demo_built") or k == "train_config"
+    ]:
+        del st.session_state[key]  # refill the form from the demo config
+    st.session_state["tr_demo_refill"] = True
+    st.rerun()
 
 raw, errors, name = config_form(workspace)
 cfg = None

@@ -83,8 +83,9 @@ def test_new_user_flow_from_plan_to_verified_export(tmp_path):
         # Train: build the demo assets, smoke-test one step, launch a run long enough to watch.
         nav(page, "Train")
         page.get_by_role("button", name="Build the demo assets").click()
-        wait_text(page, r"Run name", 300)
-        page.wait_for_selector("text=Build the demo assets", state="detached", timeout=300_000)
+        # a background job (core.jobs): the page follows it and refills the form when it is done
+        wait_text(page, r"Building the demo assets as a background job", 60)
+        page.wait_for_selector("text=They are not built yet", state="detached", timeout=300_000)
         wait_idle(page, 300_000)
         assert (ws / "demo" / "base" / "config.json").is_file()
         max_steps = page.get_by_label("Max steps (-1: epochs)")

@@ -2,6 +2,7 @@
 build on 2 cores, so a stand-in config with the same shape is seeded as the form's starting point)."""
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -158,8 +159,18 @@ def test_an_uploaded_yaml_with_aliases_is_refused(workspace, tiny_llama, dataset
 
 @pytest.mark.slow  # one real training step in a subprocess: ~15 s
 def test_smoke_test_shows_measured_peak_next_to_estimate(workspace, tiny_llama, dataset):
+    from core.runs.admin import latest_smoke, smoke_result
+
     at = _page(workspace, tiny_config(tiny_llama, dataset))
     at.button(key="tr_smoke").click().run()
+    assert not at.exception, at.exception
+    # the smoke test is its own process: the page returned at once and follows it (a reload reattaches)
+    run = latest_smoke(workspace, at.text_input(key="tr_name").value)
+    assert run is not None
+    deadline = time.time() + 300
+    while smoke_result(run) is None and time.time() < deadline:
+        time.sleep(0.2)
+    at.run()
     assert not at.exception, at.exception
     assert not at.error, [e.value for e in at.error]
     metrics = {m.label: m.value for m in at.metric}

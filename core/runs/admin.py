@@ -110,6 +110,34 @@ def create_smoke_run(workspace: str | os.PathLike, name: str, config: dict, plan
     return run_dir
 
 
+def latest_smoke(workspace: str | os.PathLike, name: str) -> Path | None:
+    """The newest smoke test of run name `name` (what the Train page reattaches to after a reload)."""
+    root = Path(workspace) / SMOKE_DIR
+    if not root.is_dir():
+        return None
+    found = [d for d in root.glob(f"{name}-*") if d.is_dir() and d.name[len(name) + 1 :].isdigit()]
+    return max(found, key=lambda d: int(d.name[len(name) + 1 :])) if found else None
+
+
+def smoke_result(run_dir: str | os.PathLike) -> dict | None:
+    """smoke.json, or a failed result for a smoke process that died without one, or None while it runs."""
+    run_dir = Path(run_dir)
+    result = rundir.read_smoke(run_dir)
+    if result is not None:
+        return result
+    if rundir.live_state(run_dir)[1]:
+        return None
+    result = rundir.read_smoke(run_dir)  # it may have written just before exiting
+    if result is not None:
+        return result
+    from core.runs.launcher import tail
+
+    return {
+        "state": "failed",
+        "reason": "the smoke test ended without a result; stderr.log:\n" + tail(run_dir / rundir.STDERR),
+    }
+
+
 def start_smoke_test(workspace, name: str, config: dict, plan: dict | None = None) -> Path:
     """Create a smoke run and launch it (one step at batch size 1); returns its folder."""
     run_dir = create_smoke_run(workspace, name, config, plan)
@@ -150,5 +178,7 @@ __all__ = [
     "check_new_run_name",
     "create_smoke_run",
     "delete_run",
+    "latest_smoke",
+    "smoke_result",
     "start_smoke_test",
 ]
