@@ -75,8 +75,13 @@ def test_cli_started_run_is_listed_stopped_and_seen_dead(workspace, tiny_llama):
 
 def test_sigkill_is_seen_at_once_and_delete_then_works(workspace, tiny_llama):
     proc, run_dir = _start_cli_trainer(workspace, tiny_llama, "killed", max_steps=2000)
+    from core.monitor.watch import RunWatcher
+
+    watcher = RunWatcher(run_dir)  # the Monitor's reader, attached while the run is live
+    assert watcher.refresh().state == "running"
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
+    assert watcher.refresh().state == "failed"  # its very next tick (the page refreshes every 2 s)
     info = run_state(run_dir)  # the very next look, no grace period
     assert (info.state, info.alive) == ("failed", False)
     assert "ended without reporting" in info.reason

@@ -316,7 +316,9 @@ def _build_with_engine(src: Path, plan: MeasurePlan, device: str):
 
     from core.demo.toy import build_tokenizer
     from core.train.config import plan_to_config, validate_config
-    from core.train.trainer import load_model, make_trainer
+    from core.train.trainer import load_model, make_trainer, quiet_progress_bars
+
+    quiet_progress_bars()
 
     planned = planner_plan(str(src), plan, device).to_dict()
     base = validate_config({"model": {"path": str(src)}, "data": {"path": "unused.jsonl"}})

@@ -398,7 +398,7 @@ def _report_to(cfg: dict, run_dir: Path, smoke: bool):
     return "tensorboard"
 
 
-def _quiet_progress_bars():
+def quiet_progress_bars():
     """Progress bars would bury the stderr tail the launcher shows when a run fails."""
     import datasets
     import transformers
@@ -442,7 +442,7 @@ def _run_training(config_path, run_dir: Path, resume: bool, smoke: bool, stop: S
     from core.monitor.gpu import GpuSampler
     from core.train.preflight import has_errors, run_preflight
 
-    _quiet_progress_bars()
+    quiet_progress_bars()
     if stop is None:
         stop = StopFlag().install() if threading.current_thread() is threading.main_thread() else StopFlag()
     cfg = load_config(config_path)
