@@ -3,6 +3,7 @@
 All logic lives in core.merge; this page only collects choices and shows what the engine reports.
 """
 
+import contextlib
 from pathlib import Path
 
 import pandas as pd
@@ -150,6 +151,11 @@ def merge_form(ws: Path, base_dir: str, adapter_dir: str, run: str | None) -> No
     )
     devices = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
     device = st.radio("Compute the deltas on", devices, horizontal=True, key="merge_device")
+    c1, c2 = st.columns([1, 3])
+    then_gguf = c1.checkbox(
+        "Then convert to GGUF", key="merge_then_gguf", help="For llama.cpp, Ollama, LM Studio."
+    )
+    gguf_type = c2.selectbox("GGUF type", GGUF_TYPES, key="merge_gguf_type", disabled=not then_gguf)
     force = st.checkbox(
         "Merge anyway",
         key="merge_force",
@@ -189,6 +195,8 @@ def merge_form(ws: Path, base_dir: str, adapter_dir: str, run: str | None) -> No
             "workspace": str(ws),
             "force": force,
         }
+        if then_gguf:
+            params["gguf"] = {"type": gguf_type, "verify": "auto"}
         try:
             jobs.start(ws, "merge", params, key=str(target))
         except jobs.JobError as e:
@@ -211,6 +219,9 @@ def merge_job(job, ws: Path, key: str, pre_slot) -> None:
             p = view.progress
             if p.get("preflight"):  # drawn inside the fragment: it may not write to the page's own slots
                 show_preflight(M.Preflight(**p["preflight"]), st.empty())
+            if p.get("step") == "gguf":
+                gguf_progress(p)
+                return
             total, done = p.get("total") or 0, p.get("done") or 0
             label = {"merge": "Merging", "verify": "Verifying", "done": "Done"}.get(
                 p.get("phase"), "Preflight"
@@ -229,10 +240,91 @@ def merge_job(job, ws: Path, key: str, pre_slot) -> None:
     if job.state == "failed":
         st.error(job.error or "The merge failed.")
         return
-    result = _result_from_dict(job.result or {})
+    result = _result_from_dict({k: v for k, v in (job.result or {}).items() if k != "gguf"})
     if result is not None:
         show_preflight(result.preflight, pre_slot)
         show_result(result)
+    if (job.result or {}).get("gguf"):
+        st.markdown("##### GGUF")
+        show_gguf(job.result["gguf"])
+
+
+# ---- GGUF ---------------------------------------------------------------------------------------------------------
+
+GGUF_TYPES = ["q8_0", "f16", "bf16", "q5_0", "q4_0", "q4_k_m", "q5_k_m", "q6_k"]
+
+
+def gguf_progress(p: dict) -> None:
+    total, done = p.get("tensors_total") or p.get("tensors") or 0, p.get("tensors_done") or 0
+    frac = min(1.0, done / total) if isinstance(total, int) and total else 0.0
+    st.progress(frac, text=f"GGUF: {p.get('phase', 'starting')} {done}/{total or '?'} tensors")
+
+
+def show_gguf(d: dict) -> None:
+    from core.gguf import summary_lines
+
+    st.success("\n\n".join(summary_lines(d)))
+    if d.get("modelfile"):
+        with contextlib.suppress(OSError):  # moved or deleted since: the summary above still names it
+            st.code(Path(d["modelfile"]).read_text(encoding="utf-8")[:4000], language=None)
+    if d.get("ollama_command"):
+        st.code(d["ollama_command"], language="bash")
+
+
+def gguf_tab(ws: Path) -> None:
+    """Convert a merged export (any model folder in <workspace>/exports) to GGUF, as a background job."""
+    from core.gguf import BadInput, estimate_size
+
+    exports = sorted((p for p in (ws / "exports").glob("*") if (p / "config.json").is_file()), reverse=True)
+    if not exports:
+        st.info("Merge an adapter first (the Merge & export tab): its export folder is what GGUF converts.")
+        return
+    c1, c2, c3 = st.columns([3, 1, 1])
+    src = c1.selectbox("Model folder", exports, format_func=lambda p: p.name, key="gguf_src")
+    gtype = c2.selectbox(
+        "Type", GGUF_TYPES, key="gguf_type", help="q8_0: near-lossless; q4_k_m: Ollama's usual"
+    )
+    verify = c3.selectbox("Verification", ["auto", "quick", "full", "none"], key="gguf_verify")
+    out = src.with_name(f"{src.name}-{gtype}.gguf")
+    try:
+        size = estimate_size(src, gtype)
+        st.caption(f"Output: {out} · about {_size(size['bytes'])} ({size['tensors']} tensors)")
+    except BadInput as e:
+        st.error(str(e))
+        return
+    job = jobs.latest(ws, "gguf", key=str(out))
+    running = job is not None and not job.done
+    if st.button("Convert to GGUF", key="gguf_go", type="primary", disabled=running or out.exists()):
+        try:
+            jobs.start(
+                ws,
+                "gguf",
+                {"model": str(src), "out": str(out), "type": gtype, "verify": verify},
+                key=str(out),
+            )
+        except jobs.JobError as e:
+            st.error(str(e))
+            return
+        st.rerun()
+    if job is None:
+        return
+    if running:
+
+        @st.fragment(run_every=1.0)
+        def follow():
+            view = jobs.read(job.path)
+            if view.done:
+                st.rerun()
+            gguf_progress(view.progress)
+            st.caption(
+                f"Running as a background job ({view.path.name}); reloading this page reattaches to it."
+            )
+
+        follow()
+    elif job.state == "failed":
+        st.error(job.error or "The GGUF export failed.")
+    else:
+        show_gguf(job.result or {})
 
 
 def _result_from_dict(d: dict):
@@ -260,8 +352,10 @@ adapter_dir, run, suggested = pick_adapter(workspace)
 if adapter_dir:
     base_dir = base_input(adapter_dir, suggested)
     if base_dir:
-        tab_try, tab_merge = st.tabs(["Try it", "Merge & export"])
+        tab_try, tab_merge, tab_gguf = st.tabs(["Try it", "Merge & export", "GGUF"])
         with tab_try:
             try_it(base_dir, adapter_dir)
         with tab_merge:
             merge_form(workspace, base_dir, adapter_dir, run)
+        with tab_gguf:
+            gguf_tab(workspace)

@@ -20,6 +20,7 @@ from core.gguf.export import (
     estimate_size,
     export_gguf,
     report_path,
+    summary_lines,
 )
 from core.gguf.source import BadInput
 from core.gguf.tensors import K_TYPES, TYPES
@@ -27,6 +28,7 @@ from core.gguf.verify import LOGIT_LIMITS, TENSOR_RMS_LIMITS
 from core.gguf.writer import progress_path, read_progress
 
 __all__ = [
+    "summary_lines",
     "ALL_TYPES",
     "K_TYPES",
     "LOGIT_LIMITS",

@@ -265,3 +265,48 @@ def _modelfile(out: Path, template: str | None, ctx: int, eos: str | None):
     from core.gguf.modelfile import write_modelfile
 
     return write_modelfile(out, template, ctx, eos)
+
+
+def summary_lines(result) -> list[str]:
+    """The export's report in a few lines (the CLI prints them, the Merge & Export page shows them); `result` is
+    an ExportResult or its to_dict()."""
+    if isinstance(result, dict):
+        from types import SimpleNamespace
+
+        result = SimpleNamespace(**result)
+    r = result.report
+    lines = [
+        f"wrote {result.out} ({result.size / 1024**2:.1f} MiB, {result.out_type}) in {result.seconds:.1f} s"
+    ]
+    v = result.vocab
+    lines.append(f"tokenizer: {v['style']}, {v['tokens']} tokens, special ids {v['special_ids']}")
+    if r.get("mode") == "none":
+        lines.append("verification: skipped (--verify none)")
+    else:
+        t = r["tensors"]
+        w = t["worst"]
+        lines.append(
+            f"verify ({r['mode']}): {t['checked']} tensors compared, worst {w['name']} relative error "
+            f"{w['rel_rms']:.2g} (limit {w['limit']})"
+        )
+        tk = r["tokenizer"]
+        extra = f", {len(tk['not_judged'])} with <unk> not judged" if tk.get("not_judged") else ""
+        lines.append(
+            f"tokenizer round-trip: {tk.get('matched', 0)}/{tk.get('judged', 0)} samples identical{extra}"
+        )
+        lg = r.get("logits")
+        if lg:
+            line = (
+                f"logits on {lg['positions']} positions: max |delta| {lg['max_abs_delta']:.3g}, "
+                f"argmax agreement {lg['argmax_agreement']:.1%}, top-5 overlap {lg['top5_overlap']:.1%}"
+            )
+            if "tolerance" in lg:
+                line += f" (tolerance {lg['tolerance']:.3g}; {lg['argmax_agreement_beyond_ties']:.1%} beyond near-ties)"
+            lines.append(line)
+        for note in tk.get("notes", []) + (lg or {}).get("notes", []):
+            lines.append(f"note: {note}")
+    if result.modelfile:
+        fam = result.template_family or "none recognised (write TEMPLATE by hand)"
+        lines.append(f"Modelfile: {result.modelfile} (chat template: {fam})")
+        lines.append(f"to use it in Ollama: {result.ollama_command}")
+    return lines

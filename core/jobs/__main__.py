@@ -42,7 +42,15 @@ def run_merge(p: dict, report: Progress) -> dict:
         on_preflight=lambda pf: report(phase="preflight", preflight=asdict(pf), final=True),
         force=bool(p.get("force")),
     )
-    return result.to_dict()
+    out = result.to_dict()
+    if p.get("gguf"):  # merge, then GGUF: one click from an adapter
+        g = p["gguf"]
+        target = Path(p["out"])
+        out["gguf"] = run_gguf(
+            {"model": result.out_dir, "out": str(target.with_name(f"{target.name}-{g['type']}.gguf")), **g},
+            report,
+        )
+    return out
 
 
 def run_demo(p: dict, report: Progress) -> dict:
@@ -73,7 +81,11 @@ def run_gguf(p: dict, report: Progress) -> dict:
     from core.gguf import export_gguf
 
     result = export_gguf(
-        p["model"], p["out"], p.get("type", "f16"), p.get("verify", "auto"), on_progress=lambda d: report(**d)
+        p["model"],
+        p["out"],
+        p.get("type", "f16"),
+        p.get("verify", "auto"),
+        on_progress=lambda d: report(**{**d, "step": "gguf"}),
     )
     return result.to_dict()
 

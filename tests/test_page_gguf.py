@@ -1,0 +1,38 @@
+"""The GGUF step on the Merge & Export page (issue #14): one click from an adapter (merge, then GGUF) and the
+GGUF tab for an existing export, each a background job whose verified report and Modelfile the page shows."""
+
+import pytest
+from test_page_merge import _app, _wait_for_merge_job, finished_run  # noqa: F401 - the fixture is used by name
+
+from core import jobs
+
+
+@pytest.mark.slow
+def test_merge_then_gguf_in_one_click_and_the_gguf_tab(finished_run, workspace):  # noqa: F811
+    at = _app(workspace).run()
+    at.checkbox(key="merge_then_gguf").check().run()
+    at.selectbox(key="merge_gguf_type").set_value("q8_0").run()
+    at.button(key="merge_go").click().run()
+    assert not at.exception and not at.error, [e.value for e in at.error]
+    job = _wait_for_merge_job(workspace)
+    assert job.state == "finished", job.error
+    gguf = workspace / "exports" / "demo-1-merged-q8_0.gguf"
+    assert gguf.is_file() and (gguf.parent / "Modelfile").is_file()
+    at.run()
+    texts = " ".join(s.value for s in at.success)
+    assert "verify (" in texts and "tokenizer round-trip" in texts
+    assert any(c.value.startswith("ollama create") for c in at.code)
+
+    # the GGUF tab converts the same export to another type, as its own job
+    at.selectbox(key="gguf_type").set_value("f16").run()
+    assert any("about" in c.value and "tensors" in c.value for c in at.caption)  # the size estimate
+    at.button(key="gguf_go").click().run()
+    assert not at.exception, at.exception
+    import time
+
+    deadline = time.time() + 300
+    while (j := jobs.latest(workspace, "gguf")) is None or not j.done:
+        assert time.time() < deadline, "the GGUF job did not end"
+        time.sleep(0.2)
+    assert j.state == "finished", j.error
+    assert (workspace / "exports" / "demo-1-merged-f16.gguf").is_file()
