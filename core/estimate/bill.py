@@ -257,11 +257,23 @@ def _param_bytes(plan: Plan) -> int:
     return DTYPE_BYTES[plan.load_dtype] if plan.method == "full" else adapter_bytes(plan)
 
 
-def optimizer_state_bytes(tensors: list[int], plan: Plan) -> tuple[int, int]:
-    """(states inside torch's allocator, paged states in CUDA unified memory outside it)."""
+def optimizer_state_bytes(tensors: list[int], plan: Plan, embedding_numel: int = 0) -> tuple[int, int]:
+    """(states inside torch's allocator, paged states in CUDA unified memory outside it).
+
+    `embedding_numel`: a trainable nn.Embedding among `tensors`. With a bitsandbytes 8-bit optimizer
+    transformers' Trainer.create_optimizer registers `optim_bits: 32` for every nn.Embedding weight
+    (GlobalOptimManager.register_module_override): its states stay 32-bit."""
     states, state_bytes, kind = OPTIMIZERS[plan.optim]
     param_bytes = _param_bytes(plan)
     inside = paged = 0
+    tensors = list(tensors)
+    if kind.startswith("bnb8") and embedding_numel and embedding_numel in tensors:
+        tensors.remove(embedding_numel)
+        b = states * embedding_numel * 4
+        if kind.endswith("paged") and embedding_numel >= PAGED_MIN_SIZE and plan.device == "cuda":
+            paged += b
+        else:
+            inside += b
     for n in tensors:
         if kind == "factored":  # Adafactor: row + column second moments (shape unknown here: treat as sqrt)
             side = int(math.isqrt(n))
@@ -700,7 +712,9 @@ def estimate(plan: Plan, spec: ModelSpec | None = None) -> Estimate:
     param_bytes = _param_bytes(plan)
     lora_params = trainable * param_bytes if plan.method != "full" else 0
     grads = trainable * param_bytes
-    opt_inside, opt_paged = optimizer_state_bytes(tensors, plan)
+    opt_inside, opt_paged = optimizer_state_bytes(
+        tensors, plan, spec.embedding_params if plan.method == "full" else 0
+    )
     opt_temp = optimizer_step_temporaries(tensors, plan)
     saved, recompute = activation_bytes(spec, plan, targets, tokens)
     logits_fwd, logits_bwd = logits_bytes(spec, plan, tokens)

@@ -375,7 +375,16 @@ def build_optimizer(model, plan: MeasurePlan):
     if cls.__module__.startswith("torch.optim") and plan.foreach is not None and "fused" not in kwargs:
         kwargs["foreach"] = plan.foreach
     params = [p for p in model.parameters() if p.requires_grad]
-    return cls(params, **kwargs)
+    optimizer = cls(params, **kwargs)
+    if "bitsandbytes" in str(cls) and kwargs.get("optim_bits") == 8:
+        # as Trainer.create_optimizer does: embeddings keep 32-bit states under a bnb 8-bit optimizer
+        import bitsandbytes
+
+        manager = bitsandbytes.optim.GlobalOptimManager.get_instance()
+        for module in model.modules():
+            if isinstance(module, torch.nn.Embedding):
+                manager.register_module_override(module, "weight", {"optim_bits": 32})
+    return optimizer
 
 
 def make_batch(config, plan: MeasurePlan, seed: int = 0) -> dict:
