@@ -108,7 +108,8 @@ def local_card() -> tuple[str, float]:
     return "cpu", 24.0
 
 
-def plan_json(cfg: dict, gpu_gb: float | None = None, device: str | None = None) -> dict:
-    """The object a run's plan.json holds for `cfg` on this machine's card (or the one given)."""
+def plan_json(cfg: dict, gpu_gb: float | None = None, device: str | None = None, batch_size=None) -> dict:
+    """The object a run's plan.json holds for `cfg` on this machine's card (or the one given); batch_size 1 for
+    a smoke test's."""
     here, gb = local_card()
-    return plan_record(estimate_for_config(cfg, gpu_gb or gb, device or here))
+    return plan_record(estimate_for_config(cfg, gpu_gb or gb, device or here, batch_size))
