@@ -165,3 +165,31 @@ def test_resume_helpers_keep_metrics_continuous(tmp_path):
     assert latest_checkpoint(tmp_path).name == "checkpoint-6"
     truncate_metrics(tmp_path, 6)
     assert [m["step"] for m in read_metrics(tmp_path)] == [2, 4, 6]
+
+
+@pytest.mark.slow
+def test_smoke_cli_prints_what_it_measured(tmp_path, tiny_llama):
+    """core.train --smoke says in the terminal what the Train page shows: the peak, the estimate, s/step."""
+    run_dir = tmp_path / "smoke-cli"
+    run_dir.mkdir()
+    (run_dir / "plan.json").write_text(json.dumps({"tensor_peak_bytes": 4 * 2**20}))
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "core.train",
+            str(write_run(tmp_path, tiny_llama)),
+            "--run-dir",
+            str(run_dir),
+            "--smoke",
+        ],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    line = out.stdout.strip().splitlines()[-1]
+    smoke = json.loads((run_dir / "smoke.json").read_text())
+    assert line.startswith(f"smoke test: measured peak {smoke['peak_bytes'] / 2**20:,.1f} MiB (")
+    assert "vs the estimate 4.0 MiB" in line and "s per step on cpu" in line

@@ -700,7 +700,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {reason}", file=sys.stderr, flush=True)
         return EXIT_FAILED
     print(f"run {summary['state']} at step {summary['step']}", flush=True)
+    if args.smoke:
+        print(smoke_line(summary.get("smoke") or {}), flush=True)
     return EXIT_STOPPED
+
+
+def smoke_line(smoke: dict) -> str:
+    """What the Train page shows of a smoke test, in one line for the terminal."""
+
+    def mib(n) -> str:
+        return f"{n / 2**20:,.1f} MiB" if isinstance(n, (int, float)) else "n/a"
+
+    peak, est, sps = smoke.get("peak_bytes"), smoke.get("estimate_bytes"), smoke.get("seconds_per_step")
+    vs = f" ({peak / est - 1:+.1%} vs the estimate {mib(est)})" if peak and est else " (no plan.json to compare)"
+    step = f"{sps:.2f} s per step" if isinstance(sps, (int, float)) else "n/a s per step"
+    return (
+        f"smoke test: measured peak {mib(peak)}{vs}, {step} on {smoke.get('device')}, batch size 1 at "
+        f"max_length {smoke.get('max_length')} (measured by {smoke.get('measured_by')})"
+    )
 
 
 if __name__ == "__main__":
