@@ -7,6 +7,7 @@ state (-18%), and on a CPU the plan assumed float32 for a bfloat16 model (-47%).
 """
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -101,6 +102,14 @@ def test_train_page_shows_both_peaks_in_one_unit_and_close(workspace, wide_llama
     at.run()
     at.button(key="tr_smoke").click().run()
     assert not at.exception and not at.error, (at.exception, [e.value for e in at.error])
+    from core.runs.admin import latest_smoke, smoke_result  # the smoke test runs on its own: wait for it
+
+    run = latest_smoke(workspace, at.text_input(key="tr_name").value)
+    deadline = time.time() + 600
+    while smoke_result(run) is None:
+        assert time.time() < deadline, "the smoke test did not end"
+        time.sleep(0.2)
+    at.run()
     metrics = {m.label: m for m in at.metric}
     measured, estimated = metrics["Measured peak"].value, metrics["Estimated peak"].value
     assert measured.split()[1] == estimated.split()[1], (measured, estimated)  # e.g. "3.3 MiB" and "3.2 MiB"

@@ -205,10 +205,14 @@ def is_live(run_dir: str | os.PathLike) -> bool:
 
 
 def process_start_time(pid: int) -> float | None:
+    """The process's start time; None when it is gone or a zombie (exited, not yet reaped)."""
     try:
         import psutil
 
-        return psutil.Process(pid).create_time()
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return proc.create_time()
     except Exception:
         return None
 
@@ -251,11 +255,21 @@ def live_state(run_dir: str | os.PathLike, status: dict | None = None) -> tuple[
     process that died without a word ("failed"); an ended status while the lock is still held is a process
     that is winding down ("stopping"), so nothing is relaunched under it."""
     status = read_status(run_dir) if status is None else status
+    info = read_pid_info(run_dir)
     if (Path(run_dir) / LOCK).exists():
         alive = is_live(run_dir)
-    else:  # a run directory from before the lock: its pid file is all there is
-        info = read_pid_info(run_dir)
-        alive = bool(info) and same_process(info)
+        if alive and info and not same_process(info):
+            # the process is gone (or a zombie) while the kernel is still tearing down its other threads and
+            # files: the lock goes within moments
+            deadline = time.monotonic() + 1.0
+            while alive and time.monotonic() < deadline:
+                time.sleep(0.02)
+                alive = is_live(run_dir)
+    elif info:  # a run directory from before the lock: its pid file is all there is
+        alive = same_process(info)
+    else:  # no trace of a process at all (a folder written by hand or by a test): the status says it all
+        state = (status or {}).get("state") or "new"
+        return state, state in LIVE_STATES
     state = (status or {}).get("state") or ("starting" if alive else "new")
     if state in ("starting", "running") and not alive and (status or {}).get("state"):
         return "failed", False
