@@ -712,7 +712,11 @@ def smoke_line(smoke: dict) -> str:
         return f"{n / 2**20:,.1f} MiB" if isinstance(n, (int, float)) else "n/a"
 
     peak, est, sps = smoke.get("peak_bytes"), smoke.get("estimate_bytes"), smoke.get("seconds_per_step")
-    vs = f" ({peak / est - 1:+.1%} vs the estimate {mib(est)})" if peak and est else " (no plan.json to compare)"
+    vs = (
+        f" ({peak / est - 1:+.1%} vs the estimate {mib(est)})"
+        if peak and est
+        else " (no plan.json to compare)"
+    )
     step = f"{sps:.2f} s per step" if isinstance(sps, (int, float)) else "n/a s per step"
     return (
         f"smoke test: measured peak {mib(peak)}{vs}, {step} on {smoke.get('device')}, batch size 1 at "
