@@ -303,6 +303,15 @@ st.caption("The whole GPU memory bill of one training step, term by term, before
 plan = plan_form()
 try:
     show(plan)
-    st.session_state["plan"] = plan.to_dict()  # handed on to the Train page as one config object
+    st.session_state["plan"] = plan.to_dict()  # this page's own state: it comes back as it was left
+    if st.button(
+        "Use this plan on the Train page",
+        key="est_use_plan",
+        icon=":material/arrow_forward:",
+        help="Copies the method, LoRA settings, precision, optimizer, batch size and length into the Train form "
+        "(the Train page lists what it took). Viewing a plan changes nothing there.",
+    ):
+        st.session_state["train_plan"] = plan.to_dict()
+        st.switch_page("pages/train.py")
 except (PlanError, SpecError) as exc:
     st.error(str(exc))

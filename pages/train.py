@@ -135,8 +135,9 @@ def _cards() -> tuple[list[tuple[str, float]], str | None]:
 
 
 def _base_config(workspace: str) -> tuple[dict, str]:
-    """The config the form starts from, and where it came from."""
-    plan = st.session_state.get("plan")
+    """The config the form starts from, and where it came from. A plan reaches the form only when the user asked
+    for it ("Use this plan" on the Estimate page): merely viewing the Estimate page changes nothing here."""
+    plan = st.session_state.get("train_plan")
     if st.session_state.get("train_config"):
         return migrate(st.session_state["train_config"]), "your last edits"
     base = demo_config(workspace) if demo_ready(workspace) else _demo_paths(workspace)
@@ -166,7 +167,22 @@ def _from_plan(plan: dict, base: dict) -> tuple[dict, str]:
             f"; its model is not a local folder, so the model, batch size and max length stay those of "
             f"{base['model']['path']}: point the model folder at your local copy to train it"
         )
+    taken = _changes(base, cfg)
+    source += ("; it set " + ", ".join(taken)) if taken else "; it matches the form's settings"
     return cfg, source
+
+
+def _changes(before: dict, after: dict) -> list[str]:
+    """'training.optim adamw_torch → paged_adamw_8bit' for each key a plan changed (the form says what it took)."""
+    out = []
+    for section, values in after.items():
+        if not isinstance(values, dict):
+            continue
+        for key, value in values.items():
+            old = (before.get(section) or {}).get(key)
+            if key != "path" and value != old:
+                out.append(f"{section}.{key} {old!r} → {value!r}")
+    return out
 
 
 def _demo_paths(workspace: str) -> dict:
@@ -232,7 +248,7 @@ def _errors_below(slot, errors: dict, *paths: str) -> None:
 def config_form(workspace: str) -> tuple[dict, dict, str]:
     """Draw the form; returns (raw config, field errors, run name)."""
     base, source = _base_config(workspace)
-    plan = st.session_state.get("plan")
+    plan = st.session_state.get("train_plan")
     plan_key = repr(sorted(plan.items())) if plan else None
     pending = st.session_state.pop("tr_pending", None)
     if pending is not None:

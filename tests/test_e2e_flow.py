@@ -117,8 +117,18 @@ def test_new_user_flow_from_plan_to_verified_export(tmp_path):
         assert metric(page, "State") == "running"
         s.shot("monitor-live")
 
+        # Viewing the Estimate page first did not change the demo run (issue #16): the run trains the demo
+        # config with the two edits made in the form, nothing from the plan (no "Use this plan" click).
+        from core.demo.build import demo_config
+        from core.train.config import load_config
+
+        run_dir = next((ws / "runs").iterdir())
+        expected = demo_config(out=ws / "demo")
+        expected["training"].update(max_steps=2000, logging_steps=10)
+        assert load_config(run_dir / "config.yaml") == expected
+
         # Reload mid-run: a new session reattaches to the same live run from its directory.
-        run_name = next((ws / "runs").iterdir()).name
+        run_name = run_dir.name
         page.reload()
         wait_idle(page)
         wait_text(page, re.escape(run_name) + r" · updated", 60)  # the live panel names the run it follows

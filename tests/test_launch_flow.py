@@ -39,14 +39,14 @@ def test_launch_from_train_page_then_stop_from_monitor(workspace, tiny_llama, tm
             "save_steps": 1000,
         },
     }
-    # As a user would: a plan made on the Estimate page for this model, then the Train page prefilled from it.
+    # As a user would: a plan made on the Estimate page for this model, "Use this plan", the Train page prefilled.
     plan = Plan(
         model=str(tiny_llama), batch_size=2, seq_len=48, load_dtype="fp32", compute_dtype="fp32"
     ).to_dict()
     at = AppTest.from_file(APP, default_timeout=180)
     at.session_state["workspace"] = str(workspace)
     at.session_state["train_config"] = config
-    at.session_state["plan"] = plan
+    at.session_state["train_plan"] = plan  # what the Estimate page's "Use this plan" button hands over
     at.run()
     at.switch_page("pages/train.py").run()
     assert not at.exception, at.exception

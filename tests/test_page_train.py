@@ -227,7 +227,7 @@ def test_plan_from_estimate_page_prefills_and_flags_what_the_trainer_lacks(works
     at = AppTest.from_file(PAGE, default_timeout=180)
     at.session_state["workspace"] = str(workspace)
     at.session_state["train_config"] = tiny_config(tiny_llama, dataset)  # the data path comes from here
-    at.session_state["plan"] = plan.to_dict()
+    at.session_state["train_plan"] = plan.to_dict()
     at.run()
     assert not at.exception, at.exception
     assert at.number_input(key="tr_batch").value == 3 and at.number_input(key="tr_r").value == 4
@@ -244,7 +244,7 @@ def test_plan_for_a_hub_model_keeps_the_local_model_and_its_sizes(workspace, tin
     at = AppTest.from_file(PAGE, default_timeout=180)
     at.session_state["workspace"] = str(workspace)
     at.session_state["train_config"] = None
-    at.session_state["plan"] = plan.to_dict()
+    at.session_state["train_plan"] = plan.to_dict()
     at.run()
     assert not at.exception, at.exception
     assert at.text_input(key="tr_model_path").value.endswith("demo/base")
@@ -252,3 +252,37 @@ def test_plan_for_a_hub_model_keeps_the_local_model_and_its_sizes(workspace, tin
     assert at.number_input(key="tr_max_length").value == default_config()["training"]["max_length"] != 2048
     assert at.number_input(key="tr_batch").value != 7
     assert at.number_input(key="tr_r").value == 8
+
+
+def test_viewing_the_estimate_page_does_not_change_the_train_form(workspace):
+    """Issue #16: merely opening the Estimate page (it keeps its plan in the session) left the demo run with
+    the plan's QLoRA/dtype settings. Only 'Use this plan' hands a plan over, and the form lists what it took."""
+    from core.estimate.bill import Plan
+
+    at = AppTest.from_file(PAGE, default_timeout=180)
+    at.session_state["workspace"] = str(workspace)
+    at.session_state["plan"] = Plan(method="qlora", load_dtype="bf16", gradient_checkpointing=True).to_dict()
+    at.run()
+    assert not at.exception, at.exception
+    assert not at.checkbox(key="tr_4bit").value and at.selectbox(key="tr_dtype").value == "auto"
+    assert any("Prefilled from the demo model and dataset" in c.value for c in at.caption)
+
+    at.session_state["train_plan"] = at.session_state["plan"]  # now the user clicked "Use this plan"
+    at.run()
+    assert at.checkbox(key="tr_4bit").value and at.selectbox(key="tr_dtype").value == "bfloat16"
+    caption = next(c.value for c in at.caption if c.value.startswith("Prefilled from"))
+    assert (
+        "quantization.load_in_4bit False → True" in caption and "model.dtype 'auto' → 'bfloat16'" in caption
+    )
+    assert validate_config  # the form's config is still a valid run config (checked by the page itself)
+
+
+def test_estimate_page_use_this_plan_hands_it_over():
+    from pathlib import Path as _P
+
+    at = AppTest.from_file(str(_P(PAGE).parent.parent / "dashboard.py"), default_timeout=180).run()
+    assert not at.exception, at.exception
+    assert "train_plan" not in at.session_state  # viewing the landing Estimate page hands nothing over
+    at.button(key="est_use_plan").click().run()
+    assert not at.exception, at.exception
+    assert at.session_state["train_plan"] == at.session_state["plan"]
