@@ -11,6 +11,7 @@ import streamlit as st
 from streamlit.runtime.pages_manager import PagesManager
 
 from core.monitor import gpu
+from core.monitor.series import DEFAULT_SMOOTHING_STEPS
 from core.monitor.watch import RunWatcher
 from core.runs.launcher import RunError, launch, list_runs, stop_run
 from core.runs.rundir import LIVE_STATES, latest_checkpoint
@@ -171,7 +172,9 @@ def show(run_dir: str, live: bool) -> None:
 
     @st.fragment(run_every=REFRESH_S if live else None)
     def panel():
-        snap = _watcher(run_dir).refresh()
+        watcher = _watcher(run_dir)
+        watcher.set_smoothing(st.session_state.get("mon_smoothing", DEFAULT_SMOOTHING_STEPS))
+        snap = watcher.refresh()
         if live and snap.state in ENDED:
             st.rerun()  # the run just ended: redraw the whole page once, static, with Stop disabled
         header(snap)
@@ -241,4 +244,12 @@ elif c2.button(
     live = False
 if info.state in ("stopped", "failed") and info.reason:
     st.caption(f"Why it {info.state}: {info.reason.splitlines()[0]}")
+st.number_input(
+    "Loss smoothing window (steps)",
+    min_value=1.0,
+    value=DEFAULT_SMOOTHING_STEPS,
+    step=5.0,
+    key="mon_smoothing",
+    help="The smoothed curve is a debiased moving average over this many training steps.",
+)
 show(run_dir, live)

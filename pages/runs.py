@@ -9,6 +9,7 @@ import pandas as pd
 import streamlit as st
 from streamlit.runtime.pages_manager import PagesManager
 
+from core.monitor.series import DEFAULT_SMOOTHING_STEPS
 from core.monitor.watch import compare_loss_frame, summarize_runs
 from core.runs.admin import delete_run
 from core.runs.launcher import RunError, list_runs
@@ -62,11 +63,21 @@ def compare(summaries) -> None:
     names = [s.name for s in summaries]
     by_name = {s.name: s.run_dir for s in summaries}
     chosen = st.multiselect("Runs", names, default=names[:2], key="runs_compare")
-    smoothed = st.toggle("Smoothed", value=True, key="runs_smoothed")
+    c1, c2 = st.columns([1, 2])
+    smoothed = c1.toggle("Smoothed", value=True, key="runs_smoothed")
+    window = c2.number_input(
+        "Smoothing window (steps)",
+        min_value=1.0,
+        value=DEFAULT_SMOOTHING_STEPS,
+        step=5.0,
+        key="runs_smoothing",
+        disabled=not smoothed,
+        help="A debiased moving average over this many training steps (the raw curve: switch Smoothed off).",
+    )
     if not chosen:
         st.caption("Choose runs to compare.")
         return
-    df = compare_loss_frame([by_name[n] for n in chosen], smoothed=smoothed)
+    df = compare_loss_frame([by_name[n] for n in chosen], smoothed=smoothed, smoothing_steps=window)
     if df.empty:
         st.caption("None of these runs has logged a loss yet.")
         return

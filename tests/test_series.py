@@ -89,3 +89,40 @@ def test_rolling_median_ignores_outliers_and_nans():
     med = rolling_median(y, 9)
     assert med[50] == 1.0 and med[60] == 1.0
     assert med[0] == 1.0  # short window at the start
+
+
+def test_step_ema_is_debiased_and_windowed_in_steps():
+    """Issue #16: the old EMA (alpha 0.05 per logged point, seeded at the first point) still read 0.4 at step
+    150 on the demo while the raw loss had been 0.005 since step 20. The step-windowed debiased EMA follows."""
+    from core.monitor.series import StepEMA, ema_steps
+
+    steps = np.arange(5, 155, 5, dtype=float)  # the demo logs every 5 steps
+    loss = np.where(steps < 20, 2.0, 0.005)
+    _, old = steps, ema(loss, 0.05)
+    _, new = ema_steps(steps, loss, window_steps=20)
+    assert old[-1] > 0.3  # the bug as reported
+    assert new[-1] < 0.01  # the 2.0 of steps 5-15 weighs exp(-135/20) by step 150
+    assert new[0] == 2.0  # debiased: the first point is its own average, not pulled toward zero
+    # the same training span smooths the same whether logged every step or every 5 steps
+    fine = ema_steps(np.arange(1, 155, dtype=float), np.where(np.arange(1, 155) < 20, 2.0, 0.005), 20)[1]
+    assert abs(fine[-1] - new[-1]) < 1e-3
+    with pytest.raises(ValueError, match="window_steps"):
+        StepEMA(0)
+
+
+def test_watcher_smoothing_window_is_the_users(tmp_path):
+    import json
+
+    from core.monitor.watch import RunWatcher
+
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"time": float(i), "step": i, "loss": 2.0 if i < 20 else 0.005} for i in range(5, 155, 5)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    w = RunWatcher(run)
+    w.set_smoothing(5.0)
+    short = w.refresh().charts["loss"]
+    w.set_smoothing(200.0)
+    long = w.refresh().charts["loss"]
+    at = lambda df: float(df[df["series"] == "train (smoothed)"]["value"].iloc[3])  # noqa: E731 - step 20
+    assert at(long) > at(short)  # a longer window remembers the early 2.0 longer

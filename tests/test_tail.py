@@ -8,6 +8,8 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 from core.monitor.tail import JsonlTail, RunFiles, RunSeries, TextTail, tail_text
 
 
@@ -160,7 +162,7 @@ def test_text_tail_follows_growth(tmp_path):
 
 
 def test_run_series_columns_and_incremental_ema(tmp_path):
-    s = RunSeries(ema_alpha=0.5)
+    s = RunSeries(smoothing_steps=1.0)
     s.add_metrics(
         [{"time": 1, "step": 1, "loss": 4.0}, {"time": 2, "step": 2, "loss": 2.0, "eval_loss": 3.0}]
     )
@@ -169,8 +171,11 @@ def test_run_series_columns_and_incremental_ema(tmp_path):
     steps, loss = s.metric("loss")
     assert list(steps) == [1, 2, 3, 4]  # step 5 had no numeric loss
     assert math.isnan(loss[2])
-    # EMA skips the NaN: 4 -> 3 -> (hold) -> 2
-    assert list(s.ema_loss.arrays()[1]) == [4.0, 3.0, 2.0]
+    # the debiased EMA over 1 step skips the NaN: each point decays the past by exp(-Δstep)
+    e1 = math.exp(-1)
+    first, second = 4.0, (4.0 * e1 + 2.0) / (e1 + 1)
+    third = ((4.0 * e1 + 2.0) * e1**2 + 1.0) / ((e1 + 1) * e1**2 + 1)
+    assert list(s.ema_loss.arrays()[1]) == pytest.approx([first, second, third])
     assert list(s.metric("eval_loss")[0]) == [2.0]
     s.add_gpu(
         [{"time": 10.0, "index": 0, "memory_used": 5, "utilization": 90, "other_processes": [{"pid": 7}]}]

@@ -94,3 +94,44 @@ def rolling_median(y, window: int = 50) -> np.ndarray:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN windows: NaN is the right answer
         return np.nanmedian(windows, axis=1)
+
+
+DEFAULT_SMOOTHING_STEPS = 20.0
+
+
+class StepEMA:
+    """A debiased exponential moving average whose window is in training steps (as TensorBoard's smoothing,
+    debiased), not in logged points: each point decays the past by exp(-Δstep / window), and the average is
+    divided by the weight it has accumulated, so the first points are not pulled toward the first value and a
+    run logged every step or every 50 steps smooths over the same span of training. Non-finite values are
+    skipped (they are evidence for the health checks, not part of a trend)."""
+
+    def __init__(self, window_steps: float = DEFAULT_SMOOTHING_STEPS):
+        if not window_steps > 0:
+            raise ValueError(f"window_steps must be > 0; got {window_steps}")
+        self.window = float(window_steps)
+        self._num = 0.0
+        self._den = 0.0
+        self._last_step: float | None = None
+
+    def update(self, step: float, value: float) -> float | None:
+        if not math.isfinite(value):
+            return None if self._den == 0 else self._num / self._den
+        decay = 0.0 if self._last_step is None else math.exp(-max(0.0, step - self._last_step) / self.window)
+        self._num = self._num * decay + value
+        self._den = self._den * decay + 1.0
+        self._last_step = step
+        return self._num / self._den
+
+
+def ema_steps(x, y, window_steps: float = DEFAULT_SMOOTHING_STEPS) -> tuple[np.ndarray, np.ndarray]:
+    """The whole-array form of StepEMA: (steps, smoothed) over the finite points."""
+    ema = StepEMA(window_steps)
+    xs, ys = [], []
+    for step, v in zip(
+        np.asarray(x, dtype=np.float64).tolist(), np.asarray(y, dtype=np.float64).tolist(), strict=True
+    ):
+        if math.isfinite(v):
+            xs.append(step)
+            ys.append(ema.update(step, v))
+    return np.asarray(xs), np.asarray(ys)

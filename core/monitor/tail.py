@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from core.monitor.series import DEFAULT_SMOOTHING_STEPS, StepEMA
 from core.runs import rundir
 
 try:  # 3-4x faster on the first read of a long run; optional
@@ -245,17 +246,18 @@ class RunSeries:
 
     Metric series are indexed by step (`metrics[name]`, plus `metric_time[name]` with the wall-clock time of
     each point); GPU series by unix time, per GPU index (`gpu[index][field]`). `ema_loss` is the smoothed
-    training loss, kept up to date point by point so smoothing never re-walks the history.
+    training loss (a debiased EMA over `smoothing_steps` training steps: core.monitor.series.StepEMA), kept up to
+    date point by point so smoothing never re-walks the history.
     """
 
-    def __init__(self, ema_alpha: float = 0.05):
+    def __init__(self, smoothing_steps: float = DEFAULT_SMOOTHING_STEPS):
         self.metrics: dict[str, Points] = {}
         self.metric_time: dict[str, Points] = {}
         self.gpu: dict[int, dict[str, Points]] = {}
         self.gpu_other_processes: dict[int, list[dict]] = {}  # latest sample's other processes per GPU
-        self.ema_alpha = ema_alpha
+        self.smoothing_steps = smoothing_steps
         self.ema_loss = Points()
-        self._ema_state: float | None = None
+        self._ema = StepEMA(smoothing_steps)
         self.first_time: float | None = None
         self.last_time: float | None = None
         self.last_step: int | None = None
@@ -311,9 +313,16 @@ class RunSeries:
         # Non-finite losses would poison the average forever: they show up in health warnings instead.
         if not math.isfinite(v):
             return
-        a = self.ema_alpha
-        self._ema_state = v if self._ema_state is None else a * v + (1 - a) * self._ema_state
-        self.ema_loss.append(step, self._ema_state)
+        self.ema_loss.append(step, self._ema.update(step, v))
+
+    def set_smoothing(self, window_steps: float) -> bool:
+        """Smooth over another window (in steps); recomputes the curve from the raw points. True if it changed."""
+        if window_steps == self.smoothing_steps:
+            return False
+        self.smoothing_steps, self._ema, self.ema_loss = window_steps, StepEMA(window_steps), Points()
+        for step, v in zip(*self.metric("loss"), strict=True):
+            self._update_ema(float(step), float(v))
+        return True
 
     def add_gpu(self, records: list[dict]):
         for rec in records:
@@ -369,12 +378,12 @@ class RunFiles:
     replaced the whole series is rebuilt from the files, which stay the source of truth.
     """
 
-    def __init__(self, run_dir: str | os.PathLike, ema_alpha: float = 0.05):
+    def __init__(self, run_dir: str | os.PathLike, smoothing_steps: float = DEFAULT_SMOOTHING_STEPS):
         self.run_dir = Path(run_dir)
-        self.ema_alpha = ema_alpha
+        self.smoothing_steps = smoothing_steps
         self.metrics_tail = JsonlTail(self.run_dir / rundir.METRICS)
         self.gpu_tail = JsonlTail(self.run_dir / rundir.GPU)
-        self.series = RunSeries(ema_alpha)
+        self.series = RunSeries(smoothing_steps)
         self.restarts = 0
 
     def poll(self) -> bool:
@@ -386,7 +395,7 @@ class RunFiles:
             self.restarts += 1
             self.metrics_tail = JsonlTail(self.metrics_tail.path)
             self.gpu_tail = JsonlTail(self.gpu_tail.path)
-            self.series = RunSeries(self.ema_alpha)
+            self.series = RunSeries(self.series.smoothing_steps)
             self.series.add_metrics(self.metrics_tail.read_new())
             self.series.add_gpu(self.gpu_tail.read_new())
             return True

@@ -23,7 +23,7 @@ import pandas as pd
 from core.files import read_json_object
 from core.monitor.diagnose import Diagnosis, diagnose, load_evidence
 from core.monitor.health import HealthChecker, HealthWarning
-from core.monitor.series import downsample_minmax, stride
+from core.monitor.series import DEFAULT_SMOOTHING_STEPS, downsample_minmax, stride
 from core.monitor.tail import RunFiles, RunSeries, TextTail
 from core.runs import rundir
 
@@ -152,6 +152,11 @@ class RunWatcher:
     @property
     def series(self) -> RunSeries:
         return self.files.series
+
+    def set_smoothing(self, window_steps: float) -> None:
+        """The smoothed loss's window, in training steps (the Monitor's control); charts are redrawn if it moved."""
+        if self.files.series.set_smoothing(window_steps):
+            self._charts = None
 
     def refresh(self) -> Snapshot:
         changed = self.files.poll()
@@ -424,12 +429,16 @@ def summarize_runs(runs_dir: str | os.PathLike) -> list[RunSummary]:
 
 
 def compare_loss_frame(
-    run_dirs: list[str | os.PathLike], smoothed: bool = True, max_points: int = 1000
+    run_dirs: list[str | os.PathLike],
+    smoothed: bool = True,
+    max_points: int = 1000,
+    smoothing_steps: float = DEFAULT_SMOOTHING_STEPS,
 ) -> pd.DataFrame:
     """Loss curves of several runs on one chart: columns step, value, run (long form)."""
     parts = []
     for d in run_dirs:
         s = _files_for(Path(d)).series
+        s.set_smoothing(smoothing_steps)
         if "loss" not in s.metrics:
             continue
         x, y = (
