@@ -56,3 +56,15 @@ def inside(workspace: str | os.PathLike, path: str | os.PathLike) -> Path:
     if target != ws and ws not in target.parents:
         raise WorkspaceError(f"{target} is outside the workspace {ws}: choose a folder inside it.")
     return target
+
+
+def make_folder(path: Path, what: str = "folder") -> Path:
+    """mkdir -p with one sentence instead of a traceback when the workspace cannot hold it (read-only, /proc)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise WorkspaceError(
+            f"Cannot create the {what} {path} ({exc.strerror or exc}): choose a workspace folder you can write "
+            "to in the sidebar (or $LORA_COCKPIT_WORKSPACE)."
+        ) from None
+    return path

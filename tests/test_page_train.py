@@ -285,3 +285,17 @@ def test_estimate_page_use_this_plan_hands_it_over():
     at.button(key="est_use_plan").click().run()
     assert not at.exception, at.exception
     assert at.session_state["train_plan"] == at.session_state["plan"]
+
+
+def test_launch_into_a_workspace_that_cannot_be_created_is_one_sentence(tiny_llama, dataset):
+    """Issue #16: a workspace under /proc gave a raw FileNotFoundError traceback on Launch."""
+    at = AppTest.from_file(PAGE, default_timeout=180)
+    at.session_state["workspace"] = "/proc/lora-cockpit-cannot-exist"
+    at.session_state["train_config"] = tiny_config(tiny_llama, dataset)
+    at.run()
+    at.button(key="tr_launch").click().run()
+    assert not at.exception, at.exception
+    errors = [e.value for e in at.error]
+    assert any("Cannot create the runs folder /proc/lora-cockpit-cannot-exist/runs" in e for e in errors), (
+        errors
+    )

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from core.files import atomic_write_text, read_json_object
 from core.runs import rundir
-from core.workspace import inside
+from core.workspace import inside, make_folder
 
 JOBS_DIR = "jobs"
 JOB, PROGRESS, RESULT = "job.json", "progress.json", "result.json"
@@ -57,7 +57,7 @@ def start(workspace: str | os.PathLike, kind: str, params: dict, key: str = "") 
     if kind not in KINDS:
         raise JobError(f"unknown job kind {kind!r}: one of {', '.join(KINDS)}")
     root = inside(workspace, jobs_dir(workspace))
-    root.mkdir(parents=True, exist_ok=True)
+    make_folder(root, "jobs folder")
     stamp = time.strftime("%Y%m%d-%H%M%S")
     n = 1
     while True:

@@ -15,7 +15,7 @@ from core.runs import rundir
 from core.runs.launcher import RunError, launch, run_state
 from core.runs.rundir import LIVE_STATES
 from core.train.config import dump_config, field_errors, validate_config
-from core.workspace import WorkspaceError, check_run_name, inside, runs_dir
+from core.workspace import WorkspaceError, check_run_name, inside, make_folder, runs_dir
 
 SMOKE_DIR = "smoke"  # <workspace>/smoke/<run>-<n>/: one-step runs, not listed among the real runs
 # The planner models sdpa and eager; flash/flex attention keep no score matrix either, like sdpa.
@@ -95,7 +95,7 @@ def create_smoke_run(workspace: str | os.PathLike, name: str, config: dict, plan
     name = check_run_name(name)
     cfg = validate_config(config)
     root = inside(workspace, Path(workspace) / SMOKE_DIR)
-    root.mkdir(parents=True, exist_ok=True)
+    make_folder(root, "smoke-test folder")
     n = 1
     while True:
         run_dir = root / f"{name}-{n}"

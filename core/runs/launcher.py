@@ -20,7 +20,7 @@ from pathlib import Path
 from core.runs import rundir
 from core.runs.rundir import read_pid, read_status, write_status
 from core.train.config import dump_config, validate_config
-from core.workspace import WorkspaceError, check_run_name, inside, runs_dir
+from core.workspace import WorkspaceError, check_run_name, inside, make_folder, runs_dir
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TAIL_LINES = 20
@@ -58,7 +58,7 @@ def create_run(workspace: str | os.PathLike, name: str, config: dict, plan: dict
     cfg = validate_config(config)
     if run_dir.exists():
         raise RunError(f"A run named {name!r} already exists in {run_dir.parent}: choose another name.")
-    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    make_folder(run_dir.parent, "runs folder")
     run_dir.mkdir()
     dump_config(cfg, run_dir / rundir.CONFIG)
     if plan:
