@@ -78,13 +78,23 @@ def memory_chart(snap) -> None:
     for key, label in names.items():
         if key in snap.lines:
             rules.append({"value": snap.lines[key], "line": label})
+    title = "GPU memory (GiB)"
     if df is None or df.empty:
         reason = _no_gpu_reason()
-        st.info(
-            f"GPU memory: no GPU samples: {reason}" if reason else "GPU memory: no samples yet in gpu.jsonl."
+        cpu = snap.charts.get("cpu_memory")
+        if cpu is None or cpu.empty:
+            st.info(
+                f"GPU memory: no GPU samples: {reason}"
+                if reason
+                else "GPU memory: no samples yet in gpu.jsonl."
+            )
+            return
+        # No GPU: the run's CPU memory, against the same plan line (what this config needs on a card)
+        df, title = cpu, "CPU memory of the training process (GiB)"
+        st.caption(
+            f"No GPU samples ({reason or 'none in gpu.jsonl'}): charting the process's CPU memory instead."
         )
-        return
-    chart = _lines(df, "minutes", "GPU memory (GiB)", "GiB", height=330)
+    chart = _lines(df, "minutes", title, "GiB", height=330)
     if rules:
         rule = (
             alt.Chart(pd.DataFrame(rules))

@@ -90,8 +90,13 @@ def test_finished_run_shows_state_charts_and_no_gpu_reason(runs):
     assert _metric(at, f"Step (of {status['max_steps']})") == str(status["step"])
     assert at.button(key="mon_stop").disabled  # nothing to stop
     charts = at.get("vega_lite_chart")
-    assert len(charts) >= 3  # loss, learning rate, grad norm
-    assert any(i.value.startswith("GPU memory: no GPU samples:") for i in at.info)  # no NVML here: a reason
+    assert len(charts) >= 4  # loss, learning rate, grad norm, memory
+    # No NVML here (a reason is given): the memory chart is the training process's CPU memory (issue #16)
+    assert any(c.value.startswith("No GPU samples (") and "CPU memory" in c.value for c in at.caption)
+    specs = [json.dumps(c.proto.spec) if hasattr(c, "proto") else "" for c in charts]
+    assert any("CPU memory of the training process" in sp for sp in specs)
+    rss = [m["rss_bytes"] for m in map(json.loads, (done / "metrics.jsonl").read_text().splitlines())]
+    assert rss and all(r > 50 * 2**20 for r in rss)  # a real process's resident memory, every log line
     assert not at.error
 
 

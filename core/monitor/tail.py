@@ -236,6 +236,7 @@ METRIC_FIELDS = (
     "cuda_allocated",
     "cuda_reserved",
     "cuda_peak",
+    "rss_bytes",
     "epoch",
 )
 GPU_FIELDS = ("memory_used", "memory_total", "utilization", "temperature", "power_w", "process_memory")

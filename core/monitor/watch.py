@@ -230,6 +230,15 @@ class RunWatcher:
                     t, v = downsample_minmax(t[ok], v[ok], b.sparse)
                     mem.append((label, (t - t0) / 60.0, v / GiB))
         charts["gpu_memory"] = _frame("minutes", mem)
+        cpu = []
+        if "rss_bytes" in s.metrics:  # the training process's RAM: the memory curve of a run on a CPU
+            _, v = s.metric("rss_bytes")
+            t = s.metric_time["rss_bytes"].arrays()[1]
+            ok = np.isfinite(t)
+            if ok.any():
+                t, v = downsample_minmax(t[ok], v[ok], b.sparse)
+                cpu.append(("training process (RSS)", (t - t0) / 60.0, v / GiB))
+        charts["cpu_memory"] = _frame("minutes", cpu)
         t, u = s.gpu_series("utilization")
         charts["gpu_util"] = _frame(
             "minutes", [("utilisation %", *_rel(downsample_minmax(t, u, b.spiky), t0))] if t.size else []

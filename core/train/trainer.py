@@ -185,6 +185,9 @@ def _make_callback_class():
             self.step_seconds: list[float] = []
             # A smoke test writes no metrics: its one step is not a training curve.
             self._fh = None if smoke else open(run_dir / rundir.METRICS, "a", encoding="utf-8")  # noqa: SIM115
+            import psutil
+
+            self._proc = psutil.Process()
             self._last_t = time.time()
             self._last_tokens = 0.0
             self._last_step = 0
@@ -242,6 +245,7 @@ def _make_callback_class():
                 rec["samples_per_s"] = (state.global_step - self._last_step) * self.samples_per_step / dt
                 self._last_t, self._last_tokens, self._last_step = now, tokens, state.global_step
             rec.update(cuda_memory())
+            rec["rss_bytes"] = self._proc.memory_info().rss  # CPU memory: the curve a run without a GPU has
             # json.dumps writes NaN for a NaN loss: the file stays readable by Python's json and the UI sees it.
             if self._fh is not None:
                 self._fh.write(json.dumps(rec) + "\n")
