@@ -31,31 +31,27 @@ def _duration(seconds) -> str | None:
     return f"{h}:{rem // 60:02d}:{rem % 60:02d}" if h else f"{rem // 60}:{rem % 60:02d}"
 
 
+def _num(value, fmt: str, missing: str = "–") -> str:
+    """A figure as text: 'None' is no answer in a table (a failed run has no final loss, a CPU run no GPU peak)."""
+    return missing if value is None else format(value, fmt)
+
+
 def table(summaries) -> None:
     rows = [
         {
             "run": s.name,
             "state": s.state,
-            "started": datetime.fromtimestamp(s.started) if s.started else None,
-            "duration": _duration(s.duration_s),
+            "started": datetime.fromtimestamp(s.started).strftime("%Y-%m-%d %H:%M") if s.started else "–",
+            "duration": _duration(s.duration_s) or "–",
             "steps": f"{s.step if s.step is not None else 0}" + (f" / {s.max_steps}" if s.max_steps else ""),
-            "best eval loss": s.best_eval_loss,
-            "final loss": s.final_loss,
-            "peak memory (GiB)": s.peak_memory_gib,
+            "best eval loss": _num(s.best_eval_loss, ".4f"),
+            "final loss": _num(s.final_loss, ".4f", "– (no loss logged)" if s.state == "failed" else "–"),
+            "peak GPU memory (GiB)": _num(s.peak_memory_gib, ".2f", "n/a (no GPU samples)"),
+            "note": s.error or (f"{s.malformed} unreadable log line(s) skipped" if s.malformed else ""),
         }
         for s in summaries
     ]
-    st.dataframe(
-        pd.DataFrame(rows),
-        hide_index=True,
-        width="stretch",
-        column_config={
-            "started": st.column_config.DatetimeColumn(format="YYYY-MM-DD HH:mm"),
-            "best eval loss": st.column_config.NumberColumn(format="%.4f"),
-            "final loss": st.column_config.NumberColumn(format="%.4f"),
-            "peak memory (GiB)": st.column_config.NumberColumn(format="%.2f"),
-        },
-    )
+    st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch")
 
 
 def compare(summaries) -> None:
