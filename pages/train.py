@@ -536,6 +536,15 @@ st.title("Train")
 workspace = st.session_state.get("workspace") or str(default_workspace())
 
 demo_model = str((demo_dir(workspace) / "base").resolve())
+previous = st.session_state.get("tr_workspace")
+if previous is not None and previous != workspace:
+    # The workspace changed in the sidebar: a form still on the old workspace's demo follows to the new one's
+    # (else Build would build here while the form trains there).
+    old_demo = str(demo_dir(previous).resolve())
+    if str(st.session_state.get("tr_model_path") or "").startswith(old_demo):
+        for key in [k for k in st.session_state if k.startswith("tr_") or k == "train_config"]:
+            del st.session_state[key]
+st.session_state["tr_workspace"] = workspace
 if not demo_ready(workspace) and st.session_state.get("tr_model_path") in (None, demo_model):
     st.info(
         "The default run uses the demo assets (a tiny pretrained model and an instruction dataset that it learns "

@@ -299,3 +299,18 @@ def test_launch_into_a_workspace_that_cannot_be_created_is_one_sentence(tiny_lla
     assert any("Cannot create the runs folder /proc/lora-cockpit-cannot-exist/runs" in e for e in errors), (
         errors
     )
+
+
+def test_changing_the_workspace_moves_the_demo_form_and_its_build_button(tmp_path):
+    """Issue #16: after a workspace change in the sidebar, Build did nothing and the form kept the old demo."""
+    first, second = tmp_path / "ws1", tmp_path / "ws2"
+    at = AppTest.from_file(PAGE, default_timeout=180)
+    at.session_state["workspace"] = str(first)
+    at.run()
+    assert at.text_input(key="tr_model_path").value.startswith(str(first))
+    at.session_state["workspace"] = str(second)
+    at.run()
+    assert not at.exception, at.exception
+    assert at.text_input(key="tr_model_path").value.startswith(str(second))
+    assert any(str(second / "demo") in i.value for i in at.info)  # the banner names the new workspace
+    assert any(b.label == "Build the demo assets" for b in at.button)
