@@ -75,9 +75,31 @@ def base_input(adapter_dir: str, suggested: str) -> str | None:
     return str(Path(base).expanduser())
 
 
+@st.cache_data(ttl=60, show_spinner=False)
+def _trained_prompts(adapter_dir: str) -> list[str]:
+    """Prompts from the data the adapter was trained on (its run's config.yaml), when it came from a run."""
+    from core.train.config import ConfigError, load_config
+    from core.train.data import sample_prompts
+
+    try:
+        cfg = load_config(Path(adapter_dir).parent / "config.yaml")
+    except (ConfigError, OSError):
+        return []
+    return sample_prompts(cfg["data"])
+
+
 def try_it(base_dir: str, adapter_dir: str) -> None:
     st.markdown("Greedy generation from the same prompt, with the base alone and with the adapter applied.")
-    prompt = st.text_area("Prompt", value="Tell me about LoRA in one sentence.", key="merge_prompt")
+    samples = _trained_prompts(adapter_dir)
+    if samples:
+        # a prompt like the training data's, so the adapter's effect shows (a generic one gives a tiny demo
+        # model gibberish); the user's own text stays theirs once they type it
+        if st.session_state.get("merge_prompt_for") != adapter_dir:
+            st.session_state["merge_prompt"] = samples[0]
+            st.session_state["merge_prompt_for"] = adapter_dir
+        st.caption("Prompts from its training data: " + " · ".join(f"`{s[:60]}`" for s in samples))
+    st.session_state.setdefault("merge_prompt", "Tell me about LoRA in one sentence.")
+    prompt = st.text_area("Prompt", key="merge_prompt")  # its value lives in session state (set above)
     c1, c2 = st.columns(2)
     max_new = c1.slider("New tokens", 8, 256, 48, key="merge_max_new")
     chat = c2.checkbox("Use the chat template", value=True, key="merge_chat")

@@ -36,3 +36,36 @@ def test_merge_then_gguf_in_one_click_and_the_gguf_tab(finished_run, workspace):
         time.sleep(0.2)
     assert j.state == "finished", j.error
     assert (workspace / "exports" / "demo-1-merged-f16.gguf").is_file()
+
+
+def test_try_it_offers_the_prompts_the_adapter_was_trained_on(tmp_path, tiny_llama, workspace):
+    """Issue #16: Try it's generic default prompt gave the demo adapter gibberish; it now starts from a prompt of
+    the run's own training data (and the user's own text stays theirs)."""
+    import json
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    run = workspace / "runs" / "upper"
+    data = tmp_path / "train.jsonl"
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": f"Uppercase: {w}"},
+                {"role": "assistant", "content": w.upper()},
+            ]
+        }
+        for w in ("cat", "dog")
+    ]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    get_peft_model(
+        AutoModelForCausalLM.from_pretrained(str(tiny_llama)), LoraConfig(r=2, target_modules=["q_proj"])
+    ).save_pretrained(str(run / "adapter"))
+    (run / "config.yaml").write_text(f"model: {{path: {tiny_llama}}}\ndata: {{path: {data}}}\n")
+    (run / "status.json").write_text(json.dumps({"state": "finished", "step": 1}))
+    at = _app(workspace).run()
+    assert not at.exception, at.exception
+    assert at.text_area(key="merge_prompt").value == "Uppercase: cat"
+    at.text_area(key="merge_prompt").set_value("my own").run()
+    assert at.text_area(key="merge_prompt").value == "my own"
+    assert not at.warning  # no "default value and session state" clash

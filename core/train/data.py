@@ -260,3 +260,30 @@ def preview_dataset(
         "truncated": sum(n_tok > max_length for n_tok in lengths),
         "total_rows": len(ds),
     }
+
+
+def sample_prompts(data_cfg: dict, n: int = 3) -> list[str]:
+    """The first `n` prompts of the training data as a user would type them (the instruction, the first user
+    message, or the start of a text row): what "Try it" should ask an adapter trained on this data."""
+    try:
+        ds = load_rows(data_cfg)
+        fmt = detect_format(ds.column_names, data_cfg.get("format", "auto"))
+    except DataError:
+        return []
+    out: list[str] = []
+    for row in ds.select(range(min(len(ds), 50))):
+        if fmt == "alpaca":
+            text = str(row.get("instruction") or "") + (f"\n\n{row['input']}" if row.get("input") else "")
+        elif fmt == "chat":
+            messages = row.get("messages") if isinstance(row.get("messages"), list) else []
+            text = next(
+                (m.get("content") for m in messages if isinstance(m, dict) and m.get("role") == "user"), ""
+            )
+        else:
+            text = str(row.get("text") or "")[:60]
+        text = str(text or "").strip()
+        if text and text not in out:
+            out.append(text)
+        if len(out) == n:
+            break
+    return out
