@@ -209,3 +209,27 @@ def test_troubleshooting_markdown_lists_every_rule():
         assert rule.cause in md
         assert all(f in md for f in rule.fix)
     assert "expandable_segments:True" in md
+
+
+def test_nan_advice_fits_the_run_state_and_device():
+    """Issue #16: the NaN diagnosis gave two overlapping learning-rate fixes and fp16 advice on a CPU run, and
+    the health box said 'Stop the run' after it had ended."""
+    from core.monitor.health import check_health
+
+    series = RunSeries.from_records(
+        [
+            {"time": 1.0, "step": 1, "loss": 2.0, "learning_rate": 3e-3},
+            {"time": 2.0, "step": 2, "loss": float("nan")},
+        ]
+    )
+    cpu_status = {**failed("loss became NaN at step 2"), "device": "cpu"}
+    d = diagnose(Evidence(status=cpu_status, series=series, config={"training": {"learning_rate": 3e-3}}))
+    assert d.rule == "nan_loss"
+    assert sum("training.learning_rate" in f for f in d.fixes) == 1  # one learning-rate fix, with its figure
+    assert not any("fp16" in f or "bf16" in f for f in d.fixes)  # nothing about GPU precision on a CPU
+    gpu = diagnose(Evidence(status={**cpu_status, "device": "cuda:0"}, series=series))
+    assert any("bf16" in f for f in gpu.fixes)  # on a GPU the precision advice stays
+    ended = [w for w in check_health(series, None, cpu_status) if w.code == "nonfinite_loss"][0]
+    live = [w for w in check_health(series, None, {"state": "running"}) if w.code == "nonfinite_loss"][0]
+    assert ended.fix.startswith("Restart from") and "fp16" not in ended.fix
+    assert live.fix.startswith("Stop the run and restart")

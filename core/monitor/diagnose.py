@@ -575,6 +575,21 @@ RULES: list[Rule] = [
 ]
 
 
+def _general_fixes(general: list[str], specific: list[str], ev: Evidence) -> list[str]:
+    """The rule's general fixes that still add something: none that repeats a setting a specific fix already
+    names (one learning-rate advice, not two), and no fp16/bf16 advice for a run on a CPU."""
+    named = set(re.findall(r"training\.\w+", " ".join(specific)))
+    on_cpu = (ev.status or {}).get("device") == "cpu"
+    out = []
+    for fix in general:
+        if fix in specific or named & set(re.findall(r"training\.\w+", fix)):
+            continue
+        if on_cpu and re.search(r"\b(fp16|bf16)\b", fix):
+            continue
+        out.append(fix)
+    return out
+
+
 def diagnose(ev: Evidence, rules: list[Rule] | None = None) -> Diagnosis:
     """The first matching rule's diagnosis, with figures from the evidence and specific fixes first."""
     for rule in rules or RULES:
@@ -587,7 +602,7 @@ def diagnose(ev: Evidence, rules: list[Rule] | None = None) -> Diagnosis:
                 details, specific = rule.explain(ev)
             except Exception as exc:  # a broken explanation must not hide the diagnosis itself
                 details = [f"(could not read details: {exc})"]
-        fixes = specific + [f for f in rule.fix if f not in specific]
+        fixes = specific + _general_fixes(rule.fix, specific, ev)
         return Diagnosis(rule.name, rule.title, rule.cause, fixes, details, lines)
     raise AssertionError("the 'unknown' rule always matches")
 

@@ -66,7 +66,11 @@ class HealthChecker:
         state = (status or {}).get("state")
         out: list[HealthWarning] = []
         for w in (
-            self._nonfinite(series),
+            self._nonfinite(
+                series,
+                live=state in (None, "starting", "running"),
+                on_cpu=(status or {}).get("device") == "cpu",
+            ),
             self._memory(series, plan),
             self._utilization(series) if state in (None, "starting", "running") else None,
             self._spikes_warning(series),
@@ -80,7 +84,8 @@ class HealthChecker:
 
     # --- rules -----------------------------------------------------------------------------------------
 
-    def _nonfinite(self, series: RunSeries) -> HealthWarning | None:
+    def _nonfinite(self, series: RunSeries, live: bool = True, on_cpu: bool = False) -> HealthWarning | None:
+        """Advice fits the run's state (an ended run is not stopped again) and device (no fp16 on a CPU)."""
         for name in ("loss", "eval_loss"):
             steps, vals = series.metric(name)
             bad = ~np.isfinite(vals)
@@ -92,8 +97,11 @@ class HealthChecker:
                     f"{'Training' if name == 'loss' else 'Eval'} loss is {vals[first]} (not a number)",
                     f"{name} became {vals[first]} at step {int(steps[first])}; {int(bad.sum())} of {vals.size} "
                     "logged values are NaN/inf. Training past this point learns nothing.",
-                    "Stop the run and restart from the last good checkpoint with a lower training.learning_rate (try 10x "
-                    "lower) and training.max_grad_norm=1.0; if fp16 is on, switch to bf16 (fp16 overflows above 65504).",
+                    ("Stop the run and restart" if live else "Restart")
+                    + " from the last good checkpoint with a lower training.learning_rate (try 10x lower) and "
+                    "training.max_grad_norm=1.0"
+                    + ("" if on_cpu else "; if fp16 is on, switch to bf16 (fp16 overflows above 65504)")
+                    + ".",
                 )
         return None
 
