@@ -239,8 +239,43 @@ def _raw_config() -> dict:
     return raw
 
 
+# The form's labels for the config keys it shows: a message names the field as the user sees it, and the key
+# (for the YAML) in brackets.
+LABELS = {
+    "model.path": "Model folder",
+    "model.dtype": "Weights dtype",
+    "model.attn_implementation": "Attention",
+    "lora.r": "LoRA r",
+    "lora.lora_alpha": "LoRA alpha",
+    "lora.lora_dropout": "LoRA dropout",
+    "lora.target_modules": "Target modules",
+    "data.path": "Dataset",
+    "data.format": "Format",
+    "data.eval_split": "Eval split",
+    "training.max_length": "Max length (tokens)",
+    "training.per_device_train_batch_size": "Batch size (per device)",
+    "training.gradient_accumulation_steps": "Gradient accumulation",
+    "training.max_steps": "Max steps",
+    "training.num_train_epochs": "Epochs",
+    "training.learning_rate": "Learning rate",
+    "training.lr_scheduler_type": "Scheduler",
+    "training.warmup_steps": "Warmup",
+    "training.optim": "Optimizer",
+    "training.logging_steps": "Log every (steps)",
+    "training.save_steps": "Checkpoint every (steps)",
+}
+
+
+def _labelled(path: str, message: str) -> str:
+    """'training.learning_rate must be …' → 'Learning rate (training.learning_rate) must be …'."""
+    label = LABELS.get(path)
+    if label and message.startswith(path):
+        return f"{label} ({path}){message[len(path) :]}"
+    return message
+
+
 def _errors_below(slot, errors: dict, *paths: str) -> None:
-    msgs = [errors[p] for p in paths if p in errors]
+    msgs = [_labelled(p, errors[p]) for p in paths if p in errors]
     if msgs:
         slot.error("\n\n".join(msgs))
 

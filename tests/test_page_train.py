@@ -77,11 +77,17 @@ BAD_INPUTS = [
         "text_input",
         "tr_model_path",
         "/nonexistent/model",
-        "model.path: the folder /nonexistent/model does not exist",
+        "Model folder (model.path): the folder /nonexistent/model does not exist",
     ),
-    ("number_input", "tr_lr", 0.0, "training.learning_rate must be in (0, 1]"),
-    ("number_input", "tr_lr", -1e-4, "training.learning_rate must be in (0, 1]"),
-    ("number_input", "tr_batch", 0, "training.per_device_train_batch_size must be in [1, 65536]"),
+    # each message names the field by its label, and the YAML key in brackets (issue #16)
+    ("number_input", "tr_lr", 0.0, "Learning rate (training.learning_rate) must be in (0, 1]"),
+    ("number_input", "tr_lr", -1e-4, "Learning rate (training.learning_rate) must be in (0, 1]"),
+    (
+        "number_input",
+        "tr_batch",
+        0,
+        "Batch size (per device) (training.per_device_train_batch_size) must be in [1, 65536]",
+    ),
     ("text_input", "tr_name", "../escape", "Run name '../escape' is not allowed"),
 ]
 
