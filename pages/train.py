@@ -445,13 +445,64 @@ def preview_panel(cfg: dict) -> None:
     st.altair_chart((bars + limit).properties(height=300), width="stretch")
 
 
-def preflight_panel(cfg: dict) -> bool:
-    """Show the preflight findings; True when one of them blocks the run."""
+IN_PAGE_ROWS = 5000  # up to this many rows preflight runs here (seconds); more run as a background job
+
+
+@st.cache_data(ttl=30, show_spinner=False)
+def _row_count(data_yaml: str) -> int | None:
+    import yaml
+
+    from core.train.data import DataError, load_rows
+
     try:
-        findings = _preflight(config_to_yaml(cfg))
-    except (OSError, ValueError) as exc:
-        st.error(f"Preflight could not run: {exc}")
-        return True
+        return len(load_rows(yaml.safe_load(data_yaml)))
+    except (DataError, OSError, ValueError):
+        return None  # the in-page preflight says what is wrong with the data
+
+
+def preflight_panel(workspace: str, cfg: dict) -> bool:
+    """Show the preflight findings; True when one of them blocks the run (or while they are not known yet).
+
+    A large dataset is checked by a background job (core.jobs), so the page never blocks on it and a reload or
+    a second tab reattaches to the same check."""
+    import hashlib
+
+    import yaml
+
+    rows = _row_count(yaml.safe_dump(cfg["data"]))
+    if rows is not None and rows > IN_PAGE_ROWS:
+        key = hashlib.sha1(config_to_yaml(cfg).encode()).hexdigest()
+        job = jobs.latest(workspace, "preflight", key=key)
+        if job is None:
+            try:
+                jobs.start(workspace, "preflight", {"config": cfg}, key=key)
+            except (jobs.JobError, WorkspaceError) as exc:
+                st.error(f"Preflight could not start: {exc}")
+                return True
+            job = jobs.latest(workspace, "preflight", key=key)
+        if not job.done:
+
+            @st.fragment(run_every=1.0)
+            def follow():
+                view = jobs.read(job.path)
+                if view.done:
+                    st.rerun()
+                st.info(
+                    f"Preflight: checking all {rows:,} rows as a background job ({view.progress.get('phase', 'starting')})."
+                )
+
+            follow()
+            return True
+        if job.state == "failed":
+            st.error(f"Preflight could not run: {job.error}")
+            return True
+        findings = (job.result or {}).get("findings", [])
+    else:
+        try:
+            findings = _preflight(config_to_yaml(cfg))
+        except (OSError, ValueError) as exc:
+            st.error(f"Preflight could not run: {exc}")
+            return True
     if not findings:
         st.success("Preflight: no problems found in the data for this model.")
     for f in findings:
@@ -645,7 +696,7 @@ if cfg:
     st.subheader("Dataset preview")
     preview_panel(cfg)
     st.subheader("Preflight")
-    if preflight_panel(cfg):
+    if preflight_panel(workspace, cfg):
         blocked = "Preflight found errors: fix them to launch."
 
 st.subheader("Smoke test and launch")

@@ -320,3 +320,27 @@ def test_changing_the_workspace_moves_the_demo_form_and_its_build_button(tmp_pat
     assert at.text_input(key="tr_model_path").value.startswith(str(second))
     assert any(str(second / "demo") in i.value for i in at.info)  # the banner names the new workspace
     assert any(b.label == "Build the demo assets" for b in at.button)
+
+
+def test_preflight_of_a_large_dataset_is_a_background_job(workspace, tiny_llama, tmp_path):
+    """Issue #11: a full-dataset preflight ran in the script thread (a reload lost it, the page blocked)."""
+    from core import jobs
+
+    big = tmp_path / "big.jsonl"
+    big.write_text(
+        "".join(json.dumps({"instruction": f"Say {i}", "output": str(i)}) + "\n" for i in range(6000))
+    )
+    at = _page(workspace, tiny_config(tiny_llama, big))
+    assert any("checking all 6,000 rows as a background job" in i.value for i in at.info)
+    assert at.button(key="tr_launch").disabled  # not before the data is checked
+    job = jobs.latest(workspace, "preflight")
+    deadline = time.time() + 300
+    while not jobs.read(job.path).done:
+        assert time.time() < deadline, "the preflight job did not end"
+        time.sleep(0.2)
+    assert jobs.read(job.path).state == "finished", jobs.read(job.path).error
+    at.run()  # a new script run (a reload) finds the finished job by its config
+    assert not at.exception, at.exception
+    assert any("no problems found" in s.value for s in at.success), [e.value for e in at.error]
+    assert not at.button(key="tr_launch").disabled
+    assert len(list((workspace / "jobs").glob("preflight-*"))) == 1  # found again, not started again
