@@ -122,3 +122,33 @@ def test_newest_run_is_the_default_and_the_selection_follows_other_pages(runs):
     at.run()
     assert at.selectbox(key="mon_run").value == str(done)
     assert _metric(at, "State") == "finished"
+
+
+@pytest.mark.slow
+def test_stopped_run_with_a_checkpoint_offers_resume_and_says_why(workspace, tiny_llama):
+    """Issue #11: controls follow the state: no Stop on a stopped run, a Resume button, the stop reason."""
+    import time
+
+    from core.runs.launcher import run_state, stop_run
+
+    cfg = {
+        "model": {"path": str(tiny_llama)},
+        "data": {"path": str(write_dataset(workspace / "t.jsonl"))},
+        "training": {"max_length": 48, "max_steps": 2000, "save_steps": 5, "logging_steps": 5},
+    }
+    run_dir = create_run(workspace, "pausing", cfg)
+    launch(run_dir)
+    deadline = time.time() + 180
+    while run_state(run_dir).step < 6:
+        assert time.time() < deadline, "the run did not get going"
+        time.sleep(0.2)
+    assert stop_run(run_dir, grace_s=120) == "stopped"
+    at = _page(workspace, run_dir)
+    assert [b.label for b in at.button if b.key == "mon_stop"] == []  # nothing to stop
+    assert any(c.value.startswith("Why it stopped: stopped by SIGTERM") for c in at.caption)
+    at.button(key="mon_resume").click().run()
+    assert not at.exception, at.exception
+    try:
+        assert run_state(run_dir).state in ("starting", "running")
+    finally:
+        stop_run(run_dir, grace_s=120)
