@@ -249,7 +249,7 @@ LABELS = {
     "lora.lora_alpha": "LoRA alpha",
     "lora.lora_dropout": "LoRA dropout",
     "lora.target_modules": "Target modules",
-    "data.path": "Dataset",
+    "data.path": "Dataset file",
     "data.format": "Format",
     "data.eval_split": "Eval split",
     "training.max_length": "Max length (tokens)",
@@ -341,7 +341,11 @@ def config_form(workspace: str) -> tuple[dict, dict, str]:
     st.markdown("##### Data")
     c1, c2, c3, c4 = st.columns([3, 1, 1, 1])
     c1.text_input(
-        "Dataset file", key="tr_data_path", help=".jsonl/.json/.csv/.parquet or a save_to_disk folder"
+        "Dataset file",
+        key="tr_data_path",
+        help=".jsonl/.json/.csv/.parquet or a save_to_disk folder",
+        # another file has other columns: detect its format again rather than keep the demo's "chat"
+        on_change=lambda: st.session_state.update(tr_format="auto"),
     )
     c2.selectbox(
         "Format", FORMATS, key="tr_format", help="auto: chat if 'messages', alpaca if instruction+output"

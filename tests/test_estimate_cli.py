@@ -116,3 +116,10 @@ def test_rank_larger_than_the_layer(tiny_llama):
     proc = run_cli("--model", str(tiny_llama), "--lora-r", "4096")
     assert proc.returncode != 0
     assert "larger than the layer" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_folder_that_does_not_exist_is_said_so():
+    """Issue #16: a mistyped folder was reported as 'Unknown model'."""
+    out = run_cli("--model", "/nonexistent/model-folder", "--json")
+    assert out.returncode == 2
+    assert "The folder '/nonexistent/model-folder' does not exist" in out.stderr

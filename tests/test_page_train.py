@@ -344,3 +344,24 @@ def test_preflight_of_a_large_dataset_is_a_background_job(workspace, tiny_llama,
     assert any("no problems found" in s.value for s in at.success), [e.value for e in at.error]
     assert not at.button(key="tr_launch").disabled
     assert len(list((workspace / "jobs").glob("preflight-*"))) == 1  # found again, not started again
+
+
+def test_a_new_dataset_is_judged_by_its_own_columns_and_a_broken_line_is_named(
+    workspace, tiny_llama, tmp_path
+):
+    """Issue #16: a CSV with other columns was judged as 'chat' (the demo's format stayed); a broken JSONL named
+    no row."""
+    base = tiny_config(tiny_llama, tmp_path / "unused.jsonl")
+    base["data"]["format"] = "chat"
+    at = _page(workspace, base)
+    csv = tmp_path / "qa.csv"
+    csv.write_text("question,reply\nhi,hello\n")
+    at.text_input(key="tr_data_path").set_value(str(csv)).run()
+    assert at.selectbox(key="tr_format").value == "auto"
+    assert any("Cannot tell the data format" in e.value and "question, reply" in e.value for e in at.error)
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"instruction": "a", "output": "b"}\n{"instruction": "c", "output"\n')
+    at.text_input(key="tr_data_path").set_value(str(broken)).run()
+    assert any("line 2 of" in e.value and "is not valid JSON" in e.value for e in at.error), [
+        e.value for e in at.error
+    ]

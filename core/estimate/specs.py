@@ -127,6 +127,11 @@ def load_config(model: str):
             return AutoConfig.from_pretrained(model, local_files_only=True)
     except Exception:
         pass
+    if model.startswith(("/", "./", "../", "~")) or model.count("/") > 1:  # meant as a folder, not a hub id
+        raise SpecError(
+            f"The folder '{path}' does not exist: give the path of a local model folder (the one that holds "
+            "config.json), or pick a bundled preset."
+        )
     raise SpecError(
         f"Unknown model '{model}': it is not a bundled preset, not a local folder, and not in the local "
         f"Hugging Face cache (this tool never downloads). Use a preset id such as "

@@ -68,10 +68,15 @@ def load_rows(data_cfg: dict):
                 f"data.path: cannot read {', '.join(p.name for p in paths)}; use .json, .jsonl, .csv or .parquet "
                 "files (all of one kind) or a save_to_disk folder."
             )
+        kind = kinds.pop()
         try:
-            ds = datasets.load_dataset(kinds.pop(), data_files=[str(p) for p in paths], split="train")
+            ds = datasets.load_dataset(kind, data_files=[str(p) for p in paths], split="train")
         except Exception as exc:
-            raise DataError(f"data.path: could not read {', '.join(map(str, paths))}: {exc}") from None
+            if kind == "json":
+                for path in paths:
+                    _check_json_lines(path)  # names the line; the loader's own error does not
+            first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+            raise DataError(f"data.path: could not read {', '.join(map(str, paths))}: {first}") from None
     renames = {user: expected for expected, user in (data_cfg.get("columns") or {}).items()}
     for user, expected in renames.items():
         if user in ds.column_names and user != expected:
@@ -79,6 +84,35 @@ def load_rows(data_cfg: dict):
                 ds = ds.remove_columns(expected)
             ds = ds.rename_column(user, expected)
     return ds
+
+
+def _check_json_lines(path: Path, max_lines: int = 2_000_000) -> None:
+    """A .jsonl file line by line: the first line that is not a JSON object, by number (a .json file holding
+    one array is left to the loader)."""
+    import json
+
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(1).lstrip()
+            if head == b"[":
+                return
+            fh.seek(0)
+            for n, line in enumerate(fh, 1):
+                if n > max_lines or not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except (ValueError, RecursionError):
+                    raise DataError(
+                        f"data.path: line {n} of {path} is not valid JSON (a JSON Lines file has one object per "
+                        "line): fix or remove that line."
+                    ) from None
+                if not isinstance(row, dict):
+                    raise DataError(
+                        f"data.path: line {n} of {path} is not a JSON object ({{...}}): fix that line."
+                    )
+    except OSError as exc:
+        raise DataError(f"data.path: {path} cannot be read ({exc.strerror}).") from None
 
 
 def detect_format(columns: list[str], requested: str = "auto") -> str:
