@@ -89,8 +89,10 @@ def memory_chart(snap) -> None:
                 else "GPU memory: no samples yet in gpu.jsonl."
             )
             return
-        # No GPU: the run's CPU memory, against the same plan line (what this config needs on a card)
+        # No GPU: the run's CPU memory, against the same plan line (what this config needs on a card); the
+        # card's capacity would flatten it, so it is left out
         df, title = cpu, "CPU memory of the training process (GiB)"
+        rules = [r for r in rules if r["line"] != names["gpu_capacity_gib"]]
         st.caption(
             f"No GPU samples ({reason or 'none in gpu.jsonl'}): charting the process's CPU memory instead."
         )
@@ -254,7 +256,7 @@ elif c2.button(
     live = False
 if info.state in ("stopped", "failed") and info.reason:
     st.caption(f"Why it {info.state}: {info.reason.splitlines()[0]}")
-st.number_input(
+st.columns([1, 3])[0].number_input(
     "Loss smoothing window (steps)",
     min_value=1.0,
     value=DEFAULT_SMOOTHING_STEPS,

@@ -60,9 +60,11 @@ def test_ticks_fold_in_only_new_points_and_cache_charts(tmp_path):
         "learning_rate",
         "grad_norm",
         "gpu_memory",
+        "cpu_memory",
         "gpu_util",
         "gpu_temperature",
     }
+    assert snap.charts["cpu_memory"].empty  # these metrics lines carry no rss_bytes
     loss = snap.charts["loss"]
     assert set(loss["series"]) == {"train", "train (smoothed)"}
     assert len(loss[loss.series == "train"]) == 10
