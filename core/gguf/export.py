@@ -87,23 +87,15 @@ def _check_out(out: Path) -> None:
         raise BadInput(f"The folder {out.parent} is not writable.")
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def clean_stale_temps(out: Path) -> list[Path]:
     """Remove `.<name>.<pid>.partial` folders left by exports to `out` whose process is gone."""
+    from core.runs.launcher import pid_alive  # the one liveness check of a pid (zombies count as gone)
+
     removed = []
     pattern = re.compile(rf"^\.{re.escape(out.name)}\.(\d+)\.partial$")
     for p in out.parent.glob(f".{out.name}.*.partial"):
         m = pattern.match(p.name)
-        if m and not _pid_alive(int(m.group(1))):
+        if m and not pid_alive(int(m.group(1))):
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p)
     return removed
