@@ -87,3 +87,18 @@ def test_empty_conversation_is_a_preflight_row_not_a_crash(tmp_path, tiny_llama)
     )
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "rows 1, 3" in out.stderr and "empty" in out.stderr
+
+
+def test_preflight_and_demo_clis_say_one_sentence(tmp_path, tiny_llama):
+    cfg = _config(tmp_path, tmp_path / "no-such-model", ROWS)
+    for argv, message in (
+        (["-m", "core.preflight", str(cfg)], "model.path: the folder"),
+        (
+            ["-m", "core.demo", "--out", "/proc/lora-cockpit-demo"],
+            "cannot write the demo into /proc/lora-cockpit-demo",
+        ),
+    ):
+        out = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+        assert out.returncode == 2 and len(errors) == 1 and message in errors[0], out.stderr[-1500:]
+        assert "Traceback" not in out.stderr

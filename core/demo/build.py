@@ -337,6 +337,12 @@ def main(argv: list[str] | None = None) -> int:
         if adapter is not None:
             after = heldout_accuracy(out, adapter)
             print(f"held-out accuracy after training: {after:.0%} (before {before:.0%})", flush=True)
+    except OSError as exc:  # the folder cannot be written: bad input, not a failure of the demo
+        print(
+            f"error: cannot write the demo into {out} ({exc.strerror or exc}): give a folder you can write.",
+            file=sys.stderr,
+        )
+        return 2
     except Exception as exc:  # a CLI prints the sentence, not a traceback
         print(f"error: {exc}", file=sys.stderr)
         return 1

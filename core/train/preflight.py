@@ -324,9 +324,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("config", help="run config YAML")
     args = parser.parse_args(argv)
     try:
-        findings = run_preflight(load_config(args.config))
-    except (ConfigError, DataError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        cfg = load_config(args.config)
+        problem = check_model_folder(
+            cfg["model"]["path"], need_weights=False
+        )  # the tokenizer and config only
+        if problem:
+            raise ConfigError(problem)
+        findings = run_preflight(cfg)
+    except (ConfigError, DataError, OSError, ValueError) as exc:
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"error: {text}", file=sys.stderr)
         return 2
     for f in findings:
         print(f, file=sys.stderr if f.level == "error" else sys.stdout)
