@@ -26,7 +26,11 @@ FOLDER = "Another adapter folder…"
 
 
 def _size(n: int) -> str:
-    return f"{n / M.GB:.2f} GB" if n >= 0.1 * M.GB else f"{n / M.MB:.1f} MB"
+    if n >= 0.1 * M.GB:
+        return f"{n / M.GB:.2f} GB"
+    if n >= 0.1 * M.MB:
+        return f"{n / M.MB:.1f} MB"
+    return f"{n / 1024:.1f} KB" if n >= 1024 else f"{n} B"  # small files are not "0.0 MB"
 
 
 def pick_adapter(ws: Path) -> tuple[str | None, str | None, str]:
