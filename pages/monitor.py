@@ -53,11 +53,18 @@ def _duration(seconds) -> str:
 def _lines(df: pd.DataFrame, x: str, title: str, y_title: str, height: int = 330) -> alt.Chart:
     return (
         alt.Chart(df)
-        .mark_line(interpolate="linear", strokeWidth=1.5)
+        # a series of one or two points draws its points (a line of one point shows nothing)
+        .mark_line(interpolate="linear", strokeWidth=1.5, point=len(df) <= 2 * max(1, df["series"].nunique()))
         .encode(
-            alt.X(f"{x}:Q", title=x),
-            alt.Y("value:Q", title=y_title, scale=alt.Scale(zero=False)),
-            alt.Color("series:N", title=None, legend=alt.Legend(orient="top", direction="horizontal")),
+            alt.X(f"{x}:Q", title=x, axis=alt.Axis(format="~g")),  # "5", not "5.000000"
+            alt.Y("value:Q", title=y_title, scale=alt.Scale(zero=False), axis=alt.Axis(format="~g")),
+            # distinct hues (train, smoothed, eval must not be three blues)
+            alt.Color(
+                "series:N",
+                title=None,
+                scale=alt.Scale(scheme="tableau10"),
+                legend=alt.Legend(orient="top", direction="horizontal"),
+            ),
             tooltip=[x, "value", "series"],
         )
         .properties(title=title, height=height)

@@ -79,11 +79,16 @@ def compare(summaries) -> None:
         return
     chart = (
         alt.Chart(df)
-        .mark_line(strokeWidth=1.5)
+        .mark_line(strokeWidth=1.5, point=len(df) <= 2 * df["run"].nunique())  # one point is still seen
         .encode(
-            alt.X("step:Q"),
+            alt.X("step:Q", axis=alt.Axis(format="~g")),
             alt.Y("value:Q", title="loss" + (" (smoothed)" if smoothed else ""), scale=alt.Scale(zero=False)),
-            alt.Color("run:N", legend=alt.Legend(orient="top", direction="horizontal")),
+            # distinct hues: runs side by side must not come out in near-identical blues
+            alt.Color(
+                "run:N",
+                scale=alt.Scale(scheme="tableau10"),
+                legend=alt.Legend(orient="top", direction="horizontal"),
+            ),
             tooltip=["run", "step", "value"],
         )
         .properties(height=420)

@@ -152,3 +152,21 @@ def test_stopped_run_with_a_checkpoint_offers_resume_and_says_why(workspace, tin
         assert run_state(run_dir).state in ("starting", "running")
     finally:
         stop_run(run_dir, grace_s=120)
+
+
+def test_a_chart_of_one_point_shows_it_with_plain_axis_labels(workspace):
+    """Issue #16: one logged point drew nothing, axes read 5.000000, and series came out in similar blues."""
+    run = workspace / "runs" / "one-point"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text("model: {path: m}\ndata: {path: d.jsonl}\n")
+    (run / "status.json").write_text(json.dumps({"state": "finished", "step": 5, "max_steps": 5}))
+    (run / "metrics.jsonl").write_text(
+        json.dumps({"time": 1.0, "step": 5, "loss": 1.5, "learning_rate": 1e-4}) + "\n"
+    )
+    at = _page(workspace, run)
+    specs = [c.proto.spec for c in at.get("vega_lite_chart")]
+    loss = next(json.loads(sp) for sp in specs if '"loss"' in sp)
+    layer = loss.get("layer", [loss])[0]
+    assert layer["mark"].get("point") is True
+    assert layer["encoding"]["x"]["axis"]["format"] == "~g"
+    assert layer["encoding"]["color"]["scale"]["scheme"] == "tableau10"
