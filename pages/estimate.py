@@ -263,7 +263,11 @@ def show(plan: Plan) -> None:
             ),
             hide_index=True,
         )
-        st.json(est.phases)
+        st.caption("Tensor bytes at the peak of each phase of the step (the largest is the tensor peak):")
+        st.dataframe(
+            pd.DataFrame([{"phase": k, "bytes": v, "GiB": round(v / GiB, 3)} for k, v in est.phases.items()]),
+            hide_index=True,
+        )
     if plan.dpo:
         st.info(f"DPO reference model: {est.dpo_reference}.")
 
@@ -279,7 +283,9 @@ def show(plan: Plan) -> None:
     )
     cap = est.gpu_bytes / GiB
     c1, c2 = st.columns(2)
-    top = max(spec.max_position_embeddings or plan.seq_len, plan.seq_len)
+    # up to twice the longest length that fits (not the model's 131,072 positions, which flatten the card line)
+    reach = 2 * max(plan.seq_len, fit["max_seq_len"] or 0)
+    top = max(min(spec.max_position_embeddings or reach, reach), plan.seq_len)
     seqs = sorted(
         {max(64, int(top * f)) for f in (1 / 16, 1 / 8, 1 / 4, 3 / 8, 1 / 2, 3 / 4, 1)} | {plan.seq_len}
     )

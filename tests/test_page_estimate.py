@@ -71,3 +71,22 @@ def test_estimate_is_the_default_page_of_the_router():
     assert not at.exception
     assert at.title[0].value == "Estimate"
     assert _verdict(at).startswith("**")
+
+
+def test_sweeps_stop_where_the_card_line_is_readable_and_every_table_is_labelled():
+    """Issue #16: the length sweep ran to 131,072 tokens (Llama-3.1's positions) and flattened the card line;
+    'Every term in bytes' ended with an unlabelled JSON."""
+    import pyarrow as pa
+
+    at = _app()
+    at.selectbox(key="model").set_value("meta-llama/Llama-3.1-8B").run()
+    assert not at.exception
+    frames = [
+        pa.ipc.open_stream(d.data.data).read_all().to_pandas()
+        for c in at.get("vega_lite_chart")
+        for d in c.proto.datasets
+    ]
+    seq_values = [v for f in frames if "seq_len" in f for v in f["seq_len"]]
+    assert seq_values and max(seq_values) < 131_072
+    assert not at.json  # the per-phase figures are a labelled table
+    assert any("Tensor bytes at the peak of each phase" in c.value for c in at.caption)
