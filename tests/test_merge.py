@@ -294,6 +294,7 @@ def test_qlora_adapter_gets_the_deviation_note(tiny_llama, tmp_path, workspace):
     (run / "config.yaml").write_text(f"model:\n  path: {tiny_llama}\nquantization:\n  load_in_4bit: true\n")
     pf, _ = M.preflight(tiny_llama, adapter, "exports/q1", workspace=workspace)
     assert pf.qlora and any("4-bit" in n and "deviation" in n for n in pf.notes)
+    assert any(f"output in {pf.out_dtype}" in n for n in pf.notes)  # not "bf16/fp16" for a float32 export
     assert pf.ok and pf.ram_available > 0 and pf.disk_free > 0 and pf.disk_needed >= pf.out_bytes
     assert M.guess_base(adapter) == (str(tiny_llama), "run config.yaml model.path")
     assert [c.run for c in M.list_adapters(workspace)] == ["q1"]

@@ -159,8 +159,9 @@ def preflight_at(
     if qlora:
         notes.append(
             "QLoRA adapter: it was trained against the 4-bit (NF4) dequantized weights, but it is merged into the "
-            "bf16/fp16 base, the usual choice. The merged model is therefore not bit-identical to what training saw; "
-            "expect a small deviation (the verification compares against base+adapter at full precision)."
+            f"unquantized base (output in {DTYPE_NAMES[plan.out_dtype]}), the usual choice. The merged model is "
+            "therefore not bit-identical to what training saw; expect a small deviation (the verification "
+            "compares against base+adapter at full precision)."
         )
     largest = max((t.nbytes for t in plan.tensors), default=0)
     largest_src = max((t.nbytes for t in plan.base.tensors.values()), default=0)
