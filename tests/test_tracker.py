@@ -293,7 +293,8 @@ def test_plan_from_run_config_reads_the_sections():
 def test_planner_agrees_with_the_measured_step_on_tiny_models(tmp_path, name, overrides, plan):
     """core.estimate (device cpu) against one measured step of the same plan: the planner's terms come from
     the module code, so even a tiny model, where small terms weigh more, lands within 1%."""
-    from core.estimate.bill import Plan, estimate
+    from core.estimate.bill import estimate
+    from core.measure.step import planner_plan
 
     config = tiny_config(
         "llama", num_hidden_layers=4, vocab_size=2000, intermediate_size=256, hidden_size=128
@@ -302,22 +303,7 @@ def test_planner_agrees_with_the_measured_step_on_tiny_models(tmp_path, name, ov
         setattr(config, k, v)
     config.to_json_file(str(tmp_path / "config.json"))
     measured = measure_plan(config, plan)
-    est = estimate(
-        Plan(
-            model=str(tmp_path),
-            method=plan.method,
-            lora_dropout=plan.lora_dropout,
-            target_modules=plan.target_modules,
-            batch_size=plan.batch_size,
-            seq_len=plan.seq_len,
-            gradient_checkpointing=plan.gradient_checkpointing,
-            attn=plan.attn,
-            optim=plan.optim,
-            prepare_kbit=plan.prepare_kbit,
-            fused_lm_head=plan.fused_lm_head,
-            device="cpu",
-        )
-    )
+    est = estimate(planner_plan(str(tmp_path), plan, "cpu"))  # the measurement's own plan -> Plan mapping
     assert est.peak_phase == measured.steady_peak_phase
     assert abs(est.tensor_peak_bytes / measured.steady_peak_bytes - 1) < 0.01, (
         est.phases,
