@@ -188,6 +188,16 @@ def plan_form() -> Plan:
     )
 
 
+# Segment colours: no greens and no reds, so the green target band and the red card line drawn over the bars
+# cannot be mistaken for (or hidden by) a segment. One colour per component the bill can hold.
+SEGMENT_COLOURS = [
+    "#1f77b4", "#aec7e8", "#ff7f0e", "#ffbb78", "#9467bd", "#c5b0d5", "#8c564b", "#c49c94",
+    "#e377c2", "#f7b6d2", "#7f7f7f", "#c7c7c7", "#17becf", "#9edae5", "#ffd16a",
+]  # fmt: skip
+BAND_COLOUR = "#2ca02c"  # the 85-90% target band (green)
+CARD_COLOUR = "#d62728"  # the card's capacity (red)
+
+
 def bill_chart(est) -> alt.LayerChart:
     rows = [
         {"component": k, "GiB": v / GiB, "order": i} for i, (k, v) in enumerate(est.components.items()) if v
@@ -207,6 +217,7 @@ def bill_chart(est) -> alt.LayerChart:
             color=alt.Color(
                 "component:N",
                 sort=[r["component"] for r in rows],
+                scale=alt.Scale(range=SEGMENT_COLOURS),
                 legend=alt.Legend(orient="bottom", columns=4, title=None, labelLimit=220),
             ),
             order=alt.Order("order:Q"),
@@ -214,13 +225,16 @@ def bill_chart(est) -> alt.LayerChart:
         )
         .transform_calculate(plan="'this plan'")
     )
+    # Drawn after the bars, see-through with a dashed outline: under them it was hidden by the segments.
     band = (
         alt.Chart(pd.DataFrame([{"lo": cap * TARGET_LOW, "hi": cap * FIT_LIMIT}]))
-        .mark_rect(opacity=0.2, color="green")
+        .mark_rect(fill=BAND_COLOUR, fillOpacity=0.35, stroke=BAND_COLOUR, strokeWidth=2, strokeDash=[4, 3])
         .encode(x="lo:Q", x2="hi:Q")
     )
-    line = alt.Chart(pd.DataFrame([{"cap": cap}])).mark_rule(color="red", strokeWidth=2).encode(x="cap:Q")
-    return alt.layer(band, bars, line).properties(height=230)
+    line = (
+        alt.Chart(pd.DataFrame([{"cap": cap}])).mark_rule(color=CARD_COLOUR, strokeWidth=2).encode(x="cap:Q")
+    )
+    return alt.layer(bars, band, line).properties(height=230)
 
 
 def curve_chart(rows: list[dict], name: str, cap_gib: float) -> alt.LayerChart:

@@ -90,3 +90,41 @@ def test_sweeps_stop_where_the_card_line_is_readable_and_every_table_is_labelled
     assert seq_values and max(seq_values) < 131_072
     assert not at.json  # the per-phase figures are a labelled table
     assert any("Tensor bytes at the peak of each phase" in c.value for c in at.caption)
+
+
+def test_the_target_band_is_drawn_over_the_bars_in_a_colour_no_segment_uses():
+    """Issue #16: the green 85–90% band was the bill chart's first layer, hidden under the stacked bars (and
+    the activations segment was green too)."""
+    import json
+
+    at = _app()
+    chart, bill = next(
+        (c, s)
+        for c in at.get("vega_lite_chart")
+        for s in [json.loads(c.proto.spec)]
+        if any(_mark(layer) == "bar" for layer in s.get("layer", []))
+    )
+    marks = [_mark(layer) for layer in bill["layer"]]
+    assert marks.index("rect") > marks.index("bar"), marks  # drawn after (over) the bars
+    bars = bill["layer"][marks.index("bar")]
+    band = bill["layer"][marks.index("rect")]["mark"]
+    segment_colours = {c.lower() for c in bars["encoding"]["color"]["scale"]["range"]}
+    components = {v for d in chart.proto.datasets for v in _column(d, "component")}
+    assert components and len(segment_colours) >= len(components)  # every segment has its own colour
+    for key in ("fill", "stroke"):
+        assert band[key].lower() not in segment_colours, (key, band[key])
+    assert band["fillOpacity"] < 1  # the bars stay readable through it
+    caption = next(c.value for c in at.caption if "target" in c.value)
+    assert caption.startswith("Green band: the 85–90% target")
+
+
+def _mark(layer: dict) -> str:
+    mark = layer.get("mark")
+    return mark.get("type") if isinstance(mark, dict) else mark
+
+
+def _column(dataset, name: str) -> list:
+    import pyarrow as pa
+
+    frame = pa.ipc.open_stream(dataset.data.data).read_all().to_pandas()
+    return list(frame[name]) if name in frame else []
