@@ -23,7 +23,11 @@ from core.estimate.specs import ModelSpec, SpecError, load_spec, lora_targets, n
 GiB = 2**30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 METHODS = ("full", "lora", "qlora")
-ATTN = ("sdpa", "eager")
+ATTN = ("sdpa", "eager", "flash")  # flash: flash_attention_2/3 (varlen kernels: no mask, no score matrix)
+PACKING_STRATEGIES = ("bfd", "bfd_split", "wrapped")  # trl SFTConfig.packing_strategy
+# trl 1.16 OffloadActivations: saved tensors of at least 1024 bytes go to pinned CPU memory; the last five stay
+# on the GPU while their copies are in flight (max_fwd_stash_size=5)
+OFFLOAD_STASH = 5
 QUANT_TYPES = ("nf4", "fp4")
 FIT_LIMIT = 0.90  # at most 90% of the card: >=10% headroom for estimate error and allocator spikes
 TARGET_LOW = 0.85  # the fit search aims at 85-90% of the card
@@ -95,6 +99,20 @@ class Plan:
     expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
     device: str = "cuda"  # cuda | cpu (cpu: no context/allocator terms, float dropout masks)
     autocast: bool = True  # Trainer bf16/fp16=True: forward under torch.autocast (ignored for fp32 compute)
+    # Memory levers (core.estimate.levers has the table: what each saves and costs, where it runs, its source).
+    # SFTConfig.padding_free: the batch's rows concatenated into one sequence (position_ids), no padding.
+    padding_free: bool = False
+    packing: bool = (
+        False  # SFTConfig.packing: rows filled up to max_length ("bfd" also turns padding-free on)
+    )
+    packing_strategy: str = "bfd"
+    activation_offloading: bool = (
+        False  # SFTConfig.activation_offloading: saved activations to pinned CPU RAM
+    )
+    liger: bool = False  # SFTConfig.use_liger_kernel: fused RMSNorm / SwiGLU / RoPE (Triton, CUDA)
+    # Tokens in the largest batch the sampler can form from the data (0: the bound, batch_size x seq_len).
+    # Padded batches: batch_size x the longest row; padding-free: the sum of the longest rows.
+    batch_tokens: int = 0
 
     @classmethod
     def from_dict(cls, data: dict) -> Plan:
@@ -133,6 +151,10 @@ class Estimate:
     kv_cache_bytes_per_token: int
     activation_bytes_per_token_per_layer: float
     dpo_reference: str | None
+    # Pinned CPU RAM that activation offloading holds (not on the card; the machine must have it spare)
+    cpu_pinned_bytes: int = 0
+    batch_rows: int = 0  # the shape the model sees: rows x length (padding-free: one row)
+    batch_length: int = 0
     warnings: list[str] = field(default_factory=list)
 
     @property
@@ -157,6 +179,7 @@ def validate(plan: Plan) -> list[str]:
         "quant_type": (plan.quant_type, QUANT_TYPES),
         "dpo_reference": (plan.dpo_reference, ("auto", "copy")),
         "device": (plan.device, ("cuda", "cpu")),
+        "packing_strategy": (plan.packing_strategy, PACKING_STRATEGIES),
     }
     for name, (value, valid) in choices.items():
         if value not in valid:
@@ -169,6 +192,15 @@ def validate(plan: Plan) -> list[str]:
         value = getattr(plan, name)
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise PlanError(f"{name} must be a whole number above zero, got {value!r}.")
+    if not isinstance(plan.batch_tokens, int) or isinstance(plan.batch_tokens, bool) or plan.batch_tokens < 0:
+        raise PlanError(
+            f"batch_tokens must be zero (the bound) or a whole number, got {plan.batch_tokens!r}."
+        )
+    if plan.batch_tokens > plan.batch_size * plan.seq_len:
+        raise PlanError(
+            f"batch_tokens {plan.batch_tokens} is more than batch_size x seq_len "
+            f"({plan.batch_size * plan.seq_len}); rows are truncated to seq_len, so use at most that."
+        )
     if not isinstance(plan.eval_kv_tokens, int) or plan.eval_kv_tokens < 0:
         raise PlanError(
             f"eval_kv_tokens must be zero or a positive whole number, got {plan.eval_kv_tokens!r}."
@@ -180,7 +212,49 @@ def validate(plan: Plan) -> list[str]:
     warnings = []
     if plan.method == "full" and plan.load_dtype == "fp16":
         warnings.append("Full fine-tuning with fp16 weights is numerically fragile; load in fp32 or bf16.")
+    if plan.device == "cpu":
+        for name, on in (("activation_offloading", plan.activation_offloading), ("liger", plan.liger)):
+            if on:
+                warnings.append(f"{name} works on a CUDA GPU only: a CPU run does without it (planned so).")
+    if flat_batch(plan) and plan.attn == "sdpa" and packed_sequences(plan):
+        warnings.append(
+            "Padding-free batches on sdpa attention build a (tokens x tokens) mask, converted to the compute "
+            "dtype in every layer; use attn_implementation flash_attention_2 on the GPU (no mask)."
+        )
     return warnings
+
+
+def flat_batch(plan: Plan) -> bool:
+    """Does the collator concatenate the batch's rows into one sequence? TRL turns padding-free on for BFD
+    packing whatever padding_free says (SFTTrainer.__init__)."""
+    return plan.padding_free or (plan.packing and plan.packing_strategy in ("bfd", "bfd_split"))
+
+
+def packed_sequences(plan: Plan) -> bool:
+    """Does one sequence of the batch hold several documents (position_ids restart inside it)? Then transformers
+    derives a block-diagonal mask from position_ids (masking_utils.find_packed_sequence_indices)."""
+    return flat_batch(plan) and (plan.packing or plan.batch_size * (2 if plan.dpo else 1) > 1)
+
+
+def batch_shape(plan: Plan) -> tuple[int, int]:
+    """(rows, length) of the tensors the model sees in one step. Padded: every row padded to the longest in
+    the batch; padding-free: one row of all the batch's tokens; DPO: a chosen and a rejected row per example."""
+    rows = plan.batch_size * (2 if plan.dpo else 1)
+    tokens = (plan.batch_tokens or plan.batch_size * plan.seq_len) * (2 if plan.dpo else 1)
+    if flat_batch(plan):
+        return 1, tokens
+    return rows, -(-tokens // rows)
+
+
+def largest_batch_tokens(lengths, plan: Plan) -> int:
+    """Tokens in the largest batch the sampler can form from rows of these token `lengths` (each truncated to
+    seq_len): what `batch_tokens` should be for this dataset. Packed rows are full, so packing keeps the bound."""
+    rows = sorted((min(int(n), plan.seq_len) for n in lengths if n), reverse=True)
+    if not rows or plan.packing:
+        return plan.batch_size * plan.seq_len
+    if flat_batch(plan):
+        return sum(rows[: plan.batch_size])
+    return plan.batch_size * rows[0]
 
 
 def _check_against_spec(spec: ModelSpec, plan: Plan, targets) -> list[str]:
@@ -338,6 +412,16 @@ def _dtypes(plan: Plan) -> _Dtypes:
     return _Dtypes(load, proj, proj, proj, autocast)
 
 
+def _liger(plan: Plan) -> bool:
+    """Liger's kernels run (Triton, CUDA only); on a CPU the run does without them."""
+    return plan.liger and plan.device == "cuda"
+
+
+def _offloading(plan: Plan) -> bool:
+    """TRL's activation offloading runs: it moves only tensors on the accelerator (OffloadActivations)."""
+    return plan.activation_offloading and plan.device == "cuda"
+
+
 def _mask_bytes(plan: Plan) -> int:
     return 1 if plan.device == "cuda" else 4  # CUDA saves a bool mask; the CPU kernel a float one
 
@@ -368,7 +452,13 @@ def layer_saved_tensors(spec: ModelSpec, plan: Plan, targets=()) -> dict[str, fl
     lora_bytes = compute if d.autocast else ad
     saved: dict[str, float] = {}
 
+    liger = _liger(plan)
+
     def norm(name: str) -> None:
+        if liger:  # LigerRMSNormFunction saves its input as it comes and rstd; the weight grad needs no more
+            saved[f"{name}.input"] = h * d.hidden
+            saved[f"{name}.rstd"] = 4
+            return
         saved[f"{name}.fp32_input"] = 4 * h
         saved[f"{name}.rstd"] = 4
         if full:
@@ -401,7 +491,7 @@ def layer_saved_tensors(spec: ModelSpec, plan: Plan, targets=()) -> dict[str, fl
     for m in ("qkv_proj",) if fused_qkv else ("q_proj", "k_proj", "v_proj"):
         linear_input(m, h, d.hidden, "attn_norm_out")
     p = d.attn
-    if plan.attn == "sdpa":
+    if plan.attn != "eager":  # sdpa and flash attention save the same tensors
         saved["q_rotary"] = q_width * p
         saved["k_rotary"] = kv_width * p
         # fused qkv: v is a view of the whole qkv output, which then stays alive
@@ -433,7 +523,8 @@ def layer_saved_tensors(spec: ModelSpec, plan: Plan, targets=()) -> dict[str, fl
     else:
         saved["gate"] = inter * p
         saved["up"] = inter * p
-    saved["act_gate"] = inter * p
+    if not liger:  # LigerSiLUMulFunction saves gate and up only and recomputes silu(gate) in backward
+        saved["act_gate"] = inter * p
     linear_input("down_proj", inter, p, "gated_product")
     return saved
 
@@ -488,6 +579,10 @@ def activation_bytes(spec: ModelSpec, plan: Plan, targets, tokens: int) -> tuple
     outside = outside_layers_saved_bytes(spec, plan)
     if _checkpointing(plan):
         layer_inputs = spec.num_layers * spec.hidden_size * _dtypes(plan).hidden
+        if _liger(
+            plan
+        ):  # Liger's input norm saves the layer input itself, which the checkpoint holds already
+            per_layer -= saved.get("input_layernorm.input", 0)
         return int(tokens * (layer_inputs + outside)), int(tokens * per_layer)
     first = 0 if _embedding_output_requires_grad(plan) else first_layer_unsaved(saved, targets)
     return int(tokens * (spec.num_layers * per_layer - first + outside)), 0
@@ -654,6 +749,43 @@ def fused_head_bytes(spec: ModelSpec, plan: Plan, rows: int) -> FusedHead:
     return FusedHead(held, forward, backward, end)
 
 
+def attention_mask_bytes(spec: ModelSpec, plan: Plan, tokens: int) -> tuple[int, int]:
+    """(held for the whole step, saved per layer call) of the attention mask of a padding-free batch that holds
+    several sequences. transformers (masking_utils) derives a block-diagonal boolean (T x T) mask from
+    position_ids, alive until the step's backward is done; torch's scaled_dot_product_attention converts a
+    boolean mask to the query dtype in every call (convert_boolean_attn_mask) and saves that copy for backward.
+    Eager attention gets the float mask once (no per-layer copy). Flash attention takes the sequence bounds
+    (cu_seq_lens) instead: no mask. Measured on the CPU (sdpa)."""
+    if plan.attn == "flash" or not packed_sequences(plan):
+        return 0, 0
+    t2 = tokens * tokens
+    if plan.attn == "eager":
+        return t2 * _dtypes(plan).attn, 0
+    return t2, t2 * _dtypes(plan).attn
+
+
+def offloaded_activations(
+    spec: ModelSpec, plan: Plan, targets, tokens: int, saved: int, recompute: int
+) -> tuple[int, int, int]:
+    """(GPU bytes at the end of forward, GPU bytes while one layer's backward runs, pinned CPU bytes) with TRL's
+    activation offloading (trl.models.activation_offloading.OffloadActivations, use_streams=True): every saved
+    tensor of at least 1 KiB on the accelerator is copied to pinned CPU memory during forward, the last five
+    stay on the GPU while their copies are in flight, and backward brings each one back just before its node
+    runs (the next one prefetched). With checkpointing the saved tensors are the layer inputs (the checkpoint
+    saves them through the same hooks) and the recomputed layer stays on the GPU (backward runs outside the
+    offloading context). Modelled from the code, not yet measured (it moves nothing on a CPU)."""
+    if _checkpointing(plan):
+        unit = tokens * spec.hidden_size * _dtypes(plan).hidden  # one layer input
+        in_flight = min(OFFLOAD_STASH, spec.num_layers) * unit
+        return in_flight, recompute + 2 * unit, saved
+    layer = layer_saved_tensors(spec, plan, targets)
+    largest = sorted(layer.values(), reverse=True)[:OFFLOAD_STASH]
+    in_flight = int(tokens * sum(largest))
+    per_layer = int(tokens * sum(layer.values()))
+    # backward holds the layer being differentiated and the prefetched one: two layers' saved tensors
+    return in_flight, 2 * per_layer, saved
+
+
 def kv_cache_bytes_per_token(spec: ModelSpec, plan: Plan) -> int:
     return spec.kv_cache_bytes_per_token_per_byte * DTYPE_BYTES[plan.compute_dtype]
 
@@ -704,8 +836,11 @@ def estimate(plan: Plan, spec: ModelSpec | None = None) -> Estimate:
     )
     warnings += _check_against_spec(spec, plan, targets)
 
-    batch = plan.batch_size * (2 if plan.dpo else 1)  # DPO: chosen and rejected sequence per example
-    tokens = batch * plan.seq_len
+    # The tensors' shape: padding-free concatenates the rows, real data may be shorter than the bound.
+    batch, length = batch_shape(plan)
+    tokens = batch * length
+    asked = plan
+    plan = replace(plan, seq_len=length)  # the per-row length the terms below see (score matrix, head tiles)
     weights, quant_constants = weight_bytes(spec, plan)
     tensors = _trainable_tensors(spec, plan, targets)
     trainable = sum(tensors)
@@ -717,6 +852,15 @@ def estimate(plan: Plan, spec: ModelSpec | None = None) -> Estimate:
     )
     opt_temp = optimizer_step_temporaries(tensors, plan)
     saved, recompute = activation_bytes(spec, plan, targets, tokens)
+    mask_held, mask_per_layer = attention_mask_bytes(spec, plan, tokens)
+    if _checkpointing(plan):
+        recompute += mask_per_layer  # the recomputed layer converts the mask again
+        saved += mask_held
+    else:
+        saved += mask_held + spec.num_layers * mask_per_layer
+    pinned = 0
+    if _offloading(plan):
+        saved, recompute, pinned = offloaded_activations(spec, plan, targets, tokens, saved, recompute)
     logits_fwd, logits_bwd = logits_bytes(spec, plan, tokens)
     autocast_fwd, autocast_bwd = _autocast_weight_copies(spec, plan, trainable)
     kv_per_token = kv_cache_bytes_per_token(spec, plan)
@@ -806,8 +950,10 @@ def estimate(plan: Plan, spec: ModelSpec | None = None) -> Estimate:
     # checkpointing) next to the gradients flowing through its SwiGLU MLP: the gradient of the gated product
     # and of its two factors (3 x tokens x intermediate) plus the one of the residual stream. It outgrows the
     # start of backward only when the vocabulary is small.
+    # Liger's SwiGLU backward writes the two factors' gradients into the saved gate and up (in place).
+    factors = 1 if _liger(plan) else 3
     flowing = tokens * (
-        3 * spec.intermediate_size * _dtypes(plan).proj + spec.hidden_size * _dtypes(plan).hidden
+        factors * spec.intermediate_size * _dtypes(plan).proj + spec.hidden_size * _dtypes(plan).hidden
     )
     first_layer = {
         **static,
@@ -822,7 +968,7 @@ def estimate(plan: Plan, spec: ModelSpec | None = None) -> Estimate:
     final_norm = {
         **static,
         "autocast_weight_copies": autocast_bwd,
-        "activations": saved - int(tokens * head_saved_bytes(spec, plan)),
+        "activations": max(0, saved - int(tokens * head_saved_bytes(spec, plan))),
         "logits_loss": int(tokens * final_norm_backward_temporaries(spec)),
         "gradients": head_grad,
     }
@@ -836,7 +982,7 @@ def estimate(plan: Plan, spec: ModelSpec | None = None) -> Estimate:
         in_layer = {
             **static,
             "autocast_weight_copies": autocast_fwd,
-            "activations": saved - int(tokens * outside_layers_saved_bytes(spec, plan)),
+            "activations": max(0, saved - int(tokens * outside_layers_saved_bytes(spec, plan))),
             "logits_loss": int(tokens * last_layer_forward_temporaries(spec, plan, targets)),
         }
         if sum(in_layer.values()) > sum(phase_components["forward"].values()):
@@ -878,7 +1024,7 @@ def estimate(plan: Plan, spec: ModelSpec | None = None) -> Estimate:
     frac = device_total / gpu
     verdict = "fits" if frac <= FIT_LIMIT else ("tight" if frac <= 1.0 else "does not fit")
     return Estimate(
-        plan=plan.to_dict(),
+        plan=asked.to_dict(),
         model_id=spec.model_id,
         components=components,
         phases={k: int(v) for k, v in phases.items()},
@@ -895,6 +1041,9 @@ def estimate(plan: Plan, spec: ModelSpec | None = None) -> Estimate:
         kv_cache_bytes_per_token=kv_per_token,
         activation_bytes_per_token_per_layer=layer_activation_bytes(spec, plan, targets),
         dpo_reference=dpo_reference,
+        cpu_pinned_bytes=int(pinned),
+        batch_rows=batch,
+        batch_length=length,
         warnings=warnings,
     )
 
@@ -924,12 +1073,13 @@ OUTSIDE_TORCH = ("cuda_context", "paged_optimizer_states")
 # fit search and advice
 
 
-def _largest(plan: Plan, spec: ModelSpec, name: str, hi: int, step: int = 1) -> int:
-    """The largest value of `name` (a multiple of `step`, <= hi) whose estimate stays within FIT_LIMIT; 0 if none."""
+def _largest(plan: Plan, spec: ModelSpec, name: str, hi: int, step: int = 1, limit: float = FIT_LIMIT) -> int:
+    """The largest value of `name` (a multiple of `step`, <= hi) whose device total stays within `limit` of the
+    card; 0 if none."""
 
     def ok(v: int) -> bool:
-        e = estimate(replace(plan, **{name: v}), spec)
-        return e.device_total_bytes <= FIT_LIMIT * e.gpu_bytes
+        e = estimate(replace(plan, **{name: v, "batch_tokens": 0}), spec)
+        return e.device_total_bytes <= limit * e.gpu_bytes
 
     lo_units, hi_units = 0, hi // step  # invariant: lo fits (0 = nothing), hi+1 does not
     if not ok(step):
@@ -944,77 +1094,27 @@ def _largest(plan: Plan, spec: ModelSpec, name: str, hi: int, step: int = 1) -> 
     return lo_units * step
 
 
-def fit_search(plan: Plan, spec: ModelSpec | None = None) -> dict:
-    """The largest batch size (at this seq len) and seq len (at this batch size) that stay at <=90% of the card."""
+def fit_search(plan: Plan, spec: ModelSpec | None = None, limit: float = FIT_LIMIT) -> dict:
+    """The largest batch size (at this seq len) and seq len (at this batch size) that stay within `limit` of the
+    card (90%: the verdict's "fits"), both at the max_length bound (every row full)."""
     validate(plan)
     spec = spec or load_spec(plan.model)
     max_seq = max(spec.max_position_embeddings or 0, plan.seq_len)
-    batch = _largest(plan, spec, "batch_size", 4096)
-    seq = _largest(plan, spec, "seq_len", max_seq, step=64 if max_seq >= 64 else 1)
+    batch = _largest(plan, spec, "batch_size", 4096, limit=limit)
+    seq = _largest(plan, spec, "seq_len", max_seq, step=64 if max_seq >= 64 else 1, limit=limit)
     out = {"max_batch_size": batch, "max_seq_len": seq, "seq_len_cap": max_seq}
     for key, name, value in (("batch_fraction", "batch_size", batch), ("seq_fraction", "seq_len", seq)):
-        out[key] = estimate(replace(plan, **{name: value}), spec).fraction if value else None
+        out[key] = (
+            estimate(replace(plan, **{name: value, "batch_tokens": 0}), spec).fraction if value else None
+        )
     return out
 
 
 def what_would_fit(plan: Plan, spec: ModelSpec | None = None) -> list[dict]:
-    """Changes that lower the device total, each re-estimated, largest saving first."""
-    spec = spec or load_spec(plan.model)
-    base = estimate(plan, spec)
-    candidates = []
-    if not _checkpointing(plan):
-        candidates.append(("turn on gradient checkpointing", {"gradient_checkpointing": True}))
-    if plan.method == "full":
-        candidates.append(("train a LoRA adapter instead of all weights", {"method": "lora"}))
-    if plan.method != "qlora":
-        # prepare_model_for_kbit_training makes the residual stream fp32, so QLoRA pays off together with the
-        # checkpointing that peft's prepare turns on by default.
-        candidates.append(
-            (
-                "QLoRA: load the base in 4-bit NF4, with gradient checkpointing (peft's default for QLoRA)",
-                {"method": "qlora", "quant_type": "nf4", "gradient_checkpointing": True},
-            )
-        )
-    if not plan.fused_lm_head:
-        candidates.append(("TRL's fused LM head (SFTTrainer): no full logits", {"fused_lm_head": True}))
-    if plan.method == "qlora" and not plan.double_quant:
-        candidates.append(("double quantization of the 4-bit constants", {"double_quant": True}))
-    if OPTIMIZERS[plan.optim][2] in ("foreach", "fused", "plain", "bnb32", "bnb32_paged", "factored"):
-        candidates.append(("8-bit AdamW (adamw_8bit)", {"optim": "adamw_8bit"}))
-    if plan.optim != "paged_adamw_8bit":
-        candidates.append(("paged 8-bit AdamW (paged_adamw_8bit)", {"optim": "paged_adamw_8bit"}))
-    if plan.seq_len > 64:
-        half = max(64, plan.seq_len // 2)
-        candidates.append((f"shorter sequences: {half} tokens", {"seq_len": half}))
-    if plan.batch_size > 1:
-        half = plan.batch_size // 2
-        factor = plan.batch_size / half
-        candidates.append(
-            (
-                f"batch size {half} with gradient_accumulation_steps x{factor:g} (same effective batch)",
-                {"batch_size": half},
-            )
-        )
-    if not plan.expandable_segments and plan.device == "cuda":
-        candidates.append(("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True", {"expandable_segments": True}))
-    out = []
-    for label, change in candidates:
-        try:
-            new = estimate(replace(plan, **change), spec)
-        except (PlanError, SpecError):
-            continue
-        saved = base.device_total_bytes - new.device_total_bytes
-        if saved > 0:
-            out.append(
-                {
-                    "change": label,
-                    "settings": change,
-                    "saves_bytes": int(saved),
-                    "device_total_bytes": new.device_total_bytes,
-                    "verdict": new.verdict,
-                }
-            )
-    return sorted(out, key=lambda c: -c["saves_bytes"])
+    """Changes that lower the device total, with their savings and costs (core.estimate.levers)."""
+    from core.estimate.levers import what_would_fit as advise
+
+    return advise(plan, spec)
 
 
 def memory_curve(plan: Plan, name: str, values: list[int], spec: ModelSpec | None = None) -> list[dict]:
