@@ -140,3 +140,166 @@ def test_config_that_is_not_a_causal_lm(tmp_path):
 def test_target_modules_that_match_nothing(tiny_llama):
     with pytest.raises(SpecError, match="match no layer"):
         lora_targets(str(tiny_llama), normalize_targets("no_such_proj"))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The disk cache (issue #16: the first Estimate render built the preset on meta through torch/transformers/peft)
+
+
+@pytest.fixture()
+def spec_cache(tmp_path, monkeypatch):
+    """An empty cache folder of its own, and no spec or target list remembered in memory."""
+    from core.estimate import specs
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+    def forget():
+        specs.cache_dir.cache_clear()
+        specs._spec_for.cache_clear()
+        specs._targets_for.cache_clear()
+
+    forget()
+    yield specs
+    forget()
+
+
+def _assert_same_spec(cached, fresh):
+    from dataclasses import fields
+
+    from core.estimate.specs import ModelSpec
+
+    for f in fields(ModelSpec):
+        a, b = getattr(cached, f.name), getattr(fresh, f.name)
+        assert type(a) is type(b) and a == b, f"{fresh.model_id}: {f.name} differs after the cache"
+    assert cached == fresh and hash(cached) == hash(fresh)
+
+
+def _no_builds(specs, monkeypatch):
+    def refuse(*args):
+        raise AssertionError("built again instead of read from the disk cache")
+
+    specs._spec_for.cache_clear()
+    specs._targets_for.cache_clear()
+    monkeypatch.setattr(specs, "_build_spec", refuse)
+    monkeypatch.setattr(specs, "_build_targets", refuse)
+
+
+def test_every_preset_and_folder_spec_round_trips_through_the_disk_cache(
+    spec_cache, monkeypatch, tiny_llama, tiny_llama_tied, tiny_gpt2
+):
+    specs = spec_cache
+    models = preset_ids() + [str(tiny_llama), str(tiny_llama_tied), str(tiny_gpt2)]
+    fresh = {m: specs._build_spec(m, specs.load_config(m)) for m in models}
+    targets = {}
+    for m in models:
+        assert load_spec(m) == fresh[m]  # built and written
+        every = targets[m, "all-linear"] = specs._build_targets(fresh[m].config_json, "all-linear")
+        first = (every[0].name.rsplit(".", 1)[-1],)  # q_proj; Phi-3's qkv_proj; GPT-2's c_attn
+        targets[m, first] = specs._build_targets(fresh[m].config_json, first)
+        assert lora_targets(m, "all-linear") == every and lora_targets(m, first) == targets[m, first]
+    assert len(list(specs.cache_dir().glob("spec-*.json"))) == len(models)
+
+    _no_builds(specs, monkeypatch)
+    for m in models:
+        _assert_same_spec(load_spec(m), fresh[m])
+    for (m, t), shapes in targets.items():
+        cached = lora_targets(m, t)
+        assert type(cached) is tuple and all(type(s) is type(shapes[0]) for s in cached)
+        assert cached == shapes
+
+
+def test_a_cached_spec_loads_without_importing_torch(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    code = (
+        "import sys; from core.estimate.specs import load_spec, lora_targets; "
+        "s = load_spec('meta-llama/Llama-2-7b-hf'); t = lora_targets(s.model_id, 'all-linear'); "
+        "print(s.total_params, len(t), sorted({'torch', 'transformers', 'peft'} & set(sys.modules)))"
+    )
+    env = {**__import__("os").environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    runs = [
+        subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
+        for _ in range(2)
+    ]
+    for r in runs:
+        assert r.returncode == 0, r.stderr
+    assert runs[0].stdout.split()[:2] == runs[1].stdout.split()[:2] == ["6738415616", "224"]
+    assert "'torch'" in runs[0].stdout  # the cold run built it
+    assert runs[1].stdout.split(maxsplit=2)[2].strip() == "[]"  # the warm run imported none of them
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["truncated", "not json", "a string field as int", "a missing field", "bytes", "another model", "folder"],
+)
+def test_a_damaged_cache_entry_is_rebuilt_not_raised(spec_cache, damage):
+    import shutil
+
+    specs = spec_cache
+    model = "Qwen/Qwen2.5-0.5B"
+    fresh = load_spec(model)
+    (path,) = specs.cache_dir().glob("spec-*.json")
+    text = path.read_text()
+    entry = json.loads(text)
+    if damage == "truncated":
+        path.write_text(text[: len(text) // 2])
+    elif damage == "not json":
+        path.write_text("<html>proxy error</html>")
+    elif damage == "a string field as int":
+        entry["value"]["hidden_size"] = str(entry["value"]["hidden_size"])
+        path.write_text(json.dumps(entry))
+    elif damage == "a missing field":
+        del entry["value"]["param_numels"]
+        path.write_text(json.dumps(entry))
+    elif damage == "bytes":
+        path.write_bytes(b"\xff\xfe\x00garbage")
+    elif damage == "another model":  # a well-formed entry written for other inputs is not taken
+        entry["value"]["total_params"] += 1
+        entry["key"][1] = "someone/else"
+        path.write_text(json.dumps(entry))
+    elif damage == "folder":  # unreadable, and cannot be replaced either
+        path.unlink()
+        path.mkdir()
+    specs._spec_for.cache_clear()
+    _assert_same_spec(load_spec(model), fresh)
+    if damage == "folder":
+        shutil.rmtree(path)
+    else:  # rewritten whole
+        specs._spec_for.cache_clear()
+        assert specs._read_entry(path, json.loads(path.read_text())["key"], specs._spec_from_json) == fresh
+
+
+def test_an_unwritable_cache_folder_is_skipped(spec_cache, tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
+    spec_cache.cache_dir.cache_clear()
+    assert load_spec("meta-llama/Llama-3.2-1B").num_layers == 16
+    assert lora_targets("meta-llama/Llama-3.2-1B", "all-linear")
+
+
+def test_an_edited_folder_config_is_not_answered_from_the_cache(spec_cache, tmp_path, tiny_llama):
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_llama, folder)
+    before = load_spec(str(folder))
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["num_hidden_layers"] += 1
+    (folder / "config.json").write_text(json.dumps(cfg))
+    after = load_spec(str(folder))  # same path, same process: the content decides
+    assert after.num_layers == before.num_layers + 1
+    assert len(lora_targets(str(folder), "all-linear")) > len(before.decoder_linears)
+    assert len(list(spec_cache.cache_dir().glob("spec-*.json"))) == 2
+
+
+def test_the_cache_folder_changes_with_the_library_versions(spec_cache, monkeypatch):
+    specs = spec_cache
+    first = specs.cache_dir()
+    real = specs.metadata.version
+    monkeypatch.setattr(specs.metadata, "version", lambda pkg: "99.0" if pkg == "torch" else real(pkg))
+    specs.cache_dir.cache_clear()
+    assert specs.cache_dir() != first and specs.cache_dir().parent == first.parent

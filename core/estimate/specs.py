@@ -4,17 +4,27 @@ A spec comes from a bundled preset (hub id -> the public config.json fields, cor
 folder (its config.json), or a model id whose config sits in the local Hugging Face cache. Nothing is
 downloaded. Parameter counts come from building the model on the `meta` device (no memory, no weights) and
 counting; LoRA targets come from applying peft's own `get_peft_model` to that meta model.
+
+Importing torch, transformers and peft for that costs seconds, so the specs and LoRA targets of presets and
+local folders are also kept on disk, per installed library version, in the user's cache folder (the same one as
+core.train.schema's config schema): a spec is rebuilt only when the libraries, this file, or the model's config
+fields change. A cache entry that cannot be read is rebuilt; a cache folder that cannot be written is skipped.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from functools import lru_cache
+from importlib import metadata
 from pathlib import Path
 
 PRESETS_FILE = Path(__file__).with_name("presets.json")
+CACHE_FORMAT = 1  # bump when the cached files' shape changes
+CACHE_PACKAGES = ("torch", "transformers", "peft")  # what the counts come from
 
 
 class SpecError(ValueError):
@@ -92,6 +102,31 @@ def _config_from_dict(fields: dict, where: str):
         ) from None
 
 
+def _config_source(model: str) -> tuple[dict, str] | None:
+    """The raw config fields of a preset or a local model folder, and where they came from, read without torch
+    or transformers; None for a name that only the local Hugging Face cache may know."""
+    if model in _presets():
+        return _presets()[model], f"The preset '{model}'"
+    path = Path(model).expanduser()
+    if not path.exists():
+        return None
+    if path.is_file() and path.name == "config.json":
+        path = path.parent
+    cfg_file = path / "config.json"
+    if not path.is_dir() or not cfg_file.is_file():
+        raise SpecError(
+            f"The folder '{path}' has no config.json; point at a Hugging Face model folder "
+            "(the one that holds config.json and the weights)."
+        )
+    try:
+        data = json.loads(cfg_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise SpecError(f"{cfg_file} is not valid JSON ({exc}); fix or replace that file.") from None
+    if not isinstance(data, dict):
+        raise SpecError(f"{cfg_file} does not hold a JSON object; it is not a model config.")
+    return data, str(cfg_file)
+
+
 def load_config(model: str):
     """The transformers config for a preset id, a local folder, or a model id in the local HF cache."""
     model = str(model).strip()
@@ -99,25 +134,9 @@ def load_config(model: str):
         raise SpecError(
             "No model given: pick a preset (e.g. meta-llama/Llama-2-7b-hf) or a local model folder."
         )
-    if model in _presets():
-        return _config_from_dict(_presets()[model], f"The preset '{model}'")
-    path = Path(model).expanduser()
-    if path.exists():
-        if path.is_file() and path.name == "config.json":
-            path = path.parent
-        cfg_file = path / "config.json"
-        if not path.is_dir() or not cfg_file.is_file():
-            raise SpecError(
-                f"The folder '{path}' has no config.json; point at a Hugging Face model folder "
-                "(the one that holds config.json and the weights)."
-            )
-        try:
-            fields = json.loads(cfg_file.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise SpecError(f"{cfg_file} is not valid JSON ({exc}); fix or replace that file.") from None
-        if not isinstance(fields, dict):
-            raise SpecError(f"{cfg_file} does not hold a JSON object; it is not a model config.")
-        return _config_from_dict(fields, str(cfg_file))
+    source = _config_source(model)
+    if source is not None:
+        return _config_from_dict(*source)
     # Last resort: a config the user already has in the local Hugging Face cache. Never touch the network.
     try:
         from transformers import AutoConfig
@@ -127,6 +146,7 @@ def load_config(model: str):
             return AutoConfig.from_pretrained(model, local_files_only=True)
     except Exception:
         pass
+    path = Path(model).expanduser()
     if model.startswith(("/", "./", "../", "~")) or model.count("/") > 1:  # meant as a folder, not a hub id
         raise SpecError(
             f"The folder '{path}' does not exist: give the path of a local model folder (the one that holds "
@@ -168,12 +188,35 @@ def _decoder_layers(model):
     return max(lists, key=len) if lists else None
 
 
-@lru_cache(maxsize=64)
 def load_spec(model: str) -> ModelSpec:
-    """The spec of `model` (preset id, local folder or cached id). Cached: the meta build runs once per model."""
+    """The spec of `model` (preset id, local folder or cached id): from memory, the disk cache, or the meta build.
+
+    A folder's spec is looked up by its config.json content, so an edited config is never answered from the
+    cache; without torch, transformers or peft imported when the disk cache has it.
+    """
+    source = _config_source(str(model).strip()) if str(model).strip() else None
+    if source is None:  # a name only the HF cache may know, or bad input: load_config says which
+        return _spec_for(model, None, "")
+    data, where = source
+    return _spec_for(model, json.dumps(data, sort_keys=True), where)
+
+
+@lru_cache(maxsize=64)
+def _spec_for(model: str, source_json: str | None, where: str) -> ModelSpec:
+    if source_json is None:
+        return _build_spec(model, load_config(model))
+    path = _cache_path("spec", [model, source_json])
+    spec = _read_entry(path, ["spec", model, source_json], _spec_from_json)
+    if spec is None:
+        spec = _build_spec(model, _config_from_dict(json.loads(source_json), where))
+        _write_entry(path, ["spec", model, source_json], asdict(spec))
+    return spec
+
+
+def _build_spec(model: str, cfg) -> ModelSpec:
+    """Count the spec of `cfg` on its meta model (imports torch and transformers)."""
     import torch.nn as nn
 
-    cfg = load_config(model)
     config_json = json.dumps(_config_fields(cfg), sort_keys=True)
     meta = _meta_model_for(config_json)
     layers = _decoder_layers(meta)
@@ -237,32 +280,50 @@ def normalize_targets(target_modules: str | list | tuple) -> tuple[str, ...] | s
     return names
 
 
-@lru_cache(maxsize=128)
 def lora_targets(model: str, target_modules: str | tuple[str, ...]) -> tuple[LinearShape, ...]:
     """The Linear layers peft adapts for `target_modules`, found by peft itself on the meta model.
 
     Trainable LoRA params for rank r are then sum(r * (in + out)) over these shapes, which is what peft counts.
     """
-    import copy
-
-    from peft import LoraConfig, get_peft_model
-
     spec = load_spec(model)
     targets = normalize_targets(target_modules)
-    meta = copy.deepcopy(_meta_model_for(spec.config_json))  # peft edits the tree in place
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            peft_model = get_peft_model(
-                meta, LoraConfig(r=1, target_modules=list(targets) if targets != "all-linear" else targets)
-            )
-    except ValueError as exc:
+        return _targets_for(spec.config_json, targets)
+    except SpecError:
+        raise
+    except ValueError as exc:  # peft's "Target modules ... not found in the base model"
         wanted = targets if isinstance(targets, str) else ",".join(targets)
         available = sorted({s.name.rsplit(".", 1)[-1] for s in spec.decoder_linears})
         raise SpecError(
             f"LoRA target modules '{wanted}' match no layer of {model} ({str(exc).splitlines()[0][:120]}); "
             f"this model's Linear layers are: {', '.join(available)} (or use all-linear)."
         ) from None
+
+
+@lru_cache(maxsize=128)
+def _targets_for(config_json: str, targets: str | tuple[str, ...]) -> tuple[LinearShape, ...]:
+    """The meta model is built from `config_json` alone, so its LoRA targets are cached under it."""
+    key = ["targets", config_json, targets]
+    path = _cache_path("targets", key)
+    shapes = _read_entry(path, key, _linears_from_json)
+    if shapes is None:
+        shapes = _build_targets(config_json, targets)
+        _write_entry(path, key, [asdict(s) for s in shapes])
+    return shapes
+
+
+def _build_targets(config_json: str, targets: str | tuple[str, ...]) -> tuple[LinearShape, ...]:
+    """Apply peft's get_peft_model to a copy of the meta model (imports peft); ValueError when nothing matches."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    meta = copy.deepcopy(_meta_model_for(config_json))  # peft edits the tree in place
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        peft_model = get_peft_model(
+            meta, LoraConfig(r=1, target_modules=list(targets) if targets != "all-linear" else targets)
+        )
     from peft.tuners.lora import LoraLayer
 
     out = []
@@ -288,3 +349,106 @@ def describe(spec: ModelSpec) -> str:
         f"{spec.model_id}: {spec.model_type}, {spec.total_params / 1e9:.2f} B params, {spec.num_layers} layers, "
         f"hidden {spec.hidden_size}, heads {spec.num_heads}/{spec.num_kv_heads} kv, vocab {spec.vocab_size}"
     )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The disk cache: one small JSON file per spec or target list, named by a hash of what it was computed from.
+
+
+@lru_cache(maxsize=1)
+def cache_dir() -> Path | None:
+    """The cache folder for the installed library versions and this file's code; None without a home folder."""
+    versions = {}
+    for pkg in CACHE_PACKAGES:
+        try:
+            versions[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            versions[pkg] = "missing"
+    try:
+        code = hashlib.sha1(Path(__file__).read_bytes()).hexdigest()
+        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lora-cockpit"
+    except (OSError, RuntimeError):  # no readable source or no home folder: nothing is cached on disk
+        return None
+    key = hashlib.sha1(json.dumps([CACHE_FORMAT, versions, code], sort_keys=True).encode()).hexdigest()[:16]
+    return root / f"model-specs-{key}"
+
+
+def _cache_path(kind: str, key: list) -> Path | None:
+    root = cache_dir()
+    if root is None:
+        return None
+    return root / f"{kind}-{hashlib.sha1(json.dumps(key).encode()).hexdigest()[:24]}.json"
+
+
+def _read_entry(path: Path | None, key: list, decode):
+    """The decoded value of a cache entry written for exactly `key`; None when missing or unusable."""
+    if path is None:
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(data, dict) or data.get("key") != json.loads(json.dumps(key)):
+            return None
+        return decode(data["value"])
+    # unreadable, truncated, hand-edited or of another shape: the entry is rebuilt, never a traceback
+    except Exception:
+        return None
+
+
+def _write_entry(path: Path | None, key: list, value) -> None:
+    if path is None:
+        return
+    try:
+        from core.files import atomic_write_text
+
+        atomic_write_text(path, json.dumps({"key": key, "value": value}))
+    except OSError:
+        pass  # a read-only or full cache folder: the spec is rebuilt next time, nothing else changes
+
+
+def _int(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"not an int: {value!r}")
+    return value
+
+
+def _typed(value, kind: type):
+    if kind is int:
+        return _int(value)
+    if not isinstance(value, kind):
+        raise TypeError(f"not a {kind.__name__}: {value!r}")
+    return value
+
+
+def _linears_from_json(rows) -> tuple[LinearShape, ...]:
+    if not isinstance(rows, list):
+        raise TypeError("not a list of layers")
+    out = []
+    for row in rows:
+        if set(row) != {"name", "in_features", "out_features", "bias"}:
+            raise ValueError(f"not a layer: {row!r}")
+        out.append(
+            LinearShape(
+                _typed(row["name"], str),
+                _int(row["in_features"]),
+                _int(row["out_features"]),
+                _typed(row["bias"], bool),
+            )
+        )
+    return tuple(out)
+
+
+def _spec_from_json(data) -> ModelSpec:
+    """A ModelSpec from its asdict() JSON, every field checked for its type (a wrong file raises)."""
+    names = [f.name for f in fields(ModelSpec)]
+    if not isinstance(data, dict) or sorted(data) != sorted(names):
+        raise ValueError("not a ModelSpec")
+    values = {}
+    for f in fields(ModelSpec):
+        value = data[f.name]
+        if f.name == "decoder_linears":
+            values[f.name] = _linears_from_json(value)
+        elif f.name == "param_numels":
+            values[f.name] = tuple(_int(v) for v in _typed(value, list))
+        else:
+            values[f.name] = _typed(value, {"str": str, "int": int, "bool": bool}[f.type])
+    return ModelSpec(**values)
