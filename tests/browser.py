@@ -23,10 +23,11 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def streamlit_server(workspace: Path, log_dir: Path, timeout: float = 60):
-    """Start `streamlit run dashboard.py` on a free loopback port; yield its base URL."""
+def streamlit_server(workspace: Path, log_dir: Path, timeout: float = 60, env: dict | None = None):
+    """Start `streamlit run dashboard.py` on a free loopback port; yield its base URL. `env`: extra variables
+    for the server process (e.g. XDG_CACHE_HOME for a cache folder of its own)."""
     port = free_port()
-    env = dict(os.environ, LORA_COCKPIT_WORKSPACE=str(workspace), HF_HUB_OFFLINE="1")
+    env = {**os.environ, "LORA_COCKPIT_WORKSPACE": str(workspace), "HF_HUB_OFFLINE": "1", **(env or {})}
     log_dir.mkdir(parents=True, exist_ok=True)
     out = open(log_dir / "streamlit.log", "wb")  # noqa: SIM115 - closed in the finally below
     proc = subprocess.Popen(
