@@ -225,3 +225,28 @@ def test_nan_and_infinity_tokens_as_json_dumps_writes_them(tmp_path):
     recs = tail.read_new()
     assert tail.malformed == 0
     assert math.isnan(recs[0]["loss"]) and recs[1]["loss"] == float("inf")
+
+
+def test_dpo_figures_are_columns_with_smoothed_twins():
+    """TRL's DPOTrainer figures (names with a slash, eval_ twins) become series; the training ones get the same
+    debiased EMA as the loss, recomputed when the window changes; SFT lines carry none and get none."""
+    s = RunSeries(smoothing_steps=1.0)
+    s.add_metrics([{"time": 1, "step": 1, "loss": 2.0}])
+    assert not s.has_dpo_metrics and set(s.smoothed) == {"loss"}
+    s.add_metrics(
+        [
+            {"time": 2, "step": 2, "loss": 0.69, "rewards/margins": 0.0, "rewards/accuracies": 0.5},
+            {"time": 3, "step": 3, "loss": 0.6, "rewards/margins": 2.0, "rewards/accuracies": "nan"},
+            {"time": 4, "step": 3, "eval_loss": 0.7, "eval_rewards/accuracies": 0.75, "logps/chosen": "x"},
+        ]
+    )
+    assert s.has_dpo_metrics
+    assert list(s.metric("eval_rewards/accuracies")[1]) == [0.75]
+    assert "logps/chosen" not in s.metrics and "eval_rewards/accuracies" not in s.smoothed
+    e1 = math.exp(-1)
+    assert list(s.smooth("rewards/margins")[1]) == pytest.approx([0.0, 2.0 / (e1 + 1)])
+    assert list(s.smooth("rewards/accuracies")[1]) == [0.5]  # the NaN is skipped, as for the loss
+    assert s.smooth("logps/rejected")[0].size == 0  # never logged: empty, not an error
+    assert s.set_smoothing(100.0)
+    assert list(s.smooth("rewards/margins")[1]) == pytest.approx([0.0, 2.0 * 1 / (math.exp(-0.01) + 1)])
+    assert list(s.ema_loss.arrays()[0]) == [1, 2, 3]

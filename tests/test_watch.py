@@ -1,6 +1,7 @@
 """RunWatcher (the Monitor's per-tick facade) and run summaries on real run directories and a live writer."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -10,7 +11,16 @@ from pathlib import Path
 
 import numpy as np
 
-from core.monitor.watch import RunWatcher, compare_loss_frame, summarize_run, summarize_runs
+from core.monitor.watch import (
+    CHANCE_ACCURACY,
+    DPO_CHARTS,
+    RunWatcher,
+    comparable_metrics,
+    compare_frame,
+    compare_loss_frame,
+    summarize_run,
+    summarize_runs,
+)
 
 GiB = 1024**3
 
@@ -224,3 +234,269 @@ def test_summaries_and_comparison(tmp_path):
     with open(runs / "new" / "metrics.jsonl", "a") as fh:
         fh.write(metric(51, loss=0.5))
     assert summarize_run(runs / "new").final_loss == 0.5
+
+
+# --- DPO runs ------------------------------------------------------------------------------------------------
+
+DPO_KEYS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+    "logits/chosen",
+    "logits/rejected",
+    "entropy",
+    "mean_token_accuracy",
+    "num_tokens",
+)
+
+
+def dpo_curves(kind: str, t: float) -> tuple[float, float, float]:
+    """(rewards/chosen, rewards/margins, rewards/accuracies) without noise at training progress t in (0, 1]:
+
+    healthy  - the margin rises and saturates, the chosen reward dips a little, accuracy climbs to ~0.95;
+    chance   - nothing moves: accuracy a coin flip, margin and rewards ~0 (the policy stays the reference);
+    flat     - accuracy a little above chance from the start but the margin never grows (a tiny beta, a tiny lr);
+    collapse - the margin grows because the chosen reward falls steadily, the rejected one faster."""
+    if kind == "healthy":
+        return -0.3 * t, 3.0 * (1 - math.exp(-5 * t)), 0.5 + 0.45 * (1 - math.exp(-6 * t))
+    if kind == "chance":
+        return 0.0, 0.0, 0.5
+    if kind == "flat":
+        return -0.002, 0.01, 0.7
+    if kind == "collapse":
+        return -6.0 * t, 4.0 * t, 0.5 + 0.4 * (1 - math.exp(-6 * t))
+    raise ValueError(kind)
+
+
+def dpo_records(
+    kind: str = "healthy", steps: int = 100, max_steps: int | None = None, eval_every: int = 25, seed: int = 0
+) -> list[dict]:
+    """metrics.jsonl records as the trainer writes them for TRL's DPOTrainer: every number DPOTrainer logs per
+    logging step (here every step), the trainer's own figures, and eval lines with the eval_ twins. Noise per
+    point as a batch of 8 pairs gives (accuracy in eighths)."""
+    rng = np.random.default_rng(seed)
+    beta, total = 0.1, max_steps or steps
+    out = []
+    for step in range(1, steps + 1):
+        t = step / total
+        chosen, margin, acc = dpo_curves(kind, t)
+        acc_eval = round(acc * 16) / 16  # held-out pairs, averaged over the eval set: the curve itself
+        scale = 0.02 if kind in ("chance", "flat") else 0.15
+        chosen += float(rng.normal(0, scale / 3))
+        margin += float(rng.normal(0, scale))
+        acc = round(min(1.0, max(0.0, acc + float(rng.normal(0, 0.08)))) * 8) / 8
+        rejected = chosen - margin
+        ref_c, ref_r = -80.0 + float(rng.normal(0, 2)), -95.0 + float(rng.normal(0, 2))
+        rec = {
+            "time": 1000.0 + step,
+            "step": step,
+            "epoch": step / total,
+            "loss": math.log1p(math.exp(-margin)),
+            "grad_norm": float(abs(rng.normal(4.0, 1.0))),
+            "learning_rate": 5e-6 * (1 - t),
+            "rewards/chosen": chosen,
+            "rewards/rejected": rejected,
+            "rewards/accuracies": acc,
+            "rewards/margins": margin,
+            "logps/chosen": ref_c + chosen / beta,
+            "logps/rejected": ref_r + rejected / beta,
+            "logits/chosen": -1.2 + float(rng.normal(0, 0.1)),
+            "logits/rejected": -1.3 + float(rng.normal(0, 0.1)),
+            "entropy": 2.4 + float(rng.normal(0, 0.05)),
+            "mean_token_accuracy": 0.41 + float(rng.normal(0, 0.02)),
+            "num_tokens": float(step * 1024),
+            "tokens_per_s": 900.0,
+            "samples_per_s": 7.5,
+            "rss_bytes": 2.0 * GiB,
+        }
+        out.append(rec)
+        if eval_every and step % eval_every == 0:
+            ev = {"time": 1000.5 + step, "step": step, "epoch": step / total, "eval_loss": rec["loss"] + 0.05}
+            for key in DPO_KEYS:
+                ev[f"eval_{key}"] = rec[key]
+            ev["eval_rewards/accuracies"] = acc_eval
+            ev.update(
+                {
+                    "eval_runtime": 1.9,
+                    "eval_samples_per_second": 33.1,
+                    "eval_steps_per_second": 4.2,
+                    "rss_bytes": 2.0 * GiB,
+                }
+            )
+            out.append(ev)
+    return out
+
+
+def write_dpo_run(
+    run_dir: Path,
+    kind: str = "healthy",
+    steps: int = 100,
+    max_steps: int | None = None,
+    state: str = "running",
+    method: str | None = "dpo",
+    eval_every: int = 25,
+    started: float = 1000.0,
+) -> Path:
+    """A DPO run directory as the engine leaves it: config.yaml with top-level `method: dpo` (`method=None`: a
+    config that names no method), metrics.jsonl, status.json."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    head = f"method: {method}\n" if method else ""
+    (run_dir / "config.yaml").write_text(
+        head + "model: {path: m}\ndata: {path: prefs.jsonl}\ntraining: {beta: 0.1, learning_rate: 5.0e-06}\n"
+    )
+    recs = dpo_records(kind, steps, max_steps, eval_every)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    ended = started + steps if state in ("finished", "failed", "stopped") else None
+    (run_dir / "status.json").write_text(
+        json.dumps(
+            {
+                "state": state,
+                "step": steps,
+                "max_steps": max_steps or steps,
+                "started": started,
+                "ended": ended,
+                "updated": started + steps,
+            }
+        )
+    )
+    return run_dir
+
+
+def test_dpo_run_gets_rewards_accuracy_and_logps_charts(tmp_path):
+    run = write_dpo_run(tmp_path / "dpo", steps=100)
+    snap = RunWatcher(run).refresh()
+    assert snap.method == "dpo" and snap.dpo
+    assert set(DPO_CHARTS) <= set(snap.charts)
+    rewards, acc, logps = (snap.charts[name] for name in DPO_CHARTS)
+    assert set(rewards["series"]) == {
+        "chosen",
+        "chosen (smoothed)",
+        "rejected",
+        "rejected (smoothed)",
+        "margin",
+        "margin (smoothed)",
+        "eval margin",
+    }
+    assert set(acc["series"]) == {"train", "train (smoothed)", "eval"}
+    assert set(logps["series"]) == {"chosen", "chosen (smoothed)", "rejected", "rejected (smoothed)"}
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    train_acc = [r["rewards/accuracies"] for r in recs if "rewards/accuracies" in r]
+    assert acc[acc.series == "train"].value.tolist() == train_acc  # every logged point, in order
+    assert len(acc[acc.series == "eval"]) == 4  # eval at 25, 50, 75, 100
+    assert list(acc[acc.series == "eval"].step) == [25, 50, 75, 100]
+    assert CHANCE_ACCURACY == 0.5
+    # the loss chart and the others are as for SFT
+    assert set(snap.charts["loss"]["series"]) == {"train", "train (smoothed)", "eval"}
+    assert not snap.charts["learning_rate"].empty and not snap.charts["grad_norm"].empty
+
+
+def test_dpo_smoothing_is_the_debiased_ema_and_follows_the_window(tmp_path):
+    from core.monitor.series import ema_steps
+
+    run = write_dpo_run(tmp_path / "dpo", steps=60, eval_every=0)
+    w = RunWatcher(run)
+    snap = w.refresh()
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in recs]
+    margins = [r["rewards/margins"] for r in recs]
+    rewards = snap.charts["dpo_rewards"]
+    smoothed = rewards[rewards.series == "margin (smoothed)"]
+    _, expected = ema_steps(steps, margins, 20.0)
+    assert np.allclose(smoothed.value, expected, rtol=1e-5, atol=1e-6)
+    w.set_smoothing(5.0)
+    again = w.refresh().charts["dpo_rewards"]
+    _, expected = ema_steps(steps, margins, 5.0)
+    assert np.allclose(again[again.series == "margin (smoothed)"].value, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_dpo_is_told_by_config_or_by_metrics_and_sft_runs_are_unchanged(tmp_path):
+    # config says dpo, nothing logged yet: the DPO charts are there, empty (the page says "not logged yet")
+    early = tmp_path / "early"
+    early.mkdir()
+    (early / "config.yaml").write_text("method: dpo\nmodel: {path: m}\ndata: {path: p.jsonl}\n")
+    snap = RunWatcher(early).refresh()
+    assert snap.method == "dpo" and all(snap.charts[name].empty for name in DPO_CHARTS)
+    # no method in the config (or no config at all) but DPO's figures in the metrics: a DPO run
+    assert RunWatcher(write_dpo_run(tmp_path / "nomethod", method=None)).refresh().dpo
+    bare = write_dpo_run(tmp_path / "bare")
+    (bare / "config.yaml").unlink()
+    assert RunWatcher(bare).refresh().dpo
+    # a DPO run that logged only some figures: the others are series left out, never an error
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    (partial / "config.yaml").write_text("method: dpo\n")
+    (partial / "metrics.jsonl").write_text(
+        metric(1, **{"rewards/accuracies": 0.5, "rewards/margins": "nan", "logps/chosen": "oops"})
+        + metric(2, **{"rewards/accuracies": 0.75, "rewards/margins": 0.1})
+    )
+    snap = RunWatcher(partial).refresh()
+    assert set(snap.charts["dpo_accuracy"]["series"]) == {"train", "train (smoothed)"}
+    assert set(snap.charts["dpo_rewards"]["series"]) == {"margin", "margin (smoothed)"}
+    assert snap.charts["dpo_logps"].empty
+    # an SFT run: the same charts as ever, no DPO ones
+    sft = tmp_path / "sft"
+    sft.mkdir()
+    (sft / "config.yaml").write_text("method: sft\nmodel: {path: m}\ndata: {path: d.jsonl}\n")
+    (sft / "metrics.jsonl").write_text(
+        "".join(metric(s, learning_rate=1e-4, grad_norm=1.0) for s in range(1, 11))
+    )
+    snap = RunWatcher(sft).refresh()
+    assert snap.method == "sft" and not snap.dpo
+    assert set(snap.charts) == {
+        "loss",
+        "learning_rate",
+        "grad_norm",
+        "gpu_memory",
+        "cpu_memory",
+        "gpu_util",
+        "gpu_temperature",
+    }
+    # a config that is not YAML does not break the watcher: the metrics still tell
+    (sft / "config.yaml").write_text("method: [dpo\n")
+    assert RunWatcher(sft).refresh().method is None
+
+
+def test_dpo_charts_stay_small_on_a_long_run(tmp_path):
+    run = write_dpo_run(tmp_path / "long", steps=20_000, eval_every=500)
+    snap = RunWatcher(run).refresh()
+    for name in DPO_CHARTS:
+        for series, part in snap.charts[name].groupby("series", observed=True):
+            assert len(part) <= 1200, (name, series, len(part))
+    assert snap.chart_bytes() < 200 * 1024
+
+
+def test_runs_summaries_show_method_and_dpo_figures(tmp_path):
+    runs = tmp_path / "runs"
+    write_dpo_run(runs / "dpo-eval", steps=100, state="finished", started=300.0)
+    write_dpo_run(runs / "dpo-train", steps=40, eval_every=0, state="finished", started=200.0)
+    sft = runs / "sft"
+    sft.mkdir()
+    (sft / "config.yaml").write_text("model: {path: m}\ndata: {path: d.jsonl}\n")  # no method: sft
+    (sft / "metrics.jsonl").write_text("".join(metric(s) for s in range(1, 11)))
+    (sft / "status.json").write_text(json.dumps({"state": "finished", "step": 10, "started": 100.0}))
+    rows = {r.name: r for r in summarize_runs(runs)}
+    recs = [json.loads(line) for line in (runs / "dpo-eval" / "metrics.jsonl").read_text().splitlines()]
+    last_eval = [r for r in recs if "eval_rewards/accuracies" in r][-1]
+    d = rows["dpo-eval"]
+    assert (d.method, d.reward_source) == ("dpo", "eval")
+    assert d.reward_accuracy == last_eval["eval_rewards/accuracies"]
+    assert d.reward_margin == last_eval["eval_rewards/margins"]
+    recs = [json.loads(line) for line in (runs / "dpo-train" / "metrics.jsonl").read_text().splitlines()]
+    t = rows["dpo-train"]
+    assert (t.method, t.reward_source) == ("dpo", "train")
+    assert (
+        t.reward_accuracy == recs[-1]["rewards/accuracies"] and t.reward_margin == recs[-1]["rewards/margins"]
+    )
+    s = rows["sft"]
+    assert s.method == "sft" and s.reward_accuracy is s.reward_margin is s.reward_source is None
+    # the compare chart offers only what the chosen runs logged
+    assert comparable_metrics([sft]) == ["loss"]
+    assert comparable_metrics([sft, runs / "dpo-eval"]) == ["loss", "rewards/accuracies", "rewards/margins"]
+    df = compare_frame([sft, runs / "dpo-eval", runs / "dpo-train"], "rewards/accuracies", smoothed=False)
+    assert set(df["run"]) == {"dpo-eval", "dpo-train"} and len(df) == 140  # the SFT run has none: left out
+    smooth = compare_frame([runs / "dpo-train"], "rewards/margins", smoothed=True, smoothing_steps=5.0)
+    raw = compare_frame([runs / "dpo-train"], "rewards/margins", smoothed=False)
+    assert len(smooth) == len(raw) == 40 and not np.allclose(smooth.value, raw.value)

@@ -239,6 +239,22 @@ METRIC_FIELDS = (
     "rss_bytes",
     "epoch",
 )
+# What TRL's DPOTrainer logs on top (per logging step; its eval twins carry the eval_ prefix). An SFT run's lines
+# have none of them: each costs one dict lookup per line there.
+DPO_FIELDS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+)
+EVAL_DPO_FIELDS = tuple(f"eval_{name}" for name in DPO_FIELDS)
+# Training series kept with a smoothed twin (`RunSeries.smoothed`), like the loss.
+SMOOTHED_FIELDS = ("loss", *DPO_FIELDS)
+_ALL_FIELDS = METRIC_FIELDS + DPO_FIELDS + EVAL_DPO_FIELDS
+_DPO_KEYS = frozenset(DPO_FIELDS + EVAL_DPO_FIELDS)
+_SMOOTHED = frozenset(SMOOTHED_FIELDS)
 GPU_FIELDS = ("memory_used", "memory_total", "utilization", "temperature", "power_w", "process_memory")
 
 
@@ -246,9 +262,10 @@ class RunSeries:
     """Metrics and GPU samples of one run, column-wise, appended to as new records arrive.
 
     Metric series are indexed by step (`metrics[name]`, plus `metric_time[name]` with the wall-clock time of
-    each point); GPU series by unix time, per GPU index (`gpu[index][field]`). `ema_loss` is the smoothed
-    training loss (a debiased EMA over `smoothing_steps` training steps: core.monitor.series.StepEMA), kept up to
-    date point by point so smoothing never re-walks the history.
+    each point); GPU series by unix time, per GPU index (`gpu[index][field]`). `smoothed[name]` is the smoothed
+    curve of each of SMOOTHED_FIELDS that was logged (the training loss, and a DPO run's rewards and log-probs): a
+    debiased EMA over `smoothing_steps` training steps (core.monitor.series.StepEMA), kept up to date point by
+    point so smoothing never re-walks the history. `ema_loss` is the smoothed loss.
     """
 
     def __init__(self, smoothing_steps: float = DEFAULT_SMOOTHING_STEPS):
@@ -257,8 +274,8 @@ class RunSeries:
         self.gpu: dict[int, dict[str, Points]] = {}
         self.gpu_other_processes: dict[int, list[dict]] = {}  # latest sample's other processes per GPU
         self.smoothing_steps = smoothing_steps
-        self.ema_loss = Points()
-        self._ema = StepEMA(smoothing_steps)
+        self.smoothed: dict[str, Points] = {}
+        self._emas: dict[str, StepEMA] = {}
         self.first_time: float | None = None
         self.last_time: float | None = None
         self.last_step: int | None = None
@@ -291,7 +308,8 @@ class RunSeries:
                 self.first_time = t if self.first_time is None or t < self.first_time else self.first_time
                 self.last_time = t if self.last_time is None or t > self.last_time else self.last_time
             tt = math.nan if t is None else t
-            for name in METRIC_FIELDS:
+            # a line without any DPO figure (every SFT line) skips their lookups
+            for name in METRIC_FIELDS if _DPO_KEYS.isdisjoint(rec) else _ALL_FIELDS:
                 v = rec.get(name)
                 if v is None:
                     continue
@@ -307,22 +325,38 @@ class RunSeries:
                 q = times[name]
                 q.x.append(step)
                 q.y.append(tt)
-                if name == "loss":
-                    self._update_ema(step, v)
+                if name in _SMOOTHED:
+                    self._update_ema(name, step, v)
 
-    def _update_ema(self, step: float, v: float):
-        # Non-finite losses would poison the average forever: they show up in health warnings instead.
+    def _update_ema(self, name: str, step: float, v: float):
+        # Non-finite values would poison the average forever: they show up in health warnings instead.
         if not math.isfinite(v):
             return
-        self.ema_loss.append(step, self._ema.update(step, v))
+        ema = self._emas.get(name)
+        if ema is None:
+            ema = self._emas[name] = StepEMA(self.smoothing_steps)
+            self.smoothed[name] = Points()
+        self.smoothed[name].append(step, ema.update(step, v))
+
+    @property
+    def ema_loss(self) -> Points:
+        """The smoothed training loss (empty before the first finite loss)."""
+        p = self.smoothed.get("loss")
+        return p if p is not None else Points()
+
+    def smooth(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """(steps, smoothed values) of one of SMOOTHED_FIELDS; empty arrays when it was never logged."""
+        p = self.smoothed.get(name)
+        return p.arrays() if p else (np.empty(0), np.empty(0))
 
     def set_smoothing(self, window_steps: float) -> bool:
-        """Smooth over another window (in steps); recomputes the curve from the raw points. True if it changed."""
+        """Smooth over another window (in steps); recomputes the curves from the raw points. True if it changed."""
         if window_steps == self.smoothing_steps:
             return False
-        self.smoothing_steps, self._ema, self.ema_loss = window_steps, StepEMA(window_steps), Points()
-        for step, v in zip(*self.metric("loss"), strict=True):
-            self._update_ema(float(step), float(v))
+        self.smoothing_steps, self._emas, self.smoothed = window_steps, {}, {}
+        for name in SMOOTHED_FIELDS:
+            for step, v in zip(*self.metric(name), strict=True):
+                self._update_ema(name, float(step), float(v))
         return True
 
     def add_gpu(self, records: list[dict]):
@@ -352,6 +386,11 @@ class RunSeries:
             others = rec.get("other_processes")
             if isinstance(others, list):
                 self.gpu_other_processes[idx] = others
+
+    @property
+    def has_dpo_metrics(self) -> bool:
+        """The run logged what only TRL's DPOTrainer logs (rewards/*, train or eval)."""
+        return any(name.startswith(("rewards/", "eval_rewards/")) for name in self.metrics)
 
     def metric(self, name: str) -> tuple[np.ndarray, np.ndarray]:
         p = self.metrics.get(name)

@@ -7,6 +7,10 @@ re-cut only when a file grew.
 
 Chart frames are long-form pandas DataFrames (one row per point: x column, `value`, `series`) with compact
 dtypes, ready for `alt.Chart(df).mark_line().encode(x=..., y="value", color="series")`.
+
+A DPO run (config.yaml's `method: dpo`, or metrics that carry TRL's `rewards/*` figures) gets three more charts
+beside the loss: its rewards (chosen, rejected, margin), its preference accuracy (train and eval, against the
+0.5 of a coin flip) and its log-probs (chosen vs rejected). An SFT run's charts are the same as ever.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from core.monitor.tail import RunFiles, RunSeries, TextTail
 from core.runs import rundir
 
 GiB = 1024**3
+CHANCE_ACCURACY = 0.5  # a preference accuracy a coin flip gets: the line a DPO run must rise above
+DPO_CHARTS = ("dpo_rewards", "dpo_accuracy", "dpo_logps")
 
 
 @dataclass
@@ -55,7 +61,8 @@ class Snapshot:
     steps_per_s: float | None
     tokens_per_s: float | None
     latest: dict[str, float]  # last logged value of each metric (loss, eval_loss, learning_rate, ...)
-    # loss, learning_rate, grad_norm (x column "step"); gpu_memory (GiB), gpu_util, gpu_temperature (x "minutes")
+    # loss, learning_rate, grad_norm (x column "step"); gpu_memory (GiB), gpu_util, gpu_temperature (x "minutes");
+    # a DPO run also dpo_rewards, dpo_accuracy, dpo_logps (x "step")
     charts: dict[str, pd.DataFrame]
     lines: dict[str, float]  # horizontal rules in GiB: gpu_capacity_gib, plan_peak_gib
     peak_memory_gib: float | None
@@ -66,6 +73,11 @@ class Snapshot:
     other_processes: list[dict]  # other programs on the run's GPU (latest NVML sample)
     malformed_lines: int
     changed: bool  # new points since the previous tick
+    method: str | None = None  # "sft", "dpo", ... (see resolve_method); None when no config or metrics tell
+
+    @property
+    def dpo(self) -> bool:
+        return self.method == "dpo"
 
     def chart_bytes(self) -> int:
         """Size of the chart data as Arrow IPC (what st.altair_chart ships per rerun)."""
@@ -118,6 +130,55 @@ def _frame(x_name: str, parts: list[tuple[str, np.ndarray, np.ndarray]], x_dtype
     )
 
 
+class _CachedMethod:
+    """config.yaml's top-level `method`, re-read only when the file's stat changes."""
+
+    def __init__(self, path: Path):
+        self.path, self._key, self.method, self.exists = path, None, None, False
+
+    def read(self) -> str | None:
+        try:
+            st = os.stat(self.path)
+            key = (st.st_ino, st.st_size, st.st_mtime_ns)
+        except OSError:
+            key = None
+        if key != self._key:
+            self._key = key
+            self.method, self.exists = _config_method(self.path, key[1]) if key else (None, False)
+        return self.method
+
+
+_MAX_CONFIG_BYTES = 1_000_000  # a run config is a few hundred bytes; anything huge is not one
+
+
+def _config_method(path: Path, size: int) -> tuple[str | None, bool]:
+    """(the config's `method`, lower-cased, or None when it names none; whether the file is a readable config).
+    A broken or hostile config answers (None, False): the watcher then goes by the metrics alone."""
+    if size > _MAX_CONFIG_BYTES:
+        return None, False
+    try:
+        from core.train.config import parse_yaml  # aliases refused: a tiny file must not expand without bound
+
+        data = parse_yaml(path.read_text(encoding="utf-8"), str(path))
+    except Exception:  # unreadable, not UTF-8, not YAML: the metrics still tell what ran
+        return None, False
+    if not isinstance(data, dict):
+        return None, False
+    method = data.get("method")
+    return (method.strip().lower() or None) if isinstance(method, str) else None, True
+
+
+def resolve_method(config_method: str | None, config_exists: bool, series: RunSeries) -> str | None:
+    """What the run is: DPO when its config says so or its metrics carry DPO's rewards (robust to a config that
+    is missing or unreadable); else the config's method, "sft" for a config without one (the default), None
+    when there is no config to tell."""
+    if config_method == "dpo" or series.has_dpo_metrics:
+        return "dpo"
+    if config_method:
+        return config_method
+    return "sft" if config_exists else None
+
+
 def plan_peak_bytes(plan: dict | None) -> float | None:
     """The plan's predicted whole-GPU footprint, comparable with NVML's memory curve."""
     plan = plan or {}
@@ -140,6 +201,7 @@ class RunWatcher:
         self.files = RunFiles(self.run_dir)
         self.status_file = _CachedJson(self.run_dir / rundir.STATUS)
         self.plan_file = _CachedJson(self.run_dir / rundir.PLAN)
+        self.config_method = _CachedMethod(self.run_dir / rundir.CONFIG)
         self.stderr = TextTail(self.run_dir / rundir.STDERR, n_lines=tail_lines)
         self.stdout = TextTail(self.run_dir / rundir.STDOUT, n_lines=tail_lines)
         self.health = HealthChecker()
@@ -148,6 +210,7 @@ class RunWatcher:
         self._warnings: list[HealthWarning] = []
         self._health_key = None
         self._diagnosis: tuple | None = None
+        self._method: str | None = None
 
     @property
     def series(self) -> RunSeries:
@@ -163,8 +226,12 @@ class RunWatcher:
         series = self.files.series
         status = self.status_file.read()
         plan = self.plan_file.read()
-        if changed or self._charts is None:
+        method = resolve_method(self.config_method.read(), self.config_method.exists, series)
+        if changed or self._charts is None or method != self._method:
+            self._method = method
             self._charts = self._build_charts(series)
+            if method == "dpo":
+                self._charts.update(dpo_charts(series, self.budget))
         # the lock, not the last status written, says whether the process lives: a SIGKILLed trainer shows as
         # failed on the next tick, a trainer still exiting as stopping
         state, _alive = rundir.live_state(self.run_dir, status)
@@ -308,7 +375,40 @@ class RunWatcher:
             other_processes=list(s.gpu_other_processes.get(idx, [])) if idx is not None else [],
             malformed_lines=self.files.malformed,
             changed=changed,
+            method=self._method,
         )
+
+
+def dpo_charts(s: RunSeries, budget: ChartBudget | None = None) -> dict[str, pd.DataFrame]:
+    """A DPO run's charts (x column "step"), each smoothed as the loss is (the debiased EMA beside the raw points):
+
+    - dpo_rewards: rewards/chosen, rewards/rejected and rewards/margins (+ the eval margin);
+    - dpo_accuracy: rewards/accuracies, train and eval (the page draws CHANCE_ACCURACY under it);
+    - dpo_logps: logps/chosen vs logps/rejected.
+
+    A figure not logged (yet) is a series left out, never an error; a frame with no series is empty."""
+    b = budget or ChartBudget()
+
+    def parts(names: tuple[tuple[str, str], ...], evals: tuple[tuple[str, str], ...] = ()):
+        out = []
+        for name, label in names:
+            if name in s.metrics:
+                out.append((label, *downsample_minmax(*s.metric(name), b.spiky)))
+                if name in s.smoothed:
+                    out.append((f"{label} (smoothed)", *stride(*s.smooth(name), b.smooth)))
+        for name, label in evals:
+            if name in s.metrics:
+                out.append((label, *downsample_minmax(*s.metric(name), b.sparse)))
+        return _frame("step", out)
+
+    return {
+        "dpo_rewards": parts(
+            (("rewards/chosen", "chosen"), ("rewards/rejected", "rejected"), ("rewards/margins", "margin")),
+            (("eval_rewards/margins", "eval margin"),),
+        ),
+        "dpo_accuracy": parts((("rewards/accuracies", "train"),), (("eval_rewards/accuracies", "eval"),)),
+        "dpo_logps": parts((("logps/chosen", "chosen"), ("logps/rejected", "rejected"))),
+    }
 
 
 def _rel(xy: tuple[np.ndarray, np.ndarray], t0: float) -> tuple[np.ndarray, np.ndarray]:
@@ -354,12 +454,19 @@ class RunSummary:
     peak_memory_gib: float | None
     malformed: int = 0  # log lines that could not be used
     error: str | None = None  # why this run's files could not be read at all
+    method: str | None = None  # "sft", "dpo", ...; None without a readable config or telling metrics
+    # a DPO run's last preference accuracy and reward margin: the last eval figures when the run evaluated (held
+    # out, averaged over the eval set), else the last logged training figures; `reward_source` says which
+    reward_accuracy: float | None = None
+    reward_margin: float | None = None
+    reward_source: str | None = None  # "eval" | "train"
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
 
 
 _FILES_CACHE: dict[str, RunFiles] = {}
+_METHOD_CACHE: dict[str, _CachedMethod] = {}
 
 
 def _files_for(run_dir: Path) -> RunFiles:
@@ -370,6 +477,31 @@ def _files_for(run_dir: Path) -> RunFiles:
         files = _FILES_CACHE[key] = RunFiles(run_dir)
     files.poll()
     return files
+
+
+def _method_for(run_dir: Path, s: RunSeries) -> str | None:
+    key = str(run_dir.resolve())
+    cached = _METHOD_CACHE.get(key)
+    if cached is None:
+        cached = _METHOD_CACHE[key] = _CachedMethod(run_dir / rundir.CONFIG)
+    return resolve_method(cached.read(), cached.exists, s)
+
+
+def _last(s: RunSeries, name: str) -> float | None:
+    """The last finite value of a metric, or None."""
+    _, v = s.metric(name)
+    v = v[np.isfinite(v)]
+    return float(v[-1]) if v.size else None
+
+
+def dpo_summary(s: RunSeries) -> tuple[float | None, float | None, str | None]:
+    """(preference accuracy, reward margin, "eval" | "train"): the last eval figures if the run evaluated, else
+    the last training figures; (None, None, None) for a run that logged neither (an SFT run)."""
+    for prefix, source in (("eval_", "eval"), ("", "train")):
+        acc, margin = _last(s, f"{prefix}rewards/accuracies"), _last(s, f"{prefix}rewards/margins")
+        if acc is not None or margin is not None:
+            return acc, margin, source
+    return None, None, None
 
 
 def summarize_run(run_dir: str | os.PathLike, clock=time.time) -> RunSummary:
@@ -389,6 +521,8 @@ def summarize_run(run_dir: str | os.PathLike, clock=time.time) -> RunSummary:
     ev = ev[np.isfinite(ev)]
     loss = s.metrics.get("loss")
     peak = run_peak_bytes(s)
+    method = _method_for(run_dir, s)
+    accuracy, margin, source = dpo_summary(s) if method == "dpo" else (None, None, None)
     return RunSummary(
         name=run_dir.name,
         run_dir=str(run_dir),
@@ -401,6 +535,10 @@ def summarize_run(run_dir: str | os.PathLike, clock=time.time) -> RunSummary:
         final_loss=loss.last() if loss is not None and len(loss) else None,
         peak_memory_gib=peak / GiB if peak else None,
         malformed=_files_for(run_dir).metrics_tail.malformed,
+        method=method,
+        reward_accuracy=accuracy,
+        reward_margin=margin,
+        reward_source=source,
     )
 
 
@@ -431,10 +569,53 @@ def summarize_runs(runs_dir: str | os.PathLike) -> list[RunSummary]:
         return []
     dirs = [d for d in root.iterdir() if d.is_dir() and not d.name.startswith(".")]
     alive = {str(d.resolve()) for d in dirs}
-    for key in [k for k in _FILES_CACHE if k.startswith(str(root.resolve())) and k not in alive]:
-        del _FILES_CACHE[key]  # a deleted run must not keep its points in memory
+    for cache in (_FILES_CACHE, _METHOD_CACHE):
+        for key in [k for k in cache if k.startswith(str(root.resolve())) and k not in alive]:
+            del cache[key]  # a deleted run must not keep its points in memory
     out = [_summary_or_error(d) for d in dirs]
     return sorted(out, key=lambda r: r.started or 0.0, reverse=True)
+
+
+# What the Runs page can put side by side: (metric, axis title). The DPO figures only for runs that logged them.
+COMPARABLE = (
+    ("loss", "loss"),
+    ("rewards/accuracies", "preference accuracy (rewards/accuracies)"),
+    ("rewards/margins", "reward margin (rewards/margins)"),
+)
+
+
+def comparable_metrics(run_dirs: list[str | os.PathLike]) -> list[str]:
+    """The COMPARABLE metrics at least one of these runs has logged, in COMPARABLE's order ("loss" always first
+    when any run has a loss): a metric selector never offers a curve none of them can draw."""
+    have: set[str] = set()
+    for d in run_dirs:
+        have.update(_files_for(Path(d)).series.metrics)
+    return [name for name, _ in COMPARABLE if name in have]
+
+
+def compare_frame(
+    run_dirs: list[str | os.PathLike],
+    metric: str = "loss",
+    smoothed: bool = True,
+    max_points: int = 1000,
+    smoothing_steps: float = DEFAULT_SMOOTHING_STEPS,
+) -> pd.DataFrame:
+    """One metric's curves of several runs on one chart: columns step, value, run (long form). A run that did
+    not log the metric is left out (the caller can say so)."""
+    parts = []
+    for d in run_dirs:
+        s = _files_for(Path(d)).series
+        s.set_smoothing(smoothing_steps)
+        if metric not in s.metrics:
+            continue
+        x, y = (
+            stride(*s.smooth(metric), max_points)
+            if smoothed and metric in s.smoothed
+            else downsample_minmax(*s.metric(metric), max_points)
+        )
+        parts.append((Path(d).name, x, y))
+    df = _frame("step", parts)
+    return df.rename(columns={"series": "run"})
 
 
 def compare_loss_frame(
@@ -444,17 +625,4 @@ def compare_loss_frame(
     smoothing_steps: float = DEFAULT_SMOOTHING_STEPS,
 ) -> pd.DataFrame:
     """Loss curves of several runs on one chart: columns step, value, run (long form)."""
-    parts = []
-    for d in run_dirs:
-        s = _files_for(Path(d)).series
-        s.set_smoothing(smoothing_steps)
-        if "loss" not in s.metrics:
-            continue
-        x, y = (
-            stride(*s.ema_loss.arrays(), max_points)
-            if smoothed
-            else downsample_minmax(*s.metric("loss"), max_points)
-        )
-        parts.append((Path(d).name, x, y))
-    df = _frame("step", parts)
-    return df.rename(columns={"series": "run"})
+    return compare_frame(run_dirs, "loss", smoothed, max_points, smoothing_steps)
