@@ -5,6 +5,7 @@ GPU figures cannot be produced without a GPU: those tests feed core.gpu.take_sam
 (the only mock, named in each test) and write the samples exactly as GpuSampler does.
 """
 
+import json
 import time
 from dataclasses import asdict
 
@@ -180,3 +181,113 @@ def test_measured_peak_against_plan_fake_gpu_samples(healthy_records):
     under = [w for w in check_health(series, {"device_total_bytes": 24 * GiB}) if w.code == "plan_mismatch"]
     assert len(under) == 1 and under[0].level == "info" and "below" in under[0].title
     assert "plan_mismatch" not in codes(check_health(series, {"device_total_bytes": 18.5 * GiB}))
+
+
+# --- DPO runs: synthetic metrics.jsonl in the trainer's format for DPOTrainer (tests/test_watch.write_dpo_run) ---
+
+DPO_CODES = {"dpo_chance_accuracy", "dpo_margin_flat", "dpo_chosen_collapse"}
+
+
+def dpo_warnings(run_dir):
+    """The warnings the Monitor shows for a run directory (status, config and metrics read from its files)."""
+    from core.monitor.watch import RunWatcher
+
+    return RunWatcher(run_dir).refresh().warnings
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_healthy_dpo_run_is_quiet(tmp_path, seed):
+    from test_watch import dpo_records, write_dpo_run
+
+    run = write_dpo_run(tmp_path / "dpo", "healthy", steps=100)
+    recs = dpo_records("healthy", 100, seed=seed)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert dpo_warnings(run) == []
+
+
+def test_dpo_accuracy_stuck_at_chance_warns_once_enough_points_are_in(tmp_path):
+    from test_watch import dpo_records, write_dpo_run
+
+    from core.monitor.watch import RunWatcher
+
+    run = write_dpo_run(tmp_path / "dpo", "chance", steps=29, max_steps=100)
+    watcher = RunWatcher(run)
+    # warm-up: 10% of 100 steps; steps 11-29 are 19 logged points, one short of a verdict
+    assert watcher.refresh().warnings == []
+    recs = dpo_records("chance", 30, max_steps=100)
+    with open(run / "metrics.jsonl", "a") as fh:
+        fh.write(json.dumps(recs[-1]) + "\n")
+    warnings = watcher.refresh().warnings
+    assert codes(warnings) == {"dpo_chance_accuracy"}  # the flat margin says the same: one warning, not two
+    w = warnings[0]
+    train = [r["rewards/accuracies"] for r in recs if "rewards/accuracies" in r]
+    mean = sum(train[10:30]) / 20
+    assert f"rewards/accuracies averaged {mean:.2f} over the last 20 logged points (steps 11-30)" in w.detail
+    assert w.fix.startswith("Stop the run and relaunch") and "training.learning_rate" in w.fix
+    assert "training.loss_type" in w.fix
+    # the whole run at chance, finished: not told to stop
+    done = write_dpo_run(tmp_path / "done", "chance", steps=100, state="finished")
+    (w,) = dpo_warnings(done)
+    assert w.code == "dpo_chance_accuracy" and w.fix.startswith("Relaunch") and "Stop" not in w.fix
+    assert "eval accuracy 0.5" in w.detail
+    # 100 steps at chance, but max steps is 2000: still in the warm-up, no verdict
+    assert dpo_warnings(write_dpo_run(tmp_path / "warming", "chance", steps=100, max_steps=2000)) == []
+
+
+def test_dpo_margin_not_rising_warns(tmp_path):
+    from test_watch import write_dpo_run
+
+    run = write_dpo_run(tmp_path / "flat", "flat", steps=100)
+    warnings = dpo_warnings(run)
+    # the accuracy is above chance (0.7): only the margin says it
+    assert codes(warnings) == {"dpo_margin_flat"}
+    w = warnings[0]
+    assert "rewards/margins" in w.detail and "to step 100" in w.detail
+    assert "training.beta" in w.fix and "training.learning_rate" in w.fix and w.fix.startswith("Stop the run")
+    stopped = write_dpo_run(tmp_path / "stopped", "flat", steps=100, state="stopped")
+    (w,) = dpo_warnings(stopped)
+    assert w.code == "dpo_margin_flat" and "Stop" not in w.fix
+    # 21 steps: the warm-up is 2.1 of them, so 19 points (steps 3-21) to judge, one short of a verdict
+    assert dpo_warnings(write_dpo_run(tmp_path / "short", "flat", steps=21)) == []
+    assert codes(dpo_warnings(write_dpo_run(tmp_path / "enough", "flat", steps=22))) == {"dpo_margin_flat"}
+
+
+def test_dpo_chosen_reward_collapsing_while_the_margin_rises_warns(tmp_path):
+    from test_watch import write_dpo_run
+
+    run = write_dpo_run(tmp_path / "collapse", "collapse", steps=100)
+    warnings = dpo_warnings(run)
+    assert codes(warnings) == {"dpo_chosen_collapse"}
+    w = warnings[0]
+    assert "rewards/chosen fell steadily" in w.detail and "logps/chosen went from" in w.detail
+    assert "lower training.learning_rate" in w.fix and "higher training.beta" in w.fix
+    assert w.fix.startswith("Stop the run")
+    done = write_dpo_run(tmp_path / "done", "collapse", steps=100, state="finished")
+    (w,) = dpo_warnings(done)
+    assert w.code == "dpo_chosen_collapse" and "Stop" not in w.fix and "checkpoint from before" in w.fix
+    # a healthy run's chosen reward dips too, but by a small share of the margin's rise: no warning
+    assert "dpo_chosen_collapse" not in codes(dpo_warnings(write_dpo_run(tmp_path / "ok", "healthy")))
+    # too few points after the warm-up
+    assert dpo_warnings(write_dpo_run(tmp_path / "early", "collapse", steps=100, max_steps=1000)) == []
+
+
+def test_dpo_rules_never_fire_on_sft_runs(small_llama, healthy_records, tmp_path):
+    flat = train_tiny(small_llama, lr=1e-9, steps=40)
+    for records in (healthy_records, flat):
+        warnings = HealthChecker(FAST).check(RunSeries.from_records(records), status={"state": "running"})
+        assert not codes(warnings) & DPO_CODES
+    # an SFT run directory whose loss does not move: the SFT rule speaks, never a DPO one
+    run = tmp_path / "sft"
+    run.mkdir()
+    (run / "config.yaml").write_text("method: sft\nmodel: {path: m}\ndata: {path: d.jsonl}\n")
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in flat))
+    (run / "status.json").write_text(json.dumps({"state": "running", "step": 40, "max_steps": 40}))
+    assert not codes(dpo_warnings(run)) & DPO_CODES
+
+
+def test_sft_loss_flat_rule_leaves_dpo_runs_to_their_own_rules():
+    from test_watch import dpo_records
+
+    series = RunSeries.from_records(dpo_records("chance", 100))
+    warnings = HealthChecker(FAST).check(series, status={"state": "running", "max_steps": 100})
+    assert codes(warnings) == {"dpo_chance_accuracy"}  # not loss_flat with SFT's learning-rate advice

@@ -3,6 +3,11 @@
 Each warning names what is wrong with the figures that show it and what to change. `HealthChecker` is
 stateful only where that saves work each tick: loss-spike detection looks at new loss points only, and the
 "first 200 steps" verdict is settled once.
+
+A DPO run (one that logs TRL's rewards/* figures; an SFT run never does, so these rules never fire on one) is
+also checked for not learning its preferences: the preference accuracy stuck at a coin flip, the reward margin
+not rising, and the chosen answers' log-probs collapsing while the margin grows. They judge only the points
+logged after a warm-up share of training.max_steps, and only once there are enough of them.
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ GiB = 1024**3
 
 @dataclass
 class HealthWarning:
-    code: str  # stable id: low_utilization, memory_high, nonfinite_loss, loss_spike, loss_flat, plan_mismatch
+    # stable id: low_utilization, memory_high, nonfinite_loss, loss_spike, loss_flat, plan_mismatch,
+    # dpo_chance_accuracy, dpo_margin_flat, dpo_chosen_collapse
+    code: str
     level: str  # "error" | "warning" | "info"
     title: str
     detail: str  # the figures
@@ -45,6 +52,12 @@ class HealthSettings:
     flat_ratio: float = 0.97  # loss near step 200 must be below ratio x the starting loss
     plan_tolerance: float = 0.10
     plan_min_steps: int = 5  # the peak (optimizer states, longest batch) shows only after a few steps
+    # DPO: judged on the points logged after this share of the run's max steps (of the last logged step while
+    # the max is unknown): the reference and the policy start equal, every figure starts at chance
+    dpo_warmup_share: float = 0.1
+    dpo_window: int = 20  # logged points judged (the last ones); fewer after the warm-up: no verdict yet
+    dpo_chance_band: float = 0.1  # accuracy within 0.5 ± band over the window = a coin flip
+    dpo_collapse_ratio: float = 0.5  # chosen reward fell by at least this share of the margin's rise
 
 
 class HealthChecker:
@@ -64,6 +77,8 @@ class HealthChecker:
             self.__init__(self.s)
             self._series_id = id(series)
         state = (status or {}).get("state")
+        live = state in (None, "starting", "running")
+        chance = self._dpo_chance(series, status, live)
         out: list[HealthWarning] = []
         for w in (
             self._nonfinite(
@@ -74,8 +89,13 @@ class HealthChecker:
             self._memory(series, plan),
             self._utilization(series) if state in (None, "starting", "running") else None,
             self._spikes_warning(series),
-            self._loss_flat(series),
+            # a DPO loss starts at ln 2 and its own rules say whether it learns (with DPO's advice, not SFT's)
+            None if series.has_dpo_metrics else self._loss_flat(series),
             self._plan(series, plan),
+            chance,
+            # a margin that does not rise is what an accuracy at chance already says: one cause, one warning
+            None if chance else self._dpo_margin_flat(series, status, live),
+            self._dpo_collapse(series, status, live),
         ):
             if w is not None:
                 out.append(w)
@@ -278,6 +298,129 @@ class HealthChecker:
                 ),
             )
         return None
+
+    # --- DPO rules ---------------------------------------------------------------------------------------------
+
+    def _dpo_points(self, series: RunSeries, name: str, status: dict | None) -> tuple[np.ndarray, np.ndarray]:
+        """The finite points of a DPO figure logged after the warm-up; empty when too few to judge."""
+        steps, vals = series.metric(name)
+        if not steps.size:
+            return steps, vals
+        max_steps = (status or {}).get("max_steps")
+        horizon = max_steps if isinstance(max_steps, (int, float)) and max_steps > 0 else float(steps[-1])
+        keep = (steps > self.s.dpo_warmup_share * horizon) & np.isfinite(vals)
+        steps, vals = steps[keep], vals[keep]
+        if steps.size < self.s.dpo_window:
+            return np.empty(0), np.empty(0)
+        return steps, vals
+
+    def _dpo_chance(self, series: RunSeries, status: dict | None, live: bool) -> HealthWarning | None:
+        steps, acc = self._dpo_points(series, "rewards/accuracies", status)
+        if not acc.size:
+            return None
+        n = self.s.dpo_window
+        steps, acc = steps[-n:], acc[-n:]
+        mean = float(acc.mean())
+        half = n // 2
+        rising = float(acc[half:].mean() - acc[:half].mean())
+        band = self.s.dpo_chance_band
+        if abs(mean - 0.5) > band or rising > band / 2:  # above chance, or on its way up
+            return None
+        margin = _last_finite(series, "rewards/margins")
+        evals = _last_finite(series, "eval_rewards/accuracies")
+        return HealthWarning(
+            "dpo_chance_accuracy",
+            "warning",
+            "DPO is not learning the preferences: accuracy is stuck at chance (0.5)",
+            f"rewards/accuracies averaged {mean:.2f} over the last {n} logged points (steps {int(steps[0])}-"
+            f"{int(steps[-1])}); 0.5 is a coin flip, so the model does not yet rank the chosen answer above the "
+            "rejected one"
+            + (f"; the reward margin is {margin:.3g}" if margin is not None else "")
+            + (f"; eval accuracy {evals:.2f}" if evals is not None else "")
+            + ".",
+            ("Stop the run and relaunch" if live else "Relaunch")
+            + " with a higher training.learning_rate (LoRA DPO usually trains at 5e-6 to 5e-5; 1e-6 is for full "
+            "fine-tunes) and a warmup that is not most of the run; check that the chosen and rejected answers "
+            "really differ and are not swapped in the data, and that training.loss_type is the one you meant "
+            "(sigmoid is standard DPO).",
+        )
+
+    def _dpo_margin_flat(self, series: RunSeries, status: dict | None, live: bool) -> HealthWarning | None:
+        steps, margins = self._dpo_points(series, "rewards/margins", status)
+        if not margins.size:
+            return None
+        n = self.s.dpo_window
+        k = max(3, n // 4)
+        _, everything = series.metric("rewards/margins")
+        everything = everything[np.isfinite(everything)]
+        start = float(np.median(everything[:k]))  # where the run began: policy = reference, margin ~ 0
+        window = margins[-n:]
+        now = float(np.median(window[-k:]))
+        noise = float(
+            np.median(np.abs(np.diff(window)))
+        )  # a batch-to-batch wobble, in the margin's own units
+        if now - start > noise:
+            return None
+        return HealthWarning(
+            "dpo_margin_flat",
+            "warning",
+            "DPO reward margin is not rising",
+            f"rewards/margins: median {start:.3g} over the first {k} logged points and {now:.3g} over the last {k} "
+            f"(to step {int(steps[-1])}), a rise of {now - start:.3g} against a point-to-point wobble of "
+            f"{noise:.3g}: the chosen answers are not gaining on the rejected ones.",
+            ("Stop the run and relaunch" if live else "Relaunch")
+            + " with a higher training.learning_rate (LoRA DPO usually trains at 5e-6 to 5e-5) or a higher "
+            "training.beta (the margin is beta times the log-ratio gap, so a tiny beta keeps it near 0); check "
+            "that LoRA targets the attention/MLP projections and that training.loss_type is the one you meant.",
+        )
+
+    def _dpo_collapse(self, series: RunSeries, status: dict | None, live: bool) -> HealthWarning | None:
+        """rewards/chosen falling steadily while rewards/margins rise: the model wins the margin by pushing the
+        chosen answers down too (their log-prob collapses), a known DPO failure."""
+        steps, chosen = self._dpo_points(series, "rewards/chosen", status)
+        m_steps, margins = self._dpo_points(series, "rewards/margins", status)
+        if not chosen.size or not margins.size:
+            return None
+        q = [float(np.median(part)) for part in np.array_split(chosen, 4)]
+        mq = [float(np.median(part)) for part in np.array_split(margins, 4)]
+        fall, rise = q[0] - q[-1], mq[-1] - mq[0]
+        noise_c = float(np.median(np.abs(np.diff(chosen))))
+        noise_m = float(np.median(np.abs(np.diff(margins))))
+        steady = all(a > b for a, b in zip(q, q[1:], strict=False))
+        if not (
+            steady
+            and q[-1] < 0
+            and fall > noise_c
+            and rise > noise_m
+            and fall >= self.s.dpo_collapse_ratio * rise
+        ):
+            return None
+        logps = series.metric("logps/chosen")[1]
+        logps = logps[np.isfinite(logps)]
+        return HealthWarning(
+            "dpo_chosen_collapse",
+            "warning",
+            "DPO is pushing the chosen answers down: their log-probs are collapsing",
+            f"Over steps {int(min(steps[0], m_steps[0]))}-{int(steps[-1])} rewards/chosen fell steadily (median "
+            f"{q[0]:.3g} in the first quarter, {q[-1]:.3g} in the last) while rewards/margins rose from {mq[0]:.3g} "
+            f"to {mq[-1]:.3g}"
+            + (f"; logps/chosen went from {logps[0]:.4g} to {logps[-1]:.4g}" if logps.size >= 2 else "")
+            + ": the margin grows because both answers lose probability, the rejected ones faster, and the "
+            "model drifts away from the chosen answers it should learn.",
+            (
+                "Stop the run (a checkpoint from before the fall may be the better adapter) and relaunch"
+                if live
+                else "Prefer a checkpoint from before the fall, or relaunch"
+            )
+            + " with a lower training.learning_rate (try 2-5x lower) or a higher training.beta (try twice this "
+            "run's: it keeps the policy closer to the reference).",
+        )
+
+
+def _last_finite(series: RunSeries, name: str) -> float | None:
+    _, v = series.metric(name)
+    v = v[np.isfinite(v)]
+    return float(v[-1]) if v.size else None
 
 
 def _median_and_noise(windows: np.ndarray, clean_from: int) -> tuple[np.ndarray, np.ndarray]:
