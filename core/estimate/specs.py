@@ -194,7 +194,8 @@ def load_spec(model: str) -> ModelSpec:
     A folder's spec is looked up by its config.json content, so an edited config is never answered from the
     cache; without torch, transformers or peft imported when the disk cache has it.
     """
-    source = _config_source(str(model).strip()) if str(model).strip() else None
+    model = str(model)  # a Path works too, and the spec's model_id is always a str
+    source = _config_source(model.strip()) if model.strip() else None
     if source is None:  # a name only the HF cache may know, or bad input: load_config says which
         return _spec_for(model, None, "")
     data, where = source
