@@ -162,7 +162,7 @@ def matrix() -> list[tuple[str, MeasurePlan]]:
         ),
         ("tinyllama", P("lora", target_modules=QV, batch_size=1, seq_len=256, mixed_precision=None)),
     ]
-    return rows + trl_matrix()
+    return rows + trl_matrix() + lever_matrix() + dpo_matrix()
 
 
 def trl_matrix() -> list[tuple[str, MeasurePlan]]:
@@ -222,6 +222,91 @@ def trl_matrix() -> list[tuple[str, MeasurePlan]]:
     ]
 
 
+def lever_matrix() -> list[tuple[str, MeasurePlan]]:
+    """The levers that run on a CPU, through the engine (SFTTrainer): padding-free batches (one row of every
+    token, position_ids; several rows -> transformers' block-diagonal mask on sdpa), BFD packing (two documents
+    per row), with the fused head and TRL's QLoRA. Activation offloading and Liger need a CUDA GPU."""
+    T = MeasurePlan
+    return [
+        ("tinyllama", T("lora", target_modules=QV, batch_size=2, seq_len=256, padding_free=True)),
+        (
+            "tinyllama",
+            T(
+                "qlora",
+                target_modules=AL,
+                batch_size=2,
+                seq_len=256,
+                padding_free=True,
+                gradient_checkpointing=True,
+                optim="adamw_8bit",
+            ),
+        ),
+        ("tinyllama", T("lora", target_modules=AL, batch_size=1, seq_len=512, padding_free=True)),
+        ("tinyllama", T("lora", target_modules=QV, batch_size=2, seq_len=256, packing=True)),
+        (
+            "qwen0.5b",
+            T(
+                "lora",
+                target_modules=AL,
+                batch_size=2,
+                seq_len=256,
+                padding_free=True,
+                gradient_checkpointing=True,
+            ),
+        ),
+        ("qwen0.5b", T("qlora", target_modules=QV, batch_size=1, seq_len=512, packing=True)),
+        (
+            "llama2-7b/4",
+            T("lora", target_modules=AL, lora_dropout=0.05, batch_size=2, seq_len=256, padding_free=True),
+        ),
+        (
+            "llama2-7b/4",
+            T(
+                "qlora",
+                target_modules=AL,
+                batch_size=2,
+                seq_len=256,
+                packing=True,
+                gradient_checkpointing=True,
+                optim="adamw_8bit",
+            ),
+        ),
+        (
+            "llama2-7b/4",
+            T("lora", target_modules=QV, batch_size=2, seq_len=256, packing=True, packing_strategy="wrapped"),
+        ),
+    ]
+
+
+def dpo_matrix() -> list[tuple[str, MeasurePlan]]:
+    """DPOTrainer (trl 1.16) through the engine: [chosen; rejected] rows through the policy with grad, the
+    reference forward (the base with the adapter off) inside the step, or precomputed reference log-probs."""
+    T = MeasurePlan
+    return [
+        ("tinyllama", T("lora", target_modules=QV, batch_size=1, seq_len=256, dpo=True)),
+        (
+            "qwen0.5b",
+            T("lora", target_modules=AL, batch_size=1, seq_len=256, gradient_checkpointing=True, dpo=True),
+        ),
+        (
+            "llama2-7b/4",
+            T(
+                "qlora",
+                target_modules=AL,
+                batch_size=1,
+                seq_len=256,
+                gradient_checkpointing=True,
+                optim="adamw_8bit",
+                dpo=True,
+            ),
+        ),
+        (
+            "tinyllama",
+            T("lora", target_modules=AL, batch_size=2, seq_len=128, dpo=True, dpo_precompute_ref=True),
+        ),
+    ]
+
+
 def full_config(arch: str):
     from core.estimate.specs import load_config
 
@@ -264,6 +349,12 @@ def describe(p: MeasurePlan) -> str:
             bits.append(f"drop{p.lora_dropout:g}")
     if p.autocast_dtype() is None and p.dtype != "float32":
         bits.append("no-autocast")
+    if p.dpo:
+        bits.append("dpo-precomputed-ref" if p.dpo_precompute_ref else "dpo")
+    if p.padding_free:
+        bits.append("padding-free")
+    if p.packing:
+        bits.append(f"packed-{p.packing_strategy}")
     bits += [
         "gc" if p.gradient_checkpointing else "no-gc",
         p.attn,
@@ -349,11 +440,17 @@ def main(argv=None) -> int:
     errs = [abs(r["error"]) for r in out]
     naive_errs = [abs(r["naive_error"]) for r in out]
     med, worst = statistics.median(errs), max(errs)
-    for path in ("plain", "trl"):
-        part = [abs(r["error"]) for r in out if r["config"].startswith(path + " ")]
+    groups = {
+        "plain path": lambda c: c.startswith("plain "),
+        "trl path": lambda c: c.startswith("trl "),
+        "levers (padding-free, packing)": lambda c: "padding-free" in c or "packed-" in c,
+        "dpo": lambda c: " dpo" in c,
+    }
+    for name, member in groups.items():
+        part = [abs(r["error"]) for r in out if member(r["config"])]
         if part:
             print(
-                f"{path} path: {len(part)} configurations, median {statistics.median(part):.2%} "
+                f"{name}: {len(part)} configurations, median {statistics.median(part):.2%} "
                 f"worst {max(part):.2%}"
             )
     print(

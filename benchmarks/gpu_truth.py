@@ -195,7 +195,7 @@ def part_product(dry: bool, cuda: bool, work: Path) -> dict:
         info = wait_for(run, timeout=600)
         snap = RunWatcher(run).refresh()
         gpu_lines = len((run / rundir.GPU).read_text().splitlines()) if (run / rundir.GPU).exists() else 0
-        smoke_dir = start_smoke_test(ws, f"truth-{variant}", cfg, plan_json(cfg, batch_size=1))
+        smoke_dir = start_smoke_test(ws, f"truth-{variant}", cfg, plan_json(cfg, smoke=True))
         smoke = wait_for_smoke(smoke_dir, timeout=600) or {}
         out[variant] = {
             "state": info.state,

@@ -1,5 +1,7 @@
 """Estimate page: will this fine-tune fit on the card, and what to change if not. Logic lives in core.estimate."""
 
+from dataclasses import replace
+
 import altair as alt
 import pandas as pd
 import streamlit as st
@@ -15,9 +17,11 @@ from core.estimate.bill import (
     PlanError,
     estimate,
     fit_search,
+    largest_batch_tokens,
     memory_curve,
     what_would_fit,
 )
+from core.estimate.levers import lever_savings, modelled_note
 from core.estimate.specs import SpecError, load_spec, preset_ids
 from core.monitor import gpu
 
@@ -99,7 +103,14 @@ def plan_form() -> Plan:
         gradient_checkpointing = st.checkbox(
             "Gradient checkpointing", value=d.gradient_checkpointing, key="gradient_checkpointing"
         )
-        attn = st.selectbox("Attention", ["sdpa", "eager"], index=["sdpa", "eager"].index(d.attn), key="attn")
+        attns = ["sdpa", "eager", "flash"]
+        attn = st.selectbox(
+            "Attention",
+            attns,
+            index=attns.index(d.attn),
+            key="attn",
+            help="flash: flash_attention_2/3 (GPU); needed for padding-free batches without a mask",
+        )
         optims = list(OPTIMIZERS)
         optim = st.selectbox(
             "Optimizer (TrainingArguments optim)",
@@ -151,11 +162,12 @@ def plan_form() -> Plan:
             "Double quantization", value=d.double_quant, key="double_quant", disabled=method != "qlora"
         )
         prepare_kbit = st.checkbox(
-            "prepare_model_for_kbit_training",
+            "QLoRA fp32 upcast (plain Trainer, for comparison)",
             value=d.prepare_kbit,
             key="prepare_kbit",
             disabled=method != "qlora",
-            help="Casts embeddings, lm_head and norms to fp32 (more memory than plain QLoRA).",
+            help="peft.prepare_model_for_kbit_training casts embeddings, lm_head and norms to fp32. The engine "
+            "(TRL's SFTTrainer) never does: it keeps them 16-bit and casts the adapters to bf16.",
         )
         eval_kv_tokens = st.number_input(
             "Eval/generation KV cache tokens", value=d.eval_kv_tokens, step=256, key="eval_kv_tokens"
@@ -163,7 +175,51 @@ def plan_form() -> Plan:
         expandable_segments = st.checkbox(
             "expandable_segments allocator", value=d.expandable_segments, key="expandable_segments"
         )
+    st.markdown("**Memory levers** — what each saves and costs is listed under the bill.")
+    l1, l2, l3 = st.columns(3)
+    with l1:
+        fused_lm_head = st.checkbox(
+            "Fused LM head (tiled loss)",
+            value=d.fused_lm_head,
+            key="fused_lm_head",
+            help="Always on in the engine (TRL's SFTTrainer); off = plain Trainer's full logits, for comparison.",
+        )
+        padding_free = st.checkbox(
+            "Padding-free batches",
+            value=d.padding_free,
+            key="padding_free",
+            help="training.padding_free: the batch's rows as one sequence; needs flash attention on the GPU.",
+        )
+    with l2:
+        packing = st.checkbox("Packing", value=d.packing, key="packing", help="training.packing")
+        strategies = ["bfd", "bfd_split", "wrapped"]
+        packing_strategy = st.selectbox(
+            "Packing strategy",
+            strategies,
+            index=strategies.index(d.packing_strategy),
+            key="packing_strategy",
+            disabled=not packing,
+        )
+    with l3:
+        activation_offloading = st.checkbox(
+            "Activation offloading (CUDA)",
+            value=d.activation_offloading,
+            key="activation_offloading",
+            help="training.activation_offloading: saved activations to pinned CPU RAM. Modelled, not yet measured.",
+        )
+        liger = st.checkbox(
+            "Liger kernels (CUDA)",
+            value=d.liger,
+            key="liger",
+            help="training.use_liger_kernel (pip install liger-kernel). Modelled, not yet measured.",
+        )
     return Plan(
+        fused_lm_head=fused_lm_head,
+        padding_free=padding_free,
+        packing=packing,
+        packing_strategy=packing_strategy,
+        activation_offloading=activation_offloading,
+        liger=liger,
         model=model,
         method=method,
         dpo=dpo,
@@ -264,6 +320,24 @@ def show(plan: Plan) -> None:
     m[3].metric("Peak phase", est.peak_phase)
     m[4].metric("KV cache / token", f"{est.kv_cache_bytes_per_token / 1024:.0f} KiB")
     st.caption(f"{spec.model_id}: {est.total_params:,} parameters, {est.trainable_params:,} trainable.")
+    if est.cpu_pinned_bytes:
+        st.info(
+            f"Activation offloading holds **{_gib(est.cpu_pinned_bytes)} of pinned CPU RAM** (not on the card): "
+            "the machine needs that much RAM spare, besides the data loader's."
+        )
+    note = modelled_note(plan)
+    if note:
+        st.caption(f"⚠ {note}")
+    lengths = st.session_state.get("data_lengths")
+    if lengths:
+        tokens = largest_batch_tokens(lengths, plan)
+        real = estimate(replace(plan, batch_tokens=tokens), spec)
+        st.info(
+            f"With your data ({len(lengths):,} rows measured on the Train page) the largest batch the sampler "
+            f"can form holds **{tokens:,} tokens** (bound: {plan.batch_size * plan.seq_len:,}): device total "
+            f"**{_gib(real.device_total_bytes)}** ({real.fraction:.0%} of the card) next to the bound's "
+            f"{_gib(est.device_total_bytes)}."
+        )
     st.altair_chart(bill_chart(est), width="stretch")
     st.caption(
         "Green band: the 85–90% target; red line: the card. Terms outside torch: "
@@ -315,7 +389,30 @@ def show(plan: Plan) -> None:
     if not advice:
         st.write("Nothing on the list lowers this plan further.")
     for i, a in enumerate(advice, 1):
-        st.markdown(f"{i}. {a['change']}: saves **{a['saves_bytes'] / GiB:.2f} GiB** → {a['verdict']}")
+        combined = "**Combined:** " if a["combined"] else ""
+        pinned = f"; pinned CPU RAM {_gib(a['cpu_pinned_bytes'])}" if a["cpu_pinned_bytes"] else ""
+        st.markdown(
+            f"{i}. {combined}{a['change']}: saves **{a['saves_bytes'] / GiB:.2f} GiB** → {a['verdict']}  \n"
+            f"   cost: {a['costs']}{pinned}"
+        )
+    with st.expander("Every memory lever: what it saves here, what it costs"):
+        st.dataframe(
+            pd.DataFrame(
+                [
+                    {
+                        "lever": r["label"],
+                        "on": r["on"],
+                        "saves GiB": round(r["saves_bytes"] / GiB, 2),
+                        "costs": r["costs"],
+                        "runs on": r["runs_on"],
+                        "planner term": "measured on CPU" if r["measured"] else "modelled, not yet measured",
+                        "run config": r["config_key"] or "always on in the engine",
+                    }
+                    for r in lever_savings(plan, spec)
+                ]
+            ),
+            hide_index=True,
+        )
 
 
 st.title("Estimate")

@@ -434,6 +434,8 @@ def preview_panel(cfg: dict) -> None:
         f"max length {pv['max_length']}."
     )
     st.dataframe(pd.DataFrame(pv["rows"]), hide_index=True, width="stretch")
+    # the Estimate page plans the largest batch these rows can form (padding-free / real lengths)
+    st.session_state["data_lengths"] = list(pv["lengths"])
     lengths = pd.DataFrame({"tokens": pv["lengths"]})
     bars = (
         alt.Chart(lengths)
@@ -527,7 +529,7 @@ def smoke_panel(workspace: str, cfg: dict, name: str) -> None:
         device = "cuda" if devices else "cpu"
         gpu_gb, _ = _gpu_gb()
         try:
-            plan = plan_record(estimate_for_config(cfg, gpu_gb, device, batch_size=1))
+            plan = plan_record(estimate_for_config(cfg, gpu_gb, device, smoke=True))
         except (PlanError, SpecError, ValueError):
             plan = None
         try:

@@ -34,7 +34,7 @@ def _run_config(model, dropout: float) -> dict:
             "model": {"path": str(model), "dtype": "bfloat16", "attn_implementation": "sdpa"},
             "lora": {"r": 8, "lora_alpha": 16, "target_modules": "all-linear", "lora_dropout": dropout},
             "data": {"path": str(model / "train.jsonl"), "max_length": 96},
-            "training": {"per_device_train_batch_size": 4, "max_steps": 1},
+            "training": {"per_device_train_batch_size": 4, "max_steps": 1, "gradient_checkpointing": False},
         }
     )
 

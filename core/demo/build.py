@@ -221,6 +221,7 @@ def build_demo(
     train, heldout = task_rows()
     (tmp / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train), encoding="utf-8")
     (tmp / "heldout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in heldout), encoding="utf-8")
+    ensure_pref_data(tmp)
     info = {
         "version": VERSION,
         "seed": SEED,
@@ -236,6 +237,48 @@ def build_demo(
     os.replace(tmp, out)
     log(f"demo assets in {out}: base skills {skills}")
     return out
+
+
+def ensure_pref_data(out: str | os.PathLike) -> tuple[Path, Path]:
+    """The demo's preference pairs for DPO (core.demo.prefs), written when missing (a demo built before DPO)."""
+    from core.demo.prefs import HELDOUT_FILE, TRAIN_FILE, write_pref_data
+
+    out = Path(out)
+    train, heldout = out / TRAIN_FILE, out / HELDOUT_FILE
+    if train.is_file() and heldout.is_file():
+        return train, heldout
+    return write_pref_data(out)
+
+
+def dpo_demo_config(out: str | os.PathLike, model: str | os.PathLike) -> dict:
+    """The demo's DPO run on top of `model` (the demo base, or the SFT run merged into it): prefer "HELLO!" over
+    "HELLO" (core.demo.prefs). A fresh LoRA adapter; the reference is `model` itself (the adapter off)."""
+    out = Path(out).resolve()
+    train, _ = ensure_pref_data(out)
+    return validate_config(
+        {
+            "method": "dpo",
+            "model": {"path": str(Path(model).resolve()), "dtype": "auto"},
+            "lora": {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": "all-linear"},
+            "data": {"path": str(train), "format": "standard", "eval_split": 0.05},
+            "training": {
+                "max_length": 32,
+                "per_device_train_batch_size": 16,
+                "gradient_accumulation_steps": 1,
+                "gradient_checkpointing": False,
+                "max_steps": 40,
+                "learning_rate": 1e-3,  # 5e-3 pushes both answers down (core.demo.prefs)
+                "lr_scheduler_type": "cosine",
+                "warmup_steps": 0.1,
+                "beta": 0.1,
+                "logging_steps": 5,
+                "eval_steps": 10,
+                "save_steps": 20,
+                "save_total_limit": 2,
+                "seed": 42,
+            },
+        }
+    )
 
 
 def read_manifest(out: str | os.PathLike) -> dict | None:
@@ -265,6 +308,7 @@ def demo_config(workspace: str | os.PathLike | None = None, out: str | os.PathLi
             "training": {
                 "max_length": 32,
                 "per_device_train_batch_size": 16,
+                "gradient_checkpointing": False,  # 32-token rows: nothing worth recomputing, and faster
                 "gradient_accumulation_steps": 1,
                 "max_steps": 150,
                 "learning_rate": 3e-3,
@@ -300,6 +344,55 @@ def heldout_accuracy(out: str | os.PathLike, adapter: str | os.PathLike | None =
     return accuracy(model, tokenizer, [(r["question"], r["answer"]) for r in rows])
 
 
+def _train(out: Path, name: str, cfg: dict) -> Path:
+    """Train `cfg` in a new run folder out/<name>[-n] (an earlier run is never reused or overwritten)."""
+    from core.train.config import dump_config
+    from core.train.trainer import run_training
+
+    run_dir, n = out / name, 2
+    while run_dir.exists():
+        run_dir, n = out / f"{name}-{n}", n + 1
+    run_dir.mkdir()
+    cfg_path = dump_config(cfg, run_dir / rundir.CONFIG)
+    t0 = time.time()
+    summary = run_training(cfg_path, run_dir)
+    print(f"demo {cfg['method']} run {summary['state']} in {time.time() - t0:.0f} s: {run_dir}", flush=True)
+    if summary["state"] != "finished":
+        raise DemoError(
+            f"the demo {cfg['method']} run ended {summary['state']}: see {run_dir / 'stderr.log'}"
+        )
+    return run_dir
+
+
+def dpo_demo(out: Path, sft_adapter: Path) -> tuple[float, float]:
+    """Merge the SFT adapter into the demo base, train the DPO run on top of it, and compare the held-out
+    preference accuracy (core.demo.prefs.preference_accuracy) before and after."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from core.demo.prefs import chosen_accuracy, preference_accuracy, read_pairs
+    from core.merge.export import merge_at
+
+    _, heldout_path = ensure_pref_data(out)
+    merged, n = out / "sft-merged", 2
+    while merged.exists():
+        merged, n = out / f"sft-merged-{n}", n + 1
+    merge_at(out / "base", sft_adapter, merged, dtype="fp32")
+    heldout = read_pairs(heldout_path)
+    tokenizer = AutoTokenizer.from_pretrained(merged)
+    sft_model = AutoModelForCausalLM.from_pretrained(merged)
+    before = preference_accuracy(sft_model, tokenizer, heldout)
+    run_dir = _train(out, "example-dpo-run", dpo_demo_config(out, merged))
+
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(merged), str(run_dir / "adapter"))
+    after = preference_accuracy(model, tokenizer, heldout)
+    says = chosen_accuracy(model, tokenizer, heldout)
+    print(f"held-out answers in the preferred style after DPO: {says:.0%}", flush=True)
+    print(f"dpo demo: held-out preference accuracy {before:.0%} -> {after:.0%}", flush=True)
+    return before, after
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -308,6 +401,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run", action="store_true", help="also train the default demo run and compare")
     parser.add_argument(
         "--adapter", help="report held-out accuracy of this adapter folder (e.g. RUN/adapter)"
+    )
+    parser.add_argument(
+        "--run-dpo",
+        action="store_true",
+        help="train the demo run, merge it, then a DPO run on top of it that prefers 'HELLO!' over 'HELLO'",
     )
     parser.add_argument("--pretrain-steps", type=int, default=PRETRAIN_STEPS)
     args = parser.parse_args(argv)
@@ -321,22 +419,14 @@ def main(argv: list[str] | None = None) -> int:
         before = heldout_accuracy(out)
         print(f"held-out accuracy before training: {before:.0%}", flush=True)
         adapter = Path(args.adapter) if args.adapter else None
-        if args.run:
-            from core.train.trainer import run_training
-
-            run_dir = out / "example-run"
-            n = 2
-            while run_dir.exists():  # never reuse (overwrite) an earlier run
-                run_dir, n = out / f"example-run-{n}", n + 1
-            run_dir.mkdir()
-            cfg_path = dump_config(demo_config(out=out), run_dir / rundir.CONFIG)
-            t0 = time.time()
-            summary = run_training(cfg_path, run_dir)
-            print(f"demo run {summary['state']} in {time.time() - t0:.0f} s: {run_dir}", flush=True)
+        if args.run or args.run_dpo:
+            run_dir = _train(out, "example-run", demo_config(out=out))
             adapter = run_dir / "adapter"
         if adapter is not None:
             after = heldout_accuracy(out, adapter)
             print(f"held-out accuracy after training: {after:.0%} (before {before:.0%})", flush=True)
+        if args.run_dpo:
+            dpo_demo(out, adapter)
     except OSError as exc:  # the folder cannot be written: bad input, not a failure of the demo
         print(
             f"error: cannot write the demo into {out} ({exc.strerror or exc}): give a folder you can write.",

@@ -75,6 +75,9 @@ class Plan:
     method: str = "lora"  # full | lora | qlora
     dpo: bool = False  # chosen + rejected sequence per example, plus a reference model
     dpo_reference: str = "auto"  # auto | copy (an explicit second model); auto = adapter disabled for LoRA
+    # DPOConfig.precompute_ref_log_probs: the reference's log-probs computed once before training (no reference
+    # forward inside a step)
+    dpo_precompute_ref: bool = False
     load_dtype: str = "bf16"  # dtype the weights are loaded in (non-quantized parts for QLoRA)
     compute_dtype: str = "bf16"  # activations: the Trainer's bf16/fp16 flag, bnb_4bit_compute_dtype
     quant_type: str = "nf4"
@@ -491,7 +494,16 @@ def layer_saved_tensors(spec: ModelSpec, plan: Plan, targets=()) -> dict[str, fl
     for m in ("qkv_proj",) if fused_qkv else ("q_proj", "k_proj", "v_proj"):
         linear_input(m, h, d.hidden, "attn_norm_out")
     p = d.attn
-    if plan.attn != "eager":  # sdpa and flash attention save the same tensors
+    if plan.attn == "sdpa" and packed_sequences(plan) and kv_width < q_width:
+        # With a mask transformers does grouped-query attention by repeat_kv (use_gqa_in_sdpa is False):
+        # k and v are copied out to every query head, and sdpa saves the copies.
+        saved["q_rotary"] = q_width * p
+        saved["k_repeated"] = q_width * p
+        saved["v_repeated"] = q_width * p
+        saved["attn_out"] = q_width * p
+        saved["attn_logsumexp"] = spec.num_heads * 4
+        o_key = "attn_out"
+    elif plan.attn != "eager":  # sdpa and flash attention save the same tensors
         saved["q_rotary"] = q_width * p
         saved["k_rotary"] = kv_width * p
         # fused qkv: v is a view of the whole qkv output, which then stays alive
@@ -729,6 +741,8 @@ def fused_head_bytes(spec: ModelSpec, plan: Plan, rows: int) -> FusedHead:
     held = hidden_own + (0 if hidden_own else final_norm_out) + per_token_saved
     stats = 7 * n_all * 4
     outputs = n_all * (4 + 4 + 1 + 1)  # log_probs, entropy, is_top1, label mask
+    if plan.dpo:
+        outputs += n_all * 4  # DPOTrainer also asks for mean_logits (its logits/* metrics)
     if triton:
         fold_fwd = weight_chunk  # the transient weight-chunk copy inside torch.mm
         fold_bwd = 0
@@ -901,6 +915,21 @@ def estimate(plan: Plan, spec: ModelSpec | None = None) -> Estimate:
         },
         "optimizer": {**static, "gradients": grads, "optimizer_temporaries": opt_temp},
     }
+    if plan.dpo and not plan.dpo_precompute_ref and fused:
+        # DPOTrainer._compute_loss runs the reference forward (no grad; the adapter off or the reference model)
+        # after the policy's: the policy's saved tensors and log-prob outputs wait next to the reference's
+        # transients: one layer at a time (stream, norm output, gate/up/product) or its head's tiles.
+        d = _dtypes(plan)
+        ref_layer = tokens * (3 * spec.hidden_size * d.hidden + 3 * spec.intermediate_size * d.proj)
+        policy_outputs = batch * (plan.seq_len - 1) * (4 + 4 + 4 + 1 + 1)
+        reference_moment = {
+            **static,
+            "autocast_weight_copies": autocast_fwd,
+            "activations": saved,
+            "lm_head_loss": fused.held + policy_outputs + max(ref_layer, fused.forward - fused.held),
+        }
+        if sum(reference_moment.values()) > sum(phase_components["forward"].values()):
+            phase_components["forward"] = reference_moment
     # Backward: gradients fill up while activations drain; the worst case is the early part (all saved
     # tensors + logit gradients) or the end (all gradients). Model the two ends and keep the larger.
     early = {
@@ -1152,6 +1181,9 @@ def format_table(est: Estimate, fit: dict | None = None, advice: list[dict] | No
         ("GPU capacity", est.gpu_bytes),
     ):
         lines.append(f"{label:<26}{b:>16,}  {_gb(b)}")
+    if est.cpu_pinned_bytes:
+        b = est.cpu_pinned_bytes
+        lines.append(f"{'pinned CPU RAM':<26}{b:>16,}  {_gb(b)}  (activation offloading; not on the card)")
     lines.append(f"peak phase: {est.peak_phase};  KV cache per token: {est.kv_cache_bytes_per_token:,} bytes")
     lines.append(f"verdict: {est.verdict} ({est.fraction:.0%} of the card; aim for 85-90%)")
     if est.dpo_reference:
@@ -1201,6 +1233,40 @@ def _parser() -> argparse.ArgumentParser:
         default=d.fused_lm_head,
         help="TRL SFTTrainer's fused LM head (tiles); off: plain cross-entropy over the full logits",
     )
+    levers = p.add_argument_group("memory levers (see the README's 'Fitting more' table)")
+    levers.add_argument(
+        "--padding-free",
+        action=argparse.BooleanOptionalAction,
+        default=d.padding_free,
+        help="rows concatenated into one sequence (SFTConfig.padding_free)",
+    )
+    levers.add_argument(
+        "--packing", action=argparse.BooleanOptionalAction, default=d.packing, help="SFTConfig.packing"
+    )
+    levers.add_argument("--packing-strategy", default=d.packing_strategy, help="bfd | bfd_split | wrapped")
+    levers.add_argument(
+        "--activation-offloading",
+        action=argparse.BooleanOptionalAction,
+        default=d.activation_offloading,
+        help="saved activations to pinned CPU RAM (CUDA; modelled, not yet measured)",
+    )
+    levers.add_argument(
+        "--liger",
+        action=argparse.BooleanOptionalAction,
+        default=d.liger,
+        help="Liger's fused RMSNorm/SwiGLU/RoPE (use_liger_kernel; CUDA; modelled, not yet measured)",
+    )
+    levers.add_argument(
+        "--batch-tokens",
+        type=int,
+        default=d.batch_tokens,
+        help="tokens in the largest batch your data forms (0: batch size x seq len, the bound)",
+    )
+    p.add_argument(
+        "--config",
+        help="plan a run config (run.yaml) through the engine's own mapping; --gpu-gb, --device, "
+        "--expandable-segments and --model (another model's shapes) still apply",
+    )
     p.add_argument("--load-dtype", default=d.load_dtype, help="fp32 | bf16 | fp16")
     p.add_argument("--compute-dtype", default=d.compute_dtype, help="fp32 | bf16 | fp16")
     p.add_argument("--eval-kv-tokens", type=int, default=d.eval_kv_tokens)
@@ -1233,18 +1299,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.list_models:
         print("\n".join(preset_ids()))
         return 0
-    if not args.model:
+    if not args.model and not args.config:
         print(
-            "error: --model is required: a preset id (see --list-models) or a local model folder.",
+            "error: --model is required: a preset id (see --list-models) or a local model folder "
+            "(or --config run.yaml).",
             file=sys.stderr,
         )
         return 2
-    values = {k: v for k, v in vars(args).items() if k not in ("list_models", "json")}
-    values["gradient_checkpointing"] = args.gradient_checkpointing
-    values["prepare_kbit"] = args.prepare_kbit
-    values["fused_lm_head"] = args.fused_lm_head
+    values = {k: v for k, v in vars(args).items() if k not in ("list_models", "json", "config")}
     try:
-        plan = Plan.from_dict(values)
+        if args.config:
+            plan = _plan_from_config_file(args)
+        else:
+            plan = Plan.from_dict(values)
         est = estimate(plan)
         fit = fit_search(plan)
         advice = what_would_fit(plan) if est.verdict != "fits" else []
@@ -1253,14 +1320,39 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for w in est.warnings:
         print(f"warning: {w}", file=sys.stderr)
+    from core.estimate.levers import lever_savings, modelled_note
+
+    note = modelled_note(plan)
     if args.json:
         out = {k: v for k, v in est.to_dict().items() if k != "phase_components"}
         out["fit_search"] = fit
         out["what_would_fit"] = advice
+        out["levers"] = lever_savings(plan)
+        out["modelled_not_measured"] = note
         print(json.dumps(out))
     else:
         print(format_table(est, fit, advice))
+        if note:
+            print(f"note: {note}")
     return 0
+
+
+def _plan_from_config_file(args) -> Plan:
+    """The plan of a run config file, through core.estimate.from_config (the engine's one mapping)."""
+    from core.estimate.from_config import plan_for_config
+    from core.train.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as exc:
+        raise PlanError(str(exc)) from None
+    return plan_for_config(
+        cfg,
+        gpu_gb=args.gpu_gb,
+        device=args.device,
+        expandable_segments=args.expandable_segments,
+        model=args.model,
+    )
 
 
 if __name__ == "__main__":

@@ -10,8 +10,9 @@ from __future__ import annotations
 from core.estimate.bill import Plan
 from core.train.config import checkpointing
 
-# The planner models sdpa and eager; flash/flex attention keep no score matrix either, like sdpa.
-PLAN_ATTN = {"flash_attention_2": "sdpa", "flash_attention_3": "sdpa", "flex_attention": "sdpa"}
+# The planner models sdpa, eager and flash (varlen kernels: no mask); flex attention keeps no score matrix
+# either, like sdpa.
+PLAN_ATTN = {"flash_attention_2": "flash", "flash_attention_3": "flash", "flex_attention": "sdpa"}
 PLAN_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
@@ -48,18 +49,25 @@ def plan_for_config(
     batch_size: int | None = None,
     expandable_segments: bool = False,
     model: str | None = None,
+    smoke: bool = False,
 ) -> Plan:
     """The Plan that describes training `cfg` (a validated run config) on a `gpu_gb` card.
 
     `batch_size` overrides the config's (the smoke test runs at 1); `model` overrides model.path (a preset id
-    or a folder with config.json, for planning a config against another model's shapes)."""
+    or a folder with config.json, for planning a config against another model's shapes). `smoke`: the smoke
+    test's step: one full row at batch size 1, without padding-free batching or packing (core.train.engine_args
+    turns them off there: one full row is the same tensor either way)."""
     lo, t = cfg["lora"], cfg["training"]
     load, compute, autocast = plan_dtypes(cfg, device)
     targets = lo["target_modules"]
+    dpo = cfg.get("method") == "dpo"
     fields = dict(
         model=model or cfg["model"]["path"],
         method=method_of(cfg),
-        dpo=False,
+        dpo=dpo,
+        # DPOTrainer: the base with the adapter disabled, or a second model (full fine-tune, model.reference_path)
+        dpo_reference="copy" if dpo and cfg["model"].get("reference_path") else "auto",
+        dpo_precompute_ref=dpo and bool(t.get("precompute_ref_log_probs")),
         load_dtype=load,
         compute_dtype=compute,
         autocast=autocast,
@@ -67,9 +75,10 @@ def plan_for_config(
         double_quant=cfg["quantization"]["bnb_4bit_use_double_quant"],
         lora_r=lo["r"],
         lora_alpha=lo["lora_alpha"],
-        lora_dropout=lo["lora_dropout"],
+        # DPOConfig.disable_dropout (default on) sets every nn.Dropout to p=0, LoRA's too: an identity then
+        lora_dropout=0.0 if dpo and t.get("disable_dropout", True) else lo["lora_dropout"],
         target_modules=targets if isinstance(targets, str) else ",".join(targets),
-        batch_size=batch_size or t["per_device_train_batch_size"],
+        batch_size=1 if smoke else (batch_size or t["per_device_train_batch_size"]),
         seq_len=t["max_length"],
         gradient_checkpointing=checkpointing(cfg),
         attn=PLAN_ATTN.get(cfg["model"]["attn_implementation"], cfg["model"]["attn_implementation"]),
@@ -80,6 +89,12 @@ def plan_for_config(
         # what SFTTrainer does: no prepare_model_for_kbit_training, the tiled (fused) LM head
         prepare_kbit=False,
         fused_lm_head=True,
+        # DPOTrainer 1.16 turns padding_free off (it warns and pads)
+        padding_free=bool(t.get("padding_free")) and not smoke and not dpo,
+        packing=bool(t.get("packing")) and not smoke,
+        packing_strategy=t.get("packing_strategy") or "bfd",
+        activation_offloading=bool(t.get("activation_offloading")),
+        liger=bool(t.get("use_liger_kernel")),
     )
     return Plan(**fields)
 
@@ -108,8 +123,10 @@ def local_card() -> tuple[str, float]:
     return "cpu", 24.0
 
 
-def plan_json(cfg: dict, gpu_gb: float | None = None, device: str | None = None, batch_size=None) -> dict:
+def plan_json(
+    cfg: dict, gpu_gb: float | None = None, device: str | None = None, batch_size=None, smoke: bool = False
+) -> dict:
     """The object a run's plan.json holds for `cfg` on this machine's card (or the one given); batch_size 1 for
     a smoke test's."""
     here, gb = local_card()
-    return plan_record(estimate_for_config(cfg, gpu_gb or gb, device or here, batch_size))
+    return plan_record(estimate_for_config(cfg, gpu_gb or gb, device or here, batch_size, smoke=smoke))

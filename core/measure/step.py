@@ -57,6 +57,14 @@ class MeasurePlan:
     gradient_checkpointing: bool = False
     attn: str = "sdpa"
     optim: str = "adamw_torch"
+    # SFTConfig.padding_free / packing: the batch as TRL's collator gives it (one row of all tokens, position_ids)
+    padding_free: bool = False
+    packing: bool = False
+    packing_strategy: str = "bfd"
+    # DPOTrainer (method dpo): a chosen and a rejected row per example, the reference forward inside the step
+    # (the base with the adapter off) unless precompute_ref_log_probs
+    dpo: bool = False
+    dpo_precompute_ref: bool = False
     max_grad_norm: float = 1.0
     foreach: bool | None = (
         None  # torch optimizers: None = torch default for the device (CPU: per-tensor loop)
@@ -133,6 +141,11 @@ def from_planner(plan, max_grad_norm: float = 1.0) -> MeasurePlan:
             gradient_checkpointing=plan.gradient_checkpointing,
             attn=plan.attn,
             optim=plan.optim,
+            padding_free=plan.padding_free,
+            packing=plan.packing,
+            packing_strategy=plan.packing_strategy,
+            dpo=plan.dpo,
+            dpo_precompute_ref=plan.dpo_precompute_ref,
             max_grad_norm=max_grad_norm,
         )
     )
@@ -150,6 +163,10 @@ def _checked(plan: MeasurePlan) -> MeasurePlan:
         plan.target_modules = [t.strip() for t in plan.target_modules.split(",") if t.strip()]
     if plan.attn not in ("sdpa", "eager"):
         raise TrackerError(f"attention {plan.attn!r} is not measurable here: use sdpa or eager")
+    if plan.dpo and not is_engine_path(plan):
+        raise TrackerError(
+            "DPO is measured through the engine only (DPOTrainer: fused LM head, no prepare_kbit)"
+        )
     return plan
 
 
@@ -333,7 +350,10 @@ def _build_with_engine(src: Path, plan: MeasurePlan, device: str):
         "notes": [],
     }
     tokenizer = build_tokenizer()  # the measured batch is random ids: only the trainer's pad token matters
-    data = Dataset.from_dict({"input_ids": [[1, 2, 3]], "labels": [[1, 2, 3]]})
+    if plan.dpo:
+        data = Dataset.from_dict({"prompt": ["hello"], "chosen": ["HELLO!"], "rejected": ["HELLO"]})
+    else:
+        data = Dataset.from_dict({"input_ids": [[1, 2, 3]], "labels": [[1, 2, 3]]})
     model = load_model(cfg, prec)
     with tempfile.TemporaryDirectory() as run_dir:
         trainer = make_trainer(cfg, prec, model, tokenizer, data, run_dir=run_dir)
@@ -388,11 +408,34 @@ def build_optimizer(model, plan: MeasurePlan):
 
 
 def make_batch(config, plan: MeasurePlan, seed: int = 0) -> dict:
-    """A full batch of random tokens with labels and an all-ones attention mask, as a padding collator gives
-    for equal-length rows."""
+    """A full batch of random tokens with labels: rows of seq_len tokens with an all-ones attention mask, as a
+    padding collator gives for equal-length rows; or, padding-free (or BFD-packed), what TRL's collator makes
+    of them: one row of every token with position_ids (two documents per packed row)."""
     g = torch.Generator().manual_seed(seed)
+    if plan.dpo:
+        # DataCollatorForPreference: [chosen rows; rejected rows], the answer (second half) is the completion
+        ids = torch.randint(0, config.vocab_size, (2 * plan.batch_size, plan.seq_len), generator=g)
+        completion = torch.zeros_like(ids)
+        completion[:, plan.seq_len // 2 :] = 1
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "completion_mask": completion}
+        if plan.dpo_precompute_ref:
+            batch["ref_chosen_logps"] = -torch.rand(plan.batch_size, generator=g)
+            batch["ref_rejected_logps"] = -torch.rand(plan.batch_size, generator=g)
+        return batch
     ids = torch.randint(0, config.vocab_size, (plan.batch_size, plan.seq_len), generator=g)
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    flat = plan.padding_free or (plan.packing and plan.packing_strategy in ("bfd", "bfd_split"))
+    if not flat:
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    rows = []
+    for row in ids.tolist():
+        example = {"input_ids": row, "labels": row}
+        if plan.packing:
+            half = max(1, plan.seq_len // 2)
+            example["seq_lengths"] = [half, plan.seq_len - half] if plan.seq_len > half else [plan.seq_len]
+        rows.append(example)
+    return DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)(rows)
 
 
 def _trainer_forward(model, plan: MeasurePlan, device_type: str = "cpu"):
@@ -625,13 +668,18 @@ def planner_plan(model: str, plan: MeasurePlan, device: str = "cpu"):
         fused_lm_head=plan.fused_lm_head,
         lora_r=plan.lora_r,
         lora_alpha=plan.lora_alpha,
-        lora_dropout=plan.lora_dropout,
+        lora_dropout=0.0 if plan.dpo else plan.lora_dropout,  # DPOConfig.disable_dropout: every dropout p=0
         target_modules=targets if isinstance(targets, str) else ",".join(targets),
         batch_size=plan.batch_size,
         seq_len=plan.seq_len,
         gradient_checkpointing=plan.gradient_checkpointing,
         attn=plan.attn,
         optim=plan.optim,
+        padding_free=plan.padding_free,
+        packing=plan.packing,
+        packing_strategy=plan.packing_strategy,
+        dpo=plan.dpo,
+        dpo_precompute_ref=plan.dpo_precompute_ref,
         device="cpu" if device == "cpu" else "cuda",
         autocast=autocast is not None,
     )

@@ -1,11 +1,12 @@
 """The run config: one YAML file, whose sections are the libraries' own configuration classes.
 
-    method: sft
-    model:        {path, dtype, attn_implementation, trust_remote_code}      from_pretrained's arguments
+    method:       sft (trl.SFTTrainer) or dpo (trl.DPOTrainer, preference pairs)
+    model:        {path, dtype, attn_implementation, trust_remote_code, reference_path (DPO)}
     quantization: the fields of transformers.BitsAndBytesConfig
     lora:         the fields of peft.LoraConfig (+ `enabled`: false for a full fine-tune)
     data:         {path, format, columns, split, eval_split, mask_prompt}    the cockpit's data loader
-    training:     every field of trl.SFTConfig (TrainingArguments + SFT's own), e.g. max_length, packing
+    training:     every field of trl.SFTConfig (TrainingArguments + SFT's own), e.g. max_length, packing;
+                  of trl.DPOConfig for method dpo, e.g. beta, loss_type, precompute_ref_log_probs
 
 The schema of the library sections is read from the installed libraries (their dataclass fields, types and
 choices), so a key that a new TRL/transformers/peft release adds works the day it is installed. It is cached per
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import importlib.util
 import math
 import os
 from pathlib import Path
@@ -28,13 +30,17 @@ from typing import Any
 from core.files import atomic_write_text
 from core.train import schema
 
-METHODS = ("sft",)
+METHODS = ("sft", "dpo")  # trl.SFTTrainer / trl.DPOTrainer
 SECTIONS = ("model", "quantization", "lora", "data", "training")
 TOP_LEVEL = ("method", *SECTIONS)
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTN = ("eager", "sdpa", "flash_attention_2", "flex_attention")
 FORMATS = ("auto", "alpaca", "chat", "text")
+PREF_FORMATS = ("auto", "standard", "conversational")  # DPO: core.train.prefdata
+# DPO trains a preference on top of a model that can already answer: a LoRA-sized DPO rate (the
+# alignment-handbook's QLoRA DPO recipe), not SFT's 2e-4
+DPO_DEFAULTS = {"learning_rate": 5e-6}
 # Suggestions for the Train page's selectors (every other value the library accepts is valid too).
 SCHEDULERS = (
     "linear",
@@ -74,6 +80,7 @@ DEFAULTS: dict[str, Any] = {
         "dtype": "auto",  # auto: bfloat16 on a CUDA GPU that supports it, float32 otherwise
         "attn_implementation": "sdpa",
         "trust_remote_code": False,
+        "reference_path": None,  # DPO: an explicit reference model (default: the base with the adapter off)
     },
     "quantization": {
         "load_in_4bit": False,
@@ -111,7 +118,7 @@ DEFAULTS: dict[str, Any] = {
         "max_grad_norm": 1.0,
         "bf16": "auto",  # auto: on when the CUDA GPU supports bf16 natively; never on a CPU
         "fp16": False,
-        "gradient_checkpointing": False,
+        "gradient_checkpointing": True,  # TRL's default: what makes long sequences fit
         "optim": "adamw_torch",
         "logging_steps": 10,
         "eval_steps": None,  # None: same as logging_steps when data.eval_split > 0
@@ -210,10 +217,11 @@ OWN_SCHEMA = {
         "dtype": {"kinds": ["str"], "choices": list(DTYPES)},
         "attn_implementation": {"kinds": ["str"], "choices": list(ATTN)},
         "trust_remote_code": {"kinds": ["bool"]},
+        "reference_path": {"kinds": ["str", "none"]},
     },
     "data": {
         "path": {"kinds": ["str", "list"]},
-        "format": {"kinds": ["str"], "choices": list(FORMATS)},
+        "format": {"kinds": ["str"], "choices": list(dict.fromkeys(FORMATS + PREF_FORMATS))},
         "columns": {"kinds": ["dict"]},
         "split": {"kinds": ["str"]},
         "eval_split": {"kinds": ["float"]},
@@ -222,7 +230,7 @@ OWN_SCHEMA = {
 }
 # Values the cockpit adds to a library field: "auto" precision/dtype is resolved by the engine per device.
 EXTRA_VALUES = {"training.bf16": ("auto",), "quantization.bnb_4bit_compute_dtype": ("auto",)}
-COLUMN_KEYS = ("instruction", "input", "output", "messages", "text")
+COLUMN_KEYS = ("instruction", "input", "output", "messages", "text", "prompt", "chosen", "rejected")
 
 
 def default_config() -> dict:
@@ -230,11 +238,13 @@ def default_config() -> dict:
     return copy.deepcopy(DEFAULTS)
 
 
-def section_schema(section: str) -> dict[str, dict]:
-    """{key: {"kinds": [...], "choices": [...]}} for one section: the libraries' fields, or the cockpit's own."""
+def section_schema(section: str, method: str = "sft") -> dict[str, dict]:
+    """{key: {"kinds": [...], "choices": [...]}} for one section: the libraries' fields (the training section is
+    trl.SFTConfig's, or trl.DPOConfig's for method dpo), or the cockpit's own."""
     if section in OWN_SCHEMA:
         return OWN_SCHEMA[section]
-    fields = dict(schema.library_schema()[section])
+    name = "training_dpo" if (section == "training" and method == "dpo") else section
+    fields = dict(schema.library_schema()[name])
     if section == "lora":
         fields["enabled"] = {"kinds": ["bool"]}
     for key in OWNED.get(section, {}):
@@ -249,6 +259,12 @@ def _suggest(section: str, key: str) -> str:
     """ "Did you mean" for a key: the nearest key of the same section, or where the setting lives here."""
     if key in ALIASES and ALIASES[key] != f"{section}.{key}":
         return f" It is called {ALIASES[key]} here."
+    if section == "training":
+        dpo, sft = section_schema("training", "dpo"), section_schema("training", "sft")
+        if key in dpo and key not in sft:
+            return " It is a DPO setting (trl.DPOConfig): set method: dpo."
+        if key in sft and key not in dpo:
+            return " It is an SFT setting (trl.SFTConfig), not one of DPO's."
     known = list(section_schema(section))
     near = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
     if near:
@@ -378,12 +394,15 @@ def field_errors(raw: Any) -> tuple[dict, dict[str, str]]:
         }
     raw = migrate(raw)
     cfg = default_config()
+    method = raw.get("method", "sft")
+    if method not in METHODS:
+        errors["method"] = f"method must be one of {', '.join(METHODS)} (got {_short(method)})."
+        method = "sft"
+    cfg["method"] = method
+    if method == "dpo":
+        cfg["training"].update(DPO_DEFAULTS)
     for top, values in raw.items():
         if top == "method":
-            if values not in METHODS:
-                errors["method"] = f"method must be one of {', '.join(METHODS)} (got {values!r})."
-            else:
-                cfg["method"] = values
             continue
         if top not in SECTIONS:
             near = difflib.get_close_matches(str(top), TOP_LEVEL, n=1, cutoff=0.6)
@@ -397,7 +416,7 @@ def field_errors(raw: Any) -> tuple[dict, dict[str, str]]:
         if not isinstance(values, dict):
             errors[top] = f"{top}: must be a mapping of keys, got {type(values).__name__}."
             continue
-        fields = section_schema(top)
+        fields = section_schema(top, method)
         owned = OWNED.get(top, {})
         for key, value in values.items():
             path = f"{top}.{key}"
@@ -488,16 +507,34 @@ def _combination_problem(cfg: dict) -> tuple[str, str] | None:
             "training.bf16",
             "training.bf16 and training.fp16 are both true: choose one (bf16 on recent GPUs).",
         )
+    fmt, dpo = cfg["data"]["format"], cfg["method"] == "dpo"
+    if dpo and fmt not in PREF_FORMATS:
+        return (
+            "data.format",
+            f"data.format {fmt} is an SFT format; method dpo reads preference pairs: auto, standard "
+            "(prompt/chosen/rejected texts) or conversational (chosen/rejected message lists).",
+        )
+    if not dpo and fmt not in FORMATS:
+        return (
+            "data.format",
+            f"data.format {fmt} is a preference format: set method: dpo, or auto/alpaca/chat/text.",
+        )
+    if cfg["model"].get("reference_path") and not dpo:
+        return (
+            "model.reference_path",
+            "model.reference_path is the reference model of a DPO run: set method: dpo or drop it.",
+        )
     if q.get("load_in_4bit") and not cfg["lora"]["enabled"]:
         return (
             "quantization.load_in_4bit",
             "quantization.load_in_4bit needs lora.enabled: true (4-bit weights cannot be trained directly).",
         )
-    if t.get("padding_free") and not t.get("packing") and t.get("max_length") is not None:
+    # padding_free without packing: the engine truncates rows to max_length itself (TRL would refuse the pair).
+    if t.get("use_liger_kernel") and importlib.util.find_spec("liger_kernel") is None:
         return (
-            "training.padding_free",
-            "training.padding_free without training.packing: TRL cannot enforce training.max_length then; "
-            "set training.packing: true (it packs rows up to max_length) or drop padding_free.",
+            "training.use_liger_kernel",
+            "training.use_liger_kernel needs the liger-kernel package and a CUDA GPU (pip install liger-kernel); "
+            "set it to false on this machine.",
         )
     return None
 
@@ -511,9 +548,9 @@ def checkpointing(cfg: dict) -> bool:
 def check_with_libraries(cfg: dict, run_dir: str | os.PathLike | None = None) -> None:
     """Build the libraries' own objects from a validated config, so their cross-field checks run before any model
     loads. Raises ConfigError with the library's message, prefixed by the section it came from."""
-    from core.train.engine_args import bnb_config, lora_config, sft_config
+    from core.train.engine_args import bnb_config, lora_config, training_args
 
-    for section, build in (("quantization", bnb_config), ("lora", lora_config), ("training", sft_config)):
+    for section, build in (("quantization", bnb_config), ("lora", lora_config), ("training", training_args)):
         try:
             build(cfg, run_dir) if section == "training" else build(cfg)
         except ConfigError:
@@ -610,6 +647,13 @@ def plan_to_config(plan: Any, base: dict | None = None) -> dict:
         if value is not None:
             cfg[section][key] = convert(value)
 
+    dpo = _get(plan, "dpo")
+    if dpo is not None:
+        cfg["method"] = "dpo" if dpo else "sft"
+        if dpo and cfg["data"].get("format") not in (None, "auto", "standard", "conversational"):
+            cfg["data"]["format"] = "auto"
+    if dpo and _get(plan, "dpo_precompute_ref"):
+        cfg["training"]["precompute_ref_log_probs"] = True
     method = str(_get(plan, "method") or "").lower()
     if method == "full":
         cfg["lora"]["enabled"] = False
@@ -637,6 +681,18 @@ def plan_to_config(plan: Any, base: dict | None = None) -> dict:
     put("training", "max_length", _get(plan, "seq_len", _get(plan, "max_length")), int)
     put("training", "gradient_checkpointing", _get(plan, "gradient_checkpointing"), bool)
     put("training", "optim", _get(plan, "optim"))
+    # the memory levers a run config carries (core.estimate.levers); the others are always on in the engine
+    for plan_key, key in (
+        ("padding_free", "padding_free"),
+        ("packing", "packing"),
+        ("activation_offloading", "activation_offloading"),
+        ("liger", "use_liger_kernel"),
+    ):
+        value = _get(plan, plan_key)
+        if value is not None and (value or key in cfg["training"]):
+            cfg["training"][key] = bool(value)
+    if _get(plan, "packing"):
+        put("training", "packing_strategy", _get(plan, "packing_strategy"))
 
     attn = _get(plan, "attn", _get(plan, "attn_implementation"))
     if attn:

@@ -1,4 +1,5 @@
-"""A validated run config turned into the libraries' own objects: BitsAndBytesConfig, LoraConfig, SFTConfig.
+"""A validated run config turned into the libraries' own objects: BitsAndBytesConfig, LoraConfig, and
+SFTConfig or DPOConfig (by the config's method).
 
 The user's keys pass through unchanged; the engine adds only what it owns (the run directory, logging that the
 UI reads, NaN visibility, the device and precision it resolved).
@@ -56,7 +57,7 @@ def resolved_bf16_fp16(cfg: dict, prec: dict | None) -> tuple[bool, bool]:
     return (False if bf16 == "auto" else bool(bf16)), bool(t.get("fp16"))
 
 
-def sft_config(
+def training_args(
     cfg: dict,
     run_dir: str | os.PathLike | None = None,
     prec: dict | None = None,
@@ -64,12 +65,15 @@ def sft_config(
     has_eval: bool = False,
     report_to: str | list | None = None,
 ):
-    """trl.SFTConfig: every key of the training section as given, plus what the engine owns.
+    """trl.SFTConfig (or trl.DPOConfig for method dpo): every key of the training section as given, plus what the
+    engine owns.
 
     `prec` is core.train.trainer.choose_precision's result (bf16/fp16 resolved for the device); without it
     (checking a config) "auto" counts as off. A smoke test is one optimizer step at batch size 1, no saving.
     """
-    from trl import SFTConfig
+    from trl import DPOConfig, SFTConfig
+
+    args_class = DPOConfig if cfg.get("method") == "dpo" else SFTConfig
 
     t = dict(cfg["training"])
     bf16, fp16 = resolved_bf16_fp16(cfg, prec)
@@ -82,7 +86,7 @@ def sft_config(
         t["eval_strategy"] = "no"  # no held-out rows (data.eval_split 0): nothing to evaluate
     # transformers 5 renamed gradient_checkpointing to activation_checkpointing (the old name warns); TRL reads
     # either, since the old one mirrors the new one after __post_init__.
-    new_name = "activation_checkpointing" in SFTConfig.__dataclass_fields__
+    new_name = "activation_checkpointing" in args_class.__dataclass_fields__
     on = t.pop("activation_checkpointing", None)
     on = t.pop("gradient_checkpointing", False) if on is None else on
     kwargs = t.pop("activation_checkpointing_kwargs", None) or t.pop("gradient_checkpointing_kwargs", None)
@@ -95,7 +99,15 @@ def sft_config(
     if report_to is not None and "report_to" not in cfg["training"]:
         t["report_to"] = report_to
     t.setdefault("report_to", "none")
+    if t.get("padding_free") and not t.get("packing") and args_class is SFTConfig:
+        # TRL enforces no max_length for padding-free rows without packing: the engine truncates them itself
+        # (core.train.data) to training.max_length.
+        t["max_length"] = None
     if smoke:
+        if "packing" in args_class.__dataclass_fields__:
+            # one full row at batch size 1 is the same tensor padded or not; SmokeCollator fills it to max_length
+            # (TRL takes no custom collator with padding-free batches)
+            t.update(padding_free=False, packing=False, max_length=cfg["training"]["max_length"])
         t.update(
             per_device_train_batch_size=1,
             per_device_eval_batch_size=1,
@@ -111,7 +123,7 @@ def sft_config(
         if run_dir is not None
         else Path(tempfile.gettempdir()) / "lc-check"
     )
-    return SFTConfig(
+    return args_class(
         output_dir=str(out),
         disable_tqdm=True,  # progress bars would bury the stderr tail shown when a run fails
         logging_nan_inf_filter=False,  # the default hides NaN losses; the engine must see them to stop
@@ -119,3 +131,6 @@ def sft_config(
         use_cpu=bool(prec) and prec["device"] == "cpu",
         **t,
     )
+
+
+sft_config = training_args  # the name core.train used before DPO (an SFT config gives an SFTConfig)

@@ -257,6 +257,34 @@ def pairs_dataset(pairs: list[dict]):
     return datasets.Dataset.from_list([{k: p[k] for k in PAIR_KEYS} for p in pairs])
 
 
+def prepare_pair_datasets(cfg: dict):
+    """(train, eval or None) pair datasets of a `method: dpo` run config: its data read and normalized, the
+    data.eval_split share held out with training.seed, as core.train.data.prepare_datasets does for SFT."""
+    data = cfg["data"]
+    pairs = normalize_pairs(load_pref_rows(data), data["format"])
+    if not pairs:
+        raise DataError(f"data: {data['path']} has no preference pairs.")
+    ds = pairs_dataset(pairs)
+    if data["eval_split"] > 0 and len(ds) >= 4:
+        parts = ds.train_test_split(test_size=data["eval_split"], seed=cfg["training"]["seed"])
+        return parts["train"], parts["test"]
+    return ds, None
+
+
+def run_pair_preflight(cfg: dict, tokenizer=None, model_config=None) -> list[Finding]:
+    """core.train.preflight.run_preflight for a `method: dpo` config: the rows read, then check_pairs."""
+    from core.train.preflight import load_tokenizer_and_config
+
+    try:
+        rows = load_pref_rows(cfg["data"])
+    except DataError as exc:
+        return [Finding("error", "data", str(exc), "Point data.path at a readable dataset.")]
+    if tokenizer is None or model_config is None:
+        tok, conf = load_tokenizer_and_config(cfg["model"])
+        tokenizer, model_config = tokenizer or tok, model_config or conf
+    return check_pairs(rows, tokenizer, cfg["training"]["max_length"], model_config, cfg["data"]["format"])
+
+
 # ---- tokens, as DPOTrainer makes them -----------------------------------------------------------------------
 
 

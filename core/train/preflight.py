@@ -183,6 +183,10 @@ def _empty_rows(ds, fmt: str) -> list[int]:
 
 def run_preflight(cfg: dict, tokenizer=None, model_config=None) -> list[Finding]:
     """All findings for a validated run config; an empty list means the data is ready."""
+    if cfg.get("method") == "dpo":
+        from core.train.prefdata import run_pair_preflight
+
+        return run_pair_preflight(cfg, tokenizer, model_config)
     data = cfg["data"]
     try:
         ds = load_rows(data)

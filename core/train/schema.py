@@ -1,6 +1,6 @@
 """The libraries' configuration classes as a plain schema: {section: {key: {"kinds": [...], "choices": [...]}}}.
 
-training = trl.SFTConfig's fields, lora = peft.LoraConfig's, quantization = transformers.BitsAndBytesConfig's
+training = trl.SFTConfig's fields (trl.DPOConfig's for a DPO run: "training_dpo"), lora = peft.LoraConfig's, quantization = transformers.BitsAndBytesConfig's
 constructor arguments. Read from the installed libraries (so a new key works the day it ships) and cached per
 library version in the user's cache folder, so that validating a run config does not import torch (seconds).
 """
@@ -17,7 +17,7 @@ import typing
 from importlib import metadata
 from pathlib import Path
 
-FORMAT = 1  # bump when the schema's shape changes
+FORMAT = 2  # bump when the schema's shape changes (2: training_dpo)
 PACKAGES = ("trl", "transformers", "peft")
 # Values the libraries check only inside their constructors; listed so a typo is caught before any import.
 KNOWN_CHOICES = {("quantization", "bnb_4bit_quant_type"): ["nf4", "fp4"]}
@@ -48,7 +48,7 @@ def library_schema() -> dict[str, dict[str, dict]]:
     path = cache_file()
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-        if isinstance(data, dict) and {"training", "lora", "quantization"} <= set(data):
+        if isinstance(data, dict) and {"training", "training_dpo", "lora", "quantization"} <= set(data):
             _memo = data
             return data
     except (OSError, ValueError):
@@ -67,9 +67,13 @@ def library_schema() -> dict[str, dict[str, dict]]:
 def build_schema() -> dict[str, dict[str, dict]]:
     from peft import LoraConfig
     from transformers import BitsAndBytesConfig
-    from trl import SFTConfig
+    from trl import DPOConfig, SFTConfig
 
-    out = {"training": _dataclass_fields(SFTConfig), "lora": _dataclass_fields(LoraConfig)}
+    out = {
+        "training": _dataclass_fields(SFTConfig),
+        "training_dpo": _dataclass_fields(DPOConfig),  # the training section of a `method: dpo` run
+        "lora": _dataclass_fields(LoraConfig),
+    }
     import inspect
 
     quant = {}

@@ -79,7 +79,7 @@ def choose_precision(cfg: dict) -> dict:
 # ---- model --------------------------------------------------------------------------------------------------
 
 
-def load_model(cfg: dict, prec: dict):
+def load_model(cfg: dict, prec: dict, path: str | None = None):
     """The base model as the run trains it: in the load dtype, 4-bit when asked (quantized where it lands), KV cache
     off. LoRA, the QLoRA preparation and the fused LM head are SFTTrainer's (make_trainer), so that the planner,
     the tracker and a run all see one model-building path."""
@@ -101,7 +101,7 @@ def load_model(cfg: dict, prec: dict):
         kwargs["device_map"] = (
             {"": torch.cuda.current_device()} if prec["device"].startswith("cuda") else {"": "cpu"}
         )
-    model = AutoModelForCausalLM.from_pretrained(m["path"], **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(path or m["path"], **kwargs)
     model.config.use_cache = False  # the KV cache only costs memory in training
     return model
 
@@ -119,14 +119,14 @@ def make_trainer(
     callbacks=(),
     report_to=None,
 ):
-    """The run's SFTTrainer: LoRA (peft_config) or full, TRL's QLoRA handling (no fp32 upcast; adapters in bf16),
-    its fused LM head, every training key of the config as SFTConfig. Used by core.train and core.measure."""
-    from trl import SFTTrainer
+    """The run's trainer: SFTTrainer, or DPOTrainer for method dpo. LoRA (peft_config) or full, TRL's QLoRA handling
+    (no fp32 upcast; adapters in bf16), its fused LM head, every training key of the config as SFTConfig /
+    DPOConfig. DPO's reference is the base with the adapter disabled (no second copy), a copy of the model for a
+    full fine-tune (TRL's default), or model.reference_path. Used by core.train and core.measure."""
+    from core.train.engine_args import lora_config, training_args
 
-    from core.train.engine_args import lora_config, sft_config
-
-    args = sft_config(cfg, run_dir, prec, smoke=smoke, has_eval=eval_ds is not None, report_to=report_to)
-    trainer = SFTTrainer(
+    args = training_args(cfg, run_dir, prec, smoke=smoke, has_eval=eval_ds is not None, report_to=report_to)
+    kwargs = dict(
         model=model,
         args=args,
         train_dataset=train_ds,
@@ -136,6 +136,17 @@ def make_trainer(
         peft_config=lora_config(cfg),
         callbacks=list(callbacks),
     )
+    if cfg.get("method") == "dpo":
+        from trl import DPOTrainer
+
+        reference = cfg["model"].get("reference_path")
+        if reference:
+            kwargs["ref_model"] = load_model(cfg, prec, path=reference)
+        trainer = DPOTrainer(**kwargs)
+    else:
+        from trl import SFTTrainer
+
+        trainer = SFTTrainer(**kwargs)
     _fp32_trainable(trainer.model, prec)
     return trainer
 
@@ -370,6 +381,26 @@ class SmokeCollator(Collator):
         return batch
 
 
+def PairSmokeCollator(pad_token_id: int, max_length: int):
+    """SmokeCollator for DPO: TRL's DataCollatorForPreference, then the chosen and the rejected row filled up to
+    training.max_length (attended, not scored: completion_mask 0), so the smoke step is the longest a run meets."""
+    import torch
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+    class _Filled(DataCollatorForPreference):
+        def torch_call(self, examples):
+            batch = super().torch_call(examples)
+            extra = max_length - batch["input_ids"].shape[1]
+            if extra > 0:
+                fill = {"input_ids": pad_token_id, "attention_mask": 1, "completion_mask": 0}
+                for key, value in fill.items():
+                    pad = torch.full((batch[key].shape[0], extra), value, dtype=batch[key].dtype)
+                    batch[key] = torch.cat([batch[key], pad], dim=1)
+            return batch
+
+    return _Filled(pad_token_id=pad_token_id, max_length=max_length)
+
+
 # ---- the run ------------------------------------------------------------------------------------------------
 
 
@@ -503,11 +534,17 @@ def _run_training(config_path, run_dir: Path, resume: bool, smoke: bool, stop: S
         raise DataError(
             "preflight found errors: " + " | ".join(str(f) for f in findings if f.level == "error")
         )
-    train_ds, eval_ds = prepare_datasets(cfg, tokenizer)
-    # pre-tokenized with the prompt masked (labels -100): SFTTrainer uses input_ids/labels as they are
-    train_ds = train_ds.remove_columns("length")
-    if eval_ds is not None:
-        eval_ds = eval_ds.remove_columns("length")
+    dpo = cfg["method"] == "dpo"
+    if dpo:  # prompt/chosen/rejected pairs: DPOTrainer tokenizes them itself
+        from core.train.prefdata import prepare_pair_datasets
+
+        train_ds, eval_ds = prepare_pair_datasets(cfg)
+    else:
+        train_ds, eval_ds = prepare_datasets(cfg, tokenizer)
+        # pre-tokenized with the prompt masked (labels -100): SFTTrainer uses input_ids/labels as they are
+        train_ds = train_ds.remove_columns("length")
+        if eval_ds is not None:
+            eval_ds = eval_ds.remove_columns("length")
 
     sampler = GpuSampler(
         run_dir / rundir.GPU,
@@ -516,7 +553,10 @@ def _run_training(config_path, run_dir: Path, resume: bool, smoke: bool, stop: S
         on_unavailable=lambda why: print(f"gpu.jsonl: not written: {why}", flush=True),
     ).start()
     t = cfg["training"]
-    collator = SmokeCollator(tokenizer.pad_token_id, t["max_length"]) if smoke else None
+    collator = None
+    if smoke:
+        smoke_collator = PairSmokeCollator if dpo else SmokeCollator
+        collator = smoke_collator(tokenizer.pad_token_id, t["max_length"])
     samples_per_step = 1 if smoke else t["per_device_train_batch_size"] * t["gradient_accumulation_steps"]
     callback = _make_callback_class()(run_dir, stop, smoke, prec["device"], samples_per_step)
     try:
