@@ -12,7 +12,7 @@ from streamlit.runtime.pages_manager import PagesManager
 
 from core.monitor import gpu
 from core.monitor.series import DEFAULT_SMOOTHING_STEPS
-from core.monitor.watch import RunWatcher
+from core.monitor.watch import CHANCE_ACCURACY, RunWatcher
 from core.runs.launcher import RunError, launch, list_runs, stop_run
 from core.runs.rundir import LIVE_STATES, latest_checkpoint
 from core.workspace import default_workspace
@@ -50,32 +50,122 @@ def _duration(seconds) -> str:
     return f"{h}:{rem // 60:02d}:{rem % 60:02d}" if h else f"{rem // 60}:{rem % 60:02d}"
 
 
-def _lines(df: pd.DataFrame, x: str, title: str, y_title: str, height: int = 330) -> alt.Chart:
+def _lines(
+    df: pd.DataFrame,
+    x: str,
+    title: str,
+    y_title: str,
+    height: int = 330,
+    faint_raw: bool = False,
+    y_scale=None,
+) -> alt.Chart:
+    """`faint_raw`: each figure in one hue, its raw training points see-through under its "(smoothed)" curve
+    (the legend names the figures, not every curve: a third of the page has no room for seven names)."""
+    chart, color, extra, legend = alt.Chart(df), "series:N", {}, {}
+    if faint_raw:
+        chart = chart.transform_calculate(figure="replace(datum.series, ' (smoothed)', '')")
+        color, extra["detail"] = "figure:N", "series:N"
+        legend["columns"] = 2
+        smoothed_or_eval = "indexof(datum.series, '(smoothed)') >= 0 || indexof(datum.series, 'eval') == 0"
+        extra["opacity"] = alt.condition(smoothed_or_eval, alt.value(1.0), alt.value(0.3))
     return (
-        alt.Chart(df)
         # a series of one or two points draws its points (a line of one point shows nothing)
-        .mark_line(interpolate="linear", strokeWidth=1.5, point=len(df) <= 2 * max(1, df["series"].nunique()))
+        chart.mark_line(
+            interpolate="linear", strokeWidth=1.5, point=len(df) <= 2 * max(1, df["series"].nunique())
+        )
         .encode(
             alt.X(f"{x}:Q", title=x, axis=alt.Axis(format="~g")),  # "5", not "5.000000"
-            alt.Y("value:Q", title=y_title, scale=alt.Scale(zero=False), axis=alt.Axis(format="~g")),
+            alt.Y(
+                "value:Q", title=y_title, scale=y_scale or alt.Scale(zero=False), axis=alt.Axis(format="~g")
+            ),
             # distinct hues (train, smoothed, eval must not be three blues)
             alt.Color(
-                "series:N",
+                color,
                 title=None,
                 scale=alt.Scale(scheme="tableau10"),
-                legend=alt.Legend(orient="top", direction="horizontal"),
+                legend=alt.Legend(orient="top", direction="horizontal", **legend),
+                # in the frame's order (chosen, rejected, margin, eval), not alphabetical: the eval margin's hue
+                # then stands apart from the margin's
+                **({"sort": None} if faint_raw else {}),
             ),
             tooltip=[x, "value", "series"],
+            **extra,
         )
         .properties(title=title, height=height)
     )
 
 
-def _chart(df: pd.DataFrame, x: str, title: str, y_title: str, empty: str) -> None:
+def _chart(
+    df: pd.DataFrame, x: str, title: str, y_title: str, empty: str, rule: dict | None = None, **kw
+) -> None:
+    """A line chart, or a caption when there is nothing to draw; `rule`: {label: y} dashed horizontal lines."""
     if df is None or df.empty:
         st.caption(f"{title}: {empty}")
         return
-    st.altair_chart(_lines(df, x, title, y_title), width="stretch")
+    chart = _lines(df, x, title, y_title, **kw)
+    if rule:
+        lines = pd.DataFrame({"line": list(rule), "value": list(rule.values())})
+        chart = alt.layer(
+            chart,
+            alt.Chart(lines)
+            .mark_rule(strokeDash=[6, 4])
+            .encode(
+                y="value:Q",
+                color=alt.Color(
+                    "line:N",
+                    title=None,
+                    scale=alt.Scale(range=["#7f7f7f"]),
+                    legend=alt.Legend(orient="bottom", direction="horizontal"),
+                ),
+            ),
+        ).resolve_scale(color="independent")
+    st.altair_chart(chart, width="stretch")
+
+
+def dpo_charts(snap) -> None:
+    """A DPO run's rewards, preference accuracy (against a coin flip) and log-probs, under the loss."""
+    c1, c2, c3 = st.columns(3)
+    with c1:
+        _chart(
+            snap.charts.get("dpo_rewards"),
+            "step",
+            "Rewards (DPO)",
+            "reward",
+            "not logged yet",
+            faint_raw=True,
+        )
+    with c2:
+        _chart(
+            snap.charts.get("dpo_accuracy"),
+            "step",
+            "Preference accuracy",
+            "rewards/accuracies",
+            "not logged yet",
+            rule={f"chance ({CHANCE_ACCURACY:g})": CHANCE_ACCURACY},
+            faint_raw=True,
+            y_scale=alt.Scale(domain=[0, 1]),
+        )
+        last = snap.latest
+        figures = [
+            f"{label} {last[key]:{fmt}}"
+            for key, label, fmt in (
+                ("rewards/accuracies", "accuracy", ".2f"),
+                ("eval_rewards/accuracies", "eval accuracy", ".2f"),
+                ("rewards/margins", "margin", ".3g"),
+            )
+            if key in last
+        ]
+        if figures:
+            st.caption("last " + " · ".join(figures))
+    with c3:
+        _chart(
+            snap.charts.get("dpo_logps"),
+            "step",
+            "Log-probs (chosen vs rejected)",
+            "log-prob",
+            "not logged yet",
+            faint_raw=True,
+        )
 
 
 def memory_chart(snap) -> None:
@@ -165,6 +255,8 @@ def charts(snap) -> None:
             )
     with c2:
         memory_chart(snap)
+    if snap.dpo:
+        dpo_charts(snap)
     c1, c2 = st.columns(2)
     with c1:
         _chart(snap.charts.get("learning_rate"), "step", "Learning rate", "lr", "not logged yet")

@@ -170,3 +170,92 @@ def test_a_chart_of_one_point_shows_it_with_plain_axis_labels(workspace):
     assert layer["mark"].get("point") is True
     assert layer["encoding"]["x"]["axis"]["format"] == "~g"
     assert layer["encoding"]["color"]["scale"]["scheme"] == "tableau10"
+
+
+def _titled_charts(at) -> dict[str, tuple[dict, list]]:
+    """{chart title: (vega-lite spec, [each layer's data as a DataFrame])} in page order."""
+    import pyarrow as pa
+
+    out = {}
+    for chart in at.get("vega_lite_chart"):
+        spec = json.loads(chart.proto.spec)
+        title = spec.get("title") or next(
+            lay.get("title") for lay in spec.get("layer", []) if lay.get("title")
+        )
+        frames = [pa.ipc.open_stream(d.data.data).read_all().to_pandas() for d in chart.proto.datasets]
+        out[title] = (spec, frames)
+    return out
+
+
+DPO_TITLES = ("Rewards (DPO)", "Preference accuracy", "Log-probs (chosen vs rejected)")
+
+
+def test_dpo_run_shows_rewards_accuracy_and_logps_under_the_loss(workspace):
+    """Issue #13: a DPO run (synthetic, in the trainer's format) gets its three charts under the loss chart."""
+    from test_watch import write_dpo_run
+
+    run = write_dpo_run(workspace / "runs" / "dpo", "healthy", steps=100, state="finished")
+    at = _page(workspace, run)
+    charts = _titled_charts(at)
+    titles = list(charts)
+    assert titles[0] == "Loss" and all(t in titles for t in DPO_TITLES)
+    assert titles.index("Log-probs (chosen vs rejected)") < titles.index(
+        "Learning rate"
+    )  # under the loss row
+    series = {t: set(charts[t][1][0]["series"]) for t in DPO_TITLES}
+    assert series["Rewards (DPO)"] == {
+        "chosen",
+        "chosen (smoothed)",
+        "rejected",
+        "rejected (smoothed)",
+        "margin",
+        "margin (smoothed)",
+        "eval margin",
+    }
+    assert series["Preference accuracy"] == {"train", "train (smoothed)", "eval"}
+    assert series["Log-probs (chosen vs rejected)"] == {
+        "chosen",
+        "chosen (smoothed)",
+        "rejected",
+        "rejected (smoothed)",
+    }
+    # the coin-flip line under the accuracy, on a 0..1 axis
+    spec, frames = charts["Preference accuracy"]
+    assert frames[1].to_dict("records") == [{"line": "chance (0.5)", "value": 0.5}]
+    assert spec["layer"][0]["encoding"]["y"]["scale"]["domain"] == [0, 1]
+    # raw training points see-through under their smoothed twins
+    assert spec["layer"][0]["encoding"]["opacity"]["value"] == 0.3
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    last = next(r for r in reversed(recs) if "rewards/accuracies" in r)
+    last_eval = next(r for r in reversed(recs) if "eval_rewards/accuracies" in r)
+    caption = f"last accuracy {last['rewards/accuracies']:.2f} · eval accuracy {last_eval['eval_rewards/accuracies']:.2f}"
+    assert any(c.value.startswith(caption) for c in at.caption)
+    assert not at.warning and not at.error  # a healthy run: no DPO warning
+
+
+def test_dpo_run_that_does_not_learn_shows_the_warning_and_sft_shows_no_dpo_chart(workspace):
+    from test_watch import write_dpo_run
+
+    stuck = write_dpo_run(workspace / "runs" / "stuck", "chance", steps=100, state="running")
+    at = _page(workspace, stuck)
+    assert any(
+        "accuracy is stuck at chance" in w.value and "training.learning_rate" in w.value for w in at.warning
+    )
+    sft = workspace / "runs" / "sft"
+    sft.mkdir()
+    (sft / "config.yaml").write_text("method: sft\nmodel: {path: m}\ndata: {path: d.jsonl}\n")
+    (sft / "status.json").write_text(json.dumps({"state": "finished", "step": 30, "max_steps": 30}))
+    (sft / "metrics.jsonl").write_text(
+        "".join(
+            json.dumps(
+                {"time": float(s), "step": s, "loss": 2.0 - s / 30, "learning_rate": 1e-4, "grad_norm": 1.0}
+            )
+            + "\n"
+            for s in range(1, 31)
+        )
+    )
+    at = _page(workspace, sft)
+    titles = list(_titled_charts(at))
+    assert titles[0] == "Loss" and "Learning rate" in titles
+    assert not set(DPO_TITLES) & set(titles)
+    assert not any(c.value.startswith(("last accuracy", "Rewards (DPO)", "Preference")) for c in at.caption)
