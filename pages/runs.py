@@ -1,5 +1,6 @@
-"""Runs page: every run of the workspace at a glance, loss curves side by side, open one in the Monitor, delete
-finished ones. UI only: summaries come from core.watch, deleting from core.runs_admin."""
+"""Runs page: every run of the workspace at a glance, loss curves side by side (and a DPO run's preference
+accuracy and reward margin), open one in the Monitor, delete finished ones. UI only: summaries come from
+core.watch, deleting from core.runs_admin."""
 
 from datetime import datetime
 from pathlib import Path
@@ -10,7 +11,13 @@ import streamlit as st
 from streamlit.runtime.pages_manager import PagesManager
 
 from core.monitor.series import DEFAULT_SMOOTHING_STEPS
-from core.monitor.watch import compare_loss_frame, summarize_runs
+from core.monitor.watch import (
+    CHANCE_ACCURACY,
+    COMPARABLE,
+    comparable_metrics,
+    compare_frame,
+    summarize_runs,
+)
 from core.runs.admin import delete_run
 from core.runs.launcher import RunError, list_runs
 from core.workspace import default_workspace, runs_dir
@@ -36,16 +43,34 @@ def _num(value, fmt: str, missing: str = "–") -> str:
     return missing if value is None else format(value, fmt)
 
 
+def _reward(value, fmt: str, s) -> str:
+    """A DPO figure with where it comes from; blank for a run that is not DPO (nothing to show, not missing)."""
+    if s.method != "dpo":
+        return ""
+    return "–" if value is None else f"{value:{fmt}} ({s.reward_source})"
+
+
 def table(summaries) -> None:
+    dpo = any(s.method == "dpo" for s in summaries)
     rows = [
         {
             "run": s.name,
             "state": s.state,
+            "method": s.method or "–",
             "started": datetime.fromtimestamp(s.started).strftime("%Y-%m-%d %H:%M") if s.started else "–",
             "duration": _duration(s.duration_s) or "–",
             "steps": f"{s.step if s.step is not None else 0}" + (f" / {s.max_steps}" if s.max_steps else ""),
             "best eval loss": _num(s.best_eval_loss, ".4f"),
             "final loss": _num(s.final_loss, ".4f", "– (no loss logged)" if s.state == "failed" else "–"),
+            # a DPO run's last preference accuracy and reward margin (eval when it evaluated, else train)
+            **(
+                {
+                    "reward accuracy": _reward(s.reward_accuracy, ".2f", s),
+                    "reward margin": _reward(s.reward_margin, ".3g", s),
+                }
+                if dpo
+                else {}
+            ),
             "peak GPU memory (GiB)": _num(s.peak_memory_gib, ".2f", "n/a (no GPU samples)"),
             "note": s.error or (f"{s.malformed} unreadable log line(s) skipped" if s.malformed else ""),
         }
@@ -55,10 +80,20 @@ def table(summaries) -> None:
 
 
 def compare(summaries) -> None:
-    st.subheader("Compare loss curves")
+    st.subheader("Compare runs")
     names = [s.name for s in summaries]
     by_name = {s.name: s.run_dir for s in summaries}
     chosen = st.multiselect("Runs", names, default=names[:2], key="runs_compare")
+    if not chosen:
+        st.caption("Choose runs to compare.")
+        return
+    dirs = [by_name[n] for n in chosen]
+    # only what the chosen runs logged: the DPO figures when DPO runs are among them
+    metrics = comparable_metrics(dirs) or ["loss"]
+    titles = dict(COMPARABLE)
+    metric = "loss"
+    if len(metrics) > 1:
+        metric = st.columns([1, 2])[0].selectbox("Metric", metrics, format_func=titles.get, key="runs_metric")
     c1, c2 = st.columns([1, 2])
     smoothed = c1.toggle("Smoothed", value=True, key="runs_smoothed")
     window = c2.number_input(
@@ -70,19 +105,23 @@ def compare(summaries) -> None:
         disabled=not smoothed,
         help="A debiased moving average over this many training steps (the raw curve: switch Smoothed off).",
     )
-    if not chosen:
-        st.caption("Choose runs to compare.")
-        return
-    df = compare_loss_frame([by_name[n] for n in chosen], smoothed=smoothed, smoothing_steps=window)
+    df = compare_frame(dirs, metric, smoothed=smoothed, smoothing_steps=window)
     if df.empty:
-        st.caption("None of these runs has logged a loss yet.")
+        st.caption(f"None of these runs has logged a {'loss' if metric == 'loss' else metric} yet.")
         return
+    missing = [n for n in chosen if n not in set(df["run"])]
+    if missing and metric != "loss":
+        st.caption(f"Not drawn (no {metric} logged, not DPO runs): {', '.join(missing)}")
     chart = (
         alt.Chart(df)
         .mark_line(strokeWidth=1.5, point=len(df) <= 2 * df["run"].nunique())  # one point is still seen
         .encode(
             alt.X("step:Q", axis=alt.Axis(format="~g")),
-            alt.Y("value:Q", title="loss" + (" (smoothed)" if smoothed else ""), scale=alt.Scale(zero=False)),
+            alt.Y(
+                "value:Q",
+                title=titles.get(metric, metric) + (" (smoothed)" if smoothed else ""),
+                scale=alt.Scale(zero=False),
+            ),
             # distinct hues: runs side by side must not come out in near-identical blues
             alt.Color(
                 "run:N",
@@ -93,6 +132,11 @@ def compare(summaries) -> None:
         )
         .properties(height=420)
     )
+    if metric == "rewards/accuracies":  # against a coin flip
+        chance = pd.DataFrame({"value": [CHANCE_ACCURACY]})
+        chart = alt.layer(
+            chart, alt.Chart(chance).mark_rule(strokeDash=[6, 4], color="#7f7f7f").encode(y="value:Q")
+        )
     st.altair_chart(chart, width="stretch")
 
 

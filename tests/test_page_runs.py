@@ -133,3 +133,92 @@ def test_open_in_monitor_switches_page_with_the_run_selected(runs):
     assert at.title[0].value == "Monitor"
     assert at.session_state["monitor_run"] == str(done)
     assert at.selectbox(key="mon_run").value == str(done)
+
+
+def _dpo_workspace(workspace: Path) -> tuple[Path, Path, Path]:
+    """Two synthetic DPO runs in the trainer's format (one evaluated, one not) and a synthetic SFT run."""
+    from test_watch import metric, write_dpo_run
+
+    runs = workspace / "runs"
+    evaluated = write_dpo_run(runs / "dpo-eval", "healthy", steps=100, state="finished", started=300.0)
+    trained = write_dpo_run(
+        runs / "dpo-train", "collapse", steps=60, eval_every=0, state="finished", started=200.0
+    )
+    sft = runs / "sft"
+    sft.mkdir()
+    (sft / "config.yaml").write_text("method: sft\nmodel: {path: m}\ndata: {path: d.jsonl}\n")
+    (sft / "metrics.jsonl").write_text("".join(metric(s) for s in range(1, 31)))
+    write_status(sft, state="finished", step=30, max_steps=30)
+    return evaluated, trained, sft
+
+
+def _records(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_table_shows_the_method_and_a_dpo_runs_reward_accuracy_and_margin(workspace):
+    evaluated, trained, sft = _dpo_workspace(workspace)
+    table = _page(workspace).dataframe[0].value.set_index("run")
+    assert table.loc[evaluated.name, "method"] == "dpo" and table.loc[sft.name, "method"] == "sft"
+    last_eval = [r for r in _records(evaluated) if "eval_rewards/accuracies" in r][-1]
+    assert (
+        table.loc[evaluated.name, "reward accuracy"] == f"{last_eval['eval_rewards/accuracies']:.2f} (eval)"
+    )
+    assert table.loc[evaluated.name, "reward margin"] == f"{last_eval['eval_rewards/margins']:.3g} (eval)"
+    last = _records(trained)[-1]
+    assert table.loc[trained.name, "reward accuracy"] == f"{last['rewards/accuracies']:.2f} (train)"
+    assert table.loc[trained.name, "reward margin"] == f"{last['rewards/margins']:.3g} (train)"
+    assert table.loc[sft.name, "reward accuracy"] == table.loc[sft.name, "reward margin"] == ""
+    assert "None" not in table.to_string() and "nan" not in table.to_string()
+
+
+def test_table_of_sft_runs_has_no_reward_columns(workspace):
+    from test_watch import metric
+
+    sft = workspace / "runs" / "sft"
+    sft.mkdir(parents=True)
+    (sft / "config.yaml").write_text(
+        "model: {path: m}\ndata: {path: d.jsonl}\n"
+    )  # no method: SFT, the default
+    (sft / "metrics.jsonl").write_text("".join(metric(s) for s in range(1, 11)))
+    table = _page(workspace).dataframe[0].value.set_index("run")
+    assert table.loc["sft", "method"] == "sft"
+    assert "reward accuracy" not in table.columns and "reward margin" not in table.columns
+
+
+def test_compare_offers_the_dpo_metrics_the_chosen_runs_have(workspace):
+    import pyarrow as pa
+
+    evaluated, trained, sft = _dpo_workspace(workspace)
+    at = _page(workspace)
+    at.multiselect(key="runs_compare").set_value([sft.name]).run()
+    assert not [s for s in at.selectbox if s.key == "runs_metric"]  # an SFT run: loss only, no selector
+    assert len(at.get("vega_lite_chart")) == 1
+    at.multiselect(key="runs_compare").set_value([evaluated.name, trained.name, sft.name]).run()
+    assert at.selectbox(key="runs_metric").options == [
+        "loss",
+        "preference accuracy (rewards/accuracies)",
+        "reward margin (rewards/margins)",
+    ]
+    at.selectbox(key="runs_metric").set_value("rewards/accuracies").run()
+    assert not at.exception, at.exception
+    (chart,) = at.get("vega_lite_chart")
+    spec = json.loads(chart.proto.spec)
+    assert spec["layer"][0]["encoding"]["y"]["title"] == "preference accuracy (rewards/accuracies) (smoothed)"
+    frames = [pa.ipc.open_stream(d.data.data).read_all().to_pandas() for d in chart.proto.datasets]
+    assert set(frames[0]["run"]) == {evaluated.name, trained.name}  # the SFT run has no accuracy to draw
+    assert frames[1]["value"].tolist() == [0.5]  # the chance line
+    assert any(
+        c.value == f"Not drawn (no rewards/accuracies logged, not DPO runs): {sft.name}" for c in at.caption
+    )
+    at.toggle(key="runs_smoothed").set_value(False).run()
+    frames = [
+        pa.ipc.open_stream(d.data.data).read_all().to_pandas()
+        for d in at.get("vega_lite_chart")[0].proto.datasets
+    ]
+    raw = frames[0][frames[0]["run"] == trained.name]["value"].tolist()
+    expected = [r["rewards/accuracies"] for r in _records(trained)]
+    assert raw == expected  # every logged point, not smoothed
+    at.selectbox(key="runs_metric").set_value("rewards/margins").run()
+    spec = json.loads(at.get("vega_lite_chart")[0].proto.spec)
+    assert spec["encoding"]["y"]["title"] == "reward margin (rewards/margins)"
