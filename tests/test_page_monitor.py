@@ -259,3 +259,50 @@ def test_dpo_run_that_does_not_learn_shows_the_warning_and_sft_shows_no_dpo_char
     assert titles[0] == "Loss" and "Learning rate" in titles
     assert not set(DPO_TITLES) & set(titles)
     assert not any(c.value.startswith(("last accuracy", "Rewards (DPO)", "Preference")) for c in at.caption)
+
+
+def dpo_finished_run(workspace: Path, model: Path, name: str = "dpo-real") -> Path:
+    """A real, short `method: dpo` LoRA run with eval (TRL's DPOTrainer through the trainer's own code path), on
+    the demo's preference pairs."""
+    from core.demo.prefs import write_pref_data
+
+    train, _ = write_pref_data(workspace / "prefs")
+    cfg = {
+        "method": "dpo",
+        "model": {"path": str(model)},
+        "lora": {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": "all-linear"},
+        "data": {"path": str(train), "format": "standard", "eval_split": 0.2},
+        "training": {
+            "max_length": 32,
+            "per_device_train_batch_size": 8,
+            "max_steps": 6,
+            "learning_rate": 2e-3,
+            "logging_steps": 1,
+            "eval_steps": 3,
+            "save_steps": 6,
+            "gradient_checkpointing": False,
+        },
+    }
+    run_dir = create_run(workspace, name, cfg)
+    run_training(run_dir / "config.yaml", run_dir, stop=StopFlag())
+    return run_dir
+
+
+@pytest.mark.slow  # a real DPO run (~25 s on 2 CPU cores)
+def test_real_dpo_run_shows_its_charts_here_and_its_figures_on_the_runs_page(workspace, tiny_llama):
+    run = dpo_finished_run(workspace, tiny_llama)
+    at = _page(workspace, run)
+    assert _metric(at, "State") == "finished"
+    charts = _titled_charts(at)
+    assert set(charts[DPO_TITLES[0]][1][0]["series"]) >= {"chosen", "rejected", "margin", "eval margin"}
+    assert set(charts["Preference accuracy"][1][0]["series"]) == {"train", "train (smoothed)", "eval"}
+    assert set(charts[DPO_TITLES[2]][1][0]["series"]) >= {"chosen", "rejected"}
+    runs = AppTest.from_file(str(Path(PAGE).with_name("runs.py")), default_timeout=60)
+    runs.session_state["workspace"] = str(workspace)
+    runs.run()
+    assert not runs.exception, runs.exception
+    row = runs.dataframe[0].value.set_index("run").loc[run.name]
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    last_eval = [m for m in metrics if "eval_rewards/accuracies" in m][-1]
+    assert row["method"] == "dpo"
+    assert row["reward accuracy"] == f"{last_eval['eval_rewards/accuracies']:.2f} (eval)"
