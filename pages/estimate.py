@@ -1,9 +1,10 @@
 """Estimate page: will this fine-tune fit on the card, and what to change if not. Logic lives in core.estimate."""
 
+from __future__ import annotations
+
+import importlib
 from dataclasses import replace
 
-import altair as alt
-import pandas as pd
 import streamlit as st
 from streamlit.runtime.pages_manager import PagesManager
 
@@ -24,6 +25,21 @@ from core.estimate.bill import (
 from core.estimate.levers import lever_savings, modelled_note
 from core.estimate.specs import SpecError, load_spec, preset_ids
 from core.monitor import gpu
+
+
+class _OnFirstUse:
+    """A module imported on its first attribute: altair and pandas (0.5 s on a fresh server) load once the
+    verdict is sent, for the charts and tables below it."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attr: str):
+        return getattr(importlib.import_module(self._name), attr)
+
+
+alt = _OnFirstUse("altair")
+pd = _OnFirstUse("pandas")
 
 # A session whose first request is this page's URL, before the router ever ran in this server process: Streamlit
 # is still in its legacy pages/ mode and ran this file alone (no sidebar, no workspace). Leave that mode for good
