@@ -393,7 +393,9 @@ def dpo_charts(s: RunSeries, budget: ChartBudget | None = None) -> dict[str, pd.
         out = []
         for name, label in names:
             if name in s.metrics:
-                out.append((label, *downsample_minmax(*s.metric(name), b.spiky)))
+                # a third of the page wide, raw points drawn faint under the smoothed curve: `sparse` min/max
+                # pairs are about one per pixel there
+                out.append((label, *downsample_minmax(*s.metric(name), b.sparse)))
                 if name in s.smoothed:
                     out.append((f"{label} (smoothed)", *stride(*s.smooth(name), b.smooth)))
         for name, label in evals:
