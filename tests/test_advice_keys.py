@@ -16,7 +16,10 @@ WORD = re.compile(r"\b[a-z][a-z0-9]*(?:_[a-z0-9]+)+\b")
 
 
 def _all_keys() -> dict[str, set[str]]:
-    return {section: set(section_schema(section)) for section in SECTIONS}
+    # an SFT run's keys and a DPO run's (its training section is trl.DPOConfig: training.beta, ...)
+    return {
+        section: set(section_schema(section)) | set(section_schema(section, "dpo")) for section in SECTIONS
+    }
 
 
 def _sentences(path: str) -> list[str]:

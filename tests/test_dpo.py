@@ -1,0 +1,195 @@
+"""DPO (issue #13): the run config as trl.DPOConfig, the one config -> plan mapping, the planner against a measured
+DPOTrainer step, and real DPO runs on a CPU (python -m core.train as a process, the smoke test)."""
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from core.demo.prefs import write_pref_data
+from core.demo.toy import tiny_config
+from core.estimate.bill import Plan, estimate
+from core.estimate.from_config import plan_for_config
+from core.measure.step import MeasurePlan, measure_plan, planner_plan
+from core.runs import rundir
+from core.train.config import ConfigError, plan_to_config, validate_config
+
+REPO = Path(__file__).resolve().parent.parent
+GOAL = 0.03
+
+
+def _cfg(model, data, **training):
+    return validate_config(
+        {
+            "method": "dpo",
+            "model": {"path": str(model)},
+            "lora": {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": "all-linear"},
+            "data": {"path": str(data), "format": "standard"},
+            "training": {
+                "max_length": 32,
+                "per_device_train_batch_size": 8,
+                "max_steps": 30,
+                "learning_rate": 2e-3,
+                "logging_steps": 5,
+                "save_steps": 30,
+                "gradient_checkpointing": False,
+                **training,
+            },
+        }
+    )
+
+
+# -- the run config ---------------------------------------------------------------------------------------------
+
+
+def test_dpo_training_section_is_trls_dpoconfig(tmp_path):
+    cfg = _cfg("m", "d.jsonl", beta=0.2, loss_type=["sigmoid"], precompute_ref_log_probs=True)
+    assert cfg["method"] == "dpo" and cfg["training"]["beta"] == 0.2
+    from core.train.engine_args import training_args
+
+    args = training_args(cfg)
+    assert type(args).__name__ == "DPOConfig" and args.beta == 0.2 and args.precompute_ref_log_probs
+    # a DPO run without a learning rate gets a DPO-sized one, not SFT's 2e-4
+    bare = validate_config({"method": "dpo", "model": {"path": "m"}, "data": {"path": "d"}})
+    assert bare["training"]["learning_rate"] < 1e-4
+
+
+@pytest.mark.parametrize(
+    ("raw", "words"),
+    [
+        ({"method": "sft", "training": {"beta": 0.1}}, "DPO setting"),
+        ({"method": "dpo", "training": {"packing": True}}, "SFT setting"),
+        ({"method": "dpo", "data": {"path": "d", "format": "chat"}}, "preference pairs"),
+        ({"method": "sft", "model": {"path": "m", "reference_path": "r"}}, "reference model of a DPO run"),
+        ({"method": "ppo"}, "sft, dpo"),
+        ({"method": "dpo", "training": {"beta": "high"}}, "training.beta"),
+    ],
+)
+def test_dpo_config_mistakes_are_one_sentence(raw, words):
+    full = {"model": {"path": "m"}, "data": {"path": "d"}}
+    for key, value in raw.items():
+        full[key] = {**full.get(key, {}), **value} if isinstance(value, dict) else value
+    with pytest.raises(ConfigError) as err:
+        validate_config(full)
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_one_mapping_plans_dpo_and_inverts(tmp_path):
+    cfg = _cfg("meta-llama/Llama-2-7b-hf", "d.jsonl", precompute_ref_log_probs=True)
+    plan = plan_for_config(cfg, 24.0, "cuda")
+    assert plan.dpo and plan.dpo_precompute_ref and plan.dpo_reference == "auto"
+    assert plan_for_config(plan_to_config(plan.to_dict(), cfg), 24.0, "cuda") == plan
+    ref = plan_for_config({**cfg, "model": {**cfg["model"], "reference_path": "/some/ref"}}, 24.0, "cuda")
+    assert ref.dpo_reference == "copy" and estimate(ref).components["reference_model"] > 0
+    # DPOConfig.disable_dropout (default) turns LoRA dropout into an identity: planned without it
+    dropped = plan_for_config({**cfg, "lora": {**cfg["lora"], "lora_dropout": 0.1}}, 24.0, "cuda")
+    assert dropped.lora_dropout == 0.0
+
+
+def test_dpo_doubles_the_rows_and_adds_the_reference_forward():
+    plan = Plan(model="meta-llama/Llama-2-7b-hf", batch_size=2, seq_len=1024, dpo=True)
+    sft = estimate(replace(plan, dpo=False))
+    dpo = estimate(plan)
+    assert dpo.batch_rows == 2 * sft.batch_rows
+    assert dpo.components["activations"] > 1.9 * sft.components["activations"]
+    pre = estimate(replace(plan, dpo_precompute_ref=True))
+    assert pre.phases["forward"] <= dpo.phases["forward"]
+
+
+# -- planner against a measured DPOTrainer step -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [
+        MeasurePlan("lora", batch_size=2, seq_len=64, dpo=True),
+        MeasurePlan("lora", batch_size=2, seq_len=64, dpo=True, gradient_checkpointing=True),
+        MeasurePlan("lora", batch_size=2, seq_len=64, dpo=True, dpo_precompute_ref=True),
+        MeasurePlan("qlora", batch_size=1, seq_len=128, dpo=True),
+    ],
+    ids=["dpo", "dpo-gc", "dpo-precomputed", "dpo-qlora"],
+)
+def test_planner_agrees_with_a_measured_dpo_step(tmp_path, plan):
+    if plan.method == "qlora":
+        pytest.importorskip("bitsandbytes")
+    config = tiny_config(
+        "llama", num_hidden_layers=3, vocab_size=2000, intermediate_size=256, hidden_size=128
+    )
+    folder = tmp_path / "m"
+    folder.mkdir()
+    config.to_json_file(str(folder / "config.json"))
+    measured = measure_plan(config, plan, cache_dir=tmp_path)
+    est = estimate(planner_plan(str(folder), plan))
+    error = est.tensor_peak_bytes / measured.steady_peak_bytes - 1
+    assert abs(error) <= GOAL, (error, est.phases, measured.steady_phase_peaks)
+
+
+# -- real DPO runs -----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def prefs(tmp_path_factory):
+    return write_pref_data(tmp_path_factory.mktemp("prefs"))
+
+
+def test_dpo_run_through_core_train_learns_the_preference_on_heldout_pairs(tmp_path, tiny_llama, prefs):
+    """python -m core.train on a `method: dpo` config, as a process: DPOTrainer's metrics land in metrics.jsonl,
+    the adapter is saved, and on held-out pairs (data.eval_split) the policy's implicit reward ranks the chosen
+    answer first. (A random tiny model still finds the shorter answer likelier in absolute terms; the demo's
+    absolute preference accuracy is test_demo_run_dpo_prints_its_preference_accuracy.)"""
+    from core.train.config import dump_config
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    cfg = _cfg(tiny_llama, prefs[0], eval_steps=10)
+    cfg["data"]["eval_split"] = 0.1
+    cfg_path = dump_config(cfg, run_dir / rundir.CONFIG)
+    proc = subprocess.run(
+        [sys.executable, "-m", "core.train", str(cfg_path), "--run-dir", str(run_dir)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = [json.loads(line) for line in (run_dir / rundir.METRICS).read_text().splitlines() if line]
+    accuracies = [m["rewards/accuracies"] for m in metrics if "rewards/accuracies" in m]
+    margins = [m["rewards/margins"] for m in metrics if "rewards/margins" in m]
+    assert len(accuracies) >= 5 and margins[-1] > margins[0]
+    heldout = [m["eval_rewards/accuracies"] for m in metrics if "eval_rewards/accuracies" in m]
+    assert len(heldout) >= 2 and heldout[-1] >= 0.8, heldout
+    assert json.loads((run_dir / rundir.PLAN).read_text())["plan"]["dpo"] is True
+    assert (run_dir / "adapter" / "adapter_config.json").is_file()
+
+
+@pytest.mark.slow
+def test_demo_run_dpo_prints_its_preference_accuracy(tmp_path):
+    """python -m core.demo --run-dpo: the demo SFT run, merged, then DPO on top; the last line says how often the
+    model prefers the chosen answer of a held-out pair (absolute likelihood), before and after."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "core.demo", "--out", str(tmp_path / "demo"), "--run-dpo"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = [x for x in proc.stdout.splitlines() if x.startswith("dpo demo:")][-1]
+    before, after = (int(x.rstrip("%")) for x in line.rsplit(" ", 3)[1::2])
+    assert after >= 80 and after >= before + 20, line
+
+
+def test_dpo_smoke_test_measures_a_max_length_pair_step(workspace, tiny_llama, prefs):
+    from core.estimate.from_config import estimate_for_config, plan_record
+    from core.runs.admin import start_smoke_test
+    from core.runs.launcher import wait_for_smoke
+
+    cfg = _cfg(tiny_llama, prefs[0])
+    plan = plan_record(estimate_for_config(cfg, 24.0, "cpu", smoke=True))
+    assert plan["plan"]["dpo"] and plan["batch_rows"] == 2 and plan["batch_length"] == 32
+    result = wait_for_smoke(start_smoke_test(workspace, "dpo-smoke", cfg, plan), timeout=300)
+    assert result is not None and result["state"] == "finished", result
+    assert result["peak_bytes"] > 0 and abs(result["peak_bytes"] / result["estimate_bytes"] - 1) <= 0.10
