@@ -11,7 +11,7 @@ import streamlit as st
 from streamlit.runtime.pages_manager import PagesManager
 
 from core import jobs
-from core.demo.build import demo_config, demo_dir, demo_ready
+from core.demo.build import demo_config, demo_dir, demo_ready, dpo_demo_config
 from core.estimate.bill import GiB, PlanError
 from core.estimate.from_config import estimate_for_config, plan_record
 from core.estimate.specs import SpecError
@@ -30,7 +30,9 @@ from core.train.config import (
     DTYPES,
     FORMATS,
     MAX_CONFIG_BYTES,
+    METHODS,
     OPTIMIZERS,
+    PREF_FORMATS,
     SCHEDULERS,
     SECTIONS,
     ConfigError,
@@ -82,6 +84,26 @@ FIELDS = {
     "tr_logging": ("training", "logging_steps"),
     "tr_save": ("training", "save_steps"),
 }
+# shown and written only for `method: dpo` (their keys are trl.DPOConfig's, unknown to an SFT run)
+DPO_FIELDS = {
+    "tr_beta": ("training", "beta"),
+    "tr_loss_type": ("training", "loss_type"),
+    "tr_precompute": ("training", "precompute_ref_log_probs"),
+    "tr_reference": ("model", "reference_path"),
+}
+DPO_FORM_DEFAULTS = {"tr_beta": 0.1, "tr_loss_type": "sigmoid", "tr_precompute": False, "tr_reference": ""}
+LOSS_TYPES = (
+    "sigmoid",
+    "ipo",
+    "hinge",
+    "robust",
+    "bco_pair",
+    "sppo_hard",
+    "nca_pair",
+    "apo_zero",
+    "apo_down",
+)
+METHOD_LABELS = {"sft": "SFT (instructions / chat)", "dpo": "DPO (preference pairs)"}
 CHOICES = {
     "tr_dtype": DTYPES,
     "tr_attn": ATTN,
@@ -211,6 +233,19 @@ def _fill_form(cfg: dict) -> None:
             notes.append(f"{section}.{name} {value!r} is not available here; the form uses {default!r}.")
             value = default
         st.session_state[key] = value
+    method = cfg.get("method", "sft")
+    st.session_state["tr_method"] = method if method in METHODS else "sft"
+    for key, (section, name) in DPO_FIELDS.items():
+        value = cfg.get(section, {}).get(name)
+        if key == "tr_loss_type" and isinstance(value, list):
+            value = value[0] if value else None
+        if key == "tr_reference":
+            value = "" if value is None else str(value)
+        if key == "tr_beta" and value is not None:
+            value = float(value)
+        st.session_state[key] = DPO_FORM_DEFAULTS[key] if value is None else value
+    if method == "dpo" and st.session_state.get("tr_format") not in PREF_FORMATS:
+        st.session_state["tr_format"] = "auto"
     st.session_state["tr_notes"] = notes
     st.session_state["tr_base"] = copy.deepcopy(cfg)
 
@@ -236,6 +271,19 @@ def _raw_config() -> dict:
         if key in ("tr_model_path", "tr_data_path"):
             value = (value or "").strip() or None
         raw[section][name] = value
+    method = st.session_state.get("tr_method") or "sft"
+    raw["method"] = method
+    for key, (section, name) in DPO_FIELDS.items():
+        raw[section].pop(name, None)
+        if method != "dpo":
+            continue
+        value = st.session_state.get(key)
+        if key == "tr_loss_type":
+            value = [value] if value else None
+        if key == "tr_reference":
+            value = (value or "").strip() or None
+        if value is not None:
+            raw[section][name] = value
     return raw
 
 
@@ -263,6 +311,9 @@ LABELS = {
     "training.optim": "Optimizer",
     "training.logging_steps": "Log every (steps)",
     "training.save_steps": "Checkpoint every (steps)",
+    "training.beta": "DPO beta",
+    "training.loss_type": "DPO loss",
+    "model.reference_path": "Reference model folder",
 }
 
 
@@ -288,7 +339,7 @@ def config_form(workspace: str) -> tuple[dict, dict, str]:
     pending = st.session_state.pop("tr_pending", None)
     if pending is not None:
         _fill_form(pending)
-        source = "the uploaded YAML"
+        source = st.session_state.pop("tr_pending_source", "the uploaded YAML")
     elif "tr_model_path" not in st.session_state or st.session_state.get("tr_plan_seen") != plan_key:
         if st.session_state.get("tr_plan_seen") != plan_key and plan:
             base, source = _from_plan(plan, base)
@@ -312,6 +363,32 @@ def config_form(workspace: str) -> tuple[dict, dict, str]:
         "Run name", key="tr_name", help="A folder under <workspace>/runs: letters, digits, . _ -"
     )
     slots["name"] = st.empty()
+    st.radio(
+        "Method",
+        METHODS,
+        key="tr_method",
+        format_func=METHOD_LABELS.get,
+        horizontal=True,
+        help="SFT learns answers (TRL's SFTTrainer); DPO learns to prefer the chosen answer of each pair over the "
+        "rejected one (TRL's DPOTrainer), usually on top of an SFT'd model.",
+        # the other method reads other data: detect the format again
+        on_change=lambda: st.session_state.update(tr_format="auto"),
+    )
+    dpo = st.session_state.get("tr_method") == "dpo"
+    if (
+        dpo
+        and demo_ready(workspace)
+        and st.button(
+            "Use the demo's preference pairs",
+            key="tr_demo_dpo",
+            icon=":material/thumbs_up_down:",
+            help="DPO on the demo model: prefer 'HELLO!' over 'HELLO' (a style its data never showed)",
+        )
+    ):
+        folder = demo_dir(workspace).resolve()
+        st.session_state["tr_pending"] = dpo_demo_config(folder, folder / "base")
+        st.session_state["tr_pending_source"] = "the demo's DPO settings"
+        st.rerun()
 
     st.markdown("##### Model")
     c1, c2, c3 = st.columns([3, 1, 1])
@@ -347,9 +424,17 @@ def config_form(workspace: str) -> tuple[dict, dict, str]:
         # another file has other columns: detect its format again rather than keep the demo's "chat"
         on_change=lambda: st.session_state.update(tr_format="auto"),
     )
-    c2.selectbox(
-        "Format", FORMATS, key="tr_format", help="auto: chat if 'messages', alpaca if instruction+output"
-    )
+    if dpo:
+        c2.selectbox(
+            "Format",
+            PREF_FORMATS,
+            key="tr_format",
+            help="auto: conversational if chosen/rejected are message lists, standard if they are texts",
+        )
+    else:
+        c2.selectbox(
+            "Format", FORMATS, key="tr_format", help="auto: chat if 'messages', alpaca if instruction+output"
+        )
     c3.number_input("Max length (tokens)", key="tr_max_length", step=64)
     c4.number_input(
         "Eval split", key="tr_eval_split", step=0.01, format="%.2f", help="Fraction held out (0: none)"
@@ -371,6 +456,21 @@ def config_form(workspace: str) -> tuple[dict, dict, str]:
     c[0].checkbox("Gradient checkpointing", key="tr_ckpt")
     c[1].number_input("Log every (steps)", key="tr_logging", step=1)
     c[2].number_input("Checkpoint every (steps)", key="tr_save", step=10)
+    if dpo:
+        c = st.columns([1, 1, 1, 3])
+        c[0].number_input("DPO beta", key="tr_beta", step=0.05, format="%.2f", help="training.beta")
+        c[1].selectbox("DPO loss", LOSS_TYPES, key="tr_loss_type", help="training.loss_type")
+        c[2].checkbox(
+            "Precompute reference",
+            key="tr_precompute",
+            help="training.precompute_ref_log_probs: the reference's log-probs once before training (no "
+            "reference forward in each step)",
+        )
+        c[3].text_input(
+            "Reference model folder (empty: the base with the adapter off)",
+            key="tr_reference",
+            help="model.reference_path: an explicit reference model, loaded as a second copy",
+        )
     slots["training"] = st.empty()
 
     raw = _raw_config()
@@ -422,7 +522,38 @@ def verdict_panel(cfg: dict) -> dict | None:
     return plan_record(est)
 
 
+@st.cache_data(ttl=30, show_spinner="Reading the pairs…")
+def _preview_pairs(data_yaml: str) -> tuple[int, list[dict]]:
+    import yaml
+
+    from core.train.prefdata import load_pref_rows, preview_pairs
+
+    data = yaml.safe_load(data_yaml)
+    rows = load_pref_rows(data)
+    return len(rows), preview_pairs(rows, n=5, fmt=data["format"])
+
+
+def pairs_panel(cfg: dict) -> None:
+    """A DPO run's data: the first pairs, prompt / chosen / rejected side by side."""
+    try:
+        total, pairs = _preview_pairs(config_to_yaml(cfg["data"]))
+    except (DataError, OSError, ValueError) as exc:
+        st.error(f"Cannot preview the preference pairs: {exc}")
+        return
+    st.caption(
+        f"{total:,} pairs. DPO raises the likelihood of **chosen** over **rejected** for each prompt, relative to "
+        "the reference model."
+    )
+    frame = pd.DataFrame(pairs)
+    if "problem" in frame and not frame["problem"].fillna("").astype(bool).any():
+        frame = frame.drop(columns="problem")
+    st.dataframe(frame, hide_index=True, width="stretch")
+
+
 def preview_panel(cfg: dict) -> None:
+    if cfg.get("method") == "dpo":
+        pairs_panel(cfg)
+        return
     try:
         pv = _preview(config_to_yaml(cfg))
     except (DataError, OSError, ValueError) as exc:

@@ -365,3 +365,44 @@ def test_a_new_dataset_is_judged_by_its_own_columns_and_a_broken_line_is_named(
     assert any("line 2 of" in e.value and "is not valid JSON" in e.value for e in at.error), [
         e.value for e in at.error
     ]
+
+
+# -- DPO (issue #13) ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("pairs") / "prefs.jsonl"
+    rows = [{"prompt": f"Uppercase: w{i}", "chosen": f"W{i}!", "rejected": f"W{i}"} for i in range(20)]
+    rows[3] = {"prompt": "Uppercase: same", "chosen": "SAME", "rejected": "SAME"}  # a pair with no preference
+    rows[7] = {"prompt": "Uppercase: gone", "chosen": "", "rejected": "GONE"}
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_dpo_method_shows_pairs_side_by_side_and_pair_checks_with_rows(workspace, tiny_llama, pairs):
+    cfg = {**tiny_config(tiny_llama, pairs), "method": "dpo", "data": {"path": str(pairs)}}
+    cfg["training"] = {**cfg["training"], "max_length": 64}
+    at = _page(workspace, cfg)
+    assert at.radio(key="tr_method").value == "dpo"
+    assert at.number_input(key="tr_beta").value == 0.1 and at.selectbox(key="tr_format").value == "auto"
+    preview = at.dataframe[0].value
+    assert {"prompt", "chosen", "rejected"} <= set(preview.columns) and preview["chosen"].iloc[0] == "W0!"
+    problems = " ".join(e.value for e in at.error) + " ".join(w.value for w in at.warning)
+    assert "rows 8" in problems and "rows 4" in problems, (
+        problems
+    )  # an empty chosen answer, an identical pair
+    assert "position_limit" not in problems
+    assert at.button(key="tr_launch").disabled  # the empty chosen answer is an error
+    yaml_text = at.session_state["train_config"]
+    assert yaml_text["method"] == "dpo" and yaml_text["training"]["beta"] == 0.1
+
+
+def test_switching_back_to_sft_drops_the_dpo_keys(workspace, tiny_llama, dataset):
+    at = _page(workspace, tiny_config(tiny_llama, dataset))
+    at.radio(key="tr_method").set_value("dpo").run()
+    assert at.session_state["train_config"]["method"] == "dpo"
+    assert "beta" in at.session_state["train_config"]["training"]
+    at.radio(key="tr_method").set_value("sft").run()
+    cfg = at.session_state["train_config"]
+    assert cfg["method"] == "sft" and "beta" not in cfg["training"] and not at.exception

@@ -39,7 +39,7 @@ def check_fields(raw: dict) -> dict[str, str]:
             errors["model.path"] = problem
     data = (raw or {}).get("data") or {}
     if not any(k.startswith("data.") for k in errors):
-        problem = check_data_columns(data)
+        problem = check_data_columns(data, (raw or {}).get("method", "sft"))
         if problem:
             errors["data.path"] = problem
     return errors
@@ -52,12 +52,21 @@ def check_model_folder(path) -> str | None:
     return check(path)
 
 
-def check_data_columns(data_cfg: dict) -> str | None:
-    """None when the dataset loads and has the columns its format needs; else the sentence from core.data."""
+def check_data_columns(data_cfg: dict, method: str = "sft") -> str | None:
+    """None when the dataset loads and has the columns its format needs (preference pairs for DPO); else the
+    sentence from core.train.data / core.train.prefdata."""
     from core.train.data import DataError, detect_format, load_rows, missing_columns
 
     if not data_cfg.get("path"):
         return "data.path is empty: give a .jsonl/.json/.csv/.parquet file or a save_to_disk folder."
+    if method == "dpo":
+        from core.train.prefdata import detect_pref_format
+
+        try:
+            detect_pref_format(load_rows(data_cfg), data_cfg.get("format", "auto"))
+        except DataError as exc:
+            return str(exc)
+        return None
     try:
         ds = load_rows(data_cfg)
         fmt = detect_format(ds.column_names, data_cfg.get("format", "auto"))

@@ -7,6 +7,7 @@ concatenated, so the label mask follows the text exactly (prompt tokens get -100
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -301,6 +302,8 @@ def sample_prompts(data_cfg: dict, n: int = 3) -> list[str]:
     message, or the start of a text row): what "Try it" should ask an adapter trained on this data."""
     try:
         ds = load_rows(data_cfg)
+        if "chosen" in ds.column_names:  # preference pairs (DPO): their prompts
+            return _pair_prompts(ds, data_cfg.get("format", "auto"), n)
         fmt = detect_format(ds.column_names, data_cfg.get("format", "auto"))
     except DataError:
         return []
@@ -315,6 +318,37 @@ def sample_prompts(data_cfg: dict, n: int = 3) -> list[str]:
             )
         else:
             text = str(row.get("text") or "")[:60]
+        text = str(text or "").strip()
+        if text and text not in out:
+            out.append(text)
+        if len(out) == n:
+            break
+    return out
+
+
+# The user turn inside a prompt already rendered with a chat template (demo/Llama-2 style, ChatML, Llama 3)
+_RENDERED_USER = re.compile(
+    r"(?:<\|user\|>|<\|im_start\|>user\n|<\|start_header_id\|>user<\|end_header_id\|>)\s*(.*?)"
+    r"(?:</s>|<\|im_end\|>|<\|eot_id\|>|<\|end\|>)",
+    re.S,
+)
+
+
+def _pair_prompts(ds, fmt: str, n: int) -> list[str]:
+    from core.train.prefdata import normalize_pairs
+
+    try:
+        pairs = normalize_pairs(ds.select(range(min(len(ds), 50))), fmt)
+    except DataError:
+        return []
+    out: list[str] = []
+    for pair in pairs:
+        prompt = pair["prompt"]
+        if isinstance(prompt, list):
+            text = next((m.get("content") for m in prompt if m.get("role") == "user"), "")
+        else:
+            users = _RENDERED_USER.findall(prompt)
+            text = users[-1] if users else prompt
         text = str(text or "").strip()
         if text and text not in out:
             out.append(text)
