@@ -163,6 +163,11 @@ def test_dpo_run_through_core_train_learns_the_preference_on_heldout_pairs(tmp_p
     assert len(heldout) >= 2 and heldout[-1] >= 0.8, heldout
     assert json.loads((run_dir / rundir.PLAN).read_text())["plan"]["dpo"] is True
     assert (run_dir / "adapter" / "adapter_config.json").is_file()
+    # a DPO adapter merges and verifies exactly as an SFT one
+    from core.merge.export import merge_at
+
+    merged = merge_at(tiny_llama, run_dir / "adapter", tmp_path / "merged")
+    assert merged.verification.passed and (tmp_path / "merged" / "config.json").is_file()
 
 
 @pytest.mark.slow
