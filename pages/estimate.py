@@ -100,7 +100,14 @@ def plan_form() -> Plan:
         )
         dpo = st.checkbox("DPO (chosen + rejected + reference model)", value=d.dpo, key="dpo")
         dpo_reference = "auto"
+        dpo_precompute_ref = False
         if dpo:
+            dpo_precompute_ref = st.checkbox(
+                "Precompute the reference's log-probs",
+                value=d.dpo_precompute_ref,
+                key="dpo_precompute_ref",
+                help="training.precompute_ref_log_probs: no reference forward inside a training step",
+            )
             dpo_reference = st.radio(
                 "Reference model",
                 ["auto", "copy"],
@@ -240,6 +247,7 @@ def plan_form() -> Plan:
         method=method,
         dpo=dpo,
         dpo_reference=dpo_reference,
+        dpo_precompute_ref=dpo_precompute_ref,
         load_dtype=load_dtype,
         compute_dtype=compute_dtype,
         quant_type=quant_type,

@@ -128,3 +128,44 @@ def _column(dataset, name: str) -> list:
 
     frame = pa.ipc.open_stream(dataset.data.data).read_all().to_pandas()
     return list(frame[name]) if name in frame else []
+
+
+def test_levers_are_toggles_with_their_savings_costs_and_modelled_markers():
+    """Issue #12: the levers as toggles; a plan that no single change fits gets a combined suggestion first,
+    each suggestion with its cost; GPU-only levers are marked as modelled; offloading shows its pinned CPU RAM."""
+    at = _app()
+    at.selectbox(key="model").set_value("meta-llama/Llama-3.1-8B")
+    at.number_input(key="batch_size").set_value(8)
+    at.number_input(key="seq_len").set_value(4096)
+    at.selectbox(key="gpu").set_value("24 GiB")
+    at.run()
+    assert not at.exception
+    assert _verdict(at).startswith("**DOES NOT FIT**")
+    advice = [m.value for m in at.markdown if m.value[:3] in ("1. ", "2. ", "3. ")]
+    assert advice and advice[0].startswith("1. **Combined:**") and "→ fits" in advice[0], advice
+    assert all("cost:" in a for a in advice)
+    levers = at.dataframe[-1].value
+    assert {"lever", "saves GiB", "costs", "planner term"} <= set(levers.columns)
+    assert "modelled, not yet measured" in set(levers["planner term"])
+    assert not any("pinned CPU RAM" in i.value for i in at.info)
+    for key in ("gradient_checkpointing", "activation_offloading", "liger"):
+        at.checkbox(key=key).check()
+    at.run()
+    assert not at.exception
+    assert any("pinned CPU RAM" in i.value for i in at.info)
+    assert any("not yet measured" in c.value for c in at.caption)
+    plan = at.session_state["plan"]
+    assert plan["activation_offloading"] and plan["liger"] and plan["gradient_checkpointing"]
+
+
+def test_the_data_lengths_from_the_train_page_give_the_real_batch_next_to_the_bound():
+    at = AppTest.from_file(PAGE, default_timeout=120)
+    at.session_state["data_lengths"] = [100, 300, 250, 90, 40]
+    at.run()
+    at.checkbox(key="padding_free").check()
+    at.selectbox(key="attn").set_value("flash")
+    at.number_input(key="batch_size").set_value(4)
+    at.run()
+    assert not at.exception
+    text = next(i.value for i in at.info if "largest batch the sampler" in i.value)
+    assert "740 tokens" in text and "bound: 8,192" in text  # 300 + 250 + 100 + 90 of 4 x 2048
