@@ -329,7 +329,9 @@ def curve_chart(rows: list[dict], name: str, cap_gib: float) -> alt.LayerChart:
 
 
 def show(plan: Plan) -> None:
-    spec = load_spec(plan.model)
+    # the first estimate of a model (per library version) builds it on the meta device: seconds, once
+    with st.spinner("Counting the model's parameters on torch's meta device (once per model and version)…"):
+        spec = load_spec(plan.model)
     est = estimate(plan, spec)
     for w in est.warnings:
         st.warning(w)
