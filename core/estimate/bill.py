@@ -1234,28 +1234,17 @@ def _parser() -> argparse.ArgumentParser:
         help="TRL SFTTrainer's fused LM head (tiles); off: plain cross-entropy over the full logits",
     )
     levers = p.add_argument_group("memory levers (see the README's 'Fitting more' table)")
-    levers.add_argument(
-        "--padding-free",
-        action=argparse.BooleanOptionalAction,
-        default=d.padding_free,
-        help="rows concatenated into one sequence (SFTConfig.padding_free)",
-    )
-    levers.add_argument(
-        "--packing", action=argparse.BooleanOptionalAction, default=d.packing, help="SFTConfig.packing"
-    )
+    for flag, text in (
+        ("padding-free", "rows concatenated into one sequence (SFTConfig.padding_free)"),
+        ("packing", "SFTConfig.packing"),
+        ("activation-offloading", "saved activations to pinned CPU RAM (CUDA; modelled, not yet measured)"),
+        ("liger", "Liger's fused RMSNorm/SwiGLU/RoPE (use_liger_kernel; CUDA; modelled, not yet measured)"),
+    ):
+        name = flag.replace("-", "_")
+        levers.add_argument(
+            f"--{flag}", action=argparse.BooleanOptionalAction, default=getattr(d, name), help=text
+        )
     levers.add_argument("--packing-strategy", default=d.packing_strategy, help="bfd | bfd_split | wrapped")
-    levers.add_argument(
-        "--activation-offloading",
-        action=argparse.BooleanOptionalAction,
-        default=d.activation_offloading,
-        help="saved activations to pinned CPU RAM (CUDA; modelled, not yet measured)",
-    )
-    levers.add_argument(
-        "--liger",
-        action=argparse.BooleanOptionalAction,
-        default=d.liger,
-        help="Liger's fused RMSNorm/SwiGLU/RoPE (use_liger_kernel; CUDA; modelled, not yet measured)",
-    )
     levers.add_argument(
         "--batch-tokens",
         type=int,

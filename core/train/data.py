@@ -318,12 +318,17 @@ def sample_prompts(data_cfg: dict, n: int = 3) -> list[str]:
             )
         else:
             text = str(row.get("text") or "")[:60]
-        text = str(text or "").strip()
-        if text and text not in out:
-            out.append(text)
-        if len(out) == n:
+        if _add_unique(out, text, n):
             break
     return out
+
+
+def _add_unique(out: list[str], text, n: int) -> bool:
+    """Append `text` (stripped) to `out` unless empty or there already; True once `out` holds n."""
+    text = str(text or "").strip()
+    if text and text not in out:
+        out.append(text)
+    return len(out) >= n
 
 
 # The user turn inside a prompt already rendered with a chat template (demo/Llama-2 style, ChatML, Llama 3)
@@ -349,9 +354,6 @@ def _pair_prompts(ds, fmt: str, n: int) -> list[str]:
         else:
             users = _RENDERED_USER.findall(prompt)
             text = users[-1] if users else prompt
-        text = str(text or "").strip()
-        if text and text not in out:
-            out.append(text)
-        if len(out) == n:
+        if _add_unique(out, text, n):
             break
     return out

@@ -22,7 +22,7 @@ import reprlib
 from typing import Any
 
 from core.train.data import DataError, load_rows
-from core.train.preflight import Finding, _is_blank, _text_config, format_rows
+from core.train.preflight import Finding, _is_blank, _text_config, format_rows, token_findings
 
 PREF_FORMATS = ("standard", "conversational")
 PAIR_KEYS = ("prompt", "chosen", "rejected")
@@ -490,28 +490,7 @@ def check_pairs(rows, tokenizer, max_length: int, model_config=None, fmt: str = 
                 rows=long_prompt,
             )
         )
-    if over_vocab:
-        findings.append(
-            Finding(
-                "error",
-                "vocab",
-                f"{len(over_vocab)} row(s) contain token ids >= the model's vocab_size {vocab} (the tokenizer has "
-                f"{len(tokenizer)} tokens): rows {format_rows(over_vocab)}.",
-                "Use the model's own tokenizer, or resize the model's embeddings to the tokenizer before training.",
-                rows=over_vocab,
-            )
-        )
-    if over_pos:
-        findings.append(
-            Finding(
-                "warning",
-                "position_limit",
-                f"{len(over_pos)} row(s) are longer than max_position_embeddings {max_pos}: rows "
-                f"{format_rows(over_pos)}. They are cut at training.max_length {max_length}.",
-                "Shorten those rows if their ends matter.",
-                rows=over_pos,
-            )
-        )
+    findings += token_findings(over_vocab, vocab, len(tokenizer), over_pos, max_pos, max_length)
     if truncated:
         pct = 100.0 * len(truncated) / n_rows
         findings.append(

@@ -181,6 +181,37 @@ def _empty_rows(ds, fmt: str) -> list[int]:
     return bad
 
 
+def token_findings(
+    over_vocab: list[int], vocab: int, tokenizer_size: int, over_pos: list[int], max_pos: int, max_length: int
+) -> list[Finding]:
+    """The token checks SFT and DPO data share: ids beyond the model's vocabulary (an error: a device-side assert
+    on the GPU), rows longer than its positions (a warning: they are cut at max_length)."""
+    out = []
+    if over_vocab:
+        out.append(
+            Finding(
+                "error",
+                "vocab",
+                f"{len(over_vocab)} row(s) contain token ids >= the model's vocab_size {vocab} (the tokenizer has "
+                f"{tokenizer_size} tokens): rows {format_rows(over_vocab)}.",
+                "Use the model's own tokenizer, or resize the model's embeddings to the tokenizer before training.",
+                rows=over_vocab,
+            )
+        )
+    if over_pos:
+        out.append(
+            Finding(
+                "warning",
+                "position_limit",
+                f"{len(over_pos)} row(s) are longer than max_position_embeddings {max_pos}: rows "
+                f"{format_rows(over_pos)}. They are cut at training.max_length {max_length}.",
+                "Shorten or split those rows if their ends matter.",
+                rows=over_pos,
+            )
+        )
+    return out
+
+
 def run_preflight(cfg: dict, tokenizer=None, model_config=None) -> list[Finding]:
     """All findings for a validated run config; an empty list means the data is ready."""
     if cfg.get("method") == "dpo":
@@ -271,28 +302,7 @@ def run_preflight(cfg: dict, tokenizer=None, model_config=None) -> list[Finding]
         if (i + 1) not in empty and all(label == IGNORE_INDEX for label in enc["labels"][:max_length]):
             nothing_to_learn.append(i + 1)
 
-    if over_vocab:
-        findings.append(
-            Finding(
-                "error",
-                "vocab",
-                f"{len(over_vocab)} row(s) contain token ids >= the model's vocab_size {vocab} (the tokenizer has "
-                f"{len(tokenizer)} tokens): rows {format_rows(over_vocab)}.",
-                "Use the model's own tokenizer, or resize the model's embeddings to the tokenizer before training.",
-                rows=over_vocab,
-            )
-        )
-    if over_pos:
-        findings.append(
-            Finding(
-                "warning",
-                "position_limit",
-                f"{len(over_pos)} row(s) are longer than max_position_embeddings {max_pos}: rows "
-                f"{format_rows(over_pos)}. They are cut at training.max_length {max_length}.",
-                "Shorten or split those rows if their ends matter.",
-                rows=over_pos,
-            )
-        )
+    findings += token_findings(over_vocab, vocab, len(tokenizer), over_pos, max_pos, max_length)
     if truncated:
         pct = 100.0 * len(truncated) / len(ds)
         findings.append(
