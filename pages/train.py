@@ -92,6 +92,14 @@ DPO_FIELDS = {
     "tr_reference": ("model", "reference_path"),
 }
 DPO_FORM_DEFAULTS = {"tr_beta": 0.1, "tr_loss_type": "sigmoid", "tr_precompute": False, "tr_reference": ""}
+# memory levers of the engine (README "Fitting more"); padding-free and packing are SFTTrainer's only
+LEVER_FIELDS = {
+    "tr_padding_free": ("training", "padding_free"),
+    "tr_packing": ("training", "packing"),
+    "tr_offload": ("training", "activation_offloading"),
+    "tr_liger": ("training", "use_liger_kernel"),
+}
+SFT_ONLY_LEVERS = {"tr_padding_free", "tr_packing"}
 LOSS_TYPES = (
     "sigmoid",
     "ipo",
@@ -244,6 +252,8 @@ def _fill_form(cfg: dict) -> None:
         if key == "tr_beta" and value is not None:
             value = float(value)
         st.session_state[key] = DPO_FORM_DEFAULTS[key] if value is None else value
+    for key, (section, name) in LEVER_FIELDS.items():
+        st.session_state[key] = bool(cfg.get(section, {}).get(name))
     if method == "dpo" and st.session_state.get("tr_format") not in PREF_FORMATS:
         st.session_state["tr_format"] = "auto"
     st.session_state["tr_notes"] = notes
@@ -273,6 +283,12 @@ def _raw_config() -> dict:
         raw[section][name] = value
     method = st.session_state.get("tr_method") or "sft"
     raw["method"] = method
+    for key, (section, name) in LEVER_FIELDS.items():
+        on = bool(st.session_state.get(key)) and not (method == "dpo" and key in SFT_ONLY_LEVERS)
+        if on:
+            raw[section][name] = True
+        elif name in raw[section] or (method == "dpo" and key in SFT_ONLY_LEVERS):
+            raw[section].pop(name, None)  # off is the libraries' default: keep the YAML short
     for key, (section, name) in DPO_FIELDS.items():
         raw[section].pop(name, None)
         if method != "dpo":
@@ -313,6 +329,10 @@ LABELS = {
     "training.save_steps": "Checkpoint every (steps)",
     "training.beta": "DPO beta",
     "training.loss_type": "DPO loss",
+    "training.padding_free": "Padding-free batches",
+    "training.packing": "Packing",
+    "training.activation_offloading": "Activation offloading (CUDA)",
+    "training.use_liger_kernel": "Liger kernels (CUDA)",
     "model.reference_path": "Reference model folder",
 }
 
@@ -452,6 +472,26 @@ def config_form(workspace: str) -> tuple[dict, dict, str]:
     c[1].selectbox("Scheduler", SCHEDULERS, key="tr_sched")
     c[2].number_input("Warmup (fraction < 1, or steps)", key="tr_warmup", step=0.01)
     c[3].selectbox("Optimizer", OPTIMIZERS, key="tr_optim")
+    c = st.columns(4)
+    c[0].checkbox(
+        "Padding-free batches",
+        key="tr_padding_free",
+        disabled=dpo,
+        help="training.padding_free: the batch's rows as one sequence, no padding (SFT; use flash attention on a GPU)",
+    )
+    c[1].checkbox(
+        "Packing", key="tr_packing", disabled=dpo, help="training.packing (BFD): rows filled to max length"
+    )
+    c[2].checkbox(
+        "Activation offloading (CUDA)",
+        key="tr_offload",
+        help="training.activation_offloading: saved activations to pinned CPU RAM",
+    )
+    c[3].checkbox(
+        "Liger kernels (CUDA)",
+        key="tr_liger",
+        help="training.use_liger_kernel: needs pip install liger-kernel",
+    )
     c = st.columns(4)
     c[0].checkbox("Gradient checkpointing", key="tr_ckpt")
     c[1].number_input("Log every (steps)", key="tr_logging", step=1)

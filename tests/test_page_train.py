@@ -406,3 +406,24 @@ def test_switching_back_to_sft_drops_the_dpo_keys(workspace, tiny_llama, dataset
     at.radio(key="tr_method").set_value("sft").run()
     cfg = at.session_state["train_config"]
     assert cfg["method"] == "sft" and "beta" not in cfg["training"] and not at.exception
+
+
+def test_lever_checkboxes_write_the_run_config_and_liger_without_its_package_is_one_sentence(
+    workspace, tiny_llama, dataset
+):
+    at = _page(workspace, tiny_config(tiny_llama, dataset))
+    assert "padding_free" not in at.session_state["train_config"]["training"]
+    at.checkbox(key="tr_padding_free").check().run()
+    assert at.session_state["train_config"]["training"]["padding_free"] is True
+    at.checkbox(key="tr_liger").check().run()
+    assert not at.exception
+    import importlib.util
+
+    if importlib.util.find_spec("liger_kernel") is None:  # this machine (and CI): no liger-kernel, no GPU
+        assert any(
+            "Liger kernels (CUDA) (training.use_liger_kernel) needs the liger-kernel" in e.value
+            for e in at.error
+        )
+        assert at.button(key="tr_launch").disabled
+    at.radio(key="tr_method").set_value("dpo").run()  # padding-free is SFT's: a DPO config drops it
+    assert "padding_free" not in at.session_state["train_config"]["training"] and not at.exception
