@@ -1194,7 +1194,10 @@ def format_table(est: Estimate, fit: dict | None = None, advice: list[dict] | No
             f"largest seq len at this batch size: {fit['max_seq_len']}"
         )
     for a in advice or []:
-        lines.append(f"  - {a['change']}: saves {a['saves_bytes'] / GiB:.2f} GiB -> {a['verdict']}")
+        combined = "combined: " if a.get("combined") else ""
+        lines.append(f"  - {combined}{a['change']}: saves {a['saves_bytes'] / GiB:.2f} GiB -> {a['verdict']}")
+        if a.get("costs"):
+            lines.append(f"      cost: {a['costs']}")
     return "\n".join(lines)
 
 
@@ -1208,6 +1211,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--method", default=d.method, help="full | lora | qlora")
     p.add_argument("--dpo", action="store_true", help="plan a DPO run (chosen + rejected + reference)")
     p.add_argument("--dpo-reference", default=d.dpo_reference, help="auto | copy")
+    p.add_argument(
+        "--dpo-precompute-ref",
+        action="store_true",
+        help="DPO: the reference's log-probs computed before training (precompute_ref_log_probs)",
+    )
     p.add_argument("--batch-size", type=int, default=d.batch_size)
     p.add_argument("--seq-len", type=int, default=d.seq_len)
     p.add_argument("--lora-r", type=int, default=d.lora_r)

@@ -62,7 +62,7 @@ class Lever:
             return "the engine's default (TRL's SFTTrainer)"
         if self.config_key == "PYTORCH_CUDA_ALLOC_CONF":
             return "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
-        value = {True: "true", False: "false"}.get(self.on, self.on)
+        value = ("true" if self.on else "false") if isinstance(self.on, bool) else self.on
         return f"{self.config_key}: {value}"
 
     @property
@@ -322,9 +322,17 @@ def _advice(label, change, cost, saved, new, keeps, combined=False) -> dict:
 
 
 def _combined(plan: Plan, spec: ModelSpec, base) -> dict | None:
-    """Greedy: add the keeping change that saves most, re-estimate, repeat; then halve the batch, then the length."""
+    """Greedy: add the keeping change that saves most, re-estimate, repeat; then halve the batch, then the length;
+    then drop every change the plan still fits without (the last added, smallest, first): a short list to act on."""
+
+    def total(steps) -> tuple[Plan, object]:
+        p = plan
+        for _, change, _ in steps:
+            p = replace(p, **change)
+        return p, estimate(p, spec)
+
+    steps: list[tuple[str, dict, str]] = []
     current, est = plan, base
-    labels, costs, settings = [], [], {}
 
     def apply(label, change, cost) -> bool:
         nonlocal current, est
@@ -335,15 +343,14 @@ def _combined(plan: Plan, spec: ModelSpec, base) -> dict | None:
         if new.device_total_bytes >= est.device_total_bytes:
             return False
         current, est = replace(current, **change), new
-        labels.append(label)
-        costs.append(cost)
-        settings.update(change)
+        steps.append((label, change, cost))
         return True
 
     while est.verdict != "fits":
-        pool = [c for c in _candidates(current) if c[3] and "batch_size" not in c[1]]
         scored = []
-        for label, change, cost, _ in pool:
+        for label, change, cost, keeps in _candidates(current):
+            if not keeps or "batch_size" in change:
+                continue
             try:
                 scored.append(
                     (estimate(replace(current, **change), spec).device_total_bytes, label, change, cost)
@@ -356,24 +363,38 @@ def _combined(plan: Plan, spec: ModelSpec, base) -> dict | None:
         _, label, change, cost = min(scored, key=lambda s: s[0])
         apply(label, change, cost)
     while est.verdict != "fits" and current.batch_size > 1:
-        half = current.batch_size // 2
-        if not apply(
-            f"batch size {half} (accumulate gradients)", {"batch_size": half, "batch_tokens": 0}, "more steps"
-        ):
+        if not apply("", {"batch_size": current.batch_size // 2, "batch_tokens": 0}, "more steps"):
             break
     while est.verdict != "fits" and current.seq_len > 64:
-        half = max(64, current.seq_len // 2)
         if not apply(
-            f"{half}-token sequences", {"seq_len": half, "batch_tokens": 0}, "longer rows truncated"
+            "", {"seq_len": max(64, current.seq_len // 2), "batch_tokens": 0}, "longer rows truncated"
         ):
             break
-    if len(labels) < 2:
+    if est.verdict != "fits":
         return None
+    # halvings collapse into the final size, named once
+    final = {}
+    for name, text in (
+        ("batch_size", "batch size {} (accumulate gradients)"),
+        ("seq_len", "{}-token sequences"),
+    ):
+        halved = [s for s in steps if name in s[1]]
+        if halved:
+            final[name] = (text.format(halved[-1][1][name]), halved[-1][1], halved[-1][2])
+    steps = [s for s in steps if "batch_size" not in s[1] and "seq_len" not in s[1]] + list(final.values())
+    for i in reversed(range(len(steps))):
+        trial = steps[:i] + steps[i + 1 :]
+        if trial and total(trial)[1].verdict == "fits":
+            steps = trial
+    if len(steps) < 2:
+        return None
+    _, est = total(steps)
+    settings = {k: v for _, change, _ in steps for k, v in change.items()}
     keeps = not any(k in settings for k in ("seq_len", "method"))
     return _advice(
-        " + ".join(labels),
+        " + ".join(label for label, _, _ in steps),
         settings,
-        "; ".join(dict.fromkeys(costs)),
+        "; ".join(dict.fromkeys(cost for _, _, cost in steps)),
         base.device_total_bytes - est.device_total_bytes,
         est,
         keeps,
