@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from core.estimate.bill import FIT_LIMIT, Plan, fit_search  # noqa: E402
-from core.estimate.levers import modelled_note  # noqa: E402
+from core.estimate.levers import modelled_note, with_every_lever  # noqa: E402
 from core.estimate.specs import load_spec  # noqa: E402
 
 MODEL = "meta-llama/Llama-3.1-8B"
@@ -48,9 +48,7 @@ def variants(gpu_gb: float) -> dict[str, Plan]:
             engine, prepare_kbit=True, fused_lm_head=False
         ),
         "b the engine's defaults (TRL SFTTrainer)": engine,
-        "c every lever on": replace(
-            engine, activation_offloading=True, liger=True, expandable_segments=True, optim="adamw_8bit"
-        ),
+        "c every lever on": with_every_lever(engine),
     }
 
 

@@ -22,7 +22,7 @@ from core.estimate.bill import (
     memory_curve,
     what_would_fit,
 )
-from core.estimate.levers import lever_savings, modelled_note
+from core.estimate.levers import lever_savings, modelled_note, with_every_lever
 from core.estimate.specs import SpecError, load_spec, preset_ids
 from core.monitor import gpu
 
@@ -395,6 +395,14 @@ def show(plan: Plan) -> None:
         f"**largest sequence length** at batch {plan.batch_size}: "
         f"{_largest(fit['max_seq_len'], 'the shortest sequence tried')} (≤90% of the card)."
     )
+    every = with_every_lever(plan)
+    if every != plan:
+        best = fit_search(every, spec)
+        st.markdown(
+            f"**With every memory lever on** (the table below): largest batch size "
+            f"{_largest(best['max_batch_size'], 'batch size 1')} · largest sequence length "
+            f"{_largest(best['max_seq_len'], 'the shortest sequence tried')}."
+        )
     cap = est.gpu_bytes / GiB
     c1, c2 = st.columns(2)
     # up to twice the longest length that fits (not the model's 131,072 positions, which flatten the card line)

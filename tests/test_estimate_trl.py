@@ -64,7 +64,14 @@ def test_fused_head_switch_changes_exactly_the_loss_term():
     spec = load_spec("Qwen/Qwen2.5-0.5B")
     saved = {}
     for device in ("cuda", "cpu"):
-        fused = Plan(model=spec.model_id, method="lora", batch_size=2, seq_len=1024, device=device)
+        fused = Plan(
+            model=spec.model_id,
+            method="lora",
+            batch_size=2,
+            seq_len=1024,
+            device=device,
+            gradient_checkpointing=False,
+        )
         plain = replace(fused, fused_lm_head=False)
         on, off = estimate(fused, spec), estimate(plain, spec)
         assert on.peak_phase == off.peak_phase == "backward"

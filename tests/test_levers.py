@@ -40,7 +40,15 @@ def test_padding_free_follows_the_tokens_really_in_the_batch():
     """Real lengths: with padding-free batches every per-token term scales with the batch's tokens, so the
     activations of a batch of 3,000 tokens are 3,000/8,192 of the bound's (flash attention: no mask)."""
     spec = load_spec(LLAMA8B)
-    bound = Plan(model=LLAMA8B, method="qlora", batch_size=4, seq_len=2048, attn="flash", padding_free=True)
+    bound = Plan(
+        model=LLAMA8B,
+        method="qlora",
+        batch_size=4,
+        seq_len=2048,
+        attn="flash",
+        padding_free=True,
+        gradient_checkpointing=False,
+    )
     real = replace(bound, batch_tokens=3000)
     assert batch_shape(bound) == (1, 8192) and batch_shape(real) == (1, 3000)
     # one padding-free row of 3,000 tokens costs what one 3,000-token row costs, far below the bound
@@ -60,7 +68,15 @@ def test_padding_free_on_sdpa_pays_for_the_mask_and_the_gqa_copies():
     the compute dtype per layer and saves it, and grouped-query k/v are repeated to every head (no enable_gqa
     with a mask). Flash attention takes none of it."""
     spec = load_spec(LLAMA8B)
-    flash = Plan(model=LLAMA8B, method="lora", batch_size=2, seq_len=1024, attn="flash", padding_free=True)
+    flash = Plan(
+        model=LLAMA8B,
+        method="lora",
+        batch_size=2,
+        seq_len=1024,
+        attn="flash",
+        padding_free=True,
+        gradient_checkpointing=False,
+    )
     sdpa = replace(flash, attn="sdpa")
     t = 2048
     layer = layer_saved_tensors(spec, sdpa, _targets(spec, sdpa))
@@ -83,7 +99,14 @@ def test_padding_free_on_sdpa_pays_for_the_mask_and_the_gqa_copies():
 
 def test_liger_removes_the_fp32_norm_copies_and_silu_output():
     spec = load_spec(LLAMA8B)
-    plan = Plan(model=LLAMA8B, method="qlora", batch_size=1, seq_len=4096, lora_dropout=0.0)
+    plan = Plan(
+        model=LLAMA8B,
+        method="qlora",
+        batch_size=1,
+        seq_len=4096,
+        lora_dropout=0.0,
+        gradient_checkpointing=False,
+    )
     liger = replace(plan, liger=True)
     before = layer_saved_tensors(spec, plan, _targets(spec, plan))
     after = layer_saved_tensors(spec, liger, _targets(spec, liger))
@@ -129,7 +152,7 @@ def test_what_would_fit_combines_levers_when_no_single_change_is_enough():
     """8B, batch 8 x 4096 on 24 GiB (the issue's case): no single change fits, so the first suggestion is a
     combination that does, each entry with its cost."""
     spec = load_spec(LLAMA8B)
-    plan = Plan(model=LLAMA8B, batch_size=8, seq_len=4096, gpu_gb=24.0)
+    plan = Plan(model=LLAMA8B, batch_size=8, seq_len=4096, gpu_gb=24.0, gradient_checkpointing=False)
     advice = what_would_fit(plan, spec)
     singles = [a for a in advice if not a["combined"]]
     assert singles and all(a["verdict"] != "fits" for a in singles)

@@ -94,7 +94,7 @@ class Plan:
     target_modules: str = "all-linear"
     batch_size: int = 1
     seq_len: int = 2048
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = True  # the engine's default (TRL's): what makes long sequences fit
     attn: str = "sdpa"
     optim: str = "adamw_torch"
     eval_kv_tokens: int = 0  # tokens held in a KV cache during eval/generation (batch x (prompt + new))
@@ -1317,18 +1317,26 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for w in est.warnings:
         print(f"warning: {w}", file=sys.stderr)
-    from core.estimate.levers import lever_savings, modelled_note
+    from core.estimate.levers import lever_savings, modelled_note, with_every_lever
 
     note = modelled_note(plan)
+    every = with_every_lever(plan)
+    fit_every = fit_search(every) if every != plan else fit
     if args.json:
         out = {k: v for k, v in est.to_dict().items() if k != "phase_components"}
         out["fit_search"] = fit
+        out["fit_search_every_lever"] = fit_every
         out["what_would_fit"] = advice
         out["levers"] = lever_savings(plan)
         out["modelled_not_measured"] = note
         print(json.dumps(out))
     else:
         print(format_table(est, fit, advice))
+        if every != plan:
+            print(
+                f"with every lever on: largest batch size {fit_every['max_batch_size']}, "
+                f"largest seq len {fit_every['max_seq_len']}"
+            )
         if note:
             print(f"note: {note}")
     return 0

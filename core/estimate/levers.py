@@ -196,6 +196,29 @@ LEVERS: tuple[Lever, ...] = (
 BY_FIELD = {lever.field: lever for lever in LEVERS}
 
 
+# Levers that lower the bound without changing what is trained (padding-free and packing change the batch's
+# shape, not its bound; LoRA dropout is part of the training recipe)
+BOUND_LEVERS = (
+    "gradient_checkpointing",
+    "fused_lm_head",
+    "prepare_kbit",
+    "activation_offloading",
+    "liger",
+    "optim",
+    "expandable_segments",
+)
+
+
+def with_every_lever(plan: Plan) -> Plan:
+    """`plan` with every lever of BOUND_LEVERS on that applies to it ("every lever on")."""
+    changes = {}
+    for field in BOUND_LEVERS:
+        lever = BY_FIELD[field]
+        if lever.applies(plan) and not lever.is_on(plan):
+            changes[field] = lever.on
+    return replace(plan, **changes)
+
+
 def lever_savings(plan: Plan, spec: ModelSpec | None = None) -> list[dict]:
     """For each lever that applies to `plan`: the device-total bytes it saves (its plan off minus its plan on,
     everything else as `plan` has it), whether it is on now, and what it costs."""
@@ -432,4 +455,5 @@ __all__ = [
     "modelled_note",
     "readme_table",
     "what_would_fit",
+    "with_every_lever",
 ]
