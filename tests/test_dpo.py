@@ -198,3 +198,27 @@ def test_dpo_smoke_test_measures_a_max_length_pair_step(workspace, tiny_llama, p
     result = wait_for_smoke(start_smoke_test(workspace, "dpo-smoke", cfg, plan), timeout=300)
     assert result is not None and result["state"] == "finished", result
     assert result["peak_bytes"] > 0 and abs(result["peak_bytes"] / result["estimate_bytes"] - 1) <= 0.10
+
+
+def test_dpo_with_an_explicit_reference_model_trains(tmp_path, tiny_llama, prefs):
+    """model.reference_path: DPOTrainer gets that model (loaded like the base) as its frozen reference."""
+    from core.train.config import dump_config
+
+    cfg = _cfg(tiny_llama, prefs[0], max_steps=2, logging_steps=1, save_steps=2)
+    cfg["model"]["reference_path"] = str(tiny_llama)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    cfg_path = dump_config(cfg, run_dir / rundir.CONFIG)
+    proc = subprocess.run(
+        [sys.executable, "-m", "core.train", str(cfg_path), "--run-dir", str(run_dir)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plan = json.loads((run_dir / rundir.PLAN).read_text())
+    assert plan["plan"]["dpo_reference"] == "copy" and plan["components"]["reference_model"] > 0
+    assert any(
+        "rewards/margins" in json.loads(line) for line in (run_dir / rundir.METRICS).read_text().splitlines()
+    )
