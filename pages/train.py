@@ -559,7 +559,32 @@ def verdict_panel(cfg: dict) -> dict | None:
     )
     for w in est.warnings:
         st.caption(f"planner: {w}")
+    _data_batch_caption(cfg, est)
     return plan_record(est)
+
+
+def _data_batch_caption(cfg: dict, est) -> None:
+    """The peak for the largest batch the data's real rows can form, next to the max_length bound above."""
+    from dataclasses import replace
+
+    from core.estimate.bill import Plan, estimate, largest_batch_tokens
+
+    if cfg.get("method") == "dpo":
+        return
+    try:
+        lengths = _preview(config_to_yaml(cfg))["lengths"]
+        plan = Plan.from_dict(est.plan)
+        tokens = largest_batch_tokens(lengths, plan)
+        if not lengths or tokens >= plan.batch_size * plan.seq_len:
+            return
+        real = estimate(replace(plan, batch_tokens=tokens))
+    except (DataError, OSError, ValueError, PlanError, SpecError):
+        return  # the preview below says what is wrong with the data
+    st.caption(
+        f"With your data ({len(lengths):,} rows measured) the largest batch holds {tokens:,} tokens, not "
+        f"{plan.batch_size * plan.seq_len:,}: {_size(real.device_total_bytes)} ({real.fraction:.0%} of the card). "
+        "The verdict above is for the bound (every row max length)."
+    )
 
 
 @st.cache_data(ttl=30, show_spinner="Reading the pairs…")
