@@ -366,3 +366,24 @@ def test_smoke_test_of_a_padding_free_config_measures_its_one_full_row(workspace
     result = wait_for_smoke(start_smoke_test(workspace, "pf-smoke", cfg, plan), timeout=300)
     assert result is not None and result["state"] == "finished", result
     assert abs(result["peak_bytes"] / result["estimate_bytes"] - 1) <= 0.10, result
+
+
+def test_cli_plans_the_largest_batch_of_a_configs_real_rows(tmp_path, tiny_llama, uneven_rows):
+    from core.train.config import dump_config, validate_config
+
+    cfg = validate_config(
+        {
+            "model": {"path": str(tiny_llama)},
+            "data": {"path": str(uneven_rows)},
+            "training": {"max_length": 200, "per_device_train_batch_size": 4, "padding_free": True},
+        }
+    )
+    dump_config(cfg, tmp_path / "run.yaml")
+    out = _cli("--config", str(tmp_path / "run.yaml"), "--data-lengths", "--device", "cpu", "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    batch = data["data_batch"]
+    assert batch["rows"] == 48 and 0 < batch["batch_tokens"] < 4 * 200
+    assert batch["device_total_bytes"] < data["device_total_bytes"]
+    bad = _cli("--model", LLAMA8B, "--data-lengths")
+    assert bad.returncode == 2 and "--config" in bad.stderr and "Traceback" not in bad.stderr

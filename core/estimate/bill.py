@@ -1264,6 +1264,12 @@ def _parser() -> argparse.ArgumentParser:
         help="plan a run config (run.yaml) through the engine's own mapping; --gpu-gb, --device, "
         "--expandable-segments and --model (another model's shapes) still apply",
     )
+    p.add_argument(
+        "--data-lengths",
+        action="store_true",
+        help="with --config: tokenize the config's data (its model's tokenizer) and also plan the largest batch "
+        "its real rows can form",
+    )
     p.add_argument("--load-dtype", default=d.load_dtype, help="fp32 | bf16 | fp16")
     p.add_argument("--compute-dtype", default=d.compute_dtype, help="fp32 | bf16 | fp16")
     p.add_argument("--eval-kv-tokens", type=int, default=d.eval_kv_tokens)
@@ -1303,13 +1309,19 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    values = {k: v for k, v in vars(args).items() if k not in ("list_models", "json", "config")}
+    values = {
+        k: v for k, v in vars(args).items() if k not in ("list_models", "json", "config", "data_lengths")
+    }
+    if args.data_lengths and not args.config:
+        print("error: --data-lengths reads a run config's data: give --config run.yaml too.", file=sys.stderr)
+        return 2
     try:
         if args.config:
             plan = _plan_from_config_file(args)
         else:
             plan = Plan.from_dict(values)
         est = estimate(plan)
+        data_batch = _data_batch(args.config, plan) if args.data_lengths else None
         fit = fit_search(plan)
         advice = what_would_fit(plan) if est.verdict != "fits" else []
     except (PlanError, SpecError) as exc:
@@ -1328,10 +1340,17 @@ def main(argv: list[str] | None = None) -> int:
         out["fit_search_every_lever"] = fit_every
         out["what_would_fit"] = advice
         out["levers"] = lever_savings(plan)
+        out["data_batch"] = data_batch
         out["modelled_not_measured"] = note
         print(json.dumps(out))
     else:
         print(format_table(est, fit, advice))
+        if data_batch:
+            print(
+                f"with the data's real lengths ({data_batch['rows']} rows): the largest batch holds "
+                f"{data_batch['batch_tokens']:,} tokens -> device total {_gb(data_batch['device_total_bytes'])}, "
+                f"{data_batch['verdict']}"
+            )
         if every != plan:
             print(
                 f"with every lever on: largest batch size {fit_every['max_batch_size']}, "
@@ -1340,6 +1359,37 @@ def main(argv: list[str] | None = None) -> int:
         if note:
             print(f"note: {note}")
     return 0
+
+
+def _data_batch(config_path: str, plan: Plan) -> dict:
+    """The largest batch the config's data can form (its rows tokenized as a run tokenizes them) and its plan."""
+    from core.train.config import ConfigError, load_config
+    from core.train.data import DataError, preview_dataset
+    from core.train.preflight import load_tokenizer_and_config
+
+    try:
+        cfg = load_config(config_path)
+        if cfg["method"] == "dpo":
+            raise PlanError(
+                "--data-lengths plans SFT rows; a DPO run's pairs are planned at the max_length bound."
+            )
+        tokenizer, _ = load_tokenizer_and_config(cfg["model"])
+        lengths = preview_dataset(cfg["data"], tokenizer, n=0, length_rows=100_000, max_length=plan.seq_len)[
+            "lengths"
+        ]
+    except (ConfigError, DataError, OSError, ValueError) as exc:
+        raise PlanError(
+            f"--data-lengths: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+        ) from None
+    tokens = largest_batch_tokens(lengths, plan)
+    est = estimate(replace(plan, batch_tokens=tokens))
+    return {
+        "rows": len(lengths),
+        "batch_tokens": tokens,
+        "device_total_bytes": est.device_total_bytes,
+        "tensor_peak_bytes": est.tensor_peak_bytes,
+        "verdict": est.verdict,
+    }
 
 
 def _plan_from_config_file(args) -> Plan:
