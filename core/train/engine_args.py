@@ -99,6 +99,10 @@ def training_args(
     if report_to is not None and "report_to" not in cfg["training"]:
         t["report_to"] = report_to
     t.setdefault("report_to", "none")
+    if prec is not None and prec["device"] == "cpu":
+        for key in ("activation_offloading", "use_liger_kernel"):  # core.train.trainer.CUDA_ONLY
+            if t.get(key):
+                t[key] = False
     if t.get("padding_free") and not t.get("packing") and args_class is SFTConfig:
         # TRL enforces no max_length for padding-free rows without packing: the engine truncates them itself
         # (core.train.data) to training.max_length.

@@ -73,7 +73,15 @@ def choose_precision(cfg: dict) -> dict:
         if dtype == "float16":
             notes.append("float16 weights are not supported for CPU training: loading float32")
             dtype = "float32"
+        for key in CUDA_ONLY:
+            if t.get(key):
+                notes.append(f"training.{key} works on a CUDA GPU only: this CPU run goes without it")
     return {"device": device, "dtype": dtype, "bf16": bf16, "fp16": fp16, "notes": notes}
+
+
+# Levers that need a CUDA GPU (TRL's offloading looks up the accelerator; Liger's kernels are Triton): a run on a
+# CPU goes without them (core.train.engine_args), as the planner plans it.
+CUDA_ONLY = ("activation_offloading", "use_liger_kernel")
 
 
 # ---- model --------------------------------------------------------------------------------------------------
