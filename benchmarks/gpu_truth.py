@@ -83,6 +83,20 @@ def matrix(dry: bool):
                 cfg,
                 MeasurePlan("qlora", dtype="float32", mixed_precision=None, gradient_checkpointing=True, **s),
             ),
+            # the GPU rows' paths (offloading is left out on a CPU, as the planner plans it)
+            (
+                "tiny lora gc offloading",
+                cfg,
+                MeasurePlan(
+                    "lora",
+                    dtype="float32",
+                    mixed_precision=None,
+                    gradient_checkpointing=True,
+                    activation_offloading=True,
+                    **s,
+                ),
+            ),
+            ("tiny lora dpo", cfg, MeasurePlan("lora", dtype="float32", mixed_precision=None, dpo=True, **s)),
         ]
     tl = with_layers(full_config("tinyllama"), 4)
     l2 = with_layers(full_config("llama2-7b/4"), 4)
@@ -96,7 +110,17 @@ def matrix(dry: bool):
         ("llama2/4 full gc adamw8", l2, MeasurePlan("full", gradient_checkpointing=True, optim="adamw_8bit", **s)),
         ("llama2/4 lora qv", l2, MeasurePlan("lora", target_modules="q_proj,v_proj", **s)),
         ("llama2/4 qlora no-gc", l2, MeasurePlan("qlora", **s)),
+        # the levers modelled from their code until measured here (issue 12), and DPO's step (issue 13)
+        ("tinyllama lora gc offloading", tl, MeasurePlan("lora", gradient_checkpointing=True, activation_offloading=True, **s)),
+        ("tinyllama lora padding-free gc", tl, MeasurePlan("lora", gradient_checkpointing=True, padding_free=True, **s)),
+        ("tinyllama lora dpo gc", tl, MeasurePlan("lora", gradient_checkpointing=True, dpo=True, batch_size=1, seq_len=1024)),
     ]  # fmt: skip
+    import importlib.util
+
+    if importlib.util.find_spec("liger_kernel") is not None:  # optional: pip install liger-kernel
+        rows.append(
+            ("tinyllama lora gc liger", tl, MeasurePlan("lora", gradient_checkpointing=True, liger=True, **s))
+        )
     return rows
 
 

@@ -61,6 +61,9 @@ class MeasurePlan:
     padding_free: bool = False
     packing: bool = False
     packing_strategy: str = "bfd"
+    # SFTConfig.activation_offloading / use_liger_kernel: CUDA only (the engine leaves them out on a CPU)
+    activation_offloading: bool = False
+    liger: bool = False
     # DPOTrainer (method dpo): a chosen and a rejected row per example, the reference forward inside the step
     # (the base with the adapter off) unless precompute_ref_log_probs
     dpo: bool = False
@@ -146,6 +149,8 @@ def from_planner(plan, max_grad_norm: float = 1.0) -> MeasurePlan:
             packing_strategy=plan.packing_strategy,
             dpo=plan.dpo,
             dpo_precompute_ref=plan.dpo_precompute_ref,
+            activation_offloading=plan.activation_offloading,
+            liger=plan.liger,
             max_grad_norm=max_grad_norm,
         )
     )
@@ -471,7 +476,10 @@ def run_step(model, optimizer, batch, plan: MeasurePlan, detail: bool = False) -
         ) as tr,
     ):
         hooks = _backward_landmarks(model, tr)
-        with tr.phase("forward"):
+        # SFTTrainer.training_step runs compute_loss inside its activation-offloading context (a no-op when off)
+        trainer = _ENGINE_TRAINERS.get(model)
+        offload = getattr(trainer, "maybe_activation_offload_context", None) or contextlib.nullcontext()
+        with tr.phase("forward"), offload:
             loss = _loss(model, batch, plan)
         with tr.phase("backward"):
             loss.backward()
@@ -680,6 +688,8 @@ def planner_plan(model: str, plan: MeasurePlan, device: str = "cpu"):
         packing_strategy=plan.packing_strategy,
         dpo=plan.dpo,
         dpo_precompute_ref=plan.dpo_precompute_ref,
+        activation_offloading=plan.activation_offloading,
+        liger=plan.liger,
         device="cpu" if device == "cpu" else "cuda",
         autocast=autocast is not None,
     )
