@@ -441,6 +441,7 @@ def show(plan: Plan) -> None:
                         "runs on": r["runs_on"],
                         "planner term": "measured on CPU" if r["measured"] else "modelled, not yet measured",
                         "run config": r["config_key"] or "always on in the engine",
+                        "modelled from": r["source"],
                     }
                     for r in lever_savings(plan, spec)
                 ]

@@ -243,6 +243,7 @@ def lever_savings(plan: Plan, spec: ModelSpec | None = None) -> list[dict]:
                 "costs": lever.costs,
                 "runs_on": lever.runs_on,
                 "measured": lever.measured,
+                "source": lever.source,
             }
         )
     return out
@@ -436,13 +437,15 @@ def modelled_note(plan: Plan) -> str | None:
 def readme_table() -> str:
     """The README's "Fitting more" table (tests/test_readme.py keeps the README in step with it)."""
     rows = [
-        "| lever | run config | saves | costs | runs on | planner term |",
+        "| lever | run config | saves | costs | runs on | planner term (modelled from) |",
         "|---|---|---|---|---|---|",
     ]
     for lv in LEVERS:
         key = f"`{lv.config_key}`" if lv.config_key else "always on in the engine"
         term = "measured on CPU" if lv.measured else "modelled, not yet measured"
-        rows.append(f"| {lv.label} | {key} | {lv.saves} | {lv.costs} | {lv.runs_on} | {term} |")
+        rows.append(
+            f"| {lv.label} | {key} | {lv.saves} | {lv.costs} | {lv.runs_on} | {term} (`{lv.source}`) |"
+        )
     return "\n".join(rows)
 
 
