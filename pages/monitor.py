@@ -12,7 +12,7 @@ from streamlit.runtime.pages_manager import PagesManager
 
 from core.monitor import gpu
 from core.monitor.series import DEFAULT_SMOOTHING_STEPS
-from core.monitor.watch import CHANCE_ACCURACY, RunWatcher
+from core.monitor.watch import CHANCE_ACCURACY, RunWatcher, run_method
 from core.runs.launcher import RunError, launch, list_runs, stop_run
 from core.runs.rundir import LIVE_STATES, latest_checkpoint
 from core.workspace import default_workspace
@@ -318,6 +318,7 @@ if st.session_state.get("mon_run") not in paths or st.session_state.get("mon_for
     st.session_state["mon_run"] = wanted  # follow a run chosen on another page
     st.session_state["mon_for"] = wanted
 by_path = {str(r.path): r for r in runs}
+methods = {p: run_method(p) for p in paths}
 c1, c2 = st.columns([4, 1], vertical_alignment="bottom")
 run_dir = c1.selectbox(
     "Run",
@@ -325,7 +326,8 @@ run_dir = c1.selectbox(
     key="mon_run",
     # Outside the live fragment this label is not redrawn each tick: a live run says "live", not a stale state.
     format_func=lambda p: (
-        f"{by_path[p].name} · {'live' if by_path[p].state in LIVE_STATES else by_path[p].state}"
+        f"{by_path[p].name}{' · ' + methods[p].upper() if methods[p] else ''} · "
+        f"{'live' if by_path[p].state in LIVE_STATES else by_path[p].state}"
     ),
 )
 st.session_state["monitor_run"] = run_dir

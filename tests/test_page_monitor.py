@@ -196,6 +196,7 @@ def test_dpo_run_shows_rewards_accuracy_and_logps_under_the_loss(workspace):
 
     run = write_dpo_run(workspace / "runs" / "dpo", "healthy", steps=100, state="finished")
     at = _page(workspace, run)
+    assert any(" · DPO · " in label for label in at.selectbox(key="mon_run").options)  # the selector names it
     charts = _titled_charts(at)
     titles = list(charts)
     assert titles[0] == "Loss" and all(t in titles for t in DPO_TITLES)

@@ -168,6 +168,18 @@ def _config_method(path: Path, size: int) -> tuple[str | None, bool]:
     return (method.strip().lower() or None) if isinstance(method, str) else None, True
 
 
+def run_method(run_dir: str | os.PathLike) -> str | None:
+    """The method a run's config.yaml names ("sft" when it names none), None without a readable config: for the
+    run selectors' labels (the watcher also goes by the metrics)."""
+    path = Path(run_dir) / rundir.CONFIG
+    try:
+        size = path.stat().st_size
+    except OSError:
+        return None
+    method, readable = _config_method(path, size)
+    return method or ("sft" if readable else None)
+
+
 def resolve_method(config_method: str | None, config_exists: bool, series: RunSeries) -> str | None:
     """What the run is: DPO when its config says so or its metrics carry DPO's rewards (robust to a config that
     is missing or unreadable); else the config's method, "sft" for a config without one (the default), None
