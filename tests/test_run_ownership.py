@@ -64,7 +64,8 @@ def test_cli_started_run_is_listed_stopped_and_seen_dead(workspace, tiny_llama):
     proc, run_dir = _start_cli_trainer(workspace, tiny_llama, "from-terminal", max_steps=2000)
     listed = json.loads(_runs_cli(workspace, "list", "--json").stdout)
     assert [(r["name"], r["state"], r["pid"]) for r in listed] == [("from-terminal", "running", proc.pid)]
-    assert set(listed[0]) >= {"name", "state", "pid", "step", "loss", "malformed", "reason"}
+    assert set(listed[0]) >= {"name", "method", "state", "pid", "step", "loss", "malformed", "reason"}
+    assert listed[0]["method"] == "sft"
     out = _runs_cli(workspace, "stop", "from-terminal")
     assert out.returncode == 0 and out.stdout.strip() == "from-terminal: stopped", out.stderr
     assert proc.poll() is not None  # `stop` returns once the process has exited

@@ -23,6 +23,7 @@ EXIT_BAD_INPUT = 2
 def run_object(info: RunInfo) -> dict:
     """What `list --json` / `show --json` print for one run."""
     from core.monitor.tail import JsonlTail
+    from core.monitor.watch import run_method
 
     tail = JsonlTail(info.path / rundir.METRICS)
     loss = None
@@ -32,6 +33,7 @@ def run_object(info: RunInfo) -> dict:
             loss = float(value)
     return {
         "name": info.name,
+        "method": run_method(info.path),
         "path": str(info.path),
         "state": info.state,
         "alive": info.alive,
@@ -62,7 +64,8 @@ def _print_run(obj: dict, as_json: bool) -> None:
         return
     loss = f"{obj['loss']:.4g}" if obj["loss"] is not None else "-"
     pid = obj["pid"] if obj["alive"] else "-"
-    print(f"{obj['name']:<32} {obj['state']:<9} step {obj['step']:>6}  loss {loss:<8} pid {pid}")
+    method = obj.get("method") or "-"
+    print(f"{obj['name']:<32} {method:<4} {obj['state']:<9} step {obj['step']:>6}  loss {loss:<8} pid {pid}")
     if obj["reason"] and obj["state"] in ("failed", "stopped"):
         print(f"    {obj['reason'].splitlines()[0]}")
 
