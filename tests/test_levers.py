@@ -395,3 +395,14 @@ def test_cli_plans_the_largest_batch_of_a_configs_real_rows(tmp_path, tiny_llama
     assert batch["device_total_bytes"] < data["device_total_bytes"]
     bad = _cli("--model", LLAMA8B, "--data-lengths")
     assert bad.returncode == 2 and "--config" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_max_context_benchmark_meets_its_goal():
+    """benchmarks/max_context.py (planner only, about a second): engine >= 4x the plain path, every lever >= 80k."""
+    out = subprocess.run(
+        [sys.executable, "benchmarks/max_context.py"], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    headline = out.stdout.strip().splitlines()[-1]
+    assert headline.startswith("max_context: ") and "(goal >= 80000, >= 4x)" in headline
+    assert int(headline.split()[1]) >= 80_000
