@@ -222,3 +222,12 @@ def test_dpo_with_an_explicit_reference_model_trains(tmp_path, tiny_llama, prefs
     assert any(
         "rewards/margins" in json.loads(line) for line in (run_dir / rundir.METRICS).read_text().splitlines()
     )
+
+
+def test_a_dpo_plan_pads_even_with_padding_free_ticked():
+    """DPOTrainer 1.16 has no packing and turns padding-free off: the plan keeps [chosen; rejected] rows padded."""
+    plan = Plan(model="meta-llama/Llama-2-7b-hf", dpo=True, padding_free=True, batch_size=2, seq_len=1024)
+    est = estimate(plan)
+    assert (est.batch_rows, est.batch_length) == (4, 1024)
+    assert est.components == estimate(replace(plan, padding_free=False)).components
+    assert any("DPO pads" in w for w in est.warnings)

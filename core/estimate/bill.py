@@ -219,6 +219,10 @@ def validate(plan: Plan) -> list[str]:
         for name, on in (("activation_offloading", plan.activation_offloading), ("liger", plan.liger)):
             if on:
                 warnings.append(f"{name} works on a CUDA GPU only: a CPU run does without it (planned so).")
+    if plan.dpo and (plan.padding_free or plan.packing):
+        warnings.append(
+            "DPO pads its chosen and rejected rows (DPOTrainer has no packing or padding-free): planned so."
+        )
     if flat_batch(plan) and plan.attn == "sdpa" and packed_sequences(plan):
         warnings.append(
             "Padding-free batches on sdpa attention build a (tokens x tokens) mask, converted to the compute "
@@ -229,7 +233,9 @@ def validate(plan: Plan) -> list[str]:
 
 def flat_batch(plan: Plan) -> bool:
     """Does the collator concatenate the batch's rows into one sequence? TRL turns padding-free on for BFD
-    packing whatever padding_free says (SFTTrainer.__init__)."""
+    packing whatever padding_free says (SFTTrainer.__init__); DPOTrainer 1.16 turns it off (it pads)."""
+    if plan.dpo:
+        return False
     return plan.padding_free or (plan.packing and plan.packing_strategy in ("bfd", "bfd_split"))
 
 
