@@ -16,6 +16,7 @@ from core.estimate.from_config import plan_for_config
 from core.measure.step import MeasurePlan, measure_plan, planner_plan
 from core.runs import rundir
 from core.train.config import ConfigError, plan_to_config, validate_config
+from tests.cli import train
 
 REPO = Path(__file__).resolve().parent.parent
 GOAL = 0.03
@@ -140,20 +141,10 @@ def test_dpo_run_through_core_train_learns_the_preference_on_heldout_pairs(tmp_p
     the adapter is saved, and on held-out pairs (data.eval_split) the policy's implicit reward ranks the chosen
     answer first. (A random tiny model still finds the shorter answer likelier in absolute terms; the demo's
     absolute preference accuracy is test_demo_run_dpo_prints_its_preference_accuracy.)"""
-    from core.train.config import dump_config
-
     run_dir = tmp_path / "run"
-    run_dir.mkdir()
     cfg = _cfg(tiny_llama, prefs[0], eval_steps=10)
     cfg["data"]["eval_split"] = 0.1
-    cfg_path = dump_config(cfg, run_dir / rundir.CONFIG)
-    proc = subprocess.run(
-        [sys.executable, "-m", "core.train", str(cfg_path), "--run-dir", str(run_dir)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = train(cfg, run_dir)
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = [json.loads(line) for line in (run_dir / rundir.METRICS).read_text().splitlines() if line]
     accuracies = [m["rewards/accuracies"] for m in metrics if "rewards/accuracies" in m]
@@ -202,20 +193,10 @@ def test_dpo_smoke_test_measures_a_max_length_pair_step(workspace, tiny_llama, p
 
 def test_dpo_with_an_explicit_reference_model_trains(tmp_path, tiny_llama, prefs):
     """model.reference_path: DPOTrainer gets that model (loaded like the base) as its frozen reference."""
-    from core.train.config import dump_config
-
     cfg = _cfg(tiny_llama, prefs[0], max_steps=2, logging_steps=1, save_steps=2)
     cfg["model"]["reference_path"] = str(tiny_llama)
     run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    cfg_path = dump_config(cfg, run_dir / rundir.CONFIG)
-    proc = subprocess.run(
-        [sys.executable, "-m", "core.train", str(cfg_path), "--run-dir", str(run_dir)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = train(cfg, run_dir)
     assert proc.returncode == 0, proc.stderr[-3000:]
     plan = json.loads((run_dir / rundir.PLAN).read_text())
     assert plan["plan"]["dpo_reference"] == "copy" and plan["components"]["reference_model"] > 0

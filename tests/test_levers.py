@@ -23,6 +23,7 @@ from core.estimate.bill import (
 from core.estimate.levers import LEVERS, lever_savings, modelled_note, readme_table
 from core.estimate.specs import load_spec, lora_targets, normalize_targets
 from core.measure.step import MeasurePlan, measure_plan, planner_plan
+from tests.cli import train
 
 REPO = Path(__file__).resolve().parent.parent
 GOAL = 0.03  # benchmarks/estimator_accuracy.py: median <= 3%
@@ -317,7 +318,7 @@ def test_core_train_runs_the_cpu_levers(tmp_path, tiny_llama, uneven_rows, lever
     max_length is set, so the engine truncates the rows itself and hands TRL max_length None. Activation
     offloading (CUDA only; TRL's raises without an accelerator) is left out on a CPU, with a note."""
     from core.runs import rundir
-    from core.train.config import dump_config, validate_config
+    from core.train.config import validate_config
 
     cfg = validate_config(
         {
@@ -336,15 +337,7 @@ def test_core_train_runs_the_cpu_levers(tmp_path, tiny_llama, uneven_rows, lever
         }
     )
     run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    cfg_path = dump_config(cfg, run_dir / rundir.CONFIG)
-    proc = subprocess.run(
-        [sys.executable, "-m", "core.train", str(cfg_path), "--run-dir", str(run_dir)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = train(cfg, run_dir)
     assert proc.returncode == 0, proc.stderr[-3000:]
     plan = json.loads((run_dir / rundir.PLAN).read_text())["plan"]
     assert all(plan[k] == v for k, v in levers.items())

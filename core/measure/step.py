@@ -121,6 +121,18 @@ def _plan_from_run_config(cfg: dict, device: str = "cpu") -> MeasurePlan:
     return from_planner(plan_for_config(cfg, device=device), max_grad_norm=cfg["training"]["max_grad_norm"])
 
 
+# Fields a MeasurePlan and a core.estimate Plan share under the same name and meaning (the levers, DPO)
+SAME_NAMED = (
+    "padding_free",
+    "packing",
+    "packing_strategy",
+    "dpo",
+    "dpo_precompute_ref",
+    "activation_offloading",
+    "liger",
+)
+
+
 def from_planner(plan, max_grad_norm: float = 1.0) -> MeasurePlan:
     """The MeasurePlan of a core.estimate Plan (the inverse of planner_plan)."""
     long = {v: k for k, v in {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.items()}
@@ -144,13 +156,7 @@ def from_planner(plan, max_grad_norm: float = 1.0) -> MeasurePlan:
             gradient_checkpointing=plan.gradient_checkpointing,
             attn=plan.attn,
             optim=plan.optim,
-            padding_free=plan.padding_free,
-            packing=plan.packing,
-            packing_strategy=plan.packing_strategy,
-            dpo=plan.dpo,
-            dpo_precompute_ref=plan.dpo_precompute_ref,
-            activation_offloading=plan.activation_offloading,
-            liger=plan.liger,
+            **{name: getattr(plan, name) for name in SAME_NAMED},
             max_grad_norm=max_grad_norm,
         )
     )
@@ -683,13 +689,7 @@ def planner_plan(model: str, plan: MeasurePlan, device: str = "cpu"):
         gradient_checkpointing=plan.gradient_checkpointing,
         attn=plan.attn,
         optim=plan.optim,
-        padding_free=plan.padding_free,
-        packing=plan.packing,
-        packing_strategy=plan.packing_strategy,
-        dpo=plan.dpo,
-        dpo_precompute_ref=plan.dpo_precompute_ref,
-        activation_offloading=plan.activation_offloading,
-        liger=plan.liger,
+        **{name: getattr(plan, name) for name in SAME_NAMED},
         device="cpu" if device == "cpu" else "cuda",
         autocast=autocast is not None,
     )

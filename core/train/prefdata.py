@@ -22,7 +22,14 @@ import reprlib
 from typing import Any
 
 from core.train.data import DataError, load_rows
-from core.train.preflight import Finding, _is_blank, _text_config, format_rows, token_findings
+from core.train.preflight import (
+    Finding,
+    _is_blank,
+    format_rows,
+    max_length_findings,
+    model_limits,
+    token_findings,
+)
 
 PREF_FORMATS = ("standard", "conversational")
 PAIR_KEYS = ("prompt", "chosen", "rejected")
@@ -392,19 +399,8 @@ def check_pairs(rows, tokenizer, max_length: int, model_config=None, fmt: str = 
             )
         ]
 
-    findings: list[Finding] = []
-    text_conf = _text_config(model_config) if model_config is not None else None
-    vocab = getattr(text_conf, "vocab_size", None)
-    max_pos = getattr(text_conf, "max_position_embeddings", None) or getattr(text_conf, "n_positions", None)
-    if max_pos and max_length > max_pos:
-        findings.append(
-            Finding(
-                "error",
-                "position_limit",
-                f"training.max_length {max_length} is longer than the model's max_position_embeddings {max_pos}.",
-                f"Set training.max_length to {max_pos} or less.",
-            )
-        )
+    vocab, max_pos = model_limits(model_config)
+    findings: list[Finding] = max_length_findings(max_length, max_pos)
 
     structure: dict[str, tuple[list[int], str]] = {}
     empty, identical, long_prompt, truncated, cut_same, over_vocab, over_pos = [], [], [], [], [], [], []

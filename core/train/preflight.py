@@ -181,6 +181,28 @@ def _empty_rows(ds, fmt: str) -> list[int]:
     return bad
 
 
+def model_limits(model_config) -> tuple[int | None, int | None]:
+    """(vocab_size, max positions) of a model config (its text config for multimodal ones), None where absent."""
+    text_conf = _text_config(model_config) if model_config is not None else None
+    vocab = getattr(text_conf, "vocab_size", None)
+    max_pos = getattr(text_conf, "max_position_embeddings", None) or getattr(text_conf, "n_positions", None)
+    return vocab, max_pos
+
+
+def max_length_findings(max_length: int, max_pos: int | None) -> list[Finding]:
+    """training.max_length beyond the model's positions: an error, for SFT and DPO alike."""
+    if not (max_pos and max_length > max_pos):
+        return []
+    return [
+        Finding(
+            "error",
+            "position_limit",
+            f"training.max_length {max_length} is longer than the model's max_position_embeddings {max_pos}.",
+            f"Set training.max_length to {max_pos} or less.",
+        )
+    ]
+
+
 def token_findings(
     over_vocab: list[int], vocab: int, tokenizer_size: int, over_pos: list[int], max_pos: int, max_length: int
 ) -> list[Finding]:
@@ -271,19 +293,9 @@ def run_preflight(cfg: dict, tokenizer=None, model_config=None) -> list[Finding]
             )
         )
 
-    text_conf = _text_config(model_config)
-    vocab = getattr(text_conf, "vocab_size", None)
-    max_pos = getattr(text_conf, "max_position_embeddings", None) or getattr(text_conf, "n_positions", None)
+    vocab, max_pos = model_limits(model_config)
     max_length = cfg["training"]["max_length"]
-    if max_pos and max_length > max_pos:
-        findings.append(
-            Finding(
-                "error",
-                "position_limit",
-                f"training.max_length {max_length} is longer than the model's max_position_embeddings {max_pos}.",
-                f"Set training.max_length to {max_pos} or less.",
-            )
-        )
+    findings += max_length_findings(max_length, max_pos)
 
     over_vocab, over_pos, truncated, nothing_to_learn = [], [], [], []
     for i, row in enumerate(ds):
