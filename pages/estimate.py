@@ -3,22 +3,23 @@
 from __future__ import annotations
 
 import importlib
-from dataclasses import replace
 
 import streamlit as st
 from streamlit.runtime.pages_manager import PagesManager
 
 from core.estimate.bill import (
+    ATTN,
     FIT_LIMIT,
     OPTIMIZERS,
     OUTSIDE_TORCH,
+    PACKING_STRATEGIES,
     TARGET_LOW,
     GiB,
     Plan,
     PlanError,
     estimate,
+    estimate_for_lengths,
     fit_search,
-    largest_batch_tokens,
     memory_curve,
     what_would_fit,
 )
@@ -126,11 +127,10 @@ def plan_form() -> Plan:
         gradient_checkpointing = st.checkbox(
             "Gradient checkpointing", value=d.gradient_checkpointing, key="gradient_checkpointing"
         )
-        attns = ["sdpa", "eager", "flash"]
         attn = st.selectbox(
             "Attention",
-            attns,
-            index=attns.index(d.attn),
+            ATTN,
+            index=ATTN.index(d.attn),
             key="attn",
             help="flash: flash_attention_2/3 (GPU); needed for padding-free batches without a mask",
         )
@@ -215,11 +215,10 @@ def plan_form() -> Plan:
         )
     with l2:
         packing = st.checkbox("Packing", value=d.packing, key="packing", help="training.packing")
-        strategies = ["bfd", "bfd_split", "wrapped"]
         packing_strategy = st.selectbox(
             "Packing strategy",
-            strategies,
-            index=strategies.index(d.packing_strategy),
+            PACKING_STRATEGIES,
+            index=PACKING_STRATEGIES.index(d.packing_strategy),
             key="packing_strategy",
             disabled=not packing,
         )
@@ -356,8 +355,7 @@ def show(plan: Plan) -> None:
         st.caption(f"⚠ {note}")
     lengths = st.session_state.get("data_lengths")
     if lengths:
-        tokens = largest_batch_tokens(lengths, plan)
-        real = estimate(replace(plan, batch_tokens=tokens), spec)
+        tokens, real = estimate_for_lengths(plan, lengths, spec)
         st.info(
             f"With your data ({len(lengths):,} rows measured on the Train page) the largest batch the sampler "
             f"can form holds **{tokens:,} tokens** (bound: {plan.batch_size * plan.seq_len:,}): device total "
@@ -439,7 +437,7 @@ def show(plan: Plan) -> None:
                         "saves GiB": round(r["saves_bytes"] / GiB, 2),
                         "costs": r["costs"],
                         "runs on": r["runs_on"],
-                        "planner term": "measured on CPU" if r["measured"] else "modelled, not yet measured",
+                        "planner term": r["term"],
                         "run config": r["config_key"] or "always on in the engine",
                         "modelled from": r["source"],
                     }

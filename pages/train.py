@@ -565,19 +565,16 @@ def verdict_panel(cfg: dict) -> dict | None:
 
 def _data_batch_caption(cfg: dict, est) -> None:
     """The peak for the largest batch the data's real rows can form, next to the max_length bound above."""
-    from dataclasses import replace
-
-    from core.estimate.bill import Plan, estimate, largest_batch_tokens
+    from core.estimate.bill import Plan, estimate_for_lengths
 
     if cfg.get("method") == "dpo":
         return
     try:
         lengths = _preview(config_to_yaml(cfg))["lengths"]
         plan = Plan.from_dict(est.plan)
-        tokens = largest_batch_tokens(lengths, plan)
+        tokens, real = estimate_for_lengths(plan, lengths)
         if not lengths or tokens >= plan.batch_size * plan.seq_len:
             return
-        real = estimate(replace(plan, batch_tokens=tokens))
     except (DataError, OSError, ValueError, PlanError, SpecError):
         return  # the preview below says what is wrong with the data
     st.caption(

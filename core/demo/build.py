@@ -385,7 +385,7 @@ def dpo_demo(out: Path, sft_adapter: Path) -> tuple[float, float]:
 
     from peft import PeftModel
 
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(merged), str(run_dir / "adapter"))
+    model = PeftModel.from_pretrained(sft_model, str(run_dir / "adapter"))  # on the model measured before
     after = preference_accuracy(model, tokenizer, heldout)
     says = chosen_accuracy(model, tokenizer, heldout)
     print(f"held-out answers in the preferred style after DPO: {says:.0%}", flush=True)

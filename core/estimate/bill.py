@@ -105,13 +105,11 @@ class Plan:
     # Memory levers (core.estimate.levers has the table: what each saves and costs, where it runs, its source).
     # SFTConfig.padding_free: the batch's rows concatenated into one sequence (position_ids), no padding.
     padding_free: bool = False
-    packing: bool = (
-        False  # SFTConfig.packing: rows filled up to max_length ("bfd" also turns padding-free on)
-    )
+    # SFTConfig.packing: rows filled up to max_length ("bfd" also turns padding-free on)
+    packing: bool = False
     packing_strategy: str = "bfd"
-    activation_offloading: bool = (
-        False  # SFTConfig.activation_offloading: saved activations to pinned CPU RAM
-    )
+    # SFTConfig.activation_offloading: saved activations to pinned CPU RAM
+    activation_offloading: bool = False
     liger: bool = False  # SFTConfig.use_liger_kernel: fused RMSNorm / SwiGLU / RoPE (Triton, CUDA)
     # Tokens in the largest batch the sampler can form from the data (0: the bound, batch_size x seq_len).
     # Padded batches: batch_size x the longest row; padding-free: the sum of the longest rows.
@@ -242,7 +240,7 @@ def flat_batch(plan: Plan) -> bool:
 def packed_sequences(plan: Plan) -> bool:
     """Does one sequence of the batch hold several documents (position_ids restart inside it)? Then transformers
     derives a block-diagonal mask from position_ids (masking_utils.find_packed_sequence_indices)."""
-    return flat_batch(plan) and (plan.packing or plan.batch_size * (2 if plan.dpo else 1) > 1)
+    return flat_batch(plan) and (plan.packing or plan.batch_size > 1)  # (never DPO: it pads)
 
 
 def batch_shape(plan: Plan) -> tuple[int, int]:
@@ -264,6 +262,13 @@ def largest_batch_tokens(lengths, plan: Plan) -> int:
     if flat_batch(plan):
         return sum(rows[: plan.batch_size])
     return plan.batch_size * rows[0]
+
+
+def estimate_for_lengths(plan: Plan, lengths, spec: ModelSpec | None = None) -> tuple[int, Estimate]:
+    """(tokens in the largest batch rows of these `lengths` can form, the estimate for that batch): the peak of
+    the real data next to the max_length bound `plan` describes."""
+    tokens = largest_batch_tokens(lengths, plan)
+    return tokens, estimate(replace(plan, batch_tokens=tokens), spec)
 
 
 def _check_against_spec(spec: ModelSpec, plan: Plan, targets) -> list[str]:
@@ -597,9 +602,8 @@ def activation_bytes(spec: ModelSpec, plan: Plan, targets, tokens: int) -> tuple
     outside = outside_layers_saved_bytes(spec, plan)
     if _checkpointing(plan):
         layer_inputs = spec.num_layers * spec.hidden_size * _dtypes(plan).hidden
-        if _liger(
-            plan
-        ):  # Liger's input norm saves the layer input itself, which the checkpoint holds already
+        # Liger's input norm saves the layer input itself, which the checkpoint holds already
+        if _liger(plan):
             per_layer -= saved.get("input_layernorm.input", 0)
         return int(tokens * (layer_inputs + outside)), int(tokens * per_layer)
     first = 0 if _embedding_output_requires_grad(plan) else first_layer_unsaved(saved, targets)
@@ -696,6 +700,7 @@ class FusedHead:
     forward: int  # held + the forward's tile temporaries, at its largest
     backward: int  # held + the backward's tile temporaries and fp32 gradient accumulators, at its largest
     end: int  # as the loss backward returns: the fp32 accumulators and their casts to the input dtypes
+    outputs: int  # its per-token outputs (log-probs, entropy, ...), alive until the loss is taken from them
 
 
 def fused_head_bytes(spec: ModelSpec, plan: Plan, rows: int) -> FusedHead:
@@ -766,7 +771,7 @@ def fused_head_bytes(spec: ModelSpec, plan: Plan, rows: int) -> FusedHead:
     # `.to(dtype)` of an fp32 accumulator is the same tensor when the input is fp32; the head's returned
     # gradient becomes its .grad (counted under gradients), so only a separate fp32 accumulator adds here.
     end = held + n_all * h * (4 + (hd if hd != 4 else 0)) + (grad_weight if wd != 4 else 0)
-    return FusedHead(held, forward, backward, end)
+    return FusedHead(held, forward, backward, end, outputs)
 
 
 def attention_mask_bytes(spec: ModelSpec, plan: Plan, tokens: int) -> tuple[int, int]:
@@ -927,12 +932,11 @@ def estimate(plan: Plan, spec: ModelSpec | None = None) -> Estimate:
         # transients: one layer at a time (stream, norm output, gate/up/product) or its head's tiles.
         d = _dtypes(plan)
         ref_layer = tokens * (3 * spec.hidden_size * d.hidden + 3 * spec.intermediate_size * d.proj)
-        policy_outputs = batch * (plan.seq_len - 1) * (4 + 4 + 4 + 1 + 1)
         reference_moment = {
             **static,
             "autocast_weight_copies": autocast_fwd,
             "activations": saved,
-            "lm_head_loss": fused.held + policy_outputs + max(ref_layer, fused.forward - fused.held),
+            "lm_head_loss": fused.held + fused.outputs + max(ref_layer, fused.forward - fused.held),
         }
         if sum(reference_moment.values()) > sum(phase_components["forward"].values()):
             phase_components["forward"] = reference_moment
@@ -1322,12 +1326,10 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --data-lengths reads a run config's data: give --config run.yaml too.", file=sys.stderr)
         return 2
     try:
-        if args.config:
-            plan = _plan_from_config_file(args)
-        else:
-            plan = Plan.from_dict(values)
+        cfg = _load_run_config(args.config) if args.config else None
+        plan = _plan_from_config(cfg, args) if cfg else Plan.from_dict(values)
         est = estimate(plan)
-        data_batch = _data_batch(args.config, plan) if args.data_lengths else None
+        data_batch = _data_batch(cfg, plan) if args.data_lengths else None
         fit = fit_search(plan)
         advice = what_would_fit(plan) if est.verdict != "fits" else []
     except (PlanError, SpecError) as exc:
@@ -1367,30 +1369,25 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _data_batch(config_path: str, plan: Plan) -> dict:
+def _data_batch(cfg: dict, plan: Plan) -> dict:
     """The largest batch the config's data can form (its rows tokenized as a run tokenizes them) and its plan."""
-    from core.train.config import ConfigError, load_config
     from core.train.data import DataError, preview_dataset
     from core.train.preflight import load_tokenizer_and_config
 
+    if cfg["method"] == "dpo":
+        raise PlanError(
+            "--data-lengths plans SFT rows; a DPO run's pairs are planned at the max_length bound."
+        )
     try:
-        cfg = load_config(config_path)
-        if cfg["method"] == "dpo":
-            raise PlanError(
-                "--data-lengths plans SFT rows; a DPO run's pairs are planned at the max_length bound."
-            )
         tokenizer, _ = load_tokenizer_and_config(cfg["model"])
-        lengths = preview_dataset(cfg["data"], tokenizer, n=0, length_rows=100_000, max_length=plan.seq_len)[
-            "lengths"
-        ]
-    except (ConfigError, DataError, OSError, ValueError) as exc:
+        preview = preview_dataset(cfg["data"], tokenizer, n=0, length_rows=100_000, max_length=plan.seq_len)
+    except (DataError, OSError, ValueError) as exc:
         raise PlanError(
             f"--data-lengths: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
         ) from None
-    tokens = largest_batch_tokens(lengths, plan)
-    est = estimate(replace(plan, batch_tokens=tokens))
+    tokens, est = estimate_for_lengths(plan, preview["lengths"])
     return {
-        "rows": len(lengths),
+        "rows": len(preview["lengths"]),
         "batch_tokens": tokens,
         "device_total_bytes": est.device_total_bytes,
         "tensor_peak_bytes": est.tensor_peak_bytes,
@@ -1398,15 +1395,19 @@ def _data_batch(config_path: str, plan: Plan) -> dict:
     }
 
 
-def _plan_from_config_file(args) -> Plan:
-    """The plan of a run config file, through core.estimate.from_config (the engine's one mapping)."""
-    from core.estimate.from_config import plan_for_config
+def _load_run_config(path: str) -> dict:
     from core.train.config import ConfigError, load_config
 
     try:
-        cfg = load_config(args.config)
+        return load_config(path)
     except ConfigError as exc:
         raise PlanError(str(exc)) from None
+
+
+def _plan_from_config(cfg: dict, args) -> Plan:
+    """The plan of a run config, through core.estimate.from_config (the engine's one mapping)."""
+    from core.estimate.from_config import plan_for_config
+
     return plan_for_config(
         cfg,
         gpu_gb=args.gpu_gb,

@@ -10,13 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from core.estimate.bill import (
-    FIT_LIMIT,
-    OPTIMIZERS,
-    Plan,
-    PlanError,
-    estimate,
-)
+from core.estimate.bill import OPTIMIZERS, Plan, PlanError, estimate
 from core.estimate.specs import ModelSpec, SpecError, load_spec
 
 
@@ -66,8 +60,9 @@ class Lever:
         return f"{self.config_key}: {value}"
 
     @property
-    def modelled_only(self) -> bool:
-        return not self.measured
+    def term(self) -> str:
+        """How far its planner term is checked."""
+        return "measured on CPU" if self.measured else "modelled, not yet measured"
 
 
 LEVERS: tuple[Lever, ...] = (
@@ -243,6 +238,7 @@ def lever_savings(plan: Plan, spec: ModelSpec | None = None) -> list[dict]:
                 "costs": lever.costs,
                 "runs_on": lever.runs_on,
                 "measured": lever.measured,
+                "term": lever.term,
                 "source": lever.source,
             }
         )
@@ -349,11 +345,11 @@ def _combined(plan: Plan, spec: ModelSpec, base) -> dict | None:
     """Greedy: add the keeping change that saves most, re-estimate, repeat; then halve the batch, then the length;
     then drop every change the plan still fits without (the last added, smallest, first): a short list to act on."""
 
-    def total(steps) -> tuple[Plan, object]:
+    def total(steps):
         p = plan
         for _, change, _ in steps:
             p = replace(p, **change)
-        return p, estimate(p, spec)
+        return estimate(p, spec)
 
     steps: list[tuple[str, dict, str]] = []
     current, est = plan, base
@@ -376,16 +372,15 @@ def _combined(plan: Plan, spec: ModelSpec, base) -> dict | None:
             if not keeps or "batch_size" in change:
                 continue
             try:
-                scored.append(
-                    (estimate(replace(current, **change), spec).device_total_bytes, label, change, cost)
-                )
+                scored.append((estimate(replace(current, **change), spec), label, change, cost))
             except (PlanError, SpecError):
                 continue
-        scored = [s for s in scored if s[0] < est.device_total_bytes]
+        scored = [s for s in scored if s[0].device_total_bytes < est.device_total_bytes]
         if not scored:
             break
-        _, label, change, cost = min(scored, key=lambda s: s[0])
-        apply(label, change, cost)
+        est, label, change, cost = min(scored, key=lambda s: s[0].device_total_bytes)
+        current = replace(current, **change)
+        steps.append((label, change, cost))
     while est.verdict != "fits" and current.batch_size > 1:
         if not apply("", {"batch_size": current.batch_size // 2, "batch_tokens": 0}, "more steps"):
             break
@@ -408,11 +403,11 @@ def _combined(plan: Plan, spec: ModelSpec, base) -> dict | None:
     steps = [s for s in steps if "batch_size" not in s[1] and "seq_len" not in s[1]] + list(final.values())
     for i in reversed(range(len(steps))):
         trial = steps[:i] + steps[i + 1 :]
-        if trial and total(trial)[1].verdict == "fits":
+        if trial and total(trial).verdict == "fits":
             steps = trial
     if len(steps) < 2:
         return None
-    _, est = total(steps)
+    est = total(steps)
     settings = {k: v for _, change, _ in steps for k, v in change.items()}
     keeps = not any(k in settings for k in ("seq_len", "method"))
     return _advice(
@@ -428,29 +423,27 @@ def _combined(plan: Plan, spec: ModelSpec, base) -> dict | None:
 
 def modelled_note(plan: Plan) -> str | None:
     """One sentence naming the levers of `plan` whose terms are modelled from their code but not yet measured."""
-    names = [lv.label for lv in LEVERS if lv.modelled_only and lv.applies(plan) and lv.is_on(plan)]
+    names = [lv.label for lv in LEVERS if not lv.measured and lv.applies(plan) and lv.is_on(plan)]
     if not names:
         return None
     return f"{', '.join(names)}: modelled from the library code, not yet measured on a GPU."
 
 
 def readme_table() -> str:
-    """The README's "Fitting more" table (tests/test_readme.py keeps the README in step with it)."""
+    """The README's "Fitting more" table (tests/test_levers.py keeps the README in step with it)."""
     rows = [
         "| lever | run config | saves | costs | runs on | planner term (modelled from) |",
         "|---|---|---|---|---|---|",
     ]
     for lv in LEVERS:
         key = f"`{lv.config_key}`" if lv.config_key else "always on in the engine"
-        term = "measured on CPU" if lv.measured else "modelled, not yet measured"
         rows.append(
-            f"| {lv.label} | {key} | {lv.saves} | {lv.costs} | {lv.runs_on} | {term} (`{lv.source}`) |"
+            f"| {lv.label} | {key} | {lv.saves} | {lv.costs} | {lv.runs_on} | {lv.term} (`{lv.source}`) |"
         )
     return "\n".join(rows)
 
 
 __all__ = [
-    "FIT_LIMIT",
     "LEVERS",
     "BY_FIELD",
     "Lever",

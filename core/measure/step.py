@@ -434,8 +434,9 @@ def make_batch(config, plan: MeasurePlan, seed: int = 0) -> dict:
             batch["ref_rejected_logps"] = -torch.rand(plan.batch_size, generator=g)
         return batch
     ids = torch.randint(0, config.vocab_size, (plan.batch_size, plan.seq_len), generator=g)
-    flat = plan.padding_free or (plan.packing and plan.packing_strategy in ("bfd", "bfd_split"))
-    if not flat:
+    from core.estimate.bill import flat_batch  # the planner's rule, read off the same-named fields
+
+    if not flat_batch(plan):
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 

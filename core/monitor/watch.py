@@ -170,14 +170,10 @@ def _config_method(path: Path, size: int) -> tuple[str | None, bool]:
 
 def run_method(run_dir: str | os.PathLike) -> str | None:
     """The method a run's config.yaml names ("sft" when it names none), None without a readable config: for the
-    run selectors' labels (the watcher also goes by the metrics)."""
-    path = Path(run_dir) / rundir.CONFIG
-    try:
-        size = path.stat().st_size
-    except OSError:
-        return None
-    method, readable = _config_method(path, size)
-    return method or ("sft" if readable else None)
+    run selectors' labels (the watcher also goes by the metrics). Re-read only when the file changed."""
+    cached = _cached_method(Path(run_dir))
+    method = cached.read()
+    return method or ("sft" if cached.exists else None)
 
 
 def resolve_method(config_method: str | None, config_exists: bool, series: RunSeries) -> str | None:
@@ -493,11 +489,16 @@ def _files_for(run_dir: Path) -> RunFiles:
     return files
 
 
-def _method_for(run_dir: Path, s: RunSeries) -> str | None:
+def _cached_method(run_dir: Path) -> _CachedMethod:
     key = str(run_dir.resolve())
     cached = _METHOD_CACHE.get(key)
     if cached is None:
         cached = _METHOD_CACHE[key] = _CachedMethod(run_dir / rundir.CONFIG)
+    return cached
+
+
+def _method_for(run_dir: Path, s: RunSeries) -> str | None:
+    cached = _cached_method(run_dir)
     return resolve_method(cached.read(), cached.exists, s)
 
 

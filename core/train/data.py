@@ -221,10 +221,16 @@ def prepare_datasets(cfg: dict, tokenizer):
     tok = tok.filter(lambda r: any(label != IGNORE_INDEX for label in r["labels"]), keep_in_memory=True)
     if len(tok) == 0:
         raise DataError("data: no row has a token left to learn after masking and truncation; run preflight.")
-    if data["eval_split"] > 0 and len(tok) >= 4:
-        parts = tok.train_test_split(test_size=data["eval_split"], seed=cfg["training"]["seed"])
+    return split_eval(tok, cfg)
+
+
+def split_eval(ds, cfg: dict):
+    """(train, held-out or None): data.eval_split of the rows held out with training.seed (at least 4 rows)."""
+    share = cfg["data"]["eval_split"]
+    if share > 0 and len(ds) >= 4:
+        parts = ds.train_test_split(test_size=share, seed=cfg["training"]["seed"])
         return parts["train"], parts["test"]
-    return tok, None
+    return ds, None
 
 
 class Collator:

@@ -15,6 +15,9 @@ from core.runs import rundir
 
 # Library defaults the engine fills in where the run config leaves them unset
 LORA_ENGINE = {"task_type": "CAUSAL_LM"}
+# Levers that need a CUDA GPU (TRL's offloading looks up the accelerator; Liger's kernels are Triton): a run on a
+# CPU goes without them, as the planner plans it (core.train.trainer.choose_precision notes it).
+CUDA_ONLY = ("activation_offloading", "use_liger_kernel")
 
 
 def _dtype(name: str):
@@ -100,7 +103,7 @@ def training_args(
         t["report_to"] = report_to
     t.setdefault("report_to", "none")
     if prec is not None and prec["device"] == "cpu":
-        for key in ("activation_offloading", "use_liger_kernel"):  # core.train.trainer.CUDA_ONLY
+        for key in CUDA_ONLY:
             if t.get(key):
                 t[key] = False
     if t.get("padding_free") and not t.get("packing") and args_class is SFTConfig:
@@ -135,6 +138,3 @@ def training_args(
         use_cpu=bool(prec) and prec["device"] == "cpu",
         **t,
     )
-
-
-sft_config = training_args  # the name core.train used before DPO (an SFT config gives an SFTConfig)

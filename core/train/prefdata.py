@@ -21,7 +21,7 @@ from __future__ import annotations
 import reprlib
 from typing import Any
 
-from core.train.data import DataError, load_rows
+from core.train.data import DataError, load_rows, split_eval
 from core.train.preflight import (
     Finding,
     _is_blank,
@@ -271,11 +271,7 @@ def prepare_pair_datasets(cfg: dict):
     pairs = normalize_pairs(load_pref_rows(data), data["format"])
     if not pairs:
         raise DataError(f"data: {data['path']} has no preference pairs.")
-    ds = pairs_dataset(pairs)
-    if data["eval_split"] > 0 and len(ds) >= 4:
-        parts = ds.train_test_split(test_size=data["eval_split"], seed=cfg["training"]["seed"])
-        return parts["train"], parts["test"]
-    return ds, None
+    return split_eval(pairs_dataset(pairs), cfg)
 
 
 def run_pair_preflight(cfg: dict, tokenizer=None, model_config=None) -> list[Finding]:

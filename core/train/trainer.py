@@ -73,15 +73,12 @@ def choose_precision(cfg: dict) -> dict:
         if dtype == "float16":
             notes.append("float16 weights are not supported for CPU training: loading float32")
             dtype = "float32"
+        from core.train.engine_args import CUDA_ONLY
+
         for key in CUDA_ONLY:
             if t.get(key):
                 notes.append(f"training.{key} works on a CUDA GPU only: this CPU run goes without it")
     return {"device": device, "dtype": dtype, "bf16": bf16, "fp16": fp16, "notes": notes}
-
-
-# Levers that need a CUDA GPU (TRL's offloading looks up the accelerator; Liger's kernels are Triton): a run on a
-# CPU goes without them (core.train.engine_args), as the planner plans it.
-CUDA_ONLY = ("activation_offloading", "use_liger_kernel")
 
 
 # ---- model --------------------------------------------------------------------------------------------------
@@ -377,34 +374,33 @@ class SmokeCollator(Collator):
         self.max_length = max_length
 
     def __call__(self, features: list[dict]) -> dict:
-        import torch
-
         batch = super().__call__(features)  # counts the real tokens, as in a run
-        extra = self.max_length - batch["input_ids"].shape[1]
-        if extra > 0:
-            fill = {"input_ids": self.pad_token_id, "attention_mask": 1, "labels": IGNORE_INDEX}
-            for key, value in fill.items():
-                pad = torch.full((batch[key].shape[0], extra), value, dtype=batch[key].dtype)
-                batch[key] = torch.cat([batch[key], pad], dim=1)
-        return batch
+        fill = {"input_ids": self.pad_token_id, "attention_mask": 1, "labels": IGNORE_INDEX}
+        return _fill_to(batch, self.max_length, fill)
+
+
+def _fill_to(batch: dict, max_length: int, fill: dict) -> dict:
+    """Each tensor of `fill` in `batch` widened to max_length columns with its fill value (the smoke step's
+    rows are as long as the longest a run can meet)."""
+    import torch
+
+    extra = max_length - batch["input_ids"].shape[1]
+    if extra > 0:
+        for key, value in fill.items():
+            pad = torch.full((batch[key].shape[0], extra), value, dtype=batch[key].dtype)
+            batch[key] = torch.cat([batch[key], pad], dim=1)
+    return batch
 
 
 def PairSmokeCollator(pad_token_id: int, max_length: int):
     """SmokeCollator for DPO: TRL's DataCollatorForPreference, then the chosen and the rejected row filled up to
     training.max_length (attended, not scored: completion_mask 0), so the smoke step is the longest a run meets."""
-    import torch
     from trl.trainer.dpo_trainer import DataCollatorForPreference
 
     class _Filled(DataCollatorForPreference):
         def torch_call(self, examples):
-            batch = super().torch_call(examples)
-            extra = max_length - batch["input_ids"].shape[1]
-            if extra > 0:
-                fill = {"input_ids": pad_token_id, "attention_mask": 1, "completion_mask": 0}
-                for key, value in fill.items():
-                    pad = torch.full((batch[key].shape[0], extra), value, dtype=batch[key].dtype)
-                    batch[key] = torch.cat([batch[key], pad], dim=1)
-            return batch
+            fill = {"input_ids": pad_token_id, "attention_mask": 1, "completion_mask": 0}
+            return _fill_to(super().torch_call(examples), max_length, fill)
 
     return _Filled(pad_token_id=pad_token_id, max_length=max_length)
 
