@@ -199,7 +199,6 @@ def part_planner(dry: bool, cuda: bool, cache: Path) -> dict:
 
 def part_product(dry: bool, cuda: bool, work: Path) -> dict:
     from core.demo.build import build_demo, demo_config
-    from core.estimate.from_config import plan_json
     from core.monitor.watch import RunWatcher
     from core.runs import rundir
     from core.runs.admin import start_smoke_test
@@ -214,12 +213,12 @@ def part_product(dry: bool, cuda: bool, work: Path) -> dict:
         for section, values in extra.items():
             cfg[section].update(values)
         ws = work / "ws"
-        run = create_run(ws, f"truth-{variant}", cfg, plan_json(cfg))
+        run = create_run(ws, f"truth-{variant}", cfg)
         launch(run)
         info = wait_for(run, timeout=600)
         snap = RunWatcher(run).refresh()
         gpu_lines = len((run / rundir.GPU).read_text().splitlines()) if (run / rundir.GPU).exists() else 0
-        smoke_dir = start_smoke_test(ws, f"truth-{variant}", cfg, plan_json(cfg, smoke=True))
+        smoke_dir = start_smoke_test(ws, f"truth-{variant}", cfg)
         smoke = wait_for_smoke(smoke_dir, timeout=600) or {}
         out[variant] = {
             "state": info.state,

@@ -13,9 +13,8 @@ from streamlit.runtime.pages_manager import PagesManager
 from core import jobs
 from core.demo.build import demo_config, demo_dir, demo_ready, dpo_demo_config
 from core.estimate.bill import GiB, PlanError
-from core.estimate.from_config import estimate_for_config, plan_record
+from core.estimate.from_config import estimate_for_config, local_card
 from core.estimate.specs import SpecError
-from core.monitor import gpu
 from core.runs.admin import (
     check_fields,
     check_model_folder,
@@ -153,12 +152,6 @@ def _preflight(cfg_yaml: str) -> list[dict]:
     cfg = yaml.safe_load(cfg_yaml)
     tok, conf = _tokenizer_and_config(cfg["model"]["path"], cfg["model"]["trust_remote_code"])
     return [f.__dict__ for f in run_preflight(cfg, tok, conf)]
-
-
-@st.cache_data(ttl=30, show_spinner=False)
-def _cards() -> tuple[list[tuple[str, float]], str | None]:
-    devices, reason = gpu.detect_gpus()
-    return [(d.name, d.memory_total / GiB) for d in devices if d.memory_total], reason
 
 
 # ---- the form -------------------------------------------------------------------------------------------------
@@ -534,33 +527,34 @@ def _size(b: float) -> str:
     return f"{b / GiB:.2f} GiB" if b >= GiB / 10 else f"{b / 2**20:.1f} MiB"
 
 
-def _gpu_gb() -> tuple[float, str]:
-    plan = st.session_state.get("plan") or {}
-    if plan.get("gpu_gb"):
-        return float(plan["gpu_gb"]), "the Estimate page's card"
-    cards, _ = _cards()
-    if cards:
-        return cards[0][1], f"the detected {cards[0][0]}"
-    return 24.0, "a 24 GiB card (no GPU detected here; choose the card on the Estimate page)"
+@st.cache_resource(ttl=60, show_spinner=False)
+def _card():
+    """Where a run launched from this page trains: this machine's GPU, or its CPU and RAM."""
+    return local_card()
 
 
-def verdict_panel(cfg: dict) -> dict | None:
-    """The planner's verdict for this config on the card; returns the plan.json record (or None)."""
-    gpu_gb, where = _gpu_gb()
+def verdict_panel(cfg: dict) -> None:
+    """The planner's verdict for this config where Launch trains it: the plan.json the trainer will write."""
+    card = _card()
     try:
-        est = estimate_for_config(cfg, gpu_gb, "cuda")
+        est = estimate_for_config(cfg, card.gpu_gb, card.device)
     except (PlanError, SpecError, ValueError) as exc:
         st.warning(f"No memory estimate for this config: {exc}")
-        return None
+        return
     VERDICT.get(est.verdict, st.info)(
-        f"**{est.verdict.capitalize()}** on {where}: {_size(est.device_total_bytes)} of "
+        f"**{est.verdict.capitalize()}** on {card.label}: {_size(est.device_total_bytes)} of "
         f"{est.gpu_bytes / GiB:.0f} GiB ({est.fraction:.0%}); tensor peak {_size(est.tensor_peak_bytes)} "
         f"in the {est.peak_phase} phase."
     )
+    estimate_card = (st.session_state.get("plan") or {}).get("gpu_gb")
+    if estimate_card and abs(float(estimate_card) - card.gpu_gb) > 0.5:
+        st.caption(
+            f"Planned for this machine, where Launch trains it; the Estimate page plans the {estimate_card:g} GiB "
+            "card you chose there."
+        )
     for w in est.warnings:
         st.caption(f"planner: {w}")
     _data_batch_caption(cfg, est)
-    return plan_record(est)
 
 
 def _data_batch_caption(cfg: dict, est) -> None:
@@ -718,15 +712,8 @@ def smoke_panel(workspace: str, cfg: dict, name: str) -> None:
     running = latest_smoke(workspace, name)
     live = running is not None and smoke_result(running) is None
     if st.button("Smoke test", key="tr_smoke", icon=":material/science:", disabled=live):
-        devices, _ = gpu.detect_gpus()
-        device = "cuda" if devices else "cpu"
-        gpu_gb, _ = _gpu_gb()
         try:
-            plan = plan_record(estimate_for_config(cfg, gpu_gb, device, smoke=True))
-        except (PlanError, SpecError, ValueError):
-            plan = None
-        try:
-            start_smoke_test(workspace, name, cfg, plan)  # its own process: the page does not wait for it
+            start_smoke_test(workspace, name, cfg)  # its own process (and plan.json): the page does not wait
         except (RunError, WorkspaceError, ConfigError) as exc:
             st.error(str(exc))
             return
@@ -793,9 +780,7 @@ def yaml_panel(raw: dict, errors: dict) -> None:
             st.rerun()
 
 
-def launch_button(
-    workspace: str, cfg: dict | None, name: str, plan: dict | None, blocked: str | None
-) -> None:
+def launch_button(workspace: str, cfg: dict | None, name: str, blocked: str | None) -> None:
     if blocked:
         st.caption(blocked)
     if st.button(
@@ -805,7 +790,7 @@ def launch_button(
             st.error(f"Not launched: {blocked}")
             return
         try:
-            run_dir = create_run(workspace, name, cfg, plan)
+            run_dir = create_run(workspace, name, cfg)
             launch(run_dir)
         except (RunError, WorkspaceError, ConfigError) as exc:
             st.error(f"Not launched: {exc}")
@@ -884,8 +869,9 @@ if not errors:
 
 st.divider()
 st.subheader("Memory plan")
-plan = verdict_panel(cfg) if cfg else None
-if not cfg:
+if cfg:
+    verdict_panel(cfg)
+else:
     st.caption("Fix the marked fields to see the estimate, the data preview and the preflight report.")
 
 blocked = None
@@ -901,6 +887,6 @@ if cfg:
 st.subheader("Smoke test and launch")
 if cfg and not errors:
     smoke_panel(workspace, cfg, name)
-launch_button(workspace, cfg, name, plan, blocked)
+launch_button(workspace, cfg, name, blocked)
 st.divider()
 yaml_panel(raw, errors)

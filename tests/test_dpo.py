@@ -186,7 +186,7 @@ def test_dpo_smoke_test_measures_a_max_length_pair_step(workspace, tiny_llama, p
     cfg = _cfg(tiny_llama, prefs[0])
     plan = plan_record(estimate_for_config(cfg, 24.0, "cpu", smoke=True))
     assert plan["plan"]["dpo"] and plan["batch_rows"] == 2 and plan["batch_length"] == 32
-    result = wait_for_smoke(start_smoke_test(workspace, "dpo-smoke", cfg, plan), timeout=300)
+    result = wait_for_smoke(start_smoke_test(workspace, "dpo-smoke", cfg), timeout=300)
     assert result is not None and result["state"] == "finished", result
     assert result["peak_bytes"] > 0 and abs(result["peak_bytes"] / result["estimate_bytes"] - 1) <= 0.10
 

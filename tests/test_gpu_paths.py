@@ -242,7 +242,11 @@ def test_fp16_mixed_precision_gets_float32_trainable_weights(tiny_llama):
     cfg["model"]["path"] = str(tiny_llama)
     cfg["model"]["dtype"] = "float16"
     cfg["lora"]["enabled"] = False
-    prec = {"device": "cpu", "dtype": "float16", "bf16": False, "fp16": True, "notes": []}
+    from dataclasses import replace
+
+    from core.precision import Device, Precision
+
+    prec = Precision(Device.of("cpu"), "float16", "float16", autocast=True, bf16=False, fp16=True)
     model = load_model(cfg, prec)
     trainable = [p for p in model.parameters() if p.requires_grad]
     assert trainable and all(p.dtype == torch.float32 for p in trainable)
@@ -254,7 +258,7 @@ def test_fp16_mixed_precision_gets_float32_trainable_weights(tiny_llama):
     scaler.scale(loss).backward()
     scaler.unscale_(opt)
     # Control: without fp16 AMP the weights stay as loaded, and the scaler refuses such gradients.
-    plain = load_model(cfg, {**prec, "fp16": False})
+    plain = load_model(cfg, replace(prec, fp16=False, autocast=False))
     assert {p.dtype for p in plain.parameters() if p.requires_grad} == {torch.float16}
     opt16 = torch.optim.SGD([p for p in plain.parameters() if p.requires_grad], lr=0.0)
     scaler16 = torch.amp.GradScaler("cpu")

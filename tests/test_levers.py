@@ -364,7 +364,7 @@ def test_smoke_test_of_a_padding_free_config_measures_its_one_full_row(workspace
     )
     plan = plan_record(estimate_for_config(cfg, 24.0, "cpu", smoke=True))
     assert plan["plan"]["padding_free"] is False and plan["batch_rows"] == 1
-    result = wait_for_smoke(start_smoke_test(workspace, "pf-smoke", cfg, plan), timeout=300)
+    result = wait_for_smoke(start_smoke_test(workspace, "pf-smoke", cfg), timeout=300)
     assert result is not None and result["state"] == "finished", result
     assert abs(result["peak_bytes"] / result["estimate_bytes"] - 1) <= 0.10, result
 

@@ -144,3 +144,106 @@ def test_plan_to_config_is_the_inverse_of_the_mapping(tiny_llama, dataset, varia
     cfg = _config(tiny_llama, dataset, VARIANTS[variant])
     plan = plan_for_config(cfg, device="cuda")
     assert plan_for_config(plan_to_config(asdict(plan), cfg), device="cuda") == plan
+
+
+# ---- one plan per run, wherever it is asked (issue #20 item 2) --------------------------------------------------
+
+TOTALS = ("tensor_peak_bytes", "reserved_peak_bytes", "device_total_bytes")
+RUN_VARIANTS = {
+    "sft-demo-shape": {"training": {"max_steps": 1, "per_device_train_batch_size": 2}},
+    "qlora": {
+        "quantization": {"load_in_4bit": True},
+        "training": {"max_steps": 1, "optim": "paged_adamw_8bit", "per_device_train_batch_size": 2},
+    },
+    "dpo": {"method": "dpo", "training": {"max_steps": 1, "per_device_train_batch_size": 2}},
+}
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    path = tmp_path_factory.mktemp("pairs") / "pairs.jsonl"
+    rows = [{"prompt": f"Say {i}", "chosen": f" {i}!", "rejected": f" {i + 1}"} for i in range(8)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _cli(*args, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def _run_config(tiny_llama, dataset, pairs, variant):
+    extra = dict(RUN_VARIANTS[variant])
+    data = pairs if extra.get("method") == "dpo" else dataset
+    raw = {"model": {"path": str(tiny_llama)}, "data": {"path": str(data)}, "training": {"max_length": 64}}
+    for section, values in extra.items():
+        if isinstance(values, dict):
+            raw.setdefault(section, {}).update(values)
+        else:
+            raw[section] = values
+    return validate_config(raw)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", RUN_VARIANTS)
+def test_one_plan_per_run_wherever_it_is_asked(tiny_llama, dataset, pairs, variant, tmp_path):
+    """The trainer's plan.json (written for the device it really trains on), `core.train --dry-run`,
+    `core.estimate --config` and the Train page's verdict: the same three totals for the same config."""
+    from streamlit.testing.v1 import AppTest
+
+    cfg = _run_config(tiny_llama, dataset, pairs, variant)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    path = dump_config(cfg, run_dir / "config.yaml")
+    trained = _cli("-m", "core.train", str(path), "--run-dir", str(run_dir))
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    written = json.loads((run_dir / "plan.json").read_text())
+    assert written["plan"]["device"] == "cpu"  # no CUDA GPU here: the trainer planned the CPU run it did
+
+    dry = _cli("-m", "core.train", str(path), "--dry-run")
+    assert dry.returncode == 0, dry.stderr[-2000:]
+    cli = _cli("-m", "core.estimate", "--config", str(path), "--json")
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    for other in (json.loads(dry.stdout), json.loads(cli.stdout)):
+        assert {k: other[k] for k in TOTALS} == {k: written[k] for k in TOTALS}
+        assert other["plan"] == written["plan"]
+
+    page = AppTest.from_file(str(ROOT / "pages" / "train.py"), default_timeout=180)
+    page.session_state["workspace"] = str(tmp_path / "ws")
+    page.session_state["train_config"] = cfg
+    page.run()
+    assert not page.exception, page.exception
+    verdict = next(m.value for m in [*page.success, *page.warning, *page.error] if "tensor peak" in m.value)
+    mib = f"{written['tensor_peak_bytes'] / 2**20:.1f} MiB"
+    gib = written["device_total_bytes"] / 2**30
+    total = f"{gib:.2f} GiB" if gib >= 0.1 else f"{written['device_total_bytes'] / 2**20:.1f} MiB"
+    assert f"tensor peak {mib}" in verdict and f": {total} of" in verdict, (verdict, written)
+    assert "CPU" in verdict  # it names where it plans: this machine's CPU, not a CUDA card
+
+
+@pytest.mark.parametrize("variant", RUN_VARIANTS)
+def test_a_cuda_plan_is_the_same_from_dry_run_and_estimate(tiny_llama, dataset, pairs, variant, tmp_path):
+    cfg = _run_config(tiny_llama, dataset, pairs, variant)
+    path = dump_config(cfg, tmp_path / "run.yaml")
+    card = ("--device", "cuda", "--gpu-gb", "24")
+    dry = json.loads(_cli("-m", "core.train", str(path), "--dry-run", *card).stdout)
+    cli = json.loads(_cli("-m", "core.estimate", "--config", str(path), "--json", *card).stdout)
+    mine = plan_json(cfg, 24.0, "cuda")
+    assert dry["plan"]["device"] == "cuda" and dry["plan"]["compute_dtype"] == "bf16"
+    for other in (dry, cli):
+        assert {k: other[k] for k in TOTALS} == {k: mine[k] for k in TOTALS}
+
+
+def test_train_page_plans_the_gpu_it_trains_on_with_the_gpu_driver_mocked(tiny_llama, dataset, monkeypatch):
+    """No GPU here: the card the page plans is mocked (local_card), the planning is real."""
+    from streamlit.testing.v1 import AppTest
+
+    import core.estimate.from_config as fc
+
+    monkeypatch.setattr(fc, "local_card", lambda: fc.Card("cuda", 24.0, "the NVIDIA RTX 4090"))
+    cfg = _config(tiny_llama, dataset, {})
+    page = AppTest.from_file(str(ROOT / "pages" / "train.py"), default_timeout=180)
+    page.session_state["train_config"] = cfg
+    page.run()
+    verdict = next(m.value for m in [*page.success, *page.warning, *page.error] if "tensor peak" in m.value)
+    mine = plan_json(cfg, 24.0, "cuda")
+    assert "RTX 4090" in verdict and f"tensor peak {mine['tensor_peak_bytes'] / 2**20:.1f} MiB" in verdict

@@ -56,12 +56,12 @@ def wait_until(predicate, timeout=180.0):
 
 def test_create_run_sanitises_and_refuses(workspace, tiny_llama):
     cfg = run_config(workspace, tiny_llama)
-    run_dir = create_run(workspace, "demo-1", cfg, plan={"tensor_peak_bytes": 1})
+    run_dir = create_run(workspace, "demo-1", cfg)
     assert run_dir == (workspace / "runs" / "demo-1").resolve()
     assert validate_config(
         __import__("yaml").safe_load((run_dir / "config.yaml").read_text())
     ) == validate_config(cfg)
-    assert json.loads((run_dir / "plan.json").read_text()) == {"tensor_peak_bytes": 1}
+    assert not (run_dir / "plan.json").exists()  # the trainer writes it, for the device it trains on
     with pytest.raises(RunError, match="already exists"):
         create_run(workspace, "demo-1", cfg)
     for bad in ("../escape", "a/b", "", "has space"):

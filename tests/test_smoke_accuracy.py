@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from core.estimate.from_config import estimate_for_config, plan_record
+from core.estimate.from_config import estimate_for_config
 from core.runs.admin import start_smoke_test
 from core.runs.launcher import wait_for_smoke
 from core.train.config import validate_config
@@ -52,8 +52,7 @@ def _config(model: Path, data: Path, dtype: str, **lora) -> dict:
 
 def _smoke(workspace: Path, name: str, cfg: dict) -> dict:
     """As pages/train.py smoke_panel does it on a machine without a GPU."""
-    plan = plan_record(estimate_for_config(cfg, 24.0, "cpu", batch_size=1))
-    run_dir = start_smoke_test(workspace, name, cfg, plan)
+    run_dir = start_smoke_test(workspace, name, cfg)  # the trainer plans its own step (plan.json)
     result = wait_for_smoke(run_dir, timeout=120)
     assert result is not None and result["state"] == "finished", result
     return result

@@ -19,9 +19,10 @@ import sys
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from core.estimate.specs import ModelSpec, SpecError, load_spec, lora_targets, normalize_targets, preset_ids
+from core.precision import BYTES
 
 GiB = 2**30
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+DTYPE_BYTES = BYTES  # core.precision's one dtype table
 METHODS = ("full", "lora", "qlora")
 ATTN = ("sdpa", "eager", "flash")  # flash: flash_attention_2/3 (varlen kernels: no mask, no score matrix)
 PACKING_STRATEGIES = ("bfd", "bfd_split", "wrapped")  # trl SFTConfig.packing_strategy
@@ -1271,8 +1272,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--config",
-        help="plan a run config (run.yaml) through the engine's own mapping; --gpu-gb, --device, "
-        "--expandable-segments and --model (another model's shapes) still apply",
+        help="plan a run config (run.yaml) through the engine's own mapping, on this machine's card unless "
+        "--gpu-gb / --device say otherwise; --expandable-segments, --batch-tokens and --model (another model's "
+        "shapes) still apply",
     )
     p.add_argument(
         "--data-lengths",
@@ -1283,11 +1285,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--load-dtype", default=d.load_dtype, help="fp32 | bf16 | fp16")
     p.add_argument("--compute-dtype", default=d.compute_dtype, help="fp32 | bf16 | fp16")
     p.add_argument("--eval-kv-tokens", type=int, default=d.eval_kv_tokens)
-    p.add_argument("--gpu-gb", type=float, default=d.gpu_gb, help="card capacity in GiB")
+    p.add_argument(
+        "--gpu-gb",
+        type=float,
+        help=f"card capacity in GiB (default {d.gpu_gb:g}; with --config: this machine's card, as the trainer plans)",
+    )
     p.add_argument(
         "--expandable-segments", action=argparse.BooleanOptionalAction, default=d.expandable_segments
     )
-    p.add_argument("--device", default=d.device, help="cuda | cpu")
+    p.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        help=f"default {d.device}; with --config: the device this machine trains on, as the trainer plans",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -1319,6 +1329,9 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    if not args.config:
+        args.gpu_gb = Plan.gpu_gb if args.gpu_gb is None else args.gpu_gb
+        args.device = args.device or Plan.device
     values = {
         k: v for k, v in vars(args).items() if k not in ("list_models", "json", "config", "data_lengths")
     }
@@ -1405,16 +1418,22 @@ def _load_run_config(path: str) -> dict:
 
 
 def _plan_from_config(cfg: dict, args) -> Plan:
-    """The plan of a run config, through core.estimate.from_config (the engine's one mapping)."""
-    from core.estimate.from_config import plan_for_config
+    """The plan of a run config, through core.estimate.from_config (the engine's one mapping), on this machine's
+    card unless --gpu-gb / --device name another: the plan the trainer writes to plan.json."""
+    from core.estimate.from_config import local_card, plan_for_config
 
-    return plan_for_config(
+    if args.gpu_gb is None or args.device is None:
+        card = local_card()
+        args.gpu_gb = card.gpu_gb if args.gpu_gb is None else args.gpu_gb
+        args.device = args.device or card.device
+    plan = plan_for_config(
         cfg,
         gpu_gb=args.gpu_gb,
         device=args.device,
         expandable_segments=args.expandable_segments,
         model=args.model,
     )
+    return replace(plan, batch_tokens=args.batch_tokens) if args.batch_tokens else plan
 
 
 if __name__ == "__main__":

@@ -1,19 +1,21 @@
 """The one mapping from a run config to the planner's input (a core.estimate Plan).
 
 Everything that plans or measures a run goes through `plan_for_config`: the Train page's estimate, the launcher's
-plan.json, the smoke test, the tracker and the benchmarks. Its dtypes follow core.train.trainer.choose_precision
-for the device, and its memory switches follow what the engine (TRL's SFTTrainer) really does.
+plan.json, the smoke test, the tracker and the benchmarks. Its dtypes come from core.precision (the resolver the
+trainer uses) for the device, and its memory switches follow what the engine (TRL's SFTTrainer) really does.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from core.estimate.bill import Plan
+from core.precision import SHORT, Device, resolve
 from core.train.config import checkpointing
 
 # The planner models sdpa, eager and flash (varlen kernels: no mask); flex attention keeps no score matrix
 # either, like sdpa.
 PLAN_ATTN = {"flash_attention_2": "flash", "flash_attention_3": "flash", "flex_attention": "sdpa"}
-PLAN_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
 def method_of(cfg: dict) -> str:
@@ -23,23 +25,10 @@ def method_of(cfg: dict) -> str:
 
 
 def plan_dtypes(cfg: dict, device: str) -> tuple[str, str, bool]:
-    """(load, compute, autocast) as choose_precision sets them up on `device` (a bf16-capable GPU for "cuda").
-
-    CPU: never autocast; "auto" loads float32 and float16 weights are loaded as float32 (CPU training cannot use
-    them), so the step computes in the load dtype. GPU: the Trainer's bf16/fp16 flag is the autocast dtype, and
-    model.dtype "auto" loads in it; without a flag the step computes in the load dtype. QLoRA's 4-bit matmuls
-    compute in bnb_4bit_compute_dtype ("auto": the load dtype)."""
-    model_dtype, t, q = cfg["model"]["dtype"], cfg["training"], cfg["quantization"]
-    if device == "cpu":
-        load = "fp32" if model_dtype in ("auto", "float16") else PLAN_DTYPE[model_dtype]
-        compute, autocast = load, False
-    else:
-        mixed = "bf16" if t.get("bf16") in (True, "auto") else ("fp16" if t.get("fp16") else None)
-        load = (mixed or "fp32") if model_dtype == "auto" else PLAN_DTYPE[model_dtype]
-        compute, autocast = mixed or load, mixed is not None
-    if q.get("load_in_4bit") and q.get("bnb_4bit_compute_dtype", "auto") != "auto" and not autocast:
-        compute = PLAN_DTYPE[q["bnb_4bit_compute_dtype"]]
-    return load, compute, autocast
+    """(load, compute, autocast) in the planner's short names, as core.precision resolves them on `device` (a
+    bf16-capable GPU for "cuda") -- the resolver the trainer uses."""
+    prec = resolve(cfg, Device.of(device))
+    return SHORT[prec.dtype], SHORT[prec.compute], prec.autocast
 
 
 def plan_for_config(
@@ -113,20 +102,40 @@ def plan_record(est) -> dict:
     return d
 
 
-def local_card() -> tuple[str, float]:
-    """("cuda", the first GPU's GiB) when NVML sees one, else ("cpu", 24.0): what a run started here trains on."""
+@dataclass(frozen=True)
+class Card:
+    """Where a run started on this machine trains: the device kind and the memory its plan is judged against (the
+    GPU's memory; on a machine without a CUDA GPU, the RAM a CPU run draws from)."""
+
+    device: str  # "cuda" | "cpu"
+    gpu_gb: float
+    label: str  # for a sentence: "the NVIDIA RTX 4090", "this machine's CPU (no CUDA GPU)"
+
+
+def local_card() -> Card:
+    """This machine's card as the trainer will see it. NVML finds a GPU cheaply; torch then confirms that it can
+    use it (a CPU build of torch on a GPU box trains on the CPU, and so must its plan)."""
     from core.monitor.gpu import detect_gpus
 
     gpus, _ = detect_gpus()
     if gpus and gpus[0].memory_total:
-        return "cuda", gpus[0].memory_total / 2**30
-    return "cpu", 24.0
+        import torch
+
+        if torch.cuda.is_available():
+            return Card("cuda", gpus[0].memory_total / 2**30, f"the {gpus[0].name}")
+    import psutil
+
+    return Card("cpu", psutil.virtual_memory().total / 2**30, "this machine's CPU and RAM (no CUDA GPU)")
 
 
 def plan_json(
     cfg: dict, gpu_gb: float | None = None, device: str | None = None, batch_size=None, smoke: bool = False
 ) -> dict:
-    """The object a run's plan.json holds for `cfg` on this machine's card (or the one given); batch_size 1 for
-    a smoke test's."""
-    here, gb = local_card()
-    return plan_record(estimate_for_config(cfg, gpu_gb or gb, device or here, batch_size, smoke=smoke))
+    """The object a run's plan.json holds for `cfg`: on this machine's card unless a card is given; batch_size 1
+    for a smoke test's. The trainer writes it (plan.json's one producer); --dry-run, `core.estimate --config` and
+    the Train page's verdict call the same function, so they print the same numbers."""
+    if gpu_gb is None or device is None:
+        card = local_card()
+        gpu_gb = card.gpu_gb if gpu_gb is None else gpu_gb
+        device = device or card.device
+    return plan_record(estimate_for_config(cfg, gpu_gb, device, batch_size, smoke=smoke))

@@ -25,9 +25,7 @@ from pathlib import Path
 import torch
 
 from core.measure.tracker import StepMemory, TrackerError, main_phase, main_phase_peaks, track_live_tensors
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+from core.precision import LONG, SHORT, Device, Precision, torch_dtype
 
 
 @dataclass
@@ -83,9 +81,9 @@ class MeasurePlan:
 
 def _dtype_name(value) -> str:
     name = str(value).replace("torch.", "")
-    name = ALIASES.get(name, name)
-    if name not in DTYPES:
-        raise TrackerError(f"unknown dtype {value!r}: use one of {', '.join(DTYPES)}")
+    name = LONG.get(name, "float16" if name == "half" else name)
+    if name not in SHORT:
+        raise TrackerError(f"unknown dtype {value!r}: use one of {', '.join(SHORT)}")
     return name
 
 
@@ -233,7 +231,7 @@ def _saved_checkpoint(config, dtype: str, cache_dir: Path) -> Path:
     out = cache_dir / f"ckpt-{_config_key(config)}-{dtype}"
     if (out / "config.json").exists():
         return out
-    model = _random_model(config, DTYPES[dtype])
+    model = _random_model(config, torch_dtype(dtype))
     tmp = out.with_name(out.name + ".tmp")
     model.save_pretrained(str(tmp))
     os.replace(tmp, out)
@@ -256,14 +254,14 @@ def build_model(
     if is_engine_path(plan):
         src = Path(config_or_dir) if from_dir else _saved_checkpoint(config, plan.dtype, Path(cache_dir))
         return _build_with_engine(src, plan, device), config
-    dtype = DTYPES[plan.dtype]
+    dtype = torch_dtype(plan.dtype)
     if plan.method == "qlora":
         src = Path(config_or_dir) if from_dir else _saved_checkpoint(config, plan.dtype, Path(cache_dir))
         quant = BitsAndBytesConfig(
             load_in_4bit=True,
             bnb_4bit_quant_type=plan.quant_type,
             bnb_4bit_use_double_quant=plan.double_quant,
-            bnb_4bit_compute_dtype=DTYPES[plan.compute_dtype],
+            bnb_4bit_compute_dtype=torch_dtype(plan.compute_dtype),
         )
         model = AutoModelForCausalLM.from_pretrained(
             str(src),
@@ -353,13 +351,9 @@ def _build_with_engine(src: Path, plan: MeasurePlan, device: str):
     cfg = validate_config(plan_to_config(planned, base))
     cfg["model"]["dtype"], cfg["training"]["max_grad_norm"] = plan.dtype, plan.max_grad_norm
     autocast = plan.autocast_dtype()
-    prec = {
-        "device": device,
-        "dtype": plan.dtype,
-        "bf16": autocast is torch.bfloat16,
-        "fp16": autocast is torch.float16,
-        "notes": [],
-    }
+    bf16, fp16 = autocast is torch.bfloat16, autocast is torch.float16
+    compute = "bfloat16" if bf16 else "float16" if fp16 else plan.dtype
+    prec = Precision(Device.of(device), plan.dtype, compute, bf16 or fp16, bf16, fp16)
     tokenizer = build_tokenizer()  # the measured batch is random ids: only the trainer's pad token matters
     if plan.dpo:
         data = Dataset.from_dict({"prompt": ["hello"], "chosen": ["HELLO!"], "rejected": ["HELLO"]})

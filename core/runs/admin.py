@@ -96,8 +96,9 @@ def check_new_run_name(workspace: str | os.PathLike, name: str) -> str | None:
 # ---- smoke tests ------------------------------------------------------------------------------------------------
 
 
-def create_smoke_run(workspace: str | os.PathLike, name: str, config: dict, plan: dict | None = None) -> Path:
-    """A fresh folder <workspace>/smoke/<name>-<n> holding the config (and plan.json) for a one-step run.
+def create_smoke_run(workspace: str | os.PathLike, name: str, config: dict) -> Path:
+    """A fresh folder <workspace>/smoke/<name>-<n> holding the config for a one-step run (the trainer writes
+    its plan.json).
 
     Kept out of <workspace>/runs so smoke tests do not crowd the Runs page and never block the run name.
     """
@@ -114,8 +115,6 @@ def create_smoke_run(workspace: str | os.PathLike, name: str, config: dict, plan
         except FileExistsError:
             n += 1
     dump_config(cfg, run_dir / rundir.CONFIG)
-    if plan:
-        rundir.write_plan(run_dir, plan)
     return run_dir
 
 
@@ -147,9 +146,9 @@ def smoke_result(run_dir: str | os.PathLike) -> dict | None:
     }
 
 
-def start_smoke_test(workspace, name: str, config: dict, plan: dict | None = None) -> Path:
+def start_smoke_test(workspace, name: str, config: dict) -> Path:
     """Create a smoke run and launch it (one step at batch size 1); returns its folder."""
-    run_dir = create_smoke_run(workspace, name, config, plan)
+    run_dir = create_smoke_run(workspace, name, config)
     launch(run_dir, smoke=True)
     return run_dir
 

@@ -51,8 +51,9 @@ class RunInfo:
 # ---- creating ------------------------------------------------------------------------------------------------
 
 
-def create_run(workspace: str | os.PathLike, name: str, config: dict, plan: dict | None = None) -> Path:
-    """Make runs/<name>/ with the validated config (and the planner's estimate) in it. Refuses an existing name."""
+def create_run(workspace: str | os.PathLike, name: str, config: dict) -> Path:
+    """Make runs/<name>/ with the validated config in it (the trainer writes plan.json, for the device it trains
+    on). Refuses an existing name."""
     name = check_run_name(name)
     run_dir = inside(workspace, runs_dir(workspace) / name)
     cfg = validate_config(config)
@@ -61,8 +62,6 @@ def create_run(workspace: str | os.PathLike, name: str, config: dict, plan: dict
     make_folder(run_dir.parent, "runs folder")
     run_dir.mkdir()
     dump_config(cfg, run_dir / rundir.CONFIG)
-    if plan:
-        rundir.write_plan(run_dir, plan)
     return run_dir
 
 

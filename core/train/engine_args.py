@@ -11,19 +11,11 @@ import os
 import tempfile
 from pathlib import Path
 
+from core.precision import CUDA_ONLY, Precision, torch_dtype
 from core.runs import rundir
 
 # Library defaults the engine fills in where the run config leaves them unset
 LORA_ENGINE = {"task_type": "CAUSAL_LM"}
-# Levers that need a CUDA GPU (TRL's offloading looks up the accelerator; Liger's kernels are Triton): a run on a
-# CPU goes without them, as the planner plans it (core.train.trainer.choose_precision notes it).
-CUDA_ONLY = ("activation_offloading", "use_liger_kernel")
-
-
-def _dtype(name: str):
-    import torch
-
-    return getattr(torch, name)
 
 
 def bnb_config(cfg: dict, load_dtype: str | None = None):
@@ -36,9 +28,9 @@ def bnb_config(cfg: dict, load_dtype: str | None = None):
     compute = q.get("bnb_4bit_compute_dtype", "auto")
     if compute == "auto":
         compute = load_dtype or (cfg["model"]["dtype"] if cfg["model"]["dtype"] != "auto" else "bfloat16")
-    q["bnb_4bit_compute_dtype"] = _dtype(compute)
+    q["bnb_4bit_compute_dtype"] = torch_dtype(compute)
     if isinstance(q.get("bnb_4bit_quant_storage"), str):
-        q["bnb_4bit_quant_storage"] = _dtype(q["bnb_4bit_quant_storage"])
+        q["bnb_4bit_quant_storage"] = torch_dtype(q["bnb_4bit_quant_storage"])
     return BitsAndBytesConfig(**q)
 
 
@@ -52,18 +44,10 @@ def lora_config(cfg: dict):
     return LoraConfig(**{**LORA_ENGINE, **lora})
 
 
-def resolved_bf16_fp16(cfg: dict, prec: dict | None) -> tuple[bool, bool]:
-    if prec is not None:
-        return prec["bf16"], prec["fp16"]
-    t = cfg["training"]
-    bf16 = t.get("bf16")
-    return (False if bf16 == "auto" else bool(bf16)), bool(t.get("fp16"))
-
-
 def training_args(
     cfg: dict,
     run_dir: str | os.PathLike | None = None,
-    prec: dict | None = None,
+    prec: Precision | None = None,
     smoke: bool = False,
     has_eval: bool = False,
     report_to: str | list | None = None,
@@ -71,16 +55,18 @@ def training_args(
     """trl.SFTConfig (or trl.DPOConfig for method dpo): every key of the training section as given, plus what the
     engine owns.
 
-    `prec` is core.train.trainer.choose_precision's result (bf16/fp16 resolved for the device); without it
-    (checking a config) "auto" counts as off. A smoke test is one optimizer step at batch size 1, no saving.
+    `prec` is the run's core.precision.Precision (bf16/fp16 resolved for the device); without it (checking a
+    config) "auto" counts as off. A smoke test is one optimizer step at batch size 1, no saving.
     """
     from trl import DPOConfig, SFTConfig
 
     args_class = DPOConfig if cfg.get("method") == "dpo" else SFTConfig
 
     t = dict(cfg["training"])
-    bf16, fp16 = resolved_bf16_fp16(cfg, prec)
-    t["bf16"], t["fp16"] = bf16, fp16
+    if prec is not None:
+        t["bf16"], t["fp16"] = prec.bf16, prec.fp16
+    else:
+        t["bf16"], t["fp16"] = t.get("bf16") not in ("auto", False, None), bool(t.get("fp16"))
     if t.get("eval_steps") is None:
         t["eval_steps"] = t.get("logging_steps")
     if "eval_strategy" not in cfg["training"]:
@@ -102,7 +88,7 @@ def training_args(
     if report_to is not None and "report_to" not in cfg["training"]:
         t["report_to"] = report_to
     t.setdefault("report_to", "none")
-    if prec is not None and prec["device"] == "cpu":
+    if prec is not None and prec.on_cpu:
         for key in CUDA_ONLY:
             if t.get(key):
                 t[key] = False
@@ -135,6 +121,6 @@ def training_args(
         disable_tqdm=True,  # progress bars would bury the stderr tail shown when a run fails
         logging_nan_inf_filter=False,  # the default hides NaN losses; the engine must see them to stop
         remove_unused_columns=False,
-        use_cpu=bool(prec) and prec["device"] == "cpu",
+        use_cpu=prec is not None and prec.on_cpu,
         **t,
     )

@@ -22,6 +22,7 @@ import time
 import traceback
 from pathlib import Path
 
+from core.precision import Device, Precision, PrecisionError, resolve, torch_dtype
 from core.runs import rundir
 from core.runs.rundir import latest_checkpoint, read_status, truncate_metrics, write_status
 from core.train.config import ConfigError, dump_config, load_config
@@ -38,53 +39,18 @@ class TrainError(RuntimeError):
 # ---- device and precision -----------------------------------------------------------------------------------
 
 
-def choose_precision(cfg: dict) -> dict:
-    """Device, load dtype and Trainer precision flags. On a CPU always float32 math (no bf16/fp16 autocast)."""
-    import torch
-
-    notes = []
-    t, m = cfg["training"], cfg["model"]
-    if torch.cuda.is_available():
-        device = f"cuda:{torch.cuda.current_device()} ({torch.cuda.get_device_name()})"
-        # "auto" wants native bf16 (Ampere and newer: RTX 30xx/40xx, A6000, L40), not the slow emulation that
-        # is_bf16_supported() also accepts by default (core.runs_admin plans "auto" as bf16 on such a card).
-        bf16_native = torch.cuda.is_bf16_supported(including_emulation=False)
-        bf16_ok = torch.cuda.is_bf16_supported()
-        bf16 = bf16_native if t["bf16"] == "auto" else bool(t["bf16"])
-        if bf16 and t["fp16"]:
-            notes.append(
-                "training.fp16 is true but training.bf16 is auto on a bf16 GPU: training in bf16 "
-                "(set bf16: false to train in fp16)"
-            )
-        if bf16 and not bf16_ok:
-            raise TrainError(
-                "training.bf16 is true but this GPU has no bfloat16 support: set bf16: false, fp16: true."
-            )
-        fp16 = bool(t["fp16"]) and not bf16
-        dtype = (
-            m["dtype"] if m["dtype"] != "auto" else ("bfloat16" if bf16 else "float16" if fp16 else "float32")
-        )
-    else:
-        device = "cpu"
-        if t["bf16"] is True or t["fp16"]:
-            notes.append("bf16/fp16 requested but there is no CUDA GPU: training in float32 on the CPU")
-        bf16 = fp16 = False
-        dtype = m["dtype"] if m["dtype"] != "auto" else "float32"
-        if dtype == "float16":
-            notes.append("float16 weights are not supported for CPU training: loading float32")
-            dtype = "float32"
-        from core.train.engine_args import CUDA_ONLY
-
-        for key in CUDA_ONLY:
-            if t.get(key):
-                notes.append(f"training.{key} works on a CUDA GPU only: this CPU run goes without it")
-    return {"device": device, "dtype": dtype, "bf16": bf16, "fp16": fp16, "notes": notes}
+def choose_precision(cfg: dict) -> Precision:
+    """The run's device and precision on this machine (core.precision, the resolver the planner uses too)."""
+    try:
+        return resolve(cfg, Device.local())
+    except PrecisionError as exc:
+        raise TrainError(str(exc)) from None
 
 
 # ---- model --------------------------------------------------------------------------------------------------
 
 
-def load_model(cfg: dict, prec: dict, path: str | None = None):
+def load_model(cfg: dict, prec: Precision, path: str | None = None):
     """The base model as the run trains it: in the load dtype, 4-bit when asked (quantized where it lands), KV cache
     off. LoRA, the QLoRA preparation and the fused LM head are SFTTrainer's (make_trainer), so that the planner,
     the tracker and a run all see one model-building path."""
@@ -95,17 +61,15 @@ def load_model(cfg: dict, prec: dict, path: str | None = None):
 
     m = cfg["model"]
     kwargs = {
-        "dtype": getattr(torch, prec["dtype"]),
+        "dtype": torch_dtype(prec.dtype),
         "attn_implementation": m["attn_implementation"],
         "trust_remote_code": m["trust_remote_code"],
     }
-    quant = bnb_config(cfg, prec["dtype"])
+    quant = bnb_config(cfg, prec.dtype)
     if quant is not None:
         kwargs["quantization_config"] = quant
         # 4-bit weights are quantized where they land: on the GPU choose_precision named (torch's current one)
-        kwargs["device_map"] = (
-            {"": torch.cuda.current_device()} if prec["device"].startswith("cuda") else {"": "cpu"}
-        )
+        kwargs["device_map"] = {"": "cpu"} if prec.on_cpu else {"": torch.cuda.current_device()}
     model = AutoModelForCausalLM.from_pretrained(path or m["path"], **kwargs)
     model.config.use_cache = False  # the KV cache only costs memory in training
     return model
@@ -113,7 +77,7 @@ def load_model(cfg: dict, prec: dict, path: str | None = None):
 
 def make_trainer(
     cfg: dict,
-    prec: dict,
+    prec: Precision,
     model,
     tokenizer,
     train_ds,
@@ -156,11 +120,11 @@ def make_trainer(
     return trainer
 
 
-def _fp32_trainable(model, prec: dict):
+def _fp32_trainable(model, prec: Precision):
     """fp16 mixed precision (CUDA only) needs float32 trainable weights: torch's GradScaler refuses float16
     gradients ("Attempting to unscale FP16 gradients"). peft makes the LoRA weights float32 already; trainable
     biases (lora.bias) and full fine-tuning on float16 weights would hit that at the first step."""
-    if prec["fp16"]:
+    if prec.fp16:
         import torch
 
         for p in model.parameters():
@@ -413,14 +377,15 @@ def _first_line(exc: BaseException) -> str:
     return (text.splitlines()[0] if text else type(exc).__name__)[:300]
 
 
-def _write_plan(cfg: dict, run_dir: Path) -> None:
-    """plan.json for a run started without one (from a terminal): the Monitor draws it on the memory chart."""
+def _write_plan(cfg: dict, run_dir: Path, prec: Precision, smoke: bool) -> None:
+    """plan.json: what this process trains, planned for the device it really trains on (its one producer). The
+    Monitor draws it on the memory chart; a smoke test compares its measured peak with it."""
     from core.estimate.bill import PlanError
     from core.estimate.from_config import plan_json
     from core.estimate.specs import SpecError
 
     try:
-        rundir.write_plan(run_dir, plan_json(cfg))
+        rundir.write_plan(run_dir, plan_json(cfg, device=prec.device.kind, smoke=smoke))
     except (PlanError, SpecError) as exc:
         print(f"plan.json: not written: {exc}", flush=True)
 
@@ -496,23 +461,22 @@ def _run_training(config_path, run_dir: Path, resume: bool, smoke: bool, stop: S
     ):
         dump_config(cfg, run_dir / rundir.CONFIG)  # the run dir must say what it ran
 
-    if not smoke and rundir.read_plan(run_dir) is None:
-        _write_plan(cfg, run_dir)
     checkpoint = latest_checkpoint(run_dir) if resume else None
     if resume and checkpoint is None:
         print("resume: no checkpoint in checkpoints/ yet: starting from step 0", flush=True)
     if not smoke:
         truncate_metrics(run_dir, int(checkpoint.name.split("-")[-1]) if checkpoint else 0)
     prec = choose_precision(cfg)
+    _write_plan(cfg, run_dir, prec, smoke)
     status = {"state": "starting", "reason": None, "step": 0, "max_steps": None, "ended": None}
     if not resume or read_status(run_dir) is None:
         status["started"] = time.time()
-    write_status(run_dir, device=prec["device"], precision=prec["dtype"], smoke=smoke, **status)
+    write_status(run_dir, device=prec.device.label, precision=prec.dtype, smoke=smoke, **status)
     print(
-        f"device: {prec['device']}  weights: {prec['dtype']}  bf16: {prec['bf16']}  fp16: {prec['fp16']}",
+        f"device: {prec.device.label}  weights: {prec.dtype}  bf16: {prec.bf16}  fp16: {prec.fp16}",
         flush=True,
     )
-    for note in prec["notes"]:
+    for note in prec.notes:
         print(f"note: {note}", flush=True)
 
     transformers.set_seed(cfg["training"]["seed"])
@@ -562,7 +526,7 @@ def _run_training(config_path, run_dir: Path, resume: bool, smoke: bool, stop: S
         smoke_collator = PairSmokeCollator if dpo else SmokeCollator
         collator = smoke_collator(tokenizer.pad_token_id, t["max_length"])
     samples_per_step = 1 if smoke else t["per_device_train_batch_size"] * t["gradient_accumulation_steps"]
-    callback = _make_callback_class()(run_dir, stop, smoke, prec["device"], samples_per_step)
+    callback = _make_callback_class()(run_dir, stop, smoke, prec.device.label, samples_per_step)
     try:
         try:
             model = load_model(cfg, prec)
@@ -601,7 +565,7 @@ def _run_training(config_path, run_dir: Path, resume: bool, smoke: bool, stop: S
         "train_seconds": train_seconds,
         "train_cpu_seconds": train_cpu_seconds,  # all threads of this process (the GPU sampler's too)
         "tokens": int(callback._last_tokens),
-        "device": prec["device"],
+        "device": prec.device.label,
     }
     if callback.nan_step is not None:
         raise TrainError(f"loss became NaN at step {callback.nan_step}")
@@ -622,7 +586,7 @@ def _run_training(config_path, run_dir: Path, resume: bool, smoke: bool, stop: S
             "optimizer_state_bytes": peak.get("optimizer_state_bytes"),
             "cuda_peak_bytes": peak.get("cuda_peak_bytes"),
             "seconds_per_step": callback.step_seconds[-1] if callback.step_seconds else None,
-            "device": prec["device"],
+            "device": prec.device.label,
             "estimate_bytes": plan.get("tensor_peak_bytes"),
             "estimate_reserved_bytes": plan.get("reserved_peak_bytes"),
             "max_length": cfg["training"]["max_length"],
@@ -671,7 +635,7 @@ def report_failure(run_dir: Path, reason: str, smoke: bool) -> None:
     write_status(run_dir, state="failed", reason=reason)
 
 
-def dry_run(config_path: str, gpu_gb: float | None = None) -> int:
+def dry_run(config_path: str, gpu_gb: float | None = None, device: str | None = None) -> int:
     """Everything a launch checks, without a model's weights: the config (by the libraries' own classes), the
     data against the tokenizer and the model config, and the plan. Prints the plan as JSON."""
     from core.estimate.bill import PlanError
@@ -693,7 +657,7 @@ def dry_run(config_path: str, gpu_gb: float | None = None) -> int:
         if has_errors(findings):
             first = next(f for f in findings if f.level == "error")
             raise DataError(f"preflight: {first}")
-        plan = plan_json(cfg, gpu_gb)
+        plan = plan_json(cfg, gpu_gb, device)
     except (ConfigError, DataError, PlanError, SpecError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
@@ -706,7 +670,7 @@ def dry_run(config_path: str, gpu_gb: float | None = None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m core.train", description=__doc__.splitlines()[0])
-    parser.add_argument("config", help="run config YAML (see core/config.py)")
+    parser.add_argument("config", help="run config YAML (its keys: core/train/config.py and the README)")
     parser.add_argument("--run-dir", help="the run directory to write into (not needed with --dry-run)")
     parser.add_argument(
         "--resume", action="store_true", help="continue from the newest checkpoint in the run dir"
@@ -720,10 +684,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--gpu-gb", type=float, help="plan for a card of this many GiB (default: this machine's)"
     )
+    parser.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        help="with --dry-run: plan for this device (default: the one this machine trains on)",
+    )
     stop = StopFlag().install()  # first thing: a stop during the slow imports must not kill us mid-write
     args = parser.parse_args(argv)
     if args.dry_run:
-        return dry_run(args.config, args.gpu_gb)
+        return dry_run(args.config, args.gpu_gb, args.device)
     if not args.run_dir:
         print("error: give --run-dir DIR (the folder the run writes into), or --dry-run.", file=sys.stderr)
         return EXIT_BAD_INPUT
