@@ -130,7 +130,11 @@ def test_smoke_mode_measures_one_step_without_checkpoint(tmp_path, tiny_llama):
     weights = (Path(tiny_llama) / "model.safetensors").stat().st_size
     assert smoke["peak_bytes"] > weights  # weights + LoRA + activations + grads live at the peak
     assert smoke["seconds_per_step"] > 0 and smoke["device"] == "cpu"
-    assert smoke["estimate_bytes"] == 12345 and smoke["measured_by"] in ("tracker", "rss")
+    # plan.json is the trainer's own (a stale one is replaced): the plan of this smoke step on this machine
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert plan["plan"]["batch_size"] == 1 and plan["plan"]["device"] == "cpu"
+    assert smoke["estimate_bytes"] == plan["tensor_peak_bytes"] != 12345
+    assert smoke["measured_by"] in ("tracker", "rss")
     assert not (run_dir / "checkpoints").exists() and not (run_dir / "adapter").exists()
 
 
