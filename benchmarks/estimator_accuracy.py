@@ -283,10 +283,17 @@ def dpo_matrix() -> list[tuple[str, MeasurePlan]]:
     reference forward (the base with the adapter off) inside the step, or precomputed reference log-probs."""
     T = MeasurePlan
     return [
-        ("tinyllama", T("lora", target_modules=QV, batch_size=1, seq_len=256, dpo=True)),
+        ("tinyllama", T("lora", target_modules=QV, batch_size=1, seq_len=256, objective="dpo")),
         (
             "qwen0.5b",
-            T("lora", target_modules=AL, batch_size=1, seq_len=256, gradient_checkpointing=True, dpo=True),
+            T(
+                "lora",
+                target_modules=AL,
+                batch_size=1,
+                seq_len=256,
+                gradient_checkpointing=True,
+                objective="dpo",
+            ),
         ),
         (
             "llama2-7b/4",
@@ -297,12 +304,12 @@ def dpo_matrix() -> list[tuple[str, MeasurePlan]]:
                 seq_len=256,
                 gradient_checkpointing=True,
                 optim="adamw_8bit",
-                dpo=True,
+                objective="dpo",
             ),
         ),
         (
             "tinyllama",
-            T("lora", target_modules=AL, batch_size=2, seq_len=128, dpo=True, dpo_precompute_ref=True),
+            T("lora", target_modules=AL, batch_size=2, seq_len=128, objective="dpo", precompute_ref=True),
         ),
     ]
 
@@ -349,8 +356,8 @@ def describe(p: MeasurePlan) -> str:
             bits.append(f"drop{p.lora_dropout:g}")
     if p.autocast_dtype() is None and p.dtype != "float32":
         bits.append("no-autocast")
-    if p.dpo:
-        bits.append("dpo-precomputed-ref" if p.dpo_precompute_ref else "dpo")
+    if p.objective == "dpo":
+        bits.append("dpo-precomputed-ref" if p.precompute_ref else "dpo")
     if p.padding_free:
         bits.append("padding-free")
     if p.packing:

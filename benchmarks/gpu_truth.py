@@ -96,7 +96,11 @@ def matrix(dry: bool):
                     **s,
                 ),
             ),
-            ("tiny lora dpo", cfg, MeasurePlan("lora", dtype="float32", mixed_precision=None, dpo=True, **s)),
+            (
+                "tiny lora dpo",
+                cfg,
+                MeasurePlan("lora", dtype="float32", mixed_precision=None, objective="dpo", **s),
+            ),
         ]
     tl = with_layers(full_config("tinyllama"), 4)
     l2 = with_layers(full_config("llama2-7b/4"), 4)
@@ -113,7 +117,7 @@ def matrix(dry: bool):
         # the levers modelled from their code until measured here (issue 12), and DPO's step (issue 13)
         ("tinyllama lora gc offloading", tl, MeasurePlan("lora", gradient_checkpointing=True, activation_offloading=True, **s)),
         ("tinyllama lora padding-free gc", tl, MeasurePlan("lora", gradient_checkpointing=True, padding_free=True, **s)),
-        ("tinyllama lora dpo gc", tl, MeasurePlan("lora", gradient_checkpointing=True, dpo=True, batch_size=1, seq_len=1024)),
+        ("tinyllama lora dpo gc", tl, MeasurePlan("lora", gradient_checkpointing=True, objective="dpo", batch_size=1, seq_len=1024)),
     ]  # fmt: skip
     import importlib.util
 

@@ -26,6 +26,7 @@ from core.estimate.bill import (
 from core.estimate.levers import lever_savings, modelled_note, with_every_lever
 from core.estimate.specs import SpecError, load_spec, preset_ids
 from core.monitor import gpu
+from core.train import methods
 
 
 class _OnFirstUse:
@@ -99,20 +100,28 @@ def plan_form() -> Plan:
             horizontal=True,
             key="method",
         )
-        dpo = st.checkbox("DPO (chosen + rejected + reference model)", value=d.dpo, key="dpo")
-        dpo_reference = "auto"
-        dpo_precompute_ref = False
-        if dpo:
-            dpo_precompute_ref = st.checkbox(
+        objective = st.radio(
+            "Training method",
+            methods.NAMES,
+            index=methods.NAMES.index(d.objective),
+            format_func=lambda name: methods.get(name).label,
+            horizontal=True,
+            key="objective",
+            help="SFT; DPO (chosen + rejected rows and a reference model); KTO (rated answers and a reference)",
+        )
+        reference = "auto"
+        precompute_ref = False
+        if methods.get(objective).traits.reference:
+            precompute_ref = st.checkbox(
                 "Precompute the reference's log-probs",
-                value=d.dpo_precompute_ref,
-                key="dpo_precompute_ref",
+                value=d.precompute_ref,
+                key="precompute_ref",
                 help="training.precompute_ref_log_probs: no reference forward inside a training step",
             )
-            dpo_reference = st.radio(
+            reference = st.radio(
                 "Reference model",
                 ["auto", "copy"],
-                key="dpo_reference",
+                key="reference",
                 horizontal=True,
                 help="auto: the base with the adapter disabled (LoRA); copy: a separate model",
             )
@@ -244,9 +253,9 @@ def plan_form() -> Plan:
         liger=liger,
         model=model,
         method=method,
-        dpo=dpo,
-        dpo_reference=dpo_reference,
-        dpo_precompute_ref=dpo_precompute_ref,
+        objective=objective,
+        reference=reference,
+        precompute_ref=precompute_ref,
         load_dtype=load_dtype,
         compute_dtype=compute_dtype,
         quant_type=quant_type,
@@ -380,8 +389,8 @@ def show(plan: Plan) -> None:
             pd.DataFrame([{"phase": k, "bytes": v, "GiB": round(v / GiB, 3)} for k, v in est.phases.items()]),
             hide_index=True,
         )
-    if plan.dpo:
-        st.info(f"DPO reference model: {est.dpo_reference}.")
+    if est.reference:
+        st.info(f"Reference model: {est.reference}.")
 
     fit = fit_search(plan, spec)
 

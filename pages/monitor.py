@@ -12,9 +12,10 @@ from streamlit.runtime.pages_manager import PagesManager
 
 from core.monitor import gpu
 from core.monitor.series import DEFAULT_SMOOTHING_STEPS
-from core.monitor.watch import CHANCE_ACCURACY, RunWatcher, run_method
+from core.monitor.watch import RunWatcher, run_method
 from core.runs.launcher import RunError, launch, list_runs, stop_run
 from core.runs.rundir import LIVE_STATES, latest_checkpoint
+from core.train import methods
 from core.workspace import default_workspace
 
 # A session whose first request is this page's URL, before the router ever ran in this server process: Streamlit
@@ -122,50 +123,40 @@ def _chart(
     st.altair_chart(chart, width="stretch")
 
 
-def dpo_charts(snap) -> None:
-    """A DPO run's rewards, preference accuracy (against a coin flip) and log-probs, under the loss."""
-    c1, c2, c3 = st.columns(3)
-    with c1:
-        _chart(
-            snap.charts.get("dpo_rewards"),
-            "step",
-            "Rewards (DPO)",
-            "reward",
-            "not logged yet",
-            faint_raw=True,
-        )
-    with c2:
-        _chart(
-            snap.charts.get("dpo_accuracy"),
-            "step",
-            "Preference accuracy",
-            "rewards/accuracies",
-            "not logged yet",
-            rule={f"chance ({CHANCE_ACCURACY:g})": CHANCE_ACCURACY},
-            faint_raw=True,
-            y_scale=alt.Scale(domain=[0, 1]),
-        )
-        last = snap.latest
-        figures = [
-            f"{label} {last[key]:{fmt}}"
-            for key, label, fmt in (
-                ("rewards/accuracies", "accuracy", ".2f"),
-                ("eval_rewards/accuracies", "eval accuracy", ".2f"),
-                ("rewards/margins", "margin", ".3g"),
+def method_charts(snap) -> None:
+    """The run's method's own figures under the loss (core.train.methods): a DPO run's rewards, preference
+    accuracy against a coin flip and log-probs; a KTO run's rewards, KL and log-probs."""
+    try:
+        spec = methods.get(snap.method)
+    except ValueError:
+        return
+    if not spec.charts:
+        return
+    for column, chart in zip(st.columns(len(spec.charts)), spec.charts, strict=True):
+        with column:
+            extra = {}
+            if chart.chance is not None:
+                extra = {
+                    "rule": {f"chance ({chart.chance:g})": chart.chance},
+                    "y_scale": alt.Scale(domain=[0, 1]),
+                }
+            _chart(
+                snap.charts.get(f"{spec.name}_{chart.key}"),
+                "step",
+                chart.title,
+                chart.y,
+                "not logged yet",
+                faint_raw=True,
+                **extra,
             )
-            if key in last
-        ]
-        if figures:
-            st.caption("last " + " · ".join(figures))
-    with c3:
-        _chart(
-            snap.charts.get("dpo_logps"),
-            "step",
-            "Log-probs (chosen vs rejected)",
-            "log-prob",
-            "not logged yet",
-            faint_raw=True,
-        )
+            last = snap.latest
+            figures = [
+                f"{label} {last[key]:.3g}"
+                for key, label in (*chart.train, *chart.eval)
+                if isinstance(last.get(key), float)
+            ]
+            if figures:
+                st.caption("last " + " · ".join(figures))
 
 
 def memory_chart(snap) -> None:
@@ -255,8 +246,7 @@ def charts(snap) -> None:
             )
     with c2:
         memory_chart(snap)
-    if snap.dpo:
-        dpo_charts(snap)
+    method_charts(snap)
     c1, c2 = st.columns(2)
     with c1:
         _chart(snap.charts.get("learning_rate"), "step", "Learning rate", "lr", "not logged yet")
@@ -318,7 +308,7 @@ if st.session_state.get("mon_run") not in paths or st.session_state.get("mon_for
     st.session_state["mon_run"] = wanted  # follow a run chosen on another page
     st.session_state["mon_for"] = wanted
 by_path = {str(r.path): r for r in runs}
-methods = {p: run_method(p) for p in paths}
+run_methods = {p: run_method(p) for p in paths}
 c1, c2 = st.columns([4, 1], vertical_alignment="bottom")
 run_dir = c1.selectbox(
     "Run",
@@ -326,7 +316,7 @@ run_dir = c1.selectbox(
     key="mon_run",
     # Outside the live fragment this label is not redrawn each tick: a live run says "live", not a stale state.
     format_func=lambda p: (
-        f"{by_path[p].name}{' · ' + methods[p].upper() if methods[p] else ''} · "
+        f"{by_path[p].name}{' · ' + run_methods[p].upper() if run_methods[p] else ''} · "
         f"{'live' if by_path[p].state in LIVE_STATES else by_path[p].state}"
     ),
 )

@@ -61,11 +61,11 @@ def test_dpo_training_section_is_trls_dpoconfig(tmp_path):
 @pytest.mark.parametrize(
     ("raw", "words"),
     [
-        ({"method": "sft", "training": {"beta": 0.1}}, "DPO setting"),
-        ({"method": "dpo", "training": {"packing": True}}, "SFT setting"),
+        ({"method": "sft", "training": {"beta": 0.1}}, "setting of DPO"),
+        ({"method": "dpo", "training": {"packing": True}}, "setting of SFT"),
         ({"method": "dpo", "data": {"path": "d", "format": "chat"}}, "preference pairs"),
-        ({"method": "sft", "model": {"path": "m", "reference_path": "r"}}, "reference model of a DPO run"),
-        ({"method": "ppo"}, "sft, dpo"),
+        ({"method": "sft", "model": {"path": "m", "reference_path": "r"}}, "reference model of a preference run"),
+        ({"method": "ppo"}, "sft, dpo, kto"),
         ({"method": "dpo", "training": {"beta": "high"}}, "training.beta"),
     ],
 )
@@ -81,22 +81,22 @@ def test_dpo_config_mistakes_are_one_sentence(raw, words):
 def test_one_mapping_plans_dpo_and_inverts(tmp_path):
     cfg = _cfg("meta-llama/Llama-2-7b-hf", "d.jsonl", precompute_ref_log_probs=True)
     plan = plan_for_config(cfg, 24.0, "cuda")
-    assert plan.dpo and plan.dpo_precompute_ref and plan.dpo_reference == "auto"
+    assert plan.objective == "dpo" and plan.precompute_ref and plan.reference == "auto"
     assert plan_for_config(plan_to_config(plan.to_dict(), cfg), 24.0, "cuda") == plan
     ref = plan_for_config({**cfg, "model": {**cfg["model"], "reference_path": "/some/ref"}}, 24.0, "cuda")
-    assert ref.dpo_reference == "copy" and estimate(ref).components["reference_model"] > 0
+    assert ref.reference == "copy" and estimate(ref).components["reference_model"] > 0
     # DPOConfig.disable_dropout (default) turns LoRA dropout into an identity: planned without it
     dropped = plan_for_config({**cfg, "lora": {**cfg["lora"], "lora_dropout": 0.1}}, 24.0, "cuda")
     assert dropped.lora_dropout == 0.0
 
 
 def test_dpo_doubles_the_rows_and_adds_the_reference_forward():
-    plan = Plan(model="meta-llama/Llama-2-7b-hf", batch_size=2, seq_len=1024, dpo=True)
-    sft = estimate(replace(plan, dpo=False))
+    plan = Plan(model="meta-llama/Llama-2-7b-hf", batch_size=2, seq_len=1024, objective="dpo")
+    sft = estimate(replace(plan, objective="sft"))
     dpo = estimate(plan)
     assert dpo.batch_rows == 2 * sft.batch_rows
     assert dpo.components["activations"] > 1.9 * sft.components["activations"]
-    pre = estimate(replace(plan, dpo_precompute_ref=True))
+    pre = estimate(replace(plan, precompute_ref=True))
     assert pre.phases["forward"] <= dpo.phases["forward"]
 
 
@@ -106,10 +106,10 @@ def test_dpo_doubles_the_rows_and_adds_the_reference_forward():
 @pytest.mark.parametrize(
     "plan",
     [
-        MeasurePlan("lora", batch_size=2, seq_len=64, dpo=True),
-        MeasurePlan("lora", batch_size=2, seq_len=64, dpo=True, gradient_checkpointing=True),
-        MeasurePlan("lora", batch_size=2, seq_len=64, dpo=True, dpo_precompute_ref=True),
-        MeasurePlan("qlora", batch_size=1, seq_len=128, dpo=True),
+        MeasurePlan("lora", batch_size=2, seq_len=64, objective="dpo"),
+        MeasurePlan("lora", batch_size=2, seq_len=64, objective="dpo", gradient_checkpointing=True),
+        MeasurePlan("lora", batch_size=2, seq_len=64, objective="dpo", precompute_ref=True),
+        MeasurePlan("qlora", batch_size=1, seq_len=128, objective="dpo"),
     ],
     ids=["dpo", "dpo-gc", "dpo-precomputed", "dpo-qlora"],
 )
@@ -152,7 +152,7 @@ def test_dpo_run_through_core_train_learns_the_preference_on_heldout_pairs(tmp_p
     assert len(accuracies) >= 5 and margins[-1] > margins[0]
     heldout = [m["eval_rewards/accuracies"] for m in metrics if "eval_rewards/accuracies" in m]
     assert len(heldout) >= 2 and heldout[-1] >= 0.8, heldout
-    assert json.loads((run_dir / rundir.PLAN).read_text())["plan"]["dpo"] is True
+    assert json.loads((run_dir / rundir.PLAN).read_text())["plan"]["objective"] == "dpo"
     assert (run_dir / "adapter" / "adapter_config.json").is_file()
     # a DPO adapter merges and verifies exactly as an SFT one
     from core.merge.export import merge_at
@@ -185,7 +185,7 @@ def test_dpo_smoke_test_measures_a_max_length_pair_step(workspace, tiny_llama, p
 
     cfg = _cfg(tiny_llama, prefs[0])
     plan = plan_record(estimate_for_config(cfg, 24.0, "cpu", smoke=True))
-    assert plan["plan"]["dpo"] and plan["batch_rows"] == 2 and plan["batch_length"] == 32
+    assert plan["plan"]["objective"] == "dpo" and plan["batch_rows"] == 2 and plan["batch_length"] == 32
     result = wait_for_smoke(start_smoke_test(workspace, "dpo-smoke", cfg), timeout=300)
     assert result is not None and result["state"] == "finished", result
     assert result["peak_bytes"] > 0 and abs(result["peak_bytes"] / result["estimate_bytes"] - 1) <= 0.10
@@ -199,7 +199,7 @@ def test_dpo_with_an_explicit_reference_model_trains(tmp_path, tiny_llama, prefs
     proc = train(cfg, run_dir)
     assert proc.returncode == 0, proc.stderr[-3000:]
     plan = json.loads((run_dir / rundir.PLAN).read_text())
-    assert plan["plan"]["dpo_reference"] == "copy" and plan["components"]["reference_model"] > 0
+    assert plan["plan"]["reference"] == "copy" and plan["components"]["reference_model"] > 0
     assert any(
         "rewards/margins" in json.loads(line) for line in (run_dir / rundir.METRICS).read_text().splitlines()
     )
@@ -207,7 +207,9 @@ def test_dpo_with_an_explicit_reference_model_trains(tmp_path, tiny_llama, prefs
 
 def test_a_dpo_plan_pads_even_with_padding_free_ticked():
     """DPOTrainer 1.16 has no packing and turns padding-free off: the plan keeps [chosen; rejected] rows padded."""
-    plan = Plan(model="meta-llama/Llama-2-7b-hf", dpo=True, padding_free=True, batch_size=2, seq_len=1024)
+    plan = Plan(
+        model="meta-llama/Llama-2-7b-hf", objective="dpo", padding_free=True, batch_size=2, seq_len=1024
+    )
     est = estimate(plan)
     assert (est.batch_rows, est.batch_length) == (4, 1024)
     assert est.components == estimate(replace(plan, padding_free=False)).components

@@ -146,16 +146,16 @@ def test_verdict_follows_the_card():
     assert big.verdict == "fits" and big.fits
 
 
-def test_dpo_reference_model_cases():
-    lora = estimate(_plan(dpo=True, batch_size=1, seq_len=512))
-    assert "adapter disabled" in lora.dpo_reference
+def test_reference_model_cases():
+    lora = estimate(_plan(objective="dpo", batch_size=1, seq_len=512))
+    assert "adapter disabled" in lora.reference
     assert lora.components["reference_model"] == 0
     single = estimate(_plan(batch_size=1, seq_len=512))
     doubled = estimate(_plan(batch_size=2, seq_len=512))
     assert lora.components["activations"] == doubled.components["activations"]  # chosen + rejected
     assert lora.components["activations"] > single.components["activations"]
-    full = estimate(_plan(method="full", dpo=True, batch_size=1, seq_len=256))
-    assert "second" in full.dpo_reference
+    full = estimate(_plan(method="full", objective="dpo", batch_size=1, seq_len=256))
+    assert "second" in full.reference
     assert full.components["reference_model"] == full.components["weights"]
 
 

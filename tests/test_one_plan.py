@@ -60,7 +60,7 @@ def test_every_path_yields_the_same_plan(tiny_llama, dataset, variant):
     assert asdict(plan) == estimate_for_config(cfg, 24.0, "cuda").plan  # the Train page and the launcher
     assert plan_json(cfg, 24.0, "cuda")["plan"] == asdict(plan)  # --dry-run and a CLI run's plan.json
     assert estimate(plan).tensor_peak_bytes == plan_json(cfg, 24.0, "cuda")["tensor_peak_bytes"]
-    assert not plan.dpo and plan.fused_lm_head and not plan.prepare_kbit  # what SFTTrainer does
+    assert plan.objective == "sft" and plan.fused_lm_head and not plan.prepare_kbit  # what SFTTrainer does
 
 
 def test_dry_run_prints_the_plan_json_object(tiny_llama, dataset, tmp_path):
@@ -125,7 +125,7 @@ def test_the_tracker_measures_the_plan_of_the_one_mapping(tiny_llama, dataset, v
         measured = planner_plan(
             cfg["model"]["path"], plan_from(cfg) if device == "cpu" else _cuda(cfg), device
         )
-        card = ("gpu_gb", "expandable_segments", "eval_kv_tokens", "dpo_reference")
+        card = ("gpu_gb", "expandable_segments", "eval_kv_tokens", "reference")
         assert {k: v for k, v in asdict(measured).items() if k not in card} == {
             k: v for k, v in asdict(mapped).items() if k not in card
         }

@@ -217,7 +217,7 @@ def test_plan_for_config_describes_the_run(tiny_llama, dataset):
     assert (plan.batch_size, plan.seq_len, plan.gpu_gb) == (2, 64, 48.0)
     assert plan.gradient_checkpointing and plan.optim == "paged_adamw_8bit"
     assert plan.expandable_segments and plan.model == str(tiny_llama)
-    assert not plan.dpo  # an SFT config plans an SFT run, whatever the Estimate page last showed
+    assert plan.objective == "sft"  # an SFT config plans an SFT run, whatever the Estimate page last showed
     cpu = plan_for_config(cfg, device="cpu", batch_size=1)
     assert (cpu.compute_dtype, cpu.autocast, cpu.batch_size) == (
         "fp32",

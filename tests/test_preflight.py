@@ -96,7 +96,7 @@ def test_cli_exits_non_zero_with_the_findings(tmp_path, tiny_llama, capsys):
     )
     run_yaml = tmp_path / "run.yaml"
     run_yaml.write_text(yaml.safe_dump({"model": {"path": str(tiny_llama)}, "data": {"path": path}}))
-    assert main([str(run_yaml)]) == 1
+    assert main([str(run_yaml)]) == 2  # a data error is bad input: exit 2
     assert "rows 2" in capsys.readouterr().err
     run_yaml.write_text(
         yaml.safe_dump({"model": {"path": str(tiny_llama)}, "data": {"path": path, "max_len": 9}})

@@ -281,6 +281,18 @@ def dpo_demo_config(out: str | os.PathLike, model: str | os.PathLike) -> dict:
     )
 
 
+def kto_demo_config(out: str | os.PathLike, model: str | os.PathLike) -> dict:
+    """The demo's KTO run on top of `model`: the same preference as the DPO demo, learnt from rated answers
+    ("HELLO!" good, "HELLO" bad; core.demo.prefs.write_feedback_data), each row on its own."""
+    from core.demo.prefs import write_feedback_data
+
+    out = Path(out).resolve()
+    cfg = dpo_demo_config(out, model)
+    cfg["method"] = "kto"
+    cfg["data"] = {**cfg["data"], "path": str(write_feedback_data(out)), "format": "standard"}
+    return validate_config(cfg)
+
+
 def read_manifest(out: str | os.PathLike) -> dict | None:
     try:
         return json.loads((Path(out) / "demo.json").read_text(encoding="utf-8"))
@@ -370,13 +382,9 @@ def dpo_demo(out: Path, sft_adapter: Path) -> tuple[float, float]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from core.demo.prefs import chosen_accuracy, preference_accuracy, read_pairs
-    from core.merge.export import merge_at
 
     _, heldout_path = ensure_pref_data(out)
-    merged, n = out / "sft-merged", 2
-    while merged.exists():
-        merged, n = out / f"sft-merged-{n}", n + 1
-    merge_at(out / "base", sft_adapter, merged, dtype="fp32")
+    merged = _merged_sft(out, sft_adapter)
     heldout = read_pairs(heldout_path)
     tokenizer = AutoTokenizer.from_pretrained(merged)
     sft_model = AutoModelForCausalLM.from_pretrained(merged)
@@ -393,6 +401,38 @@ def dpo_demo(out: Path, sft_adapter: Path) -> tuple[float, float]:
     return before, after
 
 
+def kto_demo(out: Path, sft_adapter: Path) -> tuple[float, float]:
+    """Merge the SFT adapter into the demo base, train the KTO run on top of it, and compare the held-out
+    preference accuracy before and after (the DPO demo's figure, on the same held-out pairs)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from core.demo.prefs import preference_accuracy, read_pairs
+
+    _, heldout_path = ensure_pref_data(out)
+    merged = _merged_sft(out, sft_adapter)
+    heldout = read_pairs(heldout_path)
+    tokenizer = AutoTokenizer.from_pretrained(merged)
+    sft_model = AutoModelForCausalLM.from_pretrained(merged)
+    before = preference_accuracy(sft_model, tokenizer, heldout)
+    run_dir = _train(out, "example-kto-run", kto_demo_config(out, merged))
+    model = PeftModel.from_pretrained(sft_model, str(run_dir / "adapter"))
+    after = preference_accuracy(model, tokenizer, heldout)
+    print(f"kto demo: held-out preference accuracy {before:.0%} -> {after:.0%}", flush=True)
+    return before, after
+
+
+def _merged_sft(out: Path, sft_adapter: Path) -> Path:
+    """The SFT adapter merged into the demo base, in a new folder (the preference demos train on top of it)."""
+    from core.merge.export import merge_at
+
+    merged, n = out / "sft-merged", 2
+    while merged.exists():
+        merged, n = out / f"sft-merged-{n}", n + 1
+    merge_at(out / "base", sft_adapter, merged, dtype="fp32")
+    return merged
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -407,6 +447,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="train the demo run, merge it, then a DPO run on top of it that prefers 'HELLO!' over 'HELLO'",
     )
+    parser.add_argument(
+        "--run-kto",
+        action="store_true",
+        help="train the demo run, merge it, then a KTO run on top of it from rated answers ('HELLO!' good, "
+        "'HELLO' bad)",
+    )
     parser.add_argument("--pretrain-steps", type=int, default=PRETRAIN_STEPS)
     args = parser.parse_args(argv)
     out = Path(args.out) if args.out else demo_dir(default_workspace())
@@ -419,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
         before = heldout_accuracy(out)
         print(f"held-out accuracy before training: {before:.0%}", flush=True)
         adapter = Path(args.adapter) if args.adapter else None
-        if args.run or args.run_dpo:
+        if args.run or args.run_dpo or args.run_kto:
             run_dir = _train(out, "example-run", demo_config(out=out))
             adapter = run_dir / "adapter"
         if adapter is not None:
@@ -427,6 +473,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"held-out accuracy after training: {after:.0%} (before {before:.0%})", flush=True)
         if args.run_dpo:
             dpo_demo(out, adapter)
+        if args.run_kto:
+            kto_demo(out, adapter)
     except OSError as exc:  # the folder cannot be written: bad input, not a failure of the demo
         print(
             f"error: cannot write the demo into {out} ({exc.strerror or exc}): give a folder you can write.",

@@ -79,6 +79,23 @@ def write_pref_data(out_dir: str | os.PathLike, tokenizer=None) -> tuple[Path, P
     return paths[0], paths[1]
 
 
+FEEDBACK_FILE = "feedback_train.jsonl"
+
+
+def write_feedback_data(out_dir: str | os.PathLike, tokenizer=None) -> Path:
+    """The demo's training pairs as KTO's unpaired feedback (prompt, completion, label): each pair's chosen answer
+    rated good, its rejected one bad, in a fixed shuffled order so every batch sees both kinds (KTOTrainer samples
+    sequentially and takes each row's KL completion from its neighbours). Deterministic, like the pairs."""
+    train, _ = pref_rows(tokenizer)
+    rows = [
+        {"prompt": p["prompt"], "completion": p[side], "label": side == "chosen"}
+        for p in train
+        for side in ("chosen", "rejected")
+    ]
+    random.Random(PREF_SEED + 1).shuffle(rows)
+    return atomic_write_text(Path(out_dir) / FEEDBACK_FILE, "".join(json.dumps(r) + "\n" for r in rows))
+
+
 def read_pairs(path: str | os.PathLike) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
 

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 from core.estimate.specs import ModelSpec, SpecError, load_spec, lora_targets, normalize_targets, preset_ids
 from core.precision import BYTES
+from core.train import methods
 
 GiB = 2**30
 DTYPE_BYTES = BYTES  # core.precision's one dtype table
@@ -74,11 +75,13 @@ class Plan:
 
     model: str = "meta-llama/Llama-2-7b-hf"
     method: str = "lora"  # full | lora | qlora
-    dpo: bool = False  # chosen + rejected sequence per example, plus a reference model
-    dpo_reference: str = "auto"  # auto | copy (an explicit second model); auto = adapter disabled for LoRA
-    # DPOConfig.precompute_ref_log_probs: the reference's log-probs computed once before training (no reference
+    objective: str = (
+        "sft"  # the run config's method (sft | dpo | kto): core.train.methods says what its step holds
+    )
+    reference: str = "auto"  # preference methods: auto (adapter disabled for LoRA) | copy (a second model)
+    # precompute_ref_log_probs (DPO, KTO): the reference's log-probs computed once before training (no reference
     # forward inside a step)
-    dpo_precompute_ref: bool = False
+    precompute_ref: bool = False
     load_dtype: str = "bf16"  # dtype the weights are loaded in (non-quantized parts for QLoRA)
     compute_dtype: str = "bf16"  # activations: the Trainer's bf16/fp16 flag, bnb_4bit_compute_dtype
     quant_type: str = "nf4"
@@ -152,7 +155,7 @@ class Estimate:
     total_params: int
     kv_cache_bytes_per_token: int
     activation_bytes_per_token_per_layer: float
-    dpo_reference: str | None
+    reference: str | None
     # Pinned CPU RAM that activation offloading holds (not on the card; the machine must have it spare)
     cpu_pinned_bytes: int = 0
     batch_rows: int = 0  # the shape the model sees: rows x length (padding-free: one row)
@@ -179,7 +182,8 @@ def validate(plan: Plan) -> list[str]:
         "compute_dtype": (plan.compute_dtype, tuple(DTYPE_BYTES)),
         "attn": (plan.attn, ATTN),
         "quant_type": (plan.quant_type, QUANT_TYPES),
-        "dpo_reference": (plan.dpo_reference, ("auto", "copy")),
+        "reference": (plan.reference, ("auto", "copy")),
+        "objective": (plan.objective, methods.NAMES),
         "device": (plan.device, ("cuda", "cpu")),
         "packing_strategy": (plan.packing_strategy, PACKING_STRATEGIES),
     }
@@ -218,9 +222,10 @@ def validate(plan: Plan) -> list[str]:
         for name, on in (("activation_offloading", plan.activation_offloading), ("liger", plan.liger)):
             if on:
                 warnings.append(f"{name} works on a CUDA GPU only: a CPU run does without it (planned so).")
-    if plan.dpo and (plan.padding_free or plan.packing):
+    method = methods.get(plan.objective)
+    if not method.traits.flat_batches and (plan.padding_free or plan.packing):
         warnings.append(
-            "DPO pads its chosen and rejected rows (DPOTrainer has no packing or padding-free): planned so."
+            f"{method.label} pads its rows ({method.trainer_name} has no packing or padding-free): planned so."
         )
     if flat_batch(plan) and plan.attn == "sdpa" and packed_sequences(plan):
         warnings.append(
@@ -232,8 +237,8 @@ def validate(plan: Plan) -> list[str]:
 
 def flat_batch(plan: Plan) -> bool:
     """Does the collator concatenate the batch's rows into one sequence? TRL turns padding-free on for BFD
-    packing whatever padding_free says (SFTTrainer.__init__); DPOTrainer 1.16 turns it off (it pads)."""
-    if plan.dpo:
+    packing whatever padding_free says (SFTTrainer.__init__); DPOTrainer and KTOTrainer 1.16 pad."""
+    if not methods.get(plan.objective).traits.flat_batches:
         return False
     return plan.padding_free or (plan.packing and plan.packing_strategy in ("bfd", "bfd_split"))
 
@@ -247,8 +252,9 @@ def packed_sequences(plan: Plan) -> bool:
 def batch_shape(plan: Plan) -> tuple[int, int]:
     """(rows, length) of the tensors the model sees in one step. Padded: every row padded to the longest in
     the batch; padding-free: one row of all the batch's tokens; DPO: a chosen and a rejected row per example."""
-    rows = plan.batch_size * (2 if plan.dpo else 1)
-    tokens = (plan.batch_tokens or plan.batch_size * plan.seq_len) * (2 if plan.dpo else 1)
+    per_example = methods.get(plan.objective).traits.rows_per_example
+    rows = plan.batch_size * per_example
+    tokens = (plan.batch_tokens or plan.batch_size * plan.seq_len) * per_example
     if flat_batch(plan):
         return 1, tokens
     return rows, -(-tokens // rows)
@@ -753,8 +759,8 @@ def fused_head_bytes(spec: ModelSpec, plan: Plan, rows: int) -> FusedHead:
     held = hidden_own + (0 if hidden_own else final_norm_out) + per_token_saved
     stats = 7 * n_all * 4
     outputs = n_all * (4 + 4 + 1 + 1)  # log_probs, entropy, is_top1, label mask
-    if plan.dpo:
-        outputs += n_all * 4  # DPOTrainer also asks for mean_logits (its logits/* metrics)
+    # DPO/KTOTrainer also ask for mean_logits (their logits/* metrics)
+    outputs += n_all * 4 * methods.get(plan.objective).traits.head_outputs
     if triton:
         fold_fwd = weight_chunk  # the transient weight-chunk copy inside torch.mm
         fold_bwd = 0
@@ -892,16 +898,14 @@ def estimate(plan: Plan, spec: ModelSpec | None = None) -> Estimate:
     kv_per_token = kv_cache_bytes_per_token(spec, plan)
     kv_cache = plan.eval_kv_tokens * kv_per_token
 
-    dpo_reference = None
+    reference = None
     reference = 0
-    if plan.dpo:
-        if plan.method == "full" or plan.dpo_reference == "copy":
-            dpo_reference = (
-                "a second, frozen copy of the model (full fine-tuning or an explicit reference model)"
-            )
+    if methods.get(plan.objective).traits.reference:
+        if plan.method == "full" or plan.reference == "copy":
+            reference = "a second, frozen copy of the model (full fine-tuning or an explicit reference model)"
             reference = weights + quant_constants
         else:
-            dpo_reference = (
+            reference = (
                 "the base model with the adapter disabled: no second copy, one more forward without grad"
             )
 
@@ -927,8 +931,8 @@ def estimate(plan: Plan, spec: ModelSpec | None = None) -> Estimate:
         },
         "optimizer": {**static, "gradients": grads, "optimizer_temporaries": opt_temp},
     }
-    if plan.dpo and not plan.dpo_precompute_ref and fused:
-        # DPOTrainer._compute_loss runs the reference forward (no grad; the adapter off or the reference model)
+    if methods.get(plan.objective).traits.reference and not plan.precompute_ref and fused:
+        # DPOTrainer._compute_loss (KTOTrainer's likewise) runs the reference forward (no grad; the adapter off or the reference model)
         # after the policy's: the policy's saved tensors and log-prob outputs wait next to the reference's
         # transients: one layer at a time (stream, norm output, gate/up/product) or its head's tiles.
         d = _dtypes(plan)
@@ -1080,7 +1084,7 @@ def estimate(plan: Plan, spec: ModelSpec | None = None) -> Estimate:
         total_params=spec.total_params,
         kv_cache_bytes_per_token=kv_per_token,
         activation_bytes_per_token_per_layer=layer_activation_bytes(spec, plan, targets),
-        dpo_reference=dpo_reference,
+        reference=reference,
         cpu_pinned_bytes=int(pinned),
         batch_rows=batch,
         batch_length=length,
@@ -1197,8 +1201,8 @@ def format_table(est: Estimate, fit: dict | None = None, advice: list[dict] | No
         lines.append(f"{'pinned CPU RAM':<26}{b:>16,}  {_gb(b)}  (activation offloading; not on the card)")
     lines.append(f"peak phase: {est.peak_phase};  KV cache per token: {est.kv_cache_bytes_per_token:,} bytes")
     lines.append(f"verdict: {est.verdict} ({est.fraction:.0%} of the card; aim for 85-90%)")
-    if est.dpo_reference:
-        lines.append(f"DPO reference model: {est.dpo_reference}")
+    if est.reference:
+        lines.append(f"Reference model: {est.reference}")
     if fit:
         lines.append(
             f"largest batch size at this seq len: {fit['max_batch_size']}; "
@@ -1220,12 +1224,23 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="preset hub id or local model folder")
     p.add_argument("--list-models", action="store_true", help="print the bundled preset ids and exit")
     p.add_argument("--method", default=d.method, help="full | lora | qlora")
-    p.add_argument("--dpo", action="store_true", help="plan a DPO run (chosen + rejected + reference)")
-    p.add_argument("--dpo-reference", default=d.dpo_reference, help="auto | copy")
     p.add_argument(
+        "--objective",
+        default=d.objective,
+        choices=methods.NAMES,
+        help="the training method: sft, dpo (chosen + rejected + reference) or kto (rated answers + reference)",
+    )
+    p.add_argument(
+        "--dpo", dest="objective", action="store_const", const="dpo", help="the same as --objective dpo"
+    )
+    p.add_argument(
+        "--reference", "--dpo-reference", default=d.reference, help="preference methods: auto | copy"
+    )
+    p.add_argument(
+        "--precompute-ref",
         "--dpo-precompute-ref",
         action="store_true",
-        help="DPO: the reference's log-probs computed before training (precompute_ref_log_probs)",
+        help="DPO/KTO: the reference's log-probs computed before training (precompute_ref_log_probs)",
     )
     p.add_argument("--batch-size", type=int, default=d.batch_size)
     p.add_argument("--seq-len", type=int, default=d.seq_len)
@@ -1387,9 +1402,10 @@ def _data_batch(cfg: dict, plan: Plan) -> dict:
     from core.train.data import DataError, preview_dataset
     from core.train.preflight import load_tokenizer_and_config
 
-    if cfg["method"] == "dpo":
+    method = methods.get(cfg)
+    if method.traits.reference:
         raise PlanError(
-            "--data-lengths plans SFT rows; a DPO run's pairs are planned at the max_length bound."
+            f"--data-lengths plans SFT rows; a {method.label} run's rows are planned at the max_length bound."
         )
     try:
         tokenizer, _ = load_tokenizer_and_config(cfg["model"])

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from core.estimate.bill import Plan
 from core.precision import SHORT, Device, resolve
+from core.train import methods
 from core.train.config import checkpointing
 
 # The planner models sdpa, eager and flash (varlen kernels: no mask); flex attention keeps no score matrix
@@ -49,14 +50,15 @@ def plan_for_config(
     lo, t = cfg["lora"], cfg["training"]
     load, compute, autocast = plan_dtypes(cfg, device)
     targets = lo["target_modules"]
-    dpo = cfg.get("method") == "dpo"
+    method = methods.get(cfg)
+    preference = method.traits.reference
     fields = dict(
         model=model or cfg["model"]["path"],
         method=method_of(cfg),
-        dpo=dpo,
-        # DPOTrainer: the base with the adapter disabled, or a second model (full fine-tune, model.reference_path)
-        dpo_reference="copy" if dpo and cfg["model"].get("reference_path") else "auto",
-        dpo_precompute_ref=dpo and bool(t.get("precompute_ref_log_probs")),
+        objective=method.name,
+        # DPO/KTOTrainer: the base with the adapter disabled, or a second model (full fine-tune, reference_path)
+        reference="copy" if preference and cfg["model"].get("reference_path") else "auto",
+        precompute_ref=preference and bool(t.get("precompute_ref_log_probs")),
         load_dtype=load,
         compute_dtype=compute,
         autocast=autocast,
@@ -64,10 +66,10 @@ def plan_for_config(
         double_quant=cfg["quantization"]["bnb_4bit_use_double_quant"],
         lora_r=lo["r"],
         lora_alpha=lo["lora_alpha"],
-        # DPOConfig.disable_dropout (default on) sets every nn.Dropout to p=0, LoRA's too: an identity then
-        lora_dropout=0.0 if dpo and t.get("disable_dropout", True) else lo["lora_dropout"],
+        # DPO/KTOConfig.disable_dropout (default on) sets every nn.Dropout to p=0, LoRA's too: an identity then
+        lora_dropout=0.0 if preference and t.get("disable_dropout", True) else lo["lora_dropout"],
         target_modules=targets if isinstance(targets, str) else ",".join(targets),
-        batch_size=1 if smoke else (batch_size or t["per_device_train_batch_size"]),
+        batch_size=method.smoke_batch_size if smoke else (batch_size or t["per_device_train_batch_size"]),
         seq_len=t["max_length"],
         gradient_checkpointing=checkpointing(cfg),
         attn=PLAN_ATTN.get(cfg["model"]["attn_implementation"], cfg["model"]["attn_implementation"]),
@@ -79,7 +81,7 @@ def plan_for_config(
         prepare_kbit=False,
         fused_lm_head=True,
         # DPOTrainer 1.16 turns padding_free off (it warns and pads)
-        padding_free=bool(t.get("padding_free")) and not smoke and not dpo,
+        padding_free=bool(t.get("padding_free")) and not smoke and method.traits.flat_batches,
         packing=bool(t.get("packing")) and not smoke,
         packing_strategy=t.get("packing_strategy") or "bfd",
         activation_offloading=bool(t.get("activation_offloading")),

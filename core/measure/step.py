@@ -64,8 +64,8 @@ class MeasurePlan:
     liger: bool = False
     # DPOTrainer (method dpo): a chosen and a rejected row per example, the reference forward inside the step
     # (the base with the adapter off) unless precompute_ref_log_probs
-    dpo: bool = False
-    dpo_precompute_ref: bool = False
+    objective: str = "sft"
+    precompute_ref: bool = False
     max_grad_norm: float = 1.0
     foreach: bool | None = (
         None  # torch optimizers: None = torch default for the device (CPU: per-tensor loop)
@@ -124,8 +124,8 @@ SAME_NAMED = (
     "padding_free",
     "packing",
     "packing_strategy",
-    "dpo",
-    "dpo_precompute_ref",
+    "objective",
+    "precompute_ref",
     "activation_offloading",
     "liger",
 )
@@ -172,7 +172,9 @@ def _checked(plan: MeasurePlan) -> MeasurePlan:
         plan.target_modules = [t.strip() for t in plan.target_modules.split(",") if t.strip()]
     if plan.attn not in ("sdpa", "eager"):
         raise TrackerError(f"attention {plan.attn!r} is not measurable here: use sdpa or eager")
-    if plan.dpo and not is_engine_path(plan):
+    if plan.objective not in ("sft", "dpo"):
+        raise TrackerError(f"method {plan.objective} is not measurable here yet: sft or dpo")
+    if plan.objective == "dpo" and not is_engine_path(plan):
         raise TrackerError(
             "DPO is measured through the engine only (DPOTrainer: fused LM head, no prepare_kbit)"
         )
@@ -355,7 +357,7 @@ def _build_with_engine(src: Path, plan: MeasurePlan, device: str):
     compute = "bfloat16" if bf16 else "float16" if fp16 else plan.dtype
     prec = Precision(Device.of(device), plan.dtype, compute, bf16 or fp16, bf16, fp16)
     tokenizer = build_tokenizer()  # the measured batch is random ids: only the trainer's pad token matters
-    if plan.dpo:
+    if plan.objective == "dpo":
         data = Dataset.from_dict({"prompt": ["hello"], "chosen": ["HELLO!"], "rejected": ["HELLO"]})
     else:
         data = Dataset.from_dict({"input_ids": [[1, 2, 3]], "labels": [[1, 2, 3]]})
@@ -417,13 +419,13 @@ def make_batch(config, plan: MeasurePlan, seed: int = 0) -> dict:
     padding collator gives for equal-length rows; or, padding-free (or BFD-packed), what TRL's collator makes
     of them: one row of every token with position_ids (two documents per packed row)."""
     g = torch.Generator().manual_seed(seed)
-    if plan.dpo:
+    if plan.objective == "dpo":
         # DataCollatorForPreference: [chosen rows; rejected rows], the answer (second half) is the completion
         ids = torch.randint(0, config.vocab_size, (2 * plan.batch_size, plan.seq_len), generator=g)
         completion = torch.zeros_like(ids)
         completion[:, plan.seq_len // 2 :] = 1
         batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "completion_mask": completion}
-        if plan.dpo_precompute_ref:
+        if plan.precompute_ref:
             batch["ref_chosen_logps"] = -torch.rand(plan.batch_size, generator=g)
             batch["ref_rejected_logps"] = -torch.rand(plan.batch_size, generator=g)
         return batch
@@ -677,7 +679,9 @@ def planner_plan(model: str, plan: MeasurePlan, device: str = "cpu"):
         fused_lm_head=plan.fused_lm_head,
         lora_r=plan.lora_r,
         lora_alpha=plan.lora_alpha,
-        lora_dropout=0.0 if plan.dpo else plan.lora_dropout,  # DPOConfig.disable_dropout: every dropout p=0
+        lora_dropout=0.0
+        if plan.objective == "dpo"
+        else plan.lora_dropout,  # DPOConfig.disable_dropout: every dropout p=0
         target_modules=targets if isinstance(targets, str) else ",".join(targets),
         batch_size=plan.batch_size,
         seq_len=plan.seq_len,

@@ -20,6 +20,7 @@ import numpy as np
 
 from core.monitor.series import DEFAULT_SMOOTHING_STEPS, StepEMA
 from core.runs import rundir
+from core.train import methods
 
 try:  # 3-4x faster on the first read of a long run; optional
     from orjson import loads as _fast_loads
@@ -239,21 +240,14 @@ METRIC_FIELDS = (
     "rss_bytes",
     "epoch",
 )
-# What TRL's DPOTrainer logs on top (per logging step; its eval twins carry the eval_ prefix). An SFT run's lines
-# have none of them: each costs one dict lookup per line there.
-DPO_FIELDS = (
-    "rewards/chosen",
-    "rewards/rejected",
-    "rewards/accuracies",
-    "rewards/margins",
-    "logps/chosen",
-    "logps/rejected",
-)
-EVAL_DPO_FIELDS = tuple(f"eval_{name}" for name in DPO_FIELDS)
+# What the methods' trainers log on top (rewards, log-probs, KL: core.train.methods; per logging step, their eval
+# twins carry the eval_ prefix). An SFT run's lines have none of them: each costs one dict lookup per line there.
+METHOD_FIELDS = tuple(name for name in methods.all_metrics() if name not in METRIC_FIELDS)
+EVAL_METHOD_FIELDS = tuple(f"eval_{name}" for name in METHOD_FIELDS)
 # Training series kept with a smoothed twin (`RunSeries.smoothed`), like the loss.
-SMOOTHED_FIELDS = ("loss", *DPO_FIELDS)
-_ALL_FIELDS = METRIC_FIELDS + DPO_FIELDS + EVAL_DPO_FIELDS
-_DPO_KEYS = frozenset(DPO_FIELDS + EVAL_DPO_FIELDS)
+SMOOTHED_FIELDS = ("loss", *METHOD_FIELDS)
+_ALL_FIELDS = METRIC_FIELDS + METHOD_FIELDS + EVAL_METHOD_FIELDS
+_METHOD_KEYS = frozenset(METHOD_FIELDS + EVAL_METHOD_FIELDS)
 _SMOOTHED = frozenset(SMOOTHED_FIELDS)
 GPU_FIELDS = ("memory_used", "memory_total", "utilization", "temperature", "power_w", "process_memory")
 
@@ -308,8 +302,8 @@ class RunSeries:
                 self.first_time = t if self.first_time is None or t < self.first_time else self.first_time
                 self.last_time = t if self.last_time is None or t > self.last_time else self.last_time
             tt = math.nan if t is None else t
-            # a line without any DPO figure (every SFT line) skips their lookups
-            for name in METRIC_FIELDS if _DPO_KEYS.isdisjoint(rec) else _ALL_FIELDS:
+            # a line without any method figure (every SFT line) skips their lookups
+            for name in METRIC_FIELDS if _METHOD_KEYS.isdisjoint(rec) else _ALL_FIELDS:
                 v = rec.get(name)
                 if v is None:
                     continue

@@ -30,10 +30,12 @@ from core.monitor.health import HealthChecker, HealthWarning
 from core.monitor.series import DEFAULT_SMOOTHING_STEPS, downsample_minmax, stride
 from core.monitor.tail import RunFiles, RunSeries, TextTail
 from core.runs import rundir
+from core.train import methods
+from core.train.methods.dpo import METHOD as DPO_METHOD
 
 GiB = 1024**3
-CHANCE_ACCURACY = 0.5  # a preference accuracy a coin flip gets: the line a DPO run must rise above
-DPO_CHARTS = ("dpo_rewards", "dpo_accuracy", "dpo_logps")
+CHANCE_ACCURACY = DPO_METHOD.charts[1].chance  # a coin flip's preference accuracy: what DPO must rise above
+DPO_CHARTS = tuple(f"dpo_{chart.key}" for chart in DPO_METHOD.charts)
 
 
 @dataclass
@@ -180,10 +182,10 @@ def resolve_method(config_method: str | None, config_exists: bool, series: RunSe
     """What the run is: DPO when its config says so or its metrics carry DPO's rewards (robust to a config that
     is missing or unreadable); else the config's method, "sft" for a config without one (the default), None
     when there is no config to tell."""
-    if config_method == "dpo" or series.has_dpo_metrics:
-        return "dpo"
     if config_method:
         return config_method
+    if series.has_dpo_metrics:  # no config to tell: rewards/* are a preference run's (DPO's, the older kind)
+        return "dpo"
     return "sft" if config_exists else None
 
 
@@ -238,8 +240,7 @@ class RunWatcher:
         if changed or self._charts is None or method != self._method:
             self._method = method
             self._charts = self._build_charts(series)
-            if method == "dpo":
-                self._charts.update(dpo_charts(series, self.budget))
+            self._charts.update(method_charts(series, method, self.budget))
         # the lock, not the last status written, says whether the process lives: a SIGKILLed trainer shows as
         # failed on the next tick, a trainer still exiting as stopping
         state, _alive = rundir.live_state(self.run_dir, status)
@@ -387,15 +388,18 @@ class RunWatcher:
         )
 
 
-def dpo_charts(s: RunSeries, budget: ChartBudget | None = None) -> dict[str, pd.DataFrame]:
-    """A DPO run's charts (x column "step"), each smoothed as the loss is (the debiased EMA beside the raw points):
-
-    - dpo_rewards: rewards/chosen, rewards/rejected and rewards/margins (+ the eval margin);
-    - dpo_accuracy: rewards/accuracies, train and eval (the page draws CHANCE_ACCURACY under it);
-    - dpo_logps: logps/chosen vs logps/rejected.
-
-    A figure not logged (yet) is a series left out, never an error; a frame with no series is empty."""
+def method_charts(
+    s: RunSeries, method: str | None, budget: ChartBudget | None = None
+) -> dict[str, pd.DataFrame]:
+    """The charts of the run's method's own figures (core.train.methods: a DPO run's rewards, preference accuracy
+    and log-probs; a KTO run's rewards, KL and log-probs), keyed "<method>_<chart>", x column "step", each
+    smoothed as the loss is (the debiased EMA beside the raw points). A figure not logged (yet) is a series left
+    out, never an error; a frame with no series is empty."""
     b = budget or ChartBudget()
+    try:
+        spec = methods.get(method)
+    except ValueError:
+        return {}
 
     def parts(names: tuple[tuple[str, str], ...], evals: tuple[tuple[str, str], ...] = ()):
         out = []
@@ -411,14 +415,7 @@ def dpo_charts(s: RunSeries, budget: ChartBudget | None = None) -> dict[str, pd.
                 out.append((label, *downsample_minmax(*s.metric(name), b.sparse)))
         return _frame("step", out)
 
-    return {
-        "dpo_rewards": parts(
-            (("rewards/chosen", "chosen"), ("rewards/rejected", "rejected"), ("rewards/margins", "margin")),
-            (("eval_rewards/margins", "eval margin"),),
-        ),
-        "dpo_accuracy": parts((("rewards/accuracies", "train"),), (("eval_rewards/accuracies", "eval"),)),
-        "dpo_logps": parts((("logps/chosen", "chosen"), ("logps/rejected", "rejected"))),
-    }
+    return {f"{spec.name}_{chart.key}": parts(chart.train, chart.eval) for chart in spec.charts}
 
 
 def _rel(xy: tuple[np.ndarray, np.ndarray], t0: float) -> tuple[np.ndarray, np.ndarray]:

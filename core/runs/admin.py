@@ -14,6 +14,7 @@ from pathlib import Path
 from core.runs import rundir
 from core.runs.launcher import RunError, launch, run_state
 from core.runs.rundir import LIVE_STATES
+from core.train import methods
 from core.train.config import dump_config, field_errors, validate_config
 from core.workspace import WorkspaceError, check_run_name, inside, make_folder, runs_dir
 
@@ -53,32 +54,10 @@ def check_model_folder(path) -> str | None:
 
 
 def check_data_columns(data_cfg: dict, method: str = "sft") -> str | None:
-    """None when the dataset loads and has the columns its format needs (preference pairs for DPO); else the
-    sentence from core.train.data / core.train.prefdata."""
-    from core.train.data import DataError, detect_format, load_rows, missing_columns
-
+    """None when the dataset loads and has the columns the run's method needs; else its sentence."""
     if not data_cfg.get("path"):
         return "data.path is empty: give a .jsonl/.json/.csv/.parquet file or a save_to_disk folder."
-    if method == "dpo":
-        from core.train.prefdata import detect_pref_format
-
-        try:
-            detect_pref_format(load_rows(data_cfg), data_cfg.get("format", "auto"))
-        except DataError as exc:
-            return str(exc)
-        return None
-    try:
-        ds = load_rows(data_cfg)
-        fmt = detect_format(ds.column_names, data_cfg.get("format", "auto"))
-    except DataError as exc:
-        return str(exc)
-    missing = missing_columns(ds.column_names, fmt)
-    if missing:
-        return (
-            f"data.path: format {fmt} needs the column(s) {', '.join(missing)}, but the data has "
-            f"{', '.join(ds.column_names)}. Map yours with data.columns or choose another format."
-        )
-    return None
+    return methods.get(method).check_columns(data_cfg)
 
 
 def check_new_run_name(workspace: str | os.PathLike, name: str) -> str | None:

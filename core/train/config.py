@@ -1,12 +1,13 @@
 """The run config: one YAML file, whose sections are the libraries' own configuration classes.
 
-    method:       sft (trl.SFTTrainer) or dpo (trl.DPOTrainer, preference pairs)
-    model:        {path, dtype, attn_implementation, trust_remote_code, reference_path (DPO)}
+    method:       sft (trl.SFTTrainer), dpo (trl.DPOTrainer, preference pairs) or kto (trl.KTOTrainer, rated
+                  answers); each is a module of core.train.methods
+    model:        {path, dtype, attn_implementation, trust_remote_code, reference_path (DPO, KTO)}
     quantization: the fields of transformers.BitsAndBytesConfig
     lora:         the fields of peft.LoraConfig (+ `enabled`: false for a full fine-tune)
     data:         {path, format, columns, split, eval_split, mask_prompt}    the cockpit's data loader
     training:     every field of trl.SFTConfig (TrainingArguments + SFT's own), e.g. max_length, packing;
-                  of trl.DPOConfig for method dpo, e.g. beta, loss_type, precompute_ref_log_probs
+                  of the method's own config class otherwise (trl.DPOConfig, trl.KTOConfig), e.g. beta
 
 The schema of the library sections is read from the installed libraries (their dataclass fields, types and
 choices), so a key that a new TRL/transformers/peft release adds works the day it is installed. It is cached per
@@ -28,19 +29,14 @@ from pathlib import Path
 from typing import Any
 
 from core.files import atomic_write_text
-from core.train import schema
+from core.train import methods, schema
 
-METHODS = ("sft", "dpo")  # trl.SFTTrainer / trl.DPOTrainer
+METHODS = methods.NAMES
 SECTIONS = ("model", "quantization", "lora", "data", "training")
 TOP_LEVEL = ("method", *SECTIONS)
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTN = ("eager", "sdpa", "flash_attention_2", "flex_attention")
-FORMATS = ("auto", "alpaca", "chat", "text")
-PREF_FORMATS = ("auto", "standard", "conversational")  # DPO: core.train.prefdata
-# DPO trains a preference on top of a model that can already answer: a LoRA-sized DPO rate (the
-# alignment-handbook's QLoRA DPO recipe), not SFT's 2e-4
-DPO_DEFAULTS = {"learning_rate": 5e-6}
 # Suggestions for the Train page's selectors (every other value the library accepts is valid too).
 SCHEDULERS = (
     "linear",
@@ -80,7 +76,7 @@ DEFAULTS: dict[str, Any] = {
         "dtype": "auto",  # auto: bfloat16 on a CUDA GPU that supports it, float32 otherwise
         "attn_implementation": "sdpa",
         "trust_remote_code": False,
-        "reference_path": None,  # DPO: an explicit reference model (default: the base with the adapter off)
+        "reference_path": None,  # DPO/KTO: an explicit reference model (default: the base with the adapter off)
     },
     "quantization": {
         "load_in_4bit": False,
@@ -221,7 +217,12 @@ OWN_SCHEMA = {
     },
     "data": {
         "path": {"kinds": ["str", "list"]},
-        "format": {"kinds": ["str"], "choices": list(dict.fromkeys(FORMATS + PREF_FORMATS))},
+        "format": {
+            "kinds": ["str"],
+            "choices": list(
+                dict.fromkeys(("auto",) + tuple(f for m in methods.REGISTRY.values() for f in m.formats))
+            ),
+        },
         "columns": {"kinds": ["dict"]},
         "split": {"kinds": ["str"]},
         "eval_split": {"kinds": ["float"]},
@@ -230,7 +231,7 @@ OWN_SCHEMA = {
 }
 # Values the cockpit adds to a library field: "auto" precision/dtype is resolved by the engine per device.
 EXTRA_VALUES = {"training.bf16": ("auto",), "quantization.bnb_4bit_compute_dtype": ("auto",)}
-COLUMN_KEYS = ("instruction", "input", "output", "messages", "text", "prompt", "chosen", "rejected")
+COLUMN_KEYS = tuple(dict.fromkeys(c for m in methods.REGISTRY.values() for c in m.columns))
 
 
 def default_config() -> dict:
@@ -240,10 +241,10 @@ def default_config() -> dict:
 
 def section_schema(section: str, method: str = "sft") -> dict[str, dict]:
     """{key: {"kinds": [...], "choices": [...]}} for one section: the libraries' fields (the training section is
-    trl.SFTConfig's, or trl.DPOConfig's for method dpo), or the cockpit's own."""
+    the method's config class's: trl.SFTConfig, trl.DPOConfig, trl.KTOConfig), or the cockpit's own."""
     if section in OWN_SCHEMA:
         return OWN_SCHEMA[section]
-    name = "training_dpo" if (section == "training" and method == "dpo") else section
+    name = methods.get(method).schema_section if section == "training" else section
     fields = dict(schema.library_schema()[name])
     if section == "lora":
         fields["enabled"] = {"kinds": ["bool"]}
@@ -260,11 +261,10 @@ def _suggest(section: str, key: str) -> str:
     if key in ALIASES and ALIASES[key] != f"{section}.{key}":
         return f" It is called {ALIASES[key]} here."
     if section == "training":
-        dpo, sft = section_schema("training", "dpo"), section_schema("training", "sft")
-        if key in dpo and key not in sft:
-            return " It is a DPO setting (trl.DPOConfig): set method: dpo."
-        if key in sft and key not in dpo:
-            return " It is an SFT setting (trl.SFTConfig), not one of DPO's."
+        owners = [m for m in methods.REGISTRY.values() if key in section_schema("training", m.name)]
+        if owners:
+            names = " or ".join(f"{m.label} ({m.trainer_name.replace('Trainer', 'Config')})" for m in owners)
+            return f" It is a setting of {names}: set method: {owners[0].name}."
     known = list(section_schema(section))
     near = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
     if near:
@@ -399,8 +399,7 @@ def field_errors(raw: Any) -> tuple[dict, dict[str, str]]:
         errors["method"] = f"method must be one of {', '.join(METHODS)} (got {_short(method)})."
         method = "sft"
     cfg["method"] = method
-    if method == "dpo":
-        cfg["training"].update(DPO_DEFAULTS)
+    cfg["training"].update(methods.get(method).defaults)
     for top, values in raw.items():
         if top == "method":
             continue
@@ -507,22 +506,26 @@ def _combination_problem(cfg: dict) -> tuple[str, str] | None:
             "training.bf16",
             "training.bf16 and training.fp16 are both true: choose one (bf16 on recent GPUs).",
         )
-    fmt, dpo = cfg["data"]["format"], cfg["method"] == "dpo"
-    if dpo and fmt not in PREF_FORMATS:
+    method, fmt = methods.get(cfg), cfg["data"]["format"]
+    if fmt != "auto" and fmt not in method.formats:
+        owners = [m.name for m in methods.REGISTRY.values() if fmt in m.formats]
         return (
             "data.format",
-            f"data.format {fmt} is an SFT format; method dpo reads preference pairs: auto, standard "
-            "(prompt/chosen/rejected texts) or conversational (chosen/rejected message lists).",
+            f"data.format {fmt} is not a format of method {method.name} ({method.summary}): use "
+            f"{', '.join(('auto', *method.formats))}"
+            + (f", or set method: {owners[0]} for {fmt} data." if owners else "."),
         )
-    if not dpo and fmt not in FORMATS:
-        return (
-            "data.format",
-            f"data.format {fmt} is a preference format: set method: dpo, or auto/alpaca/chat/text.",
-        )
-    if cfg["model"].get("reference_path") and not dpo:
+    if cfg["model"].get("reference_path") and not method.traits.reference:
         return (
             "model.reference_path",
-            "model.reference_path is the reference model of a DPO run: set method: dpo or drop it.",
+            f"model.reference_path is the reference model of a preference run (DPO, KTO); method {method.name} "
+            "has none: drop it or change the method.",
+        )
+    if method.smoke_batch_size > 1 and t["per_device_train_batch_size"] < method.smoke_batch_size:
+        return (
+            "training.per_device_train_batch_size",
+            f"training.per_device_train_batch_size must be at least {method.smoke_batch_size} for method "
+            f"{method.name}: {method.trainer_name} estimates its KL term from the other rows of a batch.",
         )
     if q.get("load_in_4bit") and not cfg["lora"]["enabled"]:
         return (
@@ -647,12 +650,12 @@ def plan_to_config(plan: Any, base: dict | None = None) -> dict:
         if value is not None:
             cfg[section][key] = convert(value)
 
-    dpo = _get(plan, "dpo")
-    if dpo is not None:
-        cfg["method"] = "dpo" if dpo else "sft"
-        if dpo and cfg["data"].get("format") not in (None, "auto", "standard", "conversational"):
+    objective = _get(plan, "objective")
+    if objective is not None:
+        cfg["method"] = objective
+        if cfg["data"].get("format") not in (None, "auto", *methods.get(objective).formats):
             cfg["data"]["format"] = "auto"
-    if dpo and _get(plan, "dpo_precompute_ref"):
+    if objective and methods.get(objective).traits.reference and _get(plan, "precompute_ref"):
         cfg["training"]["precompute_ref_log_probs"] = True
     method = str(_get(plan, "method") or "").lower()
     if method == "full":

@@ -1,5 +1,5 @@
-"""A validated run config turned into the libraries' own objects: BitsAndBytesConfig, LoraConfig, and
-SFTConfig or DPOConfig (by the config's method).
+"""A validated run config turned into the libraries' own objects: BitsAndBytesConfig, LoraConfig, and the
+method's TRL config (SFTConfig, DPOConfig, KTOConfig: core.train.methods).
 
 The user's keys pass through unchanged; the engine adds only what it owns (the run directory, logging that the
 UI reads, NaN visibility, the device and precision it resolved).
@@ -13,6 +13,7 @@ from pathlib import Path
 
 from core.precision import CUDA_ONLY, Precision, torch_dtype
 from core.runs import rundir
+from core.train import methods
 
 # Library defaults the engine fills in where the run config leaves them unset
 LORA_ENGINE = {"task_type": "CAUSAL_LM"}
@@ -52,15 +53,15 @@ def training_args(
     has_eval: bool = False,
     report_to: str | list | None = None,
 ):
-    """trl.SFTConfig (or trl.DPOConfig for method dpo): every key of the training section as given, plus what the
-    engine owns.
+    """The method's TRL config (trl.SFTConfig, DPOConfig, KTOConfig): every key of the training section as given,
+    plus what the engine owns.
 
     `prec` is the run's core.precision.Precision (bf16/fp16 resolved for the device); without it (checking a
-    config) "auto" counts as off. A smoke test is one optimizer step at batch size 1, no saving.
+    config) "auto" counts as off. A smoke test is one optimizer step at the method's smallest batch size, no
+    saving.
     """
-    from trl import DPOConfig, SFTConfig
-
-    args_class = DPOConfig if cfg.get("method") == "dpo" else SFTConfig
+    method = methods.get(cfg)
+    args_class = method.config_class()
 
     t = dict(cfg["training"])
     if prec is not None:
@@ -92,7 +93,7 @@ def training_args(
         for key in CUDA_ONLY:
             if t.get(key):
                 t[key] = False
-    if t.get("padding_free") and not t.get("packing") and args_class is SFTConfig:
+    if t.get("padding_free") and not t.get("packing") and method.traits.flat_batches:
         # TRL enforces no max_length for padding-free rows without packing: the engine truncates them itself
         # (core.train.data) to training.max_length.
         t["max_length"] = None
@@ -102,8 +103,8 @@ def training_args(
             # (TRL takes no custom collator with padding-free batches)
             t.update(padding_free=False, packing=False, max_length=cfg["training"]["max_length"])
         t.update(
-            per_device_train_batch_size=1,
-            per_device_eval_batch_size=1,
+            per_device_train_batch_size=method.smoke_batch_size,
+            per_device_eval_batch_size=method.smoke_batch_size,
             gradient_accumulation_steps=1,
             max_steps=1,
             logging_steps=1,

@@ -22,10 +22,10 @@ import reprlib
 from typing import Any
 
 from core.train.data import DataError, load_rows, split_eval
-from core.train.preflight import (
+from core.train.findings import (
     Finding,
-    _is_blank,
     format_rows,
+    is_blank,
     max_length_findings,
     model_limits,
     token_findings,
@@ -276,7 +276,7 @@ def prepare_pair_datasets(cfg: dict):
 
 def run_pair_preflight(cfg: dict, tokenizer=None, model_config=None) -> list[Finding]:
     """core.train.preflight.run_preflight for a `method: dpo` config: the rows read, then check_pairs."""
-    from core.train.preflight import load_tokenizer_and_config
+    from core.train.findings import load_tokenizer_and_config
 
     try:
         rows = load_pref_rows(cfg["data"])
@@ -352,8 +352,8 @@ _STRUCTURE_WHAT = {
 
 def _blank(value) -> bool:
     if isinstance(value, list):
-        return not value or all(_is_blank(m.get("content")) for m in value)
-    return _is_blank(value)
+        return not value or all(is_blank(m.get("content")) for m in value)
+    return is_blank(value)
 
 
 def check_pairs(rows, tokenizer, max_length: int, model_config=None, fmt: str = "auto") -> list[Finding]:

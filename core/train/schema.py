@@ -17,7 +17,9 @@ import typing
 from importlib import metadata
 from pathlib import Path
 
-FORMAT = 2  # bump when the schema's shape changes (2: training_dpo)
+from core.train import methods
+
+FORMAT = 3  # bump when the schema's shape changes (2: training_dpo, 3: training_kto)
 PACKAGES = ("trl", "transformers", "peft")
 # Values the libraries check only inside their constructors; listed so a typo is caught before any import.
 KNOWN_CHOICES = {("quantization", "bnb_4bit_quant_type"): ["nf4", "fp4"]}
@@ -48,7 +50,13 @@ def library_schema() -> dict[str, dict[str, dict]]:
     path = cache_file()
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-        if isinstance(data, dict) and {"training", "training_dpo", "lora", "quantization"} <= set(data):
+        if isinstance(data, dict) and {
+            "training",
+            "training_dpo",
+            "training_kto",
+            "lora",
+            "quantization",
+        } <= set(data):
             _memo = data
             return data
     except (OSError, ValueError):
@@ -67,13 +75,10 @@ def library_schema() -> dict[str, dict[str, dict]]:
 def build_schema() -> dict[str, dict[str, dict]]:
     from peft import LoraConfig
     from transformers import BitsAndBytesConfig
-    from trl import DPOConfig, SFTConfig
 
-    out = {
-        "training": _dataclass_fields(SFTConfig),
-        "training_dpo": _dataclass_fields(DPOConfig),  # the training section of a `method: dpo` run
-        "lora": _dataclass_fields(LoraConfig),
-    }
+    # the training section of each method's runs: its TRL config class (training, training_dpo, training_kto)
+    out = {m.schema_section: _dataclass_fields(m.config_class()) for m in methods.REGISTRY.values()}
+    out["lora"] = _dataclass_fields(LoraConfig)
     import inspect
 
     quant = {}

@@ -25,8 +25,9 @@ from pathlib import Path
 from core.precision import Device, Precision, PrecisionError, resolve, torch_dtype
 from core.runs import rundir
 from core.runs.rundir import latest_checkpoint, read_status, truncate_metrics, write_status
+from core.train import methods
 from core.train.config import ConfigError, dump_config, load_config
-from core.train.data import IGNORE_INDEX, Collator, DataError, prepare_datasets
+from core.train.data import DataError
 
 METRIC_KEYS = ("loss", "eval_loss", "learning_rate", "grad_norm")
 EXIT_BAD_INPUT, EXIT_FAILED, EXIT_STOPPED = 2, 1, 0
@@ -88,10 +89,11 @@ def make_trainer(
     callbacks=(),
     report_to=None,
 ):
-    """The run's trainer: SFTTrainer, or DPOTrainer for method dpo. LoRA (peft_config) or full, TRL's QLoRA handling
-    (no fp32 upcast; adapters in bf16), its fused LM head, every training key of the config as SFTConfig /
-    DPOConfig. DPO's reference is the base with the adapter disabled (no second copy), a copy of the model for a
-    full fine-tune (TRL's default), or model.reference_path. Used by core.train and core.measure."""
+    """The run's trainer, its method's (SFTTrainer, DPOTrainer, KTOTrainer): LoRA (peft_config) or full, TRL's
+    QLoRA handling (no fp32 upcast; adapters in bf16), its fused LM head, every training key of the config as the
+    method's TRL config. A preference method's reference is the base with the adapter disabled (no second copy), a
+    copy of the model for a full fine-tune (TRL's default), or model.reference_path. Used by core.train and
+    core.measure."""
     from core.train.engine_args import lora_config, training_args
 
     args = training_args(cfg, run_dir, prec, smoke=smoke, has_eval=eval_ds is not None, report_to=report_to)
@@ -105,17 +107,9 @@ def make_trainer(
         peft_config=lora_config(cfg),
         callbacks=list(callbacks),
     )
-    if cfg.get("method") == "dpo":
-        from trl import DPOTrainer
-
-        reference = cfg["model"].get("reference_path")
-        if reference:
-            kwargs["ref_model"] = load_model(cfg, prec, path=reference)
-        trainer = DPOTrainer(**kwargs)
-    else:
-        from trl import SFTTrainer
-
-        trainer = SFTTrainer(**kwargs)
+    method = methods.get(cfg)
+    kwargs.update(method.trainer_kwargs(cfg, lambda path: load_model(cfg, prec, path=path)))
+    trainer = method.trainer_class()(**kwargs)
     _fp32_trainable(trainer.model, prec)
     return trainer
 
@@ -325,50 +319,6 @@ def measure_peak(model):
     result.update(peak_bytes=max(0, peak[0] - base) + model_bytes, peak_phase="step", measured_by="rss")
 
 
-class SmokeCollator(Collator):
-    """Fills every batch up to training.max_length: the smoke step then has the longest rows a run can meet, the
-    sequence length the planner's estimate is made for (a batch of one short row would measure far less).
-
-    The filler is attended to (attention_mask 1) but not trained on (labels -100): a row that really is
-    max_length long has no padding mask either, and a mask would switch sdpa to a slower path that keeps
-    more. The smoke step's weights are never saved, so what it attends to does not matter."""
-
-    def __init__(self, pad_token_id: int, max_length: int):
-        super().__init__(pad_token_id)
-        self.max_length = max_length
-
-    def __call__(self, features: list[dict]) -> dict:
-        batch = super().__call__(features)  # counts the real tokens, as in a run
-        fill = {"input_ids": self.pad_token_id, "attention_mask": 1, "labels": IGNORE_INDEX}
-        return _fill_to(batch, self.max_length, fill)
-
-
-def _fill_to(batch: dict, max_length: int, fill: dict) -> dict:
-    """Each tensor of `fill` in `batch` widened to max_length columns with its fill value (the smoke step's
-    rows are as long as the longest a run can meet)."""
-    import torch
-
-    extra = max_length - batch["input_ids"].shape[1]
-    if extra > 0:
-        for key, value in fill.items():
-            pad = torch.full((batch[key].shape[0], extra), value, dtype=batch[key].dtype)
-            batch[key] = torch.cat([batch[key], pad], dim=1)
-    return batch
-
-
-def PairSmokeCollator(pad_token_id: int, max_length: int):
-    """SmokeCollator for DPO: TRL's DataCollatorForPreference, then the chosen and the rejected row filled up to
-    training.max_length (attended, not scored: completion_mask 0), so the smoke step is the longest a run meets."""
-    from trl.trainer.dpo_trainer import DataCollatorForPreference
-
-    class _Filled(DataCollatorForPreference):
-        def torch_call(self, examples):
-            fill = {"input_ids": pad_token_id, "attention_mask": 1, "completion_mask": 0}
-            return _fill_to(super().torch_call(examples), max_length, fill)
-
-    return _Filled(pad_token_id=pad_token_id, max_length=max_length)
-
-
 # ---- the run ------------------------------------------------------------------------------------------------
 
 
@@ -502,17 +452,8 @@ def _run_training(config_path, run_dir: Path, resume: bool, smoke: bool, stop: S
         raise DataError(
             "preflight found errors: " + " | ".join(str(f) for f in findings if f.level == "error")
         )
-    dpo = cfg["method"] == "dpo"
-    if dpo:  # prompt/chosen/rejected pairs: DPOTrainer tokenizes them itself
-        from core.train.prefdata import prepare_pair_datasets
-
-        train_ds, eval_ds = prepare_pair_datasets(cfg)
-    else:
-        train_ds, eval_ds = prepare_datasets(cfg, tokenizer)
-        # pre-tokenized with the prompt masked (labels -100): SFTTrainer uses input_ids/labels as they are
-        train_ds = train_ds.remove_columns("length")
-        if eval_ds is not None:
-            eval_ds = eval_ds.remove_columns("length")
+    method = methods.get(cfg)
+    train_ds, eval_ds = method.datasets(cfg, tokenizer)
 
     sampler = GpuSampler(
         run_dir / rundir.GPU,
@@ -523,9 +464,12 @@ def _run_training(config_path, run_dir: Path, resume: bool, smoke: bool, stop: S
     t = cfg["training"]
     collator = None
     if smoke:
-        smoke_collator = PairSmokeCollator if dpo else SmokeCollator
-        collator = smoke_collator(tokenizer.pad_token_id, t["max_length"])
-    samples_per_step = 1 if smoke else t["per_device_train_batch_size"] * t["gradient_accumulation_steps"]
+        collator = method.smoke_collator(tokenizer.pad_token_id, t["max_length"])
+    samples_per_step = (
+        method.smoke_batch_size
+        if smoke
+        else t["per_device_train_batch_size"] * t["gradient_accumulation_steps"]
+    )
     callback = _make_callback_class()(run_dir, stop, smoke, prec.device.label, samples_per_step)
     try:
         try:

@@ -1,0 +1,204 @@
+"""What every method's preflight shares: the Finding, the model-folder checks, the model's limits and the token
+checks. Each training method (core.train.methods) builds its own data checks from these; core.train.preflight
+runs the run's method.
+
+Loads only the tokenizer and the model's config (no weights). Each finding names the rows (counted from 1, the
+first record of the data being row 1) and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SHOW_ROWS = 20
+
+
+@dataclass
+class Finding:
+    level: str  # "error" blocks the run, "warning" does not
+    check: str  # short id: data, columns, chat_template, empty_rows, vocab, position_limit, truncation, ...
+    message: str
+    fix: str
+    rows: list[int] = field(default_factory=list)  # 1-based row numbers
+
+    def __str__(self) -> str:
+        return f"{self.level.upper()} [{self.check}] {self.message} Fix: {self.fix}"
+
+
+def format_rows(rows: list[int]) -> str:
+    shown = ", ".join(map(str, rows[:SHOW_ROWS]))
+    return f"{shown} and {len(rows) - SHOW_ROWS} more" if len(rows) > SHOW_ROWS else shown
+
+
+def has_errors(findings: list[Finding]) -> bool:
+    return any(f.level == "error" for f in findings)
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def check_model_folder(path, need_weights: bool = True) -> str | None:
+    """None when `path` is a usable local model folder (or a hub id in the local cache); else one sentence: what
+    is wrong, where, how to fix it. Checks config.json and each safetensors header without loading weights."""
+    import json
+
+    if not isinstance(path, str) or not path.strip():
+        return "model.path is empty: give the folder of a local model (config.json + weights)."
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        cached = _cached_hub_folder(path)
+        if cached is None:
+            return (
+                f"model.path: the folder {folder} does not exist. Nothing is downloaded here: give the folder of a "
+                "local model (config.json, weights and tokenizer files), e.g. one saved with save_pretrained."
+            )
+        folder = cached
+    config = folder / "config.json"
+    if not config.is_file():
+        return f"model.path: {folder} has no config.json, so it is not a transformers model folder."
+    try:
+        data = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return f"model.path: {config} is not valid JSON: restore it from the model's original files."
+    if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
+        return f"model.path: {config} has no model_type: restore it from the model's original files."
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        return (
+            f"model.path: {folder} has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...): save the "
+            "tokenizer next to the weights (tokenizer.save_pretrained)."
+        )
+    if need_weights:
+        weights = [p for p in folder.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file()]
+        if not weights:
+            return (
+                f"model.path: {folder} has no weights (*.safetensors or *.bin): the download is incomplete."
+            )
+        for shard in weights:
+            problem = _safetensors_problem(shard) if shard.suffix == ".safetensors" else None
+            if problem:
+                return f"model.path: {shard} is {problem}: download or copy that file again."
+        index = folder / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                files = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
+            except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+                return f"model.path: {index} is not a valid shard index: download or copy it again."
+            missing = sorted(f for f in files if not (folder / f).is_file())
+            if missing:
+                return f"model.path: {folder} lacks the shard(s) {', '.join(missing[:3])}: the download is incomplete."
+    return None
+
+
+def _cached_hub_folder(repo_id: str):
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        hit = try_to_load_from_cache(repo_id, "config.json")
+    except Exception:  # not a valid repo id, no cache
+        return None
+    return Path(hit).parent if isinstance(hit, str) else None
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    """'truncated' / 'not a safetensors file' from the header alone (8-byte length + JSON), else None."""
+    import json
+    import struct
+
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                return "truncated (shorter than a safetensors header)"
+            (n,) = struct.unpack("<Q", head)
+            if n > min(size - 8, 100 << 20):
+                return "not a valid safetensors file (its header length is wrong)"
+            header = json.loads(fh.read(n))
+    except (OSError, ValueError, RecursionError):
+        return "not a valid safetensors file (unreadable header)"
+    if not isinstance(header, dict):
+        return "not a valid safetensors file (unreadable header)"
+    ends = [
+        v["data_offsets"][1]
+        for k, v in header.items()
+        if k != "__metadata__"
+        and isinstance(v, dict)
+        and isinstance(v.get("data_offsets"), list)
+        and len(v["data_offsets"]) == 2
+    ]
+    if ends and 8 + n + max(ends) > size:
+        return f"truncated ({size:,} bytes, its header describes {8 + n + max(ends):,})"
+    return None
+
+
+def load_tokenizer_and_config(model_cfg: dict):
+    from transformers import AutoConfig, AutoTokenizer
+
+    kw = {"trust_remote_code": model_cfg.get("trust_remote_code", False)}
+    return AutoTokenizer.from_pretrained(model_cfg["path"], **kw), AutoConfig.from_pretrained(
+        model_cfg["path"], **kw
+    )
+
+
+def _text_config(model_config):
+    getter = getattr(model_config, "get_text_config", None)
+    return getter() if getter else model_config
+
+
+def is_blank(v) -> bool:
+    return v is None or (isinstance(v, str) and not v.strip())
+
+
+def model_limits(model_config) -> tuple[int | None, int | None]:
+    """(vocab_size, max positions) of a model config (its text config for multimodal ones), None where absent."""
+    text_conf = _text_config(model_config) if model_config is not None else None
+    vocab = getattr(text_conf, "vocab_size", None)
+    max_pos = getattr(text_conf, "max_position_embeddings", None) or getattr(text_conf, "n_positions", None)
+    return vocab, max_pos
+
+
+def max_length_findings(max_length: int, max_pos: int | None) -> list[Finding]:
+    """training.max_length beyond the model's positions: an error, for SFT and DPO alike."""
+    if not (max_pos and max_length > max_pos):
+        return []
+    return [
+        Finding(
+            "error",
+            "position_limit",
+            f"training.max_length {max_length} is longer than the model's max_position_embeddings {max_pos}.",
+            f"Set training.max_length to {max_pos} or less.",
+        )
+    ]
+
+
+def token_findings(
+    over_vocab: list[int], vocab: int, tokenizer_size: int, over_pos: list[int], max_pos: int, max_length: int
+) -> list[Finding]:
+    """The token checks SFT and DPO data share: ids beyond the model's vocabulary (an error: a device-side assert
+    on the GPU), rows longer than its positions (a warning: they are cut at max_length)."""
+    out = []
+    if over_vocab:
+        out.append(
+            Finding(
+                "error",
+                "vocab",
+                f"{len(over_vocab)} row(s) contain token ids >= the model's vocab_size {vocab} (the tokenizer has "
+                f"{tokenizer_size} tokens): rows {format_rows(over_vocab)}.",
+                "Use the model's own tokenizer, or resize the model's embeddings to the tokenizer before training.",
+                rows=over_vocab,
+            )
+        )
+    if over_pos:
+        out.append(
+            Finding(
+                "warning",
+                "position_limit",
+                f"{len(over_pos)} row(s) are longer than max_position_embeddings {max_pos}: rows "
+                f"{format_rows(over_pos)}. They are cut at training.max_length {max_length}.",
+                "Shorten or split those rows if their ends matter.",
+                rows=over_pos,
+            )
+        )
+    return out

@@ -1,0 +1,115 @@
+"""What a training method is: everything that differs between SFT, DPO and KTO, in one object.
+
+A method module (sft.py, dpo.py, kto.py) subclasses `Method` and fills it in: its TRL config and trainer
+classes, its data formats, loader, preflight and preview, its smoke collator, what the planner must know of its
+step (`PlanTraits`), the figures its trainer logs and the charts and health rules they feed. Code outside
+core/train/methods asks the run's method (`core.train.methods.get`) instead of branching on its name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class PlanTraits:
+    """What the memory planner must know about a method's training step (core.estimate reads these)."""
+
+    rows_per_example: int = 1  # DPO: a chosen and a rejected row per example
+    reference: bool = False  # a reference model: the base with the adapter off, or a copy
+    flat_batches: bool = True  # padding-free / packing exist for this trainer (TRL 1.16: SFT only)
+    # extra (tokens,) fp32 outputs the fused LM head returns for the method's metrics (mean_logits: DPO, KTO)
+    head_outputs: int = 0
+
+
+@dataclass(frozen=True)
+class Chart:
+    """One Monitor chart of a method's own figures: series (metric key, label), train and eval."""
+
+    key: str
+    title: str
+    y: str
+    train: tuple[tuple[str, str], ...]
+    eval: tuple[tuple[str, str], ...] = ()
+    chance: float | None = None  # a reference line (e.g. a coin flip's preference accuracy)
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str  # the run config's `method`
+    label: str  # what the pages show
+    trainer_name: str  # the TRL class, for sentences
+    formats: tuple[str, ...]  # data.format values (besides auto)
+    columns: tuple[str, ...]  # the columns data.columns may map onto
+    summary: str = ""
+    defaults: dict = field(default_factory=dict)  # training defaults that differ from SFT's
+    traits: PlanTraits = PlanTraits()
+    smoke_batch_size: int = 1  # the smallest batch its trainer takes (KTO's KL term needs two rows)
+    # the figures its trainer logs beyond loss / learning rate / grad norm (their eval twins: eval_<name>)
+    metrics: tuple[str, ...] = ()
+    charts: tuple[Chart, ...] = ()
+    # the figure the Runs page and `runs list` summarise a run by (eval twin preferred), with its label
+    headline: tuple[tuple[str, str], ...] = ()
+
+    # -- the libraries' classes ------------------------------------------------------------------------------
+    def config_class(self):
+        raise NotImplementedError
+
+    def trainer_class(self):
+        raise NotImplementedError
+
+    @property
+    def schema_section(self) -> str:
+        """The key of this method's training section in core.train.schema (read from config_class)."""
+        return "training" if self.name == "sft" else f"training_{self.name}"
+
+    # -- data --------------------------------------------------------------------------------------------------
+    def datasets(self, cfg: dict, tokenizer):
+        """(train, eval or None) as its trainer takes them."""
+        raise NotImplementedError
+
+    def preflight(self, cfg: dict, tokenizer=None, model_config=None) -> list:
+        raise NotImplementedError
+
+    def check_columns(self, data_cfg: dict) -> str | None:
+        """None when the data loads and has the columns this method needs; else one sentence."""
+        raise NotImplementedError
+
+    def smoke_collator(self, pad_token_id: int, max_length: int):
+        """The collator of the smoke step: rows filled to max_length, so it measures the longest step."""
+        raise NotImplementedError
+
+    def sample_prompts(self, rows, n: int) -> list[str]:
+        """Prompts from this method's rows for Try it."""
+        out: list[str] = []
+        for row in rows:
+            text = row.get("prompt") if isinstance(row, dict) else None
+            if isinstance(text, list):
+                text = next(
+                    (m.get("content") for m in text if isinstance(m, dict) and m.get("role") == "user"), None
+                )
+            if isinstance(text, str) and text.strip() and text not in out:
+                out.append(text)
+            if len(out) >= n:
+                break
+        return out
+
+    # -- training --------------------------------------------------------------------------------------------
+    def trainer_kwargs(self, cfg: dict, load_reference) -> dict:
+        """Extra keyword arguments of its trainer: a reference model loaded by `load_reference(path)` when the
+        config names one (model.reference_path)."""
+        path = cfg["model"].get("reference_path")
+        return {"ref_model": load_reference(path)} if path and self.traits.reference else {}
+
+
+def fill_to(batch: dict, max_length: int, fill: dict) -> dict:
+    """Each tensor of `fill` in `batch` widened to max_length columns with its fill value (a smoke step's rows are
+    as long as the longest a run can meet)."""
+    import torch  # heavy: only a smoke step needs it
+
+    for key, value in fill.items():
+        extra = max_length - batch[key].shape[1]
+        if extra > 0:
+            pad = torch.full((batch[key].shape[0], extra), value, dtype=batch[key].dtype)
+            batch[key] = torch.cat([batch[key], pad], dim=1)
+    return batch

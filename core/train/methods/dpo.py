@@ -1,0 +1,89 @@
+"""DPO (trl.DPOTrainer): preference pairs, a chosen and a rejected answer to one prompt (core.train.prefdata)."""
+
+from __future__ import annotations
+
+from core.train.data import DataError, load_rows
+from core.train.methods.base import Chart, Method, PlanTraits, fill_to
+from core.train.prefdata import detect_pref_format, prepare_pair_datasets, run_pair_preflight
+
+# What TRL's DPOTrainer (and KTOTrainer) log on top of the loss, per logging step
+PREFERENCE_METRICS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+)
+CHANCE_ACCURACY = 0.5  # a preference accuracy a coin flip gets: the line a DPO run must rise above
+
+
+class DPO(Method):
+    def config_class(self):
+        from trl import DPOConfig
+
+        return DPOConfig
+
+    def trainer_class(self):
+        from trl import DPOTrainer
+
+        return DPOTrainer
+
+    def datasets(self, cfg: dict, tokenizer):
+        return prepare_pair_datasets(cfg)  # prompt/chosen/rejected: DPOTrainer tokenizes them itself
+
+    def preflight(self, cfg: dict, tokenizer=None, model_config=None) -> list:
+        return run_pair_preflight(cfg, tokenizer, model_config)
+
+    def check_columns(self, data_cfg: dict) -> str | None:
+        try:
+            detect_pref_format(load_rows(data_cfg), data_cfg.get("format", "auto"))
+        except DataError as exc:
+            return str(exc)
+        return None
+
+    def smoke_collator(self, pad_token_id: int, max_length: int):
+        """DataCollatorForPreference, then the chosen and the rejected row filled up to training.max_length
+        (attended, not scored: completion_mask 0), so the smoke step is the longest a run meets."""
+        from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+        class Filled(DataCollatorForPreference):
+            def torch_call(self, examples):
+                fill = {"input_ids": pad_token_id, "attention_mask": 1, "completion_mask": 0}
+                return fill_to(super().torch_call(examples), max_length, fill)
+
+        return Filled(pad_token_id=pad_token_id, max_length=max_length)
+
+
+METHOD = DPO(
+    name="dpo",
+    label="DPO",
+    trainer_name="trl.DPOTrainer",
+    formats=("standard", "conversational"),
+    columns=("prompt", "chosen", "rejected"),
+    summary="preference pairs: the model learns to prefer each pair's chosen answer over the rejected one",
+    # DPO trains a preference on top of a model that can already answer: a LoRA-sized DPO rate (the
+    # alignment-handbook's QLoRA DPO recipe), not SFT's 2e-4
+    defaults={"learning_rate": 5e-6},
+    traits=PlanTraits(rows_per_example=2, reference=True, flat_batches=False, head_outputs=1),
+    metrics=PREFERENCE_METRICS,
+    charts=(
+        Chart(
+            "rewards",
+            "Rewards (DPO)",
+            "reward",
+            (("rewards/chosen", "chosen"), ("rewards/rejected", "rejected"), ("rewards/margins", "margin")),
+            (("eval_rewards/margins", "eval margin"),),
+        ),
+        Chart(
+            "accuracy",
+            "Preference accuracy",
+            "accuracy",
+            (("rewards/accuracies", "train"),),
+            (("eval_rewards/accuracies", "eval"),),
+            chance=CHANCE_ACCURACY,
+        ),
+        Chart("logps", "Log-probs", "log p", (("logps/chosen", "chosen"), ("logps/rejected", "rejected"))),
+    ),
+    headline=(("rewards/accuracies", "reward accuracy"), ("rewards/margins", "reward margin")),
+)

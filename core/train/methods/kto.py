@@ -1,0 +1,86 @@
+"""KTO (trl.KTOTrainer): unpaired feedback, one answer with a thumbs up or down (core.train.feedback)."""
+
+from __future__ import annotations
+
+from core.train.data import DataError, load_rows
+from core.train.feedback import normalize_feedback, prepare_feedback_datasets, run_feedback_preflight
+from core.train.methods.base import Chart, Method, PlanTraits, fill_to
+
+
+class KTO(Method):
+    def config_class(self):
+        from trl import KTOConfig
+
+        return KTOConfig
+
+    def trainer_class(self):
+        from trl import KTOTrainer
+
+        return KTOTrainer
+
+    def datasets(self, cfg: dict, tokenizer):
+        return prepare_feedback_datasets(cfg)  # prompt/completion/label: KTOTrainer tokenizes them itself
+
+    def preflight(self, cfg: dict, tokenizer=None, model_config=None) -> list:
+        return run_feedback_preflight(cfg, tokenizer, model_config)
+
+    def check_columns(self, data_cfg: dict) -> str | None:
+        try:
+            rows, problems = normalize_feedback(load_rows(data_cfg), data_cfg.get("format", "auto"))
+        except DataError as exc:
+            return str(exc)
+        if not rows:
+            return (
+                f"data.path: {data_cfg['path']} has no usable feedback rows: KTO reads prompt, completion and "
+                "label (true/false), or preference pairs (prompt, chosen, rejected)."
+            )
+        return None
+
+    def smoke_collator(self, pad_token_id: int, max_length: int):
+        """DataCollatorForUnpairedPreference, then the answer and its KL twin filled up to training.max_length
+        (attended, not scored), so the smoke step is the longest a run meets."""
+        from trl.trainer.kto_trainer import DataCollatorForUnpairedPreference
+
+        class Filled(DataCollatorForUnpairedPreference):
+            def torch_call(self, examples):
+                batch = super().torch_call(examples)
+                fill = {"input_ids": pad_token_id, "attention_mask": 1, "completion_mask": 0}
+                if "KL_input_ids" in batch:
+                    fill.update({f"KL_{k}": v for k, v in fill.items()})
+                return fill_to(batch, max_length, fill)
+
+        return Filled(pad_token_id=pad_token_id, max_length=max_length)
+
+
+METHOD = KTO(
+    name="kto",
+    label="KTO",
+    trainer_name="trl.KTOTrainer",
+    formats=("standard", "conversational"),
+    columns=("prompt", "completion", "label", "chosen", "rejected"),
+    summary="rated answers (thumbs up / down): the model learns to give answers like the good ones, not the bad",
+    # a preference method on top of a model that can already answer: DPO's LoRA-sized rate; KTO estimates its KL
+    # term from the other rows of a batch, so it needs at least two per device
+    defaults={"learning_rate": 5e-6},
+    smoke_batch_size=2,
+    traits=PlanTraits(rows_per_example=1, reference=True, flat_batches=False, head_outputs=1),
+    metrics=("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected", "kl"),
+    charts=(
+        Chart(
+            "rewards",
+            "Rewards of desirable and undesirable answers (KTO)",
+            "reward",
+            (
+                ("rewards/chosen", "desirable"),
+                ("rewards/rejected", "undesirable"),
+                ("rewards/margins", "margin"),
+            ),
+            (("eval_rewards/margins", "eval margin"),),
+        ),
+        Chart("kl", "KL to the reference", "KL", (("kl", "train"),), (("eval_kl", "eval"),)),
+        Chart(
+            "logps", "Log-probs", "log p", (("logps/chosen", "desirable"), ("logps/rejected", "undesirable"))
+        ),
+    ),
+    headline=(("rewards/margins", "reward margin"),),
+)
