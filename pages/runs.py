@@ -44,14 +44,15 @@ def _num(value, fmt: str, missing: str = "–") -> str:
 
 
 def _reward(value, fmt: str, s) -> str:
-    """A DPO figure with where it comes from; blank for a run that is not DPO (nothing to show, not missing)."""
-    if s.method != "dpo":
+    """A preference run's figure with where it comes from; blank for a run without one (an SFT run: nothing to
+    show, not missing)."""
+    if s.reward_source is None:
         return ""
     return "–" if value is None else f"{value:{fmt}} ({s.reward_source})"
 
 
 def table(summaries) -> None:
-    dpo = any(s.method == "dpo" for s in summaries)
+    preference = any(s.reward_source is not None for s in summaries)
     rows = [
         {
             "run": s.name,
@@ -62,13 +63,13 @@ def table(summaries) -> None:
             "steps": f"{s.step if s.step is not None else 0}" + (f" / {s.max_steps}" if s.max_steps else ""),
             "best eval loss": _num(s.best_eval_loss, ".4f"),
             "final loss": _num(s.final_loss, ".4f", "– (no loss logged)" if s.state == "failed" else "–"),
-            # a DPO run's last preference accuracy and reward margin (eval when it evaluated, else train)
+            # a preference run's last accuracy and reward margin (eval when it evaluated, else train)
             **(
                 {
                     "reward accuracy": _reward(s.reward_accuracy, ".2f", s),
                     "reward margin": _reward(s.reward_margin, ".3g", s),
                 }
-                if dpo
+                if preference
                 else {}
             ),
             "peak GPU memory (GiB)": _num(s.peak_memory_gib, ".2f", "n/a (no GPU samples)"),
@@ -111,7 +112,7 @@ def compare(summaries) -> None:
         return
     missing = [n for n in chosen if n not in set(df["run"])]
     if missing and metric != "loss":
-        st.caption(f"Not drawn (no {metric} logged, not DPO runs): {', '.join(missing)}")
+        st.caption(f"Not drawn (no {metric} logged: not preference runs): {', '.join(missing)}")
     chart = (
         alt.Chart(df)
         .mark_line(strokeWidth=1.5, point=len(df) <= 2 * df["run"].nunique())  # one point is still seen

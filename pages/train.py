@@ -11,7 +11,7 @@ import streamlit as st
 from streamlit.runtime.pages_manager import PagesManager
 
 from core import jobs
-from core.demo.build import demo_config, demo_dir, demo_ready, dpo_demo_config
+from core.demo.build import PREFERENCE_DEMOS, demo_config, demo_dir, demo_ready
 from core.estimate.bill import GiB, PlanError
 from core.estimate.from_config import estimate_for_config, local_card
 from core.estimate.specs import SpecError
@@ -24,14 +24,13 @@ from core.runs.admin import (
     start_smoke_test,
 )
 from core.runs.launcher import RunError, create_run, launch
+from core.train import methods
 from core.train.config import (
     ATTN,
     DTYPES,
-    FORMATS,
     MAX_CONFIG_BYTES,
     METHODS,
     OPTIMIZERS,
-    PREF_FORMATS,
     SCHEDULERS,
     SECTIONS,
     ConfigError,
@@ -83,14 +82,9 @@ FIELDS = {
     "tr_logging": ("training", "logging_steps"),
     "tr_save": ("training", "save_steps"),
 }
-# shown and written only for `method: dpo` (their keys are trl.DPOConfig's, unknown to an SFT run)
-DPO_FIELDS = {
-    "tr_beta": ("training", "beta"),
-    "tr_loss_type": ("training", "loss_type"),
-    "tr_precompute": ("training", "precompute_ref_log_probs"),
-    "tr_reference": ("model", "reference_path"),
-}
-DPO_FORM_DEFAULTS = {"tr_beta": 0.1, "tr_loss_type": "sigmoid", "tr_precompute": False, "tr_reference": ""}
+# each method's own settings (core.train.methods: DPO's beta, KTO's weights, a reference model, ...), shown and
+# written only for that method (the other methods' TRL configs do not know the keys)
+METHOD_FIELDS = {f.state: f for m in methods.REGISTRY.values() for f in m.fields}
 # memory levers of the engine (README "Fitting more"); padding-free and packing are SFTTrainer's only
 LEVER_FIELDS = {
     "tr_padding_free": ("training", "padding_free"),
@@ -98,23 +92,12 @@ LEVER_FIELDS = {
     "tr_offload": ("training", "activation_offloading"),
     "tr_liger": ("training", "use_liger_kernel"),
 }
-SFT_ONLY_LEVERS = {"tr_padding_free", "tr_packing"}
-LOSS_TYPES = (
-    "sigmoid",
-    "ipo",
-    "hinge",
-    "robust",
-    "bco_pair",
-    "sppo_hard",
-    "nca_pair",
-    "apo_zero",
-    "apo_down",
-)
-METHOD_LABELS = {"sft": "SFT (instructions / chat)", "dpo": "DPO (preference pairs)"}
+FLAT_BATCH_LEVERS = {"tr_padding_free", "tr_packing"}  # SFTTrainer's only: a method's traits.flat_batches
+METHOD_LABELS = {m.name: f"{m.label} ({m.data_noun})" for m in methods.REGISTRY.values()}
 CHOICES = {
     "tr_dtype": DTYPES,
     "tr_attn": ATTN,
-    "tr_format": FORMATS,
+    "tr_format": tuple(dict.fromkeys(("auto", *(f for m in methods.REGISTRY.values() for f in m.formats)))),
     "tr_sched": SCHEDULERS,
     "tr_optim": OPTIMIZERS,
 }
@@ -236,21 +219,36 @@ def _fill_form(cfg: dict) -> None:
         st.session_state[key] = value
     method = cfg.get("method", "sft")
     st.session_state["tr_method"] = method if method in METHODS else "sft"
-    for key, (section, name) in DPO_FIELDS.items():
-        value = cfg.get(section, {}).get(name)
-        if key == "tr_loss_type" and isinstance(value, list):
+    own = {f.state: f for f in methods.get(st.session_state["tr_method"]).fields}
+    for key, f in {**METHOD_FIELDS, **own}.items():
+        value = cfg.get(f.section, {}).get(f.key) if key in own else None
+        if f.as_list and isinstance(value, list):
             value = value[0] if value else None
-        if key == "tr_reference":
+        if f.kind == "path":
             value = "" if value is None else str(value)
-        if key == "tr_beta" and value is not None:
+        if f.kind == "float" and value is not None:
             value = float(value)
-        st.session_state[key] = DPO_FORM_DEFAULTS[key] if value is None else value
+        st.session_state[key] = f.default if value is None else value
     for key, (section, name) in LEVER_FIELDS.items():
         st.session_state[key] = bool(cfg.get(section, {}).get(name))
-    if method == "dpo" and st.session_state.get("tr_format") not in PREF_FORMATS:
+    if st.session_state.get("tr_format") not in ("auto", *methods.get(st.session_state["tr_method"]).formats):
         st.session_state["tr_format"] = "auto"
     st.session_state["tr_notes"] = notes
     st.session_state["tr_base"] = copy.deepcopy(cfg)
+
+
+def method_fields(method) -> None:
+    """The method's own settings (core.train.methods: FormField), one widget each, in a row."""
+    widths = [3 if f.kind == "path" else 1 for f in method.fields]
+    for column, f in zip(st.columns(widths), method.fields, strict=True):
+        if f.kind == "float":
+            column.number_input(f.label, key=f.state, step=0.05, format="%.2f", help=f.help)
+        elif f.kind == "choice":
+            column.selectbox(f.label, f.choices, key=f.state, help=f.help)
+        elif f.kind == "bool":
+            column.checkbox(f.label, key=f.state, help=f.help)
+        else:
+            column.text_input(f.label, key=f.state, help=f.help)
 
 
 def _raw_config() -> dict:
@@ -276,23 +274,24 @@ def _raw_config() -> dict:
         raw[section][name] = value
     method = st.session_state.get("tr_method") or "sft"
     raw["method"] = method
+    flat = methods.get(method).traits.flat_batches
     for key, (section, name) in LEVER_FIELDS.items():
-        on = bool(st.session_state.get(key)) and not (method == "dpo" and key in SFT_ONLY_LEVERS)
-        if on:
+        unsupported = not flat and key in FLAT_BATCH_LEVERS
+        if st.session_state.get(key) and not unsupported:
             raw[section][name] = True
-        elif name in raw[section] or (method == "dpo" and key in SFT_ONLY_LEVERS):
+        elif name in raw[section] or unsupported:
             raw[section].pop(name, None)  # off is the libraries' default: keep the YAML short
-    for key, (section, name) in DPO_FIELDS.items():
-        raw[section].pop(name, None)
-        if method != "dpo":
-            continue
-        value = st.session_state.get(key)
-        if key == "tr_loss_type":
+    own = methods.get(method).fields
+    for f in METHOD_FIELDS.values():
+        raw[f.section].pop(f.key, None)
+    for f in own:
+        value = st.session_state.get(f.state)
+        if f.as_list:
             value = [value] if value else None
-        if key == "tr_reference":
+        if f.kind == "path":
             value = (value or "").strip() or None
         if value is not None:
-            raw[section][name] = value
+            raw[f.section][f.key] = value
     return raw
 
 
@@ -382,25 +381,25 @@ def config_form(workspace: str) -> tuple[dict, dict, str]:
         key="tr_method",
         format_func=METHOD_LABELS.get,
         horizontal=True,
-        help="SFT learns answers (TRL's SFTTrainer); DPO learns to prefer the chosen answer of each pair over the "
-        "rejected one (TRL's DPOTrainer), usually on top of an SFT'd model.",
+        help="; ".join(f"{m.label}: {m.summary} ({m.trainer_name})" for m in methods.REGISTRY.values()),
         # the other method reads other data: detect the format again
         on_change=lambda: st.session_state.update(tr_format="auto"),
     )
-    dpo = st.session_state.get("tr_method") == "dpo"
+    method = methods.get(st.session_state.get("tr_method"))
+    demo = PREFERENCE_DEMOS.get(method.name)
     if (
-        dpo
+        demo is not None
         and demo_ready(workspace)
         and st.button(
-            "Use the demo's preference pairs",
-            key="tr_demo_dpo",
+            f"Use the demo's {method.data_noun}",
+            key=f"tr_demo_{method.name}",
             icon=":material/thumbs_up_down:",
-            help="DPO on the demo model: prefer 'HELLO!' over 'HELLO' (a style its data never showed)",
+            help=f"{method.label} on the demo model: prefer 'HELLO!' over 'HELLO' (a style its data never showed)",
         )
     ):
         folder = demo_dir(workspace).resolve()
-        st.session_state["tr_pending"] = dpo_demo_config(folder, folder / "base")
-        st.session_state["tr_pending_source"] = "the demo's DPO settings"
+        st.session_state["tr_pending"] = demo(folder, folder / "base")
+        st.session_state["tr_pending_source"] = f"the demo's {method.label} settings"
         st.rerun()
 
     st.markdown("##### Model")
@@ -437,17 +436,13 @@ def config_form(workspace: str) -> tuple[dict, dict, str]:
         # another file has other columns: detect its format again rather than keep the demo's "chat"
         on_change=lambda: st.session_state.update(tr_format="auto"),
     )
-    if dpo:
-        c2.selectbox(
-            "Format",
-            PREF_FORMATS,
-            key="tr_format",
-            help="auto: conversational if chosen/rejected are message lists, standard if they are texts",
-        )
-    else:
-        c2.selectbox(
-            "Format", FORMATS, key="tr_format", help="auto: chat if 'messages', alpaca if instruction+output"
-        )
+    c2.selectbox(
+        "Format",
+        ("auto", *method.formats),
+        key="tr_format",
+        help="auto: detected from the columns (chat if 'messages', alpaca if instruction+output; conversational if "
+        "the answers are message lists, standard if they are texts)",
+    )
     c3.number_input("Max length (tokens)", key="tr_max_length", step=64)
     c4.number_input(
         "Eval split", key="tr_eval_split", step=0.01, format="%.2f", help="Fraction held out (0: none)"
@@ -469,11 +464,14 @@ def config_form(workspace: str) -> tuple[dict, dict, str]:
     c[0].checkbox(
         "Padding-free batches",
         key="tr_padding_free",
-        disabled=dpo,
+        disabled=not method.traits.flat_batches,
         help="training.padding_free: the batch's rows as one sequence, no padding (SFT; use flash attention on a GPU)",
     )
     c[1].checkbox(
-        "Packing", key="tr_packing", disabled=dpo, help="training.packing (BFD): rows filled to max length"
+        "Packing",
+        key="tr_packing",
+        disabled=not method.traits.flat_batches,
+        help="training.packing (BFD): rows filled to max length",
     )
     c[2].checkbox(
         "Activation offloading (CUDA)",
@@ -489,21 +487,8 @@ def config_form(workspace: str) -> tuple[dict, dict, str]:
     c[0].checkbox("Gradient checkpointing", key="tr_ckpt")
     c[1].number_input("Log every (steps)", key="tr_logging", step=1)
     c[2].number_input("Checkpoint every (steps)", key="tr_save", step=10)
-    if dpo:
-        c = st.columns([1, 1, 1, 3])
-        c[0].number_input("DPO beta", key="tr_beta", step=0.05, format="%.2f", help="training.beta")
-        c[1].selectbox("DPO loss", LOSS_TYPES, key="tr_loss_type", help="training.loss_type")
-        c[2].checkbox(
-            "Precompute reference",
-            key="tr_precompute",
-            help="training.precompute_ref_log_probs: the reference's log-probs once before training (no "
-            "reference forward in each step)",
-        )
-        c[3].text_input(
-            "Reference model folder (empty: the base with the adapter off)",
-            key="tr_reference",
-            help="model.reference_path: an explicit reference model, loaded as a second copy",
-        )
+    if method.fields:
+        method_fields(method)
     slots["training"] = st.empty()
 
     raw = _raw_config()
@@ -561,7 +546,7 @@ def _data_batch_caption(cfg: dict, est) -> None:
     """The peak for the largest batch the data's real rows can form, next to the max_length bound above."""
     from core.estimate.bill import Plan, estimate_for_lengths
 
-    if cfg.get("method") == "dpo":
+    if not methods.get(cfg).traits.flat_batches:  # padded rows: the bound above is what the step holds
         return
     try:
         lengths = _preview(config_to_yaml(cfg))["lengths"]
@@ -578,37 +563,37 @@ def _data_batch_caption(cfg: dict, est) -> None:
     )
 
 
-@st.cache_data(ttl=30, show_spinner="Reading the pairs…")
-def _preview_pairs(data_yaml: str) -> tuple[int, list[dict]]:
+@st.cache_data(ttl=30, show_spinner="Reading the data…")
+def _method_preview(method: str, data_yaml: str) -> tuple[int, list[dict]] | None:
     import yaml
 
-    from core.train.prefdata import load_pref_rows, preview_pairs
-
-    data = yaml.safe_load(data_yaml)
-    rows = load_pref_rows(data)
-    return len(rows), preview_pairs(rows, n=5, fmt=data["format"])
+    return methods.get(method).preview(yaml.safe_load(data_yaml), n=5)
 
 
-def pairs_panel(cfg: dict) -> None:
-    """A DPO run's data: the first pairs, prompt / chosen / rejected side by side."""
+def method_preview_panel(cfg: dict) -> bool:
+    """A preference run's data as its method reads it (DPO: prompt / chosen / rejected side by side; KTO: each
+    rated answer); False when the method has no view of its own (SFT's token preview follows)."""
+    method = methods.get(cfg)
     try:
-        total, pairs = _preview_pairs(config_to_yaml(cfg["data"]))
+        shown = _method_preview(method.name, config_to_yaml(cfg["data"]))
     except (DataError, OSError, ValueError) as exc:
-        st.error(f"Cannot preview the preference pairs: {exc}")
-        return
+        st.error(f"Cannot preview the {method.data_noun}: {exc}")
+        return True
+    if shown is None:
+        return False
+    total, rows = shown
     st.caption(
-        f"{total:,} pairs. DPO raises the likelihood of **chosen** over **rejected** for each prompt, relative to "
-        "the reference model."
+        f"{total:,} {method.data_noun}. {method.label}: {method.summary}, relative to the reference model."
     )
-    frame = pd.DataFrame(pairs)
+    frame = pd.DataFrame(rows)
     if "problem" in frame and not frame["problem"].fillna("").astype(bool).any():
         frame = frame.drop(columns="problem")
     st.dataframe(frame, hide_index=True, width="stretch")
+    return True
 
 
 def preview_panel(cfg: dict) -> None:
-    if cfg.get("method") == "dpo":
-        pairs_panel(cfg)
+    if method_preview_panel(cfg):
         return
     try:
         pv = _preview(config_to_yaml(cfg))

@@ -368,7 +368,7 @@ def write_dpo_run(
 def test_dpo_run_gets_rewards_accuracy_and_logps_charts(tmp_path):
     run = write_dpo_run(tmp_path / "dpo", steps=100)
     snap = RunWatcher(run).refresh()
-    assert snap.method == "dpo" and snap.dpo
+    assert snap.method == "dpo"
     assert set(DPO_CHARTS) <= set(snap.charts)
     rewards, acc, logps = (snap.charts[name] for name in DPO_CHARTS)
     assert set(rewards["series"]) == {
@@ -420,10 +420,10 @@ def test_dpo_is_told_by_config_or_by_metrics_and_sft_runs_are_unchanged(tmp_path
     snap = RunWatcher(early).refresh()
     assert snap.method == "dpo" and all(snap.charts[name].empty for name in DPO_CHARTS)
     # no method in the config (or no config at all) but DPO's figures in the metrics: a DPO run
-    assert RunWatcher(write_dpo_run(tmp_path / "nomethod", method=None)).refresh().dpo
+    assert RunWatcher(write_dpo_run(tmp_path / "nomethod", method=None)).refresh().method == "dpo"
     bare = write_dpo_run(tmp_path / "bare")
     (bare / "config.yaml").unlink()
-    assert RunWatcher(bare).refresh().dpo
+    assert RunWatcher(bare).refresh().method == "dpo"
     # a DPO run that logged only some figures: the others are series left out, never an error
     partial = tmp_path / "partial"
     partial.mkdir()
@@ -444,7 +444,7 @@ def test_dpo_is_told_by_config_or_by_metrics_and_sft_runs_are_unchanged(tmp_path
         "".join(metric(s, learning_rate=1e-4, grad_norm=1.0) for s in range(1, 11))
     )
     snap = RunWatcher(sft).refresh()
-    assert snap.method == "sft" and not snap.dpo
+    assert snap.method == "sft"
     assert set(snap.charts) == {
         "loss",
         "learning_rate",

@@ -293,6 +293,10 @@ def kto_demo_config(out: str | os.PathLike, model: str | os.PathLike) -> dict:
     return validate_config(cfg)
 
 
+# The demo's preference runs, by method: what the Train page's "Use the demo's ..." button loads
+PREFERENCE_DEMOS = {"dpo": dpo_demo_config, "kto": kto_demo_config}
+
+
 def read_manifest(out: str | os.PathLike) -> dict | None:
     try:
         return json.loads((Path(out) / "demo.json").read_text(encoding="utf-8"))
@@ -440,7 +444,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="demo folder (default: <workspace>/demo)")
     parser.add_argument("--run", action="store_true", help="also train the default demo run and compare")
     parser.add_argument(
-        "--adapter", help="report held-out accuracy of this adapter folder (e.g. RUN/adapter)"
+        "--adapter",
+        help="report held-out accuracy of this adapter folder (e.g. RUN/adapter); with --run-dpo / --run-kto: "
+        "the SFT adapter they build on (instead of training it again)",
     )
     parser.add_argument(
         "--run-dpo",
@@ -465,7 +471,8 @@ def main(argv: list[str] | None = None) -> int:
         before = heldout_accuracy(out)
         print(f"held-out accuracy before training: {before:.0%}", flush=True)
         adapter = Path(args.adapter) if args.adapter else None
-        if args.run or args.run_dpo or args.run_kto:
+        # the preference demos build on the SFT run: --adapter names one already trained, else it is trained here
+        if args.run or ((args.run_dpo or args.run_kto) and adapter is None):
             run_dir = _train(out, "example-run", demo_config(out=out))
             adapter = run_dir / "adapter"
         if adapter is not None:

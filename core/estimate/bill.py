@@ -898,14 +898,16 @@ def estimate(plan: Plan, spec: ModelSpec | None = None) -> Estimate:
     kv_per_token = kv_cache_bytes_per_token(spec, plan)
     kv_cache = plan.eval_kv_tokens * kv_per_token
 
-    reference = None
+    reference_text = None
     reference = 0
     if methods.get(plan.objective).traits.reference:
         if plan.method == "full" or plan.reference == "copy":
-            reference = "a second, frozen copy of the model (full fine-tuning or an explicit reference model)"
+            reference_text = (
+                "a second, frozen copy of the model (full fine-tuning or an explicit reference model)"
+            )
             reference = weights + quant_constants
         else:
-            reference = (
+            reference_text = (
                 "the base model with the adapter disabled: no second copy, one more forward without grad"
             )
 
@@ -1084,7 +1086,7 @@ def estimate(plan: Plan, spec: ModelSpec | None = None) -> Estimate:
         total_params=spec.total_params,
         kv_cache_bytes_per_token=kv_per_token,
         activation_bytes_per_token_per_layer=layer_activation_bytes(spec, plan, targets),
-        reference=reference,
+        reference=reference_text,
         cpu_pinned_bytes=int(pinned),
         batch_rows=batch,
         batch_length=length,

@@ -26,6 +26,7 @@ import torch
 
 from core.measure.tracker import StepMemory, TrackerError, main_phase, main_phase_peaks, track_live_tensors
 from core.precision import LONG, SHORT, Device, Precision, torch_dtype
+from core.train import methods
 
 
 @dataclass
@@ -172,11 +173,14 @@ def _checked(plan: MeasurePlan) -> MeasurePlan:
         plan.target_modules = [t.strip() for t in plan.target_modules.split(",") if t.strip()]
     if plan.attn not in ("sdpa", "eager"):
         raise TrackerError(f"attention {plan.attn!r} is not measurable here: use sdpa or eager")
-    if plan.objective not in ("sft", "dpo"):
-        raise TrackerError(f"method {plan.objective} is not measurable here yet: sft or dpo")
-    if plan.objective == "dpo" and not is_engine_path(plan):
+    try:
+        method = methods.get(plan.objective)
+    except ValueError as exc:
+        raise TrackerError(str(exc)) from None
+    if method.traits.reference and not is_engine_path(plan):
         raise TrackerError(
-            "DPO is measured through the engine only (DPOTrainer: fused LM head, no prepare_kbit)"
+            f"{method.label} is measured through the engine only ({method.trainer_name}: fused LM head, no "
+            "prepare_kbit)"
         )
     return plan
 
@@ -357,10 +361,7 @@ def _build_with_engine(src: Path, plan: MeasurePlan, device: str):
     compute = "bfloat16" if bf16 else "float16" if fp16 else plan.dtype
     prec = Precision(Device.of(device), plan.dtype, compute, bf16 or fp16, bf16, fp16)
     tokenizer = build_tokenizer()  # the measured batch is random ids: only the trainer's pad token matters
-    if plan.objective == "dpo":
-        data = Dataset.from_dict({"prompt": ["hello"], "chosen": ["HELLO!"], "rejected": ["HELLO"]})
-    else:
-        data = Dataset.from_dict({"input_ids": [[1, 2, 3]], "labels": [[1, 2, 3]]})
+    data = Dataset.from_list(list(methods.get(plan.objective).measure_rows))
     model = load_model(cfg, prec)
     with tempfile.TemporaryDirectory() as run_dir:
         trainer = make_trainer(cfg, prec, model, tokenizer, data, run_dir=run_dir)
@@ -419,16 +420,11 @@ def make_batch(config, plan: MeasurePlan, seed: int = 0) -> dict:
     padding collator gives for equal-length rows; or, padding-free (or BFD-packed), what TRL's collator makes
     of them: one row of every token with position_ids (two documents per packed row)."""
     g = torch.Generator().manual_seed(seed)
-    if plan.objective == "dpo":
-        # DataCollatorForPreference: [chosen rows; rejected rows], the answer (second half) is the completion
-        ids = torch.randint(0, config.vocab_size, (2 * plan.batch_size, plan.seq_len), generator=g)
-        completion = torch.zeros_like(ids)
-        completion[:, plan.seq_len // 2 :] = 1
-        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "completion_mask": completion}
-        if plan.precompute_ref:
-            batch["ref_chosen_logps"] = -torch.rand(plan.batch_size, generator=g)
-            batch["ref_rejected_logps"] = -torch.rand(plan.batch_size, generator=g)
-        return batch
+    own = methods.get(plan.objective).measure_batch(
+        g, config.vocab_size, plan.batch_size, plan.seq_len, plan.precompute_ref
+    )
+    if own is not None:
+        return own
     ids = torch.randint(0, config.vocab_size, (plan.batch_size, plan.seq_len), generator=g)
     from core.estimate.bill import flat_batch  # the planner's rule, read off the same-named fields
 
@@ -679,9 +675,8 @@ def planner_plan(model: str, plan: MeasurePlan, device: str = "cpu"):
         fused_lm_head=plan.fused_lm_head,
         lora_r=plan.lora_r,
         lora_alpha=plan.lora_alpha,
-        lora_dropout=0.0
-        if plan.objective == "dpo"
-        else plan.lora_dropout,  # DPOConfig.disable_dropout: every dropout p=0
+        # DPO/KTOConfig.disable_dropout: every dropout p=0
+        lora_dropout=0.0 if methods.get(plan.objective).traits.reference else plan.lora_dropout,
         target_modules=targets if isinstance(targets, str) else ",".join(targets),
         batch_size=plan.batch_size,
         seq_len=plan.seq_len,

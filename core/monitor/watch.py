@@ -77,10 +77,6 @@ class Snapshot:
     changed: bool  # new points since the previous tick
     method: str | None = None  # "sft", "dpo", ... (see resolve_method); None when no config or metrics tell
 
-    @property
-    def dpo(self) -> bool:
-        return self.method == "dpo"
-
     def chart_bytes(self) -> int:
         """Size of the chart data as Arrow IPC (what st.altair_chart ships per rerun)."""
         return sum(frame_bytes(df) for df in self.charts.values())
@@ -462,8 +458,9 @@ class RunSummary:
     malformed: int = 0  # log lines that could not be used
     error: str | None = None  # why this run's files could not be read at all
     method: str | None = None  # "sft", "dpo", ...; None without a readable config or telling metrics
-    # a DPO run's last preference accuracy and reward margin: the last eval figures when the run evaluated (held
-    # out, averaged over the eval set), else the last logged training figures; `reward_source` says which
+    # a preference run's last accuracy (DPO) and reward margin (DPO, KTO): the last eval figures when the run
+    # evaluated (held out, averaged over the eval set), else the last logged training figures; `reward_source`
+    # says which
     reward_accuracy: float | None = None
     reward_margin: float | None = None
     reward_source: str | None = None  # "eval" | "train"
@@ -506,11 +503,19 @@ def _last(s: RunSeries, name: str) -> float | None:
     return float(v[-1]) if v.size else None
 
 
-def dpo_summary(s: RunSeries) -> tuple[float | None, float | None, str | None]:
-    """(preference accuracy, reward margin, "eval" | "train"): the last eval figures if the run evaluated, else
-    the last training figures; (None, None, None) for a run that logged neither (an SFT run)."""
+def preference_summary(s: RunSeries, method: str | None) -> tuple[float | None, float | None, str | None]:
+    """(preference accuracy, reward margin, "eval" | "train") of a method whose headline figures are rewards
+    (core.train.methods: DPO's accuracy and margin, KTO's margin): the last eval figures if the run evaluated,
+    else the last training figures; (None, None, None) for a method without them (SFT)."""
+    try:
+        wanted = {name for name, _ in methods.get(method).headline}
+    except ValueError:
+        wanted = set()
+    if not wanted:
+        return None, None, None
     for prefix, source in (("eval_", "eval"), ("", "train")):
-        acc, margin = _last(s, f"{prefix}rewards/accuracies"), _last(s, f"{prefix}rewards/margins")
+        acc = _last(s, f"{prefix}rewards/accuracies") if "rewards/accuracies" in wanted else None
+        margin = _last(s, f"{prefix}rewards/margins") if "rewards/margins" in wanted else None
         if acc is not None or margin is not None:
             return acc, margin, source
     return None, None, None
@@ -534,7 +539,7 @@ def summarize_run(run_dir: str | os.PathLike, clock=time.time) -> RunSummary:
     loss = s.metrics.get("loss")
     peak = run_peak_bytes(s)
     method = _method_for(run_dir, s)
-    accuracy, margin, source = dpo_summary(s) if method == "dpo" else (None, None, None)
+    accuracy, margin, source = preference_summary(s, method)
     return RunSummary(
         name=run_dir.name,
         run_dir=str(run_dir),

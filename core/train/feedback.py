@@ -225,3 +225,20 @@ def run_feedback_preflight(cfg: dict, tokenizer=None, model_config=None) -> list
         tok, conf = load_tokenizer_and_config(cfg["model"])
         tokenizer, model_config = tokenizer or tok, model_config or conf
     return check_feedback(rows, tokenizer, cfg["training"]["max_length"], model_config, cfg["data"]["format"])
+
+
+def preview_feedback(rows, n: int = 5, fmt: str = "auto", width: int = 300) -> tuple[int, list[dict]]:
+    """(rows, the first n as prompt / completion / good?) for the Train page."""
+
+    def text(value) -> str:
+        if isinstance(value, list):
+            value = " | ".join(f"{m.get('role')}: {m.get('content')}" for m in value if isinstance(m, dict))
+        value = "" if value is None else str(value)
+        return value if len(value) <= width else value[: width - 1] + "…"
+
+    normalized, _ = normalize_feedback(rows, fmt)
+    shown = [
+        {"prompt": text(r["prompt"]), "completion": text(r["completion"]), "good": r["label"]}
+        for r in normalized[:n]
+    ]
+    return len(normalized), shown

@@ -9,6 +9,7 @@ core/train/methods asks the run's method (`core.train.methods.get`) instead of b
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,22 @@ class Chart:
 
 
 @dataclass(frozen=True)
+class FormField:
+    """A setting of the method's own that the Train page shows as a field (written only for this method's runs:
+    the other methods' TRL configs do not know the key)."""
+
+    state: str  # the page's widget key
+    section: str
+    key: str
+    label: str
+    kind: str  # "float" | "choice" | "bool" | "path"
+    default: Any
+    choices: tuple = ()
+    help: str = ""
+    as_list: bool = False  # the library takes a list (DPOConfig.loss_type); the form edits its first item
+
+
+@dataclass(frozen=True)
 class Method:
     name: str  # the run config's `method`
     label: str  # what the pages show
@@ -50,6 +67,8 @@ class Method:
     charts: tuple[Chart, ...] = ()
     # the figure the Runs page and `runs list` summarise a run by (eval twin preferred), with its label
     headline: tuple[tuple[str, str], ...] = ()
+    fields: tuple[FormField, ...] = ()  # its own settings on the Train page
+    data_noun: str = "rows"  # what one row of its data is, for sentences: rows, pairs, rated answers
 
     # -- the libraries' classes ------------------------------------------------------------------------------
     def config_class(self):
@@ -79,6 +98,11 @@ class Method:
         """The collator of the smoke step: rows filled to max_length, so it measures the longest step."""
         raise NotImplementedError
 
+    def preview(self, data_cfg: dict, n: int = 5) -> tuple[int, list[dict]] | None:
+        """(rows in the data, the first n as the page shows them), or None where the page has a richer view of
+        its own (SFT: tokens, masking and lengths)."""
+        return None
+
     def sample_prompts(self, rows, n: int) -> list[str]:
         """Prompts from this method's rows for Try it."""
         out: list[str] = []
@@ -93,6 +117,15 @@ class Method:
             if len(out) >= n:
                 break
         return out
+
+    # -- measuring a step (core.measure) -------------------------------------------------------------------------
+    # one tiny row of its data, enough to build its trainer around a model whose step is then measured
+    measure_rows: tuple[dict, ...] = ({"input_ids": [1, 2, 3], "labels": [1, 2, 3]},)
+
+    def measure_batch(self, generator, vocab_size: int, batch_size: int, seq_len: int, precompute_ref: bool):
+        """A full batch of random tokens as its trainer's collator gives it, or None for SFT's own rules
+        (core.measure.step.make_batch: padded or padding-free)."""
+        return None
 
     # -- training --------------------------------------------------------------------------------------------
     def trainer_kwargs(self, cfg: dict, load_reference) -> dict:

@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 from core.train.data import DataError, load_rows
-from core.train.methods.base import Chart, Method, PlanTraits, fill_to
-from core.train.prefdata import detect_pref_format, prepare_pair_datasets, run_pair_preflight
+from core.train.methods.base import Chart, FormField, Method, PlanTraits, fill_to
+from core.train.prefdata import (
+    detect_pref_format,
+    load_pref_rows,
+    prepare_pair_datasets,
+    preview_pairs,
+    run_pair_preflight,
+)
 
 # What TRL's DPOTrainer (and KTOTrainer) log on top of the loss, per logging step
 PREFERENCE_METRICS = (
@@ -14,6 +20,38 @@ PREFERENCE_METRICS = (
     "rewards/margins",
     "logps/chosen",
     "logps/rejected",
+)
+LOSS_TYPES = (
+    "sigmoid",
+    "ipo",
+    "hinge",
+    "robust",
+    "bco_pair",
+    "sppo_hard",
+    "nca_pair",
+    "apo_zero",
+    "apo_down",
+)
+REFERENCE_FIELDS = (
+    FormField(
+        "tr_precompute",
+        "training",
+        "precompute_ref_log_probs",
+        "Precompute reference",
+        "bool",
+        False,
+        help="training.precompute_ref_log_probs: the reference's log-probs once before training (no reference "
+        "forward in each step)",
+    ),
+    FormField(
+        "tr_reference",
+        "model",
+        "reference_path",
+        "Reference model folder (empty: the base with the adapter off)",
+        "path",
+        "",
+        help="model.reference_path",
+    ),
 )
 CHANCE_ACCURACY = 0.5  # a preference accuracy a coin flip gets: the line a DPO run must rise above
 
@@ -42,6 +80,10 @@ class DPO(Method):
             return str(exc)
         return None
 
+    def preview(self, data_cfg: dict, n: int = 5):
+        rows = load_pref_rows(data_cfg)
+        return len(rows), preview_pairs(rows, n=n, fmt=data_cfg.get("format", "auto"))
+
     def smoke_collator(self, pad_token_id: int, max_length: int):
         """DataCollatorForPreference, then the chosen and the rejected row filled up to training.max_length
         (attended, not scored: completion_mask 0), so the smoke step is the longest a run meets."""
@@ -53,6 +95,19 @@ class DPO(Method):
                 return fill_to(super().torch_call(examples), max_length, fill)
 
         return Filled(pad_token_id=pad_token_id, max_length=max_length)
+
+    def measure_batch(self, generator, vocab_size: int, batch_size: int, seq_len: int, precompute_ref: bool):
+        """DataCollatorForPreference: [chosen rows; rejected rows], the answer (second half) is the completion."""
+        import torch
+
+        ids = torch.randint(0, vocab_size, (2 * batch_size, seq_len), generator=generator)
+        completion = torch.zeros_like(ids)
+        completion[:, seq_len // 2 :] = 1
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "completion_mask": completion}
+        if precompute_ref:
+            batch["ref_chosen_logps"] = -torch.rand(batch_size, generator=generator)
+            batch["ref_rejected_logps"] = -torch.rand(batch_size, generator=generator)
+        return batch
 
 
 METHOD = DPO(
@@ -86,4 +141,21 @@ METHOD = DPO(
         Chart("logps", "Log-probs", "log p", (("logps/chosen", "chosen"), ("logps/rejected", "rejected"))),
     ),
     headline=(("rewards/accuracies", "reward accuracy"), ("rewards/margins", "reward margin")),
+    measure_rows=({"prompt": "hello", "chosen": "HELLO!", "rejected": "HELLO"},),
+    fields=(
+        FormField("tr_beta", "training", "beta", "DPO beta", "float", 0.1, help="training.beta"),
+        FormField(
+            "tr_loss_type",
+            "training",
+            "loss_type",
+            "DPO loss",
+            "choice",
+            "sigmoid",
+            LOSS_TYPES,
+            help="training.loss_type",
+            as_list=True,
+        ),
+        *REFERENCE_FIELDS,
+    ),
+    data_noun="pairs",
 )

@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 from core.train.data import DataError, load_rows
-from core.train.feedback import normalize_feedback, prepare_feedback_datasets, run_feedback_preflight
-from core.train.methods.base import Chart, Method, PlanTraits, fill_to
+from core.train.feedback import (
+    normalize_feedback,
+    prepare_feedback_datasets,
+    preview_feedback,
+    run_feedback_preflight,
+)
+from core.train.methods.base import Chart, FormField, Method, PlanTraits, fill_to
+from core.train.methods.dpo import REFERENCE_FIELDS
 
 
 class KTO(Method):
@@ -36,6 +42,9 @@ class KTO(Method):
             )
         return None
 
+    def preview(self, data_cfg: dict, n: int = 5):
+        return preview_feedback(load_rows(data_cfg), n=n, fmt=data_cfg.get("format", "auto"))
+
     def smoke_collator(self, pad_token_id: int, max_length: int):
         """DataCollatorForUnpairedPreference, then the answer and its KL twin filled up to training.max_length
         (attended, not scored), so the smoke step is the longest a run meets."""
@@ -50,6 +59,29 @@ class KTO(Method):
                 return fill_to(batch, max_length, fill)
 
         return Filled(pad_token_id=pad_token_id, max_length=max_length)
+
+    def measure_batch(self, generator, vocab_size: int, batch_size: int, seq_len: int, precompute_ref: bool):
+        """DataCollatorForUnpairedPreference with KL completions: the rows and their mismatched KL twins, the
+        second half of each the completion, labels alternating."""
+        import torch
+
+        batch = {}
+        for prefix in ("", "KL_"):
+            ids = torch.randint(0, vocab_size, (batch_size, seq_len), generator=generator)
+            completion = torch.zeros_like(ids)
+            completion[:, seq_len // 2 :] = 1
+            batch.update(
+                {
+                    f"{prefix}input_ids": ids,
+                    f"{prefix}attention_mask": torch.ones_like(ids),
+                    f"{prefix}completion_mask": completion,
+                }
+            )
+        batch["label"] = torch.arange(batch_size) % 2 == 0
+        if precompute_ref:
+            batch["ref_logps"] = -torch.rand(batch_size, generator=generator)
+            batch["ref_KL_logps"] = -torch.rand(batch_size, generator=generator)
+        return batch
 
 
 METHOD = KTO(
@@ -83,4 +115,41 @@ METHOD = KTO(
         ),
     ),
     headline=(("rewards/margins", "reward margin"),),
+    fields=(
+        FormField("tr_beta", "training", "beta", "KTO beta", "float", 0.1, help="training.beta"),
+        FormField(
+            "tr_kto_loss",
+            "training",
+            "loss_type",
+            "KTO loss",
+            "choice",
+            "kto",
+            ("kto", "apo_zero_unpaired"),
+            help="training.loss_type",
+        ),
+        FormField(
+            "tr_desirable",
+            "training",
+            "desirable_weight",
+            "Weight of good answers",
+            "float",
+            1.0,
+            help="training.desirable_weight: raise it when good answers are rarer than bad ones",
+        ),
+        FormField(
+            "tr_undesirable",
+            "training",
+            "undesirable_weight",
+            "Weight of bad answers",
+            "float",
+            1.0,
+            help="training.undesirable_weight",
+        ),
+        *REFERENCE_FIELDS,
+    ),
+    data_noun="rated answers",
+    measure_rows=(
+        {"prompt": "hello", "completion": "HELLO!", "label": True},
+        {"prompt": "world", "completion": "WORLD", "label": False},
+    ),
 )
