@@ -2,7 +2,7 @@
 
 The workspace is $LORA_COCKPIT_WORKSPACE or ./workspace, as for the app. A run is findable, stoppable and seen
 dead at once whatever started it (the page, this command or `python -m core.train`): the trainer holds its run's
-lock for its whole life.
+lock for its whole life and records its pid and start time (core.procs).
 """
 
 from __future__ import annotations

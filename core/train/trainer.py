@@ -22,6 +22,7 @@ import time
 import traceback
 from pathlib import Path
 
+from core import procs
 from core.runs import rundir
 from core.runs.rundir import latest_checkpoint, read_status, truncate_metrics, write_status
 from core.train.config import ConfigError, dump_config, load_config
@@ -465,13 +466,13 @@ def run_training(
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise rundir.RunRefused(f"--run-dir {run_dir} cannot be created ({exc.strerror}).") from None
-    lock_fd = rundir.adopt_claim() or rundir.claim(run_dir)
+    lock_fd = procs.adopt_claim() or rundir.claim(run_dir)
     try:
-        rundir.write_pid_info(run_dir)
+        procs.write_pid_info(run_dir)  # pid, start time, and whether it leads its own session (for a stop)
         return _run_training(config_path, run_dir, resume, smoke, stop)
     finally:
         if not keep_lock:
-            os.close(lock_fd)  # in-process callers: the run is seen ended from here on
+            procs.disown(run_dir, lock_fd)  # in-process callers: the run is seen ended from here on
 
 
 def _run_training(config_path, run_dir: Path, resume: bool, smoke: bool, stop: StopFlag | None) -> dict:
