@@ -1,6 +1,6 @@
 """core.procs, the one process lifecycle, with real processes and real files: spawn with the folder's lock handed
 down, liveness by lock and by pid + start time, stop (SIGTERM to the owner alone, then SIGKILL to its tree),
-reaping, a tail that never blocks, the stale-temp cleaner."""
+reaping, a tail that never blocks, the stale-temp cleaner, and a stall seen by the run directory's reader."""
 
 import json
 import os
@@ -14,6 +14,8 @@ import psutil
 import pytest
 
 from core import procs
+from core.runs import rundir
+from core.runs.launcher import run_state
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -147,6 +149,32 @@ def test_a_stopped_process_is_seen_stopped_and_a_stop_wakes_it_to_exit(tmp_path,
     os.kill(pid, signal.SIGSTOP)
     assert wait_until(lambda: procs.is_stopped(pid), 30)
     assert procs.stop(folder, grace_s=60) == "exited"  # not killed: continued, it handled its SIGTERM
+
+
+def test_a_live_run_that_stopped_reporting_reads_as_stalled(tmp_path, owner_script):
+    """#21 item 6 by time: alive, running, but no step for far longer than its usual step."""
+    run_dir = tmp_path / "hung"
+    _spawn_owner(run_dir, owner_script)
+    now = time.time()
+    status = {"state": "running", "step": 40, "step_s": 2.0, "started": now - 900, "updated": now - 500}
+    (run_dir / rundir.STATUS).write_text(json.dumps(status))
+    before = (run_dir / rundir.STATUS).read_bytes()
+    info = run_state(run_dir)
+    assert (info.state, info.alive) == ("running", True)
+    assert info.stalled_s >= 500 and info.stall == "no step for 8 min; a step usually takes 2 s"
+    # within ten usual steps (and two minutes) it is not
+    (run_dir / rundir.STATUS).write_text(json.dumps({**status, "updated": time.time() - 60}))
+    assert run_state(run_dir).stall is None
+    # a slow step (30 s) moves the limit: 10 x 30 s
+    (run_dir / rundir.STATUS).write_text(json.dumps({**status, "step_s": 30.0, "updated": time.time() - 250}))
+    assert run_state(run_dir).stall is None
+    (run_dir / rundir.STATUS).write_bytes(before)
+    assert run_state(run_dir).stall is not None
+    assert (run_dir / rundir.STATUS).read_bytes() == before  # reading wrote nothing
+    procs.stop(run_dir, grace_s=60)
+    assert (
+        run_state(run_dir).stall is None
+    )  # no process, no stall (it reads as failed: it never said it ended)
 
 
 def test_tail_reads_only_regular_files_and_never_blocks(tmp_path):

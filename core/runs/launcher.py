@@ -4,7 +4,7 @@ their live state, stop them. UI-free: the dashboard calls these functions, nothi
 A run's truth is its directory: the lock and the pid file say which process trains it (core.procs owns spawning,
 liveness, stopping and reaping), status.json what that process last reported. When the process is gone but the
 status still says starting/running, it died without a word (SIGKILL, out of memory, a segfault): the run is
-marked failed with the last lines of stderr.log.
+marked failed with the last lines of stderr.log. A live run that stopped stepping reads as stalled.
 """
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ class RunInfo:
     pid: int | None
     alive: bool
     updated: float | None
+    stalled_s: float | None = None  # a live run that stopped stepping: seconds since its last step
+    stall: str | None = None  # and why ("no step for 3 min (process stopped)")
 
     def to_dict(self) -> dict:
         d = dict(self.__dict__)
@@ -150,6 +152,7 @@ def run_state(run_dir: str | os.PathLike) -> RunInfo:
         reason = f"the training process (pid {pid}) ended without reporting"
         reason += f"; last lines of stderr.log:\n{last}" if last else " and wrote nothing to stderr.log"
         status = write_status(run_dir, state="failed", reason=reason)
+    stalled_s, stall = rundir.stall(run_dir, status, state, alive)
     status = status or {}
     step = status.get("step")
     return RunInfo(
@@ -162,6 +165,8 @@ def run_state(run_dir: str | os.PathLike) -> RunInfo:
         pid=pid,
         alive=alive,
         updated=status.get("updated") if isinstance(status.get("updated"), (int, float)) else None,
+        stalled_s=stalled_s,
+        stall=stall,
     )
 
 

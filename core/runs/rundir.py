@@ -177,3 +177,45 @@ def live_state(run_dir: str | os.PathLike, status: dict | None = None) -> tuple[
     if state in END_STATES and alive:
         return "stopping", True
     return state, alive
+
+
+# ---- stalls: alive, but not stepping ----------------------------------------------------------------------------
+
+STALL_FACTOR = 10.0  # no step for this many usual step times ...
+STALL_MIN_S = (
+    120.0  # ... and at least this long: a stall (evaluation and checkpoints beat the trainer's heart)
+)
+
+
+def stall(run_dir: str | os.PathLike, status: dict | None, state: str, alive: bool, now: float | None = None):
+    """(seconds without a step, why) for a live run that stopped stepping, else (None, None).
+
+    Stalled: its process is stopped (SIGSTOP, Ctrl+Z, a debugger), or a running trainer has not reported for
+    STALL_FACTOR times its usual step time (at least STALL_MIN_S): a hung collective, a dead network mount. The
+    trainer writes status.json at the end of its steps (at most once a second) and while it evaluates."""
+    status = status or {}
+    updated = status.get("updated")
+    if not alive or state not in ("starting", "running") or not _number(updated):
+        return None, None
+    quiet = max(0.0, (time.time() if now is None else now) - updated)
+    info = procs.read_pid_info(run_dir)
+    if info and procs.is_stopped(info["pid"]) and procs.same_process(info):
+        return quiet, f"no step for {_seconds(quiet)} (process stopped)"
+    if state != "running":
+        return None, None
+    step_s = status.get("step_s")
+    if not _number(step_s):  # a trainer that does not record its step time: the mean since it started
+        started, step = status.get("started"), status.get("step")
+        step_s = (updated - started) / step if _number(started) and _number(step) and step > 0 else 0.0
+    if quiet > max(STALL_MIN_S, STALL_FACTOR * step_s):
+        usual = f"; a step usually takes {step_s:.2g} s" if step_s else ""
+        return quiet, f"no step for {_seconds(quiet)}{usual}"
+    return None, None
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _seconds(s: float) -> str:
+    return f"{s:.0f} s" if s < 120 else f"{s / 60:.0f} min"

@@ -16,6 +16,7 @@ import json
 import math
 import os
 import signal
+import statistics
 import sys
 import threading
 import time
@@ -236,7 +237,15 @@ def _make_callback_class():
             now = time.time()
             if now - self._status_t > 1.0:  # at most one status write a second keeps the overhead invisible
                 self._status_t = now
-                self._status(step=state.global_step)
+                # the usual step time: a reader tells a stalled run by it (core.runs.rundir.stall)
+                step_s = statistics.median(self.step_seconds[-20:])
+                self._status(step=state.global_step, step_s=round(step_s, 4))
+
+        def on_prediction_step(self, args, state, control, **kw):
+            now = time.time()
+            if now - self._status_t > 1.0:  # evaluating is not stalling: keep status.json's heartbeat
+                self._status_t = now
+                self._status()
 
         def on_save(self, args, state, control, **kw):
             self._last_t = time.time()  # checkpoint writing is not training time: keep it out of tokens/s
