@@ -2,6 +2,7 @@
 down, liveness by lock and by pid + start time, stop (SIGTERM to the owner alone, then SIGKILL to its tree),
 reaping, a tail that never blocks, the stale-temp cleaner, and a stall seen by the run directory's reader."""
 
+import contextlib
 import json
 import os
 import signal
@@ -73,8 +74,13 @@ def _spawn_owner(folder: Path, script: Path, mode: str = "term") -> int:
 
 
 @pytest.fixture(autouse=True)
-def _pythonpath(monkeypatch):
+def _pythonpath(monkeypatch, tmp_path):
     monkeypatch.setenv("PYTHONPATH", str(REPO))
+    yield
+    for proc in psutil.process_iter(["cmdline"]):  # a failed test leaves no owner behind
+        if any(str(tmp_path) in part for part in proc.info["cmdline"] or ()):
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
 
 
 def test_spawned_owner_holds_the_folder_and_a_stop_ends_and_reaps_it(tmp_path, owner_script):
