@@ -211,6 +211,11 @@ def header(snap) -> None:
 
 
 def health(snap) -> None:
+    if snap.stall:
+        st.warning(
+            f"**Stalled**: {snap.stall}. Paused with Ctrl+Z or SIGSTOP? Continue it (`fg`, or `kill -CONT` its "
+            "pid). Hung (a stuck collective, a dead network mount)? Stop ends it."
+        )
     for w in snap.warnings:
         LEVEL.get(w.level, st.warning)(f"**{w.title}**: {w.detail}\n\nFix: {w.fix}")
     if snap.other_processes:

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from core import merge as M
+from core import procs
 from core.demo.toy import build_tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
@@ -313,7 +314,7 @@ def test_temp_whose_pid_was_reused_by_another_process_is_stale(tmp_path):
     stale = tmp_path / ".old.merging-1"
     stale.mkdir()
     (stale / M.TEMP_MARKER).write_text(json.dumps({"pid": os.getppid(), "started": 0.0}))
-    assert M.clean_stale_temps(tmp_path / "new") == [stale] and not stale.exists()
+    assert procs.clean_stale_temps(tmp_path, M.TEMP_GLOB, M.TEMP_MARKER) == [stale] and not stale.exists()
 
 
 # ---- CLI path rules -----------------------------------------------------------------------------------------

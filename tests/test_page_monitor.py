@@ -172,6 +172,48 @@ def test_a_chart_of_one_point_shows_it_with_plain_axis_labels(workspace):
     assert layer["encoding"]["color"]["scale"]["scheme"] == "tableau10"
 
 
+def test_a_live_run_whose_process_is_stopped_says_it_is_stalled(workspace):
+    """Issue #21 item 6: a frozen trainer read as running for ever. Its process here is a real one that owns the
+    run folder (core.procs.spawn) and is stopped with SIGSTOP; once continued, the warning goes."""
+    import os
+    import re
+    import signal
+    import sys
+    import time
+
+    from core import procs
+
+    run = workspace / "runs" / "frozen"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text("model: {path: m}\ndata: {path: d.jsonl}\n")
+    now = time.time()
+    status = {"state": "running", "step": 5, "max_steps": 100, "started": now - 60, "updated": now - 30}
+    (run / "status.json").write_text(json.dumps(status))
+    fd = procs.claim(run)
+    try:
+        pid = procs.spawn(run, [sys.executable, "-c", "import time; time.sleep(600)"], fd)
+    finally:
+        os.close(fd)
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        deadline = time.time() + 30
+        while not procs.is_stopped(pid):
+            assert time.time() < deadline
+            time.sleep(0.05)
+        at = _page(workspace, run)
+        stalled = [w.value for w in at.warning if w.value.startswith("**Stalled**")]
+        assert len(stalled) == 1 and re.search(r"no step for \d+ s \(process stopped\)", stalled[0]), stalled
+        assert _metric(at, "State") == "running"
+        os.kill(pid, signal.SIGCONT)
+        while procs.is_stopped(pid):
+            assert time.time() < deadline
+            time.sleep(0.05)
+        at = _page(workspace, run)
+        assert not [w for w in at.warning if w.value.startswith("**Stalled**")]
+    finally:
+        procs.stop(run, grace_s=30)
+
+
 def _titled_charts(at) -> dict[str, tuple[dict, list]]:
     """{chart title: (vega-lite spec, [each layer's data as a DataFrame])} in page order."""
     import pyarrow as pa

@@ -7,12 +7,12 @@ import time
 
 import pytest
 
+from core.procs import pid_alive
 from core.runs.launcher import (
     RunError,
     create_run,
     launch,
     list_runs,
-    pid_alive,
     read_pid,
     run_state,
     stop_run,

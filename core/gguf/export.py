@@ -8,9 +8,9 @@ leaves only that hidden folder, which the next export to the same target removes
 
 from __future__ import annotations
 
+import glob
 import json
 import os
-import re
 import shutil
 import subprocess
 import time
@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from core import procs
 from core.gguf.source import BadInput, open_source
 from core.gguf.tensors import K_TYPES, TYPES, plan_tensors
 from core.gguf.verify import full_check_fits, verify
@@ -87,20 +88,6 @@ def _check_out(out: Path) -> None:
         raise BadInput(f"The folder {out.parent} is not writable.")
 
 
-def clean_stale_temps(out: Path) -> list[Path]:
-    """Remove `.<name>.<pid>.partial` folders left by exports to `out` whose process is gone."""
-    from core.runs.launcher import pid_alive  # the one liveness check of a pid (zombies count as gone)
-
-    removed = []
-    pattern = re.compile(rf"^\.{re.escape(out.name)}\.(\d+)\.partial$")
-    for p in out.parent.glob(f".{out.name}.*.partial"):
-        m = pattern.match(p.name)
-        if m and not pid_alive(int(m.group(1))):
-            shutil.rmtree(p, ignore_errors=True)
-            removed.append(p)
-    return removed
-
-
 def estimate_size(model_dir: str | os.PathLike, out_type: str = "f16") -> dict:
     """Output size of an export without reading any tensor data: bytes, tensors, and bytes per GGUF type."""
     src = open_source(model_dir)
@@ -164,7 +151,8 @@ def export_gguf(
     if mode == "auto":
         mode = "full" if full_check_fits(src) else "quick"
 
-    clean_stale_temps(out)
+    # what killed exports to `out` left behind (only folders with our owner record, never a live one's)
+    procs.clean_stale_temps(out.parent, f".{glob.escape(out.name)}.*.partial")
     progress = ProgressFile(progress_path(out) if progress_file else None, on_progress)
     tmp_dir = out.parent / f".{out.name}.{os.getpid()}.partial"
     tmp_file = tmp_dir / out.name
@@ -198,6 +186,7 @@ def export_gguf(
     report: dict = {}
     try:
         tmp_dir.mkdir()
+        procs.mark_temp(tmp_dir)  # whose it is: the next export removes it once this process is gone
         model_name = name or src.path.name
         file_type = TYPES[base_type][1]
         if out_type in K_TYPES:
@@ -237,6 +226,7 @@ def export_gguf(
         raise ExportError(f"The export failed: {e}", report) from e
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
+        procs.unmark_temp(tmp_dir)
 
     result = ExportResult(
         out=out, out_type=out_type, size=size, seconds=0.0, report=report, vocab=vocab.summary()

@@ -1,7 +1,7 @@
 """Long jobs (merge, demo build, full-dataset preflight, GGUF export) as processes with their state in files.
 
 The same pattern as runs: <workspace>/jobs/<kind>-<time>-<n>/ holds job.json (what to do), progress.json (how
-far), result.json (the outcome) and the job's logs; the job process holds the folder's lock for its whole life.
+far), result.json (the outcome) and the job's logs; the job process owns the folder (core.procs: its lock, pid and start time) for its whole life.
 A page starts a job and polls its folder, so a reload, a second tab or a restarted server reattaches to it and
 the page never blocks for more than a moment. UI-free and light: no torch import here.
 """
@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from core import procs
 from core.files import atomic_write_text, read_json_object
-from core.runs import rundir
 from core.workspace import inside, make_folder
 
 JOBS_DIR = "jobs"
@@ -70,40 +69,21 @@ def start(workspace: str | os.PathLike, kind: str, params: dict, key: str = "") 
     atomic_write_text(
         folder / JOB, json.dumps({"kind": kind, "params": params, "key": key, "started": time.time()})
     )
-    lock_fd = rundir.claim(folder)
+    lock_fd = procs.claim(folder)
     try:
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **{rundir.LOCK_FD_ENV: str(lock_fd)})
-        with open(folder / rundir.STDOUT, "ab") as out, open(folder / rundir.STDERR, "ab") as err:
-            try:
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", "core.jobs", str(folder)],
-                    cwd=str(REPO_ROOT),
-                    stdin=subprocess.DEVNULL,
-                    stdout=out,
-                    stderr=err,
-                    start_new_session=True,  # survives the page's script run and the server
-                    env=env,
-                    pass_fds=(lock_fd,),
-                )
-            except OSError as exc:
-                _write_result(folder, {"state": "failed", "error": f"could not start the job ({exc})"})
-                raise JobError(f"Could not start the {kind} job ({exc}).") from None
-        rundir.write_pid_info(folder, proc.pid)
-        _children.append(proc)
+        procs.spawn(folder, [sys.executable, "-m", "core.jobs", str(folder)], lock_fd, cwd=REPO_ROOT)
+    except OSError as exc:
+        _write_result(folder, {"state": "failed", "error": f"could not start the job ({exc})"})
+        raise JobError(f"Could not start the {kind} job ({exc}).") from None
     finally:
-        os.close(lock_fd)
+        os.close(lock_fd)  # the job holds the lock through its own copy of the descriptor
     return folder
-
-
-_children: list = []
 
 
 def read(folder: str | os.PathLike) -> JobView:
     """The job's state from its files and its lock (a job killed without a word is failed at once)."""
     folder = Path(folder)
-    for proc in list(_children):  # reap finished children so they do not linger as zombies
-        if proc.poll() is not None:
-            _children.remove(proc)
+    procs.reap()  # a job started here that has ended lingers as a zombie until collected
     job = read_json_object(folder / JOB) or {}
     result = read_json_object(folder / RESULT)
     progress = read_json_object(folder / PROGRESS) or {}
@@ -113,9 +93,9 @@ def read(folder: str | os.PathLike) -> JobView:
     if result is not None:
         view.state = "finished" if result.get("state") == "finished" else "failed"
         view.result, view.error = result.get("result"), result.get("error")
-    elif not rundir.is_live(folder):
+    elif not procs.alive(folder):
         view.state = "failed"
-        tail = _tail(folder / rundir.STDERR)
+        tail = procs.tail_text(folder / procs.STDERR, n_lines=8)
         view.error = "the job ended without a result" + (
             f"; last lines of its stderr:\n{tail}" if tail else ""
         )
@@ -133,14 +113,6 @@ def latest(workspace: str | os.PathLike, kind: str, key: str | None = None) -> J
         if job and (key is None or job.get("key") == key):
             found.append((job.get("started") or 0.0, folder))
     return read(max(found)[1]) if found else None
-
-
-def _tail(path: Path, lines: int = 8) -> str:
-    try:
-        text = path.read_bytes()[-8000:].decode("utf-8", errors="replace")
-    except OSError:
-        return ""
-    return "\n".join(text.splitlines()[-lines:])
 
 
 def _write_result(folder: Path, result: dict) -> None:

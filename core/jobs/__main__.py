@@ -12,9 +12,9 @@ import traceback
 from dataclasses import asdict
 from pathlib import Path
 
+from core import procs
 from core.files import read_json_object
 from core.jobs import JOB, Progress, _write_result
-from core.runs import rundir
 
 
 def run_merge(p: dict, report: Progress) -> dict:
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     if not job or job.get("kind") not in RUNNERS:
         print(f"error: {folder / JOB} is missing or names no known job kind.", file=sys.stderr)
         return 2
-    lock = rundir.adopt_claim() or rundir.claim(folder)  # noqa: F841 - held until this process exits
+    lock = procs.adopt_claim() or procs.claim(folder)  # noqa: F841 - held until this process exits
     report = Progress(folder)
     try:
         result = RUNNERS[job["kind"]](job.get("params") or {}, report)

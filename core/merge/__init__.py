@@ -57,9 +57,9 @@ _EXPORTS = {
     "core.merge.verify": ("TOLERANCES", "DEFAULT_PROMPTS", "Verification", "verify_export"),
     "core.merge.export": (
         "TEMP_MARKER",
+        "TEMP_GLOB",
         "PAUSE_ENV",
         "MergeResult",
-        "clean_stale_temps",
         "merge",
         "merge_at",
     ),

@@ -14,6 +14,7 @@ from pathlib import Path
 import psutil
 import torch
 
+from core import procs
 from core.merge.common import TOKENIZER_FILES, MergeError, MergeProgress, ProgressFn, tokenizer_source
 from core.merge.delta import tensor_stream
 from core.merge.plan import MergePlan, TensorPlan
@@ -21,51 +22,9 @@ from core.merge.precheck import Preflight, preflight_at, workspace_target
 from core.merge.shards import write_shard
 from core.merge.verify import Verification, verify_export
 
-TEMP_MARKER = ".lora-cockpit-merge"
+TEMP_MARKER = ".lora-cockpit-merge"  # the owner record in a merge's temp folder (core.procs.mark_temp)
+TEMP_GLOB = ".*.merging-*"  # temp folders of merges into any target of one parent folder
 PAUSE_ENV = "LORA_COCKPIT_TEST_MERGE_PAUSE_AFTER_FIRST_SHARD"  # test-only: makes the kill test deterministic
-
-
-# Temp folders of merges running in this process: a page server may run two at once, under one pid.
-_ACTIVE: set[Path] = set()
-
-
-def _still_running(marker: dict, folder: Path) -> bool:
-    """Whether the merge that wrote `marker` still runs. A live pid is not enough: after a reboot or in a fresh
-    container a killed merge's pid can belong to an unrelated process, started after that merge began."""
-    try:
-        pid, started = int(marker.get("pid", -1)), marker.get("started")
-    except (TypeError, ValueError, AttributeError):
-        return False
-    if pid <= 0:
-        return False
-    if pid == os.getpid():
-        return folder in _ACTIVE
-    try:
-        created = psutil.Process(pid).create_time()
-    except (psutil.Error, ValueError, OverflowError):
-        return False
-    return not isinstance(started, (int, float)) or created <= started + 1  # 1 s: clock granularity
-
-
-def clean_stale_temps(target: Path) -> list[Path]:
-    """Remove the temp folders that killed merges left beside `target`, into any target of the same parent
-    folder. Only folders carrying our marker file are touched, so nothing the user made is ever deleted, and
-    never one whose merge still runs."""
-    removed = []
-    if not target.parent.is_dir():
-        return removed
-    for p in target.parent.glob(".*.merging-*"):
-        marker = p / TEMP_MARKER
-        if not marker.is_file():
-            continue
-        try:
-            info = json.loads(marker.read_text())
-        except (ValueError, OSError):
-            info = {}
-        if not _still_running(info, p):
-            shutil.rmtree(p, ignore_errors=True)
-            removed.append(p)
-    return removed
 
 
 @dataclass
@@ -153,7 +112,8 @@ def merge_at(
     if device == "cuda" and not torch.cuda.is_available():
         raise MergeError("--device cuda was asked for but PyTorch sees no CUDA GPU: use --device cpu.")
     target = Path(target).expanduser().resolve()
-    clean_stale_temps(target)
+    # what killed merges into any folder beside it left behind (only folders with our marker, never a live one's)
+    procs.clean_stale_temps(target.parent, TEMP_GLOB, TEMP_MARKER)
     pf, plan = preflight_at(base_dir, adapter_dir, target, dtype, shard_size, verify, force)
     if on_preflight:
         on_preflight(pf)
@@ -185,12 +145,9 @@ def merge_at(
             f"Cannot create {tmp} beside the target ({e.strerror or e}): choose an output folder (--out) you can "
             "write to."
         ) from e
-    _ACTIVE.add(tmp)
     ok = False
     try:
-        (tmp / TEMP_MARKER).write_text(
-            json.dumps({"pid": os.getpid(), "target": str(target), "started": started})
-        )
+        procs.mark_temp(tmp, TEMP_MARKER, target=str(target), started=started)
         report("merge")
         for i, (name, tensors) in enumerate(plan.shards):
             write_shard(tmp / name, tensors, lambda t: tensor_stream(t, plan.base, device), on_tensor)
@@ -212,7 +169,7 @@ def merge_at(
         _fsync_dir(target.parent)
         ok = True
     finally:
-        _ACTIVE.discard(tmp)
+        procs.unmark_temp(tmp)
         if not ok:
             shutil.rmtree(tmp, ignore_errors=True)
     files = sorted((p.name, p.stat().st_size) for p in target.iterdir() if p.is_file())

@@ -4,7 +4,8 @@
   file's identity (st_dev, st_ino) and its byte offset; a torn last line (the writer is mid-line) is held back
   until its newline arrives; a shrunk or replaced file is read again from the start; malformed lines are skipped
   and counted.
-- `tail_text`: the last N lines of a possibly huge text file (stderr.log) reading only its end.
+- `TextTail`: the last N lines of a possibly huge log (stderr.log), read only when it changed (core.procs.tail_text
+  reads only its end, and only from a regular file).
 - `RunSeries`: column-wise accumulator of metrics and GPU points, fed with only the new records each tick.
 """
 
@@ -19,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from core.monitor.series import DEFAULT_SMOOTHING_STEPS, StepEMA
+from core.procs import tail_text
 from core.runs import rundir
 from core.train import methods
 
@@ -143,32 +145,9 @@ class JsonlTail:
                 self.malformed += 1
 
 
-def tail_text(path: str | os.PathLike, n_lines: int = 200, max_bytes: int = 256 * 1024) -> str:
-    """The last `n_lines` lines of a text file, reading at most its last `max_bytes` bytes; "" if missing."""
-    try:
-        with open(path, "rb") as fh:
-            size = fh.seek(0, os.SEEK_END)
-            start = max(0, size - max_bytes)
-            fh.seek(start)
-            data = fh.read()
-    except (FileNotFoundError, IsADirectoryError):
-        return ""
-    if start > 0:
-        # The first line read is probably cut in the middle: drop it.
-        cut = data.find(b"\n")
-        data = data[cut + 1 :] if cut >= 0 else data
-    # tqdm progress bars redraw with carriage returns: keep only the last state of each line.
-    text = data.decode("utf-8", errors="replace")
-    lines = [
-        ln.rsplit("\r", 1)[-1] if "\r" in ln.rstrip("\r") else ln.rstrip("\r") for ln in text.split("\n")
-    ]
-    if lines and lines[-1] == "":
-        lines.pop()
-    return "\n".join(lines[-n_lines:])
-
-
 class TextTail:
-    """`tail_text` cached on (identity, size, mtime): an unchanged stderr.log costs one stat per tick."""
+    """`tail_text` (core.procs) cached on (identity, size, mtime): an unchanged stderr.log costs one stat per
+    tick."""
 
     def __init__(self, path: str | os.PathLike, n_lines: int = 200, max_bytes: int = 256 * 1024):
         self.path = Path(path)

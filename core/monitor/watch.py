@@ -76,6 +76,8 @@ class Snapshot:
     malformed_lines: int
     changed: bool  # new points since the previous tick
     method: str | None = None  # "sft", "dpo", ... (see resolve_method); None when no config or metrics tell
+    stalled_s: float | None = None  # a live run that stopped stepping: seconds since its last step
+    stall: str | None = None  # and why: "no step for 3 min (process stopped)" (core.runs.rundir.stall)
 
     def chart_bytes(self) -> int:
         """Size of the chart data as Arrow IPC (what st.altair_chart ships per rerun)."""
@@ -239,7 +241,8 @@ class RunWatcher:
             self._charts.update(method_charts(series, method, self.budget))
         # the lock, not the last status written, says whether the process lives: a SIGKILLed trainer shows as
         # failed on the next tick, a trainer still exiting as stopping
-        state, _alive = rundir.live_state(self.run_dir, status)
+        state, alive = rundir.live_state(self.run_dir, status)
+        stalled = rundir.stall(self.run_dir, status, state, alive)
         if state == "new":
             state = "unknown"
         health_key = (series.n_metric_records, series.n_gpu_records, state, id(plan), id(series))
@@ -254,7 +257,9 @@ class RunWatcher:
                 ev = load_evidence(self.run_dir, series)
                 self._diagnosis = (key, diagnose(ev))
             diagnosis = self._diagnosis[1]
-        return self._snapshot(series, status, plan, state, changed, stderr, diagnosis)
+        snap = self._snapshot(series, status, plan, state, changed, stderr, diagnosis)
+        snap.stalled_s, snap.stall = stalled
+        return snap
 
     # --- pieces -------------------------------------------------------------------------------------------
 

@@ -2,7 +2,8 @@
 
 The workspace is $LORA_COCKPIT_WORKSPACE or ./workspace, as for the app. A run is findable, stoppable and seen
 dead at once whatever started it (the page, this command or `python -m core.train`): the trainer holds its run's
-lock for its whole life.
+lock for its whole life and records its pid and start time (core.procs); a live run that stopped stepping is
+listed as stalled.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ def run_object(info: RunInfo) -> dict:
         "loss": loss,
         "malformed": tail.malformed,
         "reason": info.reason,
+        "stalled_s": info.stalled_s,  # a live run that stopped stepping: seconds since its last step, and why
+        "stall": info.stall,
     }
 
 
@@ -65,7 +68,10 @@ def _print_run(obj: dict, as_json: bool) -> None:
     loss = f"{obj['loss']:.4g}" if obj["loss"] is not None else "-"
     pid = obj["pid"] if obj["alive"] else "-"
     method = obj.get("method") or "-"
-    print(f"{obj['name']:<32} {method:<4} {obj['state']:<9} step {obj['step']:>6}  loss {loss:<8} pid {pid}")
+    stall = f"  stalled: {obj['stall']}" if obj.get("stall") else ""
+    print(
+        f"{obj['name']:<32} {method:<4} {obj['state']:<9} step {obj['step']:>6}  loss {loss:<8} pid {pid}{stall}"
+    )
     if obj["reason"] and obj["state"] in ("failed", "stopped"):
         print(f"    {obj['reason'].splitlines()[0]}")
 

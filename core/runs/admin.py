@@ -11,8 +11,9 @@ import shutil
 import time
 from pathlib import Path
 
+from core import procs
 from core.runs import rundir
-from core.runs.launcher import RunError, launch, run_state
+from core.runs.launcher import TAIL_LINES, RunError, launch, run_state
 from core.runs.rundir import LIVE_STATES
 from core.train import methods
 from core.train.config import dump_config, field_errors, validate_config
@@ -117,11 +118,10 @@ def smoke_result(run_dir: str | os.PathLike) -> dict | None:
     result = rundir.read_smoke(run_dir)  # it may have written just before exiting
     if result is not None:
         return result
-    from core.runs.launcher import tail
-
     return {
         "state": "failed",
-        "reason": "the smoke test ended without a result; stderr.log:\n" + tail(run_dir / rundir.STDERR),
+        "reason": "the smoke test ended without a result; stderr.log:\n"
+        + procs.tail_text(run_dir / rundir.STDERR, TAIL_LINES),
     }
 
 

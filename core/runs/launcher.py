@@ -1,22 +1,21 @@
 """The launcher: create run directories, start `python -m core.train` as a detached subprocess, list runs with
 their live state, stop them. UI-free: the dashboard calls these functions, nothing here imports streamlit.
 
-A run's truth is its directory: the pid file says which process trains it, status.json what that process last
-reported. When the pid is gone but the status still says starting/running, the process died without a word
-(SIGKILL, out of memory, a segfault): the run is marked failed with the last lines of stderr.log.
+A run's truth is its directory: the lock and the pid file say which process trains it (core.procs owns spawning,
+liveness, stopping and reaping), status.json what that process last reported. When the process is gone but the
+status still says starting/running, it died without a word (SIGKILL, out of memory, a segfault): the run is
+marked failed with the last lines of stderr.log. A live run that stopped stepping reads as stalled.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from core import procs
 from core.runs import rundir
 from core.runs.rundir import read_pid, read_status, write_status
 from core.train.config import dump_config, validate_config
@@ -41,6 +40,8 @@ class RunInfo:
     pid: int | None
     alive: bool
     updated: float | None
+    stalled_s: float | None = None  # a live run that stopped stepping: seconds since its last step
+    stall: str | None = None  # and why ("no step for 3 min (process stopped)")
 
     def to_dict(self) -> dict:
         d = dict(self.__dict__)
@@ -65,53 +66,6 @@ def create_run(workspace: str | os.PathLike, name: str, config: dict) -> Path:
     return run_dir
 
 
-# ---- process liveness -----------------------------------------------------------------------------------------
-
-
-def pid_alive(pid: int | None) -> bool:
-    """True while the process exists and is not a zombie (a finished child we have not reaped yet)."""
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        import psutil
-
-        if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-            _reap(pid)
-            return False
-    except Exception:  # psutil missing or the process vanished between the calls
-        return _reap(pid) is None
-    return True
-
-
-def _reap(pid: int):
-    """Collect our own finished child so it does not linger as a zombie; returns its status or None."""
-    try:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        return status if done else None
-    except ChildProcessError:  # not our child, or already reaped
-        return 0
-
-
-def tail(path: str | os.PathLike, lines: int = TAIL_LINES, max_bytes: int = 64_000) -> str:
-    """The last `lines` lines of a text file (reads only its end)."""
-    p = Path(path)
-    try:
-        with open(p, "rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            size = fh.tell()
-            fh.seek(max(0, size - max_bytes))
-            data = fh.read()
-    except OSError:
-        return ""
-    return "\n".join(data.decode("utf-8", errors="replace").splitlines()[-lines:])
-
-
 # ---- launching ------------------------------------------------------------------------------------------------
 
 
@@ -128,10 +82,11 @@ def launch(run_dir: str | os.PathLike, resume: bool = False, smoke: bool = False
         raise RunError(f"{run_dir} has no config.yaml: create the run with create_run() first.")
     stopping = (read_status(run_dir) or {}).get("state") in rundir.END_STATES
     try:
-        lock_fd = rundir.claim(run_dir, wait_s=15.0 if stopping else 1.0)
-    except rundir.RunBusy:
+        lock_fd = procs.claim(run_dir, wait_s=15.0 if stopping else 1.0)
+    except procs.Busy as exc:
         raise RunError(
-            f"Run {run_dir.name} is already running (pid {read_pid(run_dir)}): stop it before launching again."
+            f"Run {run_dir.name} is already running (pid {exc.pid or read_pid(run_dir)}): stop it before "
+            "launching again."
         ) from None
     try:
         status = read_status(run_dir)
@@ -156,76 +111,29 @@ def launch(run_dir: str | os.PathLike, resume: bool = False, smoke: bool = False
             ended=None,
             **({} if resume and status else {"started": time.time(), "step": 0, "max_steps": None}),
         )
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **{rundir.LOCK_FD_ENV: str(lock_fd)})
-        with open(run_dir / rundir.STDOUT, "ab") as out, open(run_dir / rundir.STDERR, "ab") as err:
-            try:
-                proc = subprocess.Popen(
-                    cmd,
-                    cwd=str(REPO_ROOT),
-                    stdin=subprocess.DEVNULL,
-                    stdout=out,
-                    stderr=err,
-                    start_new_session=True,  # own process group: survives the UI server, stopped as a whole
-                    env=env,
-                    pass_fds=(lock_fd,),  # the trainer keeps the lock this launcher took
-                )
-            except OSError as exc:
-                write_status(run_dir, state="failed", reason=f"could not start {sys.executable}: {exc}")
-                raise RunError(f"Could not start the trainer ({exc}).") from None
-        rundir.write_pid_info(run_dir, proc.pid)
-        _children.append(proc)
-        return proc.pid
+        try:
+            # own session: survives the UI server; the trainer keeps the lock this launcher took
+            return procs.spawn(run_dir, cmd, lock_fd, cwd=REPO_ROOT)
+        except OSError as exc:
+            write_status(run_dir, state="failed", reason=f"could not start {sys.executable}: {exc}")
+            raise RunError(f"Could not start the trainer ({exc}).") from None
     finally:
         os.close(lock_fd)  # the child holds the lock through its own copy of the descriptor
 
 
-_children: list = []  # Popen objects of trainers started here, reaped as they end (no zombies in the server)
-
-
-def _reap_children() -> None:
-    for proc in list(_children):
-        if proc.poll() is not None:
-            _children.remove(proc)
-
-
 def stop_run(run_dir: str | os.PathLike, grace_s: float = 60.0) -> str:
-    """SIGTERM the run's process group (the trainer checkpoints and exits), wait until the process is gone, then
-    SIGKILL if it is not. Returns the state once the process has exited."""
+    """SIGTERM the trainer (it checkpoints and exits; never the process group of whoever started it), wait until
+    it is gone, then SIGKILL it and its children if it is not (core.procs.stop). Returns the state once the
+    process has exited."""
     run_dir = Path(run_dir)
-    info = rundir.read_pid_info(run_dir)
-    if not rundir.is_live(run_dir) or not rundir.same_process(info):
-        return run_state(run_dir).state
-    try:
-        os.killpg(os.getpgid(info["pid"]), signal.SIGTERM)
-    except ProcessLookupError:
-        return run_state(run_dir).state
-    if not _wait_dead(run_dir, grace_s, info):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(os.getpgid(info["pid"]), signal.SIGKILL)
-        _wait_dead(run_dir, 10.0, info)
+    outcome = procs.stop(run_dir, grace_s)
+    if outcome == "killed":
         write_status(
             run_dir, state="stopped", reason=f"killed after {grace_s:.0f} s without stopping by itself"
         )
-    elif (read_status(run_dir) or {}).get("state") in (
-        "starting",
-        "running",
-    ):  # ended before its handler was set
-        write_status(run_dir, state="stopped", reason="stopped before training began")
+    elif outcome == "exited" and (read_status(run_dir) or {}).get("state") in ("starting", "running"):
+        write_status(run_dir, state="stopped", reason="stopped before training began")  # before its handler
     return run_state(run_dir).state
-
-
-def _wait_dead(run_dir: Path, timeout: float, info: dict | None = None) -> bool:
-    """Wait until the trainer is gone: its lock released and its process (if recorded) exited."""
-    info = info or rundir.read_pid_info(run_dir)
-    deadline = time.time() + timeout
-    while True:
-        _reap_children()
-        gone = not rundir.is_live(run_dir) and not (
-            info and pid_alive(info["pid"]) and rundir.same_process(info)
-        )
-        if gone or time.time() > deadline:
-            return gone
-        time.sleep(0.1)
 
 
 # ---- listing --------------------------------------------------------------------------------------------------
@@ -235,15 +143,15 @@ def run_state(run_dir: str | os.PathLike) -> RunInfo:
     """The run's state from its files and its lock; a live-looking status whose process is gone becomes failed
     (written to status.json with the tail of stderr.log)."""
     run_dir = Path(run_dir)
-    _reap_children()
     status = read_status(run_dir)
     state, alive = rundir.live_state(run_dir, status)
     pid = read_pid(run_dir)
     if state == "failed" and (status or {}).get("state") in ("starting", "running"):
-        last = tail(run_dir / rundir.STDERR)
+        last = procs.tail_text(run_dir / rundir.STDERR, TAIL_LINES)
         reason = f"the training process (pid {pid}) ended without reporting"
         reason += f"; last lines of stderr.log:\n{last}" if last else " and wrote nothing to stderr.log"
         status = write_status(run_dir, state="failed", reason=reason)
+    stalled_s, stall = rundir.stall(run_dir, status, state, alive)
     status = status or {}
     step = status.get("step")
     return RunInfo(
@@ -256,6 +164,8 @@ def run_state(run_dir: str | os.PathLike) -> RunInfo:
         pid=pid,
         alive=alive,
         updated=status.get("updated") if isinstance(status.get("updated"), (int, float)) else None,
+        stalled_s=stalled_s,
+        stall=stall,
     )
 
 
@@ -290,15 +200,16 @@ def wait_for_smoke(run_dir: str | os.PathLike, timeout: float = 600.0) -> dict |
     while time.time() < deadline:
         result = read_smoke(run_dir)
         if result is not None:
-            _wait_dead(
+            procs.wait_gone(
                 run_dir, 30.0
-            )  # it exits right after writing: wait, so a launch that follows is not refused
+            )  # it exits right after writing: a launch that follows is not refused
             return result
-        if not rundir.is_live(run_dir):
+        if not procs.alive(run_dir):
             result = read_smoke(run_dir)  # it may have written just before exiting
             return result or {
                 "state": "failed",
-                "reason": "smoke test ended without a result; stderr.log:\n" + tail(run_dir / rundir.STDERR),
+                "reason": "smoke test ended without a result; stderr.log:\n"
+                + procs.tail_text(run_dir / rundir.STDERR, TAIL_LINES),
             }
         time.sleep(0.2)
     return None
@@ -311,10 +222,8 @@ __all__ = [
     "create_run",
     "launch",
     "list_runs",
-    "pid_alive",
     "run_state",
     "stop_run",
-    "tail",
     "wait_for",
     "wait_for_smoke",
 ]

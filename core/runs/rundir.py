@@ -12,7 +12,9 @@ import os
 import time
 from pathlib import Path
 
+from core import procs
 from core.files import atomic_write_text, read_json_object
+from core.procs import LOCK, PID, STDERR, STDOUT  # noqa: F401 - names of the run directory too
 
 CONFIG = "config.yaml"  # the validated run config
 PLAN = "plan.json"  # the planner's estimate for this config
@@ -20,8 +22,7 @@ STATUS = "status.json"  # state + reason, written by the trainer
 METRICS = "metrics.jsonl"  # one line per logging step
 GPU = "gpu.jsonl"  # NVML samples
 SMOKE = "smoke.json"  # the smoke test's measured peak
-PID = "pid"  # the training process
-STDOUT, STDERR = "stdout.log", "stderr.log"
+# PID ("pid": the training process), LOCK ("lock": held by it), STDOUT and STDERR: see core.procs
 CHECKPOINTS = "checkpoints"
 ADAPTER, MODEL = "adapter", "model"  # the final weights: a LoRA adapter, or a full fine-tune
 
@@ -106,22 +107,19 @@ def write_plan(run_dir: str | os.PathLike, plan: dict) -> None:
 
 
 def read_pid(run_dir: str | os.PathLike) -> int | None:
-    info = read_pid_info(run_dir)
+    info = procs.read_pid_info(run_dir)
     return info["pid"] if info else None
 
 
-# ---- liveness: owned by the training process ------------------------------------------------------------------
+# ---- liveness: owned by the training process (core.procs) -----------------------------------------------------
 #
 # The trainer holds an exclusive flock on <run>/lock for its whole life, whoever started it (the app, the launcher
-# or a terminal). "Running" means the lock is held: the kernel drops it the instant the process dies (SIGKILL,
-# OOM killer, segfault), so a dead run is seen dead at once, a reused pid means nothing, and a second trainer on
-# the same folder cannot start. The pid file records pid and process start time only to find and signal it.
-
-LOCK = "lock"
-LOCK_FD_ENV = "LORA_COCKPIT_LOCK_FD"  # a launcher that took the lock hands it to the trainer it starts
+# or a terminal), and <run>/pid records its pid, start time and whether it leads its own session. "Running" means
+# the lock is held or the recorded process still runs (core.procs.alive): a dead run is seen dead at once, a reused
+# pid means nothing, a deleted lock file changes nothing, and a second trainer on the same folder cannot start.
 
 
-class RunBusy(RuntimeError):
+class RunBusy(procs.Busy):
     """Another process trains this run directory."""
 
 
@@ -150,129 +148,74 @@ def check_run_dir(run_dir: Path, resume: bool) -> None:
         )
 
 
-def _try_flock(fd: int) -> bool:
-    import fcntl
-
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        return False
-
-
 def claim(run_dir: str | os.PathLike, wait_s: float = 1.0) -> int:
-    """Take the run's lock (an open fd that holds it; keep it open for the process's life) or raise RunBusy.
-
-    Retries for `wait_s`: a watcher testing the lock holds it for microseconds."""
-    path = Path(run_dir) / LOCK
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    deadline = time.monotonic() + wait_s
-    while not _try_flock(fd):
-        if time.monotonic() > deadline:
-            os.close(fd)
-            info = read_pid_info(run_dir)
-            who = f" (pid {info['pid']})" if info else ""
-            raise RunBusy(f"Run {Path(run_dir).name} is already being trained by another process{who}.")
-        time.sleep(0.02)
-    return fd
-
-
-def adopt_claim() -> int | None:
-    """The lock fd a launcher handed down (LORA_COCKPIT_LOCK_FD), still locked by the same open file."""
-    value = os.environ.pop(LOCK_FD_ENV, None)
-    if not value or not value.isdigit():
-        return None
-    fd = int(value)
+    """Take the run's lock for this process (core.procs.claim) or raise RunBusy naming the trainer's pid."""
     try:
-        os.fstat(fd)
-    except OSError:
-        return None
-    os.set_inheritable(fd, False)  # data loader workers and other children must not keep the run "alive"
-    return fd
-
-
-def is_live(run_dir: str | os.PathLike) -> bool:
-    """True while a process holds the run's lock (a trainer is alive in this folder)."""
-    path = Path(run_dir) / LOCK
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        return not _try_flock(fd)  # got it: nobody holds it (closing the fd below releases it at once)
-    finally:
-        os.close(fd)
-
-
-def process_start_time(pid: int) -> float | None:
-    """The process's start time; None when it is gone or a zombie (exited, not yet reaped)."""
-    try:
-        import psutil
-
-        proc = psutil.Process(pid)
-        if proc.status() == psutil.STATUS_ZOMBIE:
-            return None
-        return proc.create_time()
-    except Exception:
-        return None
-
-
-def write_pid_info(run_dir: str | os.PathLike, pid: int | None = None) -> None:
-    """pid + process start time: with them a stop signals this process, never a later one that reused the pid."""
-    pid = pid or os.getpid()
-    atomic_write_text(Path(run_dir) / PID, json.dumps({"pid": pid, "start_time": process_start_time(pid)}))
-
-
-def read_pid_info(run_dir: str | os.PathLike) -> dict | None:
-    """{"pid", "start_time"} (an old plain-number pid file gives start_time None)."""
-    try:
-        text = (Path(run_dir) / PID).read_text().strip()
-    except OSError:
-        return None
-    if text.isdigit():
-        return {"pid": int(text), "start_time": None}
-    try:
-        data = json.loads(text)
-    except ValueError:
-        return None
-    if isinstance(data, dict) and isinstance(data.get("pid"), int):
-        return data
-    return None
-
-
-def same_process(info: dict | None) -> bool:
-    """The recorded process still exists and is the same one (its start time matches)."""
-    if not info:
-        return False
-    started = process_start_time(info["pid"])
-    if started is None:
-        return False
-    return info.get("start_time") is None or abs(started - info["start_time"]) < 1.0
+        return procs.claim(run_dir, wait_s)
+    except procs.Busy as exc:
+        who = f" (pid {exc.pid})" if exc.pid else ""
+        raise RunBusy(
+            f"Run {Path(run_dir).name} is already running{who}: stop it first (python -m core.runs stop NAME).",
+            exc.pid,
+        ) from None
 
 
 def live_state(run_dir: str | os.PathLike, status: dict | None = None) -> tuple[str, bool]:
-    """(state, alive) from the status file and the lock. A live-looking status without a lock holder is a
-    process that died without a word ("failed"); an ended status while the lock is still held is a process
-    that is winding down ("stopping"), so nothing is relaunched under it."""
+    """(state, alive) from the status file and the process check. A live-looking status without a live process
+    is a process that died without a word ("failed"); an ended status while the process still lives is a
+    process that is winding down ("stopping"), so nothing is relaunched under it."""
     status = read_status(run_dir) if status is None else status
-    info = read_pid_info(run_dir)
-    if (Path(run_dir) / LOCK).exists():
-        alive = is_live(run_dir)
-        if alive and info and not same_process(info):
-            # the process is gone (or a zombie) while the kernel is still tearing down its other threads and
-            # files: the lock goes within moments
-            deadline = time.monotonic() + 1.0
-            while alive and time.monotonic() < deadline:
-                time.sleep(0.02)
-                alive = is_live(run_dir)
-    elif info:  # a run directory from before the lock: its pid file is all there is
-        alive = same_process(info)
-    else:  # no trace of a process at all (a folder written by hand or by a test): the status says it all
-        state = (status or {}).get("state") or "new"
+    written = (status or {}).get("state")
+    if not (Path(run_dir) / LOCK).exists() and procs.read_pid_info(run_dir) is None:
+        # no trace of a process at all (a folder written by hand or by a test): the status says it all
+        state = written or "new"
         return state, state in LIVE_STATES
-    state = (status or {}).get("state") or ("starting" if alive else "new")
-    if state in ("starting", "running") and not alive and (status or {}).get("state"):
+    alive = procs.alive(run_dir)
+    state = written or ("starting" if alive else "new")
+    if state in ("starting", "running") and not alive and written:
         return "failed", False
     if state in END_STATES and alive:
         return "stopping", True
     return state, alive
+
+
+# ---- stalls: alive, but not stepping ----------------------------------------------------------------------------
+
+STALL_FACTOR = 10.0  # no step for this many usual step times ...
+STALL_MIN_S = (
+    120.0  # ... and at least this long: a stall (evaluation and checkpoints beat the trainer's heart)
+)
+
+
+def stall(run_dir: str | os.PathLike, status: dict | None, state: str, alive: bool, now: float | None = None):
+    """(seconds without a step, why) for a live run that stopped stepping, else (None, None).
+
+    Stalled: its process is stopped (SIGSTOP, Ctrl+Z, a debugger), or a running trainer has not reported for
+    STALL_FACTOR times its usual step time (at least STALL_MIN_S): a hung collective, a dead network mount. The
+    trainer writes status.json at the end of its steps (at most once a second) and while it evaluates."""
+    status = status or {}
+    updated = status.get("updated")
+    if not alive or state not in ("starting", "running") or not _number(updated):
+        return None, None
+    quiet = max(0.0, (time.time() if now is None else now) - updated)
+    info = procs.read_pid_info(run_dir)
+    if info and procs.is_stopped(info["pid"]) and procs.same_process(info):
+        return quiet, f"no step for {_seconds(quiet)} (process stopped)"
+    if state != "running":
+        return None, None
+    step_s = status.get("step_s")
+    if not _number(step_s):  # a trainer that does not record its step time: the mean since it started
+        started, step = status.get("started"), status.get("step")
+        step_s = (updated - started) / step if _number(started) and _number(step) and step > 0 else 0.0
+    if quiet > max(STALL_MIN_S, STALL_FACTOR * step_s):
+        usual = f"; a step usually takes {step_s:.2g} s" if step_s else ""
+        return quiet, f"no step for {_seconds(quiet)}{usual}"
+    return None, None
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _seconds(s: float) -> str:
+    return f"{s:.0f} s" if s < 120 else f"{s / 60:.0f} min"

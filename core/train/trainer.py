@@ -16,12 +16,14 @@ import json
 import math
 import os
 import signal
+import statistics
 import sys
 import threading
 import time
 import traceback
 from pathlib import Path
 
+from core import procs
 from core.precision import Device, Precision, PrecisionError, resolve, torch_dtype
 from core.runs import rundir
 from core.runs.rundir import latest_checkpoint, read_status, truncate_metrics, write_status
@@ -193,7 +195,15 @@ def _make_callback_class():
             now = time.time()
             if now - self._status_t > 1.0:  # at most one status write a second keeps the overhead invisible
                 self._status_t = now
-                self._status(step=state.global_step)
+                # the usual step time: a reader tells a stalled run by it (core.runs.rundir.stall)
+                step_s = statistics.median(self.step_seconds[-20:])
+                self._status(step=state.global_step, step_s=round(step_s, 4))
+
+        def on_prediction_step(self, args, state, control, **kw):
+            now = time.time()
+            if now - self._status_t > 1.0:  # evaluating is not stalling: keep status.json's heartbeat
+                self._status_t = now
+                self._status()
 
         def on_save(self, args, state, control, **kw):
             self._last_t = time.time()  # checkpoint writing is not training time: keep it out of tokens/s
@@ -380,13 +390,13 @@ def run_training(
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise rundir.RunRefused(f"--run-dir {run_dir} cannot be created ({exc.strerror}).") from None
-    lock_fd = rundir.adopt_claim() or rundir.claim(run_dir)
+    lock_fd = procs.adopt_claim() or rundir.claim(run_dir)
     try:
-        rundir.write_pid_info(run_dir)
+        procs.write_pid_info(run_dir)  # pid, start time, and whether it leads its own session (for a stop)
         return _run_training(config_path, run_dir, resume, smoke, stop)
     finally:
         if not keep_lock:
-            os.close(lock_fd)  # in-process callers: the run is seen ended from here on
+            procs.disown(run_dir, lock_fd)  # in-process callers: the run is seen ended from here on
 
 
 def _run_training(config_path, run_dir: Path, resume: bool, smoke: bool, stop: StopFlag | None) -> dict:

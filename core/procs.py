@@ -1,0 +1,411 @@
+"""The process lifecycle, written once for every process that owns a folder (a training run, a background job):
+spawn it detached with the folder's lock handed to it, record who it is, tell whether it lives, reap it, stop it,
+read the end of its logs, and clean what killed processes left behind. Ground layer: stdlib, psutil, core.files.
+
+Ownership. The owner holds an exclusive flock on FOLDER/lock for its whole life, whoever started it (a launcher
+through `spawn`, which takes the lock first and hands the open descriptor down, or a terminal). The kernel drops
+the lock the instant the process dies, so a dead owner is seen dead at once and a second owner cannot start.
+FOLDER/pid records the owner's pid, its start time and whether it leads its own session: the pair (pid, start
+time) names one process for ever (a reused pid does not match), so it is what `stop` signals, and it keeps
+ownership when someone deletes the lock file ("a stale lock"): `alive` and `claim` check both.
+
+Stopping. SIGTERM goes to the owner alone, never to the process group of whoever started it (a trainer started
+as `core.train … | tee log` shares the shell job's group: signalling that group would kill tee and the shell).
+The owner ends its own children as it exits. After the grace period SIGKILL goes to the owner and all its
+descendants, and to its process group only when the owner leads its own session (then everything in the group
+is its own).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+
+from core.files import atomic_write_text, read_json_object
+
+LOCK = "lock"  # held (flock) by the owner for its whole life
+PID = "pid"  # {"pid", "start_time", "session_leader"} of the owner
+STDOUT, STDERR = "stdout.log", "stderr.log"
+LOCK_FD_ENV = (
+    "LORA_COCKPIT_LOCK_FD"  # names the lock descriptor a launcher handed down to the process it started
+)
+TEMP_OWNER = ".lora-cockpit-owner"  # the owner record inside a temporary folder (see mark_temp)
+SAME_START_S = 1.0  # start times are compared to this precision (clock granularity of /proc)
+
+
+class Busy(RuntimeError):
+    """Another live process owns the folder; `pid` names it when known."""
+
+    def __init__(self, message: str, pid: int | None = None):
+        super().__init__(message)
+        self.pid = pid
+
+
+# ---- who a process is ---------------------------------------------------------------------------------------
+
+
+def process_start_time(pid: int) -> float | None:
+    """The process's start time; None when it is gone or a zombie (exited, not yet reaped: reaped here when it
+    is a child of ours)."""
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            reap()
+            return None
+        return proc.create_time()
+    except (psutil.Error, ValueError, OverflowError):
+        return None
+
+
+def same_process(info: dict | None) -> bool:
+    """The one liveness check of a recorded process: it exists, is not a zombie, and is the one recorded.
+
+    `start_time` (what write_pid_info records) must match; a record that carries instead `started` (when its
+    work began: older merge markers) matches a process created no later than that; a record with neither
+    matches any live process with the pid."""
+    if not info or not isinstance(info.get("pid"), int) or info["pid"] <= 0:
+        return False
+    created = process_start_time(info["pid"])
+    if created is None:
+        return False
+    start_time, started = info.get("start_time"), info.get("started")
+    if isinstance(start_time, (int, float)):
+        return abs(created - start_time) < SAME_START_S
+    if isinstance(started, (int, float)):
+        return created <= started + SAME_START_S
+    return True
+
+
+def pid_alive(pid: int | None) -> bool:
+    """True while a process with this pid exists and is not a zombie (no start time to compare)."""
+    return bool(pid) and same_process({"pid": pid})
+
+
+def leads_session(pid: int) -> bool:
+    """The process leads its own session (setsid): everything in its process group is its own."""
+    try:
+        return os.getsid(pid) == pid
+    except OSError:
+        return False
+
+
+def is_stopped(pid: int | None) -> bool:
+    """The process is stopped (SIGSTOP, Ctrl+Z, a debugger): alive, but it will not run until continued."""
+    if not pid:
+        return False
+    try:
+        return psutil.Process(pid).status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
+    except (psutil.Error, ValueError, OverflowError):
+        return False
+
+
+def write_pid_info(folder: str | os.PathLike, pid: int | None = None) -> dict:
+    """Record the folder's owner: pid, start time (so a stop signals this process, never a later one that reused
+    the pid) and whether it leads its own session (so a stop never reaches its starter's process group)."""
+    pid = pid or os.getpid()
+    info = {"pid": pid, "start_time": process_start_time(pid), "session_leader": leads_session(pid)}
+    atomic_write_text(Path(folder) / PID, json.dumps(info))
+    return info
+
+
+def read_pid_info(folder: str | os.PathLike) -> dict | None:
+    """{"pid", "start_time", ...} (an old plain-number pid file gives start_time None); None when absent."""
+    try:
+        text = _read_small(Path(folder) / PID).strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    if text.isdigit():
+        return {"pid": int(text), "start_time": None}
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) and isinstance(data.get("pid"), int) else None
+
+
+def _read_small(path: Path, limit: int = 4096) -> str:
+    """A small regular file's text; never blocks on a FIFO nor reads a device."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        return os.read(fd, limit).decode("utf-8")
+    finally:
+        os.close(fd)
+
+
+# ---- the folder's lock ----------------------------------------------------------------------------------------
+
+
+def _try_flock(fd: int) -> bool:
+    import fcntl
+
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
+def _recorded_owner(folder: str | os.PathLike) -> dict | None:
+    """The recorded owner when it is another process that still runs."""
+    info = read_pid_info(folder)
+    return info if info and info["pid"] != os.getpid() and same_process(info) else None
+
+
+def claim(folder: str | os.PathLike, wait_s: float = 1.0, label: str | None = None) -> int:
+    """Take the folder's lock: an open fd that holds it (keep it open for the owner's life), or raise Busy.
+
+    Busy too when the recorded owner (pid + start time) still runs: its lock file was deleted under it. Retries
+    for `wait_s` (a reader testing the lock holds it for microseconds; an owner may be exiting)."""
+    path = Path(folder) / LOCK
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    deadline = time.monotonic() + wait_s
+    while True:
+        owner = None
+        if _try_flock(fd):
+            owner = _recorded_owner(folder)
+            if owner is None:
+                return fd
+        if time.monotonic() > deadline:
+            os.close(fd)
+            owner = owner or read_pid_info(folder)
+            pid = owner["pid"] if owner else None
+            who = f" (pid {pid})" if pid else ""
+            raise Busy(f"{label or Path(folder).name} is already running{who}.", pid)
+        time.sleep(0.02)
+
+
+def adopt_claim() -> int | None:
+    """The lock fd a launcher handed down ($LORA_COCKPIT_LOCK_FD), still locked by the same open file."""
+    value = os.environ.pop(LOCK_FD_ENV, None)
+    if not value or not value.isdigit():
+        return None
+    fd = int(value)
+    try:
+        os.fstat(fd)
+    except OSError:
+        return None
+    os.set_inheritable(fd, False)  # data loader workers and other children must not keep the folder "alive"
+    return fd
+
+
+def disown(folder: str | os.PathLike, fd: int) -> None:
+    """An owner that ends without exiting (work run inside a longer-lived process): drop its pid record, then
+    its lock, so the folder reads as ended from here on."""
+    info = read_pid_info(folder)
+    if info and info["pid"] == os.getpid():
+        with contextlib.suppress(OSError):
+            (Path(folder) / PID).unlink()
+    os.close(fd)
+
+
+def lock_held(folder: str | os.PathLike) -> bool:
+    """A process holds FOLDER/lock."""
+    try:
+        fd = os.open(Path(folder) / LOCK, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        return not _try_flock(fd)  # got it: nobody holds it (closing the fd below releases it at once)
+    finally:
+        os.close(fd)
+
+
+def alive(folder: str | os.PathLike) -> bool:
+    """The one liveness check of a folder's owner: its lock is held, or the recorded process (pid + start time)
+    still runs (someone deleted the lock file under it). This process's own record counts only with the lock."""
+    reap()
+    if not lock_held(folder):
+        return _recorded_owner(folder) is not None
+    info = read_pid_info(folder)
+    if info and info["pid"] != os.getpid() and not same_process(info):
+        # the recorded process is gone (or a zombie) while the lock is still held: the kernel is still tearing
+        # down its threads and files, or a forked child still shares it; that goes within moments. (A launcher
+        # that has just spawned an owner records it at once.)
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            time.sleep(0.02)
+            if not lock_held(folder):
+                return False
+    return True
+
+
+# ---- spawning and reaping ---------------------------------------------------------------------------------------
+
+_children: list[subprocess.Popen] = []  # processes spawned here, reaped as they end (no zombies in a server)
+
+
+def spawn(
+    folder: str | os.PathLike, argv: list[str], lock_fd: int, cwd: str | os.PathLike | None = None
+) -> int:
+    """Start `argv` as the detached owner of `folder` (whose lock `lock_fd` holds); returns its pid.
+
+    It runs in its own session (it outlives the caller and is stopped apart from it), stdin from /dev/null,
+    stdout/stderr appended to FOLDER/stdout.log and stderr.log (files, never pipes: a full pipe would block it
+    when nobody reads), with the lock descriptor kept open in it and named by $LORA_COCKPIT_LOCK_FD. Its pid is
+    recorded before this returns. The caller closes its own `lock_fd` afterwards. OSError when it cannot start."""
+    folder = Path(folder)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **{LOCK_FD_ENV: str(lock_fd)})
+    with open(folder / STDOUT, "ab") as out, open(folder / STDERR, "ab") as err:
+        proc = subprocess.Popen(
+            argv,
+            cwd=None if cwd is None else str(cwd),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=err,
+            start_new_session=True,
+            env=env,
+            pass_fds=(lock_fd,),
+        )
+    _children.append(proc)
+    write_pid_info(folder, proc.pid)
+    return proc.pid
+
+
+def reap() -> None:
+    """Collect the children spawned here that have ended, so none lingers as a zombie."""
+    for proc in list(_children):
+        if proc.poll() is not None:
+            _children.remove(proc)
+
+
+# ---- stopping ---------------------------------------------------------------------------------------------------
+
+
+def _tree(pid: int) -> list[psutil.Process]:
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def _send(procs: list[psutil.Process], sig: int) -> None:
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):  # psutil refuses a pid that now names another process
+            proc.send_signal(sig)
+
+
+def wait_gone(folder: str | os.PathLike, timeout: float, info: dict | None = None) -> bool:
+    """Wait until the folder's owner is gone: its lock released and the recorded process exited."""
+    info = info or read_pid_info(folder)
+    deadline = time.monotonic() + timeout
+    while True:
+        reap()
+        gone = not lock_held(folder) and not (info and info["pid"] != os.getpid() and same_process(info))
+        if gone or time.monotonic() > deadline:
+            return gone
+        time.sleep(0.1)
+
+
+def stop(folder: str | os.PathLike, grace_s: float = 60.0) -> str | None:
+    """Stop the folder's owner: SIGTERM to it alone (a stopped process is continued so it can act on it), wait
+    until it is gone, then SIGKILL it with all its descendants. Returns "exited" (it ended within the grace
+    period), "killed", or None when no recorded process of another pid owns the folder."""
+    info = read_pid_info(folder)
+    if not info or info["pid"] == os.getpid() or not same_process(info):
+        return None
+    pid = info["pid"]
+    tree = _tree(pid)
+    if not tree:
+        return None
+    owner = tree[0]
+    _send([owner], signal.SIGTERM)
+    if is_stopped(pid):
+        _send(tree, signal.SIGCONT)
+    if wait_gone(folder, grace_s, info):
+        return "exited"
+    tree += [p for p in _tree(pid) if p not in tree]
+    if info.get("session_leader") and leads_session(pid) and same_process(info):
+        with contextlib.suppress(OSError):
+            os.killpg(pid, signal.SIGKILL)
+    _send(tree, signal.SIGKILL)
+    wait_gone(folder, 10.0, info)
+    return "killed"
+
+
+# ---- reading a process's output ---------------------------------------------------------------------------------
+
+
+def tail_text(path: str | os.PathLike, n_lines: int = 200, max_bytes: int = 256 * 1024) -> str:
+    """The last `n_lines` lines of a log file, reading at most its last `max_bytes` bytes; "" when it is missing
+    or not a regular file (a FIFO or /dev/zero in its place never blocks nor fills memory).
+
+    A first line cut by the byte limit is dropped; progress bars redrawn with carriage returns keep their last
+    state only."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return ""
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return ""
+        start = max(0, st.st_size - max_bytes)
+        data = os.pread(fd, st.st_size - start, start)
+    except OSError:
+        return ""
+    finally:
+        os.close(fd)
+    if start > 0:
+        cut = data.find(b"\n")
+        data = data[cut + 1 :] if cut >= 0 else data
+    text = data.decode("utf-8", errors="replace")
+    lines = [
+        ln.rsplit("\r", 1)[-1] if "\r" in ln.rstrip("\r") else ln.rstrip("\r") for ln in text.split("\n")
+    ]
+    if lines and lines[-1] == "":
+        lines.pop()
+    return "\n".join(lines[-n_lines:])
+
+
+# ---- temporary folders of processes that may be killed --------------------------------------------------------
+
+_own_temps: set[Path] = set()  # temp folders this process works in now (a server may run two, under one pid)
+
+
+def mark_temp(folder: str | os.PathLike, marker: str = TEMP_OWNER, **extra) -> None:
+    """Write the owner record (this process's pid and start time, plus `extra`) into a temporary folder just
+    made, so that clean_stale_temps knows it is ours and whose; unmark_temp once it is renamed or removed."""
+    folder = Path(folder)
+    me = os.getpid()
+    record = {"pid": me, "start_time": process_start_time(me), **extra}
+    (folder / marker).write_text(json.dumps(record))
+    _own_temps.add(folder.resolve())
+
+
+def unmark_temp(folder: str | os.PathLike) -> None:
+    _own_temps.discard(Path(folder).resolve())
+
+
+def clean_stale_temps(parent: str | os.PathLike, pattern: str, marker: str = TEMP_OWNER) -> list[Path]:
+    """Remove the folders matching `pattern` in `parent` whose owner (the record `marker` inside) is gone.
+
+    Only folders carrying the record are touched, so nothing the user made is ever deleted, and never one whose
+    process still runs (in this process: one it still works in)."""
+    parent, removed = Path(parent), []
+    if not parent.is_dir():
+        return removed
+    for folder in parent.glob(pattern):
+        record_path = folder / marker
+        if not record_path.is_file():
+            continue
+        record = read_json_object(record_path) or {}
+        if record.get("pid") == os.getpid():
+            running = folder.resolve() in _own_temps
+        else:
+            running = same_process(record)
+        if not running:
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed

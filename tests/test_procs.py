@@ -1,0 +1,229 @@
+"""core.procs, the one process lifecycle, with real processes and real files: spawn with the folder's lock handed
+down, liveness by lock and by pid + start time, stop (SIGTERM to the owner alone, then SIGKILL to its tree),
+reaping, a tail that never blocks, the stale-temp cleaner, and a stall seen by the run directory's reader."""
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from core import procs
+from core.runs import rundir
+from core.runs.launcher import run_state
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A folder's owner as small as it gets: takes (or adopts) the lock, records itself, then waits. "term": says bye on
+# SIGTERM and exits 0; "ignore": ignores SIGTERM and has a child of its own.
+OWNER = """
+import os, signal, subprocess, sys, time
+from core import procs
+
+folder, mode = sys.argv[1], sys.argv[2]
+fd = procs.adopt_claim() or procs.claim(folder)
+procs.write_pid_info(folder)
+child = None
+if mode == "ignore":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    child = subprocess.Popen(["sleep", "300"])
+else:
+    def bye(*_):
+        print("bye", flush=True)
+        sys.exit(0)
+    signal.signal(signal.SIGTERM, bye)
+with open(os.path.join(folder, "ready.tmp"), "w") as fh:
+    fh.write(str(child.pid) if child else "")
+os.replace(os.path.join(folder, "ready.tmp"), os.path.join(folder, "ready"))
+while True:
+    time.sleep(0.05)
+"""
+
+
+def wait_until(predicate, timeout=60.0) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.fixture()
+def owner_script(tmp_path) -> Path:
+    path = tmp_path / "owner.py"
+    path.write_text(OWNER)
+    return path
+
+
+def _spawn_owner(folder: Path, script: Path, mode: str = "term") -> int:
+    folder.mkdir(exist_ok=True)
+    fd = procs.claim(folder)
+    try:
+        pid = procs.spawn(folder, [sys.executable, str(script), str(folder), mode], fd, cwd=REPO)
+    finally:
+        os.close(fd)
+    assert wait_until(lambda: (folder / "ready").exists()), procs.tail_text(folder / procs.STDERR)
+    return pid
+
+
+@pytest.fixture(autouse=True)
+def _pythonpath(monkeypatch, tmp_path):
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    yield
+    for proc in psutil.process_iter(["cmdline"]):  # a failed test leaves no owner behind
+        if any(str(tmp_path) in part for part in proc.info["cmdline"] or ()):
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+
+
+def test_spawned_owner_holds_the_folder_and_a_stop_ends_and_reaps_it(tmp_path, owner_script):
+    folder = tmp_path / "job"
+    pid = _spawn_owner(folder, owner_script)
+    info = procs.read_pid_info(folder)
+    assert info["pid"] == pid and info["session_leader"] is True and procs.same_process(info)
+    assert procs.alive(folder) and procs.lock_held(folder)
+    with pytest.raises(procs.Busy, match=f"already running \\(pid {pid}\\)"):
+        procs.claim(folder, wait_s=0.2)
+    assert procs.stop(folder, grace_s=60) == "exited"
+    assert not procs.alive(folder) and not procs.pid_alive(pid)
+    assert not psutil.pid_exists(pid)  # reaped: no zombie left behind in this (server) process
+    assert procs.tail_text(folder / procs.STDOUT) == "bye"
+    assert procs.stop(folder) is None  # nothing left to stop
+    os.close(procs.claim(folder))  # and the folder can be owned again
+
+
+def test_an_owner_that_ignores_sigterm_is_killed_with_its_children(tmp_path, owner_script):
+    folder = tmp_path / "stubborn"
+    pid = _spawn_owner(folder, owner_script, "ignore")
+    child = int((folder / "ready").read_text())
+    assert procs.pid_alive(child)
+    assert procs.stop(folder, grace_s=1.0) == "killed"
+    assert not procs.alive(folder) and not procs.pid_alive(pid)
+    assert wait_until(lambda: not procs.pid_alive(child), 30)
+
+
+def test_stop_reaches_the_owner_only_never_the_group_of_the_shell_that_started_it(tmp_path, owner_script):
+    """#21 item 1 in small: `python owner.py; echo next` shares the shell's process group."""
+    folder, marker = tmp_path / "from-shell", tmp_path / "marker"
+    folder.mkdir()
+    shell = subprocess.Popen(
+        ["bash", "-c", f"{sys.executable} {owner_script} {folder} term; echo next > {marker}"],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        start_new_session=True,  # the shell leads the session and the group its owner runs in
+    )
+    try:
+        assert wait_until(lambda: (folder / "ready").exists())
+        info = procs.read_pid_info(folder)
+        assert info["session_leader"] is False and os.getpgid(info["pid"]) == shell.pid
+        assert procs.stop(folder, grace_s=60) == "exited"
+        assert shell.wait(timeout=60) == 0 and marker.read_text().strip() == "next"
+    finally:
+        if shell.poll() is None:
+            os.killpg(shell.pid, signal.SIGKILL)
+            shell.wait()
+
+
+def test_a_deleted_lock_file_does_not_make_a_live_owner_dead(tmp_path, owner_script):
+    """#21 item 2 in small: the recorded pid + start time keep the folder owned."""
+    folder = tmp_path / "unlocked"
+    pid = _spawn_owner(folder, owner_script)
+    (folder / procs.LOCK).unlink()
+    assert procs.alive(folder) and not procs.lock_held(folder)
+    with pytest.raises(procs.Busy) as refused:
+        procs.claim(folder, wait_s=0.2)
+    assert refused.value.pid == pid
+    assert not procs.lock_held(folder)  # the refused claim let go of the new lock file
+    assert procs.stop(folder, grace_s=60) == "exited" and not procs.pid_alive(pid)
+    assert not procs.alive(folder)
+
+
+def test_a_stopped_process_is_seen_stopped_and_a_stop_wakes_it_to_exit(tmp_path, owner_script):
+    folder = tmp_path / "paused"
+    pid = _spawn_owner(folder, owner_script)
+    os.kill(pid, signal.SIGSTOP)
+    assert wait_until(lambda: procs.is_stopped(pid), 30) and procs.alive(folder)
+    os.kill(pid, signal.SIGCONT)
+    assert wait_until(lambda: not procs.is_stopped(pid), 30)
+    os.kill(pid, signal.SIGSTOP)
+    assert wait_until(lambda: procs.is_stopped(pid), 30)
+    assert procs.stop(folder, grace_s=60) == "exited"  # not killed: continued, it handled its SIGTERM
+
+
+def test_a_live_run_that_stopped_reporting_reads_as_stalled(tmp_path, owner_script):
+    """#21 item 6 by time: alive, running, but no step for far longer than its usual step."""
+    run_dir = tmp_path / "hung"
+    _spawn_owner(run_dir, owner_script)
+    now = time.time()
+    status = {"state": "running", "step": 40, "step_s": 2.0, "started": now - 900, "updated": now - 500}
+    (run_dir / rundir.STATUS).write_text(json.dumps(status))
+    before = (run_dir / rundir.STATUS).read_bytes()
+    info = run_state(run_dir)
+    assert (info.state, info.alive) == ("running", True)
+    assert info.stalled_s >= 500 and info.stall == "no step for 8 min; a step usually takes 2 s"
+    # within ten usual steps (and two minutes) it is not
+    (run_dir / rundir.STATUS).write_text(json.dumps({**status, "updated": time.time() - 60}))
+    assert run_state(run_dir).stall is None
+    # a slow step (30 s) moves the limit: 10 x 30 s
+    (run_dir / rundir.STATUS).write_text(json.dumps({**status, "step_s": 30.0, "updated": time.time() - 250}))
+    assert run_state(run_dir).stall is None
+    (run_dir / rundir.STATUS).write_bytes(before)
+    assert run_state(run_dir).stall is not None
+    assert (run_dir / rundir.STATUS).read_bytes() == before  # reading wrote nothing
+    procs.stop(run_dir, grace_s=60)
+    assert (
+        run_state(run_dir).stall is None
+    )  # no process, no stall (it reads as failed: it never said it ended)
+
+
+def test_tail_reads_only_regular_files_and_never_blocks(tmp_path):
+    log = tmp_path / "stderr.log"
+    log.write_text("".join(f"line {i}\n" for i in range(5000)))
+    assert procs.tail_text(log, n_lines=2) == "line 4998\nline 4999"
+    fifo = tmp_path / "fifo.log"
+    os.mkfifo(fifo)
+    zero = tmp_path / "zero.log"
+    zero.symlink_to("/dev/zero")
+    # in a child process, so that a regression hangs or eats memory there, bounded by the timeout
+    code = (
+        "import sys; from core.procs import tail_text; "
+        "print(repr(tail_text(sys.argv[1])), repr(tail_text(sys.argv[2])), repr(tail_text(sys.argv[3])))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(fifo), str(zero), str(tmp_path / "missing")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0 and out.stdout.split() == ["''", "''", "''"], out.stderr
+
+
+def test_stale_temps_are_removed_only_when_marked_and_their_owner_is_gone(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    dead_pid = int(done.stdout)
+    dead = tmp_path / ".out.1.partial"
+    dead.mkdir()
+    (dead / procs.TEMP_OWNER).write_text(json.dumps({"pid": dead_pid, "start_time": time.time() - 5}))
+    unmarked = tmp_path / ".out.2.partial"  # not ours: never touched
+    unmarked.mkdir()
+    other = tmp_path / ".out.3.partial"  # another live process's (the parent of this test)
+    other.mkdir()
+    parent = psutil.Process().parent()
+    (other / procs.TEMP_OWNER).write_text(json.dumps({"pid": parent.pid, "start_time": parent.create_time()}))
+    mine = tmp_path / ".out.4.partial"
+    mine.mkdir()
+    procs.mark_temp(mine)
+    assert procs.clean_stale_temps(tmp_path, ".out.*.partial") == [dead]
+    assert unmarked.is_dir() and other.is_dir() and mine.is_dir()
+    procs.unmark_temp(mine)  # this process no longer works in it (a failed rename, say)
+    assert procs.clean_stale_temps(tmp_path, ".out.*.partial") == [mine]
