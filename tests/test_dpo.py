@@ -64,7 +64,10 @@ def test_dpo_training_section_is_trls_dpoconfig(tmp_path):
         ({"method": "sft", "training": {"beta": 0.1}}, "setting of DPO"),
         ({"method": "dpo", "training": {"packing": True}}, "setting of SFT"),
         ({"method": "dpo", "data": {"path": "d", "format": "chat"}}, "preference pairs"),
-        ({"method": "sft", "model": {"path": "m", "reference_path": "r"}}, "reference model of a preference run"),
+        (
+            {"method": "sft", "model": {"path": "m", "reference_path": "r"}},
+            "reference model of a preference run",
+        ),
         ({"method": "ppo"}, "sft, dpo, kto"),
         ({"method": "dpo", "training": {"beta": "high"}}, "training.beta"),
     ],
