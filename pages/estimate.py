@@ -19,11 +19,9 @@ from core.estimate.bill import (
     PlanError,
     estimate,
     estimate_for_lengths,
-    fit_search,
-    memory_curve,
-    what_would_fit,
 )
-from core.estimate.levers import lever_savings, modelled_note, with_every_lever
+from core.estimate.fit import fit_search, memory_curve
+from core.estimate.levers import lever_savings, modelled_note, what_would_fit, with_every_lever
 from core.estimate.specs import SpecError, load_spec, preset_ids
 from core.monitor import gpu
 from core.train import methods

@@ -82,14 +82,14 @@ def base_input(adapter_dir: str, suggested: str) -> str | None:
 @st.cache_data(ttl=60, show_spinner=False)
 def _trained_prompts(adapter_dir: str) -> list[str]:
     """Prompts from the data the adapter was trained on (its run's config.yaml), when it came from a run."""
+    from core.train import methods
     from core.train.config import ConfigError, load_config
-    from core.train.data import sample_prompts
 
     try:
         cfg = load_config(Path(adapter_dir).parent / "config.yaml")
     except (ConfigError, OSError):
         return []
-    return sample_prompts(cfg["data"])
+    return methods.get(cfg).sample_prompts(cfg["data"])
 
 
 def try_it(base_dir: str, adapter_dir: str) -> None:

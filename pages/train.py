@@ -11,7 +11,8 @@ import streamlit as st
 from streamlit.runtime.pages_manager import PagesManager
 
 from core import jobs
-from core.demo.build import PREFERENCE_DEMOS, demo_config, demo_dir, demo_ready
+from core.demo.build import demo_config, demo_dir, demo_ready
+from core.demo.prefs import PREFERENCE_DEMOS
 from core.estimate.bill import GiB, PlanError
 from core.estimate.from_config import estimate_for_config, local_card
 from core.estimate.specs import SpecError

@@ -14,11 +14,10 @@ from core.estimate.bill import (
     Plan,
     PlanError,
     estimate,
-    fit_search,
     layer_activation_bytes,
-    memory_curve,
-    what_would_fit,
 )
+from core.estimate.fit import fit_search, memory_curve
+from core.estimate.levers import what_would_fit
 from core.estimate.specs import load_spec, lora_targets, normalize_targets
 
 WIDE = dict(

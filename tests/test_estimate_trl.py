@@ -21,8 +21,8 @@ from core.estimate.bill import (
     estimate,
     fused_head_bytes,
     logits_bytes,
-    main,
 )
+from core.estimate.cli import main
 from core.estimate.specs import load_spec
 from core.measure.step import MeasurePlan, build_model, make_batch, measure_plan, planner_plan
 

@@ -18,9 +18,8 @@ from core.estimate.bill import (
     estimate,
     largest_batch_tokens,
     layer_saved_tensors,
-    what_would_fit,
 )
-from core.estimate.levers import LEVERS, lever_savings, modelled_note, readme_table
+from core.estimate.levers import LEVERS, lever_savings, modelled_note, readme_table, what_would_fit
 from core.estimate.specs import load_spec, lora_targets, normalize_targets
 from core.measure.step import MeasurePlan, measure_plan, planner_plan
 from tests.cli import train

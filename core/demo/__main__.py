@@ -1,5 +1,137 @@
+"""`python -m core.demo`: build the demo (a tiny local model + a chat dataset) and, on request, train it: the SFT
+run, and the DPO or KTO run on top of it."""
+
 import sys
+from pathlib import Path
 
-from core.demo.build import main
+from core.demo.build import (
+    PRETRAIN_STEPS,
+    build_demo,
+    demo_config,
+    demo_dir,
+    heldout_accuracy,
+    train_demo_run,
+)
+from core.demo.prefs import (
+    chosen_accuracy,
+    dpo_demo_config,
+    ensure_pref_data,
+    kto_demo_config,
+    preference_accuracy,
+    read_pairs,
+)
+from core.workspace import default_workspace
 
-sys.exit(main())
+
+def dpo_demo(out: Path, sft_adapter: Path) -> tuple[float, float]:
+    """Merge the SFT adapter into the demo base, train the DPO run on top of it, and compare the held-out
+    preference accuracy (core.demo.prefs.preference_accuracy) before and after."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _, heldout_path = ensure_pref_data(out)
+    merged = _merged_sft(out, sft_adapter)
+    heldout = read_pairs(heldout_path)
+    tokenizer = AutoTokenizer.from_pretrained(merged)
+    sft_model = AutoModelForCausalLM.from_pretrained(merged)
+    before = preference_accuracy(sft_model, tokenizer, heldout)
+    run_dir = train_demo_run(out, "example-dpo-run", dpo_demo_config(out, merged))
+
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(sft_model, str(run_dir / "adapter"))  # on the model measured before
+    after = preference_accuracy(model, tokenizer, heldout)
+    says = chosen_accuracy(model, tokenizer, heldout)
+    print(f"held-out answers in the preferred style after DPO: {says:.0%}", flush=True)
+    print(f"dpo demo: held-out preference accuracy {before:.0%} -> {after:.0%}", flush=True)
+    return before, after
+
+
+def kto_demo(out: Path, sft_adapter: Path) -> tuple[float, float]:
+    """Merge the SFT adapter into the demo base, train the KTO run on top of it, and compare the held-out
+    preference accuracy before and after (the DPO demo's figure, on the same held-out pairs)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _, heldout_path = ensure_pref_data(out)
+    merged = _merged_sft(out, sft_adapter)
+    heldout = read_pairs(heldout_path)
+    tokenizer = AutoTokenizer.from_pretrained(merged)
+    sft_model = AutoModelForCausalLM.from_pretrained(merged)
+    before = preference_accuracy(sft_model, tokenizer, heldout)
+    run_dir = train_demo_run(out, "example-kto-run", kto_demo_config(out, merged))
+    model = PeftModel.from_pretrained(sft_model, str(run_dir / "adapter"))
+    after = preference_accuracy(model, tokenizer, heldout)
+    print(f"kto demo: held-out preference accuracy {before:.0%} -> {after:.0%}", flush=True)
+    return before, after
+
+
+def _merged_sft(out: Path, sft_adapter: Path) -> Path:
+    """The SFT adapter merged into the demo base, in a new folder (the preference demos train on top of it)."""
+    from core.merge.export import merge_at
+
+    merged, n = out / "sft-merged", 2
+    while merged.exists():
+        merged, n = out / f"sft-merged-{n}", n + 1
+    merge_at(out / "base", sft_adapter, merged, dtype="fp32")
+    return merged
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m core.demo", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="demo folder (default: <workspace>/demo)")
+    parser.add_argument("--run", action="store_true", help="also train the default demo run and compare")
+    parser.add_argument(
+        "--adapter",
+        help="report held-out accuracy of this adapter folder (e.g. RUN/adapter); with --run-dpo / --run-kto: "
+        "the SFT adapter they build on (instead of training it again)",
+    )
+    parser.add_argument(
+        "--run-dpo",
+        action="store_true",
+        help="train the demo run, merge it, then a DPO run on top of it that prefers 'HELLO!' over 'HELLO'",
+    )
+    parser.add_argument(
+        "--run-kto",
+        action="store_true",
+        help="train the demo run, merge it, then a KTO run on top of it from rated answers ('HELLO!' good, "
+        "'HELLO' bad)",
+    )
+    parser.add_argument("--pretrain-steps", type=int, default=PRETRAIN_STEPS)
+    args = parser.parse_args(argv)
+    out = Path(args.out) if args.out else demo_dir(default_workspace())
+    try:
+        build_demo(out, pretrain_steps=args.pretrain_steps)
+        from core.train.config import dump_config
+
+        run_yaml = dump_config(demo_config(out=out), out / "run.yaml")
+        print(f"demo run config: {run_yaml} (python -m core.train {run_yaml} --run-dir RUN_DIR)", flush=True)
+        before = heldout_accuracy(out)
+        print(f"held-out accuracy before training: {before:.0%}", flush=True)
+        adapter = Path(args.adapter) if args.adapter else None
+        # the preference demos build on the SFT run: --adapter names one already trained, else it is trained here
+        if args.run or ((args.run_dpo or args.run_kto) and adapter is None):
+            run_dir = train_demo_run(out, "example-run", demo_config(out=out))
+            adapter = run_dir / "adapter"
+        if adapter is not None:
+            after = heldout_accuracy(out, adapter)
+            print(f"held-out accuracy after training: {after:.0%} (before {before:.0%})", flush=True)
+        if args.run_dpo:
+            dpo_demo(out, adapter)
+        if args.run_kto:
+            kto_demo(out, adapter)
+    except OSError as exc:  # the folder cannot be written: bad input, not a failure of the demo
+        print(
+            f"error: cannot write the demo into {out} ({exc.strerror or exc}): give a folder you can write.",
+            file=sys.stderr,
+        )
+        return 2
+    except Exception as exc:  # a CLI prints the sentence, not a traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -23,23 +23,25 @@ import json
 import os
 import random
 import shutil
-import string
-import sys
 import time
 from pathlib import Path
 
+from core.demo.prefs import ensure_pref_data
+from core.demo.task import (
+    PRETRAIN_STEPS,
+    SEED,
+    TASK,
+    VERSION,
+    WORD_LEN,
+    _messages,
+    _pretrain_row,
+    _word,
+    task_rows,
+)
 from core.files import atomic_write_text
 from core.runs import rundir
 from core.train.config import validate_config
 from core.workspace import default_workspace
-
-VERSION = 1
-WORD_LEN = 5  # fixed length: answers line up with questions, which a 2-layer model learns in ~100 steps
-TRAIN_ROWS = 2000
-HELDOUT_ROWS = 100
-PRETRAIN_STEPS = 300
-SEED = 1234
-TASK = "Uppercase"
 
 
 class DemoError(RuntimeError):
@@ -48,38 +50,6 @@ class DemoError(RuntimeError):
 
 def demo_dir(workspace: str | os.PathLike) -> Path:
     return Path(workspace) / "demo"
-
-
-def _word(rng: random.Random, mixed: bool = False) -> str:
-    w = "".join(rng.choice(string.ascii_lowercase) for _ in range(WORD_LEN))
-    return "".join(c.upper() if mixed and rng.random() < 0.5 else c for c in w)
-
-
-def _messages(question: str, answer: str) -> list[dict]:
-    return [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
-
-
-def _pretrain_row(rng: random.Random) -> dict:
-    if rng.random() < 0.5:
-        w = _word(rng, mixed=True)
-        return {"messages": _messages(f"Repeat: {w}", w)}
-    w = _word(rng)
-    return {"messages": _messages(f"Shout: {w}", w.upper() + "!")}
-
-
-def task_rows(seed: int = SEED) -> tuple[list[dict], list[dict]]:
-    """(train rows in chat format, held-out {"question", "answer"}); held-out words never occur in train."""
-    rng = random.Random(seed)
-    words: list[str] = []
-    seen: set[str] = set()
-    while len(words) < TRAIN_ROWS + HELDOUT_ROWS:
-        w = _word(rng)
-        if w not in seen:
-            seen.add(w)
-            words.append(w)
-    train = [{"messages": _messages(f"{TASK}: {w}", w.upper())} for w in words[:TRAIN_ROWS]]
-    heldout = [{"question": f"{TASK}: {w}", "answer": w.upper()} for w in words[TRAIN_ROWS:]]
-    return train, heldout
 
 
 def encode_chat_pairs(tokenizer, pairs: list[tuple[str, str]]) -> list[dict]:
@@ -239,64 +209,6 @@ def build_demo(
     return out
 
 
-def ensure_pref_data(out: str | os.PathLike) -> tuple[Path, Path]:
-    """The demo's preference pairs for DPO (core.demo.prefs), written when missing (a demo built before DPO)."""
-    from core.demo.prefs import HELDOUT_FILE, TRAIN_FILE, write_pref_data
-
-    out = Path(out)
-    train, heldout = out / TRAIN_FILE, out / HELDOUT_FILE
-    if train.is_file() and heldout.is_file():
-        return train, heldout
-    return write_pref_data(out)
-
-
-def dpo_demo_config(out: str | os.PathLike, model: str | os.PathLike) -> dict:
-    """The demo's DPO run on top of `model` (the demo base, or the SFT run merged into it): prefer "HELLO!" over
-    "HELLO" (core.demo.prefs). A fresh LoRA adapter; the reference is `model` itself (the adapter off)."""
-    out = Path(out).resolve()
-    train, _ = ensure_pref_data(out)
-    return validate_config(
-        {
-            "method": "dpo",
-            "model": {"path": str(Path(model).resolve()), "dtype": "auto"},
-            "lora": {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": "all-linear"},
-            "data": {"path": str(train), "format": "standard", "eval_split": 0.05},
-            "training": {
-                "max_length": 32,
-                "per_device_train_batch_size": 16,
-                "gradient_accumulation_steps": 1,
-                "gradient_checkpointing": False,
-                "max_steps": 40,
-                "learning_rate": 1e-3,  # 5e-3 pushes both answers down (core.demo.prefs)
-                "lr_scheduler_type": "cosine",
-                "warmup_steps": 0.1,
-                "beta": 0.1,
-                "logging_steps": 5,
-                "eval_steps": 10,
-                "save_steps": 20,
-                "save_total_limit": 2,
-                "seed": 42,
-            },
-        }
-    )
-
-
-def kto_demo_config(out: str | os.PathLike, model: str | os.PathLike) -> dict:
-    """The demo's KTO run on top of `model`: the same preference as the DPO demo, learnt from rated answers
-    ("HELLO!" good, "HELLO" bad; core.demo.prefs.write_feedback_data), each row on its own."""
-    from core.demo.prefs import write_feedback_data
-
-    out = Path(out).resolve()
-    cfg = dpo_demo_config(out, model)
-    cfg["method"] = "kto"
-    cfg["data"] = {**cfg["data"], "path": str(write_feedback_data(out)), "format": "standard"}
-    return validate_config(cfg)
-
-
-# The demo's preference runs, by method: what the Train page's "Use the demo's ..." button loads
-PREFERENCE_DEMOS = {"dpo": dpo_demo_config, "kto": kto_demo_config}
-
-
 def read_manifest(out: str | os.PathLike) -> dict | None:
     try:
         return json.loads((Path(out) / "demo.json").read_text(encoding="utf-8"))
@@ -360,7 +272,7 @@ def heldout_accuracy(out: str | os.PathLike, adapter: str | os.PathLike | None =
     return accuracy(model, tokenizer, [(r["question"], r["answer"]) for r in rows])
 
 
-def _train(out: Path, name: str, cfg: dict) -> Path:
+def train_demo_run(out: Path, name: str, cfg: dict) -> Path:
     """Train `cfg` in a new run folder out/<name>[-n] (an earlier run is never reused or overwritten)."""
     from core.train.config import dump_config
     from core.train.trainer import run_training
@@ -378,121 +290,3 @@ def _train(out: Path, name: str, cfg: dict) -> Path:
             f"the demo {cfg['method']} run ended {summary['state']}: see {run_dir / 'stderr.log'}"
         )
     return run_dir
-
-
-def dpo_demo(out: Path, sft_adapter: Path) -> tuple[float, float]:
-    """Merge the SFT adapter into the demo base, train the DPO run on top of it, and compare the held-out
-    preference accuracy (core.demo.prefs.preference_accuracy) before and after."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from core.demo.prefs import chosen_accuracy, preference_accuracy, read_pairs
-
-    _, heldout_path = ensure_pref_data(out)
-    merged = _merged_sft(out, sft_adapter)
-    heldout = read_pairs(heldout_path)
-    tokenizer = AutoTokenizer.from_pretrained(merged)
-    sft_model = AutoModelForCausalLM.from_pretrained(merged)
-    before = preference_accuracy(sft_model, tokenizer, heldout)
-    run_dir = _train(out, "example-dpo-run", dpo_demo_config(out, merged))
-
-    from peft import PeftModel
-
-    model = PeftModel.from_pretrained(sft_model, str(run_dir / "adapter"))  # on the model measured before
-    after = preference_accuracy(model, tokenizer, heldout)
-    says = chosen_accuracy(model, tokenizer, heldout)
-    print(f"held-out answers in the preferred style after DPO: {says:.0%}", flush=True)
-    print(f"dpo demo: held-out preference accuracy {before:.0%} -> {after:.0%}", flush=True)
-    return before, after
-
-
-def kto_demo(out: Path, sft_adapter: Path) -> tuple[float, float]:
-    """Merge the SFT adapter into the demo base, train the KTO run on top of it, and compare the held-out
-    preference accuracy before and after (the DPO demo's figure, on the same held-out pairs)."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from core.demo.prefs import preference_accuracy, read_pairs
-
-    _, heldout_path = ensure_pref_data(out)
-    merged = _merged_sft(out, sft_adapter)
-    heldout = read_pairs(heldout_path)
-    tokenizer = AutoTokenizer.from_pretrained(merged)
-    sft_model = AutoModelForCausalLM.from_pretrained(merged)
-    before = preference_accuracy(sft_model, tokenizer, heldout)
-    run_dir = _train(out, "example-kto-run", kto_demo_config(out, merged))
-    model = PeftModel.from_pretrained(sft_model, str(run_dir / "adapter"))
-    after = preference_accuracy(model, tokenizer, heldout)
-    print(f"kto demo: held-out preference accuracy {before:.0%} -> {after:.0%}", flush=True)
-    return before, after
-
-
-def _merged_sft(out: Path, sft_adapter: Path) -> Path:
-    """The SFT adapter merged into the demo base, in a new folder (the preference demos train on top of it)."""
-    from core.merge.export import merge_at
-
-    merged, n = out / "sft-merged", 2
-    while merged.exists():
-        merged, n = out / f"sft-merged-{n}", n + 1
-    merge_at(out / "base", sft_adapter, merged, dtype="fp32")
-    return merged
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m core.demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", help="demo folder (default: <workspace>/demo)")
-    parser.add_argument("--run", action="store_true", help="also train the default demo run and compare")
-    parser.add_argument(
-        "--adapter",
-        help="report held-out accuracy of this adapter folder (e.g. RUN/adapter); with --run-dpo / --run-kto: "
-        "the SFT adapter they build on (instead of training it again)",
-    )
-    parser.add_argument(
-        "--run-dpo",
-        action="store_true",
-        help="train the demo run, merge it, then a DPO run on top of it that prefers 'HELLO!' over 'HELLO'",
-    )
-    parser.add_argument(
-        "--run-kto",
-        action="store_true",
-        help="train the demo run, merge it, then a KTO run on top of it from rated answers ('HELLO!' good, "
-        "'HELLO' bad)",
-    )
-    parser.add_argument("--pretrain-steps", type=int, default=PRETRAIN_STEPS)
-    args = parser.parse_args(argv)
-    out = Path(args.out) if args.out else demo_dir(default_workspace())
-    try:
-        build_demo(out, pretrain_steps=args.pretrain_steps)
-        from core.train.config import dump_config
-
-        run_yaml = dump_config(demo_config(out=out), out / "run.yaml")
-        print(f"demo run config: {run_yaml} (python -m core.train {run_yaml} --run-dir RUN_DIR)", flush=True)
-        before = heldout_accuracy(out)
-        print(f"held-out accuracy before training: {before:.0%}", flush=True)
-        adapter = Path(args.adapter) if args.adapter else None
-        # the preference demos build on the SFT run: --adapter names one already trained, else it is trained here
-        if args.run or ((args.run_dpo or args.run_kto) and adapter is None):
-            run_dir = _train(out, "example-run", demo_config(out=out))
-            adapter = run_dir / "adapter"
-        if adapter is not None:
-            after = heldout_accuracy(out, adapter)
-            print(f"held-out accuracy after training: {after:.0%} (before {before:.0%})", flush=True)
-        if args.run_dpo:
-            dpo_demo(out, adapter)
-        if args.run_kto:
-            kto_demo(out, adapter)
-    except OSError as exc:  # the folder cannot be written: bad input, not a failure of the demo
-        print(
-            f"error: cannot write the demo into {out} ({exc.strerror or exc}): give a folder you can write.",
-            file=sys.stderr,
-        )
-        return 2
-    except Exception as exc:  # a CLI prints the sentence, not a traceback
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -23,8 +23,9 @@ import os
 import random
 from pathlib import Path
 
-from core.demo.build import SEED, TASK, _word, task_rows
+from core.demo.task import SEED, TASK, _word, task_rows
 from core.files import atomic_write_text
+from core.train.config import validate_config
 
 TRAIN_PAIRS = 512
 HELDOUT_PAIRS = 64
@@ -198,3 +199,60 @@ def chosen_accuracy(model, tokenizer, pairs: list[dict], max_new_tokens: int = 8
 
 def _answer_text(answer) -> str:
     return "".join(m["content"] for m in answer) if isinstance(answer, list) else answer
+
+
+# ---- the preference demos: DPO and KTO on top of the demo's SFT run -----------------------------------------
+
+
+def ensure_pref_data(out: str | os.PathLike) -> tuple[Path, Path]:
+    """The demo's preference pairs for DPO (core.demo.prefs), written when missing (a demo built before DPO)."""
+    out = Path(out)
+    train, heldout = out / TRAIN_FILE, out / HELDOUT_FILE
+    if train.is_file() and heldout.is_file():
+        return train, heldout
+    return write_pref_data(out)
+
+
+def dpo_demo_config(out: str | os.PathLike, model: str | os.PathLike) -> dict:
+    """The demo's DPO run on top of `model` (the demo base, or the SFT run merged into it): prefer "HELLO!" over
+    "HELLO" (core.demo.prefs). A fresh LoRA adapter; the reference is `model` itself (the adapter off)."""
+    out = Path(out).resolve()
+    train, _ = ensure_pref_data(out)
+    return validate_config(
+        {
+            "method": "dpo",
+            "model": {"path": str(Path(model).resolve()), "dtype": "auto"},
+            "lora": {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": "all-linear"},
+            "data": {"path": str(train), "format": "standard", "eval_split": 0.05},
+            "training": {
+                "max_length": 32,
+                "per_device_train_batch_size": 16,
+                "gradient_accumulation_steps": 1,
+                "gradient_checkpointing": False,
+                "max_steps": 40,
+                "learning_rate": 1e-3,  # 5e-3 pushes both answers down (core.demo.prefs)
+                "lr_scheduler_type": "cosine",
+                "warmup_steps": 0.1,
+                "beta": 0.1,
+                "logging_steps": 5,
+                "eval_steps": 10,
+                "save_steps": 20,
+                "save_total_limit": 2,
+                "seed": 42,
+            },
+        }
+    )
+
+
+def kto_demo_config(out: str | os.PathLike, model: str | os.PathLike) -> dict:
+    """The demo's KTO run on top of `model`: the same preference as the DPO demo, learnt from rated answers
+    ("HELLO!" good, "HELLO" bad; core.demo.prefs.write_feedback_data), each row on its own."""
+    out = Path(out).resolve()
+    cfg = dpo_demo_config(out, model)
+    cfg["method"] = "kto"
+    cfg["data"] = {**cfg["data"], "path": str(write_feedback_data(out)), "format": "standard"}
+    return validate_config(cfg)
+
+
+# The demo's preference runs, by method: what the Train page's "Use the demo's ..." button loads
+PREFERENCE_DEMOS = {"dpo": dpo_demo_config, "kto": kto_demo_config}

@@ -1,5 +1,6 @@
 import sys
 
-from core.estimate.bill import main
+from core.estimate.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":
+    sys.exit(main())

@@ -304,12 +304,10 @@ def preview_dataset(
 
 
 def sample_prompts(data_cfg: dict, n: int = 3) -> list[str]:
-    """The first `n` prompts of the training data as a user would type them (the instruction, the first user
-    message, or the start of a text row): what "Try it" should ask an adapter trained on this data."""
+    """The first `n` prompts of SFT data as a user would type them (the instruction, the first user message, or
+    the start of a text row): what "Try it" should ask an adapter trained on this data."""
     try:
         ds = load_rows(data_cfg)
-        if "chosen" in ds.column_names:  # preference pairs (DPO): their prompts
-            return _pair_prompts(ds, data_cfg.get("format", "auto"), n)
         fmt = detect_format(ds.column_names, data_cfg.get("format", "auto"))
     except DataError:
         return []
@@ -324,12 +322,12 @@ def sample_prompts(data_cfg: dict, n: int = 3) -> list[str]:
             )
         else:
             text = str(row.get("text") or "")[:60]
-        if _add_unique(out, text, n):
+        if add_unique(out, text, n):
             break
     return out
 
 
-def _add_unique(out: list[str], text, n: int) -> bool:
+def add_unique(out: list[str], text, n: int) -> bool:
     """Append `text` (stripped) to `out` unless empty or there already; True once `out` holds n."""
     text = str(text or "").strip()
     if text and text not in out:
@@ -345,21 +343,10 @@ _RENDERED_USER = re.compile(
 )
 
 
-def _pair_prompts(ds, fmt: str, n: int) -> list[str]:
-    from core.train.prefdata import normalize_pairs
-
-    try:
-        pairs = normalize_pairs(ds.select(range(min(len(ds), 50))), fmt)
-    except DataError:
-        return []
-    out: list[str] = []
-    for pair in pairs:
-        prompt = pair["prompt"]
-        if isinstance(prompt, list):
-            text = next((m.get("content") for m in prompt if m.get("role") == "user"), "")
-        else:
-            users = _RENDERED_USER.findall(prompt)
-            text = users[-1] if users else prompt
-        if _add_unique(out, text, n):
-            break
-    return out
+def user_text(prompt) -> str:
+    """What the user typed in a preference row's prompt: its user message, or the user turn inside a prompt
+    already rendered with a chat template, or the text itself."""
+    if isinstance(prompt, list):
+        return next((m.get("content") for m in prompt if isinstance(m, dict) and m.get("role") == "user"), "")
+    users = _RENDERED_USER.findall(prompt or "")
+    return users[-1] if users else (prompt or "")

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from core.train.data import DataError, add_unique, user_text
+
 
 @dataclass(frozen=True)
 class PlanTraits:
@@ -103,20 +105,21 @@ class Method:
         its own (SFT: tokens, masking and lengths)."""
         return None
 
-    def sample_prompts(self, rows, n: int) -> list[str]:
-        """Prompts from this method's rows for Try it."""
+    def sample_prompts(self, data_cfg: dict, n: int = 3) -> list[str]:
+        """The first `n` prompts of its data as a user would type them: what "Try it" asks the adapter."""
+        try:
+            rows = self.prompt_rows(data_cfg)
+        except DataError:
+            return []
         out: list[str] = []
-        for row in rows:
-            text = row.get("prompt") if isinstance(row, dict) else None
-            if isinstance(text, list):
-                text = next(
-                    (m.get("content") for m in text if isinstance(m, dict) and m.get("role") == "user"), None
-                )
-            if isinstance(text, str) and text.strip() and text not in out:
-                out.append(text)
-            if len(out) >= n:
+        for prompt in rows:
+            if add_unique(out, user_text(prompt), n):
                 break
         return out
+
+    def prompt_rows(self, data_cfg: dict) -> list:
+        """The prompts of its first rows (a preference method's prompt column, normalized)."""
+        return []
 
     # -- measuring a step (core.measure) -------------------------------------------------------------------------
     # one tiny row of its data, enough to build its trainer around a model whose step is then measured

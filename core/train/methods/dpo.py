@@ -7,6 +7,7 @@ from core.train.methods.base import Chart, FormField, Method, PlanTraits, fill_t
 from core.train.prefdata import (
     detect_pref_format,
     load_pref_rows,
+    normalize_pairs,
     prepare_pair_datasets,
     preview_pairs,
     run_pair_preflight,
@@ -79,6 +80,11 @@ class DPO(Method):
         except DataError as exc:
             return str(exc)
         return None
+
+    def prompt_rows(self, data_cfg: dict) -> list:
+        rows = load_rows(data_cfg)
+        pairs = normalize_pairs(rows.select(range(min(len(rows), 50))), data_cfg.get("format", "auto"))
+        return [p["prompt"] for p in pairs]
 
     def preview(self, data_cfg: dict, n: int = 5):
         rows = load_pref_rows(data_cfg)

@@ -42,6 +42,11 @@ class KTO(Method):
             )
         return None
 
+    def prompt_rows(self, data_cfg: dict) -> list:
+        rows = load_rows(data_cfg)
+        out, _ = normalize_feedback(rows.select(range(min(len(rows), 50))), data_cfg.get("format", "auto"))
+        return [r["prompt"] for r in out]
+
     def preview(self, data_cfg: dict, n: int = 5):
         return preview_feedback(load_rows(data_cfg), n=n, fmt=data_cfg.get("format", "auto"))
 

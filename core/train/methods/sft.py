@@ -12,6 +12,7 @@ from core.train.data import (
     load_rows,
     missing_columns,
     prepare_datasets,
+    sample_prompts,
     tokenize_row,
 )
 from core.train.findings import (
@@ -63,6 +64,9 @@ class SFT(Method):
 
     def smoke_collator(self, pad_token_id: int, max_length: int):
         return SmokeCollator(pad_token_id, max_length)
+
+    def sample_prompts(self, data_cfg: dict, n: int = 3) -> list[str]:
+        return sample_prompts(data_cfg, n)
 
 
 class SmokeCollator(Collator):

@@ -1,0 +1,292 @@
+"""`python -m core.estimate`: the memory bill of a plan (or of a run config) in a terminal.
+
+python -m core.estimate --model meta-llama/Llama-2-7b-hf --method lora --batch-size 4 --seq-len 2048 --json
+python -m core.estimate --config run.yaml [--data-lengths]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+
+from core.estimate.bill import OUTSIDE_TORCH, Estimate, GiB, Plan, PlanError, estimate, estimate_for_lengths
+from core.estimate.fit import fit_search
+from core.estimate.from_config import local_card, plan_for_config
+from core.estimate.levers import lever_savings, modelled_note, what_would_fit, with_every_lever
+from core.estimate.specs import SpecError, preset_ids
+from core.train import methods
+from core.train.config import ConfigError, load_config
+from core.train.data import DataError, preview_dataset
+from core.train.findings import load_tokenizer_and_config
+
+
+def _gb(b: float) -> str:
+    return f"{b / GiB:7.2f} GiB"
+
+
+def format_table(est: Estimate, fit: dict | None = None, advice: list[dict] | None = None) -> str:
+    lines = [f"Model {est.model_id}: {est.total_params:,} params, {est.trainable_params:,} trainable"]
+    lines.append(f"{'component':<26}{'bytes':>16}  {'size':>11}")
+    for name, b in est.components.items():
+        if b:
+            outside = "  (outside torch)" if name in OUTSIDE_TORCH else ""
+            lines.append(f"{name:<26}{b:>16,}  {_gb(b)}{outside}")
+    lines.append("-" * 56)
+    for label, b in (
+        ("tensor peak", est.tensor_peak_bytes),
+        ("reserved peak", est.reserved_peak_bytes),
+        ("device total", est.device_total_bytes),
+        ("GPU capacity", est.gpu_bytes),
+    ):
+        lines.append(f"{label:<26}{b:>16,}  {_gb(b)}")
+    if est.cpu_pinned_bytes:
+        b = est.cpu_pinned_bytes
+        lines.append(f"{'pinned CPU RAM':<26}{b:>16,}  {_gb(b)}  (activation offloading; not on the card)")
+    lines.append(f"peak phase: {est.peak_phase};  KV cache per token: {est.kv_cache_bytes_per_token:,} bytes")
+    lines.append(f"verdict: {est.verdict} ({est.fraction:.0%} of the card; aim for 85-90%)")
+    if est.reference:
+        lines.append(f"Reference model: {est.reference}")
+    if fit:
+        lines.append(
+            f"largest batch size at this seq len: {fit['max_batch_size']}; "
+            f"largest seq len at this batch size: {fit['max_seq_len']}"
+        )
+    for a in advice or []:
+        combined = "combined: " if a.get("combined") else ""
+        lines.append(f"  - {combined}{a['change']}: saves {a['saves_bytes'] / GiB:.2f} GiB -> {a['verdict']}")
+        if a.get("costs"):
+            lines.append(f"      cost: {a['costs']}")
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m core.estimate", description="Estimate GPU memory of a fine-tune."
+    )
+    d = Plan()
+    p.add_argument("--model", default=None, help="preset hub id or local model folder")
+    p.add_argument("--list-models", action="store_true", help="print the bundled preset ids and exit")
+    p.add_argument("--method", default=d.method, help="full | lora | qlora")
+    p.add_argument(
+        "--objective",
+        default=d.objective,
+        choices=methods.NAMES,
+        help="the training method: sft, dpo (chosen + rejected + reference) or kto (rated answers + reference)",
+    )
+    p.add_argument(
+        "--dpo", dest="objective", action="store_const", const="dpo", help="the same as --objective dpo"
+    )
+    p.add_argument(
+        "--reference", "--dpo-reference", default=d.reference, help="preference methods: auto | copy"
+    )
+    p.add_argument(
+        "--precompute-ref",
+        "--dpo-precompute-ref",
+        action="store_true",
+        help="DPO/KTO: the reference's log-probs computed before training (precompute_ref_log_probs)",
+    )
+    p.add_argument("--batch-size", type=int, default=d.batch_size)
+    p.add_argument("--seq-len", type=int, default=d.seq_len)
+    p.add_argument("--lora-r", type=int, default=d.lora_r)
+    p.add_argument("--lora-alpha", type=int, default=d.lora_alpha)
+    p.add_argument("--lora-dropout", type=float, default=d.lora_dropout)
+    p.add_argument("--target-modules", default=d.target_modules, help="all-linear or e.g. q_proj,v_proj")
+    p.add_argument(
+        "--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=d.gradient_checkpointing
+    )
+    p.add_argument("--optim", default=d.optim, help="TrainingArguments optim name")
+    p.add_argument("--attn", default=d.attn, help="sdpa | eager")
+    p.add_argument("--double-quant", action=argparse.BooleanOptionalAction, default=d.double_quant)
+    p.add_argument("--quant-type", default=d.quant_type, help="nf4 | fp4")
+    p.add_argument(
+        "--prepare-kbit",
+        action=argparse.BooleanOptionalAction,
+        default=d.prepare_kbit,
+        help="QLoRA: peft.prepare_model_for_kbit_training (plain Trainer); off: TRL's bf16 adapters",
+    )
+    p.add_argument(
+        "--fused-lm-head",
+        action=argparse.BooleanOptionalAction,
+        default=d.fused_lm_head,
+        help="TRL SFTTrainer's fused LM head (tiles); off: plain cross-entropy over the full logits",
+    )
+    levers = p.add_argument_group("memory levers (see the README's 'Fitting more' table)")
+    for flag, text in (
+        ("padding-free", "rows concatenated into one sequence (SFTConfig.padding_free)"),
+        ("packing", "SFTConfig.packing"),
+        ("activation-offloading", "saved activations to pinned CPU RAM (CUDA; modelled, not yet measured)"),
+        ("liger", "Liger's fused RMSNorm/SwiGLU/RoPE (use_liger_kernel; CUDA; modelled, not yet measured)"),
+    ):
+        name = flag.replace("-", "_")
+        levers.add_argument(
+            f"--{flag}", action=argparse.BooleanOptionalAction, default=getattr(d, name), help=text
+        )
+    levers.add_argument("--packing-strategy", default=d.packing_strategy, help="bfd | bfd_split | wrapped")
+    levers.add_argument(
+        "--batch-tokens",
+        type=int,
+        default=d.batch_tokens,
+        help="tokens in the largest batch your data forms (0: batch size x seq len, the bound)",
+    )
+    p.add_argument(
+        "--config",
+        help="plan a run config (run.yaml) through the engine's own mapping, on this machine's card unless "
+        "--gpu-gb / --device say otherwise; --expandable-segments, --batch-tokens and --model (another model's "
+        "shapes) still apply",
+    )
+    p.add_argument(
+        "--data-lengths",
+        action="store_true",
+        help="with --config: tokenize the config's data (its model's tokenizer) and also plan the largest batch "
+        "its real rows can form",
+    )
+    p.add_argument("--load-dtype", default=d.load_dtype, help="fp32 | bf16 | fp16")
+    p.add_argument("--compute-dtype", default=d.compute_dtype, help="fp32 | bf16 | fp16")
+    p.add_argument("--eval-kv-tokens", type=int, default=d.eval_kv_tokens)
+    p.add_argument(
+        "--gpu-gb",
+        type=float,
+        help=f"card capacity in GiB (default {d.gpu_gb:g}; with --config: this machine's card, as the trainer plans)",
+    )
+    p.add_argument(
+        "--expandable-segments", action=argparse.BooleanOptionalAction, default=d.expandable_segments
+    )
+    p.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        help=f"default {d.device}; with --config: the device this machine trains on, as the trainer plans",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+class _ArgError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one sentence, no usage dump
+        raise _ArgError(message)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    parser.__class__ = _Parser
+    try:
+        args = parser.parse_args(argv)
+    except _ArgError as exc:
+        print(f"error: {exc} (see python -m core.estimate --help)", file=sys.stderr)
+        return 2
+    if args.list_models:
+        print("\n".join(preset_ids()))
+        return 0
+    if not args.model and not args.config:
+        print(
+            "error: --model is required: a preset id (see --list-models) or a local model folder "
+            "(or --config run.yaml).",
+            file=sys.stderr,
+        )
+        return 2
+    if not args.config:
+        args.gpu_gb = Plan.gpu_gb if args.gpu_gb is None else args.gpu_gb
+        args.device = args.device or Plan.device
+    values = {
+        k: v for k, v in vars(args).items() if k not in ("list_models", "json", "config", "data_lengths")
+    }
+    if args.data_lengths and not args.config:
+        print("error: --data-lengths reads a run config's data: give --config run.yaml too.", file=sys.stderr)
+        return 2
+    try:
+        cfg = _load_run_config(args.config) if args.config else None
+        plan = _plan_from_config(cfg, args) if cfg else Plan.from_dict(values)
+        est = estimate(plan)
+        data_batch = _data_batch(cfg, plan) if args.data_lengths else None
+        fit = fit_search(plan)
+        advice = what_would_fit(plan) if est.verdict != "fits" else []
+    except (PlanError, SpecError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for w in est.warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    note = modelled_note(plan)
+    every = with_every_lever(plan)
+    fit_every = fit_search(every) if every != plan else fit
+    if args.json:
+        out = {k: v for k, v in est.to_dict().items() if k != "phase_components"}
+        out["fit_search"] = fit
+        out["fit_search_every_lever"] = fit_every
+        out["what_would_fit"] = advice
+        out["levers"] = lever_savings(plan)
+        out["data_batch"] = data_batch
+        out["modelled_not_measured"] = note
+        print(json.dumps(out))
+    else:
+        print(format_table(est, fit, advice))
+        if data_batch:
+            print(
+                f"with the data's real lengths ({data_batch['rows']} rows): the largest batch holds "
+                f"{data_batch['batch_tokens']:,} tokens -> device total {_gb(data_batch['device_total_bytes'])}, "
+                f"{data_batch['verdict']}"
+            )
+        if every != plan:
+            print(
+                f"with every lever on: largest batch size {fit_every['max_batch_size']}, "
+                f"largest seq len {fit_every['max_seq_len']}"
+            )
+        if note:
+            print(f"note: {note}")
+    return 0
+
+
+def _data_batch(cfg: dict, plan: Plan) -> dict:
+    """The largest batch the config's data can form (its rows tokenized as a run tokenizes them) and its plan."""
+    method = methods.get(cfg)
+    if method.traits.reference:
+        raise PlanError(
+            f"--data-lengths plans SFT rows; a {method.label} run's rows are planned at the max_length bound."
+        )
+    try:
+        tokenizer, _ = load_tokenizer_and_config(cfg["model"])
+        preview = preview_dataset(cfg["data"], tokenizer, n=0, length_rows=100_000, max_length=plan.seq_len)
+    except (DataError, OSError, ValueError) as exc:
+        raise PlanError(
+            f"--data-lengths: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+        ) from None
+    tokens, est = estimate_for_lengths(plan, preview["lengths"])
+    return {
+        "rows": len(preview["lengths"]),
+        "batch_tokens": tokens,
+        "device_total_bytes": est.device_total_bytes,
+        "tensor_peak_bytes": est.tensor_peak_bytes,
+        "verdict": est.verdict,
+    }
+
+
+def _load_run_config(path: str) -> dict:
+    try:
+        return load_config(path)
+    except ConfigError as exc:
+        raise PlanError(str(exc)) from None
+
+
+def _plan_from_config(cfg: dict, args) -> Plan:
+    """The plan of a run config, through core.estimate.from_config (the engine's one mapping), on this machine's
+    card unless --gpu-gb / --device name another: the plan the trainer writes to plan.json."""
+    if args.gpu_gb is None or args.device is None:
+        card = local_card()
+        args.gpu_gb = card.gpu_gb if args.gpu_gb is None else args.gpu_gb
+        args.device = args.device or card.device
+    plan = plan_for_config(
+        cfg,
+        gpu_gb=args.gpu_gb,
+        device=args.device,
+        expandable_segments=args.expandable_segments,
+        model=args.model,
+    )
+    return replace(plan, batch_tokens=args.batch_tokens) if args.batch_tokens else plan
+
+
+if __name__ == "__main__":
+    sys.exit(main())
