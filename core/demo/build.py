@@ -38,9 +38,12 @@ from core.demo.task import (
     _word,
     task_rows,
 )
+from core.demo.toy import build_tokenizer, tiny_config
 from core.files import atomic_write_text
 from core.runs import rundir
-from core.train.config import validate_config
+from core.train.config import dump_config, validate_config
+from core.train.data import IGNORE_INDEX, Collator
+from core.train.trainer import run_training
 from core.workspace import default_workspace
 
 
@@ -55,7 +58,6 @@ def demo_dir(workspace: str | os.PathLike) -> Path:
 def encode_chat_pairs(tokenizer, pairs: list[tuple[str, str]]) -> list[dict]:
     """Tokenize one-turn chats like core.data does for the chat format (answer trained, prompt masked), but
     fast: the template is rendered once around two markers and the rows are tokenized in one batch call."""
-    from core.train.data import IGNORE_INDEX
 
     q_mark, a_mark = "\x01", "\x02"
     rendered = tokenizer.apply_chat_template(_messages(q_mark, a_mark), tokenize=False)
@@ -70,7 +72,6 @@ def encode_chat_pairs(tokenizer, pairs: list[tuple[str, str]]) -> list[dict]:
 
 
 def _batch(rows: list[dict], tokenizer):
-    from core.train.data import Collator
 
     pairs = [(r["messages"][0]["content"], r["messages"][1]["content"]) for r in rows]
     return Collator(tokenizer.pad_token_id)(encode_chat_pairs(tokenizer, pairs))
@@ -80,8 +81,6 @@ def pretrain_base(out: Path, steps: int = PRETRAIN_STEPS, seed: int = SEED, log=
     """Build the tiny base and pretrain it on Repeat/Shout (plain torch loop, fixed seeds); returns accuracies."""
     import torch
     from transformers import AutoModelForCausalLM
-
-    from core.demo.toy import build_tokenizer, tiny_config
 
     tokenizer = build_tokenizer()
     torch.manual_seed(seed)
@@ -274,8 +273,6 @@ def heldout_accuracy(out: str | os.PathLike, adapter: str | os.PathLike | None =
 
 def train_demo_run(out: Path, name: str, cfg: dict) -> Path:
     """Train `cfg` in a new run folder out/<name>[-n] (an earlier run is never reused or overwritten)."""
-    from core.train.config import dump_config
-    from core.train.trainer import run_training
 
     run_dir, n = out / name, 2
     while run_dir.exists():

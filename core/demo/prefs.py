@@ -24,8 +24,10 @@ import random
 from pathlib import Path
 
 from core.demo.task import SEED, TASK, _word, task_rows
+from core.demo.toy import build_tokenizer
 from core.files import atomic_write_text
 from core.train.config import validate_config
+from core.train.prefdata import pair_token_ids
 
 TRAIN_PAIRS = 512
 HELDOUT_PAIRS = 64
@@ -49,8 +51,6 @@ def pref_rows(tokenizer=None, seed: int = PREF_SEED) -> tuple[list[dict], list[d
     """(train pairs, held-out pairs) as {prompt, chosen, rejected} strings; held-out words are in neither the
     training pairs nor the SFT task data. `tokenizer`: the demo's (core.demo.toy.build_tokenizer by default)."""
     if tokenizer is None:
-        from core.demo.toy import build_tokenizer
-
         tokenizer = build_tokenizer()
     train_sft, heldout_sft = task_rows()
     seen = {r["messages"][0]["content"].split(": ", 1)[1] for r in train_sft}
@@ -109,8 +109,6 @@ def pair_logps(
     at `max_length` like its collator. Plain torch, batched with right padding, no gradients."""
     import torch
 
-    from core.train.prefdata import pair_token_ids
-
     seqs: list[tuple[list[int], int]] = []  # (prompt + answer ids, prompt length)
     for pair in pairs:
         p, c, r = pair_token_ids(pair, tokenizer)
@@ -166,8 +164,6 @@ def chosen_accuracy(model, tokenizer, pairs: list[dict], max_new_tokens: int = 8
     tokens dropped). preference_accuracy can reach 1.0 while generation degrades (a DPO learning rate too high
     pushes both answers down); this says whether the model now *says* the preferred answer."""
     import torch
-
-    from core.train.prefdata import pair_token_ids
 
     if not pairs:
         return 0.0

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from core.estimate.bill import Plan
+from core.estimate.bill import Plan, estimate
+from core.monitor.gpu import detect_gpus
 from core.precision import SHORT, Device, resolve
 from core.train import methods
 from core.train.config import checkpointing
@@ -92,7 +93,6 @@ def plan_for_config(
 
 def estimate_for_config(cfg: dict, gpu_gb: float = 24.0, device: str = "cuda", batch_size=None, **kw):
     """core.estimate.estimate of plan_for_config(...); raises PlanError/SpecError with the planner's sentence."""
-    from core.estimate.bill import estimate
 
     return estimate(plan_for_config(cfg, gpu_gb, device, batch_size, **kw))
 
@@ -117,7 +117,6 @@ class Card:
 def local_card() -> Card:
     """This machine's card as the trainer will see it. NVML finds a GPU cheaply; torch then confirms that it can
     use it (a CPU build of torch on a GPU box trains on the CPU, and so must its plan)."""
-    from core.monitor.gpu import detect_gpus
 
     gpus, _ = detect_gpus()
     if gpus and gpus[0].memory_total:

@@ -13,6 +13,7 @@ fields change. A cache entry that cannot be read is rebuilt; a cache folder that
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -21,6 +22,8 @@ from dataclasses import asdict, dataclass, fields
 from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
+
+from core.files import atomic_write_text
 
 PRESETS_FILE = Path(__file__).with_name("presets.json")
 CACHE_FORMAT = 1  # bump when the cached files' shape changes
@@ -398,12 +401,10 @@ def _read_entry(path: Path | None, key: list, decode):
 def _write_entry(path: Path | None, key: list, value) -> None:
     if path is None:
         return
-    try:
-        from core.files import atomic_write_text
-
+    with contextlib.suppress(
+        OSError
+    ):  # a read-only or full cache folder: the spec is rebuilt next time, nothing else changes
         atomic_write_text(path, json.dumps({"key": key, "value": value}))
-    except OSError:
-        pass  # a read-only or full cache folder: the spec is rebuilt next time, nothing else changes
 
 
 def _int(value) -> int:

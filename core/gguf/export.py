@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from core import procs
+from core.gguf.modelfile import write_modelfile
 from core.gguf.source import BadInput, open_source
 from core.gguf.tensors import K_TYPES, TYPES, plan_tensors
 from core.gguf.verify import full_check_fits, verify
@@ -244,7 +245,6 @@ def export_gguf(
 
 
 def _modelfile(out: Path, template: str | None, ctx: int, eos: str | None):
-    from core.gguf.modelfile import write_modelfile
 
     return write_modelfile(out, template, ctx, eos)
 

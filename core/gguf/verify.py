@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from core.gguf.source import Source
+from core.gguf.tensors import ARCH_ENUM
 
 MB = 1024**2
 BLOCK_BYTES = 16 * MB
@@ -82,8 +83,6 @@ def check_tensors(gguf_path: Path, src: Source, sample: bool) -> dict:
     """Dequantize GGUF tensors block by block and compare them with the source (relative RMS error)."""
     import gguf
     from safetensors import safe_open
-
-    from core.gguf.tensors import ARCH_ENUM
 
     reader = gguf.GGUFReader(str(gguf_path))
     name_map = gguf.get_tensor_name_map(ARCH_ENUM[src.arch], src.n_layers)

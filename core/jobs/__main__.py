@@ -13,8 +13,14 @@ from dataclasses import asdict
 from pathlib import Path
 
 from core import procs
+from core.demo.build import DemoError, build_demo, read_manifest
 from core.files import read_json_object
+from core.gguf import BadInput, ExportError, export_gguf
 from core.jobs import JOB, Progress, _write_result
+from core.train.config import validate_config
+from core.train.data import DataError
+from core.train.preflight import load_tokenizer_and_config, run_preflight
+from core.workspace import WorkspaceError
 
 
 def run_merge(p: dict, report: Progress) -> dict:
@@ -54,7 +60,6 @@ def run_merge(p: dict, report: Progress) -> dict:
 
 
 def run_demo(p: dict, report: Progress) -> dict:
-    from core.demo.build import build_demo, read_manifest
 
     lines: list[str] = []
 
@@ -67,8 +72,6 @@ def run_demo(p: dict, report: Progress) -> dict:
 
 
 def run_preflight_job(p: dict, report: Progress) -> dict:
-    from core.train.config import validate_config
-    from core.train.preflight import load_tokenizer_and_config, run_preflight
 
     cfg = validate_config(p["config"])
     report(phase="loading the tokenizer")
@@ -78,7 +81,6 @@ def run_preflight_job(p: dict, report: Progress) -> dict:
 
 
 def run_gguf(p: dict, report: Progress) -> dict:
-    from core.gguf import export_gguf
 
     result = export_gguf(
         p["model"],
@@ -95,11 +97,7 @@ RUNNERS = {"merge": run_merge, "demo": run_demo, "preflight": run_preflight_job,
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     """The exceptions that carry a sentence for the user (anything else is a bug: traceback in stderr.log)."""
-    from core.demo.build import DemoError
-    from core.gguf import BadInput, ExportError
     from core.merge import MergeError
-    from core.train.data import DataError
-    from core.workspace import WorkspaceError
 
     return (ValueError, OSError, MergeError, DemoError, DataError, BadInput, ExportError, WorkspaceError)
 

@@ -24,9 +24,15 @@ from pathlib import Path
 
 import torch
 
+from core.demo.toy import build_tokenizer
+from core.estimate.bill import Plan, PlanError, estimate, flat_batch
+from core.estimate.from_config import plan_for_config
+from core.estimate.specs import SpecError
 from core.measure.tracker import StepMemory, TrackerError, main_phase, main_phase_peaks, track_live_tensors
 from core.precision import LONG, SHORT, Device, Precision, torch_dtype
 from core.train import methods
+from core.train.config import ConfigError, plan_to_config, validate_config
+from core.train.trainer import load_model, make_trainer, quiet_progress_bars
 
 
 @dataclass
@@ -107,8 +113,6 @@ def plan_from(obj) -> MeasurePlan:
 def _plan_from_run_config(cfg: dict, device: str = "cpu") -> MeasurePlan:
     """Through the one run config -> plan mapping (core.estimate.from_config), then into the measurement's terms:
     the dtypes are resolved for `device` exactly as the trainer resolves them."""
-    from core.estimate.from_config import plan_for_config
-    from core.train.config import ConfigError, validate_config
 
     cfg = dict(cfg)  # the data and the weights play no part in a step's memory: placeholders where absent
     for section in ("model", "data"):
@@ -346,10 +350,6 @@ def _build_with_engine(src: Path, plan: MeasurePlan, device: str):
     the one config -> plan mapping). Gradient checkpointing is switched on as Trainer.train does."""
     from datasets import Dataset
 
-    from core.demo.toy import build_tokenizer
-    from core.train.config import plan_to_config, validate_config
-    from core.train.trainer import load_model, make_trainer, quiet_progress_bars
-
     quiet_progress_bars()
 
     planned = planner_plan(str(src), plan, device).to_dict()
@@ -426,7 +426,6 @@ def make_batch(config, plan: MeasurePlan, seed: int = 0) -> dict:
     if own is not None:
         return own
     ids = torch.randint(0, config.vocab_size, (plan.batch_size, plan.seq_len), generator=g)
-    from core.estimate.bill import flat_batch  # the planner's rule, read off the same-named fields
 
     if not flat_batch(plan):
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
@@ -655,7 +654,6 @@ def measure_config(model_dir_or_spec, plan_or_run_config, device: str = "cpu") -
 
 def planner_plan(model: str, plan: MeasurePlan, device: str = "cpu"):
     """The core.estimate Plan for the same configuration (model: a preset id or a folder with config.json)."""
-    from core.estimate.bill import Plan
 
     short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
     targets = plan.target_modules
@@ -691,8 +689,6 @@ def planner_plan(model: str, plan: MeasurePlan, device: str = "cpu"):
 
 def estimate_for(model: str, plan: MeasurePlan, device: str = "cpu") -> dict | None:
     """The planner's figures for this model and plan: tensor_peak_bytes, peak_phase, phases, components."""
-    from core.estimate.bill import PlanError, estimate
-    from core.estimate.specs import SpecError
 
     try:
         est = estimate(planner_plan(model, plan, device))

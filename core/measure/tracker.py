@@ -27,6 +27,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from core.monitor.gpu import NvmlSource
+
 PHASES = ("forward", "backward", "optimizer")
 STEP = "step"  # the phase name when nobody names phases (e.g. the mode around trainer.train())
 
@@ -424,7 +426,6 @@ def _nvml_used(index: int) -> int | None:
 
     `index` is torch's CUDA index; NVML numbers every card of the machine in PCI order, while CUDA counts only
     CUDA_VISIBLE_DEVICES and by default puts the fastest first. The card's UUID says which NVML device it is."""
-    from core.monitor.gpu import NvmlSource
 
     src = NvmlSource()
     if src.init() is not None:

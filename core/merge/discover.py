@@ -8,6 +8,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from core.workspace import suggest_run_name
+
 
 def _read_yaml(path: Path) -> dict:
     try:
@@ -96,7 +98,6 @@ def list_adapters(workspace: str | os.PathLike) -> list[AdapterChoice]:
 
 def suggest_export_name(source: str, workspace: str | os.PathLike) -> str:
     """`<source>-merged`, numbered when that export already exists (never proposes an existing folder)."""
-    from core.workspace import suggest_run_name
 
     stem = suggest_run_name(f"{source}-merged")[:56]
     exports = Path(workspace) / "exports"

@@ -31,6 +31,7 @@ from core.monitor.series import DEFAULT_SMOOTHING_STEPS, downsample_minmax, stri
 from core.monitor.tail import RunFiles, RunSeries, TextTail
 from core.runs import rundir
 from core.train import methods
+from core.train.config import parse_yaml
 from core.train.methods.dpo import METHOD as DPO_METHOD
 
 GiB = 1024**3
@@ -157,8 +158,6 @@ def _config_method(path: Path, size: int) -> tuple[str | None, bool]:
     if size > _MAX_CONFIG_BYTES:
         return None, False
     try:
-        from core.train.config import parse_yaml  # aliases refused: a tiny file must not expand without bound
-
         data = parse_yaml(path.read_text(encoding="utf-8"), str(path))
     except Exception:  # unreadable, not UTF-8, not YAML: the metrics still tell what ran
         return None, False

@@ -17,6 +17,7 @@ from core.runs.launcher import TAIL_LINES, RunError, launch, run_state
 from core.runs.rundir import LIVE_STATES
 from core.train import methods
 from core.train.config import dump_config, field_errors, validate_config
+from core.train.preflight import check_model_folder as check
 from core.workspace import WorkspaceError, check_run_name, inside, make_folder, runs_dir
 
 SMOKE_DIR = "smoke"  # <workspace>/smoke/<run>-<n>/: one-step runs, not listed among the real runs
@@ -49,7 +50,6 @@ def check_fields(raw: dict) -> dict[str, str]:
 
 def check_model_folder(path) -> str | None:
     """None when `path` is a usable local model folder; else what is wrong and how to fix it."""
-    from core.train.preflight import check_model_folder as check
 
     return check(path)
 

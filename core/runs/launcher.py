@@ -17,7 +17,7 @@ from pathlib import Path
 
 from core import procs
 from core.runs import rundir
-from core.runs.rundir import read_pid, read_status, write_status
+from core.runs.rundir import read_pid, read_smoke, read_status, write_status
 from core.train.config import dump_config, validate_config
 from core.workspace import WorkspaceError, check_run_name, inside, make_folder, runs_dir
 
@@ -193,7 +193,6 @@ def wait_for(
 
 def wait_for_smoke(run_dir: str | os.PathLike, timeout: float = 600.0) -> dict | None:
     """Poll for smoke.json; None on timeout. A smoke process that died silently gives a failed result."""
-    from core.runs.rundir import read_smoke
 
     run_dir = Path(run_dir)
     deadline = time.time() + timeout

@@ -30,6 +30,7 @@ from typing import Any
 
 from core.files import atomic_write_text
 from core.train import methods, schema
+from core.train.engine_args import bnb_config, lora_config, training_args
 
 METHODS = methods.NAMES
 SECTIONS = ("model", "quantization", "lora", "data", "training")
@@ -551,7 +552,6 @@ def checkpointing(cfg: dict) -> bool:
 def check_with_libraries(cfg: dict, run_dir: str | os.PathLike | None = None) -> None:
     """Build the libraries' own objects from a validated config, so their cross-field checks run before any model
     loads. Raises ConfigError with the library's message, prefixed by the section it came from."""
-    from core.train.engine_args import bnb_config, lora_config, training_args
 
     for section, build in (("quantization", bnb_config), ("lora", lora_config), ("training", training_args)):
         try:

@@ -26,6 +26,7 @@ from core.train.findings import (
     Finding,
     format_rows,
     is_blank,
+    load_tokenizer_and_config,
     max_length_findings,
     model_limits,
     token_findings,
@@ -276,7 +277,6 @@ def prepare_pair_datasets(cfg: dict):
 
 def run_pair_preflight(cfg: dict, tokenizer=None, model_config=None) -> list[Finding]:
     """core.train.preflight.run_preflight for a `method: dpo` config: the rows read, then check_pairs."""
-    from core.train.findings import load_tokenizer_and_config
 
     try:
         rows = load_pref_rows(cfg["data"])

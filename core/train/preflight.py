@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 
 from core.train import methods
+from core.train.config import ConfigError, load_config
 from core.train.data import DataError
 from core.train.findings import (  # noqa: F401  (the names callers take from here)
     Finding,
@@ -30,8 +31,6 @@ def run_preflight(cfg: dict, tokenizer=None, model_config=None) -> list[Finding]
 
 def main(argv: list[str] | None = None) -> int:
     import argparse
-
-    from core.train.config import ConfigError, load_config
 
     parser = argparse.ArgumentParser(prog="python -m core.preflight", description=__doc__.splitlines()[0])
     parser.add_argument("config", help="run config YAML")

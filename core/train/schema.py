@@ -7,6 +7,7 @@ library version in the user's cache folder, so that validating a run config does
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import hashlib
@@ -17,6 +18,7 @@ import typing
 from importlib import metadata
 from pathlib import Path
 
+from core.files import atomic_write_text
 from core.train import methods
 
 FORMAT = 3  # bump when the schema's shape changes (2: training_dpo, 3: training_kto)
@@ -62,12 +64,10 @@ def library_schema() -> dict[str, dict[str, dict]]:
     except (OSError, ValueError):
         pass
     data = build_schema()
-    try:
-        from core.files import atomic_write_text
-
+    with contextlib.suppress(
+        OSError
+    ):  # a read-only home: the schema is rebuilt next time, nothing else changes
         atomic_write_text(path, json.dumps(data))
-    except OSError:
-        pass  # a read-only home: the schema is rebuilt next time, nothing else changes
     _memo = data
     return data
 

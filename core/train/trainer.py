@@ -24,12 +24,18 @@ import traceback
 from pathlib import Path
 
 from core import procs
+from core.estimate.bill import PlanError
+from core.estimate.from_config import plan_json
+from core.estimate.specs import SpecError
+from core.monitor.gpu import GpuSampler
 from core.precision import Device, Precision, PrecisionError, resolve, torch_dtype
 from core.runs import rundir
 from core.runs.rundir import latest_checkpoint, read_status, truncate_metrics, write_status
 from core.train import methods
-from core.train.config import ConfigError, dump_config, load_config
+from core.train.config import ConfigError, check_with_libraries, dump_config, load_config
 from core.train.data import DataError
+from core.train.engine_args import bnb_config, lora_config, training_args
+from core.train.preflight import check_model_folder, has_errors, load_tokenizer_and_config, run_preflight
 
 METRIC_KEYS = ("loss", "eval_loss", "learning_rate", "grad_norm")
 EXIT_BAD_INPUT, EXIT_FAILED, EXIT_STOPPED = 2, 1, 0
@@ -59,8 +65,6 @@ def load_model(cfg: dict, prec: Precision, path: str | None = None):
     the tracker and a run all see one model-building path."""
     import torch
     from transformers import AutoModelForCausalLM
-
-    from core.train.engine_args import bnb_config
 
     m = cfg["model"]
     kwargs = {
@@ -96,7 +100,6 @@ def make_trainer(
     method's TRL config. A preference method's reference is the base with the adapter disabled (no second copy), a
     copy of the model for a full fine-tune (TRL's default), or model.reference_path. Used by core.train and
     core.measure."""
-    from core.train.engine_args import lora_config, training_args
 
     args = training_args(cfg, run_dir, prec, smoke=smoke, has_eval=eval_ds is not None, report_to=report_to)
     kwargs = dict(
@@ -340,9 +343,6 @@ def _first_line(exc: BaseException) -> str:
 def _write_plan(cfg: dict, run_dir: Path, prec: Precision, smoke: bool) -> None:
     """plan.json: what this process trains, planned for the device it really trains on (its one producer). The
     Monitor draws it on the memory chart; a smoke test compares its measured peak with it."""
-    from core.estimate.bill import PlanError
-    from core.estimate.from_config import plan_json
-    from core.estimate.specs import SpecError
 
     try:
         rundir.write_plan(run_dir, plan_json(cfg, device=prec.device.kind, smoke=smoke))
@@ -403,14 +403,10 @@ def _run_training(config_path, run_dir: Path, resume: bool, smoke: bool, stop: S
     import transformers
     from transformers import AutoTokenizer
 
-    from core.monitor.gpu import GpuSampler
-    from core.train.preflight import has_errors, run_preflight
-
     quiet_progress_bars()
     if stop is None:
         stop = StopFlag().install() if threading.current_thread() is threading.main_thread() else StopFlag()
     cfg = load_config(config_path)
-    from core.train.preflight import check_model_folder
 
     problem = check_model_folder(cfg["model"]["path"])  # before anything is written or loaded
     if problem:
@@ -592,11 +588,6 @@ def report_failure(run_dir: Path, reason: str, smoke: bool) -> None:
 def dry_run(config_path: str, gpu_gb: float | None = None, device: str | None = None) -> int:
     """Everything a launch checks, without a model's weights: the config (by the libraries' own classes), the
     data against the tokenizer and the model config, and the plan. Prints the plan as JSON."""
-    from core.estimate.bill import PlanError
-    from core.estimate.from_config import plan_json
-    from core.estimate.specs import SpecError
-    from core.train.config import check_with_libraries
-    from core.train.preflight import check_model_folder, has_errors, load_tokenizer_and_config, run_preflight
 
     try:
         cfg = load_config(config_path)
