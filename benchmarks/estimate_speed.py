@@ -14,9 +14,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from core.estimate.bill import Plan, estimate  # noqa: E402
+from core.estimate.bill import estimate  # noqa: E402
 from core.estimate.fit import fit_search  # noqa: E402
 from core.estimate.levers import what_would_fit  # noqa: E402
+from core.estimate.plan import Plan  # noqa: E402
 from core.estimate.specs import load_spec, lora_targets, normalize_targets  # noqa: E402
 
 ESTIMATE_GOAL_MS = 20.0

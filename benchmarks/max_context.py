@@ -21,9 +21,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from core.estimate.bill import FIT_LIMIT, Plan  # noqa: E402
 from core.estimate.fit import fit_search  # noqa: E402
 from core.estimate.levers import modelled_note, with_every_lever  # noqa: E402
+from core.estimate.plan import FIT_LIMIT, Plan  # noqa: E402
 from core.estimate.specs import load_spec  # noqa: E402
 
 MODEL = "meta-llama/Llama-3.1-8B"

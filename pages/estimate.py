@@ -7,21 +7,19 @@ import importlib
 import streamlit as st
 from streamlit.runtime.pages_manager import PagesManager
 
-from core.estimate.bill import (
+from core.estimate.bill import OUTSIDE_TORCH, estimate, estimate_for_lengths
+from core.estimate.fit import fit_search, memory_curve
+from core.estimate.levers import lever_savings, modelled_note, what_would_fit, with_every_lever
+from core.estimate.plan import (
     ATTN,
     FIT_LIMIT,
     OPTIMIZERS,
-    OUTSIDE_TORCH,
     PACKING_STRATEGIES,
     TARGET_LOW,
     GiB,
     Plan,
     PlanError,
-    estimate,
-    estimate_for_lengths,
 )
-from core.estimate.fit import fit_search, memory_curve
-from core.estimate.levers import lever_savings, modelled_note, what_would_fit, with_every_lever
 from core.estimate.specs import SpecError, load_spec, preset_ids
 from core.monitor import gpu
 from core.train import methods

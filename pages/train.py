@@ -13,8 +13,8 @@ from streamlit.runtime.pages_manager import PagesManager
 from core import jobs
 from core.demo.build import demo_config, demo_dir, demo_ready
 from core.demo.prefs import PREFERENCE_DEMOS
-from core.estimate.bill import GiB, PlanError
 from core.estimate.from_config import estimate_for_config, local_card
+from core.estimate.plan import GiB, PlanError
 from core.estimate.specs import SpecError
 from core.runs.admin import (
     check_fields,
@@ -545,7 +545,8 @@ def verdict_panel(cfg: dict) -> None:
 
 def _data_batch_caption(cfg: dict, est) -> None:
     """The peak for the largest batch the data's real rows can form, next to the max_length bound above."""
-    from core.estimate.bill import Plan, estimate_for_lengths
+    from core.estimate.bill import estimate_for_lengths
+    from core.estimate.plan import Plan
 
     if not methods.get(cfg).traits.flat_batches:  # padded rows: the bound above is what the step holds
         return

@@ -6,18 +6,11 @@ import pytest
 import torch
 
 from core.demo.toy import tiny_config
-from core.estimate.bill import (
-    COMPONENT_ORDER,
-    OPTIMIZERS,
-    OUTSIDE_TORCH,
-    Estimate,
-    Plan,
-    PlanError,
-    estimate,
-    layer_activation_bytes,
-)
+from core.estimate.activation_terms import layer_activation_bytes
+from core.estimate.bill import COMPONENT_ORDER, OUTSIDE_TORCH, estimate
 from core.estimate.fit import fit_search, memory_curve
 from core.estimate.levers import what_would_fit
+from core.estimate.plan import OPTIMIZERS, Estimate, Plan, PlanError
 from core.estimate.specs import load_spec, lora_targets, normalize_targets
 
 WIDE = dict(

@@ -14,15 +14,15 @@ import pytest
 import torch
 
 from core.demo.toy import tiny_config
-from core.estimate.bill import (
+from core.estimate.activation_terms import (
     FUSED_TOKEN_CHUNK,
     FUSED_VOCAB_CHUNK,
-    Plan,
-    estimate,
     fused_head_bytes,
     logits_bytes,
 )
+from core.estimate.bill import estimate
 from core.estimate.cli import main
+from core.estimate.plan import Plan
 from core.estimate.specs import load_spec
 from core.measure.step import MeasurePlan, build_model, make_batch, measure_plan, planner_plan
 
@@ -221,7 +221,8 @@ def test_each_switch_moves_the_measurement_as_much_as_the_plan(tmp_path, switch)
 def test_bnb_8bit_keeps_embedding_states_in_32_bit_as_trainer_does():
     """Trainer.create_optimizer registers optim_bits=32 for every nn.Embedding under a bitsandbytes 8-bit
     optimizer; measuring through the engine's own trainer showed the planner 6% low on a full fine-tune."""
-    from core.estimate.bill import Plan, estimate
+    from core.estimate.bill import estimate
+    from core.estimate.plan import Plan
     from core.estimate.specs import load_spec
 
     spec = load_spec("TinyLlama/TinyLlama-1.1B-Chat-v1.0")

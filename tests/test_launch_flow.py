@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from core.estimate.bill import Plan
+from core.estimate.plan import Plan
 from core.runs.launcher import stop_run
 
 APP = str(Path(__file__).resolve().parent.parent / "dashboard.py")

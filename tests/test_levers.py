@@ -11,15 +11,10 @@ from pathlib import Path
 import pytest
 
 from core.demo.toy import tiny_config
-from core.estimate.bill import (
-    OFFLOAD_STASH,
-    Plan,
-    batch_shape,
-    estimate,
-    largest_batch_tokens,
-    layer_saved_tensors,
-)
+from core.estimate.activation_terms import layer_saved_tensors
+from core.estimate.bill import estimate
 from core.estimate.levers import LEVERS, lever_savings, modelled_note, readme_table, what_would_fit
+from core.estimate.plan import OFFLOAD_STASH, Plan, batch_shape, largest_batch_tokens
 from core.estimate.specs import load_spec, lora_targets, normalize_targets
 from core.measure.step import MeasurePlan, measure_plan, planner_plan
 from tests.cli import train

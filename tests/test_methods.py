@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from core.demo.prefs import write_feedback_data, write_pref_data
-from core.estimate.bill import Plan, estimate
+from core.estimate.bill import estimate
 from core.estimate.from_config import plan_for_config
+from core.estimate.plan import Plan
 from core.runs import rundir
 from core.train import methods
 from core.train.config import ConfigError, validate_config

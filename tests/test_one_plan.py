@@ -105,7 +105,7 @@ def test_gpt2_conv1d_folder_plans_lora(tmp_path):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from core.estimate.bill import Plan
+    from core.estimate.plan import Plan
 
     est = estimate(Plan(model=str(tmp_path), method="lora", lora_r=4, seq_len=64, device="cpu"))
     model = get_peft_model(

@@ -227,7 +227,7 @@ def test_plan_for_config_describes_the_run(tiny_llama, dataset):
 
 
 def test_plan_from_estimate_page_prefills_and_flags_what_the_trainer_lacks(workspace, tiny_llama, dataset):
-    from core.estimate.bill import Plan
+    from core.estimate.plan import Plan
 
     plan = Plan(model=str(tiny_llama), batch_size=3, seq_len=64, lora_r=4, optim="adagrad", load_dtype="fp32")
     at = AppTest.from_file(PAGE, default_timeout=180)
@@ -244,7 +244,7 @@ def test_plan_from_estimate_page_prefills_and_flags_what_the_trainer_lacks(works
 def test_plan_for_a_hub_model_keeps_the_local_model_and_its_sizes(workspace, tiny_llama, dataset):
     """Estimate a preset (no weights here), then Train: the plan's 2048 tokens must not land on a 256-position
     model; the LoRA settings still come across."""
-    from core.estimate.bill import Plan
+    from core.estimate.plan import Plan
 
     plan = Plan(model="meta-llama/Llama-2-7b-hf", batch_size=7, seq_len=2048, lora_r=8)
     at = AppTest.from_file(PAGE, default_timeout=180)
@@ -263,7 +263,7 @@ def test_plan_for_a_hub_model_keeps_the_local_model_and_its_sizes(workspace, tin
 def test_viewing_the_estimate_page_does_not_change_the_train_form(workspace):
     """Issue #16: merely opening the Estimate page (it keeps its plan in the session) left the demo run with
     the plan's QLoRA/dtype settings. Only 'Use this plan' hands a plan over, and the form lists what it took."""
-    from core.estimate.bill import Plan
+    from core.estimate.plan import Plan
 
     at = AppTest.from_file(PAGE, default_timeout=180)
     at.session_state["workspace"] = str(workspace)

@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from core.estimate.bill import Plan, kv_cache_bytes_per_token, weight_bytes
+from core.estimate.activation_terms import kv_cache_bytes_per_token
+from core.estimate.plan import Plan
 from core.estimate.specs import (
     SpecError,
     load_spec,
@@ -14,6 +15,7 @@ from core.estimate.specs import (
     normalize_targets,
     preset_ids,
 )
+from core.estimate.static_terms import weight_bytes
 
 
 def _real_model(path):

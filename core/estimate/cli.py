@@ -11,10 +11,11 @@ import json
 import sys
 from dataclasses import replace
 
-from core.estimate.bill import OUTSIDE_TORCH, Estimate, GiB, Plan, PlanError, estimate, estimate_for_lengths
+from core.estimate.bill import OUTSIDE_TORCH, estimate, estimate_for_lengths
 from core.estimate.fit import fit_search
 from core.estimate.from_config import local_card, plan_for_config
 from core.estimate.levers import lever_savings, modelled_note, what_would_fit, with_every_lever
+from core.estimate.plan import Estimate, GiB, Plan, PlanError
 from core.estimate.specs import SpecError, preset_ids
 from core.train import methods
 from core.train.config import ConfigError, load_config

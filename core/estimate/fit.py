@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from core.estimate.bill import FIT_LIMIT, Plan, estimate, validate
+from core.estimate.bill import estimate
+from core.estimate.plan import FIT_LIMIT, Plan, validate
 from core.estimate.specs import ModelSpec, load_spec
 
 

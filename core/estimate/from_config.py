@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from core.estimate.bill import Plan, estimate
+from core.estimate.bill import estimate
+from core.estimate.plan import Plan
 from core.monitor.gpu import detect_gpus
 from core.precision import SHORT, Device, resolve
 from core.train import methods

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from core.estimate.bill import OPTIMIZERS, Plan, PlanError, estimate
+from core.estimate.bill import estimate
+from core.estimate.plan import OPTIMIZERS, Plan, PlanError
 from core.estimate.specs import ModelSpec, SpecError, load_spec
 
 

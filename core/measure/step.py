@@ -25,8 +25,9 @@ from pathlib import Path
 import torch
 
 from core.demo.toy import build_tokenizer
-from core.estimate.bill import Plan, PlanError, estimate, flat_batch
+from core.estimate.bill import estimate
 from core.estimate.from_config import plan_for_config
+from core.estimate.plan import Plan, PlanError, flat_batch
 from core.estimate.specs import SpecError
 from core.measure.tracker import StepMemory, TrackerError, main_phase, main_phase_peaks, track_live_tensors
 from core.precision import LONG, SHORT, Device, Precision, torch_dtype

@@ -24,8 +24,8 @@ import traceback
 from pathlib import Path
 
 from core import procs
-from core.estimate.bill import PlanError
 from core.estimate.from_config import plan_json
+from core.estimate.plan import PlanError
 from core.estimate.specs import SpecError
 from core.monitor.gpu import GpuSampler
 from core.precision import Device, Precision, PrecisionError, resolve, torch_dtype

@@ -1,0 +1,462 @@
+"""The activation terms of the bill: what autograd saves for backward, named tensor by named tensor from the real
+HF module code, the loss head (plain logits or TRL's fused head), attention masks, offloading, the KV cache and
+autocast's weight copies."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from core.estimate.plan import DTYPE_BYTES, OFFLOAD_STASH, Plan, packed_sequences
+from core.estimate.specs import ModelSpec
+from core.estimate.static_terms import adapter_bytes
+from core.train import methods
+
+# ----------------------------------------------------------------------------------------------------------
+# activations: what autograd saves for backward, per token, named tensor by named tensor
+
+
+@dataclass(frozen=True)
+class _Dtypes:
+    hidden: int  # residual stream / norm outputs
+    proj: int  # MLP projections and their products
+    attn: int  # q, k, v and the attention output
+    logits: int
+    autocast: bool  # Trainer bf16/fp16 runs forward under torch.autocast: Linear inputs get 16-bit copies
+
+
+def step_dtypes(plan: Plan) -> _Dtypes:
+    compute = DTYPE_BYTES[plan.compute_dtype]
+    load = DTYPE_BYTES[plan.load_dtype]
+    autocast = plan.autocast and compute != 4
+    if plan.method == "qlora":
+        # bnb 4-bit Linear returns its input's dtype; prepare_kbit makes embeddings/norms fp32, so the residual
+        # stream and the MLP become fp32 too, while autocast hands sdpa 16-bit copies.
+        hidden = 4 if plan.prepare_kbit else load
+        return _Dtypes(
+            hidden, hidden, compute if autocast else hidden, compute if autocast else hidden, autocast
+        )
+    proj = compute if autocast else load
+    return _Dtypes(load, proj, proj, proj, autocast)
+
+
+def liger_on(plan: Plan) -> bool:
+    """Liger's kernels run (Triton, CUDA only); on a CPU the run does without them."""
+    return plan.liger and plan.device == "cuda"
+
+
+def offloading_on(plan: Plan) -> bool:
+    """TRL's activation offloading runs: it moves only tensors on the accelerator (OffloadActivations)."""
+    return plan.activation_offloading and plan.device == "cuda"
+
+
+def _mask_bytes(plan: Plan) -> int:
+    return 1 if plan.device == "cuda" else 4  # CUDA saves a bool mask; the CPU kernel a float one
+
+
+def layer_saved_tensors(spec: ModelSpec, plan: Plan, targets=()) -> dict[str, float]:
+    """Bytes per token that one decoder layer leaves saved for backward, by tensor (LLaMA-style layer).
+
+    Derived from LlamaDecoderLayer & co in transformers: RMSNorm upcasts to fp32 and saves that input and
+    rstd; the norm weight multiply saves its input only when the weight trains; a frozen Linear (bf16 or
+    bnb 4-bit) saves nothing, a trainable one its input; SDPA saves q, k, v, output and logsumexp, eager
+    the fp32 softmax and its cast; SwiGLU saves gate, act(gate), up; LoRA saves its (fp32 or autocast)
+    input copy per adapted module, its dropout output + mask when dropout > 0, and lora_A's output.
+    """
+    d = step_dtypes(plan)
+    h, inter = spec.hidden_size, spec.intermediate_size
+    q_width = spec.num_heads * spec.head_dim
+    kv_width = spec.num_kv_heads * spec.head_dim
+    full = plan.method == "full"
+    adapted = {s.name.rsplit(".", 1)[-1] for s in targets if ".0." in s.name or "layers.0." in s.name}
+    if not adapted:
+        adapted = {s.name.rsplit(".", 1)[-1] for s in targets}
+    linear_names = {s.name.rsplit(".", 1)[-1] for s in spec.decoder_linears}
+    fused_qkv = "qkv_proj" in linear_names
+    fused_gate_up = "gate_up_proj" in linear_names
+    r = plan.lora_r
+    compute = DTYPE_BYTES[plan.compute_dtype]
+    ad = adapter_bytes(plan)
+    lora_bytes = compute if d.autocast else ad
+    saved: dict[str, float] = {}
+
+    liger = liger_on(plan)
+
+    def norm(name: str) -> None:
+        if liger:  # LigerRMSNormFunction saves its input as it comes and rstd; the weight grad needs no more
+            saved[f"{name}.input"] = h * d.hidden
+            saved[f"{name}.rstd"] = 4
+            return
+        saved[f"{name}.fp32_input"] = 4 * h
+        saved[f"{name}.rstd"] = 4
+        if full:
+            saved[f"{name}.normed"] = h * d.hidden
+
+    def linear_input(module: str, width: int, in_bytes: int, shared_key: str) -> None:
+        """What one Linear (base + LoRA) saves of its input."""
+        if full:
+            if d.autocast and in_bytes != d.proj:
+                saved[f"{module}.autocast_input"] = width * d.proj
+            else:
+                saved[shared_key] = width * in_bytes
+        if module not in adapted:
+            return
+        # peft casts x to the adapter dtype (fp32, or bf16 after TRL's QLoRA cast); under autocast lora_A
+        # then saves a 16-bit copy of it unless the adapter is already in the compute dtype.
+        autocast_copy = d.autocast and ad != compute
+        copy_bytes = compute if autocast_copy else ad
+        if plan.lora_dropout > 0:
+            saved[f"{module}.lora_dropout_mask"] = width * _mask_bytes(plan)
+            saved[f"{module}.lora_dropout_out"] = width * copy_bytes
+        elif autocast_copy or in_bytes != ad:
+            saved[f"{module}.lora_input_copy"] = width * copy_bytes
+        else:
+            saved[shared_key] = width * in_bytes
+        saved[f"{module}.lora_A_out"] = r * lora_bytes
+
+    # attention block
+    norm("input_layernorm")
+    for m in ("qkv_proj",) if fused_qkv else ("q_proj", "k_proj", "v_proj"):
+        linear_input(m, h, d.hidden, "attn_norm_out")
+    p = d.attn
+    if plan.attn == "sdpa" and packed_sequences(plan) and kv_width < q_width:
+        # With a mask transformers does grouped-query attention by repeat_kv (use_gqa_in_sdpa is False):
+        # k and v are copied out to every query head, and sdpa saves the copies.
+        saved["q_rotary"] = q_width * p
+        saved["k_repeated"] = q_width * p
+        saved["v_repeated"] = q_width * p
+        saved["attn_out"] = q_width * p
+        saved["attn_logsumexp"] = spec.num_heads * 4
+        o_key = "attn_out"
+    elif plan.attn != "eager":  # sdpa and flash attention save the same tensors
+        saved["q_rotary"] = q_width * p
+        saved["k_rotary"] = kv_width * p
+        # fused qkv: v is a view of the whole qkv output, which then stays alive
+        saved["v"] = (q_width + 2 * kv_width) * p if fused_qkv else kv_width * p
+        saved["attn_out"] = q_width * p
+        saved["attn_logsumexp"] = spec.num_heads * 4
+        o_key = "attn_out"
+    else:
+        s = plan.seq_len
+        saved["q_rotary"] = q_width * p
+        saved["k_repeated"] = q_width * p
+        saved["v_repeated"] = q_width * p
+        saved["attn_probs_fp32"] = spec.num_heads * s * 4
+        if p != 4:
+            saved["attn_probs_cast"] = spec.num_heads * s * p
+        o_key = "attn_out_contiguous"
+    linear_input("o_proj", q_width, p, o_key)
+    p = d.proj
+    for _ in range(max(spec.norms_per_layer - 2, 0) // 2):  # Gemma-2 post-attention / post-MLP norms
+        norm(f"post_norm_{_}a")
+        norm(f"post_norm_{_}b")
+
+    # MLP block
+    norm("post_attention_layernorm")
+    for m in ("gate_up_proj",) if fused_gate_up else ("gate_proj", "up_proj"):
+        linear_input(m, h, d.hidden, "mlp_norm_out")
+    if fused_gate_up:
+        saved["gate_up"] = 2 * inter * p
+    else:
+        saved["gate"] = inter * p
+        saved["up"] = inter * p
+    if not liger:  # LigerSiLUMulFunction saves gate and up only and recomputes silu(gate) in backward
+        saved["act_gate"] = inter * p
+    linear_input("down_proj", inter, p, "gated_product")
+    return saved
+
+
+def layer_activation_bytes(spec: ModelSpec, plan: Plan, targets=()) -> float:
+    """Saved bytes per token for one decoder layer (sum of `layer_saved_tensors`)."""
+    return sum(layer_saved_tensors(spec, plan, targets).values())
+
+
+def head_saved_bytes(spec: ModelSpec, plan: Plan) -> float:
+    """Per token: what the final norm's weight multiply and the lm_head save when their weights train (full
+    fine-tuning): the normed input of the weight multiply and the lm_head input."""
+    if plan.method != "full":
+        return 0
+    d = step_dtypes(plan)
+    if plan.fused_lm_head:  # the fused head saves its own input (fused_head_bytes), no lm_head module call
+        return spec.hidden_size * d.hidden
+    return spec.hidden_size * (d.hidden + (d.proj if d.autocast else d.hidden))
+
+
+def outside_layers_saved_bytes(spec: ModelSpec, plan: Plan) -> float:
+    """Per token: final norm, the lm_head input (when it trains), token ids and labels."""
+    return 4 * spec.hidden_size + 4 + 16 + head_saved_bytes(spec, plan)
+
+
+def _embedding_output_requires_grad(plan: Plan) -> bool:
+    """Does the first decoder layer get an input that requires grad? Only when the embedding trains (full
+    fine-tuning) or the run engine calls enable_input_require_grads (LoRA with gradient checkpointing)."""
+    return plan.method == "full" or (plan.method == "lora" and checkpointing_on(plan))
+
+
+def first_layer_unsaved(saved: dict[str, float], targets) -> float:
+    """Per token: what the first layer does not save when its input (the frozen embedding's output) needs no
+    grad. Autograd saves an op's input only to compute a gradient that someone needs: the input RMSNorm saves
+    nothing, LoRA dropout on the layer input keeps no mask (its output, lora_A's input, is still saved);
+    when no attention projection is adapted, nothing in the attention block requires grad either."""
+    adapted = {s.name.rsplit(".", 1)[-1] for s in targets}
+    attn_in = {"q_proj", "k_proj", "v_proj", "qkv_proj"}
+    skip = ("input_layernorm.",) + tuple(f"{m}.lora_dropout_mask" for m in attn_in)
+    if not adapted & attn_in:
+        skip += ("q_rotary", "k_", "v", "attn_", "o_proj.lora_dropout_mask")
+        if "o_proj" not in adapted:
+            skip += ("post_attention_layernorm.", "gate_proj.lora_dropout_mask", "up_proj.lora_dropout_mask")
+            skip += ("gate_up_proj.lora_dropout_mask",)
+    return sum(v for k, v in saved.items() if k.startswith(skip))
+
+
+def activation_bytes(spec: ModelSpec, plan: Plan, targets, tokens: int) -> tuple[int, int]:
+    """(saved activations alive at the end of forward, one layer recomputed in backward with checkpointing)."""
+    saved = layer_saved_tensors(spec, plan, targets)
+    per_layer = sum(saved.values())
+    outside = outside_layers_saved_bytes(spec, plan)
+    if checkpointing_on(plan):
+        layer_inputs = spec.num_layers * spec.hidden_size * step_dtypes(plan).hidden
+        # Liger's input norm saves the layer input itself, which the checkpoint holds already
+        if liger_on(plan):
+            per_layer -= saved.get("input_layernorm.input", 0)
+        return int(tokens * (layer_inputs + outside)), int(tokens * per_layer)
+    first = 0 if _embedding_output_requires_grad(plan) else first_layer_unsaved(saved, targets)
+    return int(tokens * (spec.num_layers * per_layer - first + outside)), 0
+
+
+def last_layer_forward_temporaries(spec: ModelSpec, plan: Plan, targets=()) -> float:
+    """Per token: what is alive but not saved for backward while the last decoder layer runs its down_proj.
+
+    With a small vocabulary (or a short sequence of a wide model) forward peaks here, not at the loss. Alive
+    then, from the module code: LlamaModel keeps `inputs_embeds` (one more tensor when it is not also the
+    layer input), the decoder loop the layer input, the layer its `residual`, and the MLP its input (the
+    post-attention norm output) and the gated product; the base down_proj's output; and for a LoRA
+    down_proj, peft's `x = x.to(lora_A.weight.dtype)` (a local alive until forward returns; saved, so
+    already counted, only without dropout and autocast), and `result + lora_B(lora_A(x)) * scaling`: the
+    lora_B output and its scaled copy (or the scaled copy and the sum, promoted to fp32 when the base is
+    16-bit and the adapter fp32; TRL's bf16 QLoRA adapters need no cast). Tensors a full fine-tune saves
+    anyway are not counted twice.
+    Not used with gradient checkpointing: there the recompute moments of backward bound the step."""
+    saved = layer_saved_tensors(spec, plan, targets)
+    d = step_dtypes(plan)
+    h, inter = spec.hidden_size, spec.intermediate_size
+    adapted = {s.name.rsplit(".", 1)[-1] for s in targets}
+    # A 32-bit residual stream needs no upcast in RMSNorm, so the norms save the stream tensors themselves:
+    # the layer input (input_layernorm's) and `residual` (post_attention_layernorm's) are counted already,
+    # and so is `inputs_embeds` when layer 0 saves it (its input needs grad).
+    stream_saved = d.hidden == 4
+    needs_grad = _embedding_output_requires_grad(plan)
+    stream = 0 if stream_saved else 2  # the layer input and `residual`
+    if spec.num_layers > 1 and not (stream_saved and needs_grad):
+        stream += 1  # `inputs_embeds`, a tensor of its own once the first layer has run
+    elif spec.num_layers == 1 and stream_saved and not needs_grad:
+        stream += 1  # the one layer's input is `inputs_embeds`, which layer 0 leaves unsaved
+    if "mlp_norm_out" not in saved:
+        stream += 1  # the post-attention norm output, the MLP's input
+    b = stream * h * d.hidden
+    if "gated_product" not in saved:
+        b += inter * d.proj
+    b += h * d.proj  # the base down_proj output
+    if "down_proj" in adapted:
+        ad, compute = adapter_bytes(plan), DTYPE_BYTES[plan.compute_dtype]
+        lora = compute if d.autocast else ad
+        if d.proj != ad and (plan.lora_dropout > 0 or (d.autocast and ad != compute)):
+            b += inter * ad  # peft's cast of the input to the adapter dtype, not itself saved
+        b += h * lora + h * max(lora, d.proj)
+    return b
+
+
+# Families whose final norm is nn.LayerNorm: its backward is one fused kernel, without RMSNorm's fp32 chain.
+LAYERNORM_MODELS = ("gpt2", "gpt_neox", "gptj", "opt", "bloom", "falcon", "phi")
+
+
+def final_norm_backward_temporaries(spec: ModelSpec) -> float:
+    """Per token: the fp32 temporaries of the final RMSNorm's backward (its input was upcast to fp32), alive
+    next to every saved activation once the logits' gradients are gone. Through `x * rsqrt(mean(x^2) + eps)`:
+    the gradient g * rstd (kept until the two paths into x are summed), the mean's expanded gradient, pow's
+    x^1 and 2 * x^1, and their product with the gradient: five fp32 tensors as wide as the hidden state."""
+    return 5 * spec.hidden_size * 4
+
+
+def checkpointing_on(plan: Plan) -> bool:
+    # The run engine calls prepare_model_for_kbit_training(use_gradient_checkpointing=<this flag>), so
+    # checkpointing follows the plan's setting for QLoRA too (peft's own default would turn it on).
+    return plan.gradient_checkpointing
+
+
+def logits_bytes(spec: ModelSpec, plan: Plan, tokens: int) -> tuple[int, int]:
+    """(peak inside the forward's cross-entropy, peak at the start of backward) for b*s*V logits.
+
+    Forward: lm_head logits + their fp32 upcast + log_softmax output (saved). Backward: the saved
+    log_softmax + the dense fp32 gradient of the loss + the log_softmax gradient (12 B per logit).
+    """
+    n = tokens * spec.vocab_size
+    p = step_dtypes(plan).logits
+    forward = n * (p + (4 if p != 4 else 0) + 4)
+    backward = n * 12
+    config = json.loads(spec.config_json)
+    if config.get("final_logit_softcapping"):  # Gemma-2: tanh(logits / cap) * cap saves two more copies
+        forward += 2 * n * p
+        backward += 2 * n * p
+    return forward, backward
+
+
+# trl 1.16: trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE and trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE
+FUSED_TOKEN_CHUNK = 4096
+FUSED_VOCAB_CHUNK = 32768
+
+
+@dataclass(frozen=True)
+class FusedHead:
+    """TRL's fused LM head + SFTTrainer.compute_loss: bytes next to the saved activations at each moment."""
+
+    held: int  # saved by the fused loss for backward (its hidden input, per-token statistics)
+    forward: int  # held + the forward's tile temporaries, at its largest
+    backward: int  # held + the backward's tile temporaries and fp32 gradient accumulators, at its largest
+    end: int  # as the loss backward returns: the fp32 accumulators and their casts to the input dtypes
+    outputs: int  # its per-token outputs (log-probs, entropy, ...), alive until the loss is taken from them
+
+
+def fused_head_bytes(spec: ModelSpec, plan: Plan, rows: int) -> FusedHead:
+    """The loss through trl.trainer.utils.add_fused_lm_head (SFTTrainer adds it with outputs log_probs,
+    entropy, is_top1) and trl.kernels.chunked_logprob.ChunkedLogProbFunction, from their code (trl 1.16).
+
+    `_fused_forward` scores hidden_states[:, :-1]: N = rows x (seq_len - 1) positions. On CUDA with Triton
+    (`compact = _use_triton(device)`) only positions whose label is not -100 are gathered (`hidden[mask]`, a
+    copy, saved); planned as all positions valid. Elsewhere (the CPU) every position is scored through
+    `hidden.reshape(-1, H)`: a view of the final norm's output for one row (which the save then keeps alive),
+    a saved copy for more. The Function saves the hidden input, the clamped targets (int64), log_z and the
+    entropy (fp32 per token).
+
+    Both passes project min(N, 4096) tokens x 32768 vocabulary columns at a time into `mm_buf`, allocated
+    full width in the compute dtype (the autocast dtype, else the hidden dtype) even when the vocabulary is
+    smaller; `hidden_chunk = hidden[..].to(compute)` and the weight chunk `.to(compute)` are copies only when
+    the dtypes differ. Forward keeps seven fp32 per-token statistics. Backward allocates the fp32 grad_hidden
+    (N x H) and, when the head trains, the fp32 grad_weight (V x H), then returns both cast to their inputs'
+    dtypes.
+
+    Triton branch (modelled from the code, not measured here): the fold and the gradient are written in place
+    into the tile, and `_addmm_fp32` accumulates with `torch.addmm(out_dtype=float32)`: no tile temporaries.
+    CPU branch (measured): `_forward_tile` holds z, exp(z - max), e * z (entropy) and the top-1 bool mask: 13
+    B per tile element; `_backward_tile` holds y, z, log_p, p, grad, the bool and float target masks, and
+    `is_target.float() - p` with its product: 29 B per element; `_addmm_fp32` then makes fp32 copies of the
+    tile and of the weight chunk (or of the hidden chunk for grad_weight) when the compute dtype is 16-bit.
+    """
+    d = step_dtypes(plan)
+    h, vocab = spec.hidden_size, spec.vocab_size
+    n_all = rows * (plan.seq_len - 1)
+    n = min(n_all, FUSED_TOKEN_CHUNK)
+    cols = min(vocab, FUSED_VOCAB_CHUNK)
+    tile = n * cols
+    hd = d.hidden
+    cd = DTYPE_BYTES[plan.compute_dtype] if d.autocast else hd
+    if plan.method == "full" or not (plan.method == "qlora" and plan.prepare_kbit):
+        wd = DTYPE_BYTES[plan.load_dtype]
+    else:
+        wd = 4  # prepare_model_for_kbit_training upcast the lm_head
+    triton = plan.device == "cuda"
+    head_trains = plan.method == "full"
+    final_norm_out = rows * plan.seq_len * h * hd  # last_hidden_state
+    mm_buf = n * FUSED_VOCAB_CHUNK * cd
+    hidden_chunk = n * h * cd if hd != cd else 0
+    weight_chunk = cols * h * cd if wd != cd else 0
+    # the saved hidden: a gathered (Triton) or reshaped (CPU, several rows) copy, or the norm output itself
+    hidden_own = n_all * h * hd if (triton or rows > 1) else 0
+    per_token_saved = n_all * (8 + 4 + 4 + 1)  # targets, log_z, entropy, masked_fill's mask
+    held = hidden_own + (0 if hidden_own else final_norm_out) + per_token_saved
+    stats = 7 * n_all * 4
+    outputs = n_all * (4 + 4 + 1 + 1)  # log_probs, entropy, is_top1, label mask
+    # DPO/KTOTrainer also ask for mean_logits (their logits/* metrics)
+    outputs += n_all * 4 * methods.get(plan.objective).traits.head_outputs
+    if triton:
+        fold_fwd = weight_chunk  # the transient weight-chunk copy inside torch.mm
+        fold_bwd = 0
+    else:
+        fold_fwd = max(13 * tile, weight_chunk)
+        addmm = 0 if cd == 4 else 4 * tile + 4 * max(cols * h, n * h if head_trains else 0)
+        fold_bwd = max(29 * tile, addmm)
+    # forward: the norm output stays alive until the loss returns, next to the saved copy
+    forward = (
+        held + (final_norm_out if hidden_own else 0) + stats + outputs + mm_buf + hidden_chunk + fold_fwd
+    )
+    grad_weight = vocab * h * 4 if head_trains else 0
+    grad_in = n_all * 4  # the incoming gradient of log_probs (masked_fill's backward)
+    backward = held + grad_in + n_all * h * 4 + grad_weight + mm_buf + hidden_chunk + weight_chunk + fold_bwd
+    # `.to(dtype)` of an fp32 accumulator is the same tensor when the input is fp32; the head's returned
+    # gradient becomes its .grad (counted under gradients), so only a separate fp32 accumulator adds here.
+    end = held + n_all * h * (4 + (hd if hd != 4 else 0)) + (grad_weight if wd != 4 else 0)
+    return FusedHead(held, forward, backward, end, outputs)
+
+
+def attention_mask_bytes(spec: ModelSpec, plan: Plan, tokens: int) -> tuple[int, int]:
+    """(held for the whole step, saved per layer call) of the attention mask of a padding-free batch that holds
+    several sequences. transformers (masking_utils) derives a block-diagonal boolean (T x T) mask from
+    position_ids, alive until the step's backward is done; torch's scaled_dot_product_attention converts a
+    boolean mask to the query dtype in every call (convert_boolean_attn_mask) and saves that copy for backward.
+    Eager attention gets the float mask once (no per-layer copy). Flash attention takes the sequence bounds
+    (cu_seq_lens) instead: no mask. Measured on the CPU (sdpa)."""
+    if plan.attn == "flash" or not packed_sequences(plan):
+        return 0, 0
+    t2 = tokens * tokens
+    if plan.attn == "eager":
+        return t2 * step_dtypes(plan).attn, 0
+    return t2, t2 * step_dtypes(plan).attn
+
+
+def offloaded_activations(
+    spec: ModelSpec, plan: Plan, targets, tokens: int, saved: int, recompute: int
+) -> tuple[int, int, int]:
+    """(GPU bytes at the end of forward, GPU bytes while one layer's backward runs, pinned CPU bytes) with TRL's
+    activation offloading (trl.models.activation_offloading.OffloadActivations, use_streams=True): every saved
+    tensor of at least 1 KiB on the accelerator is copied to pinned CPU memory during forward, the last five
+    stay on the GPU while their copies are in flight, and backward brings each one back just before its node
+    runs (the next one prefetched). With checkpointing the saved tensors are the layer inputs (the checkpoint
+    saves them through the same hooks) and the recomputed layer stays on the GPU (backward runs outside the
+    offloading context). Modelled from the code, not yet measured (it moves nothing on a CPU)."""
+    if checkpointing_on(plan):
+        unit = tokens * spec.hidden_size * step_dtypes(plan).hidden  # one layer input
+        in_flight = min(OFFLOAD_STASH, spec.num_layers) * unit
+        return in_flight, recompute + 2 * unit, saved
+    layer = layer_saved_tensors(spec, plan, targets)
+    largest = sorted(layer.values(), reverse=True)[:OFFLOAD_STASH]
+    in_flight = int(tokens * sum(largest))
+    per_layer = int(tokens * sum(layer.values()))
+    # backward holds the layer being differentiated and the prefetched one: two layers' saved tensors
+    return in_flight, 2 * per_layer, saved
+
+
+def kv_cache_bytes_per_token(spec: ModelSpec, plan: Plan) -> int:
+    return spec.kv_cache_bytes_per_token_per_byte * DTYPE_BYTES[plan.compute_dtype]
+
+
+def autocast_weight_copies(spec: ModelSpec, plan: Plan, trainable: int) -> tuple[int, int]:
+    """(alive at the end of forward, alive at the start of backward): 16-bit copies of fp32 weights that
+    matmuls make under bf16/fp16 autocast.
+
+    Which weights are fp32: all of them for an fp32 load; the LoRA adapters (peft keeps them fp32) unless
+    TRL cast them to bf16 (QLoRA); with QLoRA and prepare_model_for_kbit_training the lm_head (or the tied
+    embedding it reuses) -- but only on the plain path: TRL's fused head casts its weight chunks itself
+    (`weight[start:end].to(compute_dtype)`), outside autocast's cache.
+    bitsandbytes 4-bit Linears dequantize straight to the compute dtype: no copy.
+    How long a copy lives: autocast caches the casts of trainable leaf weights until forward leaves the
+    autocast region, and a matmul saves its weight copy for backward unless the layer is checkpointed. So
+    inside checkpointed layers the copies are gone when backward starts; the lm_head, outside the layers,
+    keeps its copy until its own backward.
+    """
+    if not step_dtypes(plan).autocast:
+        return 0, 0
+    head = spec.lm_head_params or spec.embedding_params
+    fp32_load = DTYPE_BYTES[plan.load_dtype] == 4
+    head_copy = head if (fp32_load or (plan.method == "qlora" and plan.prepare_kbit)) else 0
+    if plan.fused_lm_head:
+        head_copy = 0
+    c = DTYPE_BYTES[plan.compute_dtype]
+    if plan.method != "full":
+        trainable_in_layers = trainable if adapter_bytes(plan) != c else 0
+    else:
+        trainable_in_layers = spec.linear_params if fp32_load else 0
+    frozen_in_layers = spec.linear_params if (plan.method == "lora" and fp32_load) else 0
+    if checkpointing_on(plan):
+        return (head_copy + trainable_in_layers) * c, head_copy * c
+    both = (head_copy + trainable_in_layers + frozen_in_layers) * c
+    return both, both

@@ -1,0 +1,279 @@
+"""The planner's input and output: a `Plan` (one training configuration, serialisable, built from a run config by
+core.estimate.from_config), its validation, the shape of the batch it trains on, and the `Estimate` the bill
+returns. The constants of the memory model live here too (shared/design/memory-model.md).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+
+from core.estimate.specs import ModelSpec
+from core.precision import BYTES
+from core.train import methods
+
+GiB = 2**30
+DTYPE_BYTES = BYTES  # core.precision's one dtype table
+METHODS = ("full", "lora", "qlora")
+ATTN = ("sdpa", "eager", "flash")  # flash: flash_attention_2/3 (varlen kernels: no mask, no score matrix)
+PACKING_STRATEGIES = ("bfd", "bfd_split", "wrapped")  # trl SFTConfig.packing_strategy
+# trl 1.16 OffloadActivations: saved tensors of at least 1024 bytes go to pinned CPU memory; the last five stay
+# on the GPU while their copies are in flight (max_fwd_stash_size=5)
+OFFLOAD_STASH = 5
+QUANT_TYPES = ("nf4", "fp4")
+FIT_LIMIT = 0.90  # at most 90% of the card: >=10% headroom for estimate error and allocator spikes
+TARGET_LOW = 0.85  # the fit search aims at 85-90% of the card
+CUDA_CONTEXT_BYTES = 400 * 2**20  # 300-450 MB with lazy module loading (torch>=1.13, CUDA>=11.7)
+# Reserved minus allocated, as a share of the bytes that come and go within a step (activations, logits).
+FRAGMENTATION = 0.20
+FRAGMENTATION_EXPANDABLE = 0.05  # expandable_segments maps pages into one segment: little is stranded
+NF4_BLOCK = 64  # bitsandbytes 4-bit blocksize used by transformers
+DQ_BLOCK = 256  # double quantization: 8-bit absmax, one fp32 scale per 256 blocks
+BNB8_MIN_SIZE = 4096  # bitsandbytes 8-bit optimizers keep smaller tensors in 32-bit
+BNB8_BLOCK = 256  # blockwise 8-bit optimizer states: one fp32 absmax per 256 values
+PAGED_MIN_SIZE = 100_000  # bitsandbytes pages only state tensors with at least 1e5 elements
+
+# TrainingArguments optim name -> (states per element, bytes per state or None = parameter dtype, kind)
+OPTIMIZERS = {
+    "adamw_torch": (2, None, "foreach"),
+    "adamw_torch_fused": (2, None, "fused"),
+    "adamw_torch_xla": (2, None, "foreach"),
+    "adamw_apex_fused": (2, 4, "fused"),
+    "adamw_8bit": (2, 1, "bnb8"),
+    "adamw_bnb_8bit": (2, 1, "bnb8"),
+    "paged_adamw_8bit": (2, 1, "bnb8_paged"),
+    "paged_adamw_32bit": (2, 4, "bnb32_paged"),
+    "paged_adamw": (2, 4, "bnb32_paged"),
+    "lion_8bit": (1, 1, "bnb8"),
+    "paged_lion_8bit": (1, 1, "bnb8_paged"),
+    "lion_32bit": (1, 4, "bnb32"),
+    "paged_lion_32bit": (1, 4, "bnb32_paged"),
+    "adafactor": (1, 4, "factored"),
+    "sgd": (0, None, "plain"),
+    "adagrad": (1, None, "plain"),
+    "rmsprop": (1, None, "plain"),
+}
+
+
+class PlanError(ValueError):
+    """A plan that cannot be estimated; the message says which setting is wrong and how to fix it."""
+
+
+@dataclass
+class Plan:
+    """One training configuration, as the Estimate page edits it and the Train page receives it."""
+
+    model: str = "meta-llama/Llama-2-7b-hf"
+    method: str = "lora"  # full | lora | qlora
+    objective: str = (
+        "sft"  # the run config's method (sft | dpo | kto): core.train.methods says what its step holds
+    )
+    reference: str = "auto"  # preference methods: auto (adapter disabled for LoRA) | copy (a second model)
+    # precompute_ref_log_probs (DPO, KTO): the reference's log-probs computed once before training (no reference
+    # forward inside a step)
+    precompute_ref: bool = False
+    load_dtype: str = "bf16"  # dtype the weights are loaded in (non-quantized parts for QLoRA)
+    compute_dtype: str = "bf16"  # activations: the Trainer's bf16/fp16 flag, bnb_4bit_compute_dtype
+    quant_type: str = "nf4"
+    double_quant: bool = True
+    # QLoRA only. False (the engine, TRL's SFTTrainer): no fp32 upcast; input grads for checkpointing and the
+    # trainable adapters cast to bf16. True: peft.prepare_model_for_kbit_training (the plain-Trainer path).
+    prepare_kbit: bool = False
+    # SFTTrainer's trl.trainer.utils.add_fused_lm_head: the loss from (token x vocab) tiles, never the full
+    # logits. False: the plain causal-LM cross-entropy over b*s*V logits (Trainer without TRL).
+    fused_lm_head: bool = True
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.05
+    target_modules: str = "all-linear"
+    batch_size: int = 1
+    seq_len: int = 2048
+    gradient_checkpointing: bool = True  # the engine's default (TRL's): what makes long sequences fit
+    attn: str = "sdpa"
+    optim: str = "adamw_torch"
+    eval_kv_tokens: int = 0  # tokens held in a KV cache during eval/generation (batch x (prompt + new))
+    gpu_gb: float = 24.0  # card capacity in GiB
+    expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+    device: str = "cuda"  # cuda | cpu (cpu: no context/allocator terms, float dropout masks)
+    autocast: bool = True  # Trainer bf16/fp16=True: forward under torch.autocast (ignored for fp32 compute)
+    # Memory levers (core.estimate.levers has the table: what each saves and costs, where it runs, its source).
+    # SFTConfig.padding_free: the batch's rows concatenated into one sequence (position_ids), no padding.
+    padding_free: bool = False
+    # SFTConfig.packing: rows filled up to max_length ("bfd" also turns padding-free on)
+    packing: bool = False
+    packing_strategy: str = "bfd"
+    # SFTConfig.activation_offloading: saved activations to pinned CPU RAM
+    activation_offloading: bool = False
+    liger: bool = False  # SFTConfig.use_liger_kernel: fused RMSNorm / SwiGLU / RoPE (Triton, CUDA)
+    # Tokens in the largest batch the sampler can form from the data (0: the bound, batch_size x seq_len).
+    # Padded batches: batch_size x the longest row; padding-free: the sum of the longest rows.
+    batch_tokens: int = 0
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Plan:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise PlanError(
+                f"Unknown plan setting(s) {', '.join(unknown)}; valid ones: {', '.join(sorted(known))}."
+            )
+        return cls(**data)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def gpu_bytes(self) -> int:
+        return int(self.gpu_gb * GiB)
+
+
+@dataclass
+class Estimate:
+    plan: dict
+    model_id: str
+    components: dict[str, int]  # name -> bytes at the peak phase; sums to device_total_bytes
+    phases: dict[str, int]  # phase -> tensor bytes
+    phase_components: dict[str, dict[str, int]]
+    tensor_peak_bytes: int
+    reserved_peak_bytes: int
+    device_total_bytes: int
+    peak_phase: str
+    gpu_bytes: int
+    fits: bool
+    verdict: str  # fits | tight | does not fit
+    trainable_params: int
+    total_params: int
+    kv_cache_bytes_per_token: int
+    activation_bytes_per_token_per_layer: float
+    reference: str | None
+    # Pinned CPU RAM that activation offloading holds (not on the card; the machine must have it spare)
+    cpu_pinned_bytes: int = 0
+    batch_rows: int = 0  # the shape the model sees: rows x length (padding-free: one row)
+    batch_length: int = 0
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def fraction(self) -> float:
+        return self.device_total_bytes / self.gpu_bytes
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# validation
+
+
+def validate(plan: Plan) -> list[str]:
+    """Raise PlanError for a plan that cannot run; return warnings for one that can but is questionable."""
+    choices = {
+        "method": (plan.method, METHODS),
+        "load_dtype": (plan.load_dtype, tuple(DTYPE_BYTES)),
+        "compute_dtype": (plan.compute_dtype, tuple(DTYPE_BYTES)),
+        "attn": (plan.attn, ATTN),
+        "quant_type": (plan.quant_type, QUANT_TYPES),
+        "reference": (plan.reference, ("auto", "copy")),
+        "objective": (plan.objective, methods.NAMES),
+        "device": (plan.device, ("cuda", "cpu")),
+        "packing_strategy": (plan.packing_strategy, PACKING_STRATEGIES),
+    }
+    for name, (value, valid) in choices.items():
+        if value not in valid:
+            raise PlanError(f"{name} '{value}' is not one of {', '.join(valid)}.")
+    if plan.optim not in OPTIMIZERS:
+        raise PlanError(
+            f"Unknown optimizer '{plan.optim}'; use a TrainingArguments optim name: {', '.join(OPTIMIZERS)}."
+        )
+    for name in ("batch_size", "seq_len", "lora_r", "lora_alpha"):
+        value = getattr(plan, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise PlanError(f"{name} must be a whole number above zero, got {value!r}.")
+    if not isinstance(plan.batch_tokens, int) or isinstance(plan.batch_tokens, bool) or plan.batch_tokens < 0:
+        raise PlanError(
+            f"batch_tokens must be zero (the bound) or a whole number, got {plan.batch_tokens!r}."
+        )
+    if plan.batch_tokens > plan.batch_size * plan.seq_len:
+        raise PlanError(
+            f"batch_tokens {plan.batch_tokens} is more than batch_size x seq_len "
+            f"({plan.batch_size * plan.seq_len}); rows are truncated to seq_len, so use at most that."
+        )
+    if not isinstance(plan.eval_kv_tokens, int) or plan.eval_kv_tokens < 0:
+        raise PlanError(
+            f"eval_kv_tokens must be zero or a positive whole number, got {plan.eval_kv_tokens!r}."
+        )
+    if not (isinstance(plan.gpu_gb, (int, float)) and plan.gpu_gb > 0 and math.isfinite(plan.gpu_gb)):
+        raise PlanError(f"gpu_gb must be a positive number of GiB, got {plan.gpu_gb!r}.")
+    if not (0 <= plan.lora_dropout < 1):
+        raise PlanError(f"lora_dropout must be in [0, 1), got {plan.lora_dropout!r}.")
+    warnings = []
+    if plan.method == "full" and plan.load_dtype == "fp16":
+        warnings.append("Full fine-tuning with fp16 weights is numerically fragile; load in fp32 or bf16.")
+    if plan.device == "cpu":
+        for name, on in (("activation_offloading", plan.activation_offloading), ("liger", plan.liger)):
+            if on:
+                warnings.append(f"{name} works on a CUDA GPU only: a CPU run does without it (planned so).")
+    method = methods.get(plan.objective)
+    if not method.traits.flat_batches and (plan.padding_free or plan.packing):
+        warnings.append(
+            f"{method.label} pads its rows ({method.trainer_name} has no packing or padding-free): planned so."
+        )
+    if flat_batch(plan) and plan.attn == "sdpa" and packed_sequences(plan):
+        warnings.append(
+            "Padding-free batches on sdpa attention build a (tokens x tokens) mask, converted to the compute "
+            "dtype in every layer; use attn_implementation flash_attention_2 on the GPU (no mask)."
+        )
+    return warnings
+
+
+def flat_batch(plan: Plan) -> bool:
+    """Does the collator concatenate the batch's rows into one sequence? TRL turns padding-free on for BFD
+    packing whatever padding_free says (SFTTrainer.__init__); DPOTrainer and KTOTrainer 1.16 pad."""
+    if not methods.get(plan.objective).traits.flat_batches:
+        return False
+    return plan.padding_free or (plan.packing and plan.packing_strategy in ("bfd", "bfd_split"))
+
+
+def packed_sequences(plan: Plan) -> bool:
+    """Does one sequence of the batch hold several documents (position_ids restart inside it)? Then transformers
+    derives a block-diagonal mask from position_ids (masking_utils.find_packed_sequence_indices)."""
+    return flat_batch(plan) and (plan.packing or plan.batch_size > 1)  # (never DPO: it pads)
+
+
+def batch_shape(plan: Plan) -> tuple[int, int]:
+    """(rows, length) of the tensors the model sees in one step. Padded: every row padded to the longest in
+    the batch; padding-free: one row of all the batch's tokens; DPO: a chosen and a rejected row per example."""
+    per_example = methods.get(plan.objective).traits.rows_per_example
+    rows = plan.batch_size * per_example
+    tokens = (plan.batch_tokens or plan.batch_size * plan.seq_len) * per_example
+    if flat_batch(plan):
+        return 1, tokens
+    return rows, -(-tokens // rows)
+
+
+def largest_batch_tokens(lengths, plan: Plan) -> int:
+    """Tokens in the largest batch the sampler can form from rows of these token `lengths` (each truncated to
+    seq_len): what `batch_tokens` should be for this dataset. Packed rows are full, so packing keeps the bound."""
+    rows = sorted((min(int(n), plan.seq_len) for n in lengths if n), reverse=True)
+    if not rows or plan.packing:
+        return plan.batch_size * plan.seq_len
+    if flat_batch(plan):
+        return sum(rows[: plan.batch_size])
+    return plan.batch_size * rows[0]
+
+
+def check_against_spec(spec: ModelSpec, plan: Plan, targets) -> list[str]:
+    warnings = []
+    if spec.max_position_embeddings and plan.seq_len > spec.max_position_embeddings:
+        warnings.append(
+            f"seq_len {plan.seq_len} is longer than the model's max_position_embeddings "
+            f"({spec.max_position_embeddings}); quality degrades beyond it unless you extend RoPE."
+        )
+    if plan.method != "full":
+        smallest = min(targets, key=lambda s: min(s.in_features, s.out_features))
+        if plan.lora_r > min(smallest.in_features, smallest.out_features):
+            raise PlanError(
+                f"LoRA rank {plan.lora_r} is larger than the layer {smallest.name} "
+                f"({smallest.in_features} -> {smallest.out_features}); use r <= "
+                f"{min(smallest.in_features, smallest.out_features)}."
+            )
+    return warnings
