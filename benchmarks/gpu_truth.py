@@ -258,7 +258,7 @@ def part_failures(cuda: bool, work: Path, product: dict) -> dict:
     dump_config(cfg, run / rundir.CONFIG)
     code = (
         "import sys, torch; torch.cuda.set_per_process_memory_fraction(0.002); "
-        "from core.train.trainer import main; sys.exit(main(sys.argv[1:]))"
+        "from core.train.cli import main; sys.exit(main(sys.argv[1:]))"
     )
     with open(run / rundir.STDERR, "wb") as err:
         proc = subprocess.run(

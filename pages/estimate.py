@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib
 
 import streamlit as st
-from streamlit.runtime.pages_manager import PagesManager
 
 from core.estimate.bill import OUTSIDE_TORCH, estimate, estimate_for_lengths
 from core.estimate.fit import fit_search, memory_curve
@@ -21,8 +20,10 @@ from core.estimate.plan import (
     PlanError,
 )
 from core.estimate.specs import SpecError, load_spec, preset_ids
+from core.fmt import gib
 from core.monitor import gpu
 from core.train import methods
+from ui.routing import leave_legacy_mode
 
 
 class _OnFirstUse:
@@ -39,12 +40,7 @@ class _OnFirstUse:
 alt = _OnFirstUse("altair")
 pd = _OnFirstUse("pandas")
 
-# A session whose first request is this page's URL, before the router ever ran in this server process: Streamlit
-# is still in its legacy pages/ mode and ran this file alone (no sidebar, no workspace). Leave that mode for good
-# and rerun through dashboard.py (a first run has no widget events to lose).
-if PagesManager.uses_pages_directory and not st.session_state.get("_routed"):
-    PagesManager.uses_pages_directory = False
-    st.rerun()
+leave_legacy_mode()
 
 LOCAL = "Local model folder…"
 CARD_SIZES = [24, 32, 48, 80, 141]
@@ -63,10 +59,6 @@ def _cards() -> list[tuple[str, float]]:
         for d in devices
         if d.memory_total
     ]
-
-
-def _gib(b: float) -> str:
-    return f"{b / GiB:.2f} GiB"
 
 
 def plan_form() -> Plan:
@@ -339,20 +331,20 @@ def show(plan: Plan) -> None:
     est = estimate(plan, spec)
     for w in est.warnings:
         st.warning(w)
-    text = f"**{est.verdict.upper()}** — {_gib(est.device_total_bytes)} of {_gib(est.gpu_bytes)} ({est.fraction:.0%}). "
+    text = f"**{est.verdict.upper()}** — {gib(est.device_total_bytes)} of {gib(est.gpu_bytes)} ({est.fraction:.0%}). "
     {"fits": st.success, "tight": st.warning, "does not fit": st.error}[est.verdict](
         text + VERDICT_TEXT[est.verdict]
     )
     m = st.columns(5)
-    m[0].metric("Tensor peak", _gib(est.tensor_peak_bytes), help="torch.cuda.max_memory_allocated")
-    m[1].metric("Reserved peak", _gib(est.reserved_peak_bytes), help="torch.cuda.max_memory_reserved")
-    m[2].metric("Device total", _gib(est.device_total_bytes), help="what nvidia-smi shows; decides OOM")
+    m[0].metric("Tensor peak", gib(est.tensor_peak_bytes), help="torch.cuda.max_memory_allocated")
+    m[1].metric("Reserved peak", gib(est.reserved_peak_bytes), help="torch.cuda.max_memory_reserved")
+    m[2].metric("Device total", gib(est.device_total_bytes), help="what nvidia-smi shows; decides OOM")
     m[3].metric("Peak phase", est.peak_phase)
     m[4].metric("KV cache / token", f"{est.kv_cache_bytes_per_token / 1024:.0f} KiB")
     st.caption(f"{spec.model_id}: {est.total_params:,} parameters, {est.trainable_params:,} trainable.")
     if est.cpu_pinned_bytes:
         st.info(
-            f"Activation offloading holds **{_gib(est.cpu_pinned_bytes)} of pinned CPU RAM** (not on the card): "
+            f"Activation offloading holds **{gib(est.cpu_pinned_bytes)} of pinned CPU RAM** (not on the card): "
             "the machine needs that much RAM spare, besides the data loader's."
         )
     note = modelled_note(plan)
@@ -364,8 +356,8 @@ def show(plan: Plan) -> None:
         st.info(
             f"With your data ({len(lengths):,} rows measured on the Train page) the largest batch the sampler "
             f"can form holds **{tokens:,} tokens** (bound: {plan.batch_size * plan.seq_len:,}): device total "
-            f"**{_gib(real.device_total_bytes)}** ({real.fraction:.0%} of the card) next to the bound's "
-            f"{_gib(est.device_total_bytes)}."
+            f"**{gib(real.device_total_bytes)}** ({real.fraction:.0%} of the card) next to the bound's "
+            f"{gib(est.device_total_bytes)}."
         )
     st.altair_chart(bill_chart(est), width="stretch")
     st.caption(
@@ -427,7 +419,7 @@ def show(plan: Plan) -> None:
         st.write("Nothing on the list lowers this plan further.")
     for i, a in enumerate(advice, 1):
         combined = "**Combined:** " if a["combined"] else ""
-        pinned = f"; pinned CPU RAM {_gib(a['cpu_pinned_bytes'])}" if a["cpu_pinned_bytes"] else ""
+        pinned = f"; pinned CPU RAM {gib(a['cpu_pinned_bytes'])}" if a["cpu_pinned_bytes"] else ""
         st.markdown(
             f"{i}. {combined}{a['change']}: saves **{a['saves_bytes'] / GiB:.2f} GiB** → {a['verdict']}  \n"
             f"   cost: {a['costs']}{pinned}"

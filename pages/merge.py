@@ -9,28 +9,16 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 import torch
-from streamlit.runtime.pages_manager import PagesManager
 
 from core import jobs
 from core import merge as M
+from core.fmt import disk
 from core.workspace import WorkspaceError, check_run_name, default_workspace, inside
+from ui.routing import leave_legacy_mode
 
-# A session whose first request is this page's URL, before the router ever ran in this server process: Streamlit
-# is still in its legacy pages/ mode and ran this file alone (no sidebar, no workspace). Leave that mode for good
-# and rerun through dashboard.py (a first run has no widget events to lose).
-if PagesManager.uses_pages_directory and not st.session_state.get("_routed"):
-    PagesManager.uses_pages_directory = False
-    st.rerun()
+leave_legacy_mode()
 
 FOLDER = "Another adapter folder…"
-
-
-def _size(n: int) -> str:
-    if n >= 0.1 * M.GB:
-        return f"{n / M.GB:.2f} GB"
-    if n >= 0.1 * M.MB:
-        return f"{n / M.MB:.1f} MB"
-    return f"{n / 1024:.1f} KB" if n >= 1024 else f"{n} B"  # small files are not "0.0 MB"
 
 
 def pick_adapter(ws: Path) -> tuple[str | None, str | None, str]:
@@ -130,13 +118,13 @@ def show_preflight(pf: M.Preflight, where) -> None:
     with where.container():
         c = st.columns(4)
         # The "of what" goes into the label: a metric value this long is cut off in a quarter-width column.
-        c[0].metric(f"RAM needed ({_size(pf.ram_available)} free)", _size(pf.ram_needed))
-        c[1].metric(f"Disk needed ({_size(pf.disk_free)} free)", _size(pf.disk_needed))
-        c[2].metric(f"Output ({pf.out_dtype})", _size(pf.out_bytes))
+        c[0].metric(f"RAM needed ({disk(pf.ram_available)} free)", disk(pf.ram_needed))
+        c[1].metric(f"Disk needed ({disk(pf.disk_free)} free)", disk(pf.disk_needed))
+        c[2].metric(f"Output ({pf.out_dtype})", disk(pf.out_bytes))
         c[3].metric("Tensors · shards", f"{pf.n_tensors} · {pf.n_shards}")
         st.caption(
             f"{pf.n_lora_modules} LoRA modules, {pf.n_replaced} replaced tensors; verification: {pf.verify_mode} "
-            f"(the logits check needs ~{_size(pf.verify_ram_needed)} RAM)."
+            f"(the logits check needs ~{disk(pf.verify_ram_needed)} RAM)."
         )
         for note in pf.notes:
             st.info(note)
@@ -148,10 +136,10 @@ def show_result(r: M.MergeResult) -> None:
     v = r.verification
     (st.success if v.passed else st.error)("\n\n".join(v.lines()))
     st.markdown(
-        f"**Exported to** `{r.out_dir}` — {len(r.files)} files, {_size(r.total_bytes)}, {r.seconds:.1f} s, "
-        f"peak RAM of this process {_size(r.peak_rss)}."
+        f"**Exported to** `{r.out_dir}` — {len(r.files)} files, {disk(r.total_bytes)}, {r.seconds:.1f} s, "
+        f"peak RAM of this process {disk(r.peak_rss)}."
     )
-    st.dataframe(pd.DataFrame([{"file": n, "size": _size(s)} for n, s in r.files]), hide_index=True)
+    st.dataframe(pd.DataFrame([{"file": n, "size": disk(s)} for n, s in r.files]), hide_index=True)
     st.code(
         f"from transformers import AutoModelForCausalLM, AutoTokenizer\n"
         f"model = AutoModelForCausalLM.from_pretrained({r.out_dir!r})\n"
@@ -254,8 +242,8 @@ def merge_job(job, ws: Path, key: str, pre_slot) -> None:
             )
             st.progress(
                 min(1.0, done / total) if total else 0.0,
-                text=f"{label}: {done}/{total} tensors, {_size(p.get('bytes_done') or 0)} of "
-                f"{_size(p.get('bytes_total') or 0)} written",
+                text=f"{label}: {done}/{total} tensors, {disk(p.get('bytes_done') or 0)} of "
+                f"{disk(p.get('bytes_total') or 0)} written",
             )
             st.caption(
                 f"Running as a background job ({view.path.name}); reloading this page reattaches to it."
@@ -314,7 +302,7 @@ def gguf_tab(ws: Path) -> None:
     out = src.with_name(f"{src.name}-{gtype}.gguf")
     try:
         size = estimate_size(src, gtype)
-        st.caption(f"Output: {out} · about {_size(size['bytes'])} ({size['tensors']} tensors)")
+        st.caption(f"Output: {out} · about {disk(size['bytes'])} ({size['tensors']} tensors)")
     except BadInput as e:
         st.error(str(e))
         return

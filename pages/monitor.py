@@ -8,8 +8,8 @@ from pathlib import Path
 import altair as alt
 import pandas as pd
 import streamlit as st
-from streamlit.runtime.pages_manager import PagesManager
 
+from core.fmt import duration
 from core.monitor import gpu
 from core.monitor.series import DEFAULT_SMOOTHING_STEPS
 from core.monitor.watch import RunWatcher, run_method
@@ -17,13 +17,9 @@ from core.runs.launcher import RunError, launch, list_runs, stop_run
 from core.runs.rundir import LIVE_STATES, latest_checkpoint
 from core.train import methods
 from core.workspace import default_workspace
+from ui.routing import leave_legacy_mode
 
-# A session whose first request is this page's URL, before the router ever ran in this server process: Streamlit
-# is still in its legacy pages/ mode and ran this file alone (no sidebar, no workspace). Leave that mode for good
-# and rerun through dashboard.py (a first run has no widget events to lose).
-if PagesManager.uses_pages_directory and not st.session_state.get("_routed"):
-    PagesManager.uses_pages_directory = False
-    st.rerun()
+leave_legacy_mode()
 
 REFRESH_S = 2.0
 ENDED = ("finished", "failed", "stopped")
@@ -41,14 +37,6 @@ def _watcher(run_dir: str) -> RunWatcher:
     if run_dir not in watchers:
         watchers[run_dir] = RunWatcher(run_dir)
     return watchers[run_dir]
-
-
-def _duration(seconds) -> str:
-    if seconds is None:
-        return "–"
-    seconds = int(seconds)
-    h, rem = divmod(seconds, 3600)
-    return f"{h}:{rem // 60:02d}:{rem % 60:02d}" if h else f"{rem // 60}:{rem % 60:02d}"
 
 
 def _lines(
@@ -203,9 +191,9 @@ def header(snap) -> None:
     c[0].metric("State", snap.state)
     label = f"Step (of {snap.max_steps:,})" if snap.max_steps else "Step"
     c[1].metric(label, f"{snap.step:,}" if snap.step is not None else "–")
-    c[2].metric("ETA", _duration(snap.eta_s) if snap.eta_s is not None else "–")
+    c[2].metric("ETA", (duration(snap.eta_s) or "–") if snap.eta_s is not None else "–")
     c[3].metric("Tokens/s", f"{snap.tokens_per_s:,.0f}" if snap.tokens_per_s else "–")
-    c[4].metric("Elapsed", _duration(snap.elapsed_s))
+    c[4].metric("Elapsed", (duration(snap.elapsed_s) or "–"))
     if snap.progress is not None:
         st.progress(snap.progress)
 

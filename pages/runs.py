@@ -8,8 +8,8 @@ from pathlib import Path
 import altair as alt
 import pandas as pd
 import streamlit as st
-from streamlit.runtime.pages_manager import PagesManager
 
+from core.fmt import duration
 from core.monitor.series import DEFAULT_SMOOTHING_STEPS
 from core.monitor.watch import (
     CHANCE_ACCURACY,
@@ -21,21 +21,9 @@ from core.monitor.watch import (
 from core.runs.admin import delete_run
 from core.runs.launcher import RunError, list_runs
 from core.workspace import default_workspace, runs_dir
+from ui.routing import leave_legacy_mode
 
-# A session whose first request is this page's URL, before the router ever ran in this server process: Streamlit
-# is still in its legacy pages/ mode and ran this file alone (no sidebar, no workspace). Leave that mode for good
-# and rerun through dashboard.py (a first run has no widget events to lose).
-if PagesManager.uses_pages_directory and not st.session_state.get("_routed"):
-    PagesManager.uses_pages_directory = False
-    st.rerun()
-
-
-def _duration(seconds) -> str | None:
-    if seconds is None:
-        return None
-    seconds = int(seconds)
-    h, rem = divmod(seconds, 3600)
-    return f"{h}:{rem // 60:02d}:{rem % 60:02d}" if h else f"{rem // 60}:{rem % 60:02d}"
+leave_legacy_mode()
 
 
 def _num(value, fmt: str, missing: str = "–") -> str:
@@ -59,7 +47,7 @@ def table(summaries) -> None:
             "state": s.state,
             "method": s.method or "–",
             "started": datetime.fromtimestamp(s.started).strftime("%Y-%m-%d %H:%M") if s.started else "–",
-            "duration": _duration(s.duration_s) or "–",
+            "duration": duration(s.duration_s) or "–",
             "steps": f"{s.step if s.step is not None else 0}" + (f" / {s.max_steps}" if s.max_steps else ""),
             "best eval loss": _num(s.best_eval_loss, ".4f"),
             "final loss": _num(s.final_loss, ".4f", "– (no loss logged)" if s.state == "failed" else "–"),

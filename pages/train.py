@@ -8,7 +8,6 @@ from pathlib import Path
 import altair as alt
 import pandas as pd
 import streamlit as st
-from streamlit.runtime.pages_manager import PagesManager
 
 from core import jobs
 from core.demo.build import demo_config, demo_dir, demo_ready
@@ -16,6 +15,7 @@ from core.demo.prefs import PREFERENCE_DEMOS
 from core.estimate.from_config import estimate_for_config, local_card
 from core.estimate.plan import GiB, PlanError
 from core.estimate.specs import SpecError
+from core.fmt import mem
 from core.runs.admin import (
     check_fields,
     check_model_folder,
@@ -45,13 +45,9 @@ from core.train.config import (
 from core.train.data import DataError, preview_dataset
 from core.train.preflight import load_tokenizer_and_config, run_preflight
 from core.workspace import WorkspaceError, default_workspace, suggest_run_name
+from ui.routing import leave_legacy_mode
 
-# A session whose first request is this page's URL, before the router ever ran in this server process: Streamlit
-# is still in its legacy pages/ mode and ran this file alone (no sidebar, no workspace). Leave that mode for good
-# and rerun through dashboard.py (a first run has no widget events to lose).
-if PagesManager.uses_pages_directory and not st.session_state.get("_routed"):
-    PagesManager.uses_pages_directory = False
-    st.rerun()
+leave_legacy_mode()
 
 VERDICT = {"fits": st.success, "tight": st.warning, "does not fit": st.error}
 
@@ -509,10 +505,6 @@ def config_form(workspace: str) -> tuple[dict, dict, str]:
 # ---- checks and estimates ----------------------------------------------------------------------------------------
 
 
-def _size(b: float) -> str:
-    return f"{b / GiB:.2f} GiB" if b >= GiB / 10 else f"{b / 2**20:.1f} MiB"
-
-
 @st.cache_resource(ttl=60, show_spinner=False)
 def _card():
     """Where a run launched from this page trains: this machine's GPU, or its CPU and RAM."""
@@ -528,8 +520,8 @@ def verdict_panel(cfg: dict) -> None:
         st.warning(f"No memory estimate for this config: {exc}")
         return
     VERDICT.get(est.verdict, st.info)(
-        f"**{est.verdict.capitalize()}** on {card.label}: {_size(est.device_total_bytes)} of "
-        f"{est.gpu_bytes / GiB:.0f} GiB ({est.fraction:.0%}); tensor peak {_size(est.tensor_peak_bytes)} "
+        f"**{est.verdict.capitalize()}** on {card.label}: {mem(est.device_total_bytes)} of "
+        f"{est.gpu_bytes / GiB:.0f} GiB ({est.fraction:.0%}); tensor peak {mem(est.tensor_peak_bytes)} "
         f"in the {est.peak_phase} phase."
     )
     estimate_card = (st.session_state.get("plan") or {}).get("gpu_gb")
@@ -560,7 +552,7 @@ def _data_batch_caption(cfg: dict, est) -> None:
         return  # the preview below says what is wrong with the data
     st.caption(
         f"With your data ({len(lengths):,} rows measured) the largest batch holds {tokens:,} tokens, not "
-        f"{plan.batch_size * plan.seq_len:,}: {_size(real.device_total_bytes)} ({real.fraction:.0%} of the card). "
+        f"{plan.batch_size * plan.seq_len:,}: {mem(real.device_total_bytes)} ({real.fraction:.0%} of the card). "
         "The verdict above is for the bound (every row max length)."
     )
 
@@ -727,11 +719,11 @@ def smoke_panel(workspace: str, cfg: dict, name: str) -> None:
     # The same unit for both: "0.002 GiB" next to "2.9 MiB" cannot be compared at a glance.
     c[0].metric(
         "Measured peak",
-        _size(peak) if peak else "n/a",
+        mem(peak) if peak else "n/a",
         help=f"Live tensors in a steady step (optimizer state included), by {smoke.get('measured_by')}.",
     )
     delta = f"{peak / est - 1:+.0%} vs estimate" if peak and est else None
-    c[1].metric("Estimated peak", _size(est) if est else "n/a", delta=delta, delta_color="off")
+    c[1].metric("Estimated peak", mem(est) if est else "n/a", delta=delta, delta_color="off")
     sps = smoke.get("seconds_per_step")
     c[2].metric("Seconds per step", f"{sps:.2f}" if sps else "n/a")
     c[3].metric("Device", smoke.get("device") or "n/a")

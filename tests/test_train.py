@@ -141,7 +141,7 @@ def test_smoke_mode_measures_one_step_without_checkpoint(tmp_path, tiny_llama):
 def test_cli_bad_config_names_the_key_without_traceback(tmp_path, tiny_llama, capsys):
     import signal
 
-    from core.train.trainer import main
+    from core.train.cli import main
 
     cfg = write_run(tmp_path, tiny_llama, training={"learning_rate": 5})
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}

@@ -17,14 +17,11 @@ from core.estimate.from_config import local_card, plan_for_config
 from core.estimate.levers import lever_savings, modelled_note, what_would_fit, with_every_lever
 from core.estimate.plan import Estimate, GiB, Plan, PlanError
 from core.estimate.specs import SpecError, preset_ids
+from core.fmt import gib
 from core.train import methods
 from core.train.config import ConfigError, load_config
 from core.train.data import DataError, preview_dataset
 from core.train.findings import load_tokenizer_and_config
-
-
-def _gb(b: float) -> str:
-    return f"{b / GiB:7.2f} GiB"
 
 
 def format_table(est: Estimate, fit: dict | None = None, advice: list[dict] | None = None) -> str:
@@ -33,7 +30,7 @@ def format_table(est: Estimate, fit: dict | None = None, advice: list[dict] | No
     for name, b in est.components.items():
         if b:
             outside = "  (outside torch)" if name in OUTSIDE_TORCH else ""
-            lines.append(f"{name:<26}{b:>16,}  {_gb(b)}{outside}")
+            lines.append(f"{name:<26}{b:>16,}  {gib(b, width=7)}{outside}")
     lines.append("-" * 56)
     for label, b in (
         ("tensor peak", est.tensor_peak_bytes),
@@ -41,10 +38,12 @@ def format_table(est: Estimate, fit: dict | None = None, advice: list[dict] | No
         ("device total", est.device_total_bytes),
         ("GPU capacity", est.gpu_bytes),
     ):
-        lines.append(f"{label:<26}{b:>16,}  {_gb(b)}")
+        lines.append(f"{label:<26}{b:>16,}  {gib(b, width=7)}")
     if est.cpu_pinned_bytes:
         b = est.cpu_pinned_bytes
-        lines.append(f"{'pinned CPU RAM':<26}{b:>16,}  {_gb(b)}  (activation offloading; not on the card)")
+        lines.append(
+            f"{'pinned CPU RAM':<26}{b:>16,}  {gib(b, width=7)}  (activation offloading; not on the card)"
+        )
     lines.append(f"peak phase: {est.peak_phase};  KV cache per token: {est.kv_cache_bytes_per_token:,} bytes")
     lines.append(f"verdict: {est.verdict} ({est.fraction:.0%} of the card; aim for 85-90%)")
     if est.reference:
@@ -228,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         if data_batch:
             print(
                 f"with the data's real lengths ({data_batch['rows']} rows): the largest batch holds "
-                f"{data_batch['batch_tokens']:,} tokens -> device total {_gb(data_batch['device_total_bytes'])}, "
+                f"{data_batch['batch_tokens']:,} tokens -> device total {gib(data_batch['device_total_bytes'], width=7)}, "
                 f"{data_batch['verdict']}"
             )
         if every != plan:

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from core.files import read_json_object
+from core.fmt import gib
 from core.monitor.tail import RunFiles, RunSeries, tail_text
 from core.runs import rundir
 
@@ -133,10 +134,6 @@ def _bytes(text: str | None) -> float | None:
     return float(m.group(1)) * _UNITS[m.group(2)]
 
 
-def _gib(b: float) -> str:
-    return f"{b / GiB:.2f} GiB"
-
-
 def _search(pat: str, text: str) -> re.Match | None:
     found = None
     for found in re.finditer(pat, text):  # noqa: B007 - the last occurrence is the failure that ended the run
@@ -190,7 +187,7 @@ def _explain_cuda_oom(ev: Evidence) -> tuple[list[str], list[str]]:
             other_bytes += _bytes(amount) or 0
     if other_bytes >= 0.5 * GiB:
         pids = ", ".join(str(p.get("pid")) for p in others[:5])
-        details.append(f"Other processes held {_gib(other_bytes)} of the GPU (pid {pids}).")
+        details.append(f"Other processes held {gib(other_bytes)} of the GPU (pid {pids}).")
         fixes.append(
             f"Close the other programs on the GPU (pid {pids}: another run, a notebook, a desktop app), or "
             "subtract their memory when planning."
@@ -201,12 +198,12 @@ def _explain_cuda_oom(ev: Evidence) -> tuple[list[str], list[str]]:
     if predicted and total:
         if predicted > total:
             details.append(
-                f"The plan already predicted {_gib(predicted)} for a {_gib(total)} card: this config does not fit."
+                f"The plan already predicted {gib(predicted)} for a {gib(total)} card: this config does not fit."
             )
             fixes.append("Use the batch size / sequence length the Estimate page suggests for this card.")
         else:
             details.append(
-                f"The plan predicted {_gib(predicted)} of {_gib(total)}; the run needed more (a longer batch "
+                f"The plan predicted {gib(predicted)} of {gib(total)}; the run needed more (a longer batch "
                 "than planned, or other processes)."
             )
             fixes.append(
@@ -374,14 +371,14 @@ def _explain_cpu_oom(ev: Evidence) -> tuple[list[str], list[str]]:
     details = []
     m = _search(r"you tried to allocate (\d+) bytes", ev.stderr)
     if m:
-        details.append(f"A CPU allocation of {_gib(float(m.group(1)))} failed.")
+        details.append(f"A CPU allocation of {gib(float(m.group(1)))} failed.")
     if ev.reason:
         details.append(f"Run status: {ev.reason}")
     try:
         import psutil
 
         vm = psutil.virtual_memory()
-        details.append(f"This machine has {_gib(vm.total)} of RAM ({_gib(vm.available)} available now).")
+        details.append(f"This machine has {gib(vm.total)} of RAM ({gib(vm.available)} available now).")
     except Exception:
         pass
     return details, []

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from core.fmt import gib
 from core.monitor.tail import RunSeries
 
 GiB = 1024**3
@@ -34,10 +35,6 @@ class HealthWarning:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def _gib(b: float) -> str:
-    return f"{b / GiB:.1f} GiB"
 
 
 @dataclass
@@ -146,7 +143,7 @@ class HealthChecker:
             "memory_high",
             "warning",
             f"GPU memory {frac:.0%} full",
-            f"{source}: {_gib(peak)} of {_gib(cap)} ({frac:.0%}, limit {self.s.memory_fraction:.0%}). A longer "
+            f"{source}: {gib(peak, 1)} of {gib(cap, 1)} ({frac:.0%}, limit {self.s.memory_fraction:.0%}). A longer "
             "batch or an eval pass can run out of memory.",
             "Lower training.per_device_train_batch_size (raise training.gradient_accumulation_steps to keep the effective batch), "
             "lower training.max_length, enable training.gradient_checkpointing, or load the model in 4-bit (QLoRA).",
@@ -286,7 +283,7 @@ class HealthChecker:
                 "plan_mismatch",
                 "warning" if over else "info",
                 f"Measured peak is {abs(dev):.0%} {'above' if over else 'below'} the plan",
-                f"{label}: measured {_gib(measured)}, planned {_gib(float(predicted))} ({plan_key}); tolerance "
+                f"{label}: measured {gib(measured, 1)}, planned {gib(float(predicted), 1)} ({plan_key}); tolerance "
                 f"{self.s.plan_tolerance:.0%}.",
                 (
                     "Less headroom than planned: keep an eye on the memory chart, and before raising batch size or "

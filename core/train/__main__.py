@@ -1,11 +1,6 @@
-import os
 import sys
 
-from core.train.trainer import main
+from core.train.cli import main
 
-code = main()
-# Every file of the run is written and closed: skip the interpreter's slow teardown, so that the run's lock (held
-# until this process is gone) is released the moment training is over.
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(code)
+if __name__ == "__main__":
+    sys.exit(main())

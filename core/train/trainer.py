@@ -10,17 +10,10 @@ Signals: SIGTERM (or Ctrl+C) saves a checkpoint at the end of the current step a
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
-import math
 import os
-import signal
-import statistics
-import sys
 import threading
 import time
-import traceback
 from pathlib import Path
 
 from core import procs
@@ -32,12 +25,13 @@ from core.precision import Device, Precision, PrecisionError, resolve, torch_dty
 from core.runs import rundir
 from core.runs.rundir import latest_checkpoint, read_status, truncate_metrics, write_status
 from core.train import methods
-from core.train.config import ConfigError, check_with_libraries, dump_config, load_config
+from core.train.callbacks import StopFlag, make_run_callback
+from core.train.config import ConfigError, dump_config, load_config
 from core.train.data import DataError
 from core.train.engine_args import bnb_config, lora_config, training_args
-from core.train.preflight import check_model_folder, has_errors, load_tokenizer_and_config, run_preflight
+from core.train.preflight import check_model_folder, has_errors, run_preflight
+from core.train.smoke import measure_peak
 
-METRIC_KEYS = ("loss", "eval_loss", "learning_rate", "grad_norm")
 EXIT_BAD_INPUT, EXIT_FAILED, EXIT_STOPPED = 2, 1, 0
 
 
@@ -132,206 +126,6 @@ def _fp32_trainable(model, prec: Precision):
     return model
 
 
-# ---- the callback -------------------------------------------------------------------------------------------
-
-
-class StopFlag:
-    """Set by SIGTERM/SIGINT; checked at the end of each step (a signal handler must not save by itself)."""
-
-    def __init__(self):
-        self.signal: str | None = None
-
-    def install(self):
-        def handler(signum, _frame):
-            self.signal = signal.Signals(signum).name
-
-        signal.signal(signal.SIGTERM, handler)
-        signal.signal(signal.SIGINT, handler)
-        return self
-
-
-def _make_callback_class():
-    from transformers import TrainerCallback
-
-    class RunCallback(TrainerCallback):
-        """Writes metrics.jsonl and status.json; turns a stop signal or a NaN loss into a clean end."""
-
-        def __init__(self, run_dir: Path, stop: StopFlag, smoke: bool, device: str, samples_per_step: int):
-            self.run_dir, self.stop, self.smoke, self.device = run_dir, stop, smoke, device
-            self.samples_per_step = samples_per_step
-            self.nan_step: int | None = None
-            self.stopped_at: int | None = None
-            self.step_seconds: list[float] = []
-            # A smoke test writes no metrics: its one step is not a training curve.
-            self._fh = None if smoke else open(run_dir / rundir.METRICS, "a", encoding="utf-8")  # noqa: SIM115
-            import psutil
-
-            self._proc = psutil.Process()
-            self._last_t = time.time()
-            self._last_tokens = 0.0
-            self._last_step = 0
-            self._step_t0 = 0.0
-            self._status_t = 0.0
-
-        def close(self):
-            if self._fh is not None:
-                self._fh.close()
-
-        def _status(self, **fields):
-            write_status(self.run_dir, **fields)
-
-        def on_train_begin(self, args, state, control, **kw):
-            self._last_t, self._last_step = time.time(), state.global_step
-            self._status(state="running", step=state.global_step, max_steps=state.max_steps)
-            if self.stop.signal:  # signalled while loading: stop before the first step
-                control.should_training_stop = True
-
-        def on_step_begin(self, args, state, control, **kw):
-            self._step_t0 = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kw):
-            self.step_seconds.append(time.perf_counter() - self._step_t0)
-            if self.stop.signal and self.stopped_at is None:
-                self.stopped_at = state.global_step
-                control.should_training_stop = True
-                control.should_save = not self.smoke
-            now = time.time()
-            if now - self._status_t > 1.0:  # at most one status write a second keeps the overhead invisible
-                self._status_t = now
-                # the usual step time: a reader tells a stalled run by it (core.runs.rundir.stall)
-                step_s = statistics.median(self.step_seconds[-20:])
-                self._status(step=state.global_step, step_s=round(step_s, 4))
-
-        def on_prediction_step(self, args, state, control, **kw):
-            now = time.time()
-            if now - self._status_t > 1.0:  # evaluating is not stalling: keep status.json's heartbeat
-                self._status_t = now
-                self._status()
-
-        def on_save(self, args, state, control, **kw):
-            self._last_t = time.time()  # checkpoint writing is not training time: keep it out of tokens/s
-
-        def on_evaluate(self, args, state, control, **kw):
-            self._last_t = time.time()  # likewise evaluation
-
-        def on_log(self, args, state, control, logs=None, **kw):
-            logs = logs or {}
-            if not any(k in logs for k in METRIC_KEYS):
-                return  # the end-of-training summary (train_runtime, ...) is not a metric line
-            now = time.time()
-            rec = {"time": now, "step": state.global_step, "epoch": float(state.epoch or 0.0)}
-            # every number the trainer logs: loss, learning rate, grad norm and TRL's own (mean_token_accuracy,
-            # entropy, num_tokens, their eval_ twins); the end-of-run summary was filtered out above
-            for key, value in logs.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in rec:
-                    rec[key] = float(value)
-            if "loss" in logs:
-                dt = max(now - self._last_t, 1e-9)
-                tokens = float(logs.get("num_tokens", self._last_tokens))
-                rec["tokens_per_s"] = max(0.0, tokens - self._last_tokens) / dt
-                rec["samples_per_s"] = (state.global_step - self._last_step) * self.samples_per_step / dt
-                self._last_t, self._last_tokens, self._last_step = now, tokens, state.global_step
-            rec.update(cuda_memory())
-            rec["rss_bytes"] = self._proc.memory_info().rss  # CPU memory: the curve a run without a GPU has
-            # json.dumps writes NaN for a NaN loss: the file stays readable by Python's json and the UI sees it.
-            if self._fh is not None:
-                self._fh.write(json.dumps(rec) + "\n")
-                self._fh.flush()
-            loss = logs.get("loss")
-            if loss is not None and not math.isfinite(loss) and self.nan_step is None:
-                self.nan_step = state.global_step
-                control.should_training_stop = True
-                control.should_save = False  # a NaN checkpoint is worthless
-            self._status(step=state.global_step)
-
-    return RunCallback
-
-
-def cuda_memory() -> dict:
-    import torch
-
-    if not torch.cuda.is_available():
-        return {}
-    return {
-        "cuda_allocated": torch.cuda.memory_allocated(),
-        "cuda_reserved": torch.cuda.memory_reserved(),
-        "cuda_peak": torch.cuda.max_memory_allocated(),
-    }
-
-
-# ---- peak memory for smoke mode (one small function, so the measuring method can be swapped) ----------------
-
-
-@contextlib.contextmanager
-def measure_peak(model):
-    """Yields a dict that gets peak_bytes / peak_phase / measured_by when the block (the training step) ends.
-
-    peak_bytes is comparable to the planner's tensor_peak_bytes: the most bytes live tensors hold at once in a
-    *steady* step. The smoke step is the first one, where the optimizer makes its state (Adam's moments) only
-    at the end; from the second step on that state is alive during forward and backward too, so the tracker's
-    steady peak adds it there. The first step's own peak stays as first_step_peak_bytes. On CUDA torch's
-    allocator peaks (first step) come next to it; without core.tracker, the process RSS rise (psutil) plus the
-    model's own bytes, marked measured_by "rss".
-    """
-    import torch
-
-    result: dict = {}
-    cuda = torch.cuda.is_available()
-    try:
-        from core.measure.tracker import track_live_tensors
-    except Exception:
-        track_live_tensors = None
-    if track_live_tensors is not None:
-        # The model is on its device already (Trainer moved it): its tensors are the baseline.
-        with track_live_tensors(model=model, device="cuda" if cuda else "cpu", auto_phases=True) as tracker:
-            yield result
-        step = tracker.result()
-        result.update(
-            peak_bytes=int(step.steady_peak_bytes),
-            peak_phase=step.steady_peak_phase,
-            first_step_peak_bytes=int(step.peak_bytes),
-            baseline_bytes=int(step.baseline_bytes),
-            optimizer_state_bytes=int(step.optimizer_state_bytes),
-            measured_by="tracker",
-        )
-        if step.cuda:
-            result.update(
-                cuda_peak_bytes=step.cuda.get("allocated_peak"),
-                reserved_peak_bytes=step.cuda.get("reserved_peak"),
-            )
-        return
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-        yield result
-        torch.cuda.synchronize()
-        result.update(
-            peak_bytes=torch.cuda.max_memory_allocated(),
-            reserved_peak_bytes=torch.cuda.max_memory_reserved(),
-            peak_phase="step",
-            measured_by="torch.cuda",
-        )
-        return
-    import psutil
-
-    proc, peak, done = psutil.Process(), [0], threading.Event()
-    base = proc.memory_info().rss
-    model_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-
-    def poll():
-        while not done.is_set():
-            peak[0] = max(peak[0], proc.memory_info().rss)
-            done.wait(0.005)
-
-    t = threading.Thread(target=poll, daemon=True)
-    t.start()
-    try:
-        yield result
-    finally:
-        done.set()
-        t.join()
-    result.update(peak_bytes=max(0, peak[0] - base) + model_bytes, peak_phase="step", measured_by="rss")
-
-
 # ---- the run ------------------------------------------------------------------------------------------------
 
 
@@ -400,14 +194,48 @@ def run_training(
 
 
 def _run_training(config_path, run_dir: Path, resume: bool, smoke: bool, stop: StopFlag | None) -> dict:
-    import transformers
-    from transformers import AutoTokenizer
-
+    """The run as torchtune's recipes do it: set up the run, its data, its model and trainer, train, finish."""
     quiet_progress_bars()
     if stop is None:
         stop = StopFlag().install() if threading.current_thread() is threading.main_thread() else StopFlag()
-    cfg = load_config(config_path)
+    cfg, prec, checkpoint = _setup_run(config_path, run_dir, resume, smoke)
+    tokenizer, train_ds, eval_ds = _setup_data(cfg)
+    trainer, callback, peak, seconds = _train(
+        cfg, prec, run_dir, tokenizer, train_ds, eval_ds, checkpoint, smoke, stop
+    )
+    step = trainer.state.global_step
+    summary = {
+        "step": step,
+        "max_steps": trainer.state.max_steps,
+        "train_seconds": seconds[0],
+        "train_cpu_seconds": seconds[1],  # all threads of this process (the GPU sampler's too)
+        "tokens": int(callback._last_tokens),
+        "device": prec.device.label,
+    }
+    if callback.nan_step is not None:
+        raise TrainError(f"loss became NaN at step {callback.nan_step}")
+    if smoke:
+        result = _finish_smoke(cfg, prec, run_dir, peak, callback, step)
+        return {**summary, "state": "finished", "smoke": result}
+    if callback.stopped_at is not None:
+        reason = f"stopped by {stop.signal} at step {step}; saved checkpoints/checkpoint-{step}; continue with --resume"
+        write_status(run_dir, state="stopped", reason=reason, step=step)
+        return {**summary, "state": "stopped"}
+    if stop.signal and step == 0:  # signalled before the first step ended: nothing to save
+        write_status(
+            run_dir, state="stopped", reason=f"stopped by {stop.signal} before the first step", step=0
+        )
+        return {**summary, "state": "stopped"}
+    # A signal after the last step (while saving) does not undo a finished run: the adapter is still saved.
+    save_final(trainer, tokenizer, run_dir, cfg)
+    write_status(run_dir, state="finished", reason=None, step=step)
+    return {**summary, "state": "finished"}
 
+
+def _setup_run(config_path, run_dir: Path, resume: bool, smoke: bool):
+    """(config, precision, checkpoint to resume from): the config read and its model folder checked before
+    anything is written, the config and plan.json in the run dir, status "starting"."""
+    cfg = load_config(config_path)
     problem = check_model_folder(cfg["model"]["path"])  # before anything is written or loaded
     if problem:
         raise ConfigError(problem)
@@ -416,7 +244,6 @@ def _run_training(config_path, run_dir: Path, resume: bool, smoke: bool, stop: S
         and not (run_dir / rundir.CONFIG).exists()
     ):
         dump_config(cfg, run_dir / rundir.CONFIG)  # the run dir must say what it ran
-
     checkpoint = latest_checkpoint(run_dir) if resume else None
     if resume and checkpoint is None:
         print("resume: no checkpoint in checkpoints/ yet: starting from step 0", flush=True)
@@ -434,22 +261,27 @@ def _run_training(config_path, run_dir: Path, resume: bool, smoke: bool, stop: S
     )
     for note in prec.notes:
         print(f"note: {note}", flush=True)
+    return cfg, prec, checkpoint
+
+
+def _setup_data(cfg: dict):
+    """(tokenizer, train, eval): the tokenizer, the preflight (errors stop the run), the method's datasets."""
+    import transformers  # heavy: loaded once the run is known to start
 
     transformers.set_seed(cfg["training"]["seed"])
+    m = cfg["model"]
     try:
-        tokenizer = AutoTokenizer.from_pretrained(
-            cfg["model"]["path"], trust_remote_code=cfg["model"]["trust_remote_code"]
+        tokenizer = transformers.AutoTokenizer.from_pretrained(
+            m["path"], trust_remote_code=m["trust_remote_code"]
         )
     except (OSError, ValueError) as exc:
         raise ConfigError(
-            f"model.path: the tokenizer in {cfg['model']['path']} does not load ({_first_line(exc)})."
+            f"model.path: the tokenizer in {m['path']} does not load ({_first_line(exc)})."
         ) from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token  # padding is masked out of the loss anyway
-    from transformers import AutoConfig
-
-    model_config = AutoConfig.from_pretrained(
-        cfg["model"]["path"], trust_remote_code=cfg["model"]["trust_remote_code"]
+    model_config = transformers.AutoConfig.from_pretrained(
+        m["path"], trust_remote_code=m["trust_remote_code"]
     )
     findings = run_preflight(cfg, tokenizer, model_config)
     for f in findings:
@@ -458,25 +290,27 @@ def _run_training(config_path, run_dir: Path, resume: bool, smoke: bool, stop: S
         raise DataError(
             "preflight found errors: " + " | ".join(str(f) for f in findings if f.level == "error")
         )
-    method = methods.get(cfg)
-    train_ds, eval_ds = method.datasets(cfg, tokenizer)
+    train_ds, eval_ds = methods.get(cfg).datasets(cfg, tokenizer)
+    return tokenizer, train_ds, eval_ds
 
+
+def _train(cfg, prec, run_dir: Path, tokenizer, train_ds, eval_ds, checkpoint, smoke: bool, stop: StopFlag):
+    """(trainer, callback, smoke peak, (seconds, CPU seconds)): the model and its trainer built, trained, with the
+    GPU sampler running beside it."""
+    method, t = methods.get(cfg), cfg["training"]
     sampler = GpuSampler(
         run_dir / rundir.GPU,
         interval=1.0,
         watch_pid=os.getpid(),
         on_unavailable=lambda why: print(f"gpu.jsonl: not written: {why}", flush=True),
     ).start()
-    t = cfg["training"]
-    collator = None
-    if smoke:
-        collator = method.smoke_collator(tokenizer.pad_token_id, t["max_length"])
+    collator = method.smoke_collator(tokenizer.pad_token_id, t["max_length"]) if smoke else None
     samples_per_step = (
         method.smoke_batch_size
         if smoke
         else t["per_device_train_batch_size"] * t["gradient_accumulation_steps"]
     )
-    callback = _make_callback_class()(run_dir, stop, smoke, prec.device.label, samples_per_step)
+    callback = make_run_callback(run_dir, stop, smoke, prec.device.label, samples_per_step)
     try:
         try:
             model = load_model(cfg, prec)
@@ -497,68 +331,48 @@ def _run_training(config_path, run_dir: Path, resume: bool, smoke: bool, stop: S
             callbacks=[callback],
             report_to=_report_to(cfg, run_dir, smoke),
         )
-        model = trainer.model
-        if hasattr(model, "print_trainable_parameters"):
-            model.print_trainable_parameters()
-        with measure_peak(model) if smoke else contextlib.nullcontext({}) as peak:
+        if hasattr(trainer.model, "print_trainable_parameters"):
+            trainer.model.print_trainable_parameters()
+        with measure_peak(trainer.model) if smoke else contextlib.nullcontext({}) as peak:
             t0, cpu0 = time.perf_counter(), time.process_time()
             trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
-            train_seconds, train_cpu_seconds = time.perf_counter() - t0, time.process_time() - cpu0
+            seconds = (time.perf_counter() - t0, time.process_time() - cpu0)
     finally:
         sampler.stop()
         callback.close()
+    return trainer, callback, peak, seconds
 
-    step = trainer.state.global_step
-    summary = {
-        "step": step,
-        "max_steps": trainer.state.max_steps,
-        "train_seconds": train_seconds,
-        "train_cpu_seconds": train_cpu_seconds,  # all threads of this process (the GPU sampler's too)
-        "tokens": int(callback._last_tokens),
+
+def _finish_smoke(cfg: dict, prec: Precision, run_dir: Path, peak: dict, callback, step: int) -> dict:
+    """smoke.json: the measured peak of the one step next to the plan's (plan.json, written for this step)."""
+    plan = rundir.read_plan(run_dir) or {}
+    result = {
+        "state": "finished",
+        "reason": None,
+        "time": time.time(),
+        "peak_bytes": peak.get("peak_bytes"),
+        "peak_phase": peak.get("peak_phase"),
+        "measured_by": peak.get("measured_by"),
+        "reserved_peak_bytes": peak.get("reserved_peak_bytes"),
+        # how the steady peak came about: the first step's own peak, what was alive before it, and the
+        # optimizer state it made (alive through every later step)
+        "first_step_peak_bytes": peak.get("first_step_peak_bytes"),
+        "baseline_bytes": peak.get("baseline_bytes"),
+        "optimizer_state_bytes": peak.get("optimizer_state_bytes"),
+        "cuda_peak_bytes": peak.get("cuda_peak_bytes"),
+        "seconds_per_step": callback.step_seconds[-1] if callback.step_seconds else None,
         "device": prec.device.label,
+        "estimate_bytes": plan.get("tensor_peak_bytes"),
+        "estimate_reserved_bytes": plan.get("reserved_peak_bytes"),
+        "max_length": cfg["training"]["max_length"],
+        "batch_size": methods.get(cfg).smoke_batch_size,
     }
-    if callback.nan_step is not None:
-        raise TrainError(f"loss became NaN at step {callback.nan_step}")
-    if smoke:
-        plan = rundir.read_plan(run_dir) or {}
-        smoke_result = {
-            "state": "finished",
-            "reason": None,
-            "time": time.time(),
-            "peak_bytes": peak.get("peak_bytes"),
-            "peak_phase": peak.get("peak_phase"),
-            "measured_by": peak.get("measured_by"),
-            "reserved_peak_bytes": peak.get("reserved_peak_bytes"),
-            # how the steady peak came about: the first step's own peak, what was alive before it, and the
-            # optimizer state it made (alive through every later step)
-            "first_step_peak_bytes": peak.get("first_step_peak_bytes"),
-            "baseline_bytes": peak.get("baseline_bytes"),
-            "optimizer_state_bytes": peak.get("optimizer_state_bytes"),
-            "cuda_peak_bytes": peak.get("cuda_peak_bytes"),
-            "seconds_per_step": callback.step_seconds[-1] if callback.step_seconds else None,
-            "device": prec.device.label,
-            "estimate_bytes": plan.get("tensor_peak_bytes"),
-            "estimate_reserved_bytes": plan.get("reserved_peak_bytes"),
-            "max_length": cfg["training"]["max_length"],
-        }
-        rundir.write_smoke(run_dir, smoke_result)
-        with contextlib.suppress(OSError):  # the Trainer made an output folder that stays empty in smoke mode
-            (run_dir / rundir.CHECKPOINTS).rmdir()
-        write_status(run_dir, state="finished", reason="smoke test: one step at batch size 1", step=step)
-        return {**summary, "state": "finished", "smoke": smoke_result}
-    if callback.stopped_at is not None:
-        reason = f"stopped by {stop.signal} at step {step}; saved checkpoints/checkpoint-{step}; continue with --resume"
-        write_status(run_dir, state="stopped", reason=reason, step=step)
-        return {**summary, "state": "stopped"}
-    if stop.signal and step == 0:  # signalled before the first step ended: nothing to save
-        write_status(
-            run_dir, state="stopped", reason=f"stopped by {stop.signal} before the first step", step=0
-        )
-        return {**summary, "state": "stopped"}
-    # A signal after the last step (while saving) does not undo a finished run: the adapter is still saved.
-    save_final(trainer, tokenizer, run_dir, cfg)
-    write_status(run_dir, state="finished", reason=None, step=step)
-    return {**summary, "state": "finished"}
+    rundir.write_smoke(run_dir, result)
+    with contextlib.suppress(OSError):  # the Trainer made an output folder that stays empty in smoke mode
+        (run_dir / rundir.CHECKPOINTS).rmdir()
+    reason = f"smoke test: one step at batch size {result['batch_size']}"
+    write_status(run_dir, state="finished", reason=reason, step=step)
+    return result
 
 
 def save_final(trainer, tokenizer, run_dir: Path, cfg: dict) -> Path:
@@ -583,108 +397,3 @@ def report_failure(run_dir: Path, reason: str, smoke: bool) -> None:
     if smoke:
         rundir.write_smoke(run_dir, {"state": "failed", "reason": reason, "time": time.time()})
     write_status(run_dir, state="failed", reason=reason)
-
-
-def dry_run(config_path: str, gpu_gb: float | None = None, device: str | None = None) -> int:
-    """Everything a launch checks, without a model's weights: the config (by the libraries' own classes), the
-    data against the tokenizer and the model config, and the plan. Prints the plan as JSON."""
-
-    try:
-        cfg = load_config(config_path)
-        check_with_libraries(cfg)
-        problem = check_model_folder(cfg["model"]["path"])
-        if problem:
-            raise ConfigError(problem)
-        tokenizer, model_config = load_tokenizer_and_config(cfg["model"])
-        findings = run_preflight(cfg, tokenizer, model_config)
-        for f in findings:
-            print(f"preflight: {f}", file=sys.stderr, flush=True)
-        if has_errors(findings):
-            first = next(f for f in findings if f.level == "error")
-            raise DataError(f"preflight: {first}")
-        plan = plan_json(cfg, gpu_gb, device)
-    except (ConfigError, DataError, PlanError, SpecError) as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        return EXIT_BAD_INPUT
-    except (OSError, ValueError) as exc:  # the model folder's tokenizer or config.json could not be read
-        print(f"error: model.path: {exc}", file=sys.stderr, flush=True)
-        return EXIT_BAD_INPUT
-    print(json.dumps(plan, indent=1, default=str), flush=True)
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m core.train", description=__doc__.splitlines()[0])
-    parser.add_argument("config", help="run config YAML (its keys: core/train/config.py and the README)")
-    parser.add_argument("--run-dir", help="the run directory to write into (not needed with --dry-run)")
-    parser.add_argument(
-        "--resume", action="store_true", help="continue from the newest checkpoint in the run dir"
-    )
-    parser.add_argument("--smoke", action="store_true", help="one step at batch size 1: measure peak memory")
-    parser.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="validate the config, run the data preflight and print the plan (plan.json's object); no training",
-    )
-    parser.add_argument(
-        "--gpu-gb", type=float, help="plan for a card of this many GiB (default: this machine's)"
-    )
-    parser.add_argument(
-        "--device",
-        choices=("cuda", "cpu"),
-        help="with --dry-run: plan for this device (default: the one this machine trains on)",
-    )
-    stop = StopFlag().install()  # first thing: a stop during the slow imports must not kill us mid-write
-    args = parser.parse_args(argv)
-    if args.dry_run:
-        return dry_run(args.config, args.gpu_gb, args.device)
-    if not args.run_dir:
-        print("error: give --run-dir DIR (the folder the run writes into), or --dry-run.", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    run_dir = Path(args.run_dir)
-    mode = " (smoke test)" if args.smoke else " (resume)" if args.resume else ""
-    print(f"core.train: pid {os.getpid()} training {run_dir}{mode}", file=sys.stderr, flush=True)
-    try:
-        summary = run_training(
-            args.config, run_dir, resume=args.resume, smoke=args.smoke, stop=stop, keep_lock=True
-        )
-    except (rundir.RunRefused, rundir.RunBusy) as exc:  # not our run directory to write into: touch nothing
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        return EXIT_BAD_INPUT
-    except (ConfigError, DataError, TrainError) as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        report_failure(run_dir, str(exc), args.smoke)
-        return EXIT_BAD_INPUT if isinstance(exc, (ConfigError, DataError)) else EXIT_FAILED
-    except Exception as exc:
-        traceback.print_exc()
-        reason = f"{type(exc).__name__}: {exc}"
-        report_failure(run_dir, reason, args.smoke)
-        print(f"error: {reason}", file=sys.stderr, flush=True)
-        return EXIT_FAILED
-    print(f"run {summary['state']} at step {summary['step']}", flush=True)
-    if args.smoke:
-        print(smoke_line(summary.get("smoke") or {}), flush=True)
-    return EXIT_STOPPED
-
-
-def smoke_line(smoke: dict) -> str:
-    """What the Train page shows of a smoke test, in one line for the terminal."""
-
-    def mib(n) -> str:
-        return f"{n / 2**20:,.1f} MiB" if isinstance(n, (int, float)) else "n/a"
-
-    peak, est, sps = smoke.get("peak_bytes"), smoke.get("estimate_bytes"), smoke.get("seconds_per_step")
-    vs = (
-        f" ({peak / est - 1:+.1%} vs the estimate {mib(est)})"
-        if peak and est
-        else " (no plan.json to compare)"
-    )
-    step = f"{sps:.2f} s per step" if isinstance(sps, (int, float)) else "n/a s per step"
-    return (
-        f"smoke test: measured peak {mib(peak)}{vs}, {step} on {smoke.get('device')}, batch size 1 at "
-        f"max_length {smoke.get('max_length')} (measured by {smoke.get('measured_by')})"
-    )
-
-
-if __name__ == "__main__":
-    sys.exit(main())

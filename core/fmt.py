@@ -1,0 +1,34 @@
+"""The one set of formatters for sizes and durations (the pages, the CLIs and the messages use these)."""
+
+from __future__ import annotations
+
+GiB, MiB, KiB = 2**30, 2**20, 2**10
+GB, MB, KB = 10**9, 10**6, 10**3
+
+
+def gib(b: float, digits: int = 2, width: int = 0) -> str:
+    """Memory in GiB: "12.34 GiB" (`width` pads the number, for tables)."""
+    return f"{b / GiB:{width}.{digits}f} GiB"
+
+
+def mem(b: float) -> str:
+    """Memory in the unit that reads best: GiB from a tenth of one, else MiB ("37.8 MiB", not "0.04 GiB")."""
+    return gib(b) if b >= GiB / 10 else f"{b / MiB:.1f} MiB"
+
+
+def disk(n: float) -> str:
+    """A file's size in decimal units, as file managers show them; small files are not "0.0 MB"."""
+    if n >= 0.1 * GB:
+        return f"{n / GB:.2f} GB"
+    if n >= 0.1 * MB:
+        return f"{n / MB:.1f} MB"
+    return f"{n / KB:.1f} KB" if n >= KB else f"{int(n)} B"
+
+
+def duration(seconds: float | None) -> str | None:
+    """h:mm:ss (or m:ss under an hour); None for no duration."""
+    if seconds is None:
+        return None
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    return f"{h}:{rem // 60:02d}:{rem % 60:02d}" if h else f"{rem // 60}:{rem % 60:02d}"

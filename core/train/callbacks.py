@@ -1,0 +1,145 @@
+"""What the trainer reports while it trains: the stop flag a signal sets, and the TrainerCallback that writes
+metrics.jsonl and status.json and turns a stop signal or a NaN loss into a clean end."""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import statistics
+import time
+from pathlib import Path
+
+from core.runs import rundir
+from core.runs.rundir import write_status
+
+METRIC_KEYS = ("loss", "eval_loss", "learning_rate", "grad_norm")
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGINT; checked at the end of each step (a signal handler must not save by itself)."""
+
+    def __init__(self):
+        self.signal: str | None = None
+
+    def install(self):
+        def handler(signum, _frame):
+            self.signal = signal.Signals(signum).name
+
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+        return self
+
+
+def _callback_class():
+    from transformers import TrainerCallback
+
+    class RunCallback(TrainerCallback):
+        """Writes metrics.jsonl and status.json; turns a stop signal or a NaN loss into a clean end."""
+
+        def __init__(self, run_dir: Path, stop: StopFlag, smoke: bool, device: str, samples_per_step: int):
+            self.run_dir, self.stop, self.smoke, self.device = run_dir, stop, smoke, device
+            self.samples_per_step = samples_per_step
+            self.nan_step: int | None = None
+            self.stopped_at: int | None = None
+            self.step_seconds: list[float] = []
+            # A smoke test writes no metrics: its one step is not a training curve.
+            self._fh = None if smoke else open(run_dir / rundir.METRICS, "a", encoding="utf-8")  # noqa: SIM115
+            import psutil
+
+            self._proc = psutil.Process()
+            self._last_t = time.time()
+            self._last_tokens = 0.0
+            self._last_step = 0
+            self._step_t0 = 0.0
+            self._status_t = 0.0
+
+        def close(self):
+            if self._fh is not None:
+                self._fh.close()
+
+        def _status(self, **fields):
+            write_status(self.run_dir, **fields)
+
+        def on_train_begin(self, args, state, control, **kw):
+            self._last_t, self._last_step = time.time(), state.global_step
+            self._status(state="running", step=state.global_step, max_steps=state.max_steps)
+            if self.stop.signal:  # signalled while loading: stop before the first step
+                control.should_training_stop = True
+
+        def on_step_begin(self, args, state, control, **kw):
+            self._step_t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            self.step_seconds.append(time.perf_counter() - self._step_t0)
+            if self.stop.signal and self.stopped_at is None:
+                self.stopped_at = state.global_step
+                control.should_training_stop = True
+                control.should_save = not self.smoke
+            now = time.time()
+            if now - self._status_t > 1.0:  # at most one status write a second keeps the overhead invisible
+                self._status_t = now
+                # the usual step time: a reader tells a stalled run by it (core.runs.rundir.stall)
+                step_s = statistics.median(self.step_seconds[-20:])
+                self._status(step=state.global_step, step_s=round(step_s, 4))
+
+        def on_prediction_step(self, args, state, control, **kw):
+            now = time.time()
+            if now - self._status_t > 1.0:  # evaluating is not stalling: keep status.json's heartbeat
+                self._status_t = now
+                self._status()
+
+        def on_save(self, args, state, control, **kw):
+            self._last_t = time.time()  # checkpoint writing is not training time: keep it out of tokens/s
+
+        def on_evaluate(self, args, state, control, **kw):
+            self._last_t = time.time()  # likewise evaluation
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            logs = logs or {}
+            if not any(k in logs for k in METRIC_KEYS):
+                return  # the end-of-training summary (train_runtime, ...) is not a metric line
+            now = time.time()
+            rec = {"time": now, "step": state.global_step, "epoch": float(state.epoch or 0.0)}
+            # every number the trainer logs: loss, learning rate, grad norm and TRL's own (mean_token_accuracy,
+            # entropy, num_tokens, their eval_ twins); the end-of-run summary was filtered out above
+            for key, value in logs.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in rec:
+                    rec[key] = float(value)
+            if "loss" in logs:
+                dt = max(now - self._last_t, 1e-9)
+                tokens = float(logs.get("num_tokens", self._last_tokens))
+                rec["tokens_per_s"] = max(0.0, tokens - self._last_tokens) / dt
+                rec["samples_per_s"] = (state.global_step - self._last_step) * self.samples_per_step / dt
+                self._last_t, self._last_tokens, self._last_step = now, tokens, state.global_step
+            rec.update(cuda_memory())
+            rec["rss_bytes"] = self._proc.memory_info().rss  # CPU memory: the curve a run without a GPU has
+            # json.dumps writes NaN for a NaN loss: the file stays readable by Python's json and the UI sees it.
+            if self._fh is not None:
+                self._fh.write(json.dumps(rec) + "\n")
+                self._fh.flush()
+            loss = logs.get("loss")
+            if loss is not None and not math.isfinite(loss) and self.nan_step is None:
+                self.nan_step = state.global_step
+                control.should_training_stop = True
+                control.should_save = False  # a NaN checkpoint is worthless
+            self._status(step=state.global_step)
+
+    return RunCallback
+
+
+def cuda_memory() -> dict:
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    return {
+        "cuda_allocated": torch.cuda.memory_allocated(),
+        "cuda_reserved": torch.cuda.memory_reserved(),
+        "cuda_peak": torch.cuda.max_memory_allocated(),
+    }
+
+
+def make_run_callback(run_dir: Path, stop: StopFlag, smoke: bool, device: str, samples_per_step: int):
+    """The run's TrainerCallback (its class is made on first use: transformers is imported only then)."""
+    return _callback_class()(run_dir, stop, smoke, device, samples_per_step)

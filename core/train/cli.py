@@ -1,0 +1,122 @@
+"""`python -m core.train run.yaml --run-dir DIR [--resume] [--smoke]` and `--dry-run`: the trainer as a program.
+
+Exit codes: 0 finished or stopped, 2 bad input (a config, data or run folder problem: one sentence), 1 training
+failed. Signals: SIGTERM (or Ctrl+C) saves a checkpoint at the end of the current step and exits as `stopped`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+from core.estimate.from_config import plan_json
+from core.estimate.plan import PlanError
+from core.estimate.specs import SpecError
+from core.runs import rundir
+from core.train.callbacks import StopFlag
+from core.train.config import ConfigError, check_with_libraries, load_config
+from core.train.data import DataError
+from core.train.preflight import check_model_folder, has_errors, load_tokenizer_and_config, run_preflight
+from core.train.smoke import smoke_line
+from core.train.trainer import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    EXIT_STOPPED,
+    TrainError,
+    report_failure,
+    run_training,
+)
+
+
+def dry_run(config_path: str, gpu_gb: float | None = None, device: str | None = None) -> int:
+    """Everything a launch checks, without a model's weights: the config (by the libraries' own classes), the
+    data against the tokenizer and the model config, and the plan. Prints the plan as JSON."""
+
+    try:
+        cfg = load_config(config_path)
+        check_with_libraries(cfg)
+        problem = check_model_folder(cfg["model"]["path"])
+        if problem:
+            raise ConfigError(problem)
+        tokenizer, model_config = load_tokenizer_and_config(cfg["model"])
+        findings = run_preflight(cfg, tokenizer, model_config)
+        for f in findings:
+            print(f"preflight: {f}", file=sys.stderr, flush=True)
+        if has_errors(findings):
+            first = next(f for f in findings if f.level == "error")
+            raise DataError(f"preflight: {first}")
+        plan = plan_json(cfg, gpu_gb, device)
+    except (ConfigError, DataError, PlanError, SpecError) as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
+    except (OSError, ValueError) as exc:  # the model folder's tokenizer or config.json could not be read
+        print(f"error: model.path: {exc}", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
+    print(json.dumps(plan, indent=1, default=str), flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m core.train", description=__doc__.splitlines()[0])
+    parser.add_argument("config", help="run config YAML (its keys: core/train/config.py and the README)")
+    parser.add_argument("--run-dir", help="the run directory to write into (not needed with --dry-run)")
+    parser.add_argument(
+        "--resume", action="store_true", help="continue from the newest checkpoint in the run dir"
+    )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="one step at the smallest batch size (1; KTO 2): measure peak memory",
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="validate the config, run the data preflight and print the plan (plan.json's object); no training",
+    )
+    parser.add_argument(
+        "--gpu-gb", type=float, help="plan for a card of this many GiB (default: this machine's)"
+    )
+    parser.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        help="with --dry-run: plan for this device (default: the one this machine trains on)",
+    )
+    stop = StopFlag().install()  # first thing: a stop during the slow imports must not kill us mid-write
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        return dry_run(args.config, args.gpu_gb, args.device)
+    if not args.run_dir:
+        print("error: give --run-dir DIR (the folder the run writes into), or --dry-run.", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    run_dir = Path(args.run_dir)
+    mode = " (smoke test)" if args.smoke else " (resume)" if args.resume else ""
+    print(f"core.train: pid {os.getpid()} training {run_dir}{mode}", file=sys.stderr, flush=True)
+    try:
+        summary = run_training(
+            args.config, run_dir, resume=args.resume, smoke=args.smoke, stop=stop, keep_lock=True
+        )
+    except (rundir.RunRefused, rundir.RunBusy) as exc:  # not our run directory to write into: touch nothing
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
+    except (ConfigError, DataError, TrainError) as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        report_failure(run_dir, str(exc), args.smoke)
+        return EXIT_BAD_INPUT if isinstance(exc, (ConfigError, DataError)) else EXIT_FAILED
+    except Exception as exc:
+        traceback.print_exc()
+        reason = f"{type(exc).__name__}: {exc}"
+        report_failure(run_dir, reason, args.smoke)
+        print(f"error: {reason}", file=sys.stderr, flush=True)
+        return EXIT_FAILED
+    print(f"run {summary['state']} at step {summary['step']}", flush=True)
+    if args.smoke:
+        print(smoke_line(summary.get("smoke") or {}), flush=True)
+    return EXIT_STOPPED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""The smoke test's measurement: the peak memory of one real training step, and the line that reports it."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+
+@contextlib.contextmanager
+def measure_peak(model):
+    """Yields a dict that gets peak_bytes / peak_phase / measured_by when the block (the training step) ends.
+
+    peak_bytes is comparable to the planner's tensor_peak_bytes: the most bytes live tensors hold at once in a
+    *steady* step. The smoke step is the first one, where the optimizer makes its state (Adam's moments) only
+    at the end; from the second step on that state is alive during forward and backward too, so the tracker's
+    steady peak adds it there. The first step's own peak stays as first_step_peak_bytes. On CUDA torch's
+    allocator peaks (first step) come next to it; without core.tracker, the process RSS rise (psutil) plus the
+    model's own bytes, marked measured_by "rss".
+    """
+    import torch
+
+    result: dict = {}
+    cuda = torch.cuda.is_available()
+    try:
+        from core.measure.tracker import track_live_tensors
+    except Exception:
+        track_live_tensors = None
+    if track_live_tensors is not None:
+        # The model is on its device already (Trainer moved it): its tensors are the baseline.
+        with track_live_tensors(model=model, device="cuda" if cuda else "cpu", auto_phases=True) as tracker:
+            yield result
+        step = tracker.result()
+        result.update(
+            peak_bytes=int(step.steady_peak_bytes),
+            peak_phase=step.steady_peak_phase,
+            first_step_peak_bytes=int(step.peak_bytes),
+            baseline_bytes=int(step.baseline_bytes),
+            optimizer_state_bytes=int(step.optimizer_state_bytes),
+            measured_by="tracker",
+        )
+        if step.cuda:
+            result.update(
+                cuda_peak_bytes=step.cuda.get("allocated_peak"),
+                reserved_peak_bytes=step.cuda.get("reserved_peak"),
+            )
+        return
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        yield result
+        torch.cuda.synchronize()
+        result.update(
+            peak_bytes=torch.cuda.max_memory_allocated(),
+            reserved_peak_bytes=torch.cuda.max_memory_reserved(),
+            peak_phase="step",
+            measured_by="torch.cuda",
+        )
+        return
+    import psutil
+
+    proc, peak, done = psutil.Process(), [0], threading.Event()
+    base = proc.memory_info().rss
+    model_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+
+    def poll():
+        while not done.is_set():
+            peak[0] = max(peak[0], proc.memory_info().rss)
+            done.wait(0.005)
+
+    t = threading.Thread(target=poll, daemon=True)
+    t.start()
+    try:
+        yield result
+    finally:
+        done.set()
+        t.join()
+    result.update(peak_bytes=max(0, peak[0] - base) + model_bytes, peak_phase="step", measured_by="rss")
+
+
+def smoke_line(smoke: dict) -> str:
+    """What the Train page shows of a smoke test, in one line for the terminal."""
+
+    def mib(n) -> str:
+        return f"{n / 2**20:,.1f} MiB" if isinstance(n, (int, float)) else "n/a"
+
+    peak, est, sps = smoke.get("peak_bytes"), smoke.get("estimate_bytes"), smoke.get("seconds_per_step")
+    vs = (
+        f" ({peak / est - 1:+.1%} vs the estimate {mib(est)})"
+        if peak and est
+        else " (no plan.json to compare)"
+    )
+    step = f"{sps:.2f} s per step" if isinstance(sps, (int, float)) else "n/a s per step"
+    return (
+        f"smoke test: measured peak {mib(peak)}{vs}, {step} on {smoke.get('device')}, batch size "
+        f"{smoke.get('batch_size') or 1} at "
+        f"max_length {smoke.get('max_length')} (measured by {smoke.get('measured_by')})"
+    )
