@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 GiB, MiB, KiB = 2**30, 2**20, 2**10
-GB, MB, KB = 10**9, 10**6, 10**3
+GB, MB, KB = 2**30, 2**20, 2**10  # file sizes as the merge and GGUF exports have always reported them
 
 
 def gib(b: float, digits: int = 2, width: int = 0) -> str:
@@ -17,7 +17,7 @@ def mem(b: float) -> str:
 
 
 def disk(n: float) -> str:
-    """A file's size in decimal units, as file managers show them; small files are not "0.0 MB"."""
+    """A file's size: "1.25 GB", "3.4 MB"; small files are not "0.0 MB"."""
     if n >= 0.1 * GB:
         return f"{n / GB:.2f} GB"
     if n >= 0.1 * MB:
