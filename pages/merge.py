@@ -14,6 +14,7 @@ from core import jobs
 from core import merge as M
 from core.fmt import disk
 from core.workspace import WorkspaceError, check_run_name, default_workspace, inside
+from ui.jobs import follow
 from ui.routing import leave_legacy_mode
 
 leave_legacy_mode()
@@ -225,11 +226,7 @@ def merge_job(job, ws: Path, key: str, pre_slot) -> None:
     """The merge runs as its own process (core.jobs): a reload or another tab reattaches to it here."""
     if not job.done:
 
-        @st.fragment(run_every=1.0)
-        def follow():
-            view = jobs.latest(ws, "merge", key=key)
-            if view is None or view.done:
-                st.rerun()  # finished: draw the result once, statically
+        def draw(view):
             p = view.progress
             if p.get("preflight"):  # drawn inside the fragment: it may not write to the page's own slots
                 show_preflight(M.Preflight(**p["preflight"]), st.empty())
@@ -249,7 +246,7 @@ def merge_job(job, ws: Path, key: str, pre_slot) -> None:
                 f"Running as a background job ({view.path.name}); reloading this page reattaches to it."
             )
 
-        follow()
+        follow(lambda: jobs.latest(ws, "merge", key=key), draw)
         return
     if job.state == "failed":
         st.error(job.error or "The merge failed.")
@@ -324,17 +321,13 @@ def gguf_tab(ws: Path) -> None:
         return
     if running:
 
-        @st.fragment(run_every=1.0)
-        def follow():
-            view = jobs.read(job.path)
-            if view.done:
-                st.rerun()
+        def draw(view):
             gguf_progress(view.progress)
             st.caption(
                 f"Running as a background job ({view.path.name}); reloading this page reattaches to it."
             )
 
-        follow()
+        follow(lambda: jobs.read(job.path), draw)
     elif job.state == "failed":
         st.error(job.error or "The GGUF export failed.")
     else:

@@ -1,0 +1,323 @@
+"""The Train page's panels under the form: the plan's verdict, the data preview, preflight, the smoke test, the YAML
+and Launch."""
+
+import altair as alt
+import pandas as pd
+import streamlit as st
+
+from core import jobs
+from core.estimate.from_config import estimate_for_config, local_card
+from core.estimate.plan import GiB, PlanError
+from core.estimate.specs import SpecError
+from core.fmt import mem
+from core.runs.admin import (
+    latest_smoke,
+    smoke_result,
+    start_smoke_test,
+)
+from core.runs.launcher import RunError, create_run, launch
+from core.train import methods
+from core.train.config import (
+    MAX_CONFIG_BYTES,
+    ConfigError,
+    config_to_yaml,
+    parse_yaml,
+    validate_config,
+)
+from core.train.data import DataError, preview_dataset
+from core.train.preflight import load_tokenizer_and_config, run_preflight
+from core.workspace import WorkspaceError
+from ui.jobs import follow
+
+VERDICT = {"fits": st.success, "tight": st.warning, "does not fit": st.error}
+
+
+@st.cache_resource(show_spinner=False, max_entries=4)
+def _tokenizer_and_config(model_path: str, trust_remote_code: bool):
+    return load_tokenizer_and_config({"path": model_path, "trust_remote_code": trust_remote_code})
+
+
+@st.cache_data(ttl=30, show_spinner="Reading the dataset…")
+def _preview(cfg_yaml: str) -> dict:
+    import yaml
+
+    cfg = yaml.safe_load(cfg_yaml)
+    tok, _ = _tokenizer_and_config(cfg["model"]["path"], cfg["model"]["trust_remote_code"])
+    return preview_dataset(cfg["data"], tok, n=5, length_rows=5000, max_length=cfg["training"]["max_length"])
+
+
+@st.cache_data(ttl=30, show_spinner="Running preflight…")
+def _preflight(cfg_yaml: str) -> list[dict]:
+    import yaml
+
+    cfg = yaml.safe_load(cfg_yaml)
+    tok, conf = _tokenizer_and_config(cfg["model"]["path"], cfg["model"]["trust_remote_code"])
+    return [f.__dict__ for f in run_preflight(cfg, tok, conf)]
+
+
+def _card():
+    """Where a run launched from this page trains: this machine's GPU, or its CPU and RAM."""
+    return local_card()
+
+
+def verdict_panel(cfg: dict) -> None:
+    """The planner's verdict for this config where Launch trains it: the plan.json the trainer will write."""
+    card = _card()
+    try:
+        est = estimate_for_config(cfg, card.gpu_gb, card.device)
+    except (PlanError, SpecError, ValueError) as exc:
+        st.warning(f"No memory estimate for this config: {exc}")
+        return
+    VERDICT.get(est.verdict, st.info)(
+        f"**{est.verdict.capitalize()}** on {card.label}: {mem(est.device_total_bytes)} of "
+        f"{est.gpu_bytes / GiB:.0f} GiB ({est.fraction:.0%}); tensor peak {mem(est.tensor_peak_bytes)} "
+        f"in the {est.peak_phase} phase."
+    )
+    estimate_card = (st.session_state.get("plan") or {}).get("gpu_gb")
+    if estimate_card and abs(float(estimate_card) - card.gpu_gb) > 0.5:
+        st.caption(
+            f"Planned for this machine, where Launch trains it; the Estimate page plans the {estimate_card:g} GiB "
+            "card you chose there."
+        )
+    for w in est.warnings:
+        st.caption(f"planner: {w}")
+    _data_batch_caption(cfg, est)
+
+
+def _data_batch_caption(cfg: dict, est) -> None:
+    """The peak for the largest batch the data's real rows can form, next to the max_length bound above."""
+    from core.estimate.bill import estimate_for_lengths
+    from core.estimate.plan import Plan
+
+    if not methods.get(cfg).traits.flat_batches:  # padded rows: the bound above is what the step holds
+        return
+    try:
+        lengths = _preview(config_to_yaml(cfg))["lengths"]
+        plan = Plan.from_dict(est.plan)
+        tokens, real = estimate_for_lengths(plan, lengths)
+        if not lengths or tokens >= plan.batch_size * plan.seq_len:
+            return
+    except (DataError, OSError, ValueError, PlanError, SpecError):
+        return  # the preview below says what is wrong with the data
+    st.caption(
+        f"With your data ({len(lengths):,} rows measured) the largest batch holds {tokens:,} tokens, not "
+        f"{plan.batch_size * plan.seq_len:,}: {mem(real.device_total_bytes)} ({real.fraction:.0%} of the card). "
+        "The verdict above is for the bound (every row max length)."
+    )
+
+
+@st.cache_data(ttl=30, show_spinner="Reading the data…")
+def _method_preview(method: str, data_yaml: str) -> tuple[int, list[dict]] | None:
+    import yaml
+
+    return methods.get(method).preview(yaml.safe_load(data_yaml), n=5)
+
+
+def method_preview_panel(cfg: dict) -> bool:
+    """A preference run's data as its method reads it (DPO: prompt / chosen / rejected side by side; KTO: each
+    rated answer); False when the method has no view of its own (SFT's token preview follows)."""
+    method = methods.get(cfg)
+    try:
+        shown = _method_preview(method.name, config_to_yaml(cfg["data"]))
+    except (DataError, OSError, ValueError) as exc:
+        st.error(f"Cannot preview the {method.data_noun}: {exc}")
+        return True
+    if shown is None:
+        return False
+    total, rows = shown
+    st.caption(
+        f"{total:,} {method.data_noun}. {method.label}: {method.summary}, relative to the reference model."
+    )
+    frame = pd.DataFrame(rows)
+    if "problem" in frame and not frame["problem"].fillna("").astype(bool).any():
+        frame = frame.drop(columns="problem")
+    st.dataframe(frame, hide_index=True, width="stretch")
+    return True
+
+
+def preview_panel(cfg: dict) -> None:
+    if method_preview_panel(cfg):
+        return
+    try:
+        pv = _preview(config_to_yaml(cfg))
+    except (DataError, OSError, ValueError) as exc:
+        st.error(f"Cannot preview the dataset: {exc}")
+        return
+    st.caption(
+        f"{pv['total_rows']} rows, format **{pv['format']}**. The prompt is masked out of the loss; the "
+        f"completion is what the model learns. {pv['truncated']} of the first {len(pv['lengths'])} rows exceed "
+        f"max length {pv['max_length']}."
+    )
+    st.dataframe(pd.DataFrame(pv["rows"]), hide_index=True, width="stretch")
+    # the Estimate page plans the largest batch these rows can form (padding-free / real lengths)
+    st.session_state["data_lengths"] = list(pv["lengths"])
+    lengths = pd.DataFrame({"tokens": pv["lengths"]})
+    bars = (
+        alt.Chart(lengths)
+        .mark_bar()
+        .encode(
+            alt.X("tokens:Q", bin=alt.Bin(maxbins=40, minstep=1), title="tokens per row"),
+            alt.Y("count()", title="rows"),
+        )
+    )
+    limit = (
+        alt.Chart(pd.DataFrame({"tokens": [pv["max_length"]]})).mark_rule(color="red").encode(x="tokens:Q")
+    )
+    st.altair_chart((bars + limit).properties(height=300), width="stretch")
+
+
+IN_PAGE_ROWS = 5000  # up to this many rows preflight runs here (seconds); more run as a background job
+
+
+@st.cache_data(ttl=30, show_spinner=False)
+def _row_count(data_yaml: str) -> int | None:
+    import yaml
+
+    from core.train.data import DataError, load_rows
+
+    try:
+        return len(load_rows(yaml.safe_load(data_yaml)))
+    except (DataError, OSError, ValueError):
+        return None  # the in-page preflight says what is wrong with the data
+
+
+def preflight_panel(workspace: str, cfg: dict) -> bool:
+    """Show the preflight findings; True when one of them blocks the run (or while they are not known yet).
+
+    A large dataset is checked by a background job (core.jobs), so the page never blocks on it and a reload or
+    a second tab reattaches to the same check."""
+    import hashlib
+
+    import yaml
+
+    rows = _row_count(yaml.safe_dump(cfg["data"]))
+    if rows is not None and rows > IN_PAGE_ROWS:
+        key = hashlib.sha1(config_to_yaml(cfg).encode()).hexdigest()
+        job = jobs.latest(workspace, "preflight", key=key)
+        if job is None:
+            try:
+                jobs.start(workspace, "preflight", {"config": cfg}, key=key)
+            except (jobs.JobError, WorkspaceError) as exc:
+                st.error(f"Preflight could not start: {exc}")
+                return True
+            job = jobs.latest(workspace, "preflight", key=key)
+        if not job.done:
+            follow(
+                lambda: jobs.read(job.path),
+                lambda view: st.info(
+                    f"Preflight: checking all {rows:,} rows as a background job "
+                    f"({view.progress.get('phase', 'starting')})."
+                ),
+            )
+            return True
+        if job.state == "failed":
+            st.error(f"Preflight could not run: {job.error}")
+            return True
+        findings = (job.result or {}).get("findings", [])
+    else:
+        try:
+            findings = _preflight(config_to_yaml(cfg))
+        except (OSError, ValueError) as exc:
+            st.error(f"Preflight could not run: {exc}")
+            return True
+    if not findings:
+        st.success("Preflight: no problems found in the data for this model.")
+    for f in findings:
+        (st.error if f["level"] == "error" else st.warning)(
+            f"**{f['check']}**: {f['message']}\n\nFix: {f['fix']}"
+        )
+    return any(f["level"] == "error" for f in findings)
+
+
+def smoke_panel(workspace: str, cfg: dict, name: str) -> None:
+    st.caption(
+        "One real training step at batch size 1 on this machine: measured peak memory and time per step."
+    )
+    running = latest_smoke(workspace, name)
+    live = running is not None and smoke_result(running) is None
+    if st.button("Smoke test", key="tr_smoke", icon=":material/science:", disabled=live):
+        try:
+            start_smoke_test(workspace, name, cfg)  # its own process (and plan.json): the page does not wait
+        except (RunError, WorkspaceError, ConfigError) as exc:
+            st.error(str(exc))
+            return
+        st.rerun()
+    if running is None:
+        return
+    if live:
+        follow(
+            lambda: smoke_result(running),
+            lambda _: st.info(
+                f"Smoke test running in {running.name}: loading the model and running one step…"
+            ),
+            done=lambda result: result is not None,
+        )
+        return
+    res = {"dir": str(running), "result": smoke_result(running)}
+    smoke = res["result"]
+    if smoke.get("state") == "failed":
+        st.error(f"Smoke test failed: {smoke.get('reason') or 'no reason recorded'} (folder {res['dir']}).")
+        return
+    c = st.columns(4)
+    peak, est = smoke.get("peak_bytes"), smoke.get("estimate_bytes")
+    # The same unit for both: "0.002 GiB" next to "2.9 MiB" cannot be compared at a glance.
+    c[0].metric(
+        "Measured peak",
+        mem(peak) if peak else "n/a",
+        help=f"Live tensors in a steady step (optimizer state included), by {smoke.get('measured_by')}.",
+    )
+    delta = f"{peak / est - 1:+.0%} vs estimate" if peak and est else None
+    c[1].metric("Estimated peak", mem(est) if est else "n/a", delta=delta, delta_color="off")
+    sps = smoke.get("seconds_per_step")
+    c[2].metric("Seconds per step", f"{sps:.2f}" if sps else "n/a")
+    c[3].metric("Device", smoke.get("device") or "n/a")
+    st.caption(f"Batch size 1, padded to max length {smoke.get('max_length')}; results in {res['dir']}.")
+
+
+def yaml_panel(raw: dict, errors: dict) -> None:
+    c1, c2 = st.columns(2)
+    with c1:
+        st.download_button(
+            "Download config YAML",
+            config_to_yaml(raw),
+            file_name=f"{st.session_state.get('tr_name') or 'run'}.yaml",
+            mime="application/x-yaml",
+            icon=":material/download:",
+        )
+    with c2:
+        up = st.file_uploader("Load a config YAML", type=["yaml", "yml"], key="tr_upload")
+        if up is not None and st.session_state.get("tr_upload_seen") != up.file_id:
+            try:
+                if up.size > MAX_CONFIG_BYTES:
+                    raise ConfigError(f"it is {up.size:,} bytes; a run config is a few hundred")
+                cfg = validate_config(parse_yaml(up.getvalue().decode("utf-8"), up.name))
+            except (ConfigError, UnicodeDecodeError) as exc:
+                st.error(f"{up.name} was not loaded: {exc}")
+                return
+            if cfg["model"]["trust_remote_code"]:
+                # code from a model folder runs only when the user ticks the box, never because a file said so
+                cfg["model"]["trust_remote_code"] = False
+                st.session_state["tr_trust_asked"] = up.name
+            st.session_state["tr_upload_seen"] = up.file_id
+            st.session_state["tr_pending"] = cfg  # filled in before the widgets are drawn on the rerun
+            st.rerun()
+
+
+def launch_button(workspace: str, cfg: dict | None, name: str, blocked: str | None) -> None:
+    if blocked:
+        st.caption(blocked)
+    if st.button(
+        "Launch", type="primary", key="tr_launch", disabled=bool(blocked), icon=":material/rocket_launch:"
+    ):
+        if blocked or cfg is None:  # also refuse when the click raced an edit
+            st.error(f"Not launched: {blocked}")
+            return
+        try:
+            run_dir = create_run(workspace, name, cfg)
+            launch(run_dir)
+        except (RunError, WorkspaceError, ConfigError) as exc:
+            st.error(f"Not launched: {exc}")
+            return
+        st.session_state["monitor_run"] = str(run_dir)
+        st.session_state.pop("tr_name", None)  # the next run gets a fresh name
+        st.switch_page("pages/monitor.py")
