@@ -8,24 +8,15 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from core.files import read_yaml_mapping
 from core.workspace import suggest_run_name
-
-
-def _read_yaml(path: Path) -> dict:
-    try:
-        import yaml
-
-        data = yaml.safe_load(path.read_text())
-        return data if isinstance(data, dict) else {}
-    except Exception:
-        return {}
 
 
 def run_config_for(adapter_dir: Path) -> dict:
     """The run's config.yaml when the adapter lives in a run directory (runs/<name>/adapter), else {}."""
     for cand in (adapter_dir / "config.yaml", adapter_dir.parent / "config.yaml"):
         if cand.is_file():
-            return _read_yaml(cand)
+            return read_yaml_mapping(cand) or {}
     return {}
 
 

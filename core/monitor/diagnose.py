@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from core.files import read_json_object
+from core.files import read_json_object, read_yaml_mapping
 from core.fmt import gib
 from core.monitor.tail import RunFiles, RunSeries, tail_text
 from core.runs import rundir
@@ -604,16 +604,6 @@ def diagnose(ev: Evidence, rules: list[Rule] | None = None) -> Diagnosis:
     raise AssertionError("the 'unknown' rule always matches")
 
 
-def _read_yaml(path: Path) -> dict | None:
-    try:
-        import yaml
-
-        data = yaml.safe_load(path.read_text())
-        return data if isinstance(data, dict) else None
-    except Exception:
-        return None
-
-
 def load_evidence(run_dir: str | os.PathLike, series: RunSeries | None = None) -> Evidence:
     """Read a run directory's evidence; pass `series` when a watcher already holds the metrics in memory."""
     run_dir = Path(run_dir)
@@ -626,7 +616,7 @@ def load_evidence(run_dir: str | os.PathLike, series: RunSeries | None = None) -
         status=read_json_object(run_dir / rundir.STATUS),
         series=series,
         plan=read_json_object(run_dir / rundir.PLAN),
-        config=_read_yaml(run_dir / rundir.CONFIG),
+        config=read_yaml_mapping(run_dir / rundir.CONFIG),
     )
 
 

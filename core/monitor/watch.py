@@ -24,14 +24,13 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from core.files import read_json_object
+from core.files import read_json_object, read_yaml_mapping
 from core.monitor.diagnose import Diagnosis, diagnose, load_evidence
 from core.monitor.health import HealthChecker, HealthWarning
 from core.monitor.series import DEFAULT_SMOOTHING_STEPS, downsample_minmax, stride
 from core.monitor.tail import RunFiles, RunSeries, TextTail
 from core.runs import rundir
 from core.train import methods
-from core.train.config import parse_yaml
 from core.train.methods.dpo import METHOD as DPO_METHOD
 
 GiB = 1024**3
@@ -149,19 +148,11 @@ class _CachedMethod:
         return self.method
 
 
-_MAX_CONFIG_BYTES = 1_000_000  # a run config is a few hundred bytes; anything huge is not one
-
-
 def _config_method(path: Path, size: int) -> tuple[str | None, bool]:
     """(the config's `method`, lower-cased, or None when it names none; whether the file is a readable config).
     A broken or hostile config answers (None, False): the watcher then goes by the metrics alone."""
-    if size > _MAX_CONFIG_BYTES:
-        return None, False
-    try:
-        data = parse_yaml(path.read_text(encoding="utf-8"), str(path))
-    except Exception:  # unreadable, not UTF-8, not YAML: the metrics still tell what ran
-        return None, False
-    if not isinstance(data, dict):
+    data = read_yaml_mapping(path)
+    if data is None:
         return None, False
     method = data.get("method")
     return (method.strip().lower() or None) if isinstance(method, str) else None, True

@@ -28,7 +28,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from core.files import atomic_write_text
+from core import files
+from core.files import YamlError, atomic_write_text, read_yaml
 from core.train import methods, schema
 from core.train.engine_args import bnb_config, lora_config, training_args
 
@@ -572,51 +573,27 @@ def config_to_yaml(cfg: dict) -> str:
     return yaml.safe_dump(cfg, sort_keys=False, default_flow_style=False)
 
 
-MAX_CONFIG_BYTES = 1_000_000
+MAX_CONFIG_BYTES = files.MAX_YAML_BYTES
 
 
 def load_config(path: str | os.PathLike) -> dict:
-    """Read and validate a YAML run config (aliases refused: a tiny file must not expand without bound)."""
+    """Read and validate a YAML run config (through core.files.read_yaml: regular files only, bounded, aliases
+    refused)."""
     p = Path(path)
-    if not p.is_file():
+    if not p.exists():
         raise ConfigError(f"Run config {p} does not exist: give the path of a YAML file.")
     try:
-        size = p.stat().st_size
-        if size > MAX_CONFIG_BYTES:
-            raise ConfigError(
-                f"{p} is {size:,} bytes: a run config is a few hundred bytes; give the right file."
-            )
-        text = p.read_bytes().decode("utf-8")
-    except UnicodeDecodeError:
-        raise ConfigError(f"{p} is not a text file (not UTF-8): give a YAML run config.") from None
-    except OSError as exc:
-        raise ConfigError(f"{p} cannot be read ({exc.strerror}).") from None
-    return validate_config(parse_yaml(text, str(p)))
+        return validate_config(read_yaml(p))
+    except YamlError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def parse_yaml(text: str, where: str = "the run config") -> Any:
-    """yaml.safe_load without anchors/aliases: a 400-byte file of nested aliases expands to gigabytes."""
-    import yaml
-
-    class NoAliasLoader(yaml.SafeLoader):
-        def compose_node(self, parent, index):
-            if self.check_event(yaml.AliasEvent):
-                event = self.peek_event()
-                raise ConfigError(
-                    f"{where} uses a YAML alias (*{event.anchor}) at line {event.start_mark.line + 1}: "
-                    "aliases are not accepted in run configs; write the values out."
-                )
-            return super().compose_node(parent, index)
-
+    """A run config's text as data (core.files.parse_yaml: aliases refused), ConfigError for bad YAML."""
     try:
-        return yaml.load(text, Loader=NoAliasLoader)  # noqa: S506 - a SafeLoader subclass
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        at = f" at line {mark.line + 1}" if mark is not None else ""
-        problem = getattr(exc, "problem", None) or "a syntax error"
-        raise ConfigError(f"{where} is not valid YAML{at} ({problem}).") from None
-    except RecursionError:
-        raise ConfigError(f"{where} is nested too deeply to be a run config.") from None
+        return files.parse_yaml(text, where)
+    except YamlError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def dump_config(cfg: dict, path: str | os.PathLike) -> Path:
