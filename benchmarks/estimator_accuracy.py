@@ -42,7 +42,8 @@ warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
 
-from core.measure.step import MeasurePlan, measure_depths, num_layers_of, planner_plan  # noqa: E402
+from core.measure.plan import MeasurePlan, planner_plan  # noqa: E402
+from core.measure.step import measure_depths, num_layers_of  # noqa: E402
 
 GOAL_MEDIAN, GOAL_WORST = 0.03, 0.07
 MiB = 2**20

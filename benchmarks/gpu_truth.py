@@ -71,7 +71,8 @@ def matrix(dry: bool):
     from estimator_accuracy import full_config
 
     from core.demo.toy import tiny_config
-    from core.measure.step import MeasurePlan, with_layers
+    from core.measure.build import with_layers
+    from core.measure.plan import MeasurePlan
 
     if dry:
         cfg = tiny_config("llama")
@@ -134,7 +135,9 @@ def measure_row(config, plan, cuda: bool, cache: Path) -> dict:
 
     import torch
 
-    from core.measure.step import build_model, build_optimizer, estimate_for, make_batch, run_step
+    from core.measure.build import build_model, build_optimizer
+    from core.measure.plan import estimate_for
+    from core.measure.step import make_batch, run_step
 
     device = "cuda" if cuda else "cpu"
     plan = copy.deepcopy(plan)

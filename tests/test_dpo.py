@@ -14,7 +14,8 @@ from core.demo.toy import tiny_config
 from core.estimate.bill import estimate
 from core.estimate.from_config import plan_for_config
 from core.estimate.plan import Plan
-from core.measure.step import MeasurePlan, measure_plan, planner_plan
+from core.measure.plan import MeasurePlan, planner_plan
+from core.measure.step import measure_plan
 from core.runs import rundir
 from core.train.config import ConfigError, plan_to_config, validate_config
 from tests.cli import train

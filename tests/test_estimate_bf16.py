@@ -12,7 +12,8 @@ import pytest
 
 from core.estimate.bill import estimate
 from core.estimate.from_config import plan_for_config
-from core.measure.step import MeasurePlan, measure_plan
+from core.measure.plan import MeasurePlan
+from core.measure.step import measure_plan
 from core.train.config import validate_config
 
 TOLERANCE = 0.015

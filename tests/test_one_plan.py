@@ -117,7 +117,7 @@ def test_gpt2_conv1d_folder_plans_lora(tmp_path):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_the_tracker_measures_the_plan_of_the_one_mapping(tiny_llama, dataset, variant):
-    from core.measure.step import plan_from, planner_plan
+    from core.measure.plan import plan_from, planner_plan
 
     cfg = _config(tiny_llama, dataset, VARIANTS[variant])
     for device in ("cpu", "cuda"):
@@ -132,7 +132,7 @@ def test_the_tracker_measures_the_plan_of_the_one_mapping(tiny_llama, dataset, v
 
 
 def _cuda(cfg):
-    from core.measure.step import _plan_from_run_config
+    from core.measure.plan import _plan_from_run_config
 
     return _plan_from_run_config(cfg, device="cuda")
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from core.demo.toy import tiny_config
-from core.measure.step import MeasurePlan, measure_depths, measure_plan, plan_from
+from core.measure.plan import MeasurePlan, plan_from
+from core.measure.step import measure_depths, measure_plan
 from core.measure.tracker import TrackerError, measure_step, track_live_tensors
 
 warnings.filterwarnings("ignore")
@@ -127,7 +128,7 @@ def test_bnb_4bit_qlora_step_works_under_the_mode():
 
 def test_bnb_4bit_weights_are_counted_with_their_quantization_state(tmp_path):
     pytest.importorskip("bitsandbytes")
-    from core.measure.step import build_model
+    from core.measure.build import build_model
     from core.measure.tracker import module_tensors
 
     plan = MeasurePlan(method="qlora", double_quant=False, prepare_kbit=False, lora_r=4)
@@ -231,7 +232,7 @@ def test_bad_inputs_say_what_to_fix(tmp_path):
 
 
 def test_plan_from_run_config_reads_the_sections():
-    from core.measure.step import _plan_from_run_config
+    from core.measure.plan import _plan_from_run_config
 
     cfg = {
         "model": {"path": "x", "dtype": "bfloat16", "attn_implementation": "eager"},
@@ -294,7 +295,7 @@ def test_planner_agrees_with_the_measured_step_on_tiny_models(tmp_path, name, ov
     """core.estimate (device cpu) against one measured step of the same plan: the planner's terms come from
     the module code, so even a tiny model, where small terms weigh more, lands within 1%."""
     from core.estimate.bill import estimate
-    from core.measure.step import planner_plan
+    from core.measure.plan import planner_plan
 
     config = tiny_config(
         "llama", num_hidden_layers=4, vocab_size=2000, intermediate_size=256, hidden_size=128
