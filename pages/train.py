@@ -5,10 +5,7 @@ import streamlit as st
 
 from core import jobs
 from core.demo.build import demo_dir, demo_ready
-from core.train.config import (
-    ConfigError,
-    validate_config,
-)
+from core.train.config import ConfigError, validate_config
 from core.workspace import WorkspaceError, default_workspace
 from ui.jobs import follow
 from ui.routing import leave_legacy_mode

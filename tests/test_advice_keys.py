@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from core.train.config import ALIASES, RENAMED, SECTIONS, section_schema
+from core.train.config import section_schema
+from core.train.config_keys import ALIASES, RENAMED, SECTIONS
 
 ROOT = Path(__file__).resolve().parents[1]
 ADVICE_SOURCES = ["core/monitor/diagnose.py", "core/monitor/health.py"]

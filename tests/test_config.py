@@ -3,14 +3,8 @@
 import pytest
 import yaml
 
-from core.train.config import (
-    ConfigError,
-    default_config,
-    dump_config,
-    load_config,
-    plan_to_config,
-    validate_config,
-)
+from core.estimate.from_config import plan_to_config
+from core.train.config import ConfigError, default_config, dump_config, load_config, validate_config
 
 
 def minimal(**sections):
@@ -255,7 +249,8 @@ def test_schema_is_read_from_the_installed_libraries():
 
     from trl import SFTConfig
 
-    from core.train.config import OWNED, section_schema
+    from core.train.config import section_schema
+    from core.train.config_keys import OWNED
 
     sft_fields = {f.name for f in dataclasses.fields(SFTConfig) if f.init}
     assert set(section_schema("training")) == sft_fields - set(OWNED["training"])

@@ -12,12 +12,12 @@ import pytest
 from core.demo.prefs import write_pref_data
 from core.demo.toy import tiny_config
 from core.estimate.bill import estimate
-from core.estimate.from_config import plan_for_config
+from core.estimate.from_config import plan_for_config, plan_to_config
 from core.estimate.plan import Plan
 from core.measure.plan import MeasurePlan, planner_plan
 from core.measure.step import measure_plan
 from core.runs import rundir
-from core.train.config import ConfigError, plan_to_config, validate_config
+from core.train.config import ConfigError, validate_config
 from tests.cli import train
 
 REPO = Path(__file__).resolve().parent.parent

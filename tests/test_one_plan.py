@@ -139,7 +139,7 @@ def _cuda(cfg):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_plan_to_config_is_the_inverse_of_the_mapping(tiny_llama, dataset, variant):
-    from core.train.config import plan_to_config
+    from core.estimate.from_config import plan_to_config
 
     cfg = _config(tiny_llama, dataset, VARIANTS[variant])
     plan = plan_for_config(cfg, device="cuda")

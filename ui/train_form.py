@@ -10,24 +10,15 @@ import streamlit as st
 
 from core.demo.build import demo_config, demo_dir, demo_ready
 from core.demo.prefs import PREFERENCE_DEMOS
+from core.estimate.from_config import plan_to_config
 from core.runs.admin import (
     check_fields,
     check_model_folder,
     check_new_run_name,
 )
 from core.train import methods
-from core.train.config import (
-    ATTN,
-    DTYPES,
-    METHODS,
-    OPTIMIZERS,
-    SCHEDULERS,
-    SECTIONS,
-    config_to_yaml,
-    default_config,
-    migrate,
-    plan_to_config,
-)
+from core.train.config import config_to_yaml, default_config, migrate
+from core.train.config_keys import ATTN, DTYPES, METHODS, OPTIMIZERS, SCHEDULERS, SECTIONS
 from core.workspace import suggest_run_name
 
 # form widget key -> (section, key) of the run config

@@ -17,13 +17,7 @@ from core.runs.admin import (
 )
 from core.runs.launcher import RunError, create_run, launch
 from core.train import methods
-from core.train.config import (
-    MAX_CONFIG_BYTES,
-    ConfigError,
-    config_to_yaml,
-    parse_yaml,
-    validate_config,
-)
+from core.train.config import MAX_CONFIG_BYTES, ConfigError, config_to_yaml, parse_yaml, validate_config
 from core.train.data import DataError, preview_dataset
 from core.train.preflight import load_tokenizer_and_config, run_preflight
 from core.workspace import WorkspaceError

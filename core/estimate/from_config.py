@@ -7,14 +7,17 @@ trainer uses) for the device, and its memory switches follow what the engine (TR
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
+from typing import Any
 
 from core.estimate.bill import estimate
 from core.estimate.plan import Plan
 from core.monitor.gpu import detect_gpus
 from core.precision import SHORT, Device, resolve
 from core.train import methods
-from core.train.config import checkpointing
+from core.train.config import checkpointing, default_config, validate_config
+from core.train.config_keys import DTYPES, SECTIONS
 
 # The planner models sdpa, eager and flash (varlen kernels: no mask); flex attention keeps no score matrix
 # either, like sdpa.
@@ -141,3 +144,109 @@ def plan_json(
         gpu_gb = card.gpu_gb if gpu_gb is None else gpu_gb
         device = device or card.device
     return plan_record(estimate_for_config(cfg, gpu_gb, device, batch_size, smoke=smoke))
+
+
+# ---- the inverse: a Plan's settings written into a run config ------------------------------------------------
+
+
+def _get(plan: Any, key: str, default=None):
+    if isinstance(plan, dict):
+        return plan.get(key, default)
+    return getattr(plan, key, default)
+
+
+def plan_to_config(plan: Any, base: dict | None = None) -> dict:
+    """The Estimate page's plan (core.estimate Plan or its dict) as a run config, on top of `base`: the inverse
+    of plan_for_config for the settings a run config carries.
+
+    Tolerant: a missing or None key leaves the base value alone. Returns a validated config when base has the
+    required paths, else an unvalidated dict the caller completes.
+    """
+    cfg = copy.deepcopy(base) if base else default_config()
+    for section in SECTIONS:
+        cfg.setdefault(section, {})
+    plan = plan or {}
+
+    def put(section, key, value, convert=lambda v: v):
+        if value is not None:
+            cfg[section][key] = convert(value)
+
+    objective = _get(plan, "objective")
+    if objective is not None:
+        cfg["method"] = objective
+        if cfg["data"].get("format") not in (None, "auto", *methods.get(objective).formats):
+            cfg["data"]["format"] = "auto"
+    if objective and methods.get(objective).traits.reference and _get(plan, "precompute_ref"):
+        cfg["training"]["precompute_ref_log_probs"] = True
+    method = str(_get(plan, "method") or "").lower()
+    if method == "full":
+        cfg["lora"]["enabled"] = False
+        cfg["quantization"]["load_in_4bit"] = False
+    elif method in ("lora", "qlora"):
+        cfg["lora"]["enabled"] = True
+        cfg["quantization"]["load_in_4bit"] = method == "qlora"
+
+    lora = _get(plan, "lora") if isinstance(_get(plan, "lora"), dict) else {}
+    put("lora", "r", _get(plan, "lora_r", lora.get("r")), int)
+    put("lora", "lora_alpha", _get(plan, "lora_alpha", lora.get("alpha", lora.get("lora_alpha"))))
+    put("lora", "lora_dropout", _get(plan, "lora_dropout", lora.get("dropout", lora.get("lora_dropout"))))
+    targets = _get(plan, "target_modules", lora.get("target_modules"))
+    if targets:
+        if isinstance(targets, str) and targets != "all-linear":
+            targets = [t.strip() for t in targets.split(",") if t.strip()]
+        put("lora", "target_modules", targets if isinstance(targets, str) else list(targets))
+
+    put(
+        "training",
+        "per_device_train_batch_size",
+        _get(plan, "batch_size", _get(plan, "micro_batch_size")),
+        int,
+    )
+    put("training", "max_length", _get(plan, "seq_len", _get(plan, "max_length")), int)
+    put("training", "gradient_checkpointing", _get(plan, "gradient_checkpointing"), bool)
+    put("training", "optim", _get(plan, "optim"))
+    # the memory levers a run config carries (core.estimate.levers); the others are always on in the engine
+    for plan_key, key in (
+        ("padding_free", "padding_free"),
+        ("packing", "packing"),
+        ("activation_offloading", "activation_offloading"),
+        ("liger", "use_liger_kernel"),
+    ):
+        value = _get(plan, plan_key)
+        if value is not None and (value or key in cfg["training"]):
+            cfg["training"][key] = bool(value)
+    if _get(plan, "packing"):
+        put("training", "packing_strategy", _get(plan, "packing_strategy"))
+
+    attn = _get(plan, "attn", _get(plan, "attn_implementation"))
+    if attn:
+        put(
+            "model",
+            "attn_implementation",
+            {"flash": "flash_attention_2", "fa2": "flash_attention_2"}.get(attn, attn),
+        )
+    put("model", "path", _get(plan, "model"), str)
+    short = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+    dtype = _get(plan, "load_dtype", _get(plan, "dtype"))
+    if dtype:
+        put("model", "dtype", short.get(str(dtype), str(dtype)))
+    # The compute dtype is the Trainer's mixed-precision flag (and the 4-bit compute dtype).
+    compute = _get(plan, "compute_dtype") or dtype
+    if compute:
+        compute = short.get(str(compute), str(compute))
+        if _get(plan, "autocast") is False or compute == "float32":
+            cfg["training"]["bf16"], cfg["training"]["fp16"] = False, False
+        elif compute == "bfloat16":
+            cfg["training"]["bf16"], cfg["training"]["fp16"] = "auto", False
+        elif compute == "float16":
+            cfg["training"]["bf16"], cfg["training"]["fp16"] = False, True
+        if compute in DTYPES:
+            cfg["quantization"]["bnb_4bit_compute_dtype"] = compute
+    quant = _get(plan, "quant_type", _get(plan, "bnb_4bit_quant_type"))
+    if quant:
+        put("quantization", "bnb_4bit_quant_type", str(quant).lower())
+    put("quantization", "bnb_4bit_use_double_quant", _get(plan, "double_quant"), bool)
+
+    if cfg["model"].get("path") and cfg["data"].get("path"):
+        return validate_config(cfg)
+    return cfg

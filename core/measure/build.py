@@ -13,10 +13,11 @@ from pathlib import Path
 import torch
 
 from core.demo.toy import build_tokenizer
+from core.estimate.from_config import plan_to_config
 from core.measure.plan import MeasurePlan, is_engine_path, planner_plan
 from core.precision import Device, Precision, torch_dtype
 from core.train import methods
-from core.train.config import plan_to_config, validate_config
+from core.train.config import validate_config
 from core.train.trainer import load_model, make_trainer, quiet_progress_bars
 
 

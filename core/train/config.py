@@ -31,209 +31,24 @@ from typing import Any
 from core import files
 from core.files import YamlError, atomic_write_text, read_yaml
 from core.train import methods, schema
+from core.train.config_keys import (
+    ALIASES,
+    COLUMN_KEYS,
+    DEFAULTS,
+    EXTRA_VALUES,
+    METHODS,
+    OWN_SCHEMA,
+    OWNED,
+    RANGES,
+    RENAMED,
+    SECTIONS,
+    TOP_LEVEL,
+)
 from core.train.engine_args import bnb_config, lora_config, training_args
-
-METHODS = methods.NAMES
-SECTIONS = ("model", "quantization", "lora", "data", "training")
-TOP_LEVEL = ("method", *SECTIONS)
-
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-ATTN = ("eager", "sdpa", "flash_attention_2", "flex_attention")
-# Suggestions for the Train page's selectors (every other value the library accepts is valid too).
-SCHEDULERS = (
-    "linear",
-    "cosine",
-    "cosine_with_restarts",
-    "polynomial",
-    "constant",
-    "constant_with_warmup",
-    "inverse_sqrt",
-    "cosine_with_min_lr",
-    "warmup_stable_decay",
-)
-OPTIMIZERS = (
-    "adamw_torch",
-    "adamw_torch_fused",
-    "adafactor",
-    "sgd",
-    "adamw_bnb_8bit",
-    "adamw_8bit",
-    "paged_adamw_8bit",
-    "paged_adamw_32bit",
-    "lion_8bit",
-    "paged_lion_8bit",
-)
 
 
 class ConfigError(ValueError):
     """A run config problem; the message names the key path and says how to fix it."""
-
-
-# The cockpit's defaults where they differ from the libraries' (LoRA-sized learning rate, a short max_length
-# for the first run, bf16 only where the GPU has it). Everything not listed takes the library's default.
-DEFAULTS: dict[str, Any] = {
-    "method": "sft",
-    "model": {
-        "path": None,  # a local folder or a hub id already in the local cache (required)
-        "dtype": "auto",  # auto: bfloat16 on a CUDA GPU that supports it, float32 otherwise
-        "attn_implementation": "sdpa",
-        "trust_remote_code": False,
-        "reference_path": None,  # DPO/KTO: an explicit reference model (default: the base with the adapter off)
-    },
-    "quantization": {
-        "load_in_4bit": False,
-        "bnb_4bit_quant_type": "nf4",
-        "bnb_4bit_use_double_quant": True,
-        "bnb_4bit_compute_dtype": "auto",  # auto: the dtype the weights are loaded in
-    },
-    "lora": {
-        "enabled": True,  # false: full fine-tuning (the planner's method "full")
-        "r": 16,
-        "lora_alpha": 32,
-        "lora_dropout": 0.05,
-        "target_modules": "all-linear",
-        "bias": "none",
-        "use_rslora": False,
-    },
-    "data": {
-        "path": None,  # a .json/.jsonl/.csv/.parquet file, a list of them, or a save_to_disk folder (required)
-        "format": "auto",
-        "columns": {},  # rename map, e.g. {"instruction": "question", "output": "answer"}
-        "split": "train",  # which split of a DatasetDict folder to train on
-        "eval_split": 0.0,  # fraction of rows held out for eval_loss (0 = no eval)
-        "mask_prompt": True,  # train on the answer only, with any chat template
-    },
-    "training": {
-        "max_length": 512,
-        "per_device_train_batch_size": 4,
-        "gradient_accumulation_steps": 4,
-        "num_train_epochs": 1.0,
-        "max_steps": -1,
-        "learning_rate": 2e-4,
-        "lr_scheduler_type": "cosine",
-        "warmup_steps": 0.03,
-        "weight_decay": 0.0,
-        "max_grad_norm": 1.0,
-        "bf16": "auto",  # auto: on when the CUDA GPU supports bf16 natively; never on a CPU
-        "fp16": False,
-        "gradient_checkpointing": True,  # TRL's default: what makes long sequences fit
-        "optim": "adamw_torch",
-        "logging_steps": 10,
-        "eval_steps": None,  # None: same as logging_steps when data.eval_split > 0
-        "save_steps": 200,
-        "save_total_limit": 2,
-        "seed": 42,
-    },
-}
-
-# Keys whose meaning the cockpit owns: the run directory, the logs the UI reads, the data pipeline and the model
-# loading are the engine's. Each maps to the sentence that says where the setting lives instead.
-OWNED = {
-    "training": {
-        "output_dir": "the engine writes checkpoints into the run directory (core.train --run-dir)",
-        "logging_dir": "the engine logs into the run directory (metrics.jsonl)",
-        "overwrite_output_dir": "a run directory is never overwritten; start a new run instead",
-        "resume_from_checkpoint": "resume a run with `python -m core.train ... --resume` (or Resume in the app)",
-        "disable_tqdm": "the engine turns progress bars off so that stderr.log stays readable",
-        "logging_nan_inf_filter": "the engine must see NaN losses to stop the run",
-        "remove_unused_columns": "the engine feeds the trainer tokenized columns only",
-        "use_cpu": "the engine picks the device (a CUDA GPU when there is one)",
-        "model_init_kwargs": "the engine loads the model: use the model and quantization sections",
-        "trust_remote_code": "set model.trust_remote_code",
-        "dataset_text_field": "the engine tokenizes the data itself: set data.format and data.columns",
-        "dataset_kwargs": "the engine tokenizes the data itself: set data.format and data.columns",
-        "completion_only_loss": "the engine masks the prompt itself: set data.mask_prompt",
-        "assistant_only_loss": "the engine masks the prompt itself: set data.mask_prompt",
-        "pad_token": "the engine pads with the tokenizer's pad token (eos when it has none)",
-        "chat_template_path": "the engine uses the model folder's chat template",
-    },
-    "lora": {
-        "task_type": "the engine trains causal language models (CAUSAL_LM)",
-        "peft_type": "this section is LoRA",
-        "base_model_name_or_path": "the base is model.path",
-        "revision": "the base is model.path",
-        "inference_mode": "the adapter is trained",
-        "auto_mapping": "set by peft",
-        "peft_version": "set by peft",
-    },
-    "quantization": {
-        "load_in_8bit": "8-bit training is not planned or tested here: use load_in_4bit (QLoRA) or none",
-    },
-}
-
-# Names people bring from other tools -> where the setting lives here.
-ALIASES = {
-    "max_length": "training.max_length",
-    "seq_len": "training.max_length",
-    "cutoff_len": "training.max_length",
-    "sequence_len": "training.max_length",
-    "lr": "training.learning_rate",
-    "epochs": "training.num_train_epochs",
-    "num_epochs": "training.num_train_epochs",
-    "batch_size": "training.per_device_train_batch_size",
-    "micro_batch_size": "training.per_device_train_batch_size",
-    "lora_r": "lora.r",
-    "rank": "lora.r",
-    "alpha": "lora.lora_alpha",
-    "dropout": "lora.lora_dropout",
-    "model_name_or_path": "model.path",
-    "base_model": "model.path",
-    "dataset": "data.path",
-    "torch_dtype": "model.dtype",
-    "gradient_checkpointing": "training.gradient_checkpointing",
-    "optim": "training.optim",
-    "optimizer": "training.optim",
-    "load_in_4bit": "quantization.load_in_4bit",
-}
-
-# Sanity ranges the libraries do not check themselves (a negative learning rate trains "fine" for a while).
-RANGES: dict[str, tuple] = {
-    "lora.r": (1, 4096),
-    "lora.lora_alpha": (0, None, "open"),
-    "lora.lora_dropout": (0, 1, "right-open"),
-    "training.max_length": (8, 1_048_576),
-    "training.per_device_train_batch_size": (1, 65536),
-    "training.per_device_eval_batch_size": (1, 65536),
-    "training.gradient_accumulation_steps": (1, 65536),
-    "training.num_train_epochs": (0, 10000, "open"),
-    "training.learning_rate": (0, 1, "left-open"),
-    "training.weight_decay": (0, 1),
-    "training.max_grad_norm": (0, None),
-    "training.logging_steps": (0, None, "open"),
-    "training.save_steps": (0, None, "open"),
-    "training.eval_steps": (0, None, "open"),
-    "training.save_total_limit": (1, None),
-    "training.seed": (0, 2**32 - 1),
-    "training.dataloader_num_workers": (0, 256),
-    "data.eval_split": (0, 0.5, "right-open"),
-}
-
-# The cockpit's own sections, described the way core.train.schema describes the libraries' fields.
-OWN_SCHEMA = {
-    "model": {
-        "path": {"kinds": ["str"]},
-        "dtype": {"kinds": ["str"], "choices": list(DTYPES)},
-        "attn_implementation": {"kinds": ["str"], "choices": list(ATTN)},
-        "trust_remote_code": {"kinds": ["bool"]},
-        "reference_path": {"kinds": ["str", "none"]},
-    },
-    "data": {
-        "path": {"kinds": ["str", "list"]},
-        "format": {
-            "kinds": ["str"],
-            "choices": list(
-                dict.fromkeys(("auto",) + tuple(f for m in methods.REGISTRY.values() for f in m.formats))
-            ),
-        },
-        "columns": {"kinds": ["dict"]},
-        "split": {"kinds": ["str"]},
-        "eval_split": {"kinds": ["float"]},
-        "mask_prompt": {"kinds": ["bool"]},
-    },
-}
-# Values the cockpit adds to a library field: "auto" precision/dtype is resolved by the engine per device.
-EXTRA_VALUES = {"training.bf16": ("auto",), "quantization.bnb_4bit_compute_dtype": ("auto",)}
-COLUMN_KEYS = tuple(dict.fromkeys(c for m in methods.REGISTRY.values() for c in m.columns))
 
 
 def default_config() -> dict:
@@ -253,9 +68,6 @@ def section_schema(section: str, method: str = "sft") -> dict[str, dict]:
     for key in OWNED.get(section, {}):
         fields.pop(key, None)
     return fields
-
-
-# ---- validation ---------------------------------------------------------------------------------------------
 
 
 def _suggest(section: str, key: str) -> str:
@@ -455,22 +267,6 @@ def _short(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-# Keys that moved or that a library renamed: (section, old key) -> (section, new key, value map). The config is
-# stored under the current names; an old spelling from another tool or an older release still reads.
-RENAMED = {
-    ("data", "max_length"): ("training", "max_length", None),
-    ("training", "max_seq_length"): ("training", "max_length", None),
-    ("training", "evaluation_strategy"): ("training", "eval_strategy", None),
-    # transformers 5 turned the flag into a sampling strategy
-    ("training", "group_by_length"): (
-        "training",
-        "train_sampling_strategy",
-        {True: "group_by_length", False: None},
-    ),
-    ("model", "torch_dtype"): ("model", "dtype", None),
-}
-
-
 def migrate(raw: dict) -> dict:
     """Old spellings (RENAMED) rewritten to today's keys, unless the library still knows the old key."""
     out = None
@@ -564,9 +360,6 @@ def check_with_libraries(cfg: dict, run_dir: str | os.PathLike | None = None) ->
             raise ConfigError(f"{section}: {text}") from None
 
 
-# ---- files --------------------------------------------------------------------------------------------------
-
-
 def config_to_yaml(cfg: dict) -> str:
     import yaml
 
@@ -600,109 +393,3 @@ def dump_config(cfg: dict, path: str | os.PathLike) -> Path:
     """Validate, then write atomically (temp file + os.replace) so a reader never sees half a file."""
     cfg = validate_config(cfg)
     return atomic_write_text(path, config_to_yaml(cfg))
-
-
-# ---- from the planner ---------------------------------------------------------------------------------------
-
-
-def _get(plan: Any, key: str, default=None):
-    if isinstance(plan, dict):
-        return plan.get(key, default)
-    return getattr(plan, key, default)
-
-
-def plan_to_config(plan: Any, base: dict | None = None) -> dict:
-    """The Estimate page's plan (core.estimate Plan or its dict) as a run config, on top of `base`: the inverse
-    of core.estimate.from_config.plan_for_config for the settings a run config carries.
-
-    Tolerant: a missing or None key leaves the base value alone. Returns a validated config when base has the
-    required paths, else an unvalidated dict the caller completes.
-    """
-    cfg = copy.deepcopy(base) if base else default_config()
-    for section in SECTIONS:
-        cfg.setdefault(section, {})
-    plan = plan or {}
-
-    def put(section, key, value, convert=lambda v: v):
-        if value is not None:
-            cfg[section][key] = convert(value)
-
-    objective = _get(plan, "objective")
-    if objective is not None:
-        cfg["method"] = objective
-        if cfg["data"].get("format") not in (None, "auto", *methods.get(objective).formats):
-            cfg["data"]["format"] = "auto"
-    if objective and methods.get(objective).traits.reference and _get(plan, "precompute_ref"):
-        cfg["training"]["precompute_ref_log_probs"] = True
-    method = str(_get(plan, "method") or "").lower()
-    if method == "full":
-        cfg["lora"]["enabled"] = False
-        cfg["quantization"]["load_in_4bit"] = False
-    elif method in ("lora", "qlora"):
-        cfg["lora"]["enabled"] = True
-        cfg["quantization"]["load_in_4bit"] = method == "qlora"
-
-    lora = _get(plan, "lora") if isinstance(_get(plan, "lora"), dict) else {}
-    put("lora", "r", _get(plan, "lora_r", lora.get("r")), int)
-    put("lora", "lora_alpha", _get(plan, "lora_alpha", lora.get("alpha", lora.get("lora_alpha"))))
-    put("lora", "lora_dropout", _get(plan, "lora_dropout", lora.get("dropout", lora.get("lora_dropout"))))
-    targets = _get(plan, "target_modules", lora.get("target_modules"))
-    if targets:
-        if isinstance(targets, str) and targets != "all-linear":
-            targets = [t.strip() for t in targets.split(",") if t.strip()]
-        put("lora", "target_modules", targets if isinstance(targets, str) else list(targets))
-
-    put(
-        "training",
-        "per_device_train_batch_size",
-        _get(plan, "batch_size", _get(plan, "micro_batch_size")),
-        int,
-    )
-    put("training", "max_length", _get(plan, "seq_len", _get(plan, "max_length")), int)
-    put("training", "gradient_checkpointing", _get(plan, "gradient_checkpointing"), bool)
-    put("training", "optim", _get(plan, "optim"))
-    # the memory levers a run config carries (core.estimate.levers); the others are always on in the engine
-    for plan_key, key in (
-        ("padding_free", "padding_free"),
-        ("packing", "packing"),
-        ("activation_offloading", "activation_offloading"),
-        ("liger", "use_liger_kernel"),
-    ):
-        value = _get(plan, plan_key)
-        if value is not None and (value or key in cfg["training"]):
-            cfg["training"][key] = bool(value)
-    if _get(plan, "packing"):
-        put("training", "packing_strategy", _get(plan, "packing_strategy"))
-
-    attn = _get(plan, "attn", _get(plan, "attn_implementation"))
-    if attn:
-        put(
-            "model",
-            "attn_implementation",
-            {"flash": "flash_attention_2", "fa2": "flash_attention_2"}.get(attn, attn),
-        )
-    put("model", "path", _get(plan, "model"), str)
-    short = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-    dtype = _get(plan, "load_dtype", _get(plan, "dtype"))
-    if dtype:
-        put("model", "dtype", short.get(str(dtype), str(dtype)))
-    # The compute dtype is the Trainer's mixed-precision flag (and the 4-bit compute dtype).
-    compute = _get(plan, "compute_dtype") or dtype
-    if compute:
-        compute = short.get(str(compute), str(compute))
-        if _get(plan, "autocast") is False or compute == "float32":
-            cfg["training"]["bf16"], cfg["training"]["fp16"] = False, False
-        elif compute == "bfloat16":
-            cfg["training"]["bf16"], cfg["training"]["fp16"] = "auto", False
-        elif compute == "float16":
-            cfg["training"]["bf16"], cfg["training"]["fp16"] = False, True
-        if compute in DTYPES:
-            cfg["quantization"]["bnb_4bit_compute_dtype"] = compute
-    quant = _get(plan, "quant_type", _get(plan, "bnb_4bit_quant_type"))
-    if quant:
-        put("quantization", "bnb_4bit_quant_type", str(quant).lower())
-    put("quantization", "bnb_4bit_use_double_quant", _get(plan, "double_quant"), bool)
-
-    if cfg["model"].get("path") and cfg["data"].get("path"):
-        return validate_config(cfg)
-    return cfg
