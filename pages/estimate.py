@@ -61,141 +61,173 @@ def _cards() -> list[tuple[str, float]]:
     ]
 
 
-def plan_form() -> Plan:
-    saved = st.session_state.get("plan") or {}
-    d = Plan(**{k: v for k, v in saved.items() if k in Plan.__dataclass_fields__}) if saved else Plan()
+def _model_and_method(d: Plan) -> dict:
+    """The model, how it is trained (full / LoRA / QLoRA; SFT / DPO / KTO) and the card."""
     presets = preset_ids()
-    c1, c2, c3 = st.columns(3)
-    with c1:
-        options = presets + [LOCAL]
-        choice = st.selectbox(
-            "Model",
-            options,
-            index=options.index(d.model) if d.model in presets else len(presets),
-            key="model",
+    options = presets + [LOCAL]
+    choice = st.selectbox(
+        "Model",
+        options,
+        index=options.index(d.model) if d.model in presets else len(presets),
+        key="model",
+    )
+    model = choice
+    if choice == LOCAL:
+        model = st.text_input(
+            "Model folder (holds config.json)",
+            value="" if d.model in presets else d.model,
+            key="model_path",
         )
-        model = choice
-        if choice == LOCAL:
-            model = st.text_input(
-                "Model folder (holds config.json)",
-                value="" if d.model in presets else d.model,
-                key="model_path",
-            )
-        method = st.radio(
-            "Method",
-            ["lora", "qlora", "full"],
-            index=["lora", "qlora", "full"].index(d.method),
+    method = st.radio(
+        "Method",
+        ["lora", "qlora", "full"],
+        index=["lora", "qlora", "full"].index(d.method),
+        horizontal=True,
+        key="method",
+    )
+    objective = st.radio(
+        "Training method",
+        methods.NAMES,
+        index=methods.NAMES.index(d.objective),
+        format_func=lambda name: methods.get(name).label,
+        horizontal=True,
+        key="objective",
+        help="SFT; DPO (chosen + rejected rows and a reference model); KTO (rated answers and a reference)",
+    )
+    reference = "auto"
+    precompute_ref = False
+    if methods.get(objective).traits.reference:
+        precompute_ref = st.checkbox(
+            "Precompute the reference's log-probs",
+            value=d.precompute_ref,
+            key="precompute_ref",
+            help="training.precompute_ref_log_probs: no reference forward inside a training step",
+        )
+        reference = st.radio(
+            "Reference model",
+            ["auto", "copy"],
+            key="reference",
             horizontal=True,
-            key="method",
+            help="auto: the base with the adapter disabled (LoRA); copy: a separate model",
         )
-        objective = st.radio(
-            "Training method",
-            methods.NAMES,
-            index=methods.NAMES.index(d.objective),
-            format_func=lambda name: methods.get(name).label,
-            horizontal=True,
-            key="objective",
-            help="SFT; DPO (chosen + rejected rows and a reference model); KTO (rated answers and a reference)",
-        )
-        reference = "auto"
-        precompute_ref = False
-        if methods.get(objective).traits.reference:
-            precompute_ref = st.checkbox(
-                "Precompute the reference's log-probs",
-                value=d.precompute_ref,
-                key="precompute_ref",
-                help="training.precompute_ref_log_probs: no reference forward inside a training step",
-            )
-            reference = st.radio(
-                "Reference model",
-                ["auto", "copy"],
-                key="reference",
-                horizontal=True,
-                help="auto: the base with the adapter disabled (LoRA); copy: a separate model",
-            )
-        cards = _cards()
-        labels = [c[0] for c in cards] + [f"{g} GiB" for g in CARD_SIZES]
-        sizes = [c[1] for c in cards] + [float(g) for g in CARD_SIZES]
-        card = st.selectbox("GPU", labels, index=0, key="gpu", help="Defaults to the detected card.")
-        gpu_gb = sizes[labels.index(card)]
-    with c2:
-        batch_size = st.number_input("Batch size (per device)", value=d.batch_size, step=1, key="batch_size")
-        seq_len = st.number_input("Sequence length (tokens)", value=d.seq_len, step=128, key="seq_len")
-        gradient_checkpointing = st.checkbox(
-            "Gradient checkpointing", value=d.gradient_checkpointing, key="gradient_checkpointing"
-        )
-        attn = st.selectbox(
-            "Attention",
-            ATTN,
-            index=ATTN.index(d.attn),
-            key="attn",
-            help="flash: flash_attention_2/3 (GPU); needed for padding-free batches without a mask",
-        )
-        optims = list(OPTIMIZERS)
-        optim = st.selectbox(
-            "Optimizer (TrainingArguments optim)",
-            optims,
-            index=optims.index(d.optim) if d.optim in optims else 0,
-            key="optim",
-        )
-        load_dtype = st.selectbox(
-            "Load dtype",
-            ["bf16", "fp16", "fp32"],
-            index=["bf16", "fp16", "fp32"].index(d.load_dtype),
-            key="load_dtype",
-        )
-        compute_dtype = st.selectbox(
-            "Compute dtype",
-            ["bf16", "fp16", "fp32"],
-            index=["bf16", "fp16", "fp32"].index(d.compute_dtype),
-            key="compute_dtype",
-        )
-    with c3:
-        lora_r = st.number_input(
-            "LoRA rank r", value=d.lora_r, step=1, key="lora_r", disabled=method == "full"
-        )
-        lora_alpha = st.number_input(
-            "LoRA alpha", value=d.lora_alpha, step=1, key="lora_alpha", disabled=method == "full"
-        )
-        lora_dropout = st.number_input(
-            "LoRA dropout",
-            value=float(d.lora_dropout),
-            step=0.05,
-            key="lora_dropout",
-            disabled=method == "full",
-        )
-        target_modules = st.text_input(
-            "Target modules",
-            value=d.target_modules,
-            key="target_modules",
-            help="all-linear, or names such as q_proj,v_proj",
-            disabled=method == "full",
-        )
-        quant_type = st.selectbox(
-            "4-bit type",
-            ["nf4", "fp4"],
-            index=["nf4", "fp4"].index(d.quant_type),
-            key="quant_type",
-            disabled=method != "qlora",
-        )
-        double_quant = st.checkbox(
-            "Double quantization", value=d.double_quant, key="double_quant", disabled=method != "qlora"
-        )
-        prepare_kbit = st.checkbox(
-            "QLoRA fp32 upcast (plain Trainer, for comparison)",
-            value=d.prepare_kbit,
-            key="prepare_kbit",
-            disabled=method != "qlora",
-            help="peft.prepare_model_for_kbit_training casts embeddings, lm_head and norms to fp32. The engine "
-            "(TRL's SFTTrainer) never does: it keeps them 16-bit and casts the adapters to bf16.",
-        )
-        eval_kv_tokens = st.number_input(
-            "Eval/generation KV cache tokens", value=d.eval_kv_tokens, step=256, key="eval_kv_tokens"
-        )
-        expandable_segments = st.checkbox(
-            "expandable_segments allocator", value=d.expandable_segments, key="expandable_segments"
-        )
-    st.markdown("**Memory levers** — what each saves and costs is listed under the bill.")
+    cards = _cards()
+    labels = [c[0] for c in cards] + [f"{g} GiB" for g in CARD_SIZES]
+    sizes = [c[1] for c in cards] + [float(g) for g in CARD_SIZES]
+    card = st.selectbox("GPU", labels, index=0, key="gpu", help="Defaults to the detected card.")
+    gpu_gb = sizes[labels.index(card)]
+    return dict(
+        model=model,
+        method=method,
+        objective=objective,
+        reference=reference,
+        precompute_ref=precompute_ref,
+        gpu_gb=gpu_gb,
+    )
+
+
+def _step_settings(d: Plan) -> dict:
+    """Batch, length, checkpointing, attention, optimizer and precision."""
+    batch_size = st.number_input("Batch size (per device)", value=d.batch_size, step=1, key="batch_size")
+    seq_len = st.number_input("Sequence length (tokens)", value=d.seq_len, step=128, key="seq_len")
+    gradient_checkpointing = st.checkbox(
+        "Gradient checkpointing", value=d.gradient_checkpointing, key="gradient_checkpointing"
+    )
+    attn = st.selectbox(
+        "Attention",
+        ATTN,
+        index=ATTN.index(d.attn),
+        key="attn",
+        help="flash: flash_attention_2/3 (GPU); needed for padding-free batches without a mask",
+    )
+    optims = list(OPTIMIZERS)
+    optim = st.selectbox(
+        "Optimizer (TrainingArguments optim)",
+        optims,
+        index=optims.index(d.optim) if d.optim in optims else 0,
+        key="optim",
+    )
+    load_dtype = st.selectbox(
+        "Load dtype",
+        ["bf16", "fp16", "fp32"],
+        index=["bf16", "fp16", "fp32"].index(d.load_dtype),
+        key="load_dtype",
+    )
+    compute_dtype = st.selectbox(
+        "Compute dtype",
+        ["bf16", "fp16", "fp32"],
+        index=["bf16", "fp16", "fp32"].index(d.compute_dtype),
+        key="compute_dtype",
+    )
+    return dict(
+        batch_size=batch_size,
+        seq_len=seq_len,
+        gradient_checkpointing=gradient_checkpointing,
+        attn=attn,
+        optim=optim,
+        load_dtype=load_dtype,
+        compute_dtype=compute_dtype,
+    )
+
+
+def _adapter_settings(d: Plan, method: str) -> dict:
+    """LoRA, 4-bit quantization, the KV cache of evaluation and the allocator."""
+    lora_r = st.number_input("LoRA rank r", value=d.lora_r, step=1, key="lora_r", disabled=method == "full")
+    lora_alpha = st.number_input(
+        "LoRA alpha", value=d.lora_alpha, step=1, key="lora_alpha", disabled=method == "full"
+    )
+    lora_dropout = st.number_input(
+        "LoRA dropout",
+        value=float(d.lora_dropout),
+        step=0.05,
+        key="lora_dropout",
+        disabled=method == "full",
+    )
+    target_modules = st.text_input(
+        "Target modules",
+        value=d.target_modules,
+        key="target_modules",
+        help="all-linear, or names such as q_proj,v_proj",
+        disabled=method == "full",
+    )
+    quant_type = st.selectbox(
+        "4-bit type",
+        ["nf4", "fp4"],
+        index=["nf4", "fp4"].index(d.quant_type),
+        key="quant_type",
+        disabled=method != "qlora",
+    )
+    double_quant = st.checkbox(
+        "Double quantization", value=d.double_quant, key="double_quant", disabled=method != "qlora"
+    )
+    prepare_kbit = st.checkbox(
+        "QLoRA fp32 upcast (plain Trainer, for comparison)",
+        value=d.prepare_kbit,
+        key="prepare_kbit",
+        disabled=method != "qlora",
+        help="peft.prepare_model_for_kbit_training casts embeddings, lm_head and norms to fp32. The engine "
+        "(TRL's SFTTrainer) never does: it keeps them 16-bit and casts the adapters to bf16.",
+    )
+    eval_kv_tokens = st.number_input(
+        "Eval/generation KV cache tokens", value=d.eval_kv_tokens, step=256, key="eval_kv_tokens"
+    )
+    expandable_segments = st.checkbox(
+        "expandable_segments allocator", value=d.expandable_segments, key="expandable_segments"
+    )
+    return dict(
+        lora_r=lora_r,
+        lora_alpha=lora_alpha,
+        lora_dropout=lora_dropout,
+        target_modules=target_modules,
+        quant_type=quant_type,
+        double_quant=double_quant,
+        prepare_kbit=prepare_kbit,
+        eval_kv_tokens=eval_kv_tokens,
+        expandable_segments=expandable_segments,
+    )
+
+
+def _lever_toggles(d: Plan) -> dict:
+    """The memory levers (README 'Fitting more')."""
     l1, l2, l3 = st.columns(3)
     with l1:
         fused_lm_head = st.checkbox(
@@ -232,36 +264,31 @@ def plan_form() -> Plan:
             key="liger",
             help="training.use_liger_kernel (pip install liger-kernel). Modelled, not yet measured.",
         )
-    return Plan(
+    return dict(
         fused_lm_head=fused_lm_head,
         padding_free=padding_free,
         packing=packing,
         packing_strategy=packing_strategy,
         activation_offloading=activation_offloading,
         liger=liger,
-        model=model,
-        method=method,
-        objective=objective,
-        reference=reference,
-        precompute_ref=precompute_ref,
-        load_dtype=load_dtype,
-        compute_dtype=compute_dtype,
-        quant_type=quant_type,
-        double_quant=double_quant,
-        prepare_kbit=prepare_kbit,
-        lora_r=int(lora_r),
-        lora_alpha=int(lora_alpha),
-        lora_dropout=float(lora_dropout),
-        target_modules=target_modules,
-        batch_size=int(batch_size),
-        seq_len=int(seq_len),
-        gradient_checkpointing=gradient_checkpointing,
-        attn=attn,
-        optim=optim,
-        eval_kv_tokens=int(eval_kv_tokens),
-        gpu_gb=float(gpu_gb),
-        expandable_segments=expandable_segments,
     )
+
+
+def plan_form() -> Plan:
+    saved = st.session_state.get("plan") or {}
+    d = Plan(**{k: v for k, v in saved.items() if k in Plan.__dataclass_fields__}) if saved else Plan()
+    c1, c2, c3 = st.columns(3)
+    with c1:
+        values = _model_and_method(d)
+    with c2:
+        values |= _step_settings(d)
+    with c3:
+        values |= _adapter_settings(d, values["method"])
+    st.markdown("**Memory levers** — what each saves and costs is listed under the bill.")
+    values |= _lever_toggles(d)
+    ints = ("lora_r", "lora_alpha", "batch_size", "seq_len", "eval_kv_tokens")
+    floats = ("lora_dropout", "gpu_gb")
+    return Plan(**{k: int(v) if k in ints else float(v) if k in floats else v for k, v in values.items()})
 
 
 # Segment colours: no greens and no reds, so the green target band and the red card line drawn over the bars
@@ -325,6 +352,7 @@ def curve_chart(rows: list[dict], name: str, cap_gib: float) -> alt.LayerChart:
 
 
 def show(plan: Plan) -> None:
+    """The bill of `plan`: the verdict and totals, the terms, the fit search, and what would make it fit."""
     # the first estimate of a model (per library version) builds it on the meta device: seconds, once
     with st.spinner("Counting the model's parameters on torch's meta device (once per model and version)…"):
         spec = load_spec(plan.model)
@@ -379,7 +407,12 @@ def show(plan: Plan) -> None:
         )
     if est.reference:
         st.info(f"Reference model: {est.reference}.")
+    fit_panel(plan, spec, est)
+    advice_panel(plan, spec)
 
+
+def fit_panel(plan: Plan, spec, est) -> None:
+    """The largest batch and length that fit (with this plan and with every lever on), and memory curves."""
     fit = fit_search(plan, spec)
 
     def _largest(value, what: str) -> str:
@@ -413,6 +446,9 @@ def show(plan: Plan) -> None:
         width="stretch",
     )
 
+
+def advice_panel(plan: Plan, spec) -> None:
+    """What would make it fit: each change with its saving and cost, and every lever's saving here."""
     st.subheader("What would make it fit")
     advice = what_would_fit(plan, spec)
     if not advice:

@@ -295,6 +295,24 @@ def _errors_below(slot, errors: dict, *paths: str) -> None:
 
 def config_form(workspace: str) -> tuple[dict, dict, str]:
     """Draw the form; returns (raw config, field errors, run name)."""
+    _prefill(workspace)
+    slots = {}
+    name, method = _name_and_method(workspace)
+    slots["name"] = st.empty()
+    _model_fields()
+    slots["model"] = st.empty()
+    _lora_fields()
+    slots["lora"] = st.empty()
+    _data_fields(method)
+    slots["data"] = st.empty()
+    _training_fields(method)
+    slots["training"] = st.empty()
+    return _checked(workspace, name, slots)
+
+
+def _prefill(workspace: str) -> None:
+    """Fill the form once: from a pending config (an upload, a demo button), the Estimate page's plan when it
+    changed, or the base config; then the notes that go with it."""
     base, source = _base_config(workspace)
     plan = st.session_state.get("train_plan")
     plan_key = repr(sorted(plan.items())) if plan else None
@@ -320,11 +338,12 @@ def config_form(workspace: str) -> tuple[dict, dict, str]:
         model_name = Path(st.session_state["tr_model_path"] or "run").name
         st.session_state["tr_name"] = suggest_run_name(f"{model_name}-{time.strftime('%Y%m%d-%H%M%S')}")
 
-    slots = {}
+
+def _name_and_method(workspace: str):
+    """The run name and the method (with its demo button); returns (name, the Method)."""
     name = st.text_input(
         "Run name", key="tr_name", help="A folder under <workspace>/runs: letters, digits, . _ -"
     )
-    slots["name"] = st.empty()
     st.radio(
         "Method",
         METHODS,
@@ -352,6 +371,10 @@ def config_form(workspace: str) -> tuple[dict, dict, str]:
         st.session_state["tr_pending_source"] = f"the demo's {method.label} settings"
         st.rerun()
 
+    return name, method
+
+
+def _model_fields() -> None:
     st.markdown("##### Model")
     c1, c2, c3 = st.columns([3, 1, 1])
     c1.text_input(
@@ -365,8 +388,9 @@ def config_form(workspace: str) -> tuple[dict, dict, str]:
         help="Only for architectures transformers does not have yet. The folder's .py files run with your rights: "
         "tick it only for a model you trust. A loaded YAML never ticks it for you.",
     )
-    slots["model"] = st.empty()
 
+
+def _lora_fields() -> None:
     st.markdown("##### LoRA")
     c = st.columns([1, 1, 1, 1, 1, 2])
     c[0].checkbox("LoRA", key="tr_lora", help="Off: full fine-tuning.")
@@ -375,8 +399,9 @@ def config_form(workspace: str) -> tuple[dict, dict, str]:
     c[3].number_input("alpha", key="tr_alpha", step=1.0)
     c[4].number_input("dropout", key="tr_dropout", step=0.05, format="%.2f")
     c[5].text_input("Target modules", key="tr_targets", help="all-linear, or a list such as q_proj, v_proj")
-    slots["lora"] = st.empty()
 
+
+def _data_fields(method) -> None:
     st.markdown("##### Data")
     c1, c2, c3, c4 = st.columns([3, 1, 1, 1])
     c1.text_input(
@@ -397,8 +422,9 @@ def config_form(workspace: str) -> tuple[dict, dict, str]:
     c4.number_input(
         "Eval split", key="tr_eval_split", step=0.01, format="%.2f", help="Fraction held out (0: none)"
     )
-    slots["data"] = st.empty()
 
+
+def _training_fields(method) -> None:
     st.markdown("##### Training")
     c = st.columns(4)
     c[0].number_input("Batch size (per device)", key="tr_batch", step=1)
@@ -439,8 +465,10 @@ def config_form(workspace: str) -> tuple[dict, dict, str]:
     c[2].number_input("Checkpoint every (steps)", key="tr_save", step=10)
     if method.fields:
         method_fields(method)
-    slots["training"] = st.empty()
 
+
+def _checked(workspace: str, name: str, slots: dict) -> tuple[dict, dict, str]:
+    """The config the form says, its problems shown below the fields they concern."""
     raw = _raw_config()
     st.session_state["train_config"] = raw  # survives a visit to another page (widget state does not)
     errors = _field_errors(config_to_yaml(raw))
