@@ -138,11 +138,7 @@ def method_charts(snap) -> None:
                 **extra,
             )
             last = snap.latest
-            figures = [
-                f"{label} {last[key]:.3g}"
-                for key, label in (*chart.train, *chart.eval)
-                if isinstance(last.get(key), float)
-            ]
+            figures = [f"{label} {last[key]:{fmt}}" for key, label, fmt in chart.caption if key in last]
             if figures:
                 st.caption("last " + " · ".join(figures))
 

@@ -11,13 +11,8 @@ import streamlit as st
 
 from core.fmt import duration
 from core.monitor.series import DEFAULT_SMOOTHING_STEPS
-from core.monitor.watch import (
-    CHANCE_ACCURACY,
-    COMPARABLE,
-    comparable_metrics,
-    compare_frame,
-    summarize_runs,
-)
+from core.monitor.summary import COMPARABLE, comparable_metrics, compare_frame, summarize_runs
+from core.monitor.watch import CHANCE_ACCURACY
 from core.runs.admin import delete_run
 from core.runs.launcher import RunError, list_runs
 from core.workspace import default_workspace, runs_dir

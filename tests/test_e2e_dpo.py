@@ -68,7 +68,7 @@ def test_dpo_run_from_the_train_page_is_charted_on_the_monitor(tmp_path):
         assert not exceptions_on(page)
         page.screenshot(path=str(SHOTS / "dpo-03-runs.png"))
         # the table is a canvas: what it shows for this run, from the function that fills it
-        from core.monitor.watch import summarize_runs
+        from core.monitor.summary import summarize_runs
 
         row = next(r for r in summarize_runs(ws / "runs") if r.name == run_dir.name)
         assert row.method == "dpo" and row.reward_accuracy >= 0.8 and row.reward_source == "eval"

@@ -3,8 +3,9 @@ nesting, a multi-megabyte line, binary garbage. Each is skipped and counted; the
 
 import json
 
+from core.monitor.summary import summarize_runs
 from core.monitor.tail import JsonlTail, RunSeries
-from core.monitor.watch import RunWatcher, summarize_runs
+from core.monitor.watch import RunWatcher
 
 GOOD = [{"time": 1.0 + i, "step": i, "loss": 2.0 - i / 10} for i in range(1, 4)]
 HOSTILE = [

@@ -189,7 +189,8 @@ def test_kto_run_through_core_train_charts_and_merges(tmp_path, tiny_llama, feed
     assert len(margins) >= 5 and margins[-1] > margins[0] and any("kl" in m for m in metrics)
     assert json.loads((run_dir / rundir.PLAN).read_text())["plan"]["objective"] == "kto"
 
-    from core.monitor.watch import RunWatcher, summarize_run
+    from core.monitor.summary import summarize_run
+    from core.monitor.watch import RunWatcher
 
     snap = RunWatcher(run_dir).refresh()
     assert snap.method == "kto" and not snap.charts["kto_rewards"].empty and not snap.charts["kto_kl"].empty

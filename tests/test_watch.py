@@ -11,16 +11,14 @@ from pathlib import Path
 
 import numpy as np
 
-from core.monitor.watch import (
-    CHANCE_ACCURACY,
-    DPO_CHARTS,
-    RunWatcher,
+from core.monitor.summary import (
     comparable_metrics,
     compare_frame,
     compare_loss_frame,
     summarize_run,
     summarize_runs,
 )
+from core.monitor.watch import CHANCE_ACCURACY, DPO_CHARTS, RunWatcher
 
 GiB = 1024**3
 

@@ -27,14 +27,18 @@ import pandas as pd
 from core.files import read_json_object, read_yaml_mapping
 from core.monitor.diagnose import Diagnosis, diagnose, load_evidence
 from core.monitor.health import HealthChecker, HealthWarning
-from core.monitor.series import DEFAULT_SMOOTHING_STEPS, downsample_minmax, stride
+from core.monitor.series import downsample_minmax, stride
 from core.monitor.tail import RunFiles, RunSeries, TextTail
 from core.runs import rundir
 from core.train import methods
 from core.train.methods.dpo import METHOD as DPO_METHOD
 
 GiB = 1024**3
+
+
 CHANCE_ACCURACY = DPO_METHOD.charts[1].chance  # a coin flip's preference accuracy: what DPO must rise above
+
+
 DPO_CHARTS = tuple(f"dpo_{chart.key}" for chart in DPO_METHOD.charts)
 
 
@@ -435,36 +439,9 @@ def run_peak_bytes(s: RunSeries) -> float | None:
     return None
 
 
-# --- Runs page -------------------------------------------------------------------------------------------
-
-
-@dataclass
-class RunSummary:
-    name: str
-    run_dir: str
-    state: str
-    started: float | None
-    duration_s: float | None
-    step: int | None
-    max_steps: int | None
-    best_eval_loss: float | None
-    final_loss: float | None
-    peak_memory_gib: float | None
-    malformed: int = 0  # log lines that could not be used
-    error: str | None = None  # why this run's files could not be read at all
-    method: str | None = None  # "sft", "dpo", ...; None without a readable config or telling metrics
-    # a preference run's last accuracy (DPO) and reward margin (DPO, KTO): the last eval figures when the run
-    # evaluated (held out, averaged over the eval set), else the last logged training figures; `reward_source`
-    # says which
-    reward_accuracy: float | None = None
-    reward_margin: float | None = None
-    reward_source: str | None = None  # "eval" | "train"
-
-    def to_dict(self) -> dict:
-        return dict(self.__dict__)
-
-
 _FILES_CACHE: dict[str, RunFiles] = {}
+
+
 _METHOD_CACHE: dict[str, _CachedMethod] = {}
 
 
@@ -486,155 +463,8 @@ def _cached_method(run_dir: Path) -> _CachedMethod:
     return cached
 
 
-def _method_for(run_dir: Path, s: RunSeries) -> str | None:
-    cached = _cached_method(run_dir)
-    return resolve_method(cached.read(), cached.exists, s)
-
-
-def _last(s: RunSeries, name: str) -> float | None:
-    """The last finite value of a metric, or None."""
-    _, v = s.metric(name)
-    v = v[np.isfinite(v)]
-    return float(v[-1]) if v.size else None
-
-
-def preference_summary(s: RunSeries, method: str | None) -> tuple[float | None, float | None, str | None]:
-    """(preference accuracy, reward margin, "eval" | "train") of a method whose headline figures are rewards
-    (core.train.methods: DPO's accuracy and margin, KTO's margin): the last eval figures if the run evaluated,
-    else the last training figures; (None, None, None) for a method without them (SFT)."""
-    try:
-        wanted = {name for name, _ in methods.get(method).headline}
-    except ValueError:
-        wanted = set()
-    if not wanted:
-        return None, None, None
-    for prefix, source in (("eval_", "eval"), ("", "train")):
-        acc = _last(s, f"{prefix}rewards/accuracies") if "rewards/accuracies" in wanted else None
-        margin = _last(s, f"{prefix}rewards/margins") if "rewards/margins" in wanted else None
-        if acc is not None or margin is not None:
-            return acc, margin, source
-    return None, None, None
-
-
-def summarize_run(run_dir: str | os.PathLike, clock=time.time) -> RunSummary:
-    run_dir = Path(run_dir)
-    s = _files_for(run_dir).series
-    st = read_json_object(run_dir / rundir.STATUS) or {}
-    started, ended = st.get("started"), st.get("ended")
-    duration = None
-    if isinstance(started, (int, float)):
-        end = (
-            ended
-            if isinstance(ended, (int, float))
-            else (clock() if st.get("state") == "running" else st.get("updated"))
-        )
-        duration = (end - started) if isinstance(end, (int, float)) else None
-    _, ev = s.metric("eval_loss")
-    ev = ev[np.isfinite(ev)]
-    loss = s.metrics.get("loss")
-    peak = run_peak_bytes(s)
-    method = _method_for(run_dir, s)
-    accuracy, margin, source = preference_summary(s, method)
-    return RunSummary(
-        name=run_dir.name,
-        run_dir=str(run_dir),
-        state=st.get("state") or "unknown",
-        started=started if isinstance(started, (int, float)) else None,
-        duration_s=duration,
-        step=st.get("step") if isinstance(st.get("step"), int) else s.last_step,
-        max_steps=st.get("max_steps") if isinstance(st.get("max_steps"), int) else None,
-        best_eval_loss=float(ev.min()) if ev.size else None,
-        final_loss=loss.last() if loss is not None and len(loss) else None,
-        peak_memory_gib=peak / GiB if peak else None,
-        malformed=_files_for(run_dir).metrics_tail.malformed,
-        method=method,
-        reward_accuracy=accuracy,
-        reward_margin=margin,
-        reward_source=source,
-    )
-
-
-def _summary_or_error(run_dir: Path) -> RunSummary:
-    """One broken run is one row with its error, never a broken page for the others."""
-    try:
-        return summarize_run(run_dir)
-    except Exception as exc:  # anything a hostile or half-written file can raise
-        return RunSummary(
-            run_dir.name,
-            str(run_dir),
-            "unreadable",
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            error=f"{type(exc).__name__}: {str(exc)[:200]}",
-        )
-
-
-def summarize_runs(runs_dir: str | os.PathLike) -> list[RunSummary]:
-    """Every run folder under `runs_dir` (<workspace>/runs), newest first."""
-    root = Path(runs_dir)
-    if not root.is_dir():
-        return []
-    dirs = [d for d in root.iterdir() if d.is_dir() and not d.name.startswith(".")]
-    alive = {str(d.resolve()) for d in dirs}
+def forget_runs(root: Path, keep: set[str]) -> None:
+    """Drop the cached files and methods of runs under `root` that are no longer there."""
     for cache in (_FILES_CACHE, _METHOD_CACHE):
-        for key in [k for k in cache if k.startswith(str(root.resolve())) and k not in alive]:
-            del cache[key]  # a deleted run must not keep its points in memory
-    out = [_summary_or_error(d) for d in dirs]
-    return sorted(out, key=lambda r: r.started or 0.0, reverse=True)
-
-
-# What the Runs page can put side by side: (metric, axis title). The DPO figures only for runs that logged them.
-COMPARABLE = (
-    ("loss", "loss"),
-    ("rewards/accuracies", "preference accuracy (rewards/accuracies)"),
-    ("rewards/margins", "reward margin (rewards/margins)"),
-)
-
-
-def comparable_metrics(run_dirs: list[str | os.PathLike]) -> list[str]:
-    """The COMPARABLE metrics at least one of these runs has logged, in COMPARABLE's order ("loss" always first
-    when any run has a loss): a metric selector never offers a curve none of them can draw."""
-    have: set[str] = set()
-    for d in run_dirs:
-        have.update(_files_for(Path(d)).series.metrics)
-    return [name for name, _ in COMPARABLE if name in have]
-
-
-def compare_frame(
-    run_dirs: list[str | os.PathLike],
-    metric: str = "loss",
-    smoothed: bool = True,
-    max_points: int = 1000,
-    smoothing_steps: float = DEFAULT_SMOOTHING_STEPS,
-) -> pd.DataFrame:
-    """One metric's curves of several runs on one chart: columns step, value, run (long form). A run that did
-    not log the metric is left out (the caller can say so)."""
-    parts = []
-    for d in run_dirs:
-        s = _files_for(Path(d)).series
-        s.set_smoothing(smoothing_steps)
-        if metric not in s.metrics:
-            continue
-        x, y = (
-            stride(*s.smooth(metric), max_points)
-            if smoothed and metric in s.smoothed
-            else downsample_minmax(*s.metric(metric), max_points)
-        )
-        parts.append((Path(d).name, x, y))
-    df = _frame("step", parts)
-    return df.rename(columns={"series": "run"})
-
-
-def compare_loss_frame(
-    run_dirs: list[str | os.PathLike],
-    smoothed: bool = True,
-    max_points: int = 1000,
-    smoothing_steps: float = DEFAULT_SMOOTHING_STEPS,
-) -> pd.DataFrame:
-    """Loss curves of several runs on one chart: columns step, value, run (long form)."""
-    return compare_frame(run_dirs, "loss", smoothed, max_points, smoothing_steps)
+        for key in [k for k in cache if k.startswith(str(root.resolve())) and k not in keep]:
+            del cache[key]

@@ -35,6 +35,8 @@ class Chart:
     train: tuple[tuple[str, str], ...]
     eval: tuple[tuple[str, str], ...] = ()
     chance: float | None = None  # a reference line (e.g. a coin flip's preference accuracy)
+    # the last figures shown under it: (metric key, label, format)
+    caption: tuple[tuple[str, str, str], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -116,7 +116,10 @@ METHOD = KTO(
         ),
         Chart("kl", "KL to the reference", "KL", (("kl", "train"),), (("eval_kl", "eval"),)),
         Chart(
-            "logps", "Log-probs", "log p", (("logps/chosen", "desirable"), ("logps/rejected", "undesirable"))
+            "logps",
+            "Log-probs (desirable vs undesirable)",
+            "log p",
+            (("logps/chosen", "desirable"), ("logps/rejected", "undesirable")),
         ),
     ),
     headline=(("rewards/margins", "reward margin"),),
