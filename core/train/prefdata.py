@@ -357,7 +357,7 @@ def _blank(value) -> bool:
 
 
 def check_pairs(rows, tokenizer, max_length: int, model_config=None, fmt: str = "auto") -> list[Finding]:
-    """Findings (core.train.preflight.Finding, 1-based rows) for preference rows; an empty list means ready.
+    """Findings (core.train.findings.Finding, 1-based rows) for preference rows; an empty list means ready.
 
     Errors: no rows, unknown format, rows that are not records or lack/mistype a key, no chat template for
     messages, no EOS for text, an empty chosen or rejected, a prompt of max_length tokens or more (DPOTrainer
@@ -375,29 +375,39 @@ def check_pairs(rows, tokenizer, max_length: int, model_config=None, fmt: str = 
         fmt = detect_pref_format(rows, fmt)
     except DataError as exc:
         return [Finding("error", "columns", str(exc), "Rename columns with data.columns or set data.format.")]
-    if fmt == "conversational" and not getattr(tokenizer, "chat_template", None):
-        return [
-            Finding(
-                "error",
-                "chat_template",
-                "The pairs are conversations (message lists) but the tokenizer has no chat template, so they cannot "
-                "be rendered.",
-                "Use an instruct/chat model's tokenizer, set tokenizer.chat_template, or give plain-text pairs.",
-            )
-        ]
-    if fmt == "standard" and getattr(tokenizer, "eos_token", None) is None:
-        return [
-            Finding(
-                "error",
-                "eos",
-                "The tokenizer has no eos_token, which DPOTrainer appends to every plain-text answer.",
-                "Use a tokenizer with an EOS token, or give the pairs as conversations.",
-            )
-        ]
-
+    blocker = _tokenizer_problem(tokenizer, fmt)
+    if blocker:
+        return [blocker]
     vocab, max_pos = model_limits(model_config)
-    findings: list[Finding] = max_length_findings(max_length, max_pos)
+    tally = _scan_pairs(rows, fmt, tokenizer, max_length, vocab, max_pos)
+    return max_length_findings(max_length, max_pos) + _pair_findings(
+        tally, n_rows, max_length, vocab, max_pos, len(tokenizer)
+    )
 
+
+def _tokenizer_problem(tokenizer, fmt: str) -> Finding | None:
+    """What stops a format from being tokenized at all: no chat template for messages, no EOS for texts."""
+    if fmt == "conversational" and not getattr(tokenizer, "chat_template", None):
+        return Finding(
+            "error",
+            "chat_template",
+            "The pairs are conversations (message lists) but the tokenizer has no chat template, so they cannot "
+            "be rendered.",
+            "Use an instruct/chat model's tokenizer, set tokenizer.chat_template, or give plain-text pairs.",
+        )
+    if fmt == "standard" and getattr(tokenizer, "eos_token", None) is None:
+        return Finding(
+            "error",
+            "eos",
+            "The tokenizer has no eos_token, which DPOTrainer appends to every plain-text answer.",
+            "Use a tokenizer with an EOS token, or give the pairs as conversations.",
+        )
+
+    return None
+
+
+def _scan_pairs(rows, fmt: str, tokenizer, max_length: int, vocab, max_pos) -> dict:
+    """Every row normalized and tokenized as DPOTrainer does: the rows of each problem, by kind."""
     structure: dict[str, tuple[list[int], str]] = {}
     empty, identical, long_prompt, truncated, cut_same, over_vocab, over_pos = [], [], [], [], [], [], []
     n_pairs = 0
@@ -436,7 +446,24 @@ def check_pairs(rows, tokenizer, max_length: int, model_config=None, fmt: str = 
             room = max_length - len(p)
             if c != r and c[:room] == r[:room]:
                 cut_same.append(n)
+    return dict(
+        structure=structure,
+        empty=empty,
+        identical=identical,
+        long_prompt=long_prompt,
+        truncated=truncated,
+        cut_same=cut_same,
+        over_vocab=over_vocab,
+        over_pos=over_pos,
+        n_pairs=n_pairs,
+    )
 
+
+def _pair_findings(t: dict, n_rows: int, max_length: int, vocab, max_pos, vocab_len: int) -> list[Finding]:
+    """The tally of _scan_pairs as findings, errors first."""
+    structure, empty, identical, n_pairs = t["structure"], t["empty"], t["identical"], t["n_pairs"]
+    long_prompt, truncated, cut_same = t["long_prompt"], t["truncated"], t["cut_same"]
+    findings: list[Finding] = []
     for check, (bad, first) in structure.items():
         findings.append(
             Finding(
@@ -482,7 +509,7 @@ def check_pairs(rows, tokenizer, max_length: int, model_config=None, fmt: str = 
                 rows=long_prompt,
             )
         )
-    findings += token_findings(over_vocab, vocab, len(tokenizer), over_pos, max_pos, max_length)
+    findings += token_findings(t["over_vocab"], vocab, vocab_len, t["over_pos"], max_pos, max_length)
     if truncated:
         pct = 100.0 * len(truncated) / n_rows
         findings.append(
