@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -48,12 +49,13 @@ def main(argv: list[str] | None = None) -> int:
         "vocabulary does not match --base",
     )
     args = ap.parse_args(argv)
-    # The CLI prints its own progress and verdict; library progress bars and advisory warnings are noise here.
-    import warnings
-
+    # transformers and the merge engine (torch) take seconds to import: only after the arguments are valid, so
+    # --help and argument errors answer at once
     from transformers.utils import logging as hf_logging
 
     from core.merge.export import merge_at
+
+    # The CLI prints its own progress and verdict; library progress bars and advisory warnings are noise here.
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
