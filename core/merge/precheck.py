@@ -187,12 +187,12 @@ def _belonging_notes(plan: MergePlan, base_dir: Path, adapter_dir: Path, force: 
     with the fix, unless `force`: then it is kept as a note, with any note the checks made."""
     # plan_merge has read and checked it; the recorded-base check needs it as on disk, before any resize
     base_config = read_json_object(base_dir / "config.json", "restore it.")
-    mismatch, note = check_recorded_base(plan.adapter, base_dir, base_config)
+    mismatch, notes = check_recorded_base(plan.adapter, plan.base, base_config)
     vocab = check_vocabulary(adapter_dir, base_dir, signature(plan.config).get("vocab_size"))
     mismatches = [m for m in (mismatch, vocab) if m]
     if mismatches and not force:
         raise MergeError("; ".join(mismatches) + ": " + FORCE_FIX)
-    return [f"Merging anyway (forced): {m}." for m in mismatches] + ([note] if note else [])
+    return [f"Merging anyway (forced): {m}." for m in mismatches] + notes
 
 
 def _target_problems(target: Path, base_dir: Path, adapter_dir: Path) -> tuple[list[str], Path]:
