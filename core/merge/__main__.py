@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--force",
         action="store_true",
-        help="merge even when the adapter's recorded base (base_model_name_or_path) or its tokenizer's "
+        help="merge even when --base is not the model the adapter was trained on (by the fingerprint of its "
+        "weights in base_fingerprint.json, or base_model_name_or_path's config.json) or its tokenizer's "
         "vocabulary does not match --base",
     )
     args = ap.parse_args(argv)
