@@ -174,8 +174,9 @@ def merge_form(ws: Path, base_dir: str, adapter_dir: str, run: str | None) -> No
     force = st.checkbox(
         "Merge anyway",
         key="merge_force",
-        help="Merge even when the adapter's recorded base model or its tokenizer's vocabulary does not match "
-        "this base (the check refuses by default: such a merge usually gives a broken model).",
+        help="Merge even when this base is not the model the adapter was trained on (other weights than the "
+        "ones it recorded, or another config) or its tokenizer's vocabulary does not match this base (the check "
+        "refuses by default: such a merge usually gives a broken model).",
     )
 
     try:

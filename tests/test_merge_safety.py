@@ -1,6 +1,7 @@
 """Merge safety and broken input (issue 11), on real files: tiny models built here, real CLI subprocesses.
 
-A wrong base or vocabulary is refused unless forced; broken adapters, shards and configs get one sentence on
+A wrong base (another config, or the same config with other weights than the adapter recorded) or vocabulary
+is refused unless forced; broken adapters, shards and configs get one sentence on
 stderr and exit 2 with nothing written; a killed merge's temp folder is cleaned by the next merge into the same
 folder; on the CLI relative paths start from the current folder and any writable --out is allowed, while the
 page-facing functions keep writing only inside the workspace.
@@ -25,8 +26,8 @@ from core.demo.toy import build_tiny_model
 REPO = Path(__file__).resolve().parent.parent
 
 
-def make_adapter(base: Path, out: Path, seed: int = 0, **lora_kwargs) -> Path:
-    """A real peft adapter (every trainable tensor perturbed, so verification sees it change the model)."""
+def lora_model(base: Path, seed: int = 0, **lora_kwargs):
+    """A real peft model on `base` (every trainable tensor perturbed, so verification sees it change the model)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -39,7 +40,12 @@ def make_adapter(base: Path, out: Path, seed: int = 0, **lora_kwargs) -> Path:
         for _, p in model.named_parameters():
             if p.requires_grad:
                 p.add_(0.05 * torch.randn_like(p))
-    model.save_pretrained(str(out))
+    return model
+
+
+def make_adapter(base: Path, out: Path, seed: int = 0, **lora_kwargs) -> Path:
+    """A real peft adapter saved with save_pretrained, as adapters from elsewhere are (no fingerprint)."""
+    lora_model(base, seed, **lora_kwargs).save_pretrained(str(out))
     return out
 
 
@@ -123,6 +129,101 @@ def test_a_copy_of_the_recorded_base_or_an_unknown_hub_id_is_accepted(
     (adapter / "adapter_config.json").write_text(json.dumps(cfg))
     pf, _ = M.preflight(tiny_llama, adapter, "exports/c", workspace=workspace)
     assert pf.ok and any("some-org/not-cached-anywhere" in n for n in pf.notes)
+
+
+# ---- the base weights the adapter was trained on (issue 21 item 4) ------------------------------------------
+
+
+def trained_adapter(base: Path, run_dir: Path) -> Path:
+    """A real adapter on `base` saved by the trainer's own save_final, as a run saves it (with the tokenizer and
+    the record of its base)."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from core.train.trainer import save_final
+
+    cfg = {"lora": {"enabled": True}, "model": {"path": str(base)}}
+    tok = AutoTokenizer.from_pretrained(str(base))
+    return save_final(SimpleNamespace(model=lora_model(base)), tok, run_dir, cfg)
+
+
+@pytest.fixture()
+def finetune(tiny_llama, tmp_path) -> Path:
+    """Another fine-tune of the same model: config.json identical, other weights (Llama-3.1-8B vs -Instruct)."""
+    other = build_tiny_model(tmp_path / "finetune", "llama", seed=1)
+    assert (other / "config.json").read_text() == (tiny_llama / "config.json").read_text()
+    return other
+
+
+@pytest.mark.slow
+def test_cli_refuses_another_finetune_of_the_base_the_adapter_was_trained_on(
+    tiny_llama, finetune, tmp_path, workspace
+):
+    adapter = trained_adapter(tiny_llama, tmp_path / "run")
+    out = workspace / "exports" / "m"
+    r = run_cli("--base", str(finetune), "--adapter", str(adapter), "--out", str(out))
+    assert_refused(
+        r, out, f"trained on {tiny_llama}", str(finetune), "other values", "--force", "Merge anyway"
+    )
+    assert json.loads((adapter / "base_fingerprint.json").read_text())["base"] == str(tiny_llama)
+
+    same = run_cli("--base", str(tiny_llama), "--adapter", str(adapter), "--out", str(out))
+    assert same.returncode == 0, same.stderr[-3000:]
+    assert "verification (full): PASSED" in same.stdout and "note:" not in same.stdout, same.stdout
+
+    forced_out = workspace / "exports" / "forced"
+    forced = run_cli("--base", str(finetune), "--adapter", str(adapter), "--out", str(forced_out), "--force")
+    assert forced.returncode == 0, forced.stderr[-3000:]
+    assert (forced_out / "config.json").is_file()
+    notes = [line for line in forced.stdout.splitlines() if line.strip().startswith("note:")]
+    assert any("Merging anyway (forced)" in n and f"trained on {tiny_llama}" in n for n in notes), (
+        forced.stdout
+    )
+
+
+def test_page_functions_refuse_another_finetune_unless_forced(tiny_llama, finetune, tmp_path, workspace):
+    adapter = trained_adapter(tiny_llama, tmp_path / "run")
+    with pytest.raises(M.MergeError, match="holds other weights"):
+        M.preflight(finetune, adapter, "exports/f", workspace=workspace)
+    pf, _ = M.preflight(finetune, adapter, "exports/f", workspace=workspace, force=True)
+    assert pf.ok and any("forced" in n and "other weights" in n for n in pf.notes)
+    # The same weights anywhere (a copy in another folder) are the base it was trained on: no note at all.
+    pf, _ = M.preflight(copy_model(tiny_llama, tmp_path / "copy"), adapter, "exports/c", workspace=workspace)
+    assert pf.ok and pf.notes == []
+
+
+def test_an_adapter_without_a_recorded_base_merges_with_a_note(tiny_llama, adapter, workspace):
+    pf, _ = M.preflight(tiny_llama, adapter, "exports/n", workspace=workspace)
+    assert pf.ok and any("no base_fingerprint.json" in n and "only config.json" in n for n in pf.notes)
+    (adapter / "base_fingerprint.json").write_text("{not json")
+    pf, _ = M.preflight(tiny_llama, adapter, "exports/n", workspace=workspace)
+    assert pf.ok and any("base_fingerprint.json cannot be read" in n for n in pf.notes)
+
+
+def test_fingerprint_reads_little_and_ignores_where_and_how_the_weights_are_stored(
+    tiny_llama, finetune, tmp_path
+):
+    from transformers import AutoModelForCausalLM
+
+    from core.merge.fingerprint import WINDOW, _windows, fingerprint
+
+    fp = fingerprint(tiny_llama)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama))
+    model.save_pretrained(str(tmp_path / "sharded"), max_shard_size="20KB")
+    assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 1
+    (tmp_path / "bin").mkdir()  # a classic PyTorch checkpoint (transformers 5 no longer writes .bin)
+    torch.save(model.state_dict(), tmp_path / "bin" / "pytorch_model.bin")
+    shutil.copy(tiny_llama / "config.json", tmp_path / "bin")
+    for same in (copy_model(tiny_llama, tmp_path / "copy"), tmp_path / "sharded", tmp_path / "bin"):
+        assert fingerprint(same) == fp, same
+    other = fingerprint(finetune)
+    assert other.layout == fp.layout and other.values != fp.values
+    model.to(torch.bfloat16).save_pretrained(str(tmp_path / "bf16"))
+    assert fp.differs_from(fingerprint(tmp_path / "bf16")) == "other tensor names, shapes or dtypes"
+    # An 8B model's embedding (128,256 x 4,096 bf16, 1 GB) is sampled in three windows, not read.
+    windows = _windows(128_256 * 4096, 2)
+    assert len(windows) == 3 and sum(stop - start for start, stop in windows) * 2 == 3 * WINDOW
 
 
 def _adapter_with_tokenizer(tiny_llama: Path, adapter: Path, edit) -> None:

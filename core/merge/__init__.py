@@ -14,7 +14,8 @@ types and features refused with a clear message.
 
 Modules: common (sizes, MergeError, progress), shards (safetensors/.bin reading, streaming shard writer),
 adapter (reading a peft adapter), plan (key mapping, layer kinds, tied embeddings, output shards), delta (the
-merged-weight math), compat (does the adapter belong to this base: recorded base, vocabulary), precheck
+merged-weight math), fingerprint (the base weights an adapter was trained on, recorded by the trainer), compat
+(does the adapter belong to this base: recorded weights fingerprint, recorded base, vocabulary), precheck
 (preflight: RAM, disk, target), verify (verification), export (the atomic merge), tryit (base vs adapter
 generation), discover (adapters and their base for the page), __main__ (the CLI).
 
@@ -53,6 +54,7 @@ _EXPORTS = {
     "core.merge.adapter": ("UNSUPPORTED_FEATURES", "LoraModule", "Adapter", "load_adapter"),
     "core.merge.plan": ("TensorPlan", "MergePlan", "parse_size", "plan_merge"),
     "core.merge.delta": ("CHUNK_BYTES", "merged_blocks"),
+    "core.merge.fingerprint": ("FINGERPRINT_FILE", "Fingerprint", "fingerprint", "record_base"),
     "core.merge.precheck": ("RUNTIME_OVERHEAD", "Preflight", "preflight", "preflight_at", "workspace_target"),
     "core.merge.verify": ("TOLERANCES", "DEFAULT_PROMPTS", "Verification", "verify_export"),
     "core.merge.export": (

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -44,16 +45,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--force",
         action="store_true",
-        help="merge even when the adapter's recorded base (base_model_name_or_path) or its tokenizer's "
+        help="merge even when --base is not the model the adapter was trained on (by the fingerprint of its "
+        "weights in base_fingerprint.json, or base_model_name_or_path's config.json) or its tokenizer's "
         "vocabulary does not match --base",
     )
     args = ap.parse_args(argv)
-    # The CLI prints its own progress and verdict; library progress bars and advisory warnings are noise here.
-    import warnings
-
+    # transformers and the merge engine (torch) take seconds to import: only after the arguments are valid, so
+    # --help and argument errors answer at once
     from transformers.utils import logging as hf_logging
 
     from core.merge.export import merge_at
+
+    # The CLI prints its own progress and verdict; library progress bars and advisory warnings are noise here.
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()

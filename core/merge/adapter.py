@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from core.merge.common import MergeError, read_json_object
 from core.merge.shards import read_safetensors_header
@@ -78,7 +79,17 @@ def _pattern_value(patterns: dict, module: str, default):
 
 
 def load_adapter(adapter_dir: str | os.PathLike) -> Adapter:
+    """The peft LoRA adapter in `adapter_dir`, every tensor in fp32 and mapped to its module; anything that
+    cannot be folded into plain weights exactly is a MergeError saying why."""
     d = Path(adapter_dir)
+    cfg = _read_config(d)
+    modules, replacements, nbytes = _sort_tensors(_read_weights(d))
+    _set_scales(modules, cfg)
+    return Adapter(d, cfg, modules, replacements, nbytes)
+
+
+def _read_config(d: Path) -> dict:
+    """adapter_config.json, refused unless it is a complete LoRA config without unsupported features."""
     if not d.is_dir():
         raise MergeError(
             f"Adapter folder {d} does not exist: point --adapter at the folder holding adapter_config.json "
@@ -113,28 +124,35 @@ def load_adapter(adapter_dir: str | os.PathLike) -> Adapter:
         raise MergeError(f"{cfg_path} has no 'target_modules': it is incomplete; {RESAVE}")
     if not isinstance(targets, (str, list)):
         raise MergeError(f"{cfg_path} has target_modules={targets!r}, not a name or a list: {RESAVE}")
+    return cfg
 
+
+def _read_weights(d: Path) -> dict[str, torch.Tensor]:
+    """The adapter's tensors from adapter_model.safetensors (or .bin); a broken file is one sentence."""
     st_path, bin_path = d / "adapter_model.safetensors", d / "adapter_model.bin"
     if st_path.is_file():
-        from safetensors.torch import load_file
-
         read_safetensors_header(st_path, RESAVE)  # truncated or corrupt: one sentence, not the library trace
         try:
-            state = load_file(str(st_path))
+            return load_file(str(st_path))
         except Exception as e:
             raise MergeError(f"{st_path} cannot be read ({e}): {RESAVE}") from e
-    elif bin_path.is_file():
-        try:
-            state = torch.load(bin_path, map_location="cpu", weights_only=True)
-        except Exception as e:  # truncated zip, pickle errors, ...
-            raise MergeError(f"{bin_path} cannot be read ({type(e).__name__}: {e}): {RESAVE}") from e
-        if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
-            raise MergeError(f"{bin_path} does not hold a dict of tensors: {RESAVE}")
-    else:
+    if not bin_path.is_file():
         raise MergeError(
             f"No adapter weights in {d}: expected adapter_model.safetensors (or adapter_model.bin)."
         )
+    try:
+        state = torch.load(bin_path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated zip, pickle errors, ...
+        raise MergeError(f"{bin_path} cannot be read ({type(e).__name__}: {e}): {RESAVE}") from e
+    if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
+        raise MergeError(f"{bin_path} does not hold a dict of tensors: {RESAVE}")
+    return state
 
+
+def _sort_tensors(
+    state: dict[str, torch.Tensor],
+) -> tuple[dict[str, LoraModule], dict[str, torch.Tensor], int]:
+    """(LoRA modules, replacement tensors, fp32 bytes): each saved tensor to the module it belongs to."""
     modules: dict[str, LoraModule] = {}
     replacements: dict[str, torch.Tensor] = {}
     originals: dict[str, torch.Tensor] = {}
@@ -150,57 +168,74 @@ def load_adapter(adapter_dir: str | os.PathLike) -> Adapter:
                 f"Adapter tensor {key!r} does not start with {_PREFIX!r}: this is not a peft LoRA adapter for a "
                 "causal LM saved with save_pretrained."
             )
-        k = key[len(_PREFIX) :]
-        if m := _LORA_KEY.match(k):
-            mod = modules.setdefault(m["mod"], LoraModule(m["mod"]))
-            if m["param"] == "bias":
-                if m["part"] != "lora_B":
-                    raise MergeError(f"Unexpected adapter tensor {key!r}: lora_A never has a bias.")
-                mod.bias = t.float()
-            elif m["part"] == "lora_A":
-                mod.A = t.float()
-            else:
-                mod.B = t.float()
-        elif m := _EMB_KEY.match(k):
-            mod = modules.setdefault(m["mod"], LoraModule(m["mod"]))
-            mod.embedding = True
-            if m["part"] == "lora_embedding_A":
-                mod.A = t.float()
-            else:
-                mod.B = t.float()
-        elif m := _MAG_KEY.match(k):
-            modules.setdefault(m["mod"], LoraModule(m["mod"])).magnitude = t.float()
-        elif m := _MTS_KEY.match(k):
-            # peft also saves the wrapper's own names when it saves embedding layers (resized vocabulary):
-            # modules_to_save.* is the trained copy (same as the plain key), original_module.* the untrained base.
-            target = f"{m['mod']}.{m['param']}"
-            if m["which"] == "original_module":
-                originals[target] = t
-            elif target in replacements and not torch.equal(replacements[target], t):
-                raise MergeError(
-                    f"Adapter holds two different trained copies of {target}: cannot tell which is right."
-                )
-            else:
-                replacements[target] = t
-        elif m := _BASE_LAYER_KEY.match(k):
-            # peft saved the base layer itself (embedding layers, possibly resized): it replaces the base tensor.
-            replacements[f"{m['mod']}.{m['param']}"] = t
-        elif "lora_" in k or "modules_to_save" in k or "token_adapter" in k or "trainable_tokens" in k:
-            raise MergeError(
-                f"Adapter tensor {key!r} is of a kind this merge does not know; refusing rather than writing a "
-                "model that silently differs from the adapter."
-            )
-        else:
-            if k in replacements and not torch.equal(replacements[k], t):
-                raise MergeError(
-                    f"Adapter holds two different trained copies of {k}: cannot tell which is right."
-                )
-            replacements[k] = t  # modules_to_save: a full trained copy of the module's parameter
+        _sort_tensor(key, key[len(_PREFIX) :], t, modules, replacements, originals)
     for k, t in originals.items():
-        replacements.setdefault(
-            k, t
-        )  # an untrained (possibly resized) base copy counts only without a trained one
+        # an untrained (possibly resized) base copy counts only without a trained one
+        replacements.setdefault(k, t)
+    return modules, replacements, nbytes
 
+
+def _sort_tensor(
+    key: str,
+    k: str,
+    t: torch.Tensor,
+    modules: dict[str, LoraModule],
+    replacements: dict[str, torch.Tensor],
+    originals: dict[str, torch.Tensor],
+) -> None:
+    """One saved tensor (`key`, `k` without the peft prefix) into `modules`, `replacements` or `originals`."""
+    if m := _LORA_KEY.match(k):
+        mod = modules.setdefault(m["mod"], LoraModule(m["mod"]))
+        if m["param"] == "bias":
+            if m["part"] != "lora_B":
+                raise MergeError(f"Unexpected adapter tensor {key!r}: lora_A never has a bias.")
+            mod.bias = t.float()
+        elif m["part"] == "lora_A":
+            mod.A = t.float()
+        else:
+            mod.B = t.float()
+    elif m := _EMB_KEY.match(k):
+        mod = modules.setdefault(m["mod"], LoraModule(m["mod"]))
+        mod.embedding = True
+        if m["part"] == "lora_embedding_A":
+            mod.A = t.float()
+        else:
+            mod.B = t.float()
+    elif m := _MAG_KEY.match(k):
+        modules.setdefault(m["mod"], LoraModule(m["mod"])).magnitude = t.float()
+    elif m := _MTS_KEY.match(k):
+        # peft also saves the wrapper's own names when it saves embedding layers (resized vocabulary):
+        # modules_to_save.* is the trained copy (same as the plain key), original_module.* the untrained base.
+        target = f"{m['mod']}.{m['param']}"
+        if m["which"] == "original_module":
+            originals[target] = t
+        else:
+            _add_trained_copy(replacements, target, t)
+    elif m := _BASE_LAYER_KEY.match(k):
+        # peft saved the base layer itself (embedding layers, possibly resized): it replaces the base tensor.
+        replacements[f"{m['mod']}.{m['param']}"] = t
+    elif "lora_" in k or "modules_to_save" in k or "token_adapter" in k or "trainable_tokens" in k:
+        raise MergeError(
+            f"Adapter tensor {key!r} is of a kind this merge does not know; refusing rather than writing a "
+            "model that silently differs from the adapter."
+        )
+    else:
+        _add_trained_copy(
+            replacements, k, t
+        )  # modules_to_save: a full trained copy of the module's parameter
+
+
+def _add_trained_copy(replacements: dict[str, torch.Tensor], target: str, t: torch.Tensor) -> None:
+    if target in replacements and not torch.equal(replacements[target], t):
+        raise MergeError(
+            f"Adapter holds two different trained copies of {target}: cannot tell which is right."
+        )
+    replacements[target] = t
+
+
+def _set_scales(modules: dict[str, LoraModule], cfg: dict) -> None:
+    """Check each module is complete and its rank agrees with the config; set its scale (alpha / r, rsLoRA:
+    alpha / sqrt(r)) from lora_alpha and the rank/alpha patterns."""
     rank_pattern = cfg.get("rank_pattern") or {}
     alpha_pattern = cfg.get("alpha_pattern") or {}
     for name, mod in modules.items():
@@ -223,4 +258,3 @@ def load_adapter(adapter_dir: str | os.PathLike) -> Adapter:
             raise MergeError(
                 f"DoRA adapter module {name} has no lora_magnitude_vector: the adapter is incomplete."
             )
-    return Adapter(d, cfg, modules, replacements, nbytes)

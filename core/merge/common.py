@@ -67,6 +67,7 @@ def tokenizer_source(adapter_dir: Path, base_dir: Path) -> Path:
 
 
 def load_tokenizer(path: Path):
+    # transformers takes seconds to import; this module is part of the light `python -m core.merge --help`
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path))

@@ -1,8 +1,10 @@
-"""Does the adapter belong to this base? Its recorded base (`base_model_name_or_path`) and its vocabulary.
+"""Does the adapter belong to this base? The fingerprint of the base weights recorded beside it (when the
+trainer recorded one), its recorded base (`base_model_name_or_path`), and its vocabulary.
 
 An adapter merged into the wrong base often fits tensor for tensor (same hidden size, more layers, another
-vocabulary) and the verification passes, because it compares against base+adapter on that same wrong base. These
-checks catch it before anything is written. Each returns what differs, as a sentence without the remedy: the
+vocabulary; or another fine-tune of the same model, with the very same config.json) and the verification passes,
+because it compares against base+adapter on that same wrong base. These checks catch it before anything is
+written. Each returns what differs, as a sentence without the remedy: the
 caller refuses with it (adding how to fix it) or, when forced (--force), merges and keeps it as a note.
 """
 
@@ -12,9 +14,10 @@ import json
 from pathlib import Path
 
 from core.merge.adapter import Adapter
-from core.merge.common import load_tokenizer
+from core.merge.common import MergeError, load_tokenizer
+from core.merge.fingerprint import FINGERPRINT_FILE, fingerprint_of, locate_base, read_recorded_base
+from core.merge.shards import BaseCheckpoint
 
-_REPO_ROOT = Path(__file__).resolve().parents[2]
 # Fields that tell two models apart, each with the names other architectures use for it (GPT-2: n_embd, n_layer).
 SIGNATURE = (
     ("model_type",),
@@ -40,22 +43,57 @@ def signature(config: dict) -> dict:
 def recorded_base_config(recorded: str, adapter_dir: Path) -> Path | None:
     """config.json of the base the adapter names: a local folder (relative ones as training saw them: from the
     current folder or the repo, where the cockpit trains), else a Hugging Face hub id already in the local cache."""
-    p = Path(recorded).expanduser()
-    for cand in [p] if p.is_absolute() else [Path.cwd() / p, _REPO_ROOT / p]:
-        if (cand / "config.json").is_file():
-            return cand / "config.json"
+    folder = locate_base(recorded)
+    return folder / "config.json" if folder is not None else None
+
+
+def check_recorded_base(
+    adapter: Adapter, base: BaseCheckpoint, base_config: dict
+) -> tuple[str | None, list[str]]:
+    """(mismatch, notes): a mismatch when the base the adapter was trained on is known here and differs from
+    `base` (its weights, by the fingerprint recorded beside the adapter; else its config.json); notes when
+    something could not be compared."""
+    same, said = check_base_weights(adapter.dir, base)
+    if same:
+        return None, []  # the very weights it was trained on: nothing else to compare
+    mismatch, note = check_recorded_config(adapter, base.dir, base_config)
+    if same is False:
+        return mismatch or said, []  # config.json's differences name fields: the more telling sentence
+    return mismatch, [n for n in (said, note) if n]
+
+
+def check_base_weights(adapter_dir: Path, base: BaseCheckpoint) -> tuple[bool | None, str | None]:
+    """(same, sentence): whether `base` holds the weights the adapter was trained on, by the fingerprint the
+    trainer recorded beside it (core.merge.fingerprint). same is None when that cannot be told, and the sentence
+    a note saying why; False with the mismatch sentence; True with None."""
     try:
-        from huggingface_hub import try_to_load_from_cache
+        recorded = read_recorded_base(adapter_dir)
+    except MergeError as e:
+        return None, f"{e}: the base's weights were not compared with the ones the adapter was trained on."
+    if recorded is None:
+        return None, (
+            f"The adapter records no fingerprint of the base weights it was trained on (no {FINGERPRINT_FILE} in "
+            f"{adapter_dir}: trained elsewhere or by an older version), so only config.json was compared: make "
+            f"sure {base.dir} is the model it was trained on."
+        )
+    try:
+        ours = fingerprint_of(base)
+    except (MergeError, OSError) as e:
+        return None, f"The weights of {base.dir} could not be fingerprinted ({e}): not compared."
+    differs = recorded.fingerprint.differs_from(ours)
+    if differs is None:
+        return True, None
+    return False, (
+        f"The adapter was trained on {recorded.base} ({FINGERPRINT_FILE} in the adapter folder), but the base "
+        f"given, {base.dir}, holds other weights ({differs})"
+    )
 
-        cached = try_to_load_from_cache(recorded, "config.json")
-    except Exception:  # not a valid hub id, or no hub library: nothing to compare with
-        return None
-    return Path(cached) if isinstance(cached, str) else None
 
-
-def check_recorded_base(adapter: Adapter, base_dir: Path, base_config: dict) -> tuple[str | None, str | None]:
-    """(mismatch, note): a mismatch when the base the adapter was trained on is known here and differs from
-    `base_dir`; a note when it cannot be compared."""
+def check_recorded_config(
+    adapter: Adapter, base_dir: Path, base_config: dict
+) -> tuple[str | None, str | None]:
+    """(mismatch, note): a mismatch when the base named in adapter_config.json (base_model_name_or_path) is
+    found here and its config.json differs from `base_config`; a note when it cannot be compared."""
     recorded = adapter.config.get("base_model_name_or_path")
     if not isinstance(recorded, str) or not recorded.strip():
         return None, (

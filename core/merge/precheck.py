@@ -127,15 +127,77 @@ def preflight_at(
     plan = plan_merge(base_dir, adapter, dtype, shard_size)
 
     notes = list(plan.base.warnings) + list(plan.notes)
+    notes += _belonging_notes(plan, base_dir, adapter_dir, force)
+    problems, probe = _target_problems(target, base_dir, adapter_dir)
+    qlora = is_qlora(adapter_dir)
+    if qlora:
+        notes.append(
+            "QLoRA adapter: it was trained against the 4-bit (NF4) dequantized weights, but it is merged into the "
+            f"unquantized base (output in {DTYPE_NAMES[plan.out_dtype]}), the usual choice. The merged model is "
+            "therefore not bit-identical to what training saw; expect a small deviation (the verification "
+            "compares against base+adapter at full precision)."
+        )
+    ram = _ram_bill(plan)
+    if ram.needed > ram.available:
+        problems.append(
+            f"Not enough free RAM: the merge needs about {gb(ram.needed)}, {gb(ram.available)} is available. "
+            "Close other programs, or merge on a machine with more memory."
+        )
+    if verify == "auto":
+        verify = "full" if ram.verify < 0.8 * ram.available else "quick"
+        if verify == "quick":
+            notes.append(
+                f"The logits check needs ~{gb(ram.verify)} RAM but {gb(ram.available)} is available: only the quick "
+                "check (every tensor re-read, merged rows recomputed, config and tokenizer loaded) will run."
+            )
+    disk_free = shutil.disk_usage(probe).free
+    disk_needed = _disk_needed(plan, adapter_dir, base_dir)
+    if disk_needed > disk_free:
+        problems.append(
+            f"Not enough free disk at {probe}: the export needs {gb(disk_needed)}, {gb(disk_free)} is free."
+        )
+    pf = Preflight(
+        base_dir=str(base_dir),
+        adapter_dir=str(adapter_dir),
+        target=str(target),
+        out_dtype=DTYPE_NAMES[plan.out_dtype],
+        n_tensors=len(plan.tensors),
+        n_lora_modules=len(adapter.modules),
+        n_replaced=len(adapter.replacements),
+        n_shards=len(plan.shards),
+        base_bytes=plan.base.total_bytes,
+        adapter_bytes=adapter.nbytes,
+        out_bytes=plan.out_bytes,
+        largest_tensor_bytes=ram.largest_tensor,
+        ram_available=ram.available,
+        ram_needed=ram.needed,
+        verify_ram_needed=ram.verify,
+        disk_free=disk_free,
+        disk_needed=disk_needed,
+        verify_mode=verify,
+        qlora=qlora,
+        problems=problems,
+        notes=notes,
+    )
+    return pf, plan
+
+
+def _belonging_notes(plan: MergePlan, base_dir: Path, adapter_dir: Path, force: bool) -> list[str]:
+    """Does the adapter belong to this base (its recorded base, its vocabulary)? A mismatch is a MergeError
+    with the fix, unless `force`: then it is kept as a note, with any note the checks made."""
     # plan_merge has read and checked it; the recorded-base check needs it as on disk, before any resize
     base_config = read_json_object(base_dir / "config.json", "restore it.")
-    mismatch, note = check_recorded_base(adapter, base_dir, base_config)
+    mismatch, notes = check_recorded_base(plan.adapter, plan.base, base_config)
     vocab = check_vocabulary(adapter_dir, base_dir, signature(plan.config).get("vocab_size"))
     mismatches = [m for m in (mismatch, vocab) if m]
     if mismatches and not force:
         raise MergeError("; ".join(mismatches) + ": " + FORCE_FIX)
-    notes += [f"Merging anyway (forced): {m}." for m in mismatches] + ([note] if note else [])
+    return [f"Merging anyway (forced): {m}." for m in mismatches] + notes
 
+
+def _target_problems(target: Path, base_dir: Path, adapter_dir: Path) -> tuple[list[str], Path]:
+    """(problems, probe): why the export cannot be created at `target`, and the nearest existing folder above
+    it (where the free disk is measured)."""
     problems: list[str] = []
     if target.exists():
         problems.append(
@@ -154,66 +216,34 @@ def preflight_at(
         )
     elif not os.access(probe, os.W_OK | os.X_OK):
         problems.append(f"Cannot write into {probe}: choose an output folder (--out) you can write to.")
+    return problems, probe
 
-    qlora = is_qlora(adapter_dir)
-    if qlora:
-        notes.append(
-            "QLoRA adapter: it was trained against the 4-bit (NF4) dequantized weights, but it is merged into the "
-            f"unquantized base (output in {DTYPE_NAMES[plan.out_dtype]}), the usual choice. The merged model is "
-            "therefore not bit-identical to what training saw; expect a small deviation (the verification "
-            "compares against base+adapter at full precision)."
-        )
+
+@dataclass
+class _RamBill:
+    needed: (
+        int  # to merge: the adapter, a few blocks of the largest tensor, the runtime (+ a whole .bin file)
+    )
+    verify: int  # for the logits check: one fp32 model at a time
+    available: int
+    largest_tensor: int
+
+
+def _ram_bill(plan: MergePlan) -> _RamBill:
     largest = max((t.nbytes for t in plan.tensors), default=0)
     largest_src = max((t.nbytes for t in plan.base.tensors.values()), default=0)
     chunk = min(delta.CHUNK_BYTES, max(largest_src, largest) * 4)
-    ram_needed = adapter.nbytes + 4 * chunk + RUNTIME_OVERHEAD
+    needed = plan.adapter.nbytes + 4 * chunk + RUNTIME_OVERHEAD
     if plan.base.kind == "bin":
-        ram_needed += plan.base.largest_file_bytes
+        needed += plan.base.largest_file_bytes
     n_params = sum(math.prod(t.shape) for t in plan.tensors)
-    verify_ram = n_params * 4 + adapter.nbytes + RUNTIME_OVERHEAD  # one fp32 model at a time
-    ram_available = psutil.virtual_memory().available
-    if ram_needed > ram_available:
-        problems.append(
-            f"Not enough free RAM: the merge needs about {gb(ram_needed)}, {gb(ram_available)} is available. "
-            "Close other programs, or merge on a machine with more memory."
-        )
-    if verify == "auto":
-        verify = "full" if verify_ram < 0.8 * ram_available else "quick"
-        if verify == "quick":
-            notes.append(
-                f"The logits check needs ~{gb(verify_ram)} RAM but {gb(ram_available)} is available: only the quick "
-                "check (every tensor re-read, merged rows recomputed, config and tokenizer loaded) will run."
-            )
-    disk_free = shutil.disk_usage(probe).free
+    verify = n_params * 4 + plan.adapter.nbytes + RUNTIME_OVERHEAD  # one fp32 model at a time
+    return _RamBill(needed, verify, psutil.virtual_memory().available, largest)
+
+
+def _disk_needed(plan: MergePlan, adapter_dir: Path, base_dir: Path) -> int:
+    """The export's bytes: its tensors, the tokenizer files it copies and a margin."""
     tok_dir = tokenizer_source(adapter_dir, base_dir)
     small = sum((tok_dir / n).stat().st_size for n in TOKENIZER_FILES if (tok_dir / n).is_file())
     # a margin for the index, config and filesystem rounding: a few percent, not a flat 64 MB on a 1 MB export
-    disk_needed = plan.out_bytes + small + min(64 * MB, max(MB, plan.out_bytes // 50))
-    if disk_needed > disk_free:
-        problems.append(
-            f"Not enough free disk at {probe}: the export needs {gb(disk_needed)}, {gb(disk_free)} is free."
-        )
-    pf = Preflight(
-        base_dir=str(base_dir),
-        adapter_dir=str(adapter_dir),
-        target=str(target),
-        out_dtype=DTYPE_NAMES[plan.out_dtype],
-        n_tensors=len(plan.tensors),
-        n_lora_modules=len(adapter.modules),
-        n_replaced=len(adapter.replacements),
-        n_shards=len(plan.shards),
-        base_bytes=plan.base.total_bytes,
-        adapter_bytes=adapter.nbytes,
-        out_bytes=plan.out_bytes,
-        largest_tensor_bytes=largest,
-        ram_available=ram_available,
-        ram_needed=ram_needed,
-        verify_ram_needed=verify_ram,
-        disk_free=disk_free,
-        disk_needed=disk_needed,
-        verify_mode=verify,
-        qlora=qlora,
-        problems=problems,
-        notes=notes,
-    )
-    return pf, plan
+    return plan.out_bytes + small + min(64 * MB, max(MB, plan.out_bytes // 50))

@@ -204,6 +204,19 @@ class BaseCheckpoint:
                     raise MergeError(f"{info.file} is truncated: cannot read tensor {key}.")
         return t.reshape(info.shape if not info.shape else (stop - start, *row_shape))
 
+    def read_flat_bytes(self, key: str, start: int, stop: int) -> bytes:
+        """The stored bytes of elements [start, stop) of a tensor in row-major order (for its fingerprint)."""
+        info = self.tensors[key]
+        if self.kind == "bin":
+            return bytes(tensor_bytes(self._load_bin(info.file)[key].reshape(-1)[start:stop]))
+        size = itemsize(info.code)
+        with open(info.file, "rb") as f:
+            f.seek(info.offset + start * size)
+            data = f.read((stop - start) * size)
+        if len(data) != (stop - start) * size:
+            raise MergeError(f"{info.file} is truncated: cannot read tensor {key}.")
+        return data
+
     def raw_blocks(self, key: str) -> Iterator[bytes]:
         """The stored bytes of a tensor, in blocks (for tensors copied unchanged)."""
         info = self.tensors[key]

@@ -30,6 +30,7 @@ def try_adapter(
     chat: bool = True,
 ) -> TryResult:
     """Greedy generation from one prompt with the base and with the adapter (one model load, adapter toggled)."""
+    # peft and transformers take seconds to import: only when the page's Try it runs
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 

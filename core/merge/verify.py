@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from core.merge.common import gb, load_tokenizer
 from core.merge.delta import recompute_rows
@@ -79,24 +80,35 @@ def verify_export(
     """Check the written export. quick: every shard's header matches the plan, merged rows re-read and compared
     with a recomputation, config and tokenizer load. full: also logits of the merged model (loaded with
     AutoModelForCausalLM) against the base with the adapter applied by peft (unmerged), on fixed prompts."""
-    from safetensors import safe_open
-    from transformers import AutoConfig
+    v = Verification(mode=mode, passed=True, dtype=DTYPE_NAMES[plan.out_dtype])
+    _check_structure(plan, out_dir, v)
+    _spot_check_merged_rows(plan, out_dir, v)
+    tokenizer = _check_config_and_tokenizer(out_dir, v)
+    if mode != "full" or not v.passed:
+        return v
+    _compare_logits(plan, out_dir, tokenizer, device, qlora, v)
+    return v
 
-    out_dtype = plan.out_dtype
-    v = Verification(mode=mode, passed=True, dtype=DTYPE_NAMES[out_dtype])
 
-    # Structure: every planned tensor is present with its shape and dtype.
+def _fail(v: Verification, message: str) -> None:
+    v.passed = False
+    v.messages.append(message)
+
+
+def _check_structure(plan: MergePlan, out_dir: Path, v: Verification) -> None:
+    """Every planned tensor is present in its shard with its shape and dtype."""
     for shard, tensors in plan.shards:
         header, _ = read_safetensors_header(out_dir / shard)
         if header.get("__metadata__", {}).get("format") != "pt":
-            v.passed = False
-            v.messages.append(f"{shard} lacks the {{'format': 'pt'}} metadata.")
+            _fail(v, f"{shard} lacks the {{'format': 'pt'}} metadata.")
         for t in tensors:
             h = header.get(t.out_key)
             if h is None or tuple(h["shape"]) != tuple(t.shape) or h["dtype"] != t.out_code:
-                v.passed = False
-                v.messages.append(f"{shard}: tensor {t.out_key} is missing or has the wrong shape/dtype.")
-    # Spot check: the first and last rows of each merged tensor, re-read through safe_open.
+                _fail(v, f"{shard}: tensor {t.out_key} is missing or has the wrong shape/dtype.")
+
+
+def _spot_check_merged_rows(plan: MergePlan, out_dir: Path, v: Verification) -> None:
+    """The first and last rows of each merged tensor, re-read through safe_open, against a recomputation."""
     worst, worst_scale = 0.0, 0.0
     shard_of = {t.out_key: s for s, ts in plan.shards for t in ts}
     for t in plan.tensors:
@@ -115,40 +127,81 @@ def verify_export(
     v.spot_check_max_diff = worst
     # A block matmul may differ from the full one in the last bit, then round one ulp apart; a corrupt write
     # (wrong offset, wrong dtype) is off by the size of the weights themselves.
-    spot_tol = 4 * torch.finfo(out_dtype).eps * (1 + worst_scale)
+    spot_tol = 4 * torch.finfo(plan.out_dtype).eps * (1 + worst_scale)
     if worst > spot_tol:
-        v.passed = False
-        v.messages.append(
-            "Merged rows read back from disk differ from their recomputation: the export is corrupt."
-        )
+        _fail(v, "Merged rows read back from disk differ from their recomputation: the export is corrupt.")
+
+
+def _check_config_and_tokenizer(out_dir: Path, v: Verification):
+    """The export's config.json loads with AutoConfig and its tokenizer (if any) with AutoTokenizer; returns
+    the tokenizer (None without one)."""
+    from transformers import AutoConfig  # transformers takes seconds to import: only when a merge verifies
 
     try:
         AutoConfig.from_pretrained(str(out_dir))
     except Exception as e:
-        v.passed = False
-        v.messages.append(f"config.json does not load with AutoConfig: {e}")
-    tokenizer = None
-    if (out_dir / "tokenizer_config.json").is_file():
-        try:
-            tokenizer = load_tokenizer(out_dir)
-            v.tokenizer_loads = True
-        except Exception as e:
-            v.passed, v.tokenizer_loads = False, False
-            v.messages.append(f"The tokenizer does not load with AutoTokenizer: {type(e).__name__}: {e}")
-    else:
+        _fail(v, f"config.json does not load with AutoConfig: {e}")
+    if not (out_dir / "tokenizer_config.json").is_file():
         v.messages.append(
             "No tokenizer files were found in the adapter or base folder: the export has no tokenizer."
         )
+        return None
+    try:
+        tokenizer = load_tokenizer(out_dir)
+        v.tokenizer_loads = True
+        return tokenizer
+    except Exception as e:
+        v.tokenizer_loads = False
+        _fail(v, f"The tokenizer does not load with AutoTokenizer: {type(e).__name__}: {e}")
+        return None
 
-    if mode != "full" or not v.passed:
-        return v
 
+def _compare_logits(
+    plan: MergePlan, out_dir: Path, tokenizer, device: str, qlora: bool, v: Verification
+) -> None:
+    """The full check: the merged model's logits against base+adapter (peft, unmerged) on fixed prompts, within
+    the output dtype's tolerance, and visibly different from the base's."""
+    prompts = _prompt_ids(tokenizer, plan.config.get("vocab_size") or 32)
+    device = _logits_device(plan, device, v)
+    reference = _reference_logits(plan, prompts, device, v)
+    if reference is None:
+        return
+    ref, base_logits = reference
+    got = _merged_logits(out_dir, prompts, device, v)
+    if got is None:
+        return
+    if qlora:
+        v.qlora_deviation = _qlora_deviation(plan, prompts, got, device, v)
+    atol, rtol = TOLERANCES[plan.out_dtype]
+    scale = max(r.abs().max().item() for r in ref)
+    v.tolerance = atol + rtol * scale
+    v.max_abs_diff = max((g - r).abs().max().item() for g, r in zip(got, ref, strict=True))
+    v.adapter_effect = max((r - b).abs().max().item() for r, b in zip(ref, base_logits, strict=True))
+    v.merged_vs_base = max((g - b).abs().max().item() for g, b in zip(got, base_logits, strict=True))
+    agree = [(g.argmax(-1) == r.argmax(-1)).float().mean().item() for g, r in zip(got, ref, strict=True)]
+    v.argmax_agreement = sum(agree) / len(agree)
+    if v.max_abs_diff > v.tolerance:
+        _fail(
+            v,
+            f"The merged model's logits differ from base+adapter by {v.max_abs_diff:.3g} (> {v.tolerance:.3g}): "
+            "the merge is wrong. Please report this adapter/base pair.",
+        )
+    if v.merged_vs_base <= v.tolerance:
+        _fail(
+            v,
+            f"The merged model is indistinguishable from the base (max |Δ| {v.merged_vs_base:.3g}): the adapter "
+            "changes nothing (an untrained adapter, lora_B all zeros?).",
+        )
+
+
+def _reference_logits(
+    plan: MergePlan, prompts, device: str, v: Verification
+) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+    """(base+adapter logits, base logits) from peft on the fp32 base; None (and a failure) when it cannot run."""
+    # peft and transformers take seconds to import: only for the full check
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    vocab = plan.config.get("vocab_size") or 32
-    prompts = _prompt_ids(tokenizer, vocab)
-    device = _logits_device(plan, device, v)
     try:
         base_model = AutoModelForCausalLM.from_pretrained(str(plan.base_dir), dtype=torch.float32).to(device)
         if plan.new_vocab_size:  # as in training: resized first, the adapter then brings the trained rows
@@ -159,41 +212,25 @@ def verify_export(
             base_logits = _logits(peft_model, prompts, device)
         del peft_model, base_model
     except Exception as e:
-        v.passed = False
-        v.messages.append(f"Could not run the base with the adapter through peft: {type(e).__name__}: {e}")
-        return v
+        _fail(v, f"Could not run the base with the adapter through peft: {type(e).__name__}: {e}")
+        return None
+    return ref, base_logits
+
+
+def _merged_logits(out_dir: Path, prompts, device: str, v: Verification) -> list[torch.Tensor] | None:
+    """The export's logits, loaded as any user loads it; None (and a failure) when it does not load."""
+    from transformers import AutoModelForCausalLM  # seconds to import: only for the full check
+
     try:
         merged = AutoModelForCausalLM.from_pretrained(str(out_dir), dtype=torch.float32).to(device).eval()
         v.model_loads = True
         got = _logits(merged, prompts, device)
         del merged
     except Exception as e:
-        v.passed, v.model_loads = False, False
-        v.messages.append(f"The export does not load with AutoModelForCausalLM: {type(e).__name__}: {e}")
-        return v
-    if qlora:
-        v.qlora_deviation = _qlora_deviation(plan, prompts, got, device, v)
-    atol, rtol = TOLERANCES[out_dtype]
-    scale = max(r.abs().max().item() for r in ref)
-    v.tolerance = atol + rtol * scale
-    v.max_abs_diff = max((g - r).abs().max().item() for g, r in zip(got, ref, strict=True))
-    v.adapter_effect = max((r - b).abs().max().item() for r, b in zip(ref, base_logits, strict=True))
-    v.merged_vs_base = max((g - b).abs().max().item() for g, b in zip(got, base_logits, strict=True))
-    agree = [(g.argmax(-1) == r.argmax(-1)).float().mean().item() for g, r in zip(got, ref, strict=True)]
-    v.argmax_agreement = sum(agree) / len(agree)
-    if v.max_abs_diff > v.tolerance:
-        v.passed = False
-        v.messages.append(
-            f"The merged model's logits differ from base+adapter by {v.max_abs_diff:.3g} (> {v.tolerance:.3g}): "
-            "the merge is wrong. Please report this adapter/base pair."
-        )
-    if v.merged_vs_base <= v.tolerance:
-        v.passed = False
-        v.messages.append(
-            f"The merged model is indistinguishable from the base (max |Δ| {v.merged_vs_base:.3g}): the adapter "
-            "changes nothing (an untrained adapter, lora_B all zeros?)."
-        )
-    return v
+        v.model_loads = False
+        _fail(v, f"The export does not load with AutoModelForCausalLM: {type(e).__name__}: {e}")
+        return None
+    return got
 
 
 def _logits_device(plan: MergePlan, device: str, v: Verification) -> str:
@@ -219,6 +256,7 @@ def _logits_device(plan: MergePlan, device: str, v: Verification) -> str:
 def _qlora_deviation(plan: MergePlan, prompts, merged_logits, device: str, v: Verification) -> float | None:
     """How far the export is from what QLoRA training saw: the adapter on the NF4-quantized base. A figure to
     report, not a pass/fail check (the usual merge into the full-precision base is never bit-identical)."""
+    # peft, transformers and bitsandbytes take seconds to import (bitsandbytes may be missing): only for QLoRA
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 

@@ -384,6 +384,10 @@ def save_final(trainer, tokenizer, run_dir: Path, cfg: dict) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     trainer.model.save_pretrained(str(tmp))
     tokenizer.save_pretrained(str(tmp))
+    if cfg["lora"]["enabled"]:
+        from core.merge.fingerprint import record_base  # the merge engine imports torch: not at module level
+
+        record_base(tmp, cfg["model"]["path"])  # the base weights it was trained on, checked when merged
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
