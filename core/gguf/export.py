@@ -21,7 +21,7 @@ from pathlib import Path
 from core.gguf.source import BadInput, open_source
 from core.gguf.tensors import K_TYPES, TYPES, plan_tensors
 from core.gguf.verify import full_check_fits, verify
-from core.gguf.vocab import load_source_tokenizer, read_vocab
+from core.gguf.vocab import byte_rows, load_source_tokenizer, read_vocab
 from core.gguf.writer import ProgressFile, progress_path, write_gguf
 
 ALL_TYPES = tuple(TYPES) + tuple(K_TYPES)
@@ -107,7 +107,7 @@ def estimate_size(model_dir: str | os.PathLike, out_type: str = "f16") -> dict:
     base = "f16" if out_type in K_TYPES else out_type
     if base not in TYPES:
         raise BadInput(f"Unknown --type {out_type!r}; choose one of {', '.join(ALL_TYPES)}.")
-    jobs = plan_tensors(src, base)
+    jobs = plan_tensors(src, base, extra_rows=byte_rows(src.path))
     by_type: dict[str, int] = {}
     total = 0
     for j in jobs:
@@ -115,7 +115,7 @@ def estimate_size(model_dir: str | os.PathLike, out_type: str = "f16") -> dict:
         by_type[j.qtype.name] = by_type.get(j.qtype.name, 0) + n
         total += n
     # Tokenizer metadata: each token is a length-prefixed string plus a type and a score; merges add as much.
-    meta = int(src.config["vocab_size"]) * 40 + 64 * 1024
+    meta = (int(src.config["vocab_size"]) + byte_rows(src.path)) * 40 + 64 * 1024
     return {
         "bytes": total + meta,
         "tensor_bytes": total,
@@ -159,7 +159,13 @@ def export_gguf(
     vocab = read_vocab(src.path, int(src.config["vocab_size"]), tok)
     skip_qk_permute = skip_qk_permute or os.environ.get(SKIP_PERMUTE_ENV) == "1"
     base_type = "f16" if out_type in K_TYPES else out_type
-    jobs = plan_tensors(src, base_type, skip_qk_permute=skip_qk_permute)
+    jobs = plan_tensors(
+        src,
+        base_type,
+        skip_qk_permute=skip_qk_permute,
+        extra_rows=vocab.extra_rows,
+        extra_row_source=vocab.extra_row_source or 0,
+    )
     mode = verify_mode
     if mode == "auto":
         mode = "full" if full_check_fits(src) else "quick"
@@ -210,9 +216,7 @@ def export_gguf(
             write_gguf(tmp_file, src, jobs, vocab, file_type, model_name, on_tensor)
         size = tmp_file.stat().st_size
         progress.update(force=True, phase="verifying", size=size)
-        report = verify(
-            tmp_dir, out.name, src, tok, out_type, mode, char_level=vocab.style == "character-level"
-        )
+        report = verify(tmp_dir, out.name, src, tok, out_type, mode, vocab=vocab)
         report["size"] = size
         report_path(out).write_text(json.dumps(report, indent=1, default=str))
         if not report["ok"]:
