@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 from core.gguf import BadInput, ExportError, estimate_size, export_gguf, read_progress
-from core.gguf.modelfile import template_family
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -421,20 +420,3 @@ def test_bad_input_api_raises_before_writing(families, tmp_path):
     with pytest.raises(BadInput):
         estimate_size(families["demo"], "q9")
     assert list(tmp_path.iterdir()) == []
-
-
-def test_modelfile_templates():
-    from core.demo.toy import CHAT_TEMPLATE
-    from core.gguf.modelfile import render_modelfile
-
-    assert template_family(LLAMA3_TEMPLATE) == "llama3"
-    assert template_family(CHATML_TEMPLATE) == "chatml"
-    assert template_family(MISTRAL_TEMPLATE) == "mistral"
-    assert template_family(LLAMA2_TEMPLATE) == "llama2"
-    assert template_family(CHAT_TEMPLATE) == "demo"
-    assert template_family("{{ messages[0]['content'] }}") is None
-    text, fam = render_modelfile("m.gguf", "{{ messages }}", 131072, "</s>")
-    assert fam is None and "by hand" in text and "TEMPLATE" not in text.replace("write TEMPLATE", "")
-    assert 'PARAMETER stop "</s>"' in text and "num_ctx 4096" in text
-    text, _ = render_modelfile("m.gguf", LLAMA3_TEMPLATE, 8192, "<|eot_id|>")
-    assert "<|start_header_id|>{{ .Role }}<|end_header_id|>" in text and text.count('stop "<|eot_id|>"') == 1

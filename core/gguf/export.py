@@ -50,6 +50,9 @@ class ExportResult:
     modelfile: Path | None = None
     ollama_command: str | None = None
     template_family: str | None = None
+    # Why the Modelfile has no TEMPLATE although the tokenizer has a chat template (None: translated and
+    # checked, or no chat template at all)
+    template_problem: str | None = None
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -249,18 +252,20 @@ def export_gguf(
         eos_id = vocab.special.get("eos")
         eos = vocab.tokens[eos_id] if eos_id is not None else None
         ctx = int(src.config.get("max_position_embeddings", 4096))
-        result.modelfile, result.ollama_command, result.template_family = _modelfile(
-            out, vocab.chat_template, ctx, eos
+        result.modelfile, result.ollama_command, tr = _modelfile(
+            out, vocab.chat_template, ctx, eos, tok.bos_token, vocab.add_bos
         )
+        result.template_family = tr.family if tr.faithful else None
+        result.template_problem = tr.problem if vocab.chat_template else None
     result.seconds = time.time() - t0
     progress.update(force=True, phase="done", size=size, seconds=result.seconds)
     return result
 
 
-def _modelfile(out: Path, template: str | None, ctx: int, eos: str | None):
+def _modelfile(out: Path, template: str | None, ctx: int, eos: str | None, bos: str | None, add_bos: bool):
     from core.gguf.modelfile import write_modelfile
 
-    return write_modelfile(out, template, ctx, eos)
+    return write_modelfile(out, template, ctx, eos, bos, add_bos)
 
 
 def summary_lines(result) -> list[str]:
@@ -302,7 +307,15 @@ def summary_lines(result) -> list[str]:
         for note in tk.get("notes", []) + (lg or {}).get("notes", []):
             lines.append(f"note: {note}")
     if result.modelfile:
-        fam = result.template_family or "none recognised (write TEMPLATE by hand)"
+        problem = getattr(result, "template_problem", None)
+        if result.template_family:
+            fam = f"{result.template_family}, checked against the tokenizer's template"
+        elif problem:
+            fam = "not written: see below"
+        else:
+            fam = "none (a plain completion model)"
         lines.append(f"Modelfile: {result.modelfile} (chat template: {fam})")
+        if problem:
+            lines.append(f"Modelfile has no TEMPLATE: {problem} Write it by hand for Ollama.")
         lines.append(f"to use it in Ollama: {result.ollama_command}")
     return lines
