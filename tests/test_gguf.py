@@ -355,7 +355,7 @@ def test_bad_inputs_exit_2_with_one_line(families, tmp_gpt2_model, tmp_path):
             "q3",
         ],
     }
-    env = dict(os.environ, PATH="/usr/bin:/bin")  # no llama-quantize
+    env = dict(os.environ, PATH="/usr/bin:/bin", LORA_COCKPIT_NO_LLAMA_CPP="1")  # no K-quantizer at all
     for phrase, args in cases.items():
         p = _cli(args, env)
         lines = p.stderr.strip().splitlines()

@@ -70,10 +70,13 @@ def _check_type(out_type: str) -> None:
     if out_type in TYPES:
         return
     if out_type in K_TYPES:
-        if shutil.which("llama-quantize") is None:
+        from core.gguf import llamacpp
+
+        if not llamacpp.available() and shutil.which("llama-quantize") is None:
             raise BadInput(
-                f"--type {out_type} needs llama.cpp's llama-quantize on PATH (build llama.cpp with cmake and add "
-                "build/bin to PATH, or use f16, bf16, q8_0, q5_0 or q4_0, which need nothing)."
+                f"--type {out_type} needs llama.cpp's quantizer: `pip install llama-cpp-python` (it builds llama.cpp, "
+                "10-30 minutes) or llama.cpp's llama-quantize on PATH (build llama.cpp with cmake and add build/bin "
+                "to PATH); or use f16, bf16, q8_0, q5_0 or q4_0, which need nothing."
             )
         return
     raise BadInput(f"Unknown --type {out_type!r}; choose one of {', '.join(ALL_TYPES)}.")
@@ -131,6 +134,15 @@ def estimate_size(model_dir: str | os.PathLike, out_type: str = "f16") -> dict:
 
 
 def _quantize_k(f16: Path, out: Path, out_type: str) -> None:
+    """llama.cpp's K-quant mixes: through llama-cpp-python when it is installed, else llama-quantize on PATH."""
+    from core.gguf import llamacpp
+
+    if llamacpp.available():
+        try:
+            llamacpp.quantize(f16, out, out_type)
+        except llamacpp.LlamaCppError as e:
+            raise ExportError(str(e)) from None
+        return
     cmd = ["llama-quantize", str(f16), str(out), K_TYPES[out_type]]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0 or not out.is_file():
@@ -268,6 +280,21 @@ def _modelfile(out: Path, template: str | None, ctx: int, eos: str | None, bos: 
     return write_modelfile(out, template, ctx, eos, bos, add_bos)
 
 
+def llama_cpp_line(lc: dict) -> str:
+    """The llama.cpp verdict in one line."""
+    if not lc.get("loads") or lc.get("exit_code"):
+        return f"llama.cpp: FAILS: {lc.get('reason')}"
+    line = f"llama.cpp: loads; {lc['tokens_equal']}/{lc['samples']} samples tokenized as the source"
+    lg = lc.get("logits")
+    if lg:
+        line += (
+            f"; logits max |delta| {lg['max_abs_delta']:.3g}, argmax agreement {lg['argmax_agreement']:.1%}"
+        )
+    if lc.get("warnings"):
+        line += f"; {len(lc['warnings'])} warning(s): {lc['warnings'][0][:120]}"
+    return line if lc.get("ok") else f"{line} -- FAILS: {lc.get('reason')}"
+
+
 def summary_lines(result) -> list[str]:
     """The export's report in a few lines (the CLI prints them, the Merge & Export page shows them); `result` is
     an ExportResult or its to_dict()."""
@@ -304,6 +331,9 @@ def summary_lines(result) -> list[str]:
             if "tolerance" in lg:
                 line += f" (tolerance {lg['tolerance']:.3g}; {lg['argmax_agreement_beyond_ties']:.1%} beyond near-ties)"
             lines.append(line)
+        lc = r.get("llama_cpp")
+        if lc:
+            lines.append(llama_cpp_line(lc))
         for note in tk.get("notes", []) + (lg or {}).get("notes", []):
             lines.append(f"note: {note}")
     if result.modelfile:

@@ -334,8 +334,11 @@ def _logits(model, prompts):
         return [model(input_ids=p).logits[0].float() for p in prompts]
 
 
-def check_logits(tmp_dir: Path, gguf_name: str, src: Source, source_tok, out_type: str) -> dict:
-    """Source model vs the GGUF as transformers dequantizes it, one model in memory at a time."""
+def check_logits(
+    tmp_dir: Path, gguf_name: str, src: Source, source_tok, out_type: str, keep: dict | None = None
+) -> dict:
+    """Source model vs the GGUF as transformers dequantizes it, one model in memory at a time. `keep` receives
+    the prompts and the source's logits, for the llama.cpp check."""
     import gc
 
     import torch
@@ -345,6 +348,8 @@ def check_logits(tmp_dir: Path, gguf_name: str, src: Source, source_tok, out_typ
     prompts = _prompt_ids(source_tok, int(src.config["vocab_size"]))
     model = AutoModelForCausalLM.from_pretrained(str(src.path), dtype=torch.float32)
     want = _logits(model, prompts)
+    if keep is not None:
+        keep.update(prompts=[p[0].tolist() for p in prompts], logits=want)
     del model
     gc.collect()
     kwargs = {}
@@ -365,9 +370,16 @@ def check_logits(tmp_dir: Path, gguf_name: str, src: Source, source_tok, out_typ
     del model
     gc.collect()
 
-    a, b = torch.cat(want), torch.cat(got)
+    report = compare_logits(torch.cat(want), torch.cat(got), out_type)
+    report["notes"] = notes + report["notes"]
+    return report
+
+
+def compare_logits(a, b, out_type: str) -> dict:
+    """Source logits `a` vs a GGUF reader's `b` (positions x vocab tensors), judged by LOGIT_LIMITS[out_type]."""
     # Rows the GGUF appends (byte tokens) have no source logit; the comparison is over the source's vocabulary.
     b = b[:, : a.shape[-1]]
+    notes: list[str] = []
     limits = LOGIT_LIMITS.get(out_type, {"argmax": 0.5, "top5": 0.4})
     delta = (a - b).abs().max().item()
     top_src, top_gguf = a.argmax(-1), b.argmax(-1)
@@ -406,6 +418,58 @@ def check_logits(tmp_dir: Path, gguf_name: str, src: Source, source_tok, out_typ
                 f"argmax agreement {raw_agree:.1%} (need {limits['argmax']:.0%}), "
                 f"top-5 overlap {overlap:.1%} (need {limits['top5']:.0%})"
             )
+    return report
+
+
+def check_llama_cpp(
+    path: Path, source_tok, out_type: str, byte_base: int | None, vocab=None, keep: dict | None = None
+) -> dict:
+    """The file as llama.cpp itself reads it (core/gguf/llamacpp.py, in a child process): it loads without
+    aborting, tokenizes the sample texts as the source does (special tokens parsed, as transformers parses them;
+    required for byte-level BPE and character-level vocabularies, reported for SentencePiece, where llama.cpp
+    and transformers are known to differ on some spacing), and, when `keep` holds the source's logits (full
+    mode), gives the same logits within LOGIT_LIMITS."""
+    import tempfile
+
+    import torch
+
+    from core.gguf import llamacpp
+
+    texts = sample_texts(source_tok)
+    prompts = (keep or {}).get("prompts") or []
+    with tempfile.TemporaryDirectory(prefix="gguf-llamacpp-") as td:
+        npz = Path(td) / "logits.npz"
+        r = llamacpp.run_check(path, texts, prompts, npz if prompts else None)
+        got_logits = None
+        if prompts and npz.is_file():
+            with np.load(npz) as z:
+                got_logits = [torch.from_numpy(z[f"p{i}"]) for i in range(len(prompts))]
+    report: dict = {"loads": r["loaded"], "exit_code": r["exit_code"], "warnings": r["warnings"][:20]}
+    if not r["loaded"] or r["exit_code"] != 0:
+        what = "aborts" if r.get("aborted") else f"exits with code {r['exit_code']}"
+        report.update(ok=False, reason=f"llama.cpp {what} on this file ({' | '.join(r['warnings'][-2:])})")
+        return report
+    strict = vocab is None or vocab.model == "gpt2" or vocab.style == "character-level"
+    mismatches = []
+    for text, got in zip(texts, r.get("tokens") or [], strict=False):
+        want = expected_ids(source_tok, text, byte_base)
+        if got != want:
+            mismatches.append({"text": text, "source": want[:40], "llama_cpp": got[:40]})
+    report.update(
+        samples=len(texts), tokens_equal=len(texts) - len(mismatches), token_mismatches=mismatches[:5]
+    )
+    reasons = []
+    if mismatches and strict:
+        reasons.append(
+            f"it tokenizes {len(mismatches)} of {len(texts)} sample(s) differently from the source"
+        )
+    if got_logits is not None:
+        lg = compare_logits(torch.cat(keep["logits"]), torch.cat(got_logits), out_type)
+        report["logits"] = lg
+        if not lg["ok"]:
+            reasons.append("its logits differ: " + lg["reason"])
+    report["ok"] = not reasons
+    report["reason"] = "; ".join(reasons) or None
     return report
 
 
@@ -450,10 +514,19 @@ def verify(
         reasons.append(
             tk.get("error") or f"the GGUF tokenizer gives different ids on {len(tk['mismatches'])} sample(s)"
         )
+    keep: dict = {}
     if mode == "full":
-        report["logits"] = check_logits(tmp_dir, gguf_name, src, source_tok, out_type)
+        report["logits"] = check_logits(tmp_dir, gguf_name, src, source_tok, out_type, keep)
         if not report["logits"]["ok"]:
             reasons.append("logits differ: " + report["logits"]["reason"])
+    from core.gguf import llamacpp
+
+    if llamacpp.available():
+        lc = report["llama_cpp"] = check_llama_cpp(
+            tmp_dir / gguf_name, source_tok, out_type, n_src if extra else None, vocab, keep
+        )
+        if not lc["ok"]:
+            reasons.append("llama.cpp: " + lc["reason"])
     report["ok"] = not reasons
     report["reason"] = "; ".join(reasons) or None
     return report
