@@ -276,6 +276,12 @@ def show_gguf(d: dict) -> None:
     from core.gguf import summary_lines
 
     st.success("\n\n".join(summary_lines(d)))
+    if d.get("template_problem"):
+        st.warning(
+            "The Modelfile has no chat TEMPLATE: "
+            + d["template_problem"]
+            + " Ollama would format conversations wrongly with a guessed one; write TEMPLATE by hand."
+        )
     if d.get("modelfile"):
         with contextlib.suppress(OSError):  # moved or deleted since: the summary above still names it
             st.code(Path(d["modelfile"]).read_text(encoding="utf-8")[:4000], language=None)

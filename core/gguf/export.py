@@ -23,7 +23,7 @@ from core.gguf.modelfile import write_modelfile
 from core.gguf.source import BadInput, open_source
 from core.gguf.tensors import K_TYPES, TYPES, plan_tensors
 from core.gguf.verify import full_check_fits, verify
-from core.gguf.vocab import load_source_tokenizer, read_vocab
+from core.gguf.vocab import byte_rows, load_source_tokenizer, read_vocab
 from core.gguf.writer import ProgressFile, progress_path, write_gguf
 
 ALL_TYPES = tuple(TYPES) + tuple(K_TYPES)
@@ -52,6 +52,9 @@ class ExportResult:
     modelfile: Path | None = None
     ollama_command: str | None = None
     template_family: str | None = None
+    # Why the Modelfile has no TEMPLATE although the tokenizer has a chat template (None: translated and
+    # checked, or no chat template at all)
+    template_problem: str | None = None
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -69,10 +72,13 @@ def _check_type(out_type: str) -> None:
     if out_type in TYPES:
         return
     if out_type in K_TYPES:
-        if shutil.which("llama-quantize") is None:
+        from core.gguf import llamacpp
+
+        if not llamacpp.available() and shutil.which("llama-quantize") is None:
             raise BadInput(
-                f"--type {out_type} needs llama.cpp's llama-quantize on PATH (build llama.cpp with cmake and add "
-                "build/bin to PATH, or use f16, bf16, q8_0, q5_0 or q4_0, which need nothing)."
+                f"--type {out_type} needs llama.cpp's quantizer: `pip install llama-cpp-python` (it builds llama.cpp, "
+                "10-30 minutes) or llama.cpp's llama-quantize on PATH (build llama.cpp with cmake and add build/bin "
+                "to PATH); or use f16, bf16, q8_0, q5_0 or q4_0, which need nothing."
             )
         return
     raise BadInput(f"Unknown --type {out_type!r}; choose one of {', '.join(ALL_TYPES)}.")
@@ -95,7 +101,7 @@ def estimate_size(model_dir: str | os.PathLike, out_type: str = "f16") -> dict:
     base = "f16" if out_type in K_TYPES else out_type
     if base not in TYPES:
         raise BadInput(f"Unknown --type {out_type!r}; choose one of {', '.join(ALL_TYPES)}.")
-    jobs = plan_tensors(src, base)
+    jobs = plan_tensors(src, base, extra_rows=byte_rows(src.path))
     by_type: dict[str, int] = {}
     total = 0
     for j in jobs:
@@ -103,7 +109,7 @@ def estimate_size(model_dir: str | os.PathLike, out_type: str = "f16") -> dict:
         by_type[j.qtype.name] = by_type.get(j.qtype.name, 0) + n
         total += n
     # Tokenizer metadata: each token is a length-prefixed string plus a type and a score; merges add as much.
-    meta = int(src.config["vocab_size"]) * 40 + 64 * 1024
+    meta = (int(src.config["vocab_size"]) + byte_rows(src.path)) * 40 + 64 * 1024
     return {
         "bytes": total + meta,
         "tensor_bytes": total,
@@ -116,6 +122,15 @@ def estimate_size(model_dir: str | os.PathLike, out_type: str = "f16") -> dict:
 
 
 def _quantize_k(f16: Path, out: Path, out_type: str) -> None:
+    """llama.cpp's K-quant mixes: through llama-cpp-python when it is installed, else llama-quantize on PATH."""
+    from core.gguf import llamacpp
+
+    if llamacpp.available():
+        try:
+            llamacpp.quantize(f16, out, out_type)
+        except llamacpp.LlamaCppError as e:
+            raise ExportError(str(e)) from None
+        return
     cmd = ["llama-quantize", str(f16), str(out), K_TYPES[out_type]]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0 or not out.is_file():
@@ -147,7 +162,13 @@ def export_gguf(
     vocab = read_vocab(src.path, int(src.config["vocab_size"]), tok)
     skip_qk_permute = skip_qk_permute or os.environ.get(SKIP_PERMUTE_ENV) == "1"
     base_type = "f16" if out_type in K_TYPES else out_type
-    jobs = plan_tensors(src, base_type, skip_qk_permute=skip_qk_permute)
+    jobs = plan_tensors(
+        src,
+        base_type,
+        skip_qk_permute=skip_qk_permute,
+        extra_rows=vocab.extra_rows,
+        extra_row_source=vocab.extra_row_source or 0,
+    )
     mode = verify_mode
     if mode == "auto":
         mode = "full" if full_check_fits(src) else "quick"
@@ -200,9 +221,7 @@ def export_gguf(
             write_gguf(tmp_file, src, jobs, vocab, file_type, model_name, on_tensor)
         size = tmp_file.stat().st_size
         progress.update(force=True, phase="verifying", size=size)
-        report = verify(
-            tmp_dir, out.name, src, tok, out_type, mode, char_level=vocab.style == "character-level"
-        )
+        report = verify(tmp_dir, out.name, src, tok, out_type, mode, vocab=vocab)
         report["size"] = size
         report_path(out).write_text(json.dumps(report, indent=1, default=str))
         if not report["ok"]:
@@ -236,17 +255,34 @@ def export_gguf(
         eos_id = vocab.special.get("eos")
         eos = vocab.tokens[eos_id] if eos_id is not None else None
         ctx = int(src.config.get("max_position_embeddings", 4096))
-        result.modelfile, result.ollama_command, result.template_family = _modelfile(
-            out, vocab.chat_template, ctx, eos
+        result.modelfile, result.ollama_command, tr = _modelfile(
+            out, vocab.chat_template, ctx, eos, tok.bos_token, vocab.add_bos
         )
+        result.template_family = tr.family if tr.faithful else None
+        result.template_problem = tr.problem if vocab.chat_template else None
     result.seconds = time.time() - t0
     progress.update(force=True, phase="done", size=size, seconds=result.seconds)
     return result
 
 
-def _modelfile(out: Path, template: str | None, ctx: int, eos: str | None):
+def _modelfile(out: Path, template: str | None, ctx: int, eos: str | None, bos: str | None, add_bos: bool):
 
-    return write_modelfile(out, template, ctx, eos)
+    return write_modelfile(out, template, ctx, eos, bos, add_bos)
+
+
+def llama_cpp_line(lc: dict) -> str:
+    """The llama.cpp verdict in one line."""
+    if not lc.get("loads") or lc.get("exit_code"):
+        return f"llama.cpp: FAILS: {lc.get('reason')}"
+    line = f"llama.cpp: loads; {lc['tokens_equal']}/{lc['samples']} samples tokenized as the source"
+    lg = lc.get("logits")
+    if lg:
+        line += (
+            f"; logits max |delta| {lg['max_abs_delta']:.3g}, argmax agreement {lg['argmax_agreement']:.1%}"
+        )
+    if lc.get("warnings"):
+        line += f"; {len(lc['warnings'])} warning(s): {lc['warnings'][0][:120]}"
+    return line if lc.get("ok") else f"{line} -- FAILS: {lc.get('reason')}"
 
 
 def summary_lines(result) -> list[str]:
@@ -285,10 +321,21 @@ def summary_lines(result) -> list[str]:
             if "tolerance" in lg:
                 line += f" (tolerance {lg['tolerance']:.3g}; {lg['argmax_agreement_beyond_ties']:.1%} beyond near-ties)"
             lines.append(line)
+        lc = r.get("llama_cpp")
+        if lc:
+            lines.append(llama_cpp_line(lc))
         for note in tk.get("notes", []) + (lg or {}).get("notes", []):
             lines.append(f"note: {note}")
     if result.modelfile:
-        fam = result.template_family or "none recognised (write TEMPLATE by hand)"
+        problem = getattr(result, "template_problem", None)
+        if result.template_family:
+            fam = f"{result.template_family}, checked against the tokenizer's template"
+        elif problem:
+            fam = "not written: see below"
+        else:
+            fam = "none (a plain completion model)"
         lines.append(f"Modelfile: {result.modelfile} (chat template: {fam})")
+        if problem:
+            lines.append(f"Modelfile has no TEMPLATE: {problem} Write it by hand for Ollama.")
         lines.append(f"to use it in Ollama: {result.ollama_command}")
     return lines

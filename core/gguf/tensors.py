@@ -49,6 +49,8 @@ class TensorJob:
     src: SourceTensor | None = None  # None: generated (rope_freqs)
     permute_heads: int = 0  # >0: apply llama.cpp's rotary permutation with this many heads
     data: np.ndarray | None = None  # generated tensors only (tiny)
+    extra_rows: int = 0  # rows appended after the source's (byte tokens of a character-level vocabulary) ...
+    extra_row_source: int = 0  # ... each a copy of this source row
 
     @property
     def byte_shape(self) -> tuple[int, ...]:
@@ -94,8 +96,16 @@ def llama3_rope_factors(src: Source) -> np.ndarray:
     return np.asarray(out, dtype=np.float32)
 
 
-def plan_tensors(src: Source, out_type: str, skip_qk_permute: bool = False) -> list[TensorJob]:
-    """The GGUF tensors in write order; BadInput for a checkpoint tensor that has no GGUF name."""
+VOCAB_ROWS = ("token_embd.weight", "output.weight")
+
+
+def plan_tensors(
+    src: Source, out_type: str, skip_qk_permute: bool = False, extra_rows: int = 0, extra_row_source: int = 0
+) -> list[TensorJob]:
+    """The GGUF tensors in write order; BadInput for a checkpoint tensor that has no GGUF name.
+
+    `extra_rows`: rows appended to the embedding and output head (copies of row `extra_row_source`), for tokens
+    the GGUF vocabulary adds after the model's own (core/gguf/vocab.py: byte tokens)."""
     base = TYPES[out_type][0]
     name_map = gguf.get_tensor_name_map(ARCH_ENUM[src.arch], src.n_layers)
     jobs: list[TensorJob] = []
@@ -115,7 +125,13 @@ def plan_tensors(src: Source, out_type: str, skip_qk_permute: bool = False) -> l
                 heads = src.n_head
             elif stem.endswith("self_attn.k_proj"):
                 heads = src.n_kv_head
-        jobs.append(TensorJob(name, _weight_type(name, t.shape, base, src.tied), t.shape, t, heads))
+        shape = t.shape
+        extra = extra_rows if name in VOCAB_ROWS else 0
+        if extra:
+            shape = (shape[0] + extra, *shape[1:])
+        job = TensorJob(name, _weight_type(name, shape, base, src.tied), shape, t, heads)
+        job.extra_rows, job.extra_row_source = extra, extra_row_source
+        jobs.append(job)
     if not src.tied and not any(j.name == "output.weight" for j in jobs):
         raise BadInput(
             "The config says the embeddings are not tied, but the checkpoint has no lm_head.weight."
@@ -172,7 +188,7 @@ def encoded_blocks(job: TensorJob) -> Iterator[np.ndarray]:
         return
     from safetensors import safe_open
 
-    rows = job.shape[0]
+    rows = job.shape[0] - job.extra_rows
     cols = math.prod(job.shape[1:]) if len(job.shape) > 1 else 1
     unit = rows // job.permute_heads if job.permute_heads else 1  # permute whole heads only
     step = max(unit, (CHUNK_BYTES // (4 * cols)) // unit * unit)
@@ -185,3 +201,6 @@ def encoded_blocks(job: TensorJob) -> Iterator[np.ndarray]:
                 block = permute_rows(block, (block.shape[0]) // unit)
             yield encode(block, job.qtype, job.src.key)
             del block
+        if job.extra_rows:
+            row = sl[job.extra_row_source : job.extra_row_source + 1]
+            yield encode(row.expand(job.extra_rows, *row.shape[1:]).contiguous(), job.qtype, job.src.key)

@@ -79,8 +79,11 @@ def _reverse_permute(rows: np.ndarray, n_head: int) -> np.ndarray:
     return LlamaTensorProcessor()._reverse_permute_weights(rows, n_head, n_head)
 
 
-def check_tensors(gguf_path: Path, src: Source, sample: bool) -> dict:
-    """Dequantize GGUF tensors block by block and compare them with the source (relative RMS error)."""
+def check_tensors(gguf_path: Path, src: Source, sample: bool, extra_row_source: int | None = None) -> dict:
+    """Dequantize GGUF tensors block by block and compare them with the source (relative RMS error).
+
+    Rows a GGUF tensor has beyond the source's (the embedding and head rows of appended byte tokens) are
+    compared with the source row they copy, `extra_row_source`."""
     import gguf
     from safetensors import safe_open
 
@@ -116,13 +119,17 @@ def check_tensors(gguf_path: Path, src: Source, sample: bool) -> dict:
         limit = TENSOR_RMS_LIMITS.get(qname, 0.5)
         rows = st.shape[0]
         cols = math.prod(st.shape[1:]) if len(st.shape) > 1 else 1
+        gguf_rows = int(t.n_elements) // cols
+        if gguf_rows != rows and (gguf_rows < rows or extra_row_source is None):
+            failures.append({"name": name, "type": qname, "rel_rms": math.inf, "limit": limit})
+            continue
         heads = 0
         if src.permute_qk and name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = src.n_head if "attn_q" in name else src.n_kv_head
         unit = rows // heads if heads else 1
         step = max(unit, (BLOCK_BYTES // (4 * cols)) // unit * unit)
         err2 = ref2 = 0.0
-        row_bytes = int(t.n_bytes) // rows
+        row_bytes = int(t.n_bytes) // gguf_rows
         plain = {"F32": np.float32, "F16": np.float16}.get(qname, np.uint8)
         # Plain reads, not the reader's memory map: mapped pages would stay in RSS for the whole check.
         with safe_open(str(st.file), framework="pt") as f, open(gguf_path, "rb") as fh:
@@ -140,6 +147,14 @@ def check_tensors(gguf_path: Path, src: Source, sample: bool) -> dict:
                     got = _reverse_permute(got, (stop - start) // unit)
                 err2 += float(np.square(got.astype(np.float64) - ref).sum())
                 ref2 += float(np.square(ref.astype(np.float64)).sum())
+            if gguf_rows > rows:
+                n = gguf_rows - rows
+                ref = sl[extra_row_source : extra_row_source + 1].float().numpy().reshape(1, -1)
+                raw = os.pread(fh.fileno(), n * row_bytes, int(t.data_offset) + rows * row_bytes)
+                data = np.frombuffer(raw, dtype=np.uint8).reshape(n, row_bytes).view(plain)
+                got = gguf.dequantize(data, t.tensor_type).reshape(n, -1)
+                err2 += float(np.square(got.astype(np.float64) - ref).sum())
+                ref2 += n * float(np.square(ref.astype(np.float64)).sum())
         rel = math.sqrt(err2 / ref2) if ref2 > 0 else math.sqrt(err2)
         if rel > worst["rel_rms"] or worst["name"] is None:
             worst = {"name": name, "rel_rms": rel, "limit": limit}
@@ -156,7 +171,8 @@ def check_tensors(gguf_path: Path, src: Source, sample: bool) -> dict:
     }
 
 
-def check_config(tmp_dir: Path, gguf_name: str, src: Source) -> dict:
+def check_config(tmp_dir: Path, gguf_name: str, src: Source, n_vocab: int | None = None) -> dict:
+    """`n_vocab`: the GGUF's vocabulary (the source's rows plus appended byte tokens)."""
     from transformers import AutoConfig
 
     got = AutoConfig.from_pretrained(str(tmp_dir), gguf_file=gguf_name)
@@ -168,7 +184,7 @@ def check_config(tmp_dir: Path, gguf_name: str, src: Source) -> dict:
         "num_hidden_layers": c["num_hidden_layers"],
         "num_attention_heads": c["num_attention_heads"],
         "num_key_value_heads": src.n_kv_head,
-        "vocab_size": c["vocab_size"],
+        "vocab_size": n_vocab or c["vocab_size"],
         "tie_word_embeddings": src.tied,
     }
     mismatches = [
@@ -227,7 +243,28 @@ def sample_texts(tokenizer) -> list[str]:
     return texts
 
 
-def check_tokenizer(tmp_dir: Path, gguf_name: str, source_tok, char_level: bool) -> dict:
+def expected_ids(source_tok, text: str, byte_base: int | None) -> list[int]:
+    """The source's ids for `text`, as the GGUF should give them: where the GGUF has byte tokens the source
+    lacks (`byte_base`: the id of <0x00>), each <unk> becomes the byte tokens of the text it stands for, which
+    is how llama.cpp's SentencePiece path spells a character outside the vocabulary."""
+    enc = source_tok(text, add_special_tokens=False, return_offsets_mapping=byte_base is not None)
+    ids = enc["input_ids"]
+    unk = source_tok.unk_token_id
+    if byte_base is None or unk is None or unk not in ids:
+        return ids
+    out: list[int] = []
+    for i, (a, b) in zip(ids, enc["offset_mapping"], strict=True):
+        if i == unk and b > a and text[a:b] != source_tok.unk_token:  # not the literal <unk> token
+            out += [byte_base + x for x in text[a:b].encode("utf-8")]
+        else:
+            out.append(i)
+    return out
+
+
+def check_tokenizer(tmp_dir: Path, gguf_name: str, source_tok, byte_base: int | None = None) -> dict:
+    """The GGUF's tokenizer (as transformers reads it) against the source on sample texts. `byte_base`: the id
+    of the byte token <0x00> when the export appended byte tokens to a character-level vocabulary; texts with
+    characters outside it are then judged against the source's ids with each <unk> spelled in bytes."""
     notes: list[str] = []
     try:
         gtok = load_gguf_tokenizer(tmp_dir, gguf_name, notes)
@@ -237,17 +274,13 @@ def check_tokenizer(tmp_dir: Path, gguf_name: str, source_tok, char_level: bool)
             "error": f"transformers cannot build a tokenizer from the GGUF: {e}",
             "notes": notes,
         }
-    unk = source_tok.unk_token_id
-    matched, mismatches, not_judged = 0, [], []
+    matched, mismatches, spelled = 0, [], 0
     texts = sample_texts(source_tok)
     for text in texts:
-        want = source_tok(text, add_special_tokens=False)["input_ids"]
+        want = expected_ids(source_tok, text, byte_base)
         got = gtok(text, add_special_tokens=False)["input_ids"]
-        if char_level and unk is not None and unk in want:
-            # The source maps unknown characters to <unk>; a GGUF vocabulary has no such rule (llama.cpp
-            # cannot tokenize them at all), so these texts are reported, not judged.
-            not_judged.append(text)
-            continue
+        if byte_base is not None and any(i >= byte_base for i in want):
+            spelled += 1
         if want == got:
             matched += 1
         else:
@@ -257,14 +290,19 @@ def check_tokenizer(tmp_dir: Path, gguf_name: str, source_tok, char_level: bool)
     specials_ok = want == got
     if not specials_ok:
         mismatches.append({"text": "Hello (with special tokens added)", "source": want, "gguf": got})
-    judged = len(texts) - len(not_judged)
+    if spelled:
+        notes.append(
+            f"{spelled} sample(s) have characters outside the source's vocabulary (<unk> there): judged as "
+            "llama.cpp spells them, one byte token per UTF-8 byte."
+        )
     return {
         "ok": not mismatches,
         "samples": len(texts),
-        "judged": judged,
+        "judged": len(texts),
         "matched": matched,
         "add_special_tokens_agree": specials_ok,
-        "not_judged": not_judged,
+        "not_judged": [],
+        "unk_spelled_as_bytes": spelled,
         "mismatches": mismatches[:5],
         "notes": notes,
     }
@@ -295,8 +333,11 @@ def _logits(model, prompts):
         return [model(input_ids=p).logits[0].float() for p in prompts]
 
 
-def check_logits(tmp_dir: Path, gguf_name: str, src: Source, source_tok, out_type: str) -> dict:
-    """Source model vs the GGUF as transformers dequantizes it, one model in memory at a time."""
+def check_logits(
+    tmp_dir: Path, gguf_name: str, src: Source, source_tok, out_type: str, keep: dict | None = None
+) -> dict:
+    """Source model vs the GGUF as transformers dequantizes it, one model in memory at a time. `keep` receives
+    the prompts and the source's logits, for the llama.cpp check."""
     import gc
 
     import torch
@@ -306,6 +347,8 @@ def check_logits(tmp_dir: Path, gguf_name: str, src: Source, source_tok, out_typ
     prompts = _prompt_ids(source_tok, int(src.config["vocab_size"]))
     model = AutoModelForCausalLM.from_pretrained(str(src.path), dtype=torch.float32)
     want = _logits(model, prompts)
+    if keep is not None:
+        keep.update(prompts=[p[0].tolist() for p in prompts], logits=want)
     del model
     gc.collect()
     kwargs = {}
@@ -326,7 +369,16 @@ def check_logits(tmp_dir: Path, gguf_name: str, src: Source, source_tok, out_typ
     del model
     gc.collect()
 
-    a, b = torch.cat(want), torch.cat(got)
+    report = compare_logits(torch.cat(want), torch.cat(got), out_type)
+    report["notes"] = notes + report["notes"]
+    return report
+
+
+def compare_logits(a, b, out_type: str) -> dict:
+    """Source logits `a` vs a GGUF reader's `b` (positions x vocab tensors), judged by LOGIT_LIMITS[out_type]."""
+    # Rows the GGUF appends (byte tokens) have no source logit; the comparison is over the source's vocabulary.
+    b = b[:, : a.shape[-1]]
+    notes: list[str] = []
     limits = LOGIT_LIMITS.get(out_type, {"argmax": 0.5, "top5": 0.4})
     delta = (a - b).abs().max().item()
     top_src, top_gguf = a.argmax(-1), b.argmax(-1)
@@ -368,6 +420,58 @@ def check_logits(tmp_dir: Path, gguf_name: str, src: Source, source_tok, out_typ
     return report
 
 
+def check_llama_cpp(
+    path: Path, source_tok, out_type: str, byte_base: int | None, vocab=None, keep: dict | None = None
+) -> dict:
+    """The file as llama.cpp itself reads it (core/gguf/llamacpp.py, in a child process): it loads without
+    aborting, tokenizes the sample texts as the source does (special tokens parsed, as transformers parses them;
+    required for byte-level BPE and character-level vocabularies, reported for SentencePiece, where llama.cpp
+    and transformers are known to differ on some spacing), and, when `keep` holds the source's logits (full
+    mode), gives the same logits within LOGIT_LIMITS."""
+    import tempfile
+
+    import torch
+
+    from core.gguf import llamacpp
+
+    texts = sample_texts(source_tok)
+    prompts = (keep or {}).get("prompts") or []
+    with tempfile.TemporaryDirectory(prefix="gguf-llamacpp-") as td:
+        npz = Path(td) / "logits.npz"
+        r = llamacpp.run_check(path, texts, prompts, npz if prompts else None)
+        got_logits = None
+        if prompts and npz.is_file():
+            with np.load(npz) as z:
+                got_logits = [torch.from_numpy(z[f"p{i}"]) for i in range(len(prompts))]
+    report: dict = {"loads": r["loaded"], "exit_code": r["exit_code"], "warnings": r["warnings"][:20]}
+    if not r["loaded"] or r["exit_code"] != 0:
+        what = "aborts" if r.get("aborted") else f"exits with code {r['exit_code']}"
+        report.update(ok=False, reason=f"llama.cpp {what} on this file ({' | '.join(r['warnings'][-2:])})")
+        return report
+    strict = vocab is None or vocab.model == "gpt2" or vocab.style == "character-level"
+    mismatches = []
+    for text, got in zip(texts, r.get("tokens") or [], strict=False):
+        want = expected_ids(source_tok, text, byte_base)
+        if got != want:
+            mismatches.append({"text": text, "source": want[:40], "llama_cpp": got[:40]})
+    report.update(
+        samples=len(texts), tokens_equal=len(texts) - len(mismatches), token_mismatches=mismatches[:5]
+    )
+    reasons = []
+    if mismatches and strict:
+        reasons.append(
+            f"it tokenizes {len(mismatches)} of {len(texts)} sample(s) differently from the source"
+        )
+    if got_logits is not None:
+        lg = compare_logits(torch.cat(keep["logits"]), torch.cat(got_logits), out_type)
+        report["logits"] = lg
+        if not lg["ok"]:
+            reasons.append("its logits differ: " + lg["reason"])
+    report["ok"] = not reasons
+    report["reason"] = "; ".join(reasons) or None
+    return report
+
+
 def full_check_fits(src: Source) -> bool:
     """Whether two fp32 copies of the model (source, then GGUF) fit comfortably in available RAM."""
     import psutil
@@ -377,15 +481,21 @@ def full_check_fits(src: Source) -> bool:
 
 
 def verify(
-    tmp_dir: Path, gguf_name: str, src: Source, source_tok, out_type: str, mode: str, char_level: bool
+    tmp_dir: Path, gguf_name: str, src: Source, source_tok, out_type: str, mode: str, vocab=None
 ) -> dict:
+    """`vocab`: the VocabInfo written (its appended byte tokens are checked as such)."""
+    extra = getattr(vocab, "extra_rows", 0)
+    n_src = int(src.config["vocab_size"])
     report: dict = {"mode": mode, "type": out_type}
     if mode == "none":
         report["ok"] = True
         return report
-    report["tensors"] = check_tensors(tmp_dir / gguf_name, src, sample=(mode == "quick"))
-    report["config"] = check_config(tmp_dir, gguf_name, src)
-    report["tokenizer"] = check_tokenizer(tmp_dir, gguf_name, source_tok, char_level)
+    source_row = vocab.extra_row_source if extra else None
+    report["tensors"] = check_tensors(
+        tmp_dir / gguf_name, src, sample=(mode == "quick"), extra_row_source=source_row
+    )
+    report["config"] = check_config(tmp_dir, gguf_name, src, n_vocab=n_src + extra)
+    report["tokenizer"] = check_tokenizer(tmp_dir, gguf_name, source_tok, byte_base=n_src if extra else None)
     reasons = []
     t = report["tensors"]
     if not t["ok"]:
@@ -403,10 +513,19 @@ def verify(
         reasons.append(
             tk.get("error") or f"the GGUF tokenizer gives different ids on {len(tk['mismatches'])} sample(s)"
         )
+    keep: dict = {}
     if mode == "full":
-        report["logits"] = check_logits(tmp_dir, gguf_name, src, source_tok, out_type)
+        report["logits"] = check_logits(tmp_dir, gguf_name, src, source_tok, out_type, keep)
         if not report["logits"]["ok"]:
             reasons.append("logits differ: " + report["logits"]["reason"])
+    from core.gguf import llamacpp
+
+    if llamacpp.available():
+        lc = report["llama_cpp"] = check_llama_cpp(
+            tmp_dir / gguf_name, source_tok, out_type, n_src if extra else None, vocab, keep
+        )
+        if not lc["ok"]:
+            reasons.append("llama.cpp: " + lc["reason"])
     report["ok"] = not reasons
     report["reason"] = "; ".join(reasons) or None
     return report

@@ -5,11 +5,24 @@ Three tokenizer styles are recognised from the source's `tokenizer.json` (transf
 
 * SentencePiece-style BPE (Llama 1/2, Mistral): `tokenizer.ggml.model = "llama"`, tokens spelled with `▁`,
   `<0xXX>` byte tokens, scores that order the merges (llama.cpp merges the best-scored pair first).
-* Byte-level BPE (Llama 3, Qwen2): `"gpt2"`, tokens in the byte alphabet, merges, and a pre-tokenizer name
-  that llama.cpp and transformers both know, recognised from the source's split regex.
+* Byte-level BPE (Llama 3, Qwen2): `"gpt2"`, tokens in the byte alphabet, merges, and a pre-tokenizer name:
+  the one llama.cpp's own converter writes when it knows the tokenizer (core/gguf/pretok.py: the hash of a fixed
+  text's token ids), otherwise recognised from the source's split regex.
 * Character-level vocabularies like the demo's WordLevel tokenizer: written as `"llama"` with no merges and no
   space prefix. llama.cpp's "gpt2" loader insists on at least one merge, and transformers refuses a merge whose
-  result is not in the vocabulary, so a one-character vocabulary can only be expressed this way.
+  result is not in the vocabulary, so a one-character vocabulary can only be expressed this way. llama.cpp's
+  SentencePiece path spells a character missing from the vocabulary as byte tokens `<0x00>`..`<0xFF>` and
+  aborts the process when it finds none (`std::out_of_range`), so those 256 tokens are appended after the
+  model's rows; their embedding (and output) rows are copies of the source's <unk> rows, so the model sees
+  exactly what it sees for <unk> in the source (one byte token per UTF-8 byte instead of one <unk> per
+  character).
+
+Token types follow llama.cpp's converter: an added token that is special (or looks special: `<|...|>`, ...) is
+CONTROL, another added token USER_DEFINED (`get_vocab_base` for BPE, which never writes UNKNOWN); in a
+SentencePiece vocabulary read from tokenizer.json every special id is CONTROL, the unk token too, and
+`<0xXX>` tokens are BYTE (`LlamaHfVocab`; its tokenizer.model path agrees wherever tokenizer_config.json lists
+the special tokens in added_tokens_decoder, as hub Llama / Mistral folders do).
+Special ids come from the tokenizer first and config.json second, as gguf-py's SpecialVocab reads them.
 """
 
 from __future__ import annotations
@@ -34,6 +47,34 @@ QWEN2_SPLIT = (
 )
 KNOWN_SPLITS = {LLAMA3_SPLIT: "llama-bpe", QWEN2_SPLIT: "qwen2"}
 BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+BYTE_TOKENS = [f"<0x{b:02X}>" for b in range(256)]
+
+
+def looks_special(token: str) -> bool:
+    """llama.cpp's converter (`does_token_look_special`): added tokens it marks CONTROL even when not special."""
+    return (
+        token in ("<pad>", "<mask>", "<2mass>", "[@BOS@]")
+        or (token.startswith("<|") and token.endswith("|>"))
+        or (token.startswith("<\uff5c") and token.endswith("\uff5c>"))
+        or (token.startswith("<unused") and token.endswith(">"))
+    )
+
+
+def _is_char_level(kind, vocab: dict, added: dict) -> bool:
+    return kind == "WordLevel" and all(len(t) == 1 for t, i in vocab.items() if i not in added)
+
+
+def byte_rows(path: Path) -> int:
+    """Rows the export appends to the embedding for byte tokens (character-level vocabularies), from
+    tokenizer.json alone: 256 or 0."""
+    try:
+        tj = json.loads((path / "tokenizer.json").read_text())
+    except (OSError, ValueError):
+        return 0
+    model = tj.get("model") or {}
+    vocab = model.get("vocab") if isinstance(model.get("vocab"), dict) else {}
+    added = {a["id"] for a in tj.get("added_tokens") or []}
+    return len(BYTE_TOKENS) if vocab and _is_char_level(model.get("type"), vocab, added) else 0
 
 
 @dataclass
@@ -51,6 +92,10 @@ class VocabInfo:
     add_eos: bool = False
     chat_template: str | None = None
     notes: list[str] = field(default_factory=list)
+    # Byte tokens appended after the model's rows (character-level vocabularies): their count, and the source
+    # row (<unk>) whose embedding / output weights they copy.
+    extra_rows: int = 0
+    extra_row_source: int | None = None
 
     def summary(self) -> dict:
         return {
@@ -63,6 +108,7 @@ class VocabInfo:
             "add_bos": self.add_bos,
             "add_eos": self.add_eos,
             "chat_template": bool(self.chat_template),
+            "byte_tokens_added": self.extra_rows,
             "notes": self.notes,
         }
 
@@ -138,12 +184,18 @@ def read_vocab(path: Path, vocab_size: int, tokenizer=None) -> VocabInfo:
         ggml_model, style = "gpt2", "byte-level BPE"
         add_space_prefix = None
         respell = {}
-    elif kind == "WordLevel" and all(len(t) == 1 for t, i in vocab.items() if i not in added):
+    elif _is_char_level(kind, vocab, added):
         ggml_model, style = "llama", "character-level"
         add_space_prefix = False
         respell = {" ": "\u2581"}  # llama.cpp's sentencepiece path always escapes spaces as ▁
+        if tok.unk_token_id is None:
+            raise BadInput(
+                "This character-level tokenizer has no unk token; llama.cpp needs byte tokens for characters "
+                "outside the vocabulary, and the export gives them the <unk> embedding."
+            )
         notes.append(
-            "Characters outside the vocabulary become <unk> in the source; llama.cpp maps them to unk too."
+            "Characters outside the vocabulary are <unk> in the source; llama.cpp spells them as byte tokens "
+            "(<0x00>..<0xFF>, one per UTF-8 byte), which the GGUF adds with <unk>'s weights."
         )
     else:
         raise BadInput(
@@ -151,6 +203,7 @@ def read_vocab(path: Path, vocab_size: int, tokenizer=None) -> VocabInfo:
         )
 
     unk_id = tok.unk_token_id
+    special_ids = set(tok.all_special_ids)
     tokens, types = [], []
     for i in range(vocab_size):
         t = by_id.get(i)
@@ -158,20 +211,33 @@ def read_vocab(path: Path, vocab_size: int, tokenizer=None) -> VocabInfo:
             tokens.append(f"[PAD{i}]")
             types.append(gguf.TokenType.UNUSED)
             continue
-        tokens.append(respell.get(t, t))
-        if i == unk_id:
-            types.append(gguf.TokenType.UNKNOWN)
-        elif i in added:
-            types.append(gguf.TokenType.CONTROL if added[i]["special"] else gguf.TokenType.USER_DEFINED)
+        if i in added:
+            # llama.cpp's converter: every added token that is special or looks special is CONTROL (also the
+            # unk token: an added special token's type overrides SentencePiece's UNKNOWN); other added tokens
+            # are USER_DEFINED, and SentencePiece ones are written with real spaces.
+            if added[i]["special"] or looks_special(t):
+                types.append(gguf.TokenType.CONTROL)
+            else:
+                types.append(gguf.TokenType.USER_DEFINED)
+                if ggml_model == "llama":
+                    respell = {**respell, t: t.replace("\u2581", " ")}
+        elif ggml_model == "llama" and i in special_ids:
+            types.append(gguf.TokenType.CONTROL)  # LlamaHfVocab: every special id, the unk token too
         elif ggml_model == "llama" and BYTE_TOKEN.fullmatch(t):
             types.append(gguf.TokenType.BYTE)
         else:
             types.append(gguf.TokenType.NORMAL)
+        tokens.append(respell.get(t, t))
+    if style == "character-level":
+        tokens += BYTE_TOKENS
+        types += [gguf.TokenType.BYTE] * len(BYTE_TOKENS)
     if len(set(tokens)) != len(tokens):
         raise BadInput("The tokenizer spells two ids the same way, which a GGUF vocabulary cannot hold.")
 
     info = VocabInfo(model=ggml_model, style=style, tokens=tokens, types=[int(t) for t in types], notes=notes)
     info.add_space_prefix = add_space_prefix
+    if style == "character-level":
+        info.extra_rows, info.extra_row_source = len(BYTE_TOKENS), int(unk_id)
     if ggml_model == "llama":
         # The merge order is the tokenizer's: rank r gets score -r, so the best merge scores highest, which is
         # how llama.cpp and transformers' GGUF loader both read sentencepiece scores.
@@ -188,14 +254,25 @@ def read_vocab(path: Path, vocab_size: int, tokenizer=None) -> VocabInfo:
                 "This byte-level BPE tokenizer has no merges; llama.cpp cannot load such a vocabulary."
             )
         info.merges = merges
-        info.pre, note = _byte_level_pre(pre)
-        if note:
-            notes.append(note)
+        from core.gguf.pretok import known_pre
+
+        info.pre = known_pre(tok)
+        if info.pre is None:  # a tokenizer llama.cpp's converter does not know: recognise its split regex
+            info.pre, note = _byte_level_pre(pre)
+            if note:
+                notes.append(note)
         info.style += f" ({info.pre} pre-tokenizer)"
 
+    config = _read_config(path)
     for name in ("bos", "eos", "unk", "pad"):
+        # gguf-py's SpecialVocab: the tokenizer's token first, else config.json's `<name>_token_id` (Qwen2 has no
+        # bos_token but its config names <|endoftext|>, which llama.cpp's converter writes as the BOS id).
         i = getattr(tok, f"{name}_token_id", None)
-        if i is not None:
+        if i is None:
+            i = config.get(f"{name}_token_id")
+            if i is None and isinstance(config.get("text_config"), dict):
+                i = config["text_config"].get(f"{name}_token_id")
+        if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(tokens):
             info.special[name] = int(i)
     probe_plain = tok("a", add_special_tokens=False)["input_ids"]
     probe = tok("a")["input_ids"]
@@ -205,6 +282,14 @@ def read_vocab(path: Path, vocab_size: int, tokenizer=None) -> VocabInfo:
     template = getattr(tok, "chat_template", None)
     info.chat_template = template if isinstance(template, str) else None
     return info
+
+
+def _read_config(path: Path) -> dict:
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
 
 
 def write_vocab(w: gguf.GGUFWriter, info: VocabInfo) -> None:

@@ -57,7 +57,9 @@ def progress_path(out: Path) -> Path:
     return out.with_name(out.name + ".progress.json")
 
 
-def add_model_metadata(w: gguf.GGUFWriter, src: Source, file_type: int, name: str) -> None:
+def add_model_metadata(
+    w: gguf.GGUFWriter, src: Source, file_type: int, name: str, n_vocab: int | None = None
+) -> None:
     c = src.config
     if name == "mistral":
         # transformers' GGUF loader switches to a "mistral" architecture that gguf-py does not know when
@@ -73,7 +75,7 @@ def add_model_metadata(w: gguf.GGUFWriter, src: Source, file_type: int, name: st
     w.add_head_count(src.n_head)
     w.add_head_count_kv(src.n_kv_head)
     w.add_layer_norm_rms_eps(float(c.get("rms_norm_eps", 1e-6)))
-    w.add_vocab_size(int(c["vocab_size"]))
+    w.add_vocab_size(int(n_vocab or c["vocab_size"]))  # the GGUF's rows: the source's plus any byte tokens
     rp = src.rope_parameters
     w.add_rope_freq_base(float(rp["rope_theta"]))
     w.add_rope_dimension_count(src.head_dim)
@@ -105,7 +107,7 @@ def write_gguf(
     """Write the whole file to `path` (fsynced); returns its size."""
     w = gguf.GGUFWriter(path, src.arch)
     try:
-        add_model_metadata(w, src, file_type, name)
+        add_model_metadata(w, src, file_type, name, len(vocab.tokens))
         write_vocab(w, vocab)
         for job in jobs:
             shape, dtype, raw = _ti_dtype(job)
