@@ -2,7 +2,7 @@
 
 How each tests/data/stderr file was captured (python 3.11, torch 2.13 CPU, transformers 5.24, one subprocess
 each, stderr saved verbatim):
-- cpu_label_out_of_vocab.txt: tiny Llama (core.toy, vocab 102) forward+backward with one label set to 150.
+- cpu_label_out_of_vocab.txt: tiny Llama (core.demo.toy, vocab 102) forward+backward with one label set to 150.
 - cpu_embedding_index_out_of_range.txt: the same model with one input id set to 109.
 - cpu_alloc_rlimit.txt: resource.setrlimit(RLIMIT_AS, 3 GiB), then torch.empty(8 GiB of uint8).
 - missing_module.txt: `import flash_attn_cockpit_absent` after importing torch.

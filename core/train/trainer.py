@@ -47,7 +47,7 @@ def choose_precision(cfg: dict) -> dict:
     if torch.cuda.is_available():
         device = f"cuda:{torch.cuda.current_device()} ({torch.cuda.get_device_name()})"
         # "auto" wants native bf16 (Ampere and newer: RTX 30xx/40xx, A6000, L40), not the slow emulation that
-        # is_bf16_supported() also accepts by default (core.runs_admin plans "auto" as bf16 on such a card).
+        # is_bf16_supported() also accepts by default (core.estimate.from_config plans "auto" as bf16 on such a card).
         bf16_native = torch.cuda.is_bf16_supported(including_emulation=False)
         bf16_ok = torch.cuda.is_bf16_supported()
         bf16 = bf16_native if t["bf16"] == "auto" else bool(t["bf16"])
@@ -299,7 +299,7 @@ def measure_peak(model):
     *steady* step. The smoke step is the first one, where the optimizer makes its state (Adam's moments) only
     at the end; from the second step on that state is alive during forward and backward too, so the tracker's
     steady peak adds it there. The first step's own peak stays as first_step_peak_bytes. On CUDA torch's
-    allocator peaks (first step) come next to it; without core.tracker, the process RSS rise (psutil) plus the
+    allocator peaks (first step) come next to it; without core.measure.tracker, the process RSS rise (psutil) plus the
     model's own bytes, marked measured_by "rss".
     """
     import torch
@@ -706,7 +706,7 @@ def dry_run(config_path: str, gpu_gb: float | None = None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m core.train", description=__doc__.splitlines()[0])
-    parser.add_argument("config", help="run config YAML (see core/config.py)")
+    parser.add_argument("config", help="run config YAML (its sections and defaults: core/train/config.py)")
     parser.add_argument("--run-dir", help="the run directory to write into (not needed with --dry-run)")
     parser.add_argument(
         "--resume", action="store_true", help="continue from the newest checkpoint in the run dir"
