@@ -1,8 +1,10 @@
 """Monitoring overhead: tokens/s of one tiny LoRA config through core.train (metrics callback, status writes,
 GPU sampler) vs a plain TRL SFTTrainer with no extra callbacks. Goal: ratio >= 0.99.
 
-Both sides run in this process, alternately (A B, B A, ...), on identical model, data and TrainingArguments;
-each side's throughput is real tokens per second in steady state (from step 20 to the last step, clocked as
+Both sides run in this process, alternately (A B, B A, ...), on identical model, data and SFTConfig: the plain
+side is built by the engine's own functions from the same validated run config (see run_plain), so the two cannot
+drift apart when an engine default changes, and the script refuses to compare sides whose settings differ. Each
+side's throughput is real tokens per second in steady state (from step 20 to the last step, clocked as
 each batch is collated, identically on both sides), measured two ways: wall clock, and CPU time of the whole
 process (every thread, the GPU sampler's included). On a shared machine the wall clock swings by tens
 of percent with other people's jobs, while CPU time counts only the work this process did, so the goal is
@@ -54,6 +56,21 @@ def timed(trainer) -> TimedCollator:
     return trainer.data_collator
 
 
+# What may differ between the sides: where each writes, and the engine's own logging (TensorBoard when installed)
+OWN_KEYS = ("output_dir", "logging_dir", "report_to")
+SHOWN = ("trainer", "gradient_checkpointing", "optim", "bf16", "max_length", "per_device_train_batch_size")
+
+
+def settings(trainer) -> dict:
+    """What the trainer trains: its class, every SFTConfig field but OWN_KEYS, the model's checkpointing state."""
+    args = {k: v for k, v in trainer.args.to_dict().items() if k not in OWN_KEYS}
+    return {
+        "trainer": type(trainer).__name__,
+        "gradient_checkpointing": bool(getattr(trainer.model, "is_gradient_checkpointing", False)),
+        **args,
+    }
+
+
 def make_assets(root: Path, seq_chars: int) -> tuple[Path, Path]:
     from core.demo.toy import build_tiny_model
 
@@ -86,82 +103,82 @@ def run_config(model: Path, data: Path, steps: int, seq_chars: int) -> dict:
     }
 
 
-def run_core(cfg_path: Path, root: Path, i: int) -> tuple[float, float]:
+class CallbackClock:
+    """CPU seconds spent inside core.train's own trainer callbacks (metrics lines, status writes, the stop and NaN
+    checks): what the engine does per step that a plain SFTTrainer does not, measured directly rather than read
+    from the difference of two noisy throughputs."""
+
+    def __init__(self):
+        self.cpu = 0.0
+
+    def wrap(self, trainer):
+        for callback in trainer.callback_handler.callbacks:
+            if not type(callback).__module__.startswith("core."):
+                continue
+            for name in dir(callback):
+                if name.startswith("on_"):
+                    setattr(callback, name, self._timed(getattr(callback, name)))
+
+    def _timed(self, method):
+        def run(*args, **kwargs):
+            c0 = time.process_time()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.cpu += time.process_time() - c0
+
+        return run
+
+
+def run_core(cfg_path: Path, root: Path, i: int) -> tuple[tuple[float, float], dict, float]:
+    """core.train.trainer.run_training as the CLI runs it; also the share of a step's CPU time its callbacks took."""
     import core.train.trainer as engine
     from core.train.trainer import StopFlag, run_training
 
-    made, make_trainer = [], engine.make_trainer
+    made, make_trainer, clock = [], engine.make_trainer, CallbackClock()
 
     def make_timed(*args, **kwargs):  # the same clock as the plain side; nothing else of core.train changes
         trainer = make_trainer(*args, **kwargs)
-        made.append(timed(trainer))
+        made.append((timed(trainer), trainer))
+        clock.wrap(trainer)
         return trainer
 
     engine.make_trainer = make_timed
     try:
-        run_training(cfg_path, root / f"core-{i}", stop=StopFlag())
+        summary = run_training(cfg_path, root / f"core-{i}", stop=StopFlag())
     finally:
         engine.make_trainer = make_trainer
-    return made[-1].steady()
+    collator, trainer = made[-1]
+    return collator.steady(), settings(trainer), clock.cpu / summary["train_cpu_seconds"]
 
 
-def run_plain(cfg: dict, i: int, root: Path) -> tuple[float, float]:
-    """The same training with nothing of ours around it: SFTTrainer + peft_config, default callbacks only, on
-    the same pre-tokenized rows."""
+def run_plain(cfg: dict, i: int, root: Path) -> tuple[tuple[float, float], dict]:
+    """The same training with nothing of ours around it: no metrics callback, status writes, GPU sampler, NaN
+    check, run lock or TensorBoard logging. Everything that decides *what* is trained is the engine's own code
+    path, not a copy of its settings: the validated config, core.train's device/precision choice, its model
+    loader, tokenizer set-up, data pipeline and make_trainer (SFTConfig from every training key, LoraConfig,
+    SFTTrainer), so a new engine default (such as gradient checkpointing on) reaches both sides at once."""
     import transformers
-    from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import SFTConfig, SFTTrainer
+    from transformers import AutoTokenizer
 
     from core.train.config import validate_config
     from core.train.data import prepare_datasets
+    from core.train.trainer import choose_precision, load_model, make_trainer
 
     cfg = validate_config(cfg)
-    t, lora = cfg["training"], cfg["lora"]
-    transformers.set_seed(t["seed"])
+    prec = choose_precision(cfg)
+    transformers.set_seed(cfg["training"]["seed"])
     tok = AutoTokenizer.from_pretrained(cfg["model"]["path"])
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token  # as core.train does
     train_ds, _ = prepare_datasets(cfg, tok)
     train_ds = train_ds.remove_columns("length")
-    model = AutoModelForCausalLM.from_pretrained(
-        cfg["model"]["path"], dtype="float32", attn_implementation="sdpa"
-    )
-    model.config.use_cache = False
-    args = SFTConfig(
-        output_dir=str(root / f"plain-{i}"),
-        max_length=t["max_length"],
-        per_device_train_batch_size=t["per_device_train_batch_size"],
-        gradient_accumulation_steps=1,
-        max_steps=t["max_steps"],
-        learning_rate=t["learning_rate"],
-        lr_scheduler_type=t["lr_scheduler_type"],
-        warmup_steps=0,
-        optim=t["optim"],  # the Trainer's default (fused AdamW) would differ from the config's
-        max_grad_norm=t["max_grad_norm"],
-        weight_decay=t["weight_decay"],
-        logging_steps=t["logging_steps"],
-        activation_checkpointing=False,  # TRL's default is on; the config's is off
-        bf16=False,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-        use_cpu=True,
-        remove_unused_columns=False,
-        dataloader_pin_memory=False,
-        seed=t["seed"],
-    )
-    peft_config = LoraConfig(
-        r=lora["r"],
-        lora_alpha=lora["lora_alpha"],
-        lora_dropout=lora["lora_dropout"],
-        target_modules=lora["target_modules"],
-        task_type="CAUSAL_LM",
-    )
-    trainer = SFTTrainer(
-        model=model, args=args, train_dataset=train_ds, processing_class=tok, peft_config=peft_config
+    trainer = make_trainer(
+        cfg, prec, load_model(cfg, prec), tok, train_ds, run_dir=root / f"plain-{i}", report_to="none"
     )
     collator = timed(trainer)
     trainer.train()
-    return collator.steady()
+    return collator.steady(), settings(trainer)
 
 
 def main() -> int:
@@ -188,23 +205,43 @@ def main() -> int:
         run_plain(
             run_config(model, data, SKIP + 10, args.seq), -1, root
         )  # warm-up: first-run costs (lazy imports, caches)
-        wall_ratios, cpu_ratios = [], []
+        wall_ratios, cpu_ratios, callback_shares = [], [], []
         for i in range(args.pairs):
             order = ("core", "plain") if i % 2 == 0 else ("plain", "core")
-            tps = {}
+            tps, trained = {}, {}
             for side in order:
-                tps[side] = run_core(cfg_path, root, i) if side == "core" else run_plain(cfg, i, root)
+                if side == "core":
+                    tps[side], trained[side], share = run_core(cfg_path, root, i)
+                    callback_shares.append(share)
+                else:
+                    tps[side], trained[side] = run_plain(cfg, i, root)
+            if trained["core"] != trained["plain"]:
+                diff = {
+                    k: (trained["core"].get(k), trained["plain"].get(k))
+                    for k in trained["core"].keys() | trained["plain"].keys()
+                    if trained["core"].get(k) != trained["plain"].get(k)
+                }
+                print(f"the sides train different things (core.train, plain): {diff}", file=sys.stderr)
+                return 2
+            if i == 0:
+                on = {k: trained["core"][k] for k in SHOWN}
+                print(f"both sides: {on}", flush=True)
             wall_ratios.append(tps["core"][0] / tps["plain"][0])
             cpu_ratios.append(tps["core"][1] / tps["plain"][1])
             print(
                 f"pair {i + 1}: wall tok/s core.train {tps['core'][0]:.0f} vs plain {tps['plain'][0]:.0f} "
                 f"(ratio {wall_ratios[-1]:.4f}); per CPU-second core.train {tps['core'][1]:.0f} vs plain "
-                f"{tps['plain'][1]:.0f} (ratio {cpu_ratios[-1]:.4f})",
+                f"{tps['plain'][1]:.0f} (ratio {cpu_ratios[-1]:.4f}); core.train's callbacks "
+                f"{100 * callback_shares[-1]:.3f}% of its CPU time",
                 flush=True,
             )
     wall, ratio = statistics.median(wall_ratios), statistics.median(cpu_ratios)
     print(f"steps per run {args.steps}, pairs {args.pairs}, batch 8 x {args.seq + 2} tokens, torch threads 1")
     print(f"median wall-clock tokens/s ratio: {wall:.4f} (noisy on a shared machine; reported, not the goal)")
+    print(
+        f"core.train's own callbacks (metrics, status, stop/NaN checks): median "
+        f"{100 * statistics.median(callback_shares):.3f}% of its training CPU time"
+    )
     print(
         f"monitor_overhead tokens per CPU-second ratio (core.train / plain SFTTrainer): {ratio:.4f} (goal >= {GOAL})"
     )

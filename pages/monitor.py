@@ -1,4 +1,4 @@
-"""Monitor page: one run, live. The run directory is the truth: a RunWatcher (core.watch) per run reads only what
+"""Monitor page: one run, live. The run directory is the truth: a RunWatcher (core.monitor.watch) per run reads only what
 its files gained since the last tick, so a reload or a server restart reattaches to a live run with no lost point.
 The live part is a fragment re-run by the browser every ~2 s while the run is live; static otherwise."""
 

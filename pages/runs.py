@@ -1,6 +1,6 @@
 """Runs page: every run of the workspace at a glance, loss curves side by side (and a DPO run's preference
 accuracy and reward margin), open one in the Monitor, delete finished ones. UI only: summaries come from
-core.watch, deleting from core.runs_admin."""
+core.monitor.watch, deleting from core.runs.admin."""
 
 from datetime import datetime
 from pathlib import Path

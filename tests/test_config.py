@@ -136,7 +136,7 @@ def test_plan_to_config_takes_the_estimate_plan_dataclass():
 
 
 def test_plan_to_config_tolerates_missing_keys_and_objects():
-    class Plan:  # stands in for core.estimate.Plan: attribute access, most fields absent
+    class Plan:  # stands in for core.estimate.bill.Plan: attribute access, most fields absent
         method = "full"
         batch_size = 2
 

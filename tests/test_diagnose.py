@@ -2,7 +2,7 @@
 
 How each tests/data/stderr file was captured (python 3.11, torch 2.13 CPU, transformers 5.24, one subprocess
 each, stderr saved verbatim):
-- cpu_label_out_of_vocab.txt: tiny Llama (core.toy, vocab 102) forward+backward with one label set to 150.
+- cpu_label_out_of_vocab.txt: tiny Llama (core.demo.toy, vocab 102) forward+backward with one label set to 150.
 - cpu_embedding_index_out_of_range.txt: the same model with one input id set to 109.
 - cpu_alloc_rlimit.txt: resource.setrlimit(RLIMIT_AS, 3 GiB), then torch.empty(8 GiB of uint8).
 - missing_module.txt: `import flash_attn_cockpit_absent` after importing torch.
@@ -214,7 +214,7 @@ def test_troubleshooting_markdown_lists_every_rule():
 def test_nan_advice_fits_the_run_state_and_device():
     """Issue #16: the NaN diagnosis gave two overlapping learning-rate fixes and fp16 advice on a CPU run, and
     the health box said 'Stop the run' after it had ended."""
-    from core.monitor.health import check_health
+    from core.monitor.health import HealthChecker
 
     series = RunSeries.from_records(
         [
@@ -229,7 +229,9 @@ def test_nan_advice_fits_the_run_state_and_device():
     assert not any("fp16" in f or "bf16" in f for f in d.fixes)  # nothing about GPU precision on a CPU
     gpu = diagnose(Evidence(status={**cpu_status, "device": "cuda:0"}, series=series))
     assert any("bf16" in f for f in gpu.fixes)  # on a GPU the precision advice stays
-    ended = [w for w in check_health(series, None, cpu_status) if w.code == "nonfinite_loss"][0]
-    live = [w for w in check_health(series, None, {"state": "running"}) if w.code == "nonfinite_loss"][0]
+    ended = [w for w in HealthChecker().check(series, None, cpu_status) if w.code == "nonfinite_loss"][0]
+    live = [
+        w for w in HealthChecker().check(series, None, {"state": "running"}) if w.code == "nonfinite_loss"
+    ][0]
     assert ended.fix.startswith("Restart from") and "fp16" not in ended.fix
     assert live.fix.startswith("Stop the run and restart")

@@ -1,7 +1,7 @@
 """Health rules on real training curves of a tiny Llama (CPU) and on GPU samples from a fake NVML source.
 
 Loss curves come from real optimisation steps (a healthy lr, lr ~ 0, a divergent lr, one broken batch).
-GPU figures cannot be produced without a GPU: those tests feed core.gpu.take_samples a fake driver source
+GPU figures cannot be produced without a GPU: those tests feed core.monitor.gpu.take_samples a fake driver source
 (the only mock, named in each test) and write the samples exactly as GpuSampler does.
 """
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from core.monitor.gpu import GpuInfo, take_samples
-from core.monitor.health import HealthChecker, HealthSettings, check_health
+from core.monitor.health import HealthChecker, HealthSettings
 from core.monitor.tail import RunSeries
 
 GiB = 1024**3
@@ -88,7 +88,7 @@ class FakeNvml:
 
 
 def fake_gpu_records(t_start, seconds, used, util, process_memory=None, others=()):
-    """1 Hz samples through core.gpu.take_samples with a fake driver, timestamps set to the run's clock."""
+    """1 Hz samples through core.monitor.gpu.take_samples with a fake driver, timestamps set to the run's clock."""
     src = FakeNvml()
     out = []
     for i in range(seconds):
@@ -123,7 +123,7 @@ def test_healthy_run_is_quiet_fake_gpu_samples(healthy_records):
 def test_nan_loss_from_divergent_lr_is_an_error(small_llama):
     records = train_tiny(small_llama, lr=1e3, steps=6, optimizer="sgd")
     assert any(r["loss"] != r["loss"] for r in records)  # the real run did diverge
-    warnings = check_health(RunSeries.from_records(records))
+    warnings = HealthChecker().check(RunSeries.from_records(records))
     assert warnings[0].code == "nonfinite_loss" and warnings[0].level == "error"
     first_bad = next(r["step"] for r in records if r["loss"] != r["loss"] or abs(r["loss"]) == float("inf"))
     assert f"at step {first_bad}" in warnings[0].detail
@@ -153,34 +153,42 @@ def test_broken_batch_makes_a_loss_spike(small_llama, healthy_records):
 def test_starved_gpu_warns_about_data_loading_fake_gpu_samples(healthy_records):
     t0 = healthy_records[0]["time"]
     series = RunSeries.from_records(healthy_records, fake_gpu_records(t0, 180, used=int(12 * GiB), util=35))
-    w = [x for x in check_health(series, status={"state": "running"}) if x.code == "low_utilization"]
+    w = [x for x in HealthChecker().check(series, status={"state": "running"}) if x.code == "low_utilization"]
     assert len(w) == 1
     assert "35%" in w[0].detail and "dataloader_num_workers" in w[0].fix
     # Same samples but the run has finished: an idle GPU is expected then.
-    assert "low_utilization" not in codes(check_health(series, status={"state": "finished"}))
+    assert "low_utilization" not in codes(HealthChecker().check(series, status={"state": "finished"}))
     # Too short a window is not "sustained".
     short = RunSeries.from_records(healthy_records, fake_gpu_records(t0, 60, used=int(12 * GiB), util=35))
-    assert "low_utilization" not in codes(check_health(short, status={"state": "running"}))
+    assert "low_utilization" not in codes(HealthChecker().check(short, status={"state": "running"}))
 
 
 def test_memory_over_90_percent_warns_fake_gpu_samples(healthy_records):
     t0 = healthy_records[0]["time"]
     series = RunSeries.from_records(healthy_records, fake_gpu_records(t0, 30, used=int(23 * GiB), util=99))
-    w = [x for x in check_health(series) if x.code == "memory_high"]
+    w = [x for x in HealthChecker().check(series) if x.code == "memory_high"]
     assert len(w) == 1 and "96%" in w[0].title and "24.0 GiB" in w[0].detail
     ok = RunSeries.from_records(healthy_records, fake_gpu_records(t0, 30, used=int(21 * GiB), util=99))
-    assert "memory_high" not in codes(check_health(ok))
+    assert "memory_high" not in codes(HealthChecker().check(ok))
 
 
 def test_measured_peak_against_plan_fake_gpu_samples(healthy_records):
     t0 = healthy_records[0]["time"]
     gpu = fake_gpu_records(t0, 30, used=int(20 * GiB), util=99, process_memory=int(19.5 * GiB))
     series = RunSeries.from_records(healthy_records, gpu)
-    over = [w for w in check_health(series, {"device_total_bytes": 16 * GiB}) if w.code == "plan_mismatch"]
+    over = [
+        w
+        for w in HealthChecker().check(series, {"device_total_bytes": 16 * GiB})
+        if w.code == "plan_mismatch"
+    ]
     assert len(over) == 1 and over[0].level == "warning" and "22% above" in over[0].title
-    under = [w for w in check_health(series, {"device_total_bytes": 24 * GiB}) if w.code == "plan_mismatch"]
+    under = [
+        w
+        for w in HealthChecker().check(series, {"device_total_bytes": 24 * GiB})
+        if w.code == "plan_mismatch"
+    ]
     assert len(under) == 1 and under[0].level == "info" and "below" in under[0].title
-    assert "plan_mismatch" not in codes(check_health(series, {"device_total_bytes": 18.5 * GiB}))
+    assert "plan_mismatch" not in codes(HealthChecker().check(series, {"device_total_bytes": 18.5 * GiB}))
 
 
 # --- DPO runs: synthetic metrics.jsonl in the trainer's format for DPOTrainer (tests/test_watch.write_dpo_run) ---

@@ -306,6 +306,24 @@ def test_qlora_adapter_gets_the_deviation_note(tiny_llama, tmp_path, workspace):
     assert any("QLoRA" in line for line in v.lines())
 
 
+def test_qlora_is_told_from_the_run_configs_real_keys(tiny_llama, tmp_path, workspace):
+    """Issue 20: QLoRA is quantization.load_in_4bit of the config.yaml that core.train/launcher write (the
+    validated config, every section filled in), not keys the config never has (bits, mode, kind)."""
+    from core.merge.discover import is_qlora
+    from core.runs.launcher import create_run
+
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"text": "hello"}) + "\n")
+    for name, quant in (("q", {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}), ("l", {})):
+        cfg = {"model": {"path": str(tiny_llama)}, "data": {"path": str(data)}, "quantization": quant}
+        run = create_run(workspace, name, cfg)
+        adapter = make_adapter(tiny_llama, run / "adapter", r=4, target_modules=["q_proj"])
+        written = (run / "config.yaml").read_text()
+        assert "load_in_4bit: " + ("true" if quant else "false") in written and "bits" not in written
+        assert is_qlora(adapter) is bool(quant) and is_qlora(run) is bool(quant)
+    assert is_qlora(make_adapter(tiny_llama, tmp_path / "loose", r=4, target_modules=["q_proj"])) is False
+
+
 # ---- refusals: clear messages, nothing written --------------------------------------------------------------
 
 

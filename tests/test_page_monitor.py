@@ -1,5 +1,5 @@
 """The Monitor page through AppTest, on run directories written by real runs: one that finished (trained in this
-process by core.train.run_training) and one that failed (a real trainer subprocess whose model folder vanished)."""
+process by core.train.trainer.run_training) and one that failed (a real trainer subprocess whose model folder vanished)."""
 
 import json
 import shutil

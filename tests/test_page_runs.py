@@ -1,5 +1,5 @@
 """The Runs page through AppTest on real run directories (see test_page_monitor for how they are made), and
-core.runs_admin.delete_run: never a live run, never a folder outside <workspace>/runs."""
+core.runs.admin.delete_run: never a live run, never a folder outside <workspace>/runs."""
 
 import json
 import shutil

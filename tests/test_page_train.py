@@ -189,7 +189,7 @@ def test_smoke_test_shows_measured_peak_next_to_estimate(workspace, tiny_llama, 
     assert not (workspace / "runs").exists()  # a smoke test is not a run
 
 
-# ---- core.runs_admin: the checks and the planner mapping behind the page ---------------------------------------
+# ---- core.runs.admin: the checks and the planner mapping behind the page ---------------------------------------
 
 
 def test_check_fields_reports_every_bad_field_at_once(tiny_llama, dataset):

@@ -97,6 +97,9 @@ def test_qlora_nf4_with_paged_adamw_8bit_trains_on_cpu(tmp_path, tiny_llama):
     c = load_config(cfg)
     names = {type(m).__name__ for m in load_model(c, choose_precision(c)).modules()}
     assert "Linear4bit" in names  # the base really was quantized by bitsandbytes
+    from core.merge.discover import is_qlora
+
+    assert is_qlora(tmp_path / "run" / "adapter")  # the Merge page tells it from the run's own config.yaml
 
 
 def test_nan_loss_fails_the_run_with_the_step(tmp_path, tiny_llama):

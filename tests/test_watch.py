@@ -14,7 +14,6 @@ import numpy as np
 from core.monitor.summary import (
     comparable_metrics,
     compare_frame,
-    compare_loss_frame,
     summarize_run,
     summarize_runs,
 )
@@ -226,7 +225,7 @@ def test_summaries_and_comparison(tmp_path):
         and abs(new.best_eval_loss - 1.0) < 1e-9
     )
     assert summaries[2].state == "unknown" and summaries[2].final_loss is None
-    df = compare_loss_frame([runs / "old", runs / "new"], smoothed=False)
+    df = compare_frame([runs / "old", runs / "new"], "loss", smoothed=False)
     assert set(df["run"]) == {"old", "new"} and len(df) == 100
     # Summaries are incremental too: appending one line shows up.
     with open(runs / "new" / "metrics.jsonl", "a") as fh:
@@ -392,7 +391,11 @@ def test_dpo_run_gets_rewards_accuracy_and_logps_charts(tmp_path):
 
 
 def test_dpo_smoothing_is_the_debiased_ema_and_follows_the_window(tmp_path):
-    from core.monitor.series import ema_steps
+    from core.monitor.series import StepEMA
+
+    def ema_steps(x, y, window_steps):  # the debiased EMA, point by point
+        step_ema = StepEMA(window_steps)
+        return x, [step_ema.update(step, v) for step, v in zip(x, y, strict=True)]
 
     run = write_dpo_run(tmp_path / "dpo", steps=60, eval_every=0)
     w = RunWatcher(run)

@@ -2,7 +2,7 @@
 
 Nothing is downloaded. `build_demo(out)` makes, deterministically (fixed seeds):
 
-  base/          a 2-layer Llama (hidden 128) with the char tokenizer of core.toy, briefly pretrained (full
+  base/          a 2-layer Llama (hidden 128) with the char tokenizer of core.demo.toy, briefly pretrained (full
                  fine-tuning, a few hundred steps) on two chat skills: "Repeat: hello" -> "hello" and
                  "Shout: hello" -> "HELLO!". A randomly initialised base learns little through LoRA alone; this
                  one can copy and upper-case, so LoRA has something to build on.
@@ -56,7 +56,7 @@ def demo_dir(workspace: str | os.PathLike) -> Path:
 
 
 def encode_chat_pairs(tokenizer, pairs: list[tuple[str, str]]) -> list[dict]:
-    """Tokenize one-turn chats like core.data does for the chat format (answer trained, prompt masked), but
+    """Tokenize one-turn chats like core.train.data does for the chat format (answer trained, prompt masked), but
     fast: the template is rendered once around two markers and the rows are tokenized in one batch call."""
 
     q_mark, a_mark = "\x01", "\x02"

@@ -6,7 +6,7 @@ Input is one `Plan` (serialisable with dataclasses.asdict / Plan.from_dict, so t
 output is an `Estimate`: the components at the peak, the three totals (tensor peak = max_memory_allocated,
 reserved peak = max_memory_reserved, device total = what nvidia-smi shows), the phase of the peak, a verdict,
 and hints. Exact terms (weights, quantization constants, LoRA parameters, optimizer states, KV cache) are
-counted from the real module tree (core.specs); activations follow what autograd saves in the real HF module
+counted from the real module tree (core.estimate.specs); activations follow what autograd saves in the real HF module
 code, one named tensor at a time (`layer_saved_tensors`), so each term can be checked against a measurement.
 """
 

@@ -72,10 +72,6 @@ class ModelSpec:
         return sum(s.in_features * s.out_features for s in self.decoder_linears)
 
     @property
-    def linear_bias_params(self) -> int:
-        return sum(s.out_features for s in self.decoder_linears if s.bias)
-
-    @property
     def kv_cache_bytes_per_token_per_byte(self) -> int:
         """K and V for every layer, per token, per byte of element size."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
@@ -340,12 +336,6 @@ def _build_targets(config_json: str, targets: str | tuple[str, ...]) -> tuple[Li
                 fan_in, fan_out = base.weight.shape
             out.append(LinearShape(name, int(fan_in), int(fan_out), base.bias is not None))
     return tuple(out)
-
-
-def lora_param_count(model: str, target_modules, r: int) -> int:
-    return sum(
-        r * (s.in_features + s.out_features) for s in lora_targets(model, normalize_targets(target_modules))
-    )
 
 
 def describe(spec: ModelSpec) -> str:

@@ -475,38 +475,3 @@ def track_live_tensors(
     if optimizer is not None and not hasattr(optimizer, "state"):
         raise TrackerError(f"optimizer must be a torch optimizer, got {type(optimizer).__name__}")
     return LiveTensorTracker(model, optimizer, tensors, device, auto_phases, saved_tensors, detail)
-
-
-def _forward_loss(model, batch, loss_fn):
-    # The model output (logits) dies when this returns, before backward, as in Trainer.compute_loss.
-    out = model(**batch) if isinstance(batch, dict) else model(batch)
-    if loss_fn is not None:
-        return loss_fn(out, batch)
-    loss = out.loss if hasattr(out, "loss") else out
-    if loss is None:
-        raise TrackerError("the model returned no loss: put `labels` in the batch or pass loss_fn")
-    return loss
-
-
-def measure_step(
-    model, batch, optimizer, *, loss_fn=None, steps: int = 1, saved_tensors: bool = True
-) -> StepMemory:
-    """Run `steps` real training steps (forward + loss, backward, optimizer.step, zero_grad(set_to_none))
-    and return the memory of the last one. With steps=1 the optimizer state is created lazily inside the
-    step (counted in the optimizer phase); `steady_peak_bytes` then says what a later step holds."""
-    if steps < 1:
-        raise TrackerError(f"steps must be at least 1, got {steps}")
-    model.train()
-    with track_live_tensors(model, optimizer, tensors=batch, saved_tensors=saved_tensors) as tr:
-        for i in range(steps):
-            if i == steps - 1:
-                tr.reset_peaks()
-            with tr.phase("forward"):
-                loss = _forward_loss(model, batch, loss_fn)
-            with tr.phase("backward"):
-                loss.backward()
-                del loss
-            with tr.phase("optimizer"):
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-    return tr.result()

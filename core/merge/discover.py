@@ -21,17 +21,11 @@ def run_config_for(adapter_dir: Path) -> dict:
 
 
 def is_qlora(adapter_dir: Path) -> bool:
-    """True when the run config says the base was loaded in 4 bit (QLoRA)."""
+    """True when the run config says the base was loaded in 4 bit (QLoRA): `quantization.load_in_4bit`, the
+    transformers.BitsAndBytesConfig field core.train hands to the model loader (core/train/config.py). An adapter
+    outside a run directory (no config.yaml) is not known to be QLoRA."""
     q = run_config_for(adapter_dir).get("quantization")
-    if isinstance(q, str):
-        return q.lower() in ("nf4", "fp4", "4bit", "4-bit", "qlora", "int4")
-    if isinstance(q, dict):
-        if q.get("load_in_4bit") or q.get("bits") == 4:
-            return True
-        for k in ("mode", "type", "method", "quant_type", "kind"):
-            if str(q.get(k, "")).lower() in ("nf4", "fp4", "4bit", "4-bit", "qlora", "int4"):
-                return True
-    return False
+    return isinstance(q, dict) and q.get("load_in_4bit") is True
 
 
 @dataclass

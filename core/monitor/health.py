@@ -434,10 +434,3 @@ def _median_and_noise(windows: np.ndarray, clean_from: int) -> tuple[np.ndarray,
             med[part] = fn(w, axis=1)
             noise[part] = fn(np.abs(np.diff(w, axis=1)), axis=1)
     return med, noise
-
-
-def check_health(
-    series: RunSeries, plan: dict | None = None, status: dict | None = None
-) -> list[HealthWarning]:
-    """One-off check (a fresh checker each call)."""
-    return HealthChecker().check(series, plan, status)

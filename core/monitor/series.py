@@ -8,7 +8,6 @@ a memory peak), so each bucket keeps both its minimum and its maximum, and the f
 from __future__ import annotations
 
 import math
-import warnings
 
 import numpy as np
 
@@ -80,22 +79,6 @@ def ema(y, alpha: float = 0.05) -> np.ndarray:
     return out
 
 
-def rolling_median(y, window: int = 50) -> np.ndarray:
-    """Median of the trailing `window` points (fewer at the start), ignoring non-finite values."""
-    if window < 1:
-        raise ValueError(f"window must be at least 1; got {window}")
-    y = np.asarray(y, dtype=np.float64)
-    n = y.size
-    if n == 0:
-        return y.copy()
-    clean = np.where(np.isfinite(y), y, np.nan)
-    padded = np.concatenate([np.full(window - 1, np.nan), clean])
-    windows = np.lib.stride_tricks.sliding_window_view(padded, window)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN windows: NaN is the right answer
-        return np.nanmedian(windows, axis=1)
-
-
 DEFAULT_SMOOTHING_STEPS = 20.0
 
 
@@ -122,16 +105,3 @@ class StepEMA:
         self._den = self._den * decay + 1.0
         self._last_step = step
         return self._num / self._den
-
-
-def ema_steps(x, y, window_steps: float = DEFAULT_SMOOTHING_STEPS) -> tuple[np.ndarray, np.ndarray]:
-    """The whole-array form of StepEMA: (steps, smoothed) over the finite points."""
-    ema = StepEMA(window_steps)
-    xs, ys = [], []
-    for step, v in zip(
-        np.asarray(x, dtype=np.float64).tolist(), np.asarray(y, dtype=np.float64).tolist(), strict=True
-    ):
-        if math.isfinite(v):
-            xs.append(step)
-            ys.append(ema.update(step, v))
-    return np.asarray(xs), np.asarray(ys)

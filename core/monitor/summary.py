@@ -194,13 +194,3 @@ def compare_frame(
         parts.append((Path(d).name, x, y))
     df = _frame("step", parts)
     return df.rename(columns={"series": "run"})
-
-
-def compare_loss_frame(
-    run_dirs: list[str | os.PathLike],
-    smoothed: bool = True,
-    max_points: int = 1000,
-    smoothing_steps: float = DEFAULT_SMOOTHING_STEPS,
-) -> pd.DataFrame:
-    """Loss curves of several runs on one chart: columns step, value, run (long form)."""
-    return compare_frame(run_dirs, "loss", smoothed, max_points, smoothing_steps)

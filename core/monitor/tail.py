@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from array import array
@@ -19,15 +18,16 @@ from pathlib import Path
 
 import numpy as np
 
+from core.files import loads_json
 from core.monitor.series import DEFAULT_SMOOTHING_STEPS, StepEMA
 from core.procs import tail_text
 from core.runs import rundir
 from core.train import methods
 
-try:  # 3-4x faster on the first read of a long run; optional
+try:  # 3-4x faster on the first read of a long run; optional. It refuses integers beyond float range itself.
     from orjson import loads as _fast_loads
 except ImportError:  # pragma: no cover - depends on the environment
-    _fast_loads = json.loads
+    _fast_loads = loads_json
 
 # Large enough to swallow a 100k-line backlog in a few reads, small enough to bound one tick's memory.
 _CHUNK = 4 << 20
@@ -134,8 +134,9 @@ class JsonlTail:
                 rec = _fast_loads(line)
             except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
                 try:
-                    # json.dumps writes NaN/Infinity (a diverged loss); orjson rejects those tokens.
-                    rec = json.loads(line)
+                    # json.dumps writes NaN/Infinity (a diverged loss); orjson rejects those tokens. Like orjson,
+                    # loads_json refuses an integer beyond float range (it would break every float() after).
+                    rec = loads_json(line)
                 except (ValueError, RecursionError):  # deep nesting overflows json's recursion
                     self.malformed += 1
                     continue

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from core import procs
-from core.files import atomic_write_text, read_json_object
+from core.files import atomic_write_text, loads_json, read_json_object
 from core.procs import LOCK, PID, STDERR, STDOUT  # noqa: F401 - names of the run directory too
 
 CONFIG = "config.yaml"  # the validated run config
@@ -53,13 +53,14 @@ def write_status(run_dir: str | os.PathLike, **fields) -> dict:
 
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
-    """All complete lines of metrics.jsonl (a half-written last line is skipped)."""
+    """All complete lines of metrics.jsonl (a half-written last line, or one with a number beyond float range, is
+    skipped)."""
     out = []
     path = Path(run_dir) / METRICS
     if path.exists():
         for line in path.read_text(encoding="utf-8").splitlines():
             with contextlib.suppress(ValueError, RecursionError):
-                rec = json.loads(line)
+                rec = loads_json(line)
                 if isinstance(rec, dict):
                     out.append(rec)
     return out

@@ -14,7 +14,7 @@ def measure_peak(model):
     *steady* step. The smoke step is the first one, where the optimizer makes its state (Adam's moments) only
     at the end; from the second step on that state is alive during forward and backward too, so the tracker's
     steady peak adds it there. The first step's own peak stays as first_step_peak_bytes. On CUDA torch's
-    allocator peaks (first step) come next to it; without core.tracker, the process RSS rise (psutil) plus the
+    allocator peaks (first step) come next to it; without core.measure.tracker, the process RSS rise (psutil) plus the
     model's own bytes, marked measured_by "rss".
     """
     import torch
