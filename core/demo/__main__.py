@@ -13,19 +13,19 @@ from core.demo.build import (
     train_demo_run,
 )
 from core.demo.prefs import (
+    PREFERENCE_DEMOS,
     chosen_accuracy,
-    dpo_demo_config,
     ensure_pref_data,
-    kto_demo_config,
     preference_accuracy,
     read_pairs,
 )
 from core.workspace import default_workspace
 
 
-def dpo_demo(out: Path, sft_adapter: Path) -> tuple[float, float]:
-    """Merge the SFT adapter into the demo base, train the DPO run on top of it, and compare the held-out
-    preference accuracy (core.demo.prefs.preference_accuracy) before and after."""
+def preference_demo(out: Path, sft_adapter: Path, method: str) -> tuple[float, float]:
+    """Merge the SFT adapter into the demo base, train the method's demo run (DPO or KTO, core.demo.prefs) on top
+    of it, and compare the held-out preference accuracy (core.demo.prefs.preference_accuracy) before and after."""
+    from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     _, heldout_path = ensure_pref_data(out)
@@ -34,34 +34,12 @@ def dpo_demo(out: Path, sft_adapter: Path) -> tuple[float, float]:
     tokenizer = AutoTokenizer.from_pretrained(merged)
     sft_model = AutoModelForCausalLM.from_pretrained(merged)
     before = preference_accuracy(sft_model, tokenizer, heldout)
-    run_dir = train_demo_run(out, "example-dpo-run", dpo_demo_config(out, merged))
-
-    from peft import PeftModel
-
+    run_dir = train_demo_run(out, f"example-{method}-run", PREFERENCE_DEMOS[method](out, merged))
     model = PeftModel.from_pretrained(sft_model, str(run_dir / "adapter"))  # on the model measured before
     after = preference_accuracy(model, tokenizer, heldout)
     says = chosen_accuracy(model, tokenizer, heldout)
-    print(f"held-out answers in the preferred style after DPO: {says:.0%}", flush=True)
-    print(f"dpo demo: held-out preference accuracy {before:.0%} -> {after:.0%}", flush=True)
-    return before, after
-
-
-def kto_demo(out: Path, sft_adapter: Path) -> tuple[float, float]:
-    """Merge the SFT adapter into the demo base, train the KTO run on top of it, and compare the held-out
-    preference accuracy before and after (the DPO demo's figure, on the same held-out pairs)."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    _, heldout_path = ensure_pref_data(out)
-    merged = _merged_sft(out, sft_adapter)
-    heldout = read_pairs(heldout_path)
-    tokenizer = AutoTokenizer.from_pretrained(merged)
-    sft_model = AutoModelForCausalLM.from_pretrained(merged)
-    before = preference_accuracy(sft_model, tokenizer, heldout)
-    run_dir = train_demo_run(out, "example-kto-run", kto_demo_config(out, merged))
-    model = PeftModel.from_pretrained(sft_model, str(run_dir / "adapter"))
-    after = preference_accuracy(model, tokenizer, heldout)
-    print(f"kto demo: held-out preference accuracy {before:.0%} -> {after:.0%}", flush=True)
+    print(f"held-out answers in the preferred style after {method.upper()}: {says:.0%}", flush=True)
+    print(f"{method} demo: held-out preference accuracy {before:.0%} -> {after:.0%}", flush=True)
     return before, after
 
 
@@ -118,9 +96,9 @@ def main(argv: list[str] | None = None) -> int:
             after = heldout_accuracy(out, adapter)
             print(f"held-out accuracy after training: {after:.0%} (before {before:.0%})", flush=True)
         if args.run_dpo:
-            dpo_demo(out, adapter)
+            preference_demo(out, adapter, "dpo")
         if args.run_kto:
-            kto_demo(out, adapter)
+            preference_demo(out, adapter, "kto")
     except OSError as exc:  # the folder cannot be written: bad input, not a failure of the demo
         print(
             f"error: cannot write the demo into {out} ({exc.strerror or exc}): give a folder you can write.",

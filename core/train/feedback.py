@@ -20,12 +20,11 @@ from core.train.findings import (
     Finding,
     format_rows,
     is_blank,
-    load_tokenizer_and_config,
     max_length_findings,
     model_limits,
     token_findings,
 )
-from core.train.prefdata import normalize_pairs, pair_token_ids
+from core.train.prefdata import check_rows_with_tokenizer, normalize_pairs, pair_token_ids
 
 FEEDBACK_KEYS = ("prompt", "completion", "label")
 _LABELS = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False}
@@ -217,14 +216,8 @@ def check_feedback(rows, tokenizer, max_length: int, model_config=None, fmt: str
 
 
 def run_feedback_preflight(cfg: dict, tokenizer=None, model_config=None) -> list[Finding]:
-    try:
-        rows = load_rows(cfg["data"])
-    except DataError as exc:
-        return [Finding("error", "data", str(exc), "Point data.path at a readable dataset.")]
-    if tokenizer is None or model_config is None:
-        tok, conf = load_tokenizer_and_config(cfg["model"])
-        tokenizer, model_config = tokenizer or tok, model_config or conf
-    return check_feedback(rows, tokenizer, cfg["training"]["max_length"], model_config, cfg["data"]["format"])
+    """The preflight of a `method: kto` config: the rows read, then check_feedback."""
+    return check_rows_with_tokenizer(cfg, load_rows, check_feedback, tokenizer, model_config)
 
 
 def preview_feedback(rows, n: int = 5, fmt: str = "auto", width: int = 300) -> tuple[int, list[dict]]:

@@ -275,17 +275,25 @@ def prepare_pair_datasets(cfg: dict):
     return split_eval(pairs_dataset(pairs), cfg)
 
 
-def run_pair_preflight(cfg: dict, tokenizer=None, model_config=None) -> list[Finding]:
-    """core.train.preflight.run_preflight for a `method: dpo` config: the rows read, then check_pairs."""
-
+def check_rows_with_tokenizer(
+    cfg: dict, read_rows, check, tokenizer=None, model_config=None
+) -> list[Finding]:
+    """The preflight of a method whose rows are checked against the tokenizer and the model config: the rows
+    read by `read_rows(data_cfg)` (a data error is the one finding), then `check(rows, tokenizer, max_length,
+    model_config, format)`. Loads the tokenizer and config when not given."""
     try:
-        rows = load_pref_rows(cfg["data"])
+        rows = read_rows(cfg["data"])
     except DataError as exc:
         return [Finding("error", "data", str(exc), "Point data.path at a readable dataset.")]
     if tokenizer is None or model_config is None:
         tok, conf = load_tokenizer_and_config(cfg["model"])
         tokenizer, model_config = tokenizer or tok, model_config or conf
-    return check_pairs(rows, tokenizer, cfg["training"]["max_length"], model_config, cfg["data"]["format"])
+    return check(rows, tokenizer, cfg["training"]["max_length"], model_config, cfg["data"]["format"])
+
+
+def run_pair_preflight(cfg: dict, tokenizer=None, model_config=None) -> list[Finding]:
+    """The preflight of a `method: dpo` config: the rows read, then check_pairs."""
+    return check_rows_with_tokenizer(cfg, load_pref_rows, check_pairs, tokenizer, model_config)
 
 
 # ---- tokens, as DPOTrainer makes them -----------------------------------------------------------------------
