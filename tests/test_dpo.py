@@ -141,6 +141,7 @@ def prefs(tmp_path_factory):
     return write_pref_data(tmp_path_factory.mktemp("prefs"))
 
 
+@pytest.mark.slow
 def test_dpo_run_through_core_train_learns_the_preference_on_heldout_pairs(tmp_path, tiny_llama, prefs):
     """python -m core.train on a `method: dpo` config, as a process: DPOTrainer's metrics land in metrics.jsonl,
     the adapter is saved, and on held-out pairs (data.eval_split) the policy's implicit reward ranks the chosen
@@ -183,6 +184,7 @@ def test_demo_run_dpo_prints_its_preference_accuracy(tmp_path):
     assert after >= 80 and after >= before + 20, line
 
 
+@pytest.mark.slow
 def test_dpo_smoke_test_measures_a_max_length_pair_step(workspace, tiny_llama, prefs):
     from core.estimate.from_config import estimate_for_config, plan_record
     from core.runs.admin import start_smoke_test
@@ -196,6 +198,7 @@ def test_dpo_smoke_test_measures_a_max_length_pair_step(workspace, tiny_llama, p
     assert result["peak_bytes"] > 0 and abs(result["peak_bytes"] / result["estimate_bytes"] - 1) <= 0.10
 
 
+@pytest.mark.slow
 def test_dpo_with_an_explicit_reference_model_trains(tmp_path, tiny_llama, prefs):
     """model.reference_path: DPOTrainer gets that model (loaded like the base) as its frozen reference."""
     cfg = _cfg(tiny_llama, prefs[0], max_steps=2, logging_steps=1, save_steps=2)

@@ -298,6 +298,7 @@ def uneven_rows(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "levers",
     [
@@ -342,6 +343,7 @@ def test_core_train_runs_the_cpu_levers(tmp_path, tiny_llama, uneven_rows, lever
     assert len([x for x in losses if x is not None]) == 4
 
 
+@pytest.mark.slow
 def test_smoke_test_of_a_padding_free_config_measures_its_one_full_row(workspace, tiny_llama, uneven_rows):
     """The smoke step is one full max_length row at batch size 1, padded or padding-free alike; its measured peak
     agrees with the plan made for it (padding-free and packing off, as the engine runs it)."""
