@@ -2,8 +2,9 @@
 
 A method module (sft.py, dpo.py, kto.py) subclasses `Method` and fills it in: its TRL config and trainer
 classes, its data formats, loader, preflight and preview, its smoke collator, what the planner must know of its
-step (`PlanTraits`), the figures its trainer logs and the charts and health rules they feed. Code outside
-core/train/methods asks the run's method (`core.train.methods.get`) instead of branching on its name.
+step (`PlanTraits`), the figures its trainer logs and the Monitor charts they feed, its Train-page fields and
+the rows and batch a measured step uses. Code outside core/train/methods asks the run's method
+(`core.train.methods.get`) instead of branching on its name.
 """
 
 from __future__ import annotations
