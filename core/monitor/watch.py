@@ -231,7 +231,7 @@ class RunWatcher:
             self._charts.update(method_charts(series, method, self.budget))
         # the lock, not the last status written, says whether the process lives: a SIGKILLed trainer shows as
         # failed on the next tick, a trainer still exiting as stopping
-        state, alive = rundir.live_state(self.run_dir, status)
+        status, state, alive = rundir.read_live_status(self.run_dir, status)
         stalled = rundir.stall(self.run_dir, status, state, alive)
         if state == "new":
             state = "unknown"
@@ -519,7 +519,8 @@ def preference_summary(s: RunSeries, method: str | None) -> tuple[float | None, 
 def summarize_run(run_dir: str | os.PathLike, clock=time.time) -> RunSummary:
     run_dir = Path(run_dir)
     s = _files_for(run_dir).series
-    st = read_json_object(run_dir / rundir.STATUS) or {}
+    # the state as every reader sees it: a run whose process vanished reads as failed (nothing is written)
+    st = rundir.read_live_status(run_dir, read_json_object(run_dir / rundir.STATUS))[0] or {}
     started, ended = st.get("started"), st.get("ended")
     duration = None
     if isinstance(started, (int, float)):

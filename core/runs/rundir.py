@@ -6,14 +6,13 @@ watcher and the diagnosis all go through it. UI-free and light (no torch import)
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import time
 from pathlib import Path
 
 from core import procs
-from core.files import atomic_write_text, read_json_object
+from core.files import atomic_write_text, iter_jsonl_objects, read_json_object
 from core.procs import LOCK, PID, STDERR, STDOUT  # noqa: F401 - names of the run directory too
 
 CONFIG = "config.yaml"  # the validated run config
@@ -54,22 +53,15 @@ def write_status(run_dir: str | os.PathLike, **fields) -> dict:
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
     """All complete lines of metrics.jsonl (a half-written last line is skipped)."""
-    out = []
-    path = Path(run_dir) / METRICS
-    if path.exists():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            with contextlib.suppress(ValueError, RecursionError):
-                rec = json.loads(line)
-                if isinstance(rec, dict):
-                    out.append(rec)
-    return out
+    # streamed from a regular file only: a FIFO or a /dev/zero link in its place gives [] instead of a hang
+    return list(iter_jsonl_objects(Path(run_dir) / METRICS))
 
 
 def truncate_metrics(run_dir: str | os.PathLike, last_step: int) -> None:
     """Drop lines logged after `last_step` (a run killed after its last checkpoint), so a resumed run's file
     stays continuous: every step appears once, in order."""
     path = Path(run_dir) / METRICS
-    if path.exists():
+    if path.is_file():
         keep = [json.dumps(m) + "\n" for m in read_metrics(run_dir) if _step(m) <= last_step]
         atomic_write_text(path, "".join(keep))
 
@@ -177,6 +169,35 @@ def live_state(run_dir: str | os.PathLike, status: dict | None = None) -> tuple[
     if state in END_STATES and alive:
         return "stopping", True
     return state, alive
+
+
+STDERR_TAIL_LINES = 20  # the lines of stderr.log a vanished trainer's reason quotes
+
+
+def vanished_reason(run_dir: str | os.PathLike) -> str:
+    """Why a run whose process is gone still says starting/running: it ended without writing its own status
+    (SIGKILL from the kernel's OOM killer or from outside, a segfault). A first line that is a sentence by itself
+    (the pages show it alone), then the end of stderr.log when it holds anything."""
+    info = procs.read_pid_info(run_dir)
+    pid = f" (pid {info['pid']})" if info else ""
+    reason = f"The training process{pid} ended without reporting (it was killed, or crashed in native code)."
+    last = procs.tail_text(Path(run_dir) / STDERR, STDERR_TAIL_LINES).strip("\n")
+    if last.strip():
+        return f"{reason}\nLast lines of stderr.log:\n{last}"
+    return f"{reason} It wrote nothing to stderr.log."
+
+
+def read_live_status(run_dir: str | os.PathLike, status: dict | None = None) -> tuple[dict | None, str, bool]:
+    """(status, state, alive) as every reader should see them, without writing anything (reads never write: a full
+    disk or a read-only workspace must not break a listing). A status that still says starting/running while its
+    process is gone is given state "failed", the reason `vanished_reason` and the time it was last updated as its
+    end; the file keeps what the trainer wrote."""
+    status = read_status(run_dir) if status is None else status
+    state, alive = live_state(run_dir, status)
+    if state == "failed" and (status or {}).get("state") in ("starting", "running"):
+        ended = status.get("updated") if _number(status.get("updated")) else None
+        status = {**status, "state": "failed", "reason": vanished_reason(run_dir), "ended": ended}
+    return status, state, alive
 
 
 # ---- stalls: alive, but not stepping ----------------------------------------------------------------------------

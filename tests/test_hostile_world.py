@@ -1,0 +1,249 @@
+"""The world outside breaks things (issue #21): a read-only or full workspace, FIFOs and /dev/zero where run files
+should be, a trainer killed from outside. Reads never write, never hang, never fill memory; a dead run reads as
+failed with a reason that is a sentence. Real processes, real files, a real tmpfs (root only)."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def make_dead_run(run_dir: Path, model_path: str = "/nonexistent/model", stderr: str = "", rss=None) -> Path:
+    """A run folder as a trainer SIGKILLed mid-run leaves it: status "running", a pid record of a process that is
+    gone, metrics, the tail of its stderr."""
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(f"model: {{path: {model_path}}}\ntraining: {{max_steps: 50}}\n")
+    now = time.time()
+    (run_dir / "status.json").write_text(
+        json.dumps(
+            {
+                "state": "running",
+                "reason": None,
+                "step": 7,
+                "max_steps": 50,
+                "started": now - 60,
+                "updated": now - 5,
+            }
+        )
+    )
+    (run_dir / "pid").write_text(json.dumps({"pid": _dead_pid(), "start_time": 1.0, "session_leader": True}))
+    (run_dir / "lock").write_text("")
+    lines = []
+    for step in range(1, 8):
+        rec = {"time": now - 60 + step, "step": step, "loss": 2.0 - step / 10}
+        if rss is not None:
+            rec["rss_bytes"] = rss
+        lines.append(json.dumps(rec) + "\n")
+    (run_dir / "metrics.jsonl").write_text("".join(lines))
+    (run_dir / "stderr.log").write_text(stderr)
+    return run_dir
+
+
+@pytest.fixture()
+def tmpfs(tmp_path):
+    """A 20 MiB tmpfs at tmp_path/mnt (unmounted at teardown); skipped where mounting is not allowed."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    if (
+        os.geteuid() != 0
+        or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(mnt)]).returncode
+    ):
+        pytest.skip("needs root to mount a tmpfs")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def _cli(*args, env=None, timeout=120):
+    return subprocess.run(
+        [sys.executable, "-m", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+# ---- item 8: reads never write ------------------------------------------------------------------------------
+
+
+def test_reads_of_a_dead_run_on_a_read_only_workspace_write_nothing(tmpfs):
+    from core.monitor.diagnose import diagnose_run
+    from core.monitor.watch import RunWatcher, summarize_runs
+    from core.runs.launcher import list_runs, run_state
+
+    ws = tmpfs / "ws"
+    run_dir = make_dead_run(ws / "runs" / "killed", stderr="loading\nstep 7 done\n")
+    before = (run_dir / "status.json").read_bytes()
+    subprocess.run(["mount", "-o", "remount,ro", str(tmpfs)], check=True)
+
+    info = run_state(run_dir)
+    assert info.state == "failed" and not info.alive
+    assert info.reason.splitlines()[0].startswith("The training process (pid ")
+    assert info.reason.splitlines()[-1] == "step 7 done"
+    assert [r.state for r in list_runs(ws)] == ["failed"]
+    assert [r.state for r in summarize_runs(ws / "runs")] == ["failed"]
+    snap = RunWatcher(run_dir).refresh()
+    assert snap.state == "failed" and snap.diagnosis is not None
+    assert diagnose_run(run_dir).rule != "unknown"
+    env = dict(os.environ, LORA_COCKPIT_WORKSPACE=str(ws))
+    for args in (("core.runs", "list"), ("core.runs", "show", "killed"), ("core.diagnose", str(run_dir))):
+        proc = _cli(*args, env=env)
+        assert proc.returncode == 0 and "Traceback" not in proc.stderr, (args, proc.stderr[-2000:])
+    assert "failed" in _cli("core.runs", "list", env=env).stdout
+    assert (
+        run_dir / "status.json"
+    ).read_bytes() == before  # nothing written: the file says what the trainer wrote
+
+
+# ---- item 12: a FIFO or /dev/zero where a run file should be --------------------------------------------------
+
+READ_ALL = textwrap.dedent(
+    """
+    import resource, sys
+    sys.path.insert(0, sys.argv[2])
+    resource.setrlimit(resource.RLIMIT_DATA, (3 << 30, 3 << 30))  # /dev/zero read whole would pass this at once
+    from pathlib import Path
+    ws = Path(sys.argv[1]); run = ws / "runs" / "r"
+    def step(name, fn):
+        print("reading:", name, flush=True)
+        fn()
+    from core.runs import rundir
+    from core.runs.launcher import list_runs, run_state
+    from core.monitor.watch import RunWatcher, summarize_runs
+    from core.monitor.diagnose import diagnose_run
+    from core.merge.discover import list_adapters
+    step("rundir.read_status", lambda: rundir.read_status(run))
+    step("rundir.read_plan", lambda: rundir.read_plan(run))
+    step("rundir.read_smoke", lambda: rundir.read_smoke(run))
+    step("rundir.read_metrics", lambda: rundir.read_metrics(run))
+    step("run_state", lambda: run_state(run))
+    step("list_runs", lambda: list_runs(ws))
+    step("summarize_runs", lambda: summarize_runs(ws / "runs"))
+    step("RunWatcher.refresh", lambda: RunWatcher(run).refresh())
+    step("diagnose_run", lambda: diagnose_run(run))
+    step("list_adapters", lambda: list_adapters(ws))
+    print("all read", flush=True)
+    """
+)
+
+RUN_FILES = (
+    "status.json",
+    "plan.json",
+    "smoke.json",
+    "metrics.jsonl",
+    "gpu.jsonl",
+    "stderr.log",
+    "stdout.log",
+)
+
+
+def _hostile(path: Path, kind: str) -> None:
+    path.unlink(missing_ok=True)
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.symlink_to("/dev/zero")
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero"])
+@pytest.mark.parametrize("which", ["run files", "config.yaml"])
+def test_no_reader_of_a_run_hangs_on_a_fifo_or_dev_zero(tmp_path, kind, which):
+    ws = tmp_path / "ws"
+    model = tmp_path / "model"
+    model.mkdir()
+    run = make_dead_run(ws / "runs" / "r", model_path=str(model), stderr="boom\n")
+    (run / "adapter").mkdir()
+    if which == "run files":
+        for name in RUN_FILES:
+            _hostile(run / name, kind)
+        _hostile(run / "adapter" / "adapter_config.json", kind)
+        _hostile(model / "config.json", kind)  # the diagnosis reads the model's limits
+    else:
+        _hostile(run / "config.yaml", kind)
+        (run / "adapter" / "adapter_config.json").write_text("{}")
+    script = tmp_path / "read_all.py"
+    script.write_text(READ_ALL)
+    try:
+        proc = subprocess.run(
+            [sys.executable, str(script), str(ws), str(REPO)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=150,
+        )
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        pytest.fail(f"hung at {out.strip().splitlines()[-1:]}")
+    last = proc.stdout.strip().splitlines()[-1:]
+    assert proc.returncode == 0 and last == ["all read"], (last, proc.stderr[-3000:])
+    for env_ws, args in (
+        (ws, ("core.runs", "list")),
+        (ws, ("core.runs", "show", "r")),
+        (ws, ("core.diagnose", str(run))),
+    ):
+        try:
+            cli = _cli(*args, env=dict(os.environ, LORA_COCKPIT_WORKSPACE=str(env_ws)), timeout=120)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{' '.join(args)} hung")
+        assert "Traceback" not in cli.stderr, (args, cli.stderr[-2000:])
+
+
+# ---- item 16: a kill from outside is not "out of CPU memory"; reasons are sentences ---------------------------
+
+
+def test_a_kill_from_outside_is_told_from_the_oom_killer_by_the_runs_last_memory(tmp_path):
+    from core.monitor.diagnose import diagnose_run, memory_limit
+
+    limit = memory_limit()
+    small = make_dead_run(tmp_path / "small", stderr="step 7 done\n", rss=200 * 2**20)
+    diag = diagnose_run(small)
+    assert diag.rule == "killed" and diag.title == "Killed from outside (SIGKILL)", diag
+    assert any("At its last sample (step 7) the run held 0.20 GiB" in d for d in diag.details), diag.details
+    assert not any("available now" in d for d in diag.details)
+    big = make_dead_run(tmp_path / "big", stderr="step 7 done\n", rss=int(0.9 * limit))
+    assert diagnose_run(big).rule == "cpu_oom"
+    unsampled = make_dead_run(tmp_path / "unsampled", stderr="loading the model\n")  # no rss: cannot tell
+    assert diagnose_run(unsampled).rule == "cpu_oom"
+
+
+def test_a_vanished_trainers_reason_is_a_sentence_and_never_ends_on_a_colon(tmp_path):
+    from core.fmt import first_sentence
+    from core.runs.launcher import run_state
+
+    for stderr, tail in (("", None), ("\n\n  \n", None), ("loading\nstep 7 done\n", "step 7 done")):
+        run = make_dead_run(tmp_path / f"r{len(stderr)}", stderr=stderr)
+        reason = run_state(run).reason
+        first = reason.splitlines()[0]
+        assert first.startswith("The training process (pid ") and first.endswith("."), reason
+        assert not reason.rstrip().endswith(":"), reason
+        if tail is None:
+            assert reason == first and "wrote nothing to stderr.log" in first
+        else:
+            assert reason.splitlines()[-2:] == ["Last lines of stderr.log:", tail] or reason.endswith(tail)
+    assert first_sentence("loss became NaN at step 9\nmore") == "Loss became NaN at step 9"
+    assert first_sentence(None) == "No reason recorded."
+
+
+def test_the_monitor_says_the_run_failed_in_a_sentence_and_names_a_kill_from_outside(tmp_path):
+    from streamlit.testing.v1 import AppTest
+
+    ws = tmp_path / "ws"
+    run = make_dead_run(ws / "runs" / "killed", stderr="step 7 done\n", rss=200 * 2**20)
+    at = AppTest.from_file(str(REPO / "pages" / "monitor.py"), default_timeout=60)
+    at.session_state["workspace"] = str(ws)
+    at.session_state["monitor_run"] = str(run)
+    at.run()
+    assert not at.exception, at.exception
+    errors = [e.value for e in at.error]
+    assert any(e.startswith("**The run failed.** The training process (pid ") for e in errors), errors
+    assert any("Killed from outside (SIGKILL)" in m.value for m in at.markdown)
+    assert not any("available now" in m.value for m in at.markdown)
