@@ -247,3 +247,112 @@ def test_the_monitor_says_the_run_failed_in_a_sentence_and_names_a_kill_from_out
     assert any(e.startswith("**The run failed.** The training process (pid ") for e in errors), errors
     assert any("Killed from outside (SIGKILL)" in m.value for m in at.markdown)
     assert not any("available now" in m.value for m in at.markdown)
+
+
+# ---- item 8: a full disk is recorded and diagnosed as "disk full" ---------------------------------------------
+
+WORDS = ["cat", "dog", "emu", "fox", "gnu", "hen", "ibis", "jay"]
+
+
+def _train_config(tmp_path, model, lora=True, **training) -> Path:
+    import yaml
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"instruction": f"Say {w}", "output": w}) + "\n" for w in WORDS * 8))
+    t = {"per_device_train_batch_size": 4, "max_steps": 5000, "logging_steps": 1, "save_steps": 1000}
+    t.update(training, report_to="none", learning_rate=1e-3)
+    cfg = {
+        "model": {"path": str(model)},
+        "data": {"path": str(data), "max_length": 48},
+        "lora": {"enabled": lora, "r": 4, "target_modules": ["q_proj", "v_proj"]},
+        "training": t,
+    }
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _fill(folder: Path, leave: int = 0) -> None:
+    """Fill the file system that holds `folder` until `leave` bytes are free (0: until a write fails)."""
+    import shutil
+
+    with open(folder / "filler", "wb") as fh:
+        try:
+            while True:
+                room = shutil.disk_usage(folder).free - leave
+                if leave and room <= 0:
+                    break
+                fh.write(bytes(min(1 << 20, room) if leave else 1 << 16))
+                fh.flush()
+        except OSError:
+            pass
+
+
+def _trainer(config: Path, run_dir: Path) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.Popen(
+        [sys.executable, "-m", "core.train", str(config), "--run-dir", str(run_dir)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+def test_the_disk_full_rule_names_a_full_disk():
+    from core.monitor.diagnose import Evidence, diagnose
+
+    reason = Evidence(
+        status={"state": "failed", "reason": "disk full: no space left on the disk that holds /r."}
+    )
+    assert diagnose(reason).rule == "disk_full"
+    vanished = Evidence(
+        stderr="Traceback (most recent call last):\nOSError: [Errno 28] No space left on device\n",
+        status={"state": "failed", "reason": "The training process (pid 1) ended without reporting."},
+    )
+    assert diagnose(vanished).rule == "disk_full"
+
+
+@pytest.mark.slow
+def test_a_checkpoint_that_cannot_fit_is_not_started_and_the_run_says_disk_full(tmpfs, tmp_path, tiny_llama):
+    from core.monitor.diagnose import diagnose_run
+    from core.runs.rundir import read_status
+
+    config = _train_config(
+        tmp_path, tiny_llama, lora=False, save_steps=3
+    )  # a full fine-tune: MiBs per checkpoint
+    run_dir = tmpfs / "run"
+    run_dir.mkdir()
+    _fill(tmpfs, leave=1 << 20)
+    proc = _trainer(config, run_dir)
+    assert proc.wait(timeout=400) == 1
+    status = read_status(run_dir)
+    assert status["state"] == "failed" and status["reason"].startswith(
+        "disk full: checkpoint-3 needs about"
+    ), status
+    assert "free" in status["reason"] and "resume" in status["reason"]
+    assert not (run_dir / "checkpoints" / "checkpoint-3").exists()  # never half-written
+    assert diagnose_run(run_dir).rule == "disk_full"
+
+
+@pytest.mark.slow
+def test_a_disk_that_fills_mid_run_is_recorded_as_disk_full(tmpfs, tmp_path, tiny_llama):
+    from core.monitor.diagnose import diagnose_run
+    from core.runs.launcher import run_state
+    from core.runs.rundir import read_metrics, read_status
+
+    config = _train_config(tmp_path, tiny_llama)
+    run_dir = tmpfs / "run"
+    proc = _trainer(config, run_dir)
+    deadline = time.time() + 300
+    while time.time() < deadline and not read_metrics(run_dir) and proc.poll() is None:
+        time.sleep(0.2)
+    assert read_metrics(run_dir), "the trainer never logged a step"
+    _fill(tmpfs)  # the disk is full from here on: the next metrics line or status write fails
+    assert proc.wait(timeout=300) == 1
+    status = read_status(run_dir)
+    assert status["state"] == "failed" and status["reason"].startswith(
+        "disk full: no space left on the disk"
+    ), status
+    assert run_state(run_dir).state == "failed"
+    assert diagnose_run(run_dir).rule == "disk_full"

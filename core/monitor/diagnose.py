@@ -140,6 +140,16 @@ def _search(pat: str, text: str) -> re.Match | None:
     return found
 
 
+# --- disk full -------------------------------------------------------------------------------------------
+
+
+def _explain_disk_full(ev: Evidence) -> tuple[list[str], list[str]]:
+    details = [f"Run status: {first_sentence(ev.reason)}"] if ev.reason else []
+    if not (ev.training() or {}).get("save_total_limit"):
+        details.append("training.save_total_limit is not set: every checkpoint is kept.")
+    return details, []
+
+
 # --- CUDA out of memory -------------------------------------------------------------------------------
 
 
@@ -501,6 +511,28 @@ def _explain_unknown(ev: Evidence) -> tuple[list[str], list[str]]:
 
 
 RULES: list[Rule] = [
+    Rule(
+        name="disk_full",
+        title="Disk full",
+        signs="A status reason starting 'disk full', or stderr with `No space left on device` (ENOSPC, errno 28), "
+        "`Disk quota exceeded` or safetensors' `StorageFull`.",
+        cause="The disk that holds the run directory filled up: checkpoints (adapter plus optimizer state, each "
+        "save_steps), metrics and logs could not be written. The trainer stops before a checkpoint that would not "
+        "fit, and on a write that fails it records why.",
+        fix=[
+            "Free space on the disk that holds the workspace (old runs: python -m core.runs delete NAME; old "
+            "exports), or move the workspace to a larger disk (LORA_COCKPIT_WORKSPACE), then resume the run.",
+            "Keep fewer checkpoints: set training.save_total_limit (e.g. 2), or raise training.save_steps.",
+        ],
+        patterns=(
+            r"(?i)^disk full\b",
+            r"No space left on device",
+            r"Disk quota exceeded",
+            r"StorageFull",
+            r"\[Errno 28\]",
+        ),
+        explain=_explain_disk_full,
+    ),
     Rule(
         name="cuda_oom",
         title="GPU out of memory (CUDA OOM)",
