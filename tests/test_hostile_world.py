@@ -356,3 +356,62 @@ def test_a_disk_that_fills_mid_run_is_recorded_as_disk_full(tmpfs, tmp_path, tin
     ), status
     assert run_state(run_dir).state == "failed"
     assert diagnose_run(run_dir).rule == "disk_full"
+
+
+# ---- item 11: a lying config.json is refused before anything is built from it ---------------------------------
+
+
+def _limited(*args, timeout=240):
+    """A CLI run with its data segment capped at 3 GiB: what used to grow to 7 GiB fails fast instead."""
+    import resource
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_DATA, (3 << 30, 3 << 30))
+
+    return subprocess.run(
+        [sys.executable, "-m", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        preexec_fn=cap,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "lie, key",
+    [
+        ({"vocab_size": 10**9}, "vocab_size"),
+        ({"hidden_size": 10**6, "num_hidden_layers": 10**4}, "hidden_size"),
+    ],
+)
+def test_a_lying_config_json_is_one_sentence_before_anything_is_built(tmp_path, tiny_llama, lie, key):
+    import shutil
+
+    import yaml
+
+    model = tmp_path / "liar"
+    shutil.copytree(tiny_llama, model)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg.update(lie, architectures=["LlamaForCausalLM"])
+    (model / "config.json").write_text(json.dumps(cfg))
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"instruction": "a", "output": "b"}) + "\n")
+    run_yaml = tmp_path / "run.yaml"
+    run_yaml.write_text(yaml.safe_dump({"model": {"path": str(model)}, "data": {"path": str(data)}}))
+    value = f"{lie[key]:,}"
+    for args in (
+        ("core.estimate", "--model", str(model)),
+        ("core.train", str(run_yaml), "--dry-run"),
+        ("core.train", str(run_yaml), "--run-dir", str(tmp_path / "run")),
+        ("core.gguf", "--model", str(model), "--out", str(tmp_path / "x.gguf")),
+    ):
+        proc = _limited(*args)
+        assert proc.returncode == 2, (args, proc.returncode, proc.stderr[-1500:])
+        assert "Traceback" not in proc.stderr and "MemoryError" not in proc.stderr, (
+            args,
+            proc.stderr[-1500:],
+        )
+        assert f"{key} is {value}" in proc.stderr and "plausible" in proc.stderr, (args, proc.stderr[-800:])
+    assert not (tmp_path / "x.gguf").exists() and not (tmp_path / "run" / "metrics.jsonl").exists()

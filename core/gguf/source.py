@@ -11,6 +11,8 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from core.plausible import ImplausibleConfig, check_model_config
+
 # HF architecture -> (llama.cpp architecture name, whether q/k rows get llama.cpp's rotary permutation).
 # llama.cpp converts Mistral with its Llama model class, so a Mistral GGUF says "llama" too.
 ARCHITECTURES = {
@@ -107,6 +109,12 @@ def open_source(model_dir: str | Path) -> Source:
         config = json.loads(cfg_file.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise BadInput(f"{cfg_file} cannot be read as JSON ({e}).") from None
+    if not isinstance(config, dict):
+        raise BadInput(f"{cfg_file} does not hold a JSON object, so it is not a model config.")
+    try:  # before the vocabulary or any tensor is read: a lying size would allocate gigabytes
+        check_model_config(config, str(cfg_file))
+    except ImplausibleConfig as exc:
+        raise BadInput(str(exc)) from None
     archs = config.get("architectures") or []
     hf_arch = next((a for a in archs if a in ARCHITECTURES), None)
     if hf_arch is None:
