@@ -415,3 +415,45 @@ def test_a_lying_config_json_is_one_sentence_before_anything_is_built(tmp_path, 
         )
         assert f"{key} is {value}" in proc.stderr and "plausible" in proc.stderr, (args, proc.stderr[-800:])
     assert not (tmp_path / "x.gguf").exists() and not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+# ---- item 13: bad input is exit 2 and one sentence, and creates nothing ---------------------------------------
+
+
+@pytest.mark.parametrize(
+    "content, says",
+    [
+        (b"\x01\x02", "shorter than its 8-byte header length"),
+        ((10**12).to_bytes(8, "little") + b"{}", "header length"),
+        ((11).to_bytes(8, "little") + b"\xff\xfe not json", "header is not JSON"),
+        ((16).to_bytes(8, "little") + b'{"w": [1, 2, 3]}', "does not describe tensors"),
+    ],
+)
+def test_gguf_on_a_bad_safetensors_header_is_one_sentence(tmp_path, tiny_llama, content, says):
+    import shutil
+
+    model = tmp_path / "bad"
+    shutil.copytree(tiny_llama, model)
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**cfg, "architectures": ["LlamaForCausalLM"]}))
+    (model / "model.safetensors").write_bytes(content)
+    out = tmp_path / "x.gguf"
+    proc = _cli("core.gguf", "--model", str(model), "--out", str(out))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-1500:]
+    assert says in proc.stderr and "model.safetensors" in proc.stderr, proc.stderr
+    assert not out.exists()
+
+
+def test_a_run_dir_too_long_or_a_dangling_link_is_refused_and_nothing_is_created(tmp_path, tiny_llama):
+    config = _train_config(tmp_path, tiny_llama)
+    long_dir = tmp_path / ("r" * 300)
+    proc = _cli("core.train", str(config), "--run-dir", str(long_dir))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-1500:]
+    assert "300 bytes long" in proc.stderr and "at most 255" in proc.stderr, proc.stderr
+    target = tmp_path / "nonexistent" / "target"
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    proc = _cli("core.train", str(config), "--run-dir", str(link))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-1500:]
+    assert "symbolic link" in proc.stderr and "does not exist" in proc.stderr, proc.stderr
+    assert not target.exists() and not target.parent.exists()  # it made /nonexistent/target before

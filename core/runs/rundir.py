@@ -209,6 +209,37 @@ class RunRefused(RuntimeError):
 TRAINED_MARKS = (METRICS, CHECKPOINTS, ADAPTER, MODEL)
 
 
+NAME_MAX, PATH_MAX = 255, 4096  # bytes per folder name and per path on Linux file systems
+
+
+def check_run_dir_path(run_dir: str | os.PathLike) -> None:
+    """Refuse, creating nothing, a --run-dir that cannot be a run folder: a name longer than the file system allows,
+    or a symbolic link whose target does not exist (creating the run there would make that target, anywhere)."""
+    raw = Path(run_dir)
+    too_long = next((part for part in raw.parts if len(os.fsencode(part)) > NAME_MAX), None)
+    if too_long is not None:
+        raise RunRefused(
+            f"--run-dir: the name {too_long[:40]}... is {len(os.fsencode(too_long))} bytes long; a folder name "
+            f"can have at most {NAME_MAX}: give a shorter one."
+        )
+    if len(os.fsencode(str(raw.absolute()))) >= PATH_MAX:
+        raise RunRefused(
+            f"--run-dir is longer than the {PATH_MAX} bytes a path can have: give a shorter one."
+        )
+    try:
+        dangling = raw.is_symlink() and not raw.exists()
+        target = os.readlink(raw) if dangling else None
+    except OSError as exc:
+        raise RunRefused(
+            f"--run-dir {raw} cannot be used ({exc.strerror}): give a new folder for the run."
+        ) from None
+    if dangling:
+        raise RunRefused(
+            f"--run-dir {raw} is a symbolic link to {target}, which does not exist: give a real folder for the run "
+            "(nothing was created)."
+        )
+
+
 def check_run_dir(run_dir: Path, resume: bool) -> None:
     """Refuse (touching nothing) a run directory that is a file, or one that already trained without --resume:
     a second run into it would truncate its metrics and mix old and new checkpoints."""

@@ -178,6 +178,7 @@ def run_training(
 
     The process holds the run's lock from here to the end: that, not a pid, is what makes the run "running".
     keep_lock (the CLI): hold it until the process exits, so the run reads as ended only once it is gone."""
+    rundir.check_run_dir_path(run_dir)  # before resolve(): a dangling link must not name where to create it
     run_dir = Path(run_dir).resolve()
     rundir.check_run_dir(run_dir, resume)
     try:
