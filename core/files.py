@@ -43,14 +43,96 @@ def loads_json(text: str | bytes):
     return json.loads(text, parse_int=_float_range_int)
 
 
-def read_json_object(path: str | os.PathLike) -> dict | None:
-    """A JSON object from a file another process may be rewriting: None when missing, torn, not an object or
-    holding a number beyond float range."""
+class NotRegularFile(OSError):
+    """A path that names a FIFO, a device, a socket or a folder where a file was expected."""
+
+
+class FileTooLarge(OSError):
+    """A regular file larger than its reader accepts."""
+
+
+MAX_JSON_BYTES = (
+    16 << 20
+)  # status.json, plan.json, smoke.json, a job's files: a few KiB; a model config.json < 1 MiB
+
+
+def open_regular(path: str | os.PathLike) -> int:
+    """An O_RDONLY descriptor of `path` when it is a regular file (after symlinks); NotRegularFile otherwise.
+    Opening never blocks (a FIFO with no writer) and a device is never read (/dev/zero never ends)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
-        data = loads_json(Path(path).read_text(encoding="utf-8"))
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise NotRegularFile(f"{path} is not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_bounded(path: str | os.PathLike, limit: int = MAX_JSON_BYTES) -> bytes:
+    """The bytes of a regular file of at most `limit` bytes: NotRegularFile for a FIFO, a device or a folder,
+    FileTooLarge beyond `limit` (nothing read), OSError when it cannot be opened."""
+    fd = open_regular(path)
+    try:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise FileTooLarge(f"{path} is {size:,} bytes (at most {limit:,} expected)")
+        chunks, got = [], 0
+        while got <= limit:  # a file growing while it is read stops at the limit too
+            chunk = os.read(fd, min(1 << 20, limit + 1 - got))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            got += len(chunk)
+        if got > limit:
+            raise FileTooLarge(f"{path} grew past {limit:,} bytes while it was read")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def read_json_object(path: str | os.PathLike, limit: int = MAX_JSON_BYTES) -> dict | None:
+    """A JSON object from a file another process may be rewriting: None when missing, torn, not an object, not a
+    regular file (a FIFO, /dev/zero), larger than `limit` or holding a number beyond float range. Never blocks,
+    never reads more than `limit`."""
+    try:
+        data = loads_json(read_bounded(path, limit).decode("utf-8"))
         return data if isinstance(data, dict) else None
     except (OSError, ValueError, RecursionError):
         return None
+
+
+def iter_jsonl_objects(path: str | os.PathLike, max_line: int = 1 << 20, chunk: int = 4 << 20):
+    """The JSON objects of a JSONL file, one per complete line, streamed: a regular file only (nothing from a FIFO
+    or a device), a line longer than `max_line` skipped without being held in memory, a torn last line left out.
+    Yields nothing when the file is missing or unreadable."""
+    try:
+        fd = open_regular(path)
+    except OSError:
+        return
+    with os.fdopen(fd, "rb") as fh:
+        buf, skipping = b"", False
+        while True:
+            block = fh.read(chunk)
+            if not block:
+                return  # what is left in buf has no newline yet: a line still being written
+            buf += block
+            lines = buf.split(b"\n")
+            buf = lines.pop()
+            for line in lines:
+                if skipping:  # the end of an over-long line
+                    skipping = False
+                    continue
+                if len(line) > max_line or not line.strip():
+                    continue
+                try:
+                    rec = loads_json(line)
+                except (ValueError, RecursionError):
+                    continue
+                if isinstance(rec, dict):
+                    yield rec
+            if len(buf) > max_line:
+                buf, skipping = b"", True
 
 
 MAX_YAML_BYTES = 1_000_000  # a run config is a few hundred bytes; anything huge is not one

@@ -32,3 +32,10 @@ def duration(seconds: float | None) -> str | None:
     seconds = int(seconds)
     h, rem = divmod(seconds, 3600)
     return f"{h}:{rem // 60:02d}:{rem % 60:02d}" if h else f"{rem // 60}:{rem % 60:02d}"
+
+
+def first_sentence(reason: str | None, empty: str = "No reason recorded.") -> str:
+    """A status reason's first line as a sentence: capitalised ("loss became NaN at step 9" from the trainer reads
+    "Loss became NaN at step 9"), `empty` when there is none. For the pages that show one line of a reason."""
+    line = next((ln.strip() for ln in (reason or "").splitlines() if ln.strip()), "")
+    return line[:1].upper() + line[1:] if line else empty

@@ -9,7 +9,7 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
-from core.fmt import duration
+from core.fmt import duration, first_sentence
 from core.monitor import gpu
 from core.monitor.series import DEFAULT_SMOOTHING_STEPS
 from core.monitor.watch import RunWatcher, run_method
@@ -214,8 +214,7 @@ def health(snap) -> None:
 def failure(snap) -> None:
     if snap.state != "failed":
         return
-    reason = (snap.status or {}).get("reason") or "no reason recorded"
-    st.error(f"**The run failed.** {reason.splitlines()[0] if reason else ''}")
+    st.error(f"**The run failed.** {first_sentence((snap.status or {}).get('reason'))}")
     if snap.diagnosis is not None:
         with st.container(border=True):
             st.markdown("#### Diagnosis")
@@ -335,7 +334,7 @@ elif c2.button(
     st.success(f"Run {info.name} is {state}.")
     live = False
 if info.state in ("stopped", "failed") and info.reason:
-    st.caption(f"Why it {info.state}: {info.reason.splitlines()[0]}")
+    st.caption(f"Why it {info.state}: {first_sentence(info.reason)}")
 st.columns([1, 3])[0].number_input(
     "Loss smoothing window (steps)",
     min_value=1.0,

@@ -14,7 +14,7 @@ from core.monitor.series import DEFAULT_SMOOTHING_STEPS
 from core.monitor.summary import COMPARABLE, comparable_metrics, compare_frame, summarize_runs
 from core.monitor.watch import CHANCE_ACCURACY
 from core.runs.admin import delete_run
-from core.runs.launcher import RunError, list_runs
+from core.runs.launcher import RunError
 from core.workspace import default_workspace, runs_dir
 from ui.routing import leave_legacy_mode
 
@@ -153,7 +153,6 @@ workspace = st.session_state.get("workspace") or str(default_workspace())
 deleted = st.session_state.pop("runs_deleted", None)
 if deleted:
     st.success(f"Deleted run {deleted}.")
-list_runs(workspace)  # marks runs whose process died silently as failed before they are summarised
 summaries = summarize_runs(runs_dir(workspace))
 if not summaries:
     st.info(

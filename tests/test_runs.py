@@ -106,8 +106,11 @@ def test_sigkill_is_reported_as_failed_with_stderr_tail(workspace, tiny_llama):
     assert info.state == "failed" and not info.alive
     last_line = (run_dir / "stderr.log").read_text().strip().splitlines()[-1]
     assert f"pid {pid}" in info.reason and last_line in info.reason
-    assert read_status(run_dir)["state"] == "failed"  # written back, so every reader agrees
-    assert [r.state for r in list_runs(workspace)] == ["failed"]
+    assert info.reason.splitlines()[0].startswith("The training process")  # a sentence the pages show alone
+    before = (run_dir / "status.json").read_bytes()
+    assert [r.state for r in list_runs(workspace)] == ["failed"]  # derived on read by every reader ...
+    assert read_status(run_dir)["state"] == "running"  # ... while the file keeps what the trainer wrote
+    assert (run_dir / "status.json").read_bytes() == before  # reads never write
     launch(run_dir, resume=True)  # a dead pid does not block a relaunch
     stop_run(run_dir, grace_s=120)
 

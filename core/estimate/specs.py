@@ -24,6 +24,7 @@ from importlib import metadata
 from pathlib import Path
 
 from core.files import atomic_write_text
+from core.plausible import ImplausibleConfig, check_model_config
 
 PRESETS_FILE = Path(__file__).with_name("presets.json")
 CACHE_FORMAT = 1  # bump when the cached files' shape changes
@@ -89,6 +90,10 @@ def _presets() -> dict[str, dict]:
 def _config_from_dict(fields: dict, where: str):
     from transformers import AutoConfig
 
+    try:  # before transformers builds anything from it: a lying config.json would allocate gigabytes
+        check_model_config(fields, where)
+    except ImplausibleConfig as exc:
+        raise SpecError(str(exc)) from None
     fields = dict(fields)
     model_type = fields.pop("model_type", None)
     if not model_type:
@@ -142,9 +147,15 @@ def load_config(model: str):
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return AutoConfig.from_pretrained(model, local_files_only=True)
+            cfg = AutoConfig.from_pretrained(model, local_files_only=True)
     except Exception:
-        pass
+        cfg = None
+    if cfg is not None:
+        try:
+            check_model_config(cfg.to_dict(), f"The cached config of {model}")
+        except ImplausibleConfig as exc:
+            raise SpecError(str(exc)) from None
+        return cfg
     path = Path(model).expanduser()
     if model.startswith(("/", "./", "../", "~")) or model.count("/") > 1:  # meant as a folder, not a hub id
         raise SpecError(

@@ -7,9 +7,12 @@ the export's RAM near one tensor. Shapes and dtypes come from the file headers.
 from __future__ import annotations
 
 import json
+import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from core.plausible import ImplausibleConfig, check_model_config
 
 # HF architecture -> (llama.cpp architecture name, whether q/k rows get llama.cpp's rotary permutation).
 # llama.cpp converts Mistral with its Llama model class, so a Mistral GGUF says "llama" too.
@@ -88,11 +91,37 @@ class Source:
 
 
 def _read_header(path: Path) -> dict:
-    with open(path, "rb") as fh:
-        (n,) = struct.unpack("<Q", fh.read(8))
-        if n > 100 * 1024 * 1024:
-            raise BadInput(f"{path.name} is not a safetensors file (header size {n}).")
-        return json.loads(fh.read(n))
+    """The safetensors header of `path`; BadInput (one sentence) for anything that is not one."""
+    bad = f"{path} is not a valid safetensors file"
+    fix = "copy or download that file again, or re-save the model with save_pretrained."
+    try:
+        with open(path, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            head = fh.read(8)
+            if len(head) < 8:
+                raise BadInput(f"{bad} (shorter than its 8-byte header length): {fix}")
+            (n,) = struct.unpack("<Q", head)
+            if n > min(size - 8, 100 * 1024 * 1024):
+                raise BadInput(
+                    f"{bad} (its header length {n:,} does not fit the file's {size:,} bytes): {fix}"
+                )
+            header = json.loads(fh.read(n))
+    except BadInput:
+        raise
+    except OSError as e:
+        raise BadInput(f"{path} cannot be read ({e.strerror or e}).") from None
+    except (ValueError, RecursionError):
+        raise BadInput(f"{bad} (its header is not JSON): {fix}") from None
+    tensors = {k: v for k, v in header.items() if k != "__metadata__"} if isinstance(header, dict) else None
+    if tensors is None or not all(
+        isinstance(v, dict)
+        and isinstance(v.get("dtype"), str)
+        and isinstance(v.get("shape"), list)
+        and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in v["shape"])
+        for v in tensors.values()
+    ):
+        raise BadInput(f"{bad} (its header does not describe tensors): {fix}")
+    return header
 
 
 def open_source(model_dir: str | Path) -> Source:
@@ -107,6 +136,12 @@ def open_source(model_dir: str | Path) -> Source:
         config = json.loads(cfg_file.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise BadInput(f"{cfg_file} cannot be read as JSON ({e}).") from None
+    if not isinstance(config, dict):
+        raise BadInput(f"{cfg_file} does not hold a JSON object, so it is not a model config.")
+    try:  # before the vocabulary or any tensor is read: a lying size would allocate gigabytes
+        check_model_config(config, str(cfg_file))
+    except ImplausibleConfig as exc:
+        raise BadInput(str(exc)) from None
     archs = config.get("architectures") or []
     hf_arch = next((a for a in archs if a in ARCHITECTURES), None)
     if hf_arch is None:

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.files import read_yaml_mapping
+from core.files import read_json_object, read_yaml_mapping
 from core.workspace import suggest_run_name
 
 
@@ -49,13 +47,10 @@ def guess_base(adapter_dir: str | os.PathLike) -> tuple[str | None, str]:
         for k in ("path", "name_or_path", "base", "base_model", "name", "id"):
             if isinstance(model.get(k), str):
                 cands.append((model[k], f"run config.yaml model.{k}"))
-    try:
-        cfg = json.loads((d / "adapter_config.json").read_text())
-        recorded = cfg.get("base_model_name_or_path") if isinstance(cfg, dict) else None
-        if recorded and isinstance(recorded, str):
-            cands.append((recorded, "adapter_config.json"))
-    except (OSError, ValueError):
-        pass
+    cfg = read_json_object(d / "adapter_config.json")  # bounded, regular files only: a FIFO never hangs
+    recorded = cfg.get("base_model_name_or_path") if cfg else None
+    if recorded and isinstance(recorded, str):
+        cands.append((recorded, "adapter_config.json"))
     for path, source in cands:
         p = Path(path).expanduser()
         if (p / "config.json").is_file():
@@ -73,9 +68,8 @@ def list_adapters(workspace: str | os.PathLike) -> list[AdapterChoice]:
     out = []
     for cfg in sorted(Path(workspace).glob("runs/*/adapter/adapter_config.json")):
         adapter = cfg.parent
-        state = None
-        with contextlib.suppress(OSError, ValueError, AttributeError):  # a broken status.json: no state
-            state = json.loads((adapter.parent / "status.json").read_text()).get("state")
+        # a broken status.json, a FIFO or a device in its place: no state (bounded, never a hang)
+        state = (read_json_object(adapter.parent / "status.json") or {}).get("state")
         base, note = guess_base(adapter)
         out.append(AdapterChoice(adapter.parent.name, str(adapter), base, state, note))
     return out

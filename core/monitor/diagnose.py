@@ -8,7 +8,6 @@ evidence (`explain`): how much memory other processes held, the allocator's unal
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Callable
@@ -17,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from core.files import read_json_object, read_yaml_mapping
-from core.fmt import gib
+from core.files import read_bounded, read_json_object, read_yaml_mapping
+from core.fmt import first_sentence, gib
 from core.monitor.tail import RunFiles, RunSeries, tail_text
 from core.runs import rundir
 
@@ -141,6 +140,16 @@ def _search(pat: str, text: str) -> re.Match | None:
     return found
 
 
+# --- disk full -------------------------------------------------------------------------------------------
+
+
+def _explain_disk_full(ev: Evidence) -> tuple[list[str], list[str]]:
+    details = [f"Run status: {first_sentence(ev.reason)}"] if ev.reason else []
+    if not (ev.training() or {}).get("save_total_limit"):
+        details.append("training.save_total_limit is not set: every checkpoint is kept.")
+    return details, []
+
+
 # --- CUDA out of memory -------------------------------------------------------------------------------
 
 
@@ -228,11 +237,10 @@ def _model_limits(ev: Evidence) -> tuple[int | None, int | None]:
         if isinstance(model, dict)
         else None
     )
-    try:
-        cfg = json.loads((Path(str(path)) / "config.json").read_text())
-    except Exception:
+    cfg = read_json_object(Path(str(path)) / "config.json")  # bounded, regular files only: never a hang
+    if cfg is None:
         return None, None
-    cfg = cfg.get("text_config", cfg)
+    cfg = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
     return cfg.get("vocab_size"), cfg.get("max_position_embeddings") or cfg.get("n_positions")
 
 
@@ -367,20 +375,92 @@ def _killed(ev: Evidence) -> bool:
     return bool(killed) and "Traceback (most recent call last)" not in ev.stderr[-20000:]
 
 
+# The OOM killer ends the process holding the most memory when RAM (or the cgroup's limit) runs out: a run that
+# held less than this share of it at its last sample was most likely killed by something else.
+OOM_SHARE = 0.5
+
+
+def memory_limit() -> float | None:
+    """The RAM a process here can have: the machine's, or its cgroup's limit (a container) when lower."""
+    limits = []
+    try:
+        import psutil
+
+        limits.append(float(psutil.virtual_memory().total))
+    except Exception:
+        pass
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = read_bounded(path, 64).decode().strip()
+        except (OSError, ValueError):
+            continue
+        if text.isdigit() and 0 < int(text) < 2**60:  # "max" or a huge number: no limit
+            limits.append(float(text))
+    return min(limits) if limits else None
+
+
+def _last_rss(ev: Evidence) -> tuple[float, int] | None:
+    """(the run's resident memory at its last sample, that sample's step) from metrics.jsonl's rss_bytes."""
+    if ev.series is None:
+        return None
+    steps, rss = ev.series.metric("rss_bytes")
+    ok = np.isfinite(rss) & (rss > 0)
+    if not ok.any():
+        return None
+    return float(rss[ok][-1]), int(steps[ok][-1])
+
+
+def _far_below_ram(ev: Evidence) -> bool:
+    last, limit = _last_rss(ev), memory_limit()
+    return bool(last and limit and last[0] < OOM_SHARE * limit)
+
+
+def _oom_killed(ev: Evidence) -> bool:
+    return _killed(ev) and not _far_below_ram(ev)
+
+
+def _killed_from_outside(ev: Evidence) -> bool:
+    return _killed(ev) and _far_below_ram(ev)
+
+
+def _memory_details(ev: Evidence) -> list[str]:
+    last, limit = _last_rss(ev), memory_limit()
+    out = []
+    if last and limit:
+        out.append(
+            f"At its last sample (step {last[1]}) the run held {gib(last[0])} of RAM, {last[0] / limit:.0%} of the "
+            f"{gib(limit)} it could have."
+        )
+    elif limit:
+        out.append(
+            f"The run logged no memory sample before it ended (it died before its first logged step); the RAM it "
+            f"could have: {gib(limit)}."
+        )
+    return out
+
+
 def _explain_cpu_oom(ev: Evidence) -> tuple[list[str], list[str]]:
     details = []
     m = _search(r"you tried to allocate (\d+) bytes", ev.stderr)
     if m:
         details.append(f"A CPU allocation of {gib(float(m.group(1)))} failed.")
     if ev.reason:
-        details.append(f"Run status: {ev.reason}")
-    try:
-        import psutil
+        details.append(f"Run status: {first_sentence(ev.reason)}")
+    details += _memory_details(ev)
+    fixes = []
+    if _killed(ev):
+        fixes.append(
+            "To be sure it was the kernel: `journalctl -k` (or `dmesg`) shows 'Out of memory: Killed process <pid>'."
+        )
+    return details, fixes
 
-        vm = psutil.virtual_memory()
-        details.append(f"This machine has {gib(vm.total)} of RAM ({gib(vm.available)} available now).")
-    except Exception:
-        pass
+
+def _explain_killed(ev: Evidence) -> tuple[list[str], list[str]]:
+    details = [f"Run status: {first_sentence(ev.reason)}"] if ev.reason else []
+    details += _memory_details(ev)
+    details.append(
+        "The kernel's OOM killer ends the process that holds the most memory: this run held far less."
+    )
     return details, []
 
 
@@ -426,11 +506,33 @@ def _explain_unknown(ev: Evidence) -> tuple[list[str], list[str]]:
     elif lines:
         details.append(f"Last stderr line: {lines[-1][:400]}")
     if ev.reason:
-        details.append(f"Run status: {ev.reason}")
+        details.append(f"Run status: {first_sentence(ev.reason)}")
     return details, []
 
 
 RULES: list[Rule] = [
+    Rule(
+        name="disk_full",
+        title="Disk full",
+        signs="A status reason starting 'disk full', or stderr with `No space left on device` (ENOSPC, errno 28), "
+        "`Disk quota exceeded` or safetensors' `StorageFull`.",
+        cause="The disk that holds the run directory filled up: checkpoints (adapter plus optimizer state, each "
+        "save_steps), metrics and logs could not be written. The trainer stops before a checkpoint that would not "
+        "fit, and on a write that fails it records why.",
+        fix=[
+            "Free space on the disk that holds the workspace (old runs: python -m core.runs delete NAME; old "
+            "exports), or move the workspace to a larger disk (LORA_COCKPIT_WORKSPACE), then resume the run.",
+            "Keep fewer checkpoints: set training.save_total_limit (e.g. 2), or raise training.save_steps.",
+        ],
+        patterns=(
+            r"(?i)^disk full\b",
+            r"No space left on device",
+            r"Disk quota exceeded",
+            r"StorageFull",
+            r"\[Errno 28\]",
+        ),
+        explain=_explain_disk_full,
+    ),
     Rule(
         name="cuda_oom",
         title="GPU out of memory (CUDA OOM)",
@@ -486,8 +588,25 @@ RULES: list[Rule] = [
             r"Cannot allocate memory",
             r"std::bad_alloc",
         ),
-        test=_killed,
+        test=_oom_killed,
         explain=_explain_cpu_oom,
+    ),
+    Rule(
+        name="killed",
+        title="Killed from outside (SIGKILL)",
+        signs="The process vanished (SIGKILL, 'ended without reporting') with no Python traceback while its memory "
+        "at its last sample (metrics.jsonl's rss_bytes) was under half of the machine's RAM (or its container's "
+        "limit): not the kernel's OOM killer.",
+        cause="Something outside the run ended it with SIGKILL: `kill -9`, a job scheduler or container runtime "
+        "(a time limit, a pre-emption), or the session it ran in closing.",
+        fix=[
+            "Find who ended it: the scheduler's or container's logs, the shell history; `journalctl -k` shows "
+            "'Out of memory: Killed process <pid>' only when the kernel did it.",
+            "Resume it from its newest checkpoint (Resume on the Monitor, or python -m core.runs resume NAME).",
+            "Stop a run with Stop or python -m core.runs stop NAME (it saves a checkpoint first), not kill -9.",
+        ],
+        test=_killed_from_outside,
+        explain=_explain_killed,
     ),
     Rule(
         name="dataloader_worker_died",
@@ -613,7 +732,8 @@ def load_evidence(run_dir: str | os.PathLike, series: RunSeries | None = None) -
         series = files.series
     return Evidence(
         stderr=tail_text(run_dir / rundir.STDERR, n_lines=400, max_bytes=256 * 1024),
-        status=read_json_object(run_dir / rundir.STATUS),
+        # a run whose process vanished reads as failed, with why (rundir.read_live_status; nothing is written)
+        status=rundir.read_live_status(run_dir)[0],
         series=series,
         plan=read_json_object(run_dir / rundir.PLAN),
         config=read_yaml_mapping(run_dir / rundir.CONFIG),

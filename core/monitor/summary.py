@@ -86,7 +86,8 @@ def preference_summary(s: RunSeries, method: str | None) -> tuple[float | None, 
 def summarize_run(run_dir: str | os.PathLike, clock=time.time) -> RunSummary:
     run_dir = Path(run_dir)
     s = _files_for(run_dir).series
-    st = read_json_object(run_dir / rundir.STATUS) or {}
+    # the state as every reader sees it: a run whose process vanished reads as failed (nothing is written)
+    st = rundir.read_live_status(run_dir, read_json_object(run_dir / rundir.STATUS))[0] or {}
     started, ended = st.get("started"), st.get("ended")
     duration = None
     if isinstance(started, (int, float)):

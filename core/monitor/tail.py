@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import math
 import os
+import stat
 from array import array
 from pathlib import Path
 
 import numpy as np
 
-from core.files import loads_json
+from core.files import loads_json, open_regular
 from core.monitor.series import DEFAULT_SMOOTHING_STEPS, StepEMA
 from core.procs import tail_text
 from core.runs import rundir
@@ -64,8 +65,10 @@ class JsonlTail:
         """New records since the last call; [] when the file is missing or unchanged."""
         try:
             st = os.stat(self.path)
-        except FileNotFoundError:
+        except OSError:  # missing, or a link loop / a path through a file
             return []
+        if not stat.S_ISREG(st.st_mode):
+            return []  # a FIFO or a device in its place (/dev/zero never ends): nothing to read, never a hang
         identity = (st.st_dev, st.st_ino)
         # A new inode means the writer replaced the file; a smaller size means it was truncated. Either way
         # the points we hold are from another run of the file: the caller must start over (see `restarted`).
@@ -77,7 +80,11 @@ class JsonlTail:
         if st.st_size == self.offset:
             return []
         records: list[dict] = []
-        with open(self.path, "rb") as fh:
+        try:
+            fd = open_regular(self.path)  # replaced by a FIFO since the stat: never block on it
+        except OSError:
+            return []
+        with os.fdopen(fd, "rb") as fh:
             # Guard against a replace between stat and open: read from the inode we actually opened.
             ost = os.fstat(fh.fileno())
             if (ost.st_dev, ost.st_ino) != self.identity:

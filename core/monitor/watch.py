@@ -235,7 +235,7 @@ class RunWatcher:
             self._charts.update(method_charts(series, method, self.budget))
         # the lock, not the last status written, says whether the process lives: a SIGKILLed trainer shows as
         # failed on the next tick, a trainer still exiting as stopping
-        state, alive = rundir.live_state(self.run_dir, status)
+        status, state, alive = rundir.read_live_status(self.run_dir, status)
         stalled = rundir.stall(self.run_dir, status, state, alive)
         if state == "new":
             state = "unknown"

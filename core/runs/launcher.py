@@ -4,7 +4,7 @@ their live state, stop them. UI-free: the dashboard calls these functions, nothi
 A run's truth is its directory: the lock and the pid file say which process trains it (core.procs owns spawning,
 liveness, stopping and reaping), status.json what that process last reported. When the process is gone but the
 status still says starting/running, it died without a word (SIGKILL, out of memory, a segfault): the run is
-marked failed with the last lines of stderr.log. A live run that stopped stepping reads as stalled.
+read as failed with the last lines of stderr.log (nothing is written on read). A live run that stopped stepping reads as stalled.
 """
 
 from __future__ import annotations
@@ -140,17 +140,12 @@ def stop_run(run_dir: str | os.PathLike, grace_s: float = 60.0) -> str:
 
 
 def run_state(run_dir: str | os.PathLike) -> RunInfo:
-    """The run's state from its files and its lock; a live-looking status whose process is gone becomes failed
-    (written to status.json with the tail of stderr.log)."""
+    """The run's state from its files and its lock; a live-looking status whose process is gone reads as failed
+    with the tail of stderr.log (rundir.read_live_status). Writes nothing: listing runs works on a full disk or a
+    read-only workspace."""
     run_dir = Path(run_dir)
-    status = read_status(run_dir)
-    state, alive = rundir.live_state(run_dir, status)
+    status, state, alive = rundir.read_live_status(run_dir)
     pid = read_pid(run_dir)
-    if state == "failed" and (status or {}).get("state") in ("starting", "running"):
-        last = procs.tail_text(run_dir / rundir.STDERR, TAIL_LINES)
-        reason = f"the training process (pid {pid}) ended without reporting"
-        reason += f"; last lines of stderr.log:\n{last}" if last else " and wrote nothing to stderr.log"
-        status = write_status(run_dir, state="failed", reason=reason)
     stalled_s, stall = rundir.stall(run_dir, status, state, alive)
     status = status or {}
     step = status.get("step")

@@ -7,13 +7,16 @@ watcher and the diagnosis all go through it. UI-free and light (no torch import)
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import re
+import shutil
 import time
 from pathlib import Path
 
 from core import procs
-from core.files import atomic_write_text, loads_json, read_json_object
+from core.files import atomic_write_text, iter_jsonl_objects, read_json_object
 from core.procs import LOCK, PID, STDERR, STDOUT  # noqa: F401 - names of the run directory too
 
 CONFIG = "config.yaml"  # the validated run config
@@ -28,6 +31,84 @@ ADAPTER, MODEL = "adapter", "model"  # the final weights: a LoRA adapter, or a f
 
 LIVE_STATES = ("starting", "running", "stopping")
 END_STATES = ("finished", "failed", "stopped")
+
+
+RESERVE = ".space-reserve"  # bytes the trainer sets aside so that it can still say "disk full" on a full disk
+RESERVE_BYTES = 64 * 1024
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+_DISK_FULL_TEXT = re.compile(
+    r"No space left on device|Disk quota exceeded|StorageFull|os error 28\b|Errno 28\b"
+)
+
+
+def reserve_space(run_dir: str | os.PathLike) -> None:
+    """Set RESERVE_BYTES aside in the run directory (really allocated, not a sparse file): the last status a trainer
+    writes on a full disk (state failed, reason "disk full") is written into the space this frees."""
+    path = Path(run_dir) / RESERVE
+    with contextlib.suppress(OSError):  # no room even for this: the run fails on its first write, as it would
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            os.posix_fallocate(fd, 0, RESERVE_BYTES)
+        except OSError:
+            os.write(fd, bytes(RESERVE_BYTES))
+        finally:
+            os.close(fd)
+
+
+def release_space(run_dir: str | os.PathLike) -> None:
+    with contextlib.suppress(OSError):
+        (Path(run_dir) / RESERVE).unlink()
+
+
+def is_disk_full(exc: BaseException, run_dir: str | os.PathLike | None = None) -> bool:
+    """The error is a full disk (or quota): ENOSPC/EDQUOT anywhere in its chain, the libraries' wordings of it
+    (safetensors' StorageFull, "os error 28"), or any write error while the run's disk has under 1 MiB free."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS:
+            return True
+        if _DISK_FULL_TEXT.search(str(exc)):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    if run_dir is not None:
+        with contextlib.suppress(OSError):
+            return shutil.disk_usage(run_dir).free < 1 << 20
+    return False
+
+
+def disk_full_reason(run_dir: str | os.PathLike, exc: BaseException | None = None) -> str:
+    """status.json's reason for a run stopped by a full disk: where, how much is free, what to do."""
+    free = ""
+    with contextlib.suppress(OSError):
+        free = f" ({_size(shutil.disk_usage(run_dir).free)} free)"
+    what = ""
+    if exc is not None:
+        text = str(exc).strip().splitlines()
+        what = f"; {type(exc).__name__}: {text[0][:200]}" if text else f"; {type(exc).__name__}"
+    return (
+        f"disk full: no space left on the disk that holds {run_dir}{free}{what}. Free space there (or move the "
+        "run to a larger disk), then resume the run."
+    )
+
+
+def _size(n: float) -> str:
+    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= div:
+            return f"{n / div:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def _write_last_words(path: Path, text: str) -> None:
+    """An atomic write that ends a run (its final status, a smoke result): on a full disk, the space the trainer set
+    aside (reserve_space) is given back and the write tried once more."""
+    try:
+        atomic_write_text(path, text)
+    except OSError as exc:
+        if exc.errno not in DISK_FULL_ERRNOS or not (path.parent / RESERVE).exists():
+            raise
+        release_space(path.parent)
+        atomic_write_text(path, text)
 
 
 def read_status(run_dir: str | os.PathLike) -> dict | None:
@@ -48,29 +129,26 @@ def write_status(run_dir: str | os.PathLike, **fields) -> dict:
     status["updated"] = time.time()
     if status["state"] in END_STATES and not status.get("ended"):
         status["ended"] = status["updated"]
-    atomic_write_text(Path(run_dir) / STATUS, json.dumps(status))
+    if status["state"] in END_STATES:
+        _write_last_words(Path(run_dir) / STATUS, json.dumps(status))
+        release_space(run_dir)  # the run has ended: its reserve is not needed any more
+    else:
+        atomic_write_text(Path(run_dir) / STATUS, json.dumps(status))
     return status
 
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
     """All complete lines of metrics.jsonl (a half-written last line, or one with a number beyond float range, is
     skipped)."""
-    out = []
-    path = Path(run_dir) / METRICS
-    if path.exists():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            with contextlib.suppress(ValueError, RecursionError):
-                rec = loads_json(line)
-                if isinstance(rec, dict):
-                    out.append(rec)
-    return out
+    # streamed from a regular file only: a FIFO or a /dev/zero link in its place gives [] instead of a hang
+    return list(iter_jsonl_objects(Path(run_dir) / METRICS))
 
 
 def truncate_metrics(run_dir: str | os.PathLike, last_step: int) -> None:
     """Drop lines logged after `last_step` (a run killed after its last checkpoint), so a resumed run's file
     stays continuous: every step appears once, in order."""
     path = Path(run_dir) / METRICS
-    if path.exists():
+    if path.is_file():
         keep = [json.dumps(m) + "\n" for m in read_metrics(run_dir) if _step(m) <= last_step]
         atomic_write_text(path, "".join(keep))
 
@@ -96,7 +174,7 @@ def read_smoke(run_dir: str | os.PathLike) -> dict | None:
 
 
 def write_smoke(run_dir: str | os.PathLike, result: dict) -> None:
-    atomic_write_text(Path(run_dir) / SMOKE, json.dumps(result))
+    _write_last_words(Path(run_dir) / SMOKE, json.dumps(result))
 
 
 def read_plan(run_dir: str | os.PathLike) -> dict | None:
@@ -130,6 +208,37 @@ class RunRefused(RuntimeError):
 
 # What a run leaves behind once it has trained: training into such a folder again needs --resume.
 TRAINED_MARKS = (METRICS, CHECKPOINTS, ADAPTER, MODEL)
+
+
+NAME_MAX, PATH_MAX = 255, 4096  # bytes per folder name and per path on Linux file systems
+
+
+def check_run_dir_path(run_dir: str | os.PathLike) -> None:
+    """Refuse, creating nothing, a --run-dir that cannot be a run folder: a name longer than the file system allows,
+    or a symbolic link whose target does not exist (creating the run there would make that target, anywhere)."""
+    raw = Path(run_dir)
+    too_long = next((part for part in raw.parts if len(os.fsencode(part)) > NAME_MAX), None)
+    if too_long is not None:
+        raise RunRefused(
+            f"--run-dir: the name {too_long[:40]}... is {len(os.fsencode(too_long))} bytes long; a folder name "
+            f"can have at most {NAME_MAX}: give a shorter one."
+        )
+    if len(os.fsencode(str(raw.absolute()))) >= PATH_MAX:
+        raise RunRefused(
+            f"--run-dir is longer than the {PATH_MAX} bytes a path can have: give a shorter one."
+        )
+    try:
+        dangling = raw.is_symlink() and not raw.exists()
+        target = os.readlink(raw) if dangling else None
+    except OSError as exc:
+        raise RunRefused(
+            f"--run-dir {raw} cannot be used ({exc.strerror}): give a new folder for the run."
+        ) from None
+    if dangling:
+        raise RunRefused(
+            f"--run-dir {raw} is a symbolic link to {target}, which does not exist: give a real folder for the run "
+            "(nothing was created)."
+        )
 
 
 def check_run_dir(run_dir: Path, resume: bool) -> None:
@@ -178,6 +287,35 @@ def live_state(run_dir: str | os.PathLike, status: dict | None = None) -> tuple[
     if state in END_STATES and alive:
         return "stopping", True
     return state, alive
+
+
+STDERR_TAIL_LINES = 20  # the lines of stderr.log a vanished trainer's reason quotes
+
+
+def vanished_reason(run_dir: str | os.PathLike) -> str:
+    """Why a run whose process is gone still says starting/running: it ended without writing its own status
+    (SIGKILL from the kernel's OOM killer or from outside, a segfault). A first line that is a sentence by itself
+    (the pages show it alone), then the end of stderr.log when it holds anything."""
+    info = procs.read_pid_info(run_dir)
+    pid = f" (pid {info['pid']})" if info else ""
+    reason = f"The training process{pid} ended without reporting (it was killed, or crashed in native code)."
+    last = procs.tail_text(Path(run_dir) / STDERR, STDERR_TAIL_LINES).strip("\n")
+    if last.strip():
+        return f"{reason}\nLast lines of stderr.log:\n{last}"
+    return f"{reason} It wrote nothing to stderr.log."
+
+
+def read_live_status(run_dir: str | os.PathLike, status: dict | None = None) -> tuple[dict | None, str, bool]:
+    """(status, state, alive) as every reader should see them, without writing anything (reads never write: a full
+    disk or a read-only workspace must not break a listing). A status that still says starting/running while its
+    process is gone is given state "failed", the reason `vanished_reason` and the time it was last updated as its
+    end; the file keeps what the trainer wrote."""
+    status = read_status(run_dir) if status is None else status
+    state, alive = live_state(run_dir, status)
+    if state == "failed" and (status or {}).get("state") in ("starting", "running"):
+        ended = status.get("updated") if _number(status.get("updated")) else None
+        status = {**status, "state": "failed", "reason": vanished_reason(run_dir), "ended": ended}
+    return status, state, alive
 
 
 # ---- stalls: alive, but not stepping ----------------------------------------------------------------------------

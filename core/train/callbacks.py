@@ -3,8 +3,10 @@ metrics.jsonl and status.json and turns a stop signal or a NaN loss into a clean
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import shutil
 import signal
 import statistics
 import time
@@ -42,6 +44,7 @@ def _callback_class():
             self.samples_per_step = samples_per_step
             self.nan_step: int | None = None
             self.stopped_at: int | None = None
+            self.disk_full: str | None = None  # why training stopped before a checkpoint that could not fit
             self.step_seconds: list[float] = []
             # A smoke test writes no metrics: its one step is not a training curve.
             self._fh = None if smoke else open(run_dir / rundir.METRICS, "a", encoding="utf-8")  # noqa: SIM115
@@ -76,12 +79,31 @@ def _callback_class():
                 self.stopped_at = state.global_step
                 control.should_training_stop = True
                 control.should_save = not self.smoke
+            if control.should_save and not self.smoke:
+                self._check_space(state.global_step, control, kw.get("model"), kw.get("optimizer"))
             now = time.time()
             if now - self._status_t > 1.0:  # at most one status write a second keeps the overhead invisible
                 self._status_t = now
                 # the usual step time: a reader tells a stalled run by it (core.runs.rundir.stall)
                 step_s = statistics.median(self.step_seconds[-20:])
                 self._status(step=state.global_step, step_s=round(step_s, 4))
+
+        def _check_space(self, step: int, control, model, optimizer) -> None:
+            """A checkpoint that cannot fit is not started (a half-written one is worth nothing and fills the disk
+            others use too): training stops, and the run fails with "disk full" and the figures."""
+            need = checkpoint_bytes(model, optimizer, rundir.latest_checkpoint(self.run_dir))
+            free = _free_bytes(self.run_dir)
+            if need is None or free is None or free >= need:
+                return
+            control.should_save = False
+            control.should_training_stop = True
+            last = rundir.latest_checkpoint(self.run_dir)
+            self.disk_full = (
+                f"disk full: checkpoint-{step} needs about {_mib(need)} and the disk that holds {self.run_dir} has "
+                f"{_mib(free)} free, so training stopped before writing it (newest checkpoint: "
+                f"{last.name if last else 'none yet'}). Free space there (or move the run to a larger disk), then "
+                "resume the run."
+            )
 
         def on_prediction_step(self, args, state, control, **kw):
             now = time.time()
@@ -126,6 +148,41 @@ def _callback_class():
             self._status(step=state.global_step)
 
     return RunCallback
+
+
+CHECKPOINT_MARGIN = 1.1  # a checkpoint holds small files too (trainer state, RNG, scheduler, tokenizer)
+
+
+def checkpoint_bytes(model, optimizer, previous=None) -> int | None:
+    """What the next checkpoint will take on disk, at least: the trainable weights (the adapter, or the model for a
+    full fine-tune) and the optimizer's state, or the previous checkpoint's size when that is larger; None when
+    neither can be told."""
+    need = 0
+    try:
+        if model is not None:
+            need += sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        state = getattr(optimizer, "state", None) or {}
+        for per_param in state.values():
+            for t in per_param.values() if isinstance(per_param, dict) else ():
+                if hasattr(t, "numel") and hasattr(t, "element_size"):
+                    need += t.numel() * t.element_size()
+    except Exception:  # an unusual model or optimizer: no estimate, no check
+        need = 0
+    if previous is not None:
+        with contextlib.suppress(OSError):
+            need = max(need, sum(f.stat().st_size for f in Path(previous).rglob("*") if f.is_file()))
+    return int(need * CHECKPOINT_MARGIN) + (1 << 20) if need else None
+
+
+def _free_bytes(path: Path) -> int | None:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def _mib(n: float) -> str:
+    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
 
 
 def cuda_memory() -> dict:

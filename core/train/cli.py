@@ -7,6 +7,7 @@ failed. Signals: SIGTERM (or Ctrl+C) saves a checkpoint at the end of the curren
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -107,10 +108,16 @@ def main(argv: list[str] | None = None) -> int:
         report_failure(run_dir, str(exc), args.smoke)
         return EXIT_BAD_INPUT if isinstance(exc, (ConfigError, DataError)) else EXIT_FAILED
     except Exception as exc:
-        traceback.print_exc()
-        reason = f"{type(exc).__name__}: {exc}"
-        report_failure(run_dir, reason, args.smoke)
-        print(f"error: {reason}", file=sys.stderr, flush=True)
+        # the status first: on a full disk stderr.log cannot take the traceback, and the reason must still say why
+        if rundir.is_disk_full(exc, run_dir if run_dir.is_dir() else None):
+            reason = rundir.disk_full_reason(run_dir.resolve(), exc)
+        else:
+            reason = f"{type(exc).__name__}: {exc}"
+        with contextlib.suppress(OSError):
+            report_failure(run_dir, reason, args.smoke)
+        with contextlib.suppress(OSError):
+            traceback.print_exc()
+            print(f"error: {reason}", file=sys.stderr, flush=True)
         return EXIT_FAILED
     print(f"run {summary['state']} at step {summary['step']}", flush=True)
     if args.smoke:

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from core.plausible import ImplausibleConfig, check_model_config
+
 SHOW_ROWS = 20
 
 
@@ -64,6 +66,10 @@ def check_model_folder(path, need_weights: bool = True) -> str | None:
         return f"model.path: {config} is not valid JSON: restore it from the model's original files."
     if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
         return f"model.path: {config} has no model_type: restore it from the model's original files."
+    try:  # before transformers builds the model from it: a lying size would allocate gigabytes
+        check_model_config(data, f"model.path: {config}")
+    except ImplausibleConfig as exc:
+        return str(exc)
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
         return (
             f"model.path: {folder} has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...): save the "

@@ -178,6 +178,7 @@ def run_training(
 
     The process holds the run's lock from here to the end: that, not a pid, is what makes the run "running".
     keep_lock (the CLI): hold it until the process exits, so the run reads as ended only once it is gone."""
+    rundir.check_run_dir_path(run_dir)  # before resolve(): a dangling link must not name where to create it
     run_dir = Path(run_dir).resolve()
     rundir.check_run_dir(run_dir, resume)
     try:
@@ -214,6 +215,8 @@ def _run_training(config_path, run_dir: Path, resume: bool, smoke: bool, stop: S
     }
     if callback.nan_step is not None:
         raise TrainError(f"loss became NaN at step {callback.nan_step}")
+    if callback.disk_full:  # a checkpoint that could not fit was not started
+        raise TrainError(callback.disk_full)
     if smoke:
         result = _finish_smoke(cfg, prec, run_dir, peak, callback, step)
         return {**summary, "state": "finished", "smoke": result}
@@ -254,6 +257,7 @@ def _setup_run(config_path, run_dir: Path, resume: bool, smoke: bool):
     status = {"state": "starting", "reason": None, "step": 0, "max_steps": None, "ended": None}
     if not resume or read_status(run_dir) is None:
         status["started"] = time.time()
+    rundir.reserve_space(run_dir)  # so that a full disk can still be reported as such
     write_status(run_dir, device=prec.device.label, precision=prec.dtype, smoke=smoke, **status)
     print(
         f"device: {prec.device.label}  weights: {prec.dtype}  bf16: {prec.bf16}  fp16: {prec.fp16}",
