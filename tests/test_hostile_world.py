@@ -77,7 +77,8 @@ def _cli(*args, env=None, timeout=120):
 
 def test_reads_of_a_dead_run_on_a_read_only_workspace_write_nothing(tmpfs):
     from core.monitor.diagnose import diagnose_run
-    from core.monitor.watch import RunWatcher, summarize_runs
+    from core.monitor.summary import summarize_runs
+    from core.monitor.watch import RunWatcher
     from core.runs.launcher import list_runs, run_state
 
     ws = tmpfs / "ws"
@@ -118,7 +119,8 @@ READ_ALL = textwrap.dedent(
         fn()
     from core.runs import rundir
     from core.runs.launcher import list_runs, run_state
-    from core.monitor.watch import RunWatcher, summarize_runs
+    from core.monitor.summary import summarize_runs
+    from core.monitor.watch import RunWatcher
     from core.monitor.diagnose import diagnose_run
     from core.merge.discover import list_adapters
     step("rundir.read_status", lambda: rundir.read_status(run))
@@ -201,7 +203,8 @@ def test_no_reader_of_a_run_hangs_on_a_fifo_or_dev_zero(tmp_path, kind, which):
 
 
 def test_a_kill_from_outside_is_told_from_the_oom_killer_by_the_runs_last_memory(tmp_path):
-    from core.monitor.diagnose import diagnose_run, memory_limit
+    from core.monitor.diagnose import diagnose_run
+    from core.monitor.diagnose_rules import memory_limit
 
     limit = memory_limit()
     small = make_dead_run(tmp_path / "small", stderr="step 7 done\n", rss=200 * 2**20)
