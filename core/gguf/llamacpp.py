@@ -24,11 +24,14 @@ from pathlib import Path
 DISABLE_ENV = "LORA_COCKPIT_NO_LLAMA_CPP"
 # --type -> llama_ftype (llama.h): the K-quant mixes llama-quantize makes
 FTYPES = {"q2_k": 10, "q3_k_m": 12, "q4_k_s": 14, "q4_k_m": 15, "q5_k_s": 16, "q5_k_m": 17, "q6_k": 18}
-# llama.cpp log lines worth showing: its warnings, and the fallbacks it takes silently otherwise
+# llama.cpp log lines worth showing: its warnings, and the fallbacks it takes silently otherwise (its metadata
+# dump and model summary, which mention "unknown" fields in passing, are left out)
 WARNING = re.compile(
-    r"warn|not control-type|overrid|falling back|fallback|missing|unknown|Using chat (bos|eos)_token|error",
+    r"warn|degraded|not control-type|not found|missing|fall(ing )?back|mismatch|error|failed|"
+    r"Using chat (bos|eos)_token",
     re.I,
 )
+NOT_WARNING = re.compile(r"^(llama_model_loader: - kv|Model metadata:|print_info:)")
 TIMEOUT_S = 1800
 
 
@@ -57,7 +60,7 @@ def _run(request: dict, timeout: float = TIMEOUT_S) -> tuple[dict | None, int, l
     except subprocess.TimeoutExpired:
         return None, 124, [f"llama.cpp did not finish within {timeout:.0f} s"]  # as timeout(1) reports it
     lines = [ln.strip() for ln in (proc.stderr or "").splitlines() if ln.strip()]
-    warnings = [ln for ln in lines if WARNING.search(ln)]
+    warnings = [ln for ln in lines if WARNING.search(ln) and not NOT_WARNING.match(ln)]
     if proc.returncode != 0:
         # the last lines say why (an abort prints `terminate called ...` before SIGABRT)
         warnings += [ln for ln in lines[-3:] if ln not in warnings]
