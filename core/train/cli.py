@@ -27,6 +27,7 @@ from core.train.trainer import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
     EXIT_STOPPED,
+    ConfigRefused,
     TrainError,
     report_failure,
     run_training,
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         summary = run_training(
             args.config, run_dir, resume=args.resume, smoke=args.smoke, stop=stop, keep_lock=True
         )
-    except (rundir.RunRefused, rundir.RunBusy) as exc:  # not our run directory to write into: touch nothing
+    except (rundir.RunRefused, rundir.RunBusy, ConfigRefused) as exc:  # nothing was written: touch nothing
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
     except rundir.RunGone as exc:  # the folder was deleted or replaced under us: write nothing anywhere

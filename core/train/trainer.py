@@ -40,6 +40,10 @@ class TrainError(RuntimeError):
     """The run cannot go on; the message is the user-facing reason written to status.json."""
 
 
+class ConfigRefused(ConfigError):
+    """A config problem found before the run folder was made or locked: nothing was written anywhere."""
+
+
 # ---- device and precision -----------------------------------------------------------------------------------
 
 
@@ -174,8 +178,9 @@ def run_training(
     stop: StopFlag | None = None,
     keep_lock: bool = False,
 ) -> dict:
-    """Train and return a summary; raises ConfigError/DataError/TrainError for the user's problems, RunRefused
-    and RunBusy (core.runs.rundir; touching nothing) for a run directory that cannot be trained into, RunGone
+    """Train and return a summary; raises ConfigError/DataError/TrainError for the user's problems (ConfigRefused:
+    found before anything was written), RunRefused and RunBusy (core.runs.rundir; touching nothing) for a run
+    directory that cannot be trained into (or a resume its checkpoint cannot take), RunGone
     when the run directory was deleted or replaced under the trainer (it stops without writing anything).
 
     Everything that can be checked without the run directory is checked before it is created or locked: the
@@ -194,7 +199,7 @@ def run_training(
         start = check_resume(run_dir, cfg, config_path) if resume and not smoke else (None, [], None)
     except (ConfigError, rundir.RunRefused) as exc:
         if adopted is None:  # nothing was created or locked: say so and leave the folder as it was
-            raise rundir.RunRefused(str(exc)) from None
+            raise exc if isinstance(exc, rundir.RunRefused) else ConfigRefused(str(exc)) from None
         if not keep_lock:
             os.close(adopted)
         raise ConfigError(str(exc)) from None  # the launcher's run folder: its status says why
