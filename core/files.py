@@ -11,10 +11,12 @@ from pathlib import Path
 from typing import Any
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
-    """Write `text` to a temp file beside `path`, then rename: a reader never sees half a file."""
+def atomic_write_text(path: str | os.PathLike, text: str, parents: bool = True) -> Path:
+    """Write `text` to a temp file beside `path`, then rename: a reader never sees half a file. parents=False:
+    FileNotFoundError when the folder is gone, instead of making it again."""
     p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
+    if parents:
+        p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:

@@ -156,7 +156,22 @@ def test_cli_bad_config_names_the_key_without_traceback(tmp_path, tiny_llama, ca
     err = capsys.readouterr().err
     assert code == 2
     assert "training.learning_rate must be in (0, 1]" in err and "Traceback" not in err
-    assert read_status(tmp_path / "run")["state"] == "failed"
+    assert not (tmp_path / "run").exists()  # #21 item 7: checked before the folder is made: no ghost run left
+
+
+def fake_checkpoint(run_dir: Path, step: int) -> Path:
+    """A checkpoint folder with the files a Trainer checkpoint of a LoRA run has, written as the Trainer does."""
+    import torch
+    from safetensors.torch import save_file
+
+    ckpt = run_dir / "checkpoints" / f"checkpoint-{step}"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": step, "log_history": []}))
+    save_file({"a": torch.zeros(4, 8), "b": torch.ones(8, 4)}, str(ckpt / "adapter_model.safetensors"))
+    torch.save({"state": {0: {"exp_avg": torch.zeros(64)}}, "param_groups": []}, ckpt / "optimizer.pt")
+    torch.save({"last_epoch": step}, ckpt / "scheduler.pt")
+    torch.save({"python": 1}, ckpt / "rng_state.pth")
+    return ckpt
 
 
 def test_resume_helpers_keep_metrics_continuous(tmp_path):
@@ -165,10 +180,9 @@ def test_resume_helpers_keep_metrics_continuous(tmp_path):
     lines = [{"time": 0.0, "step": s, "epoch": 0.0, "loss": 1.0} for s in range(2, 12, 2)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines) + '{"step": 12, "lo')
     for step, complete in ((4, True), (6, True), (8, False)):  # checkpoint-8 was cut off while saving
-        ckpt = tmp_path / "checkpoints" / f"checkpoint-{step}"
-        ckpt.mkdir(parents=True)
-        if complete:
-            (ckpt / "trainer_state.json").write_text("{}")
+        ckpt = fake_checkpoint(tmp_path, step)
+        if not complete:
+            (ckpt / "trainer_state.json").unlink()
     assert latest_checkpoint(tmp_path).name == "checkpoint-6"
     truncate_metrics(tmp_path, 6)
     assert [m["step"] for m in read_metrics(tmp_path)] == [2, 4, 6]

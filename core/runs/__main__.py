@@ -49,12 +49,16 @@ def run_object(info: RunInfo) -> dict:
     }
 
 
-def _find(workspace: Path, name: str) -> Path:
+def _find(workspace: Path, name: str, leftovers: bool = False) -> Path:
+    """The run folder NAME; leftovers: also a folder a start that failed before writing its config left behind
+    (status, pid, lock), so that delete can remove it."""
     try:
         name = check_run_name(name)
     except WorkspaceError as exc:
         raise RunError(str(exc)) from None
     path = runs_dir(workspace) / name
+    if leftovers and path.is_dir() and rundir.is_leftover(path):
+        return path
     if not (path / rundir.CONFIG).is_file():
         known = ", ".join(r.name for r in list_runs(workspace)[:10]) or "none yet"
         raise RunError(f"No run named {name!r} in {runs_dir(workspace)} (runs: {known}).")
@@ -122,12 +126,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{args.name}: {state}")
         elif args.command == "resume":
             run_dir = _find(workspace, args.name)
-            if rundir.latest_checkpoint(run_dir) is None:
+            if not rundir.checkpoints(run_dir):  # unusable ones: launch names them
                 raise RunError(f"Run {args.name} has no checkpoint to resume from yet.")
             launch(run_dir, resume=True)
             print(run_dir)
         elif args.command == "delete":
-            delete_run(_find(workspace, args.name), workspace)
+            delete_run(_find(workspace, args.name, leftovers=True), workspace)
             print(f"deleted {args.name}")
     except (RunError, WorkspaceError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -18,7 +18,9 @@ from pathlib import Path
 from core import procs
 from core.runs import rundir
 from core.runs.rundir import read_pid, read_smoke, read_status, write_status
-from core.train.config import dump_config, validate_config
+from core.train.config import ConfigError, dump_config, load_config, validate_config
+from core.train.preflight import check_model_folder
+from core.train.resume import check_resume
 from core.workspace import WorkspaceError, check_run_name, inside, make_folder, runs_dir
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -54,10 +56,14 @@ class RunInfo:
 
 def create_run(workspace: str | os.PathLike, name: str, config: dict) -> Path:
     """Make runs/<name>/ with the validated config in it (the trainer writes plan.json, for the device it trains
-    on). Refuses an existing name."""
+    on). Refuses an existing name. Everything is checked before the folder is made: a config that cannot train
+    (a bad key, a model folder that is not one) leaves nothing behind."""
     name = check_run_name(name)
     run_dir = inside(workspace, runs_dir(workspace) / name)
     cfg = validate_config(config)
+    problem = check_model_folder(cfg["model"]["path"])
+    if problem:
+        raise RunError(problem)
     if run_dir.exists():
         raise RunError(f"A run named {name!r} already exists in {run_dir.parent}: choose another name.")
     make_folder(run_dir.parent, "runs folder")
@@ -95,7 +101,9 @@ def launch(run_dir: str | os.PathLike, resume: bool = False, smoke: bool = False
         if not smoke:
             try:
                 rundir.check_run_dir(run_dir, resume)
-            except rundir.RunRefused as exc:
+                if resume:  # the trainer checks the same; refused here, nothing is started or written
+                    check_resume(run_dir, load_config(config), config)
+            except (rundir.RunRefused, ConfigError) as exc:
                 raise RunError(str(exc).replace("--resume", "Resume").replace("--run-dir", "run")) from None
         cmd = [sys.executable, "-m", "core.train", str(config), "--run-dir", str(run_dir)]
         if resume:

@@ -103,12 +103,12 @@ def _write_last_words(path: Path, text: str) -> None:
     """An atomic write that ends a run (its final status, a smoke result): on a full disk, the space the trainer set
     aside (reserve_space) is given back and the write tried once more."""
     try:
-        atomic_write_text(path, text)
+        atomic_write_text(path, text, parents=False)  # a run folder deleted under its trainer stays deleted
     except OSError as exc:
         if exc.errno not in DISK_FULL_ERRNOS or not (path.parent / RESERVE).exists():
             raise
         release_space(path.parent)
-        atomic_write_text(path, text)
+        atomic_write_text(path, text, parents=False)
 
 
 def read_status(run_dir: str | os.PathLike) -> dict | None:
@@ -129,11 +129,12 @@ def write_status(run_dir: str | os.PathLike, **fields) -> dict:
     status["updated"] = time.time()
     if status["state"] in END_STATES and not status.get("ended"):
         status["ended"] = status["updated"]
+    # never creates the folder: a run folder deleted under its trainer stays deleted (folder_identity)
     if status["state"] in END_STATES:
         _write_last_words(Path(run_dir) / STATUS, json.dumps(status))
         release_space(run_dir)  # the run has ended: its reserve is not needed any more
     else:
-        atomic_write_text(Path(run_dir) / STATUS, json.dumps(status))
+        atomic_write_text(Path(run_dir) / STATUS, json.dumps(status), parents=False)
     return status
 
 
@@ -158,14 +159,97 @@ def _step(rec: dict) -> float:
     return step if isinstance(step, (int, float)) else 0
 
 
-def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+CHECKPOINT_CONFIG = "run_config.yaml"  # inside checkpoint-N: the config that trained it (core.train.resume)
+CONFIG_HISTORY = "config.history"  # until-step-N.yaml: each config a resume with a changed config replaced
+
+
+def checkpoint_step(path: Path) -> int | None:
+    tail = path.name.removeprefix("checkpoint-")
+    return int(tail) if path.name.startswith("checkpoint-") and tail.isdigit() else None
+
+
+def checkpoints(run_dir: str | os.PathLike) -> list[Path]:
+    """Every checkpoint-N folder of the run, newest first (whether usable or not)."""
     ckpts = Path(run_dir) / CHECKPOINTS
     if not ckpts.is_dir():
-        return None
-    found = [p for p in ckpts.glob("checkpoint-*") if p.is_dir() and p.name.split("-")[-1].isdigit()]
-    # A checkpoint without trainer_state.json was cut off while saving: not resumable.
-    found = [p for p in found if (p / "trainer_state.json").exists()]
-    return max(found, key=lambda p: int(p.name.split("-")[-1])) if found else None
+        return []
+    found = [p for p in ckpts.iterdir() if checkpoint_step(p) is not None and p.is_dir()]
+    return sorted(found, key=checkpoint_step, reverse=True)
+
+
+def checkpoint_problem(path: str | os.PathLike, deep: bool = False) -> str | None:
+    """None when the checkpoint folder can be resumed from; else why not, in a few words. Reads only.
+
+    Checks what a cut-off or damaged save leaves: trainer_state.json readable and at the folder's step, weights
+    (safetensors: the header parses and the file is as long as it says; .bin: a whole zip), and the optimizer,
+    scheduler and RNG states written by torch.save as whole zip archives. `deep` also checks the CRC of every
+    member of those archives (reads them through; the trainer does so for the one it resumes from)."""
+    path = Path(path)
+    state = read_json_object(path / "trainer_state.json")
+    if state is None:
+        return "trainer_state.json is missing or unreadable (cut off while saving?)"
+    step = checkpoint_step(path)
+    if state.get("global_step") != step:
+        return f"trainer_state.json says step {state.get('global_step')!r}, not {step}"
+    weights = sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin"))
+    weights = [w for w in weights if w.name != "training_args.bin"]
+    if not weights:
+        return "it holds no weights (no *.safetensors)"
+    for w in weights:
+        why = _safetensors_problem(w) if w.suffix == ".safetensors" else _torch_file_problem(w, deep)
+        if why:
+            return f"{w.name} {why}"
+    for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth"):
+        f = path / name
+        if not f.exists():
+            if name == "rng_state.pth":
+                continue  # optional for the Trainer
+            return f"{name} is missing"
+        why = _torch_file_problem(f, deep)
+        if why:
+            return f"{name} {why}"
+    return None
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if n <= 0 or 8 + n > size or n > 100_000_000:
+                return "is not a safetensors file (bad header)"
+            header = json.loads(fh.read(n))
+    except (OSError, ValueError, RecursionError) as exc:
+        return f"is unreadable ({exc.__class__.__name__})"
+    if not isinstance(header, dict):
+        return "is not a safetensors file (bad header)"
+    ends = [
+        v["data_offsets"][1]
+        for k, v in header.items()
+        if k != "__metadata__" and isinstance(v, dict) and isinstance(v.get("data_offsets"), list)
+    ]
+    expected = 8 + n + max(ends, default=0)
+    if expected != size:
+        return f"is {size:,} bytes where its header says {expected:,} (truncated or damaged)"
+    return None
+
+
+def _torch_file_problem(path: Path, deep: bool) -> str | None:
+    """torch.save writes a zip archive: a cut-off file has no central directory at its end."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as z:
+            bad = z.testzip() if deep else None
+    except (OSError, zipfile.BadZipFile, ValueError, EOFError) as exc:
+        return f"is damaged or truncated ({str(exc) or exc.__class__.__name__})"
+    return f"is damaged ({bad} fails its checksum)" if bad else None
+
+
+def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    """The newest checkpoint that can be resumed from (checkpoint_problem), or None."""
+    return next((p for p in checkpoints(run_dir) if checkpoint_problem(p) is None), None)
 
 
 def read_smoke(run_dir: str | os.PathLike) -> dict | None:
@@ -206,6 +290,20 @@ class RunRefused(RuntimeError):
     """The run directory cannot be used as asked; nothing in it was touched."""
 
 
+class RunGone(RuntimeError):
+    """The run directory was deleted or replaced under its trainer, which stopped without writing anything more."""
+
+
+def folder_identity(run_dir: str | os.PathLike) -> tuple[int, int] | None:
+    """(device, inode) of the folder, None when it is gone: a folder deleted and made again under the same name
+    (rm -rf, then a new run) is another folder."""
+    try:
+        st = os.stat(run_dir)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
+
+
 # What a run leaves behind once it has trained: training into such a folder again needs --resume.
 TRAINED_MARKS = (METRICS, CHECKPOINTS, ADAPTER, MODEL)
 
@@ -241,12 +339,24 @@ def check_run_dir_path(run_dir: str | os.PathLike) -> None:
         )
 
 
+def is_leftover(run_dir: Path) -> bool:
+    """What a start that failed before writing its config left (an older trainer checked the config only after
+    taking the folder): a lock, pid or status, no config.yaml, nothing trained. Not a run: deletable, reusable."""
+    return (
+        not (run_dir / CONFIG).exists()
+        and any((run_dir / name).exists() for name in (STATUS, PID, LOCK))
+        and not any((run_dir / name).exists() for name in TRAINED_MARKS)
+        and (read_status(run_dir) or {}).get("state", "failed") in END_STATES
+    )
+
+
 def check_run_dir(run_dir: Path, resume: bool) -> None:
     """Refuse (touching nothing) a run directory that is a file, or one that already trained without --resume:
-    a second run into it would truncate its metrics and mix old and new checkpoints."""
+    a second run into it would truncate its metrics and mix old and new checkpoints. A failed start's leftovers
+    (is_leftover) are not a run: a new one may start there."""
     if run_dir.exists() and not run_dir.is_dir():
         raise RunRefused(f"--run-dir {run_dir} is a file, not a folder: give a new folder for the run.")
-    if resume or not run_dir.is_dir():
+    if resume or not run_dir.is_dir() or is_leftover(run_dir):
         return
     status = read_status(run_dir) or {}
     if status.get("state") in (*END_STATES, "running") or any(

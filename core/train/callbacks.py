@@ -12,8 +12,10 @@ import statistics
 import time
 from pathlib import Path
 
+from core.files import atomic_write_text
 from core.runs import rundir
 from core.runs.rundir import write_status
+from core.train.config import config_to_yaml
 
 METRIC_KEYS = ("loss", "eval_loss", "learning_rate", "grad_norm")
 
@@ -39,9 +41,22 @@ def _callback_class():
     class RunCallback(TrainerCallback):
         """Writes metrics.jsonl and status.json; turns a stop signal or a NaN loss into a clean end."""
 
-        def __init__(self, run_dir: Path, stop: StopFlag, smoke: bool, device: str, samples_per_step: int):
+        def __init__(
+            self,
+            run_dir: Path,
+            stop: StopFlag,
+            smoke: bool,
+            device: str,
+            samples_per_step: int,
+            identity=None,
+            config: dict | None = None,
+        ):
             self.run_dir, self.stop, self.smoke, self.device = run_dir, stop, smoke, device
             self.samples_per_step = samples_per_step
+            # the run folder this trainer owns: deleted or replaced under it, the run stops writing (`gone`)
+            self.identity = identity or rundir.folder_identity(run_dir)
+            self.gone: str | None = None
+            self._config_text = config_to_yaml(config) if config is not None else None
             self.nan_step: int | None = None
             self.stopped_at: int | None = None
             self.disk_full: str | None = None  # why training stopped before a checkpoint that could not fit
@@ -62,10 +77,31 @@ def _callback_class():
                 self._fh.close()
 
         def _status(self, **fields):
-            write_status(self.run_dir, **fields)
+            if not self._check_folder(None):  # a stat per write (at most a few a second)
+                try:
+                    write_status(self.run_dir, **fields)
+                except FileNotFoundError:  # deleted between the check and the write
+                    self._check_folder(None)
+
+        def _check_folder(self, control) -> bool:
+            """True (and training told to stop, saving nothing) once the run folder is gone or another one."""
+            if self.gone is None:
+                now = rundir.folder_identity(self.run_dir)
+                if now != self.identity:
+                    what = "was deleted" if now is None else "was replaced by another folder"
+                    self.gone = (
+                        f"the run folder {self.run_dir} {what} while the run trained; stopped without saving "
+                        "or re-creating anything."
+                    )
+            if self.gone is not None and control is not None:
+                control.should_training_stop = True
+                control.should_save = control.should_evaluate = control.should_log = False
+            return self.gone is not None
 
         def on_train_begin(self, args, state, control, **kw):
             self._last_t, self._last_step = time.time(), state.global_step
+            if self._check_folder(control):
+                return
             self._status(state="running", step=state.global_step, max_steps=state.max_steps)
             if self.stop.signal:  # signalled while loading: stop before the first step
                 control.should_training_stop = True
@@ -75,6 +111,8 @@ def _callback_class():
 
         def on_step_end(self, args, state, control, **kw):
             self.step_seconds.append(time.perf_counter() - self._step_t0)
+            if self._check_folder(control):  # before the Trainer logs or saves into it
+                return
             if self.stop.signal and self.stopped_at is None:
                 self.stopped_at = state.global_step
                 control.should_training_stop = True
@@ -113,11 +151,17 @@ def _callback_class():
 
         def on_save(self, args, state, control, **kw):
             self._last_t = time.time()  # checkpoint writing is not training time: keep it out of tokens/s
+            saved = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            if self._config_text is not None and saved.is_dir() and not self._check_folder(control):
+                # the config that trained it, beside its weights: what a resume compares with (core.train.resume)
+                atomic_write_text(saved / rundir.CHECKPOINT_CONFIG, self._config_text, parents=False)
 
         def on_evaluate(self, args, state, control, **kw):
             self._last_t = time.time()  # likewise evaluation
 
         def on_log(self, args, state, control, logs=None, **kw):
+            if self._check_folder(control):
+                return
             logs = logs or {}
             if not any(k in logs for k in METRIC_KEYS):
                 return  # the end-of-training summary (train_runtime, ...) is not a metric line
@@ -197,6 +241,16 @@ def cuda_memory() -> dict:
     }
 
 
-def make_run_callback(run_dir: Path, stop: StopFlag, smoke: bool, device: str, samples_per_step: int):
-    """The run's TrainerCallback (its class is made on first use: transformers is imported only then)."""
-    return _callback_class()(run_dir, stop, smoke, device, samples_per_step)
+def make_run_callback(
+    run_dir: Path,
+    stop: StopFlag,
+    smoke: bool,
+    device: str,
+    samples_per_step: int,
+    identity=None,
+    config: dict | None = None,
+):
+    """The run's TrainerCallback (its class is made on first use: transformers is imported only then). identity:
+    the run folder's (core.runs.rundir.folder_identity) as the trainer found it; config: the run's config, kept in
+    each checkpoint it saves."""
+    return _callback_class()(run_dir, stop, smoke, device, samples_per_step, identity, config)

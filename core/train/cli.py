@@ -1,7 +1,8 @@
 """`python -m core.train run.yaml --run-dir DIR [--resume] [--smoke]` and `--dry-run`: the trainer as a program.
 
-Exit codes: 0 finished or stopped, 2 bad input (a config, data or run folder problem: one sentence), 1 training
-failed. Signals: SIGTERM (or Ctrl+C) saves a checkpoint at the end of the current step and exits as `stopped`.
+Exit codes: 0 finished or stopped, 2 bad input (a config, data or run folder problem, or a resume the checkpoint
+cannot take: one sentence), 1 training failed (or its run folder was deleted under it). Signals: SIGTERM (or
+Ctrl+C) saves a checkpoint at the end of the current step and exits as `stopped`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from core.train.trainer import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
     EXIT_STOPPED,
+    ConfigRefused,
     TrainError,
     report_failure,
     run_training,
@@ -100,9 +102,12 @@ def main(argv: list[str] | None = None) -> int:
         summary = run_training(
             args.config, run_dir, resume=args.resume, smoke=args.smoke, stop=stop, keep_lock=True
         )
-    except (rundir.RunRefused, rundir.RunBusy) as exc:  # not our run directory to write into: touch nothing
+    except (rundir.RunRefused, rundir.RunBusy, ConfigRefused) as exc:  # nothing was written: touch nothing
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
+    except rundir.RunGone as exc:  # the folder was deleted or replaced under us: write nothing anywhere
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_FAILED
     except (ConfigError, DataError, TrainError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         report_failure(run_dir, str(exc), args.smoke)

@@ -23,13 +23,14 @@ from core.estimate.specs import SpecError
 from core.monitor.gpu import GpuSampler
 from core.precision import Device, Precision, PrecisionError, resolve, torch_dtype
 from core.runs import rundir
-from core.runs.rundir import latest_checkpoint, read_status, truncate_metrics, write_status
+from core.runs.rundir import read_status, truncate_metrics, write_status
 from core.train import methods
 from core.train.callbacks import StopFlag, make_run_callback
-from core.train.config import ConfigError, dump_config, load_config
+from core.train.config import ConfigError, load_config
 from core.train.data import DataError
 from core.train.engine_args import bnb_config, lora_config, training_args
 from core.train.preflight import check_model_folder, has_errors, run_preflight
+from core.train.resume import check_resume, record_config
 from core.train.smoke import measure_peak
 
 EXIT_BAD_INPUT, EXIT_FAILED, EXIT_STOPPED = 2, 1, 0
@@ -37,6 +38,10 @@ EXIT_BAD_INPUT, EXIT_FAILED, EXIT_STOPPED = 2, 1, 0
 
 class TrainError(RuntimeError):
     """The run cannot go on; the message is the user-facing reason written to status.json."""
+
+
+class ConfigRefused(ConfigError):
+    """A config problem found before the run folder was made or locked: nothing was written anywhere."""
 
 
 # ---- device and precision -----------------------------------------------------------------------------------
@@ -173,37 +178,77 @@ def run_training(
     stop: StopFlag | None = None,
     keep_lock: bool = False,
 ) -> dict:
-    """Train and return a summary; raises ConfigError/DataError/TrainError for the user's problems, RunRefused
-    and RunBusy (core.runs.rundir; touching nothing) for a run directory that cannot be trained into.
+    """Train and return a summary; raises ConfigError/DataError/TrainError for the user's problems (ConfigRefused:
+    found before anything was written), RunRefused and RunBusy (core.runs.rundir; touching nothing) for a run
+    directory that cannot be trained into (or a resume its checkpoint cannot take), RunGone
+    when the run directory was deleted or replaced under the trainer (it stops without writing anything).
+
+    Everything that can be checked without the run directory is checked before it is created or locked: the
+    config, its model folder and (--resume) the checkpoint and whether the config can continue from it. A bad
+    config leaves no folder behind.
 
     The process holds the run's lock from here to the end: that, not a pid, is what makes the run "running".
     keep_lock (the CLI): hold it until the process exits, so the run reads as ended only once it is gone."""
     rundir.check_run_dir_path(run_dir)  # before resolve(): a dangling link must not name where to create it
     run_dir = Path(run_dir).resolve()
     rundir.check_run_dir(run_dir, resume)
+    adopted = (
+        procs.adopt_claim()
+    )  # a launcher took the lock and handed it down: the folder is already the run's
+    try:
+        cfg = checked_config(config_path)
+        start = check_resume(run_dir, cfg, config_path) if resume and not smoke else (None, [], None)
+    except (ConfigError, rundir.RunRefused) as exc:
+        if adopted is None:  # nothing was created or locked: say so and leave the folder as it was
+            raise exc if isinstance(exc, rundir.RunRefused) else ConfigRefused(str(exc)) from None
+        if not keep_lock:
+            os.close(adopted)
+        raise ConfigError(str(exc)) from None  # the launcher's run folder: its status says why
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise rundir.RunRefused(f"--run-dir {run_dir} cannot be created ({exc.strerror}).") from None
-    lock_fd = procs.adopt_claim() or rundir.claim(run_dir)
+    lock_fd = adopted or rundir.claim(run_dir)
     try:
         procs.write_pid_info(run_dir)  # pid, start time, and whether it leads its own session (for a stop)
-        return _run_training(config_path, run_dir, resume, smoke, stop)
+        return _run_training(cfg, run_dir, resume, smoke, stop, start)
     finally:
         if not keep_lock:
             procs.disown(run_dir, lock_fd)  # in-process callers: the run is seen ended from here on
 
 
-def _run_training(config_path, run_dir: Path, resume: bool, smoke: bool, stop: StopFlag | None) -> dict:
+def checked_config(config_path) -> dict:
+    """The validated config whose model folder exists and looks like a model, or ConfigError."""
+    cfg = load_config(config_path)
+    problem = check_model_folder(cfg["model"]["path"])
+    if problem:
+        raise ConfigError(problem)
+    return cfg
+
+
+def _run_training(cfg: dict, run_dir: Path, resume: bool, smoke: bool, stop: StopFlag | None, start) -> dict:
     """The run as torchtune's recipes do it: set up the run, its data, its model and trainer, train, finish."""
     quiet_progress_bars()
     if stop is None:
         stop = StopFlag().install() if threading.current_thread() is threading.main_thread() else StopFlag()
-    cfg, prec, checkpoint = _setup_run(config_path, run_dir, resume, smoke)
+    identity = rundir.folder_identity(run_dir)  # a run folder deleted or replaced later is told by it
+    prec, checkpoint, new_hyperparameters = _setup_run(cfg, run_dir, resume, smoke, start)
     tokenizer, train_ds, eval_ds = _setup_data(cfg)
     trainer, callback, peak, seconds = _train(
-        cfg, prec, run_dir, tokenizer, train_ds, eval_ds, checkpoint, smoke, stop
+        cfg,
+        prec,
+        run_dir,
+        tokenizer,
+        train_ds,
+        eval_ds,
+        checkpoint,
+        smoke,
+        stop,
+        identity,
+        new_hyperparameters,
     )
+    if callback.gone:  # nothing more is written: the folder is not this run's any more
+        raise rundir.RunGone(callback.gone)
     step = trainer.state.global_step
     summary = {
         "step": step,
@@ -235,23 +280,32 @@ def _run_training(config_path, run_dir: Path, resume: bool, smoke: bool, stop: S
     return {**summary, "state": "finished"}
 
 
-def _setup_run(config_path, run_dir: Path, resume: bool, smoke: bool):
-    """(config, precision, checkpoint to resume from): the config read and its model folder checked before
-    anything is written, the config and plan.json in the run dir, status "starting"."""
-    cfg = load_config(config_path)
-    problem = check_model_folder(cfg["model"]["path"])  # before anything is written or loaded
-    if problem:
-        raise ConfigError(problem)
-    if (
-        Path(config_path).resolve() != (run_dir / rundir.CONFIG).resolve()
-        and not (run_dir / rundir.CONFIG).exists()
-    ):
-        dump_config(cfg, run_dir / rundir.CONFIG)  # the run dir must say what it ran
-    checkpoint = latest_checkpoint(run_dir) if resume else None
-    if resume and checkpoint is None:
+def _setup_run(cfg: dict, run_dir: Path, resume: bool, smoke: bool, start):
+    """(precision, checkpoint to resume from, whether the resume changed training keys), with the run dir owned:
+    unusable newer checkpoints moved aside, config.yaml saying what trains from here (a changed config of a resume
+    keeps the old one in config.history/), plan.json, status "starting"."""
+    checkpoint, unusable, trained = start
+    for path, why in unusable:  # named, and kept out of the way of the saves to come
+        aside = path.with_name(f"unusable-{path.name}")
+        if aside.exists():
+            aside = path.with_name(f"unusable-{path.name}-{time.time_ns()}")
+        os.replace(path, aside)
+        print(
+            f"resume: {path.name} cannot be resumed from ({why}); moved to {rundir.CHECKPOINTS}/{aside.name}",
+            flush=True,
+        )
+    changed = record_config(run_dir, cfg, trained, checkpoint)
+    if checkpoint is not None:
+        note = (
+            f" with changed {', '.join(changed)} (previous config: {rundir.CONFIG_HISTORY}/)"
+            if changed
+            else ""
+        )
+        print(f"resume: from {checkpoint.name}{note}", flush=True)
+    elif resume:
         print("resume: no checkpoint in checkpoints/ yet: starting from step 0", flush=True)
     if not smoke:
-        truncate_metrics(run_dir, int(checkpoint.name.split("-")[-1]) if checkpoint else 0)
+        truncate_metrics(run_dir, rundir.checkpoint_step(checkpoint) if checkpoint else 0)
     prec = choose_precision(cfg)
     _write_plan(cfg, run_dir, prec, smoke)
     status = {"state": "starting", "reason": None, "step": 0, "max_steps": None, "ended": None}
@@ -265,7 +319,7 @@ def _setup_run(config_path, run_dir: Path, resume: bool, smoke: bool):
     )
     for note in prec.notes:
         print(f"note: {note}", flush=True)
-    return cfg, prec, checkpoint
+    return prec, checkpoint, any(k.startswith("training.") for k in changed)
 
 
 def _setup_data(cfg: dict):
@@ -298,7 +352,19 @@ def _setup_data(cfg: dict):
     return tokenizer, train_ds, eval_ds
 
 
-def _train(cfg, prec, run_dir: Path, tokenizer, train_ds, eval_ds, checkpoint, smoke: bool, stop: StopFlag):
+def _train(
+    cfg,
+    prec,
+    run_dir: Path,
+    tokenizer,
+    train_ds,
+    eval_ds,
+    checkpoint,
+    smoke: bool,
+    stop: StopFlag,
+    identity=None,
+    new_hyperparameters: bool = False,
+):
     """(trainer, callback, smoke peak, (seconds, CPU seconds)): the model and its trainer built, trained, with the
     GPU sampler running beside it."""
     method, t = methods.get(cfg), cfg["training"]
@@ -314,7 +380,9 @@ def _train(cfg, prec, run_dir: Path, tokenizer, train_ds, eval_ds, checkpoint, s
         if smoke
         else t["per_device_train_batch_size"] * t["gradient_accumulation_steps"]
     )
-    callback = make_run_callback(run_dir, stop, smoke, prec.device.label, samples_per_step)
+    callback = make_run_callback(
+        run_dir, stop, smoke, prec.device.label, samples_per_step, identity=identity, config=cfg
+    )
     try:
         try:
             model = load_model(cfg, prec)
@@ -335,6 +403,8 @@ def _train(cfg, prec, run_dir: Path, tokenizer, train_ds, eval_ds, checkpoint, s
             callbacks=[callback],
             report_to=_report_to(cfg, run_dir, smoke),
         )
+        if checkpoint and new_hyperparameters:
+            keep_new_hyperparameters(trainer)
         if hasattr(trainer.model, "print_trainable_parameters"):
             trainer.model.print_trainable_parameters()
         with measure_peak(trainer.model) if smoke else contextlib.nullcontext({}) as peak:
@@ -345,6 +415,58 @@ def _train(cfg, prec, run_dir: Path, tokenizer, train_ds, eval_ds, checkpoint, s
         sampler.stop()
         callback.close()
     return trainer, callback, peak, seconds
+
+
+def keep_new_hyperparameters(trainer) -> None:
+    """A resume with a changed learning rate (or weight decay, betas, schedule length) trains with the new values.
+
+    torch's Optimizer.load_state_dict brings back the checkpoint's param-group hyperparameters along with the
+    moments, and the scheduler its base learning rates: without this, a resumed run with a new learning_rate
+    trains on at the old one while config.yaml says the new. The moments and the step count are the checkpoint's;
+    the hyperparameters this config's (create_optimizer / create_scheduler are the Trainer's overridable API)."""
+    from torch.optim.lr_scheduler import LambdaLR
+
+    create_optimizer, create_scheduler = trainer.create_optimizer, trainer.create_scheduler
+
+    def take_new_groups(optimizer, state_dict):
+        saved = state_dict["param_groups"]
+        if len(saved) != len(optimizer.param_groups):
+            return None  # not this optimizer's state: torch says so
+        groups = [
+            {**{k: v for k, v in new.items() if k != "params"}, "params": old["params"]}
+            for old, new in zip(saved, optimizer.param_groups, strict=True)
+        ]
+        return {**state_dict, "param_groups": groups}
+
+    def new_create_optimizer(*args, **kwargs):
+        optimizer = create_optimizer(*args, **kwargs)
+        optimizer.register_load_state_dict_pre_hook(take_new_groups)
+        return optimizer
+
+    def new_create_scheduler(*args, **kwargs):
+        scheduler = create_scheduler(*args, **kwargs)
+        load = scheduler.load_state_dict
+        if not isinstance(scheduler, LambdaLR):
+            return scheduler
+
+        def load_state_dict(state):
+            # once: the scheduler's own method again, and nothing unpicklable left in the state it saves
+            del scheduler.load_state_dict
+            load(state)  # the step count; then this config's learning rates at that step
+            groups = scheduler.optimizer.param_groups
+            scheduler.base_lrs = [g["initial_lr"] for g in groups]
+            lrs = [
+                base * fn(scheduler.last_epoch)
+                for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)
+            ]
+            for group, lr in zip(groups, lrs, strict=True):
+                group["lr"] = lr
+            scheduler._last_lr = lrs
+
+        scheduler.load_state_dict = load_state_dict
+        return scheduler
+
+    trainer.create_optimizer, trainer.create_scheduler = new_create_optimizer, new_create_scheduler
 
 
 def _finish_smoke(cfg: dict, prec: Precision, run_dir: Path, peak: dict, callback, step: int) -> dict:
