@@ -372,7 +372,7 @@ RULES: list[Rule] = [
         signs="A status reason starting 'disk full', or stderr with `No space left on device` (ENOSPC, errno 28), "
         "`Disk quota exceeded` or safetensors' `StorageFull`.",
         cause="The disk that holds the run directory filled up: checkpoints (adapter plus optimizer state, each "
-        "save_steps), metrics and logs could not be written. The trainer stops before a checkpoint that would not "
+        "training.save_steps), metrics and logs could not be written. The trainer stops before a checkpoint that would not "
         "fit, and on a write that fails it records why.",
         fix=[
             "Free space on the disk that holds the workspace (old runs: python -m core.runs delete NAME; old "
