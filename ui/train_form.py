@@ -68,7 +68,7 @@ LEVER_FIELDS = {
 FLAT_BATCH_LEVERS = {"tr_padding_free", "tr_packing"}  # SFTTrainer's only: a method's traits.flat_batches
 
 
-METHOD_LABELS = {m.name: f"{m.label} ({m.data_noun})" for m in methods.REGISTRY.values()}
+METHOD_LABELS = {m.name: m.choice for m in methods.REGISTRY.values()}
 
 
 CHOICES = {

@@ -120,7 +120,7 @@ def method_preview_panel(cfg: dict) -> bool:
         return False
     total, rows = shown
     st.caption(
-        f"{total:,} {method.data_noun}. {method.label}: {method.summary}, relative to the reference model."
+        f"{total:,} {method.row_noun}. {method.label}: {method.summary}, relative to the reference model."
     )
     frame = pd.DataFrame(rows)
     if "problem" in frame and not frame["problem"].fillna("").astype(bool).any():

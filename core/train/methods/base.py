@@ -73,7 +73,9 @@ class Method:
     # the figure the Runs page and `runs list` summarise a run by (eval twin preferred), with its label
     headline: tuple[tuple[str, str], ...] = ()
     fields: tuple[FormField, ...] = ()  # its own settings on the Train page
-    data_noun: str = "rows"  # what one row of its data is, for sentences: rows, pairs, rated answers
+    data_noun: str = "rows"  # what its data is, for sentences: "preference pairs", "rated answers"
+    row_noun: str = "rows"  # what one row is, counted: "512 pairs"
+    choice: str = ""  # the method as the Train page offers it: "DPO (preference pairs)"
 
     # -- the libraries' classes ------------------------------------------------------------------------------
     def config_class(self):

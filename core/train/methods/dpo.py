@@ -173,5 +173,7 @@ METHOD = DPO(
         ),
         *REFERENCE_FIELDS,
     ),
-    data_noun="pairs",
+    data_noun="preference pairs",
+    row_noun="pairs",
+    choice="DPO (preference pairs)",
 )

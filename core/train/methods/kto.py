@@ -156,6 +156,8 @@ METHOD = KTO(
         *REFERENCE_FIELDS,
     ),
     data_noun="rated answers",
+    row_noun="rated answers",
+    choice="KTO (rated answers: thumbs up / down)",
     measure_rows=(
         {"prompt": "hello", "completion": "HELLO!", "label": True},
         {"prompt": "world", "completion": "WORLD", "label": False},

@@ -216,6 +216,7 @@ METHOD = SFT(
     formats=("alpaca", "chat", "text"),
     columns=("instruction", "input", "output", "messages", "text"),
     summary="instructions or chat: the model learns to give the answers in the data",
+    choice="SFT (instructions / chat)",
     traits=PlanTraits(rows_per_example=1, reference=False, flat_batches=True, head_outputs=0),
     metrics=("mean_token_accuracy", "entropy"),
 )
