@@ -270,7 +270,7 @@ def test_cli_plans_a_run_config_through_the_engines_mapping(tmp_path):
         }
     )
     dump_config(cfg, tmp_path / "run.yaml")
-    out = _cli("--config", str(tmp_path / "run.yaml"), "--gpu-gb", "48", "--json")
+    out = _cli("--config", str(tmp_path / "run.yaml"), "--gpu-gb", "48", "--device", "cuda", "--json")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["plan"] == plan_for_config(cfg, 48.0, "cuda").to_dict()
     assert json.loads(out.stdout)["plan"]["padding_free"] is True
