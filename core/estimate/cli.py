@@ -156,7 +156,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--device",
         choices=("cuda", "cpu"),
-        help=f"default {d.device}; with --config: the device this machine trains on, as the trainer plans",
+        help=f"default {d.device}; with --config: the device this machine trains on, as the trainer plans (a GPU "
+        "when --gpu-gb is given)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
@@ -274,6 +275,8 @@ def _load_run_config(path: str) -> dict:
 def _plan_from_config(cfg: dict, args) -> Plan:
     """The plan of a run config, through core.estimate.from_config (the engine's one mapping), on this machine's
     card unless --gpu-gb / --device name another: the plan the trainer writes to plan.json."""
+    if args.device is None and args.gpu_gb is not None:
+        args.device = "cuda"  # a card's size names a GPU: plan that card
     if args.gpu_gb is None or args.device is None:
         card = local_card()
         args.gpu_gb = card.gpu_gb if args.gpu_gb is None else args.gpu_gb

@@ -139,6 +139,8 @@ def plan_json(
     """The object a run's plan.json holds for `cfg`: on this machine's card unless a card is given; batch_size 1
     for a smoke test's. The trainer writes it (plan.json's one producer); --dry-run, `core.estimate --config` and
     the Train page's verdict call the same function, so they print the same numbers."""
+    if device is None and gpu_gb is not None:
+        device = "cuda"  # a card's size names a GPU: plan that card
     if gpu_gb is None or device is None:
         card = local_card()
         gpu_gb = card.gpu_gb if gpu_gb is None else gpu_gb
