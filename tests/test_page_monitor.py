@@ -145,7 +145,7 @@ def test_stopped_run_with_a_checkpoint_offers_resume_and_says_why(workspace, tin
     assert stop_run(run_dir, grace_s=120) == "stopped"
     at = _page(workspace, run_dir)
     assert [b.label for b in at.button if b.key == "mon_stop"] == []  # nothing to stop
-    assert any(c.value.startswith("Why it stopped: stopped by SIGTERM") for c in at.caption)
+    assert any(c.value.startswith("Why it stopped: Stopped by SIGTERM") for c in at.caption)
     at.button(key="mon_resume").click().run()
     assert not at.exception, at.exception
     try:

@@ -6,7 +6,8 @@ import pandas as pd
 import streamlit as st
 
 from core import jobs
-from core.estimate.from_config import estimate_for_config, local_card
+from core.estimate import from_config
+from core.estimate.from_config import estimate_for_config
 from core.estimate.plan import GiB, PlanError
 from core.estimate.specs import SpecError
 from core.fmt import mem
@@ -51,7 +52,7 @@ def _preflight(cfg_yaml: str) -> list[dict]:
 
 def _card():
     """Where a run launched from this page trains: this machine's GPU, or its CPU and RAM."""
-    return local_card()
+    return from_config.local_card()  # looked up at call time: one place to swap the card (tests mock it)
 
 
 def verdict_panel(cfg: dict) -> None:
