@@ -21,3 +21,18 @@ def train(cfg: dict, run_dir: Path, timeout: float = 600) -> subprocess.Complete
         text=True,
         timeout=timeout,
     )
+
+
+def runs(workspace: Path, *args, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python -m core.runs ARGS` with `workspace` as the workspace, as a user runs it from a terminal."""
+    import os
+
+    env = dict(os.environ, LORA_COCKPIT_WORKSPACE=str(workspace))
+    return subprocess.run(
+        [sys.executable, "-m", "core.runs", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

@@ -16,6 +16,7 @@ from test_runs import run_config, wait_until
 from core.runs import rundir
 from core.runs.launcher import create_run, launch, run_state, stop_run
 from core.train.config import validate_config
+from tests.cli import runs
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -33,15 +34,7 @@ def _one_thread_per_trainer(monkeypatch, workspace):
 
 
 def _runs_cli(workspace, *args, timeout=300):
-    env = dict(os.environ, LORA_COCKPIT_WORKSPACE=str(workspace))
-    return subprocess.run(
-        [sys.executable, "-m", "core.runs", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return runs(workspace, *args, timeout=timeout)
 
 
 def _write_config(workspace, tiny_llama, name, **training) -> Path:

@@ -17,21 +17,14 @@ from test_runs import run_config, wait_until
 from core.runs import rundir
 from core.runs.launcher import RunError, create_run, launch, run_state, stop_run
 from core.train.config import validate_config
+from tests.cli import runs
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
 def _runs_cli(workspace, *args, timeout=240):
-    env = dict(os.environ, LORA_COCKPIT_WORKSPACE=str(workspace))
-    return subprocess.run(
-        [sys.executable, "-m", "core.runs", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return runs(workspace, *args, timeout=timeout)
 
 
 def _tree_digest(folder: Path) -> dict[str, str]:
