@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 import warnings
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -42,7 +42,8 @@ warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
 
-from core.measure.plan import MeasurePlan, planner_plan  # noqa: E402
+from core.estimate.plan import Plan  # noqa: E402
+from core.measure.plan import autocast_dtype, step_plan  # noqa: E402
 from core.measure.step import measure_depths, num_layers_of  # noqa: E402
 
 GOAL_MEDIAN, GOAL_WORST = 0.03, 0.07
@@ -62,13 +63,13 @@ AL = "all-linear"
 PAGED = "paged_adamw_8bit"
 
 
-def matrix() -> list[tuple[str, MeasurePlan]]:
+def matrix() -> list[tuple[str, Plan]]:
     """The configurations: every axis of the issue appears on each side, spread over the architectures.
     Rows 0-28 run the plain-Trainer loss (full logits, `fused_lm_head=False`); the rows after them run what
     TRL's SFTTrainer does (fused LM head; QLoRA prepared without prepare_model_for_kbit_training)."""
 
     def P(*args, **kw):  # the plain path: cross-entropy over the full logits
-        return MeasurePlan(*args, fused_lm_head=False, **kw)
+        return step_plan(*args, fused_lm_head=False, **kw)
 
     rows = []
     for arch in ARCHS:
@@ -159,18 +160,18 @@ def matrix() -> list[tuple[str, MeasurePlan]]:
     rows += [
         (
             "llama2-7b/4",
-            P("lora", target_modules=AL, lora_dropout=0.05, batch_size=1, seq_len=256, mixed_precision=None),
+            P("lora", target_modules=AL, lora_dropout=0.05, batch_size=1, seq_len=256, autocast=False),
         ),
-        ("tinyllama", P("lora", target_modules=QV, batch_size=1, seq_len=256, mixed_precision=None)),
+        ("tinyllama", P("lora", target_modules=QV, batch_size=1, seq_len=256, autocast=False)),
     ]
     return rows + trl_matrix() + lever_matrix() + dpo_matrix()
 
 
-def trl_matrix() -> list[tuple[str, MeasurePlan]]:
+def trl_matrix() -> list[tuple[str, Plan]]:
     """SFTTrainer's path (trl 1.16): add_fused_lm_head + compute_loss from per-token log-probabilities, and for
     QLoRA enable_input_require_grads (with checkpointing) + bf16 adapters instead of prepare_kbit. Qwen's
     152k vocabulary is where the head's tiles dominate; on the CPU every position is scored."""
-    T = MeasurePlan  # its defaults are TRL's: fused_lm_head=True, prepare_kbit=False
+    T = step_plan  # its defaults are TRL's: fused_lm_head=True, prepare_kbit=False
     return [
         ("tinyllama", T("lora", target_modules=QV, batch_size=1, seq_len=512)),
         (
@@ -185,7 +186,7 @@ def trl_matrix() -> list[tuple[str, MeasurePlan]]:
             ),
         ),
         ("tinyllama", T("qlora", double_quant=False, target_modules=QV, batch_size=2, seq_len=256)),
-        ("tinyllama", T("lora", target_modules=QV, batch_size=1, seq_len=256, mixed_precision=None)),
+        ("tinyllama", T("lora", target_modules=QV, batch_size=1, seq_len=256, autocast=False)),
         (
             "qwen0.5b",
             T("lora", target_modules=AL, batch_size=2, seq_len=512, gradient_checkpointing=True, optim=PAGED),
@@ -223,11 +224,11 @@ def trl_matrix() -> list[tuple[str, MeasurePlan]]:
     ]
 
 
-def lever_matrix() -> list[tuple[str, MeasurePlan]]:
+def lever_matrix() -> list[tuple[str, Plan]]:
     """The levers that run on a CPU, through the engine (SFTTrainer): padding-free batches (one row of every
     token, position_ids; several rows -> transformers' block-diagonal mask on sdpa), BFD packing (two documents
     per row), with the fused head and TRL's QLoRA. Activation offloading and Liger need a CUDA GPU."""
-    T = MeasurePlan
+    T = step_plan
     return [
         ("tinyllama", T("lora", target_modules=QV, batch_size=2, seq_len=256, padding_free=True)),
         (
@@ -279,10 +280,10 @@ def lever_matrix() -> list[tuple[str, MeasurePlan]]:
     ]
 
 
-def dpo_matrix() -> list[tuple[str, MeasurePlan]]:
+def dpo_matrix() -> list[tuple[str, Plan]]:
     """DPOTrainer (trl 1.16) through the engine: [chosen; rejected] rows through the policy with grad, the
     reference forward (the base with the adapter off) inside the step, or precomputed reference log-probs."""
-    T = MeasurePlan
+    T = step_plan
     return [
         ("tinyllama", T("lora", target_modules=QV, batch_size=1, seq_len=256, objective="dpo")),
         (
@@ -346,7 +347,7 @@ def naive_bytes(est) -> int:
     return int(est.total_params * per_param * 4)
 
 
-def describe(p: MeasurePlan) -> str:
+def describe(p: Plan) -> str:
     bits = ["trl" if p.fused_lm_head else "plain", p.method]
     if p.method == "qlora":
         bits.append("dq" if p.double_quant else "no-dq")
@@ -355,7 +356,7 @@ def describe(p: MeasurePlan) -> str:
         bits.append("qv" if p.target_modules == QV else "all")
         if p.lora_dropout:
             bits.append(f"drop{p.lora_dropout:g}")
-    if p.autocast_dtype() is None and p.dtype != "float32":
+    if autocast_dtype(p) is None and p.load_dtype != "fp32":
         bits.append("no-autocast")
     if p.objective == "dpo":
         bits.append("dpo-precomputed-ref" if p.precompute_ref else "dpo")
@@ -418,7 +419,7 @@ def main(argv=None) -> int:
                 cache[key] = m
                 if args.measure_cache:
                     Path(args.measure_cache).write_text(json.dumps(cache))
-            est = estimate(planner_plan(model_ref(arch, cfg, tmp), p))
+            est = estimate(replace(p, model=model_ref(arch, cfg, tmp)))
             err = est.tensor_peak_bytes / m["peak"] - 1
             naive = naive_bytes(est)
             naive_err = naive / m["peak"] - 1

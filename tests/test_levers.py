@@ -16,7 +16,7 @@ from core.estimate.bill import estimate
 from core.estimate.levers import LEVERS, lever_savings, modelled_note, readme_table, what_would_fit
 from core.estimate.plan import OFFLOAD_STASH, Plan, batch_shape, largest_batch_tokens
 from core.estimate.specs import load_spec, lora_targets, normalize_targets
-from core.measure.plan import MeasurePlan, planner_plan
+from core.measure.plan import step_plan
 from core.measure.step import measure_plan
 from tests.cli import train
 
@@ -182,11 +182,11 @@ def _folder(tmp_path, name):
 @pytest.mark.parametrize(
     "plan",
     [
-        MeasurePlan("lora", batch_size=2, seq_len=64, padding_free=True),
-        MeasurePlan("lora", batch_size=2, seq_len=64, padding_free=True, gradient_checkpointing=True),
-        MeasurePlan("lora", batch_size=2, seq_len=64, packing=True),
-        MeasurePlan("lora", batch_size=2, seq_len=64, packing=True, packing_strategy="wrapped"),
-        MeasurePlan("qlora", batch_size=2, seq_len=64, padding_free=True),
+        step_plan("lora", batch_size=2, seq_len=64, padding_free=True),
+        step_plan("lora", batch_size=2, seq_len=64, padding_free=True, gradient_checkpointing=True),
+        step_plan("lora", batch_size=2, seq_len=64, packing=True),
+        step_plan("lora", batch_size=2, seq_len=64, packing=True, packing_strategy="wrapped"),
+        step_plan("qlora", batch_size=2, seq_len=64, padding_free=True),
     ],
     ids=["padding-free", "padding-free-gc", "packing-bfd", "packing-wrapped", "qlora-padding-free"],
 )
@@ -195,7 +195,7 @@ def test_cpu_levers_agree_with_a_measured_step(tmp_path, plan):
         pytest.importorskip("bitsandbytes")
     config, folder = _folder(tmp_path, "m")
     measured = measure_plan(config, plan, cache_dir=tmp_path)
-    est = estimate(planner_plan(folder, plan))
+    est = estimate(replace(plan, model=folder))
     error = est.tensor_peak_bytes / measured.steady_peak_bytes - 1
     assert abs(error) <= GOAL, (error, est.phases, measured.steady_phase_peaks)
 
@@ -203,11 +203,11 @@ def test_cpu_levers_agree_with_a_measured_step(tmp_path, plan):
 def test_padding_free_moves_the_measurement_as_much_as_the_plan(tmp_path):
     """Switching a batch of two rows to padding-free on sdpa: the measured change of the peak (mask, GQA copies)
     is the planned one."""
-    base = MeasurePlan("lora", batch_size=2, seq_len=96)
+    base = step_plan("lora", batch_size=2, seq_len=96)
     flipped = replace(base, padding_free=True)
     config, folder = _folder(tmp_path, "m")
     m0, m1 = (measure_plan(config, p, cache_dir=tmp_path).steady_peak_bytes for p in (base, flipped))
-    e0, e1 = (estimate(planner_plan(folder, p)).tensor_peak_bytes for p in (base, flipped))
+    e0, e1 = (estimate(replace(p, model=folder)).tensor_peak_bytes for p in (base, flipped))
     assert m1 != m0
     assert abs((e1 - e0) - (m1 - m0)) <= GOAL * m0, (e1 - e0, m1 - m0)
 
