@@ -11,13 +11,13 @@ from dataclasses import dataclass, replace
 import torch
 
 from core.estimate.bill import estimate
-from core.estimate.from_config import plan_for_config
+from core.estimate.from_config import plan_for_draft
 from core.estimate.plan import Plan, PlanError, validate
 from core.estimate.specs import SpecError
 from core.measure.tracker import TrackerError
 from core.precision import torch_dtype
 from core.train import methods
-from core.train.config import ConfigError, validate_config
+from core.train.config import ConfigError
 
 MEASURABLE_ATTN = ("sdpa", "eager")  # flash attention needs a GPU and its own kernels
 
@@ -58,16 +58,12 @@ def checked(plan: Plan) -> Plan:
 
 
 def plan_of_config(cfg: dict, device: str = "cpu") -> Plan:
-    """The Plan of a run config on `device`, through the one run config -> plan mapping. The data and the
-    weights play no part in a step's memory: placeholder paths where the config has none."""
-    cfg = dict(cfg)
-    for section in ("model", "data"):
-        cfg[section] = {"path": "unused", **(cfg.get(section) or {})}
+    """The Plan of a run config on `device`, through the one run config -> plan mapping (the data and the weights
+    need not exist: they play no part in a step's memory)."""
     try:
-        cfg = validate_config(cfg)
+        return checked(plan_for_draft(cfg, device=device))
     except ConfigError as exc:
         raise TrackerError(str(exc)) from None
-    return checked(plan_for_config(cfg, device=device))
 
 
 def autocast_dtype(plan: Plan) -> torch.dtype | None:

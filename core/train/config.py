@@ -194,8 +194,9 @@ def _special_checks(path: str, value: Any) -> str | None:
     return None
 
 
-def field_errors(raw: Any) -> tuple[dict, dict[str, str]]:
+def field_errors(raw: Any, here: bool = True) -> tuple[dict, dict[str, str]]:
     """(the config with defaults filled in and values coerced, {key path: one sentence}) for every problem.
+    here=False: the run is planned for another machine, so what this one lacks (a package) is no problem.
 
     A form shows each message next to its field; validate_config raises the first one.
     """
@@ -248,15 +249,16 @@ def field_errors(raw: Any) -> tuple[dict, dict[str, str]]:
                 continue
             cfg[top][key] = copy.deepcopy(value)
     if not errors:
-        problem = _combination_problem(cfg)
+        problem = _combination_problem(cfg) or (_missing_here(cfg) if here else None)
         if problem:
             errors[problem[0]] = problem[1]
     return cfg, errors
 
 
-def validate_config(raw: Any) -> dict:
-    """Fill defaults and check every key; return the complete config or raise ConfigError naming the key path."""
-    cfg, errors = field_errors(raw)
+def validate_config(raw: Any, here: bool = True) -> dict:
+    """Fill defaults and check every key; return the complete config or raise ConfigError naming the key path.
+    here=False: valid for some machine, not necessarily this one (the Estimate page plans any card)."""
+    cfg, errors = field_errors(raw, here)
     if errors:
         raise ConfigError(next(iter(errors.values())))
     return cfg
@@ -331,7 +333,12 @@ def _combination_problem(cfg: dict) -> tuple[str, str] | None:
             "quantization.load_in_4bit needs lora.enabled: true (4-bit weights cannot be trained directly).",
         )
     # padding_free without packing: the engine truncates rows to max_length itself (TRL would refuse the pair).
-    if t.get("use_liger_kernel") and importlib.util.find_spec("liger_kernel") is None:
+    return None
+
+
+def _missing_here(cfg: dict) -> tuple[str, str] | None:
+    """What this machine lacks for the config (a setting valid elsewhere)."""
+    if cfg["training"].get("use_liger_kernel") and importlib.util.find_spec("liger_kernel") is None:
         return (
             "training.use_liger_kernel",
             "training.use_liger_kernel needs the liger-kernel package and a CUDA GPU (pip install liger-kernel); "

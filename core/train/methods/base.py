@@ -41,19 +41,32 @@ class Chart:
 
 
 @dataclass(frozen=True)
-class FormField:
-    """A setting of the method's own that the Train page shows as a field (written only for this method's runs:
-    the other methods' TRL configs do not know the key)."""
+class Field:
+    """One run-config setting as the pages show it: the one field table (ui/fields.py holds the common ones; a method
+    lists its own in `Method.fields`, shown and written only for its runs, since the other methods' TRL configs do
+    not know the key). The Train and Estimate pages draw, fill and read every field through it."""
 
-    state: str  # the page's widget key
-    section: str
-    key: str
+    name: str  # the widget's key on a page: the page's prefix + name (tr_beta on the Train page)
+    path: str  # the run config's key path: "training.beta" ("method": the top-level key)
     label: str
-    kind: str  # "float" | "choice" | "bool" | "path"
-    default: Any
+    kind: str  # "text" | "path" | "int" | "float" | "bool" | "choice" | "targets"
+    default: Any = None  # a method's own field: its value when the config has none
     choices: tuple = ()
     help: str = ""
     as_list: bool = False  # the library takes a list (DPOConfig.loss_type); the form edits its first item
+    step: float | None = None
+    fmt: str | None = None
+    flat_only: bool = (
+        False  # SFTTrainer's batch shapes (padding-free, packing): off without traits.flat_batches
+    )
+
+    @property
+    def section(self) -> str:
+        return self.path.partition(".")[0]
+
+    @property
+    def key(self) -> str:
+        return self.path.partition(".")[2]
 
 
 @dataclass(frozen=True)
@@ -72,7 +85,7 @@ class Method:
     charts: tuple[Chart, ...] = ()
     # the figure the Runs page and `runs list` summarise a run by (eval twin preferred), with its label
     headline: tuple[tuple[str, str], ...] = ()
-    fields: tuple[FormField, ...] = ()  # its own settings on the Train page
+    fields: tuple[Field, ...] = ()  # its own settings on the Train page
     data_noun: str = "rows"  # what its data is, for sentences: "preference pairs", "rated answers"
     row_noun: str = "rows"  # what one row is, counted: "512 pairs"
     choice: str = ""  # the method as the Train page offers it: "DPO (preference pairs)"
