@@ -144,6 +144,7 @@ RUN_VARIANTS = {
         "training": {"max_steps": 1, "optim": "paged_adamw_8bit", "per_device_train_batch_size": 2},
     },
     "dpo": {"method": "dpo", "training": {"max_steps": 1, "per_device_train_batch_size": 2}},
+    "kto": {"method": "kto", "training": {"max_steps": 1, "per_device_train_batch_size": 2}},
 }
 
 
@@ -155,13 +156,22 @@ def pairs(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def feedback(tmp_path_factory):
+    """KTO's unpaired rows: an answer each, rated good (true) or bad (false)."""
+    path = tmp_path_factory.mktemp("feedback") / "feedback.jsonl"
+    rows = [{"prompt": f"Say {i}", "completion": f" {i}!", "label": i % 2 == 0} for i in range(8)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
 def _cli(*args, timeout=300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
-def _run_config(tiny_llama, dataset, pairs, variant):
+def _run_config(tiny_llama, dataset, pairs, feedback, variant):
     extra = dict(RUN_VARIANTS[variant])
-    data = pairs if extra.get("method") == "dpo" else dataset
+    data = {"dpo": pairs, "kto": feedback}.get(variant, dataset)
     raw = {"model": {"path": str(tiny_llama)}, "data": {"path": str(data)}, "training": {"max_length": 64}}
     for section, values in extra.items():
         if isinstance(values, dict):
@@ -173,12 +183,12 @@ def _run_config(tiny_llama, dataset, pairs, variant):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", RUN_VARIANTS)
-def test_one_plan_per_run_wherever_it_is_asked(tiny_llama, dataset, pairs, variant, tmp_path):
+def test_one_plan_per_run_wherever_it_is_asked(tiny_llama, dataset, pairs, feedback, variant, tmp_path):
     """The trainer's plan.json (written for the device it really trains on), `core.train --dry-run`,
     `core.estimate --config` and the Train page's verdict: the same three totals for the same config."""
     from streamlit.testing.v1 import AppTest
 
-    cfg = _run_config(tiny_llama, dataset, pairs, variant)
+    cfg = _run_config(tiny_llama, dataset, pairs, feedback, variant)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     path = dump_config(cfg, run_dir / "config.yaml")
@@ -209,8 +219,10 @@ def test_one_plan_per_run_wherever_it_is_asked(tiny_llama, dataset, pairs, varia
 
 
 @pytest.mark.parametrize("variant", RUN_VARIANTS)
-def test_a_cuda_plan_is_the_same_from_dry_run_and_estimate(tiny_llama, dataset, pairs, variant, tmp_path):
-    cfg = _run_config(tiny_llama, dataset, pairs, variant)
+def test_a_cuda_plan_is_the_same_from_dry_run_and_estimate(
+    tiny_llama, dataset, pairs, feedback, variant, tmp_path
+):
+    cfg = _run_config(tiny_llama, dataset, pairs, feedback, variant)
     path = dump_config(cfg, tmp_path / "run.yaml")
     card = ("--device", "cuda", "--gpu-gb", "24")
     dry = json.loads(_cli("-m", "core.train", str(path), "--dry-run", *card).stdout)

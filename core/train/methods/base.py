@@ -41,6 +41,18 @@ class Chart:
 
 
 @dataclass(frozen=True)
+class PreferenceHealth:
+    """What the Monitor's preference rules (core.monitor.health) judge for a method that learns preferences from
+    TRL's rewards/* figures, in that method's own words."""
+
+    accuracy: str | None  # the preference accuracy it logs (a coin flip is 0.5); None: it logs none
+    good: str  # what its data calls the preferred answers ("chosen", "desirable")
+    bad: str
+    learning_rate: str  # the usual range, for the advice
+    loss_types: str  # which training.loss_type is the standard one
+
+
+@dataclass(frozen=True)
 class Field:
     """One run-config setting as the pages show it: the one field table (ui/fields.py holds the common ones; a method
     lists its own in `Method.fields`, shown and written only for its runs, since the other methods' TRL configs do
@@ -85,6 +97,7 @@ class Method:
     charts: tuple[Chart, ...] = ()
     # the figure the Runs page and `runs list` summarise a run by (eval twin preferred), with its label
     headline: tuple[tuple[str, str], ...] = ()
+    health: PreferenceHealth | None = None  # the Monitor's preference rules, in this method's words
     fields: tuple[Field, ...] = ()  # its own settings on the Train page
     data_noun: str = "rows"  # what its data is, for sentences: "preference pairs", "rated answers"
     row_noun: str = "rows"  # what one row is, counted: "512 pairs"

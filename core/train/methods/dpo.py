@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from core.train.data import DataError, load_rows
-from core.train.methods.base import Chart, Field, Method, PlanTraits, fill_to
+from core.train.methods.base import Chart, Field, Method, PlanTraits, PreferenceHealth, fill_to
 from core.train.prefdata import (
     detect_pref_format,
     load_pref_rows,
@@ -155,6 +155,13 @@ METHOD = DPO(
         ),
     ),
     headline=(("rewards/accuracies", "reward accuracy"), ("rewards/margins", "reward margin")),
+    health=PreferenceHealth(
+        accuracy="rewards/accuracies",
+        good="chosen",
+        bad="rejected",
+        learning_rate="LoRA DPO usually trains at 5e-6 to 5e-5; 1e-6 is for full fine-tunes",
+        loss_types="sigmoid is standard DPO",
+    ),
     measure_rows=({"prompt": "hello", "chosen": "HELLO!", "rejected": "HELLO"},),
     fields=(
         Field("beta", "training.beta", "DPO beta", "float", 0.1, help="training.beta"),

@@ -9,7 +9,7 @@ from core.train.feedback import (
     preview_feedback,
     run_feedback_preflight,
 )
-from core.train.methods.base import Chart, Field, Method, PlanTraits, fill_to
+from core.train.methods.base import Chart, Field, Method, PlanTraits, PreferenceHealth, fill_to
 from core.train.methods.dpo import REFERENCE_FIELDS
 
 
@@ -123,6 +123,13 @@ METHOD = KTO(
         ),
     ),
     headline=(("rewards/margins", "reward margin"),),
+    health=PreferenceHealth(
+        accuracy=None,  # KTOTrainer logs no preference accuracy: its rows are not pairs
+        good="desirable",
+        bad="undesirable",
+        learning_rate="LoRA KTO usually trains at 5e-6 to 5e-5; 5e-7 to 5e-6 is for full fine-tunes",
+        loss_types="kto is standard KTO",
+    ),
     fields=(
         Field("beta", "training.beta", "KTO beta", "float", 0.1, help="training.beta"),
         Field(
