@@ -169,7 +169,7 @@ def resolve_method(config_method: str | None, config_exists: bool, series: RunSe
     nothing tells."""
     if config_method:
         return config_method
-    if series.has_dpo_metrics:  # no config to tell: rewards/* are a preference method's own figures
+    if series.has_preference_metrics:  # no config to tell: rewards/* are a preference method's own figures
         return methods.from_metrics(series.metrics).name
     return "sft" if config_exists else None
 
