@@ -52,6 +52,7 @@ MiB = 2**20
 ARCHS = {
     "tinyllama": ("TinyLlama/TinyLlama-1.1B-Chat-v1.0", {}),
     "qwen0.5b": ("Qwen/Qwen2.5-0.5B", {}),
+    "qwen1.5b": ("Qwen/Qwen2.5-1.5B", {}),
     "llama2-7b/4": (
         "meta-llama/Llama-2-7b-hf",
         {"hidden_size": 1024, "intermediate_size": 2752, "num_attention_heads": 8, "num_key_value_heads": 8},
@@ -72,7 +73,7 @@ def matrix() -> list[tuple[str, Plan]]:
         return step_plan(*args, fused_lm_head=False, **kw)
 
     rows = []
-    for arch in ARCHS:
+    for arch in ("tinyllama", "qwen0.5b", "llama2-7b/4"):  # the axes of issue 6 (qwen1.5b: uneven rows only)
         rows += [
             (arch, P("lora", lora_r=16, target_modules=QV, batch_size=1, seq_len=512, optim="adamw_torch")),
             (
@@ -164,7 +165,7 @@ def matrix() -> list[tuple[str, Plan]]:
         ),
         ("tinyllama", P("lora", target_modules=QV, batch_size=1, seq_len=256, autocast=False)),
     ]
-    return rows + trl_matrix() + lever_matrix() + dpo_matrix()
+    return rows + trl_matrix() + lever_matrix() + dpo_matrix() + uneven_matrix()
 
 
 def trl_matrix() -> list[tuple[str, Plan]]:
@@ -316,6 +317,21 @@ def dpo_matrix() -> list[tuple[str, Plan]]:
     ]
 
 
+def uneven_matrix() -> list[tuple[str, Plan]]:
+    """Issue #25 item 3: a batch of two rows of 512 and 320 tokens (batch_tokens 832 of the bound 1024) on a large
+    tied vocabulary (Qwen2.5-1.5B's 151,936 x 1536), padding-free against the padded bound: the fused LM head's
+    tiles and the loss's buffers must follow the flat batch's real tokens."""
+    T = step_plan
+    lora = dict(
+        target_modules=AL, lora_r=32, lora_alpha=64, batch_size=2, seq_len=512, gradient_checkpointing=True
+    )
+    return [
+        ("qwen1.5b", T("lora", padding_free=True, batch_tokens=832, **lora)),
+        ("qwen1.5b", T("lora", **lora)),
+        ("qwen1.5b", T("qlora", padding_free=True, batch_tokens=832, optim="adamw_8bit", **lora)),
+    ]
+
+
 def full_config(arch: str):
     from core.estimate.specs import load_config
 
@@ -368,7 +384,7 @@ def describe(p: Plan) -> str:
         "gc" if p.gradient_checkpointing else "no-gc",
         p.attn,
         f"b{p.batch_size}",
-        f"s{p.seq_len}",
+        f"s{p.seq_len}" + (f" t{p.batch_tokens}" if p.batch_tokens else ""),
         p.optim,
     ]
     return " ".join(bits)

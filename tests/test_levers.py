@@ -187,8 +187,21 @@ def _folder(tmp_path, name):
         step_plan("lora", batch_size=2, seq_len=64, packing=True),
         step_plan("lora", batch_size=2, seq_len=64, packing=True, packing_strategy="wrapped"),
         step_plan("qlora", batch_size=2, seq_len=64, padding_free=True),
+        # uneven rows (issue #25 item 3): 64 + 40 tokens of the bound 128, one row of 104 through the model
+        step_plan("lora", batch_size=2, seq_len=64, padding_free=True, batch_tokens=104),
+        step_plan(
+            "lora", batch_size=2, seq_len=64, padding_free=True, batch_tokens=104, gradient_checkpointing=True
+        ),
     ],
-    ids=["padding-free", "padding-free-gc", "packing-bfd", "packing-wrapped", "qlora-padding-free"],
+    ids=[
+        "padding-free",
+        "padding-free-gc",
+        "packing-bfd",
+        "packing-wrapped",
+        "qlora-padding-free",
+        "uneven-rows",
+        "uneven-rows-gc",
+    ],
 )
 def test_cpu_levers_agree_with_a_measured_step(tmp_path, plan):
     if plan.method == "qlora":
@@ -396,3 +409,34 @@ def test_max_context_benchmark_meets_its_goal():
     headline = out.stdout.strip().splitlines()[-1]
     assert headline.startswith("max_context: ") and "(goal >= 80000, >= 4x)" in headline
     assert int(headline.split()[1]) >= 80_000
+
+
+@pytest.mark.slow
+def test_uneven_rows_on_a_large_tied_vocabulary_agree_with_a_measured_step(tmp_path):
+    """Issue #25 item 3: two rows of 64 and 40 tokens, padding-free, on a model whose tied LM head dominates the
+    step (vocab 8000 x hidden 128): the plan follows the 104 real tokens, not the padded bound of 128."""
+    config = tiny_config(
+        "llama",
+        num_hidden_layers=3,
+        vocab_size=8000,
+        intermediate_size=256,
+        hidden_size=128,
+        tie_word_embeddings=True,
+    )
+    folder = tmp_path / "tied"
+    folder.mkdir()
+    config.to_json_file(str(folder / "config.json"))
+    uneven = step_plan(
+        "lora", batch_size=2, seq_len=64, padding_free=True, batch_tokens=104, gradient_checkpointing=True
+    )
+    bound = replace(uneven, padding_free=False, batch_tokens=0)
+    measured = {
+        k: measure_plan(config, p, cache_dir=tmp_path).steady_peak_bytes
+        for k, p in (("u", uneven), ("b", bound))
+    }
+    planned = {
+        k: estimate(replace(p, model=str(folder))).tensor_peak_bytes for k, p in (("u", uneven), ("b", bound))
+    }
+    assert measured["u"] < measured["b"]  # the real tokens save memory ...
+    for k in measured:  # ... and the plan says how much
+        assert abs(planned[k] / measured[k] - 1) <= GOAL, (k, planned, measured)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from core.estimate.plan import Plan, flat_batch
+from core.estimate.plan import Plan, batch_shape, flat_batch
 from core.measure.build import ENGINE_TRAINERS, build_model, build_optimizer, with_layers
 from core.measure.plan import StepOptions, autocast_dtype, checked, estimate_for, plan_of_config
 from core.measure.tracker import StepMemory, TrackerError, main_phase, main_phase_peaks, track_live_tensors
@@ -29,29 +29,38 @@ from core.train import methods
 
 
 def make_batch(config, plan: Plan, seed: int = 0) -> dict:
-    """A full batch of random tokens with labels: rows of seq_len tokens with an all-ones attention mask, as a
-    padding collator gives for equal-length rows; or, padding-free (or BFD-packed), what TRL's collator makes
-    of them: one row of every token with position_ids (two documents per packed row)."""
+    """A full batch of random tokens with labels, of the shape the planner plans (core.estimate.plan.batch_shape):
+    rows padded to the longest with an all-ones attention mask, as a padding collator gives for equal-length rows;
+    or, padding-free (or BFD-packed), what TRL's collator makes of them: one row of every token with position_ids
+    (two documents per packed row). `plan.batch_tokens` below the bound gives uneven rows: full rows of seq_len
+    and one shorter row with the rest (512 + 320 for 832 tokens at batch 2 x 512)."""
     g = torch.Generator().manual_seed(seed)
     own = methods.get(plan.objective).measure_batch(
         g, config.vocab_size, plan.batch_size, plan.seq_len, plan.precompute_ref
     )
     if own is not None:
         return own
-    ids = torch.randint(0, config.vocab_size, (plan.batch_size, plan.seq_len), generator=g)
-
     if not flat_batch(plan):
+        ids = torch.randint(0, config.vocab_size, (plan.batch_size, batch_shape(plan)[1]), generator=g)
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
     rows = []
-    for row in ids.tolist():
+    for length in row_lengths(plan):
+        row = torch.randint(0, config.vocab_size, (length,), generator=g).tolist()
         example = {"input_ids": row, "labels": row}
         if plan.packing:
-            half = max(1, plan.seq_len // 2)
-            example["seq_lengths"] = [half, plan.seq_len - half] if plan.seq_len > half else [plan.seq_len]
+            half = max(1, length // 2)
+            example["seq_lengths"] = [half, length - half] if length > half else [length]
         rows.append(example)
     return DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)(rows)
+
+
+def row_lengths(plan: Plan) -> list[int]:
+    """The rows of a flat batch: full rows of seq_len, then what is left of batch_tokens (0: the bound)."""
+    tokens = plan.batch_tokens or plan.batch_size * plan.seq_len
+    full, rest = divmod(tokens, plan.seq_len)
+    return [plan.seq_len] * full + ([rest] if rest else [])
 
 
 def _trainer_forward(model, plan: Plan, device_type: str = "cpu"):

@@ -207,6 +207,7 @@ def field_errors(raw: Any, here: bool = True) -> tuple[dict, dict[str, str]]:
         return default_config(), {
             "config": "The run config must be a mapping with the keys " + ", ".join(TOP_LEVEL) + "."
         }
+    errors.update(renamed_twice(raw))
     raw = migrate(raw)
     cfg = default_config()
     method = raw.get("method", "sft")
@@ -267,6 +268,25 @@ def validate_config(raw: Any, here: bool = True) -> dict:
 def _short(value: Any, limit: int = 80) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def renamed_twice(raw: dict) -> dict[str, str]:
+    """{old key path: sentence} for each old spelling (RENAMED) set beside its new key: one of them would be
+    dropped silently, so the config says both and neither wins."""
+    out = {}
+    for (section, key), (new_section, new_key, _) in RENAMED.items():
+        old, new = raw.get(section), raw.get(new_section)
+        if not (isinstance(old, dict) and key in old and isinstance(new, dict) and new_key in new):
+            continue
+        if section not in OWN_SCHEMA and key in section_schema(section):
+            continue  # the library still knows the old key: it is a setting of its own
+        if (section, key) == (new_section, new_key):
+            continue
+        out[f"{section}.{key}"] = (
+            f"{section}.{key} and {new_section}.{new_key} are both set ({old[key]!r} and {new[new_key]!r}); "
+            f"{section}.{key} is the old name of {new_section}.{new_key}: keep one of them."
+        )
+    return out
 
 
 def migrate(raw: dict) -> dict:
