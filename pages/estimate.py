@@ -14,7 +14,7 @@ from core.estimate.from_config import plan_for_draft
 from core.estimate.levers import lever_savings, modelled_note, what_would_fit, with_every_lever
 from core.estimate.plan import FIT_LIMIT, TARGET_LOW, GiB, Plan, PlanError
 from core.estimate.specs import SpecError, load_spec, preset_ids
-from core.fmt import gib
+from core.fmt import gib, nbytes
 from core.monitor import gpu
 from core.train import methods
 from core.train.config import ConfigError, config_to_yaml, default_config
@@ -276,7 +276,7 @@ def show(plan: Plan) -> None:
     m[1].metric("Reserved peak", gib(est.reserved_peak_bytes), help="torch.cuda.max_memory_reserved")
     m[2].metric("Device total", gib(est.device_total_bytes), help="what nvidia-smi shows; decides OOM")
     m[3].metric("Peak phase", est.peak_phase)
-    m[4].metric("KV cache / token", f"{est.kv_cache_bytes_per_token / 1024:.0f} KiB")
+    m[4].metric("KV cache / token", nbytes(est.kv_cache_bytes_per_token))
     st.caption(f"{spec.model_id}: {est.total_params:,} parameters, {est.trainable_params:,} trainable.")
     if est.cpu_pinned_bytes:
         st.info(
