@@ -11,7 +11,14 @@ import streamlit as st
 from core.estimate.bill import OUTSIDE_TORCH, estimate, estimate_for_lengths
 from core.estimate.fit import fit_search, memory_curve
 from core.estimate.from_config import plan_for_draft
-from core.estimate.levers import lever_savings, modelled_note, what_would_fit, with_every_lever
+from core.estimate.levers import (
+    BOUND_LEVERS,
+    LEVERS,
+    lever_savings,
+    modelled_note,
+    what_would_fit,
+    with_every_lever,
+)
 from core.estimate.plan import FIT_LIMIT, TARGET_LOW, GiB, Plan, PlanError
 from core.estimate.specs import SpecError, load_spec, preset_ids
 from core.fmt import gib, nbytes
@@ -316,7 +323,7 @@ def show(plan: Plan) -> None:
     if est.reference:
         st.info(f"Reference model: {est.reference}.")
     fit_panel(plan, spec, est)
-    advice_panel(plan, spec)
+    advice_panel(plan, spec, est)
 
 
 def fit_panel(plan: Plan, spec, est) -> None:
@@ -334,8 +341,15 @@ def fit_panel(plan: Plan, spec, est) -> None:
     every = with_every_lever(plan)
     if every != plan:
         best = fit_search(every, spec)
+        left = [lever.label for lever in LEVERS if lever.field not in BOUND_LEVERS and lever.applies(plan)]
         st.markdown(
-            f"**With every memory lever on** (the table below): largest batch size "
+            "**With every memory lever on** that keeps what is trained"
+            + (
+                f" (all in the table below but {', '.join(left)}: they change the batch or the recipe)"
+                if left
+                else ""
+            )
+            + ": largest batch size "
             f"{_largest(best['max_batch_size'], 'batch size 1')} · largest sequence length "
             f"{_largest(best['max_seq_len'], 'the shortest sequence tried')}."
         )
@@ -355,11 +369,17 @@ def fit_panel(plan: Plan, spec, est) -> None:
     )
 
 
-def advice_panel(plan: Plan, spec) -> None:
-    """What would make it fit: each change with its saving and cost, and every lever's saving here."""
+def advice_panel(plan: Plan, spec, est) -> None:
+    """What would make it fit: each change with its saving and cost, and every lever's saving here. A plan that
+    fits needs no change: only the levers' table, for what each would save anyway."""
     st.subheader("What would make it fit")
-    advice = what_would_fit(plan, spec)
-    if not advice:
+    advice = [] if est.verdict == "fits" else what_would_fit(plan, spec)
+    if est.verdict == "fits":
+        st.write(
+            f"Nothing: it fits ({est.fraction:.0%} of the card, within the 90% limit). What each memory lever would "
+            "save anyway is in the table below."
+        )
+    elif not advice:
         st.write("Nothing on the list lowers this plan further.")
     for i, a in enumerate(advice, 1):
         combined = "**Combined:** " if a["combined"] else ""

@@ -145,13 +145,15 @@ def test_lever_savings_are_re_estimates_and_cover_every_lever():
 
 
 def test_what_would_fit_combines_levers_when_no_single_change_is_enough():
-    """8B, batch 8 x 4096 on 24 GiB (the issue's case): no single change fits, so the first suggestion is a
-    combination that does, each entry with its cost."""
+    """8B, batch 8 x 4096 on 24 GiB (the issue's case): no single change that keeps what is trained fits (a
+    shorter length does, but truncates the data), so the first suggestion is a combination that does, each entry
+    with its cost."""
     spec = load_spec(LLAMA8B)
     plan = Plan(model=LLAMA8B, batch_size=8, seq_len=4096, gpu_gb=24.0, gradient_checkpointing=False)
     advice = what_would_fit(plan, spec)
     singles = [a for a in advice if not a["combined"]]
-    assert singles and all(a["verdict"] != "fits" for a in singles)
+    assert singles and all(a["verdict"] != "fits" for a in singles if a["keeps_training"])
+    assert any(a["verdict"] == "fits" and not a["keeps_training"] for a in singles)  # the shortest length
     combo = advice[0]
     assert combo["combined"] and combo["verdict"] == "fits" and " + " in combo["change"]
     assert (
@@ -440,3 +442,18 @@ def test_uneven_rows_on_a_large_tied_vocabulary_agree_with_a_measured_step(tmp_p
     assert measured["u"] < measured["b"]  # the real tokens save memory ...
     for k in measured:  # ... and the plan says how much
         assert abs(planned[k] / measured[k] - 1) <= GOAL, (k, planned, measured)
+
+
+def test_a_smaller_batch_or_length_is_the_largest_that_fits_not_a_halving():
+    """Issue #21 item 21: the advice said batch 4 where 5 fits, 2,048 tokens where 2,752 fit."""
+    from core.estimate.fit import fit_search
+    from core.estimate.levers import what_would_fit
+
+    plan = Plan(model="meta-llama/Llama-3.1-8B", method="qlora", batch_size=8, seq_len=4096, gpu_gb=24.0)
+    fit = fit_search(plan)
+    assert 1 <= fit["max_batch_size"] < plan.batch_size and fit["max_seq_len"] < plan.seq_len  # over the card
+    advice = {tuple(a["settings"]): a for a in what_would_fit(plan)}
+    batch = advice[("batch_size", "batch_tokens")]["settings"]["batch_size"]
+    seq = advice[("seq_len", "batch_tokens")]["settings"]["seq_len"]
+    assert (batch, seq) == (fit["max_batch_size"], fit["max_seq_len"])
+    assert advice[("batch_size", "batch_tokens")]["verdict"] == "fits"

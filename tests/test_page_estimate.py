@@ -139,7 +139,7 @@ def test_levers_are_toggles_with_their_savings_costs_and_modelled_markers():
     at = _app()
     at.selectbox(key="es_model").set_value("meta-llama/Llama-3.1-8B")
     at.number_input(key="es_batch").set_value(8)
-    at.number_input(key="es_max_length").set_value(4096)
+    at.number_input(key="es_max_length").set_value(16384)
     at.selectbox(key="es_gpu").set_value("24 GiB")
     at.run()
     assert not at.exception
@@ -177,3 +177,16 @@ def test_the_data_lengths_from_the_train_page_give_the_real_batch_next_to_the_bo
     assert not at.exception
     text = next(i.value for i in at.info if "largest batch the sampler" in i.value)
     assert "740 tokens" in text and "bound: 8,192" in text  # 300 + 250 + 100 + 90 of 4 x 2048
+
+
+def test_a_plan_that_fits_is_told_it_needs_nothing():
+    """Issue #21 item 21: 'What would make it fit' listed changes for a plan at 31% of the card."""
+    at = _app()
+    at.selectbox(key="es_model").set_value("Qwen/Qwen2.5-0.5B")
+    at.selectbox(key="es_gpu").set_value("141 GiB")
+    at.run()
+    assert not at.exception and _verdict(at).startswith("**FITS**")
+    assert any(m.value.startswith("Nothing: it fits (") for m in at.markdown)
+    assert not [m.value for m in at.markdown if m.value[:3] in ("1. ", "2. ")]
+    every = next(m.value for m in at.markdown if m.value.startswith("**With every memory lever on**"))
+    assert "LoRA dropout 0" in every  # named as left out, though the table lists it

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from core.estimate.bill import estimate
+from core.estimate.fit import largest
 from core.estimate.plan import OPTIMIZERS, Plan, PlanError
 from core.estimate.specs import ModelSpec, SpecError, load_spec
 
@@ -246,8 +247,9 @@ def lever_savings(plan: Plan, spec: ModelSpec | None = None) -> list[dict]:
     return out
 
 
-def _candidates(plan: Plan) -> list[tuple[str, dict, str, bool]]:
-    """(label, plan change, cost, keeps what is trained) for every single change that could lower the bill."""
+def _candidates(plan: Plan, spec: ModelSpec) -> list[tuple[str, dict, str, bool]]:
+    """(label, plan change, cost, keeps what is trained) for every single change that could lower the bill. A
+    smaller batch or length is the largest that fits (not a halving that gives away what would fit)."""
     out = []
     for lever in LEVERS:
         if lever.applies(plan) and not lever.is_on(plan):
@@ -282,22 +284,27 @@ def _candidates(plan: Plan) -> list[tuple[str, dict, str, bool]]:
             )
         )
     if plan.batch_size > 1:
-        half = plan.batch_size // 2
-        factor = plan.batch_size / half
+        batch = largest(plan, spec, "batch_size", plan.batch_size - 1) or plan.batch_size // 2
+        steps = -(-plan.batch_size // batch)
+        effective = (
+            "same effective batch"
+            if batch * steps == plan.batch_size
+            else f"effective batch {batch * steps} for {plan.batch_size}"
+        )
         out.append(
             (
-                f"batch size {half} with gradient_accumulation_steps x{factor:g} (same effective batch)",
-                {"batch_size": half, "batch_tokens": 0},
+                f"batch size {batch} with gradient_accumulation_steps x{steps} ({effective})",
+                {"batch_size": batch, "batch_tokens": 0},
                 "more, smaller steps (slower on a GPU with room to spare)",
                 True,
             )
         )
     if plan.seq_len > 64:
-        half = max(64, plan.seq_len // 2)
+        seq = largest(plan, spec, "seq_len", plan.seq_len - 1, step=64) or max(64, plan.seq_len // 2)
         out.append(
             (
-                f"shorter sequences: {half} tokens",
-                {"seq_len": half, "batch_tokens": 0},
+                f"shorter sequences: {seq} tokens",
+                {"seq_len": seq, "batch_tokens": 0},
                 "longer rows truncated",
                 False,
             )
@@ -307,12 +314,12 @@ def _candidates(plan: Plan) -> list[tuple[str, dict, str, bool]]:
 
 def what_would_fit(plan: Plan, spec: ModelSpec | None = None) -> list[dict]:
     """Changes that lower the device total, each re-estimated with the bytes it saves and what it costs, largest
-    saving first. When no single change fits, the first entry combines them: the levers that keep what is trained
+    saving first. When no single change that keeps what is trained fits, the first entry combines them: the levers that keep what is trained
     (largest saving first), then smaller batches, then shorter sequences, until the plan fits."""
     spec = spec or load_spec(plan.model)
     base = estimate(plan, spec)
     out = []
-    for label, change, cost, keeps in _candidates(plan):
+    for label, change, cost, keeps in _candidates(plan, spec):
         try:
             new = estimate(replace(plan, **change), spec)
         except (PlanError, SpecError):
@@ -321,7 +328,9 @@ def what_would_fit(plan: Plan, spec: ModelSpec | None = None) -> list[dict]:
         if saved > 0:
             out.append(_advice(label, change, cost, saved, new, keeps))
     out.sort(key=lambda c: -c["saves_bytes"])
-    if base.verdict != "fits" and not any(c["verdict"] == "fits" for c in out):
+    # no single change that keeps what is trained fits: lead with a combination of them (a shorter length
+    # alone may fit, but it truncates the data)
+    if base.verdict != "fits" and not any(c["verdict"] == "fits" and c["keeps_training"] for c in out):
         combo = _combined(plan, spec, base)
         if combo:
             out.insert(0, combo)
@@ -369,7 +378,7 @@ def _combined(plan: Plan, spec: ModelSpec, base) -> dict | None:
 
     while est.verdict != "fits":
         scored = []
-        for label, change, cost, keeps in _candidates(current):
+        for label, change, cost, keeps in _candidates(current, spec):
             if not keeps or "batch_size" in change:
                 continue
             try:
