@@ -353,6 +353,12 @@ def check_run_dir(run_dir: Path, resume: bool) -> None:
     if resume or not run_dir.is_dir() or is_leftover(run_dir):
         return
     status = read_status(run_dir) or {}
+    owner = procs.other_owner(run_dir)
+    if owner:
+        raise RunRefused(
+            f"{run_dir} is being trained right now (pid {owner['pid']}): watch it (`python -m core.runs show`, the Monitor "
+            "page) or stop it first; give a new --run-dir for another run."
+        )
     if status.get("state") in (*END_STATES, "running") or any(
         (run_dir / name).exists() for name in TRAINED_MARKS
     ):
