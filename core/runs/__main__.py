@@ -17,8 +17,8 @@ from core.files import read_json_object, read_yaml_mapping
 from core.fmt import first_sentence, mem
 from core.runs import rundir
 from core.runs.admin import delete_run
-from core.train.config import field_errors
 from core.runs.launcher import RunError, RunInfo, create_run, launch, list_runs, run_state, stop_run
+from core.train.config import field_errors
 from core.workspace import WorkspaceError, check_run_name, default_workspace, runs_dir
 
 EXIT_BAD_INPUT = 2
