@@ -462,3 +462,28 @@ def test_the_memory_plan_also_gives_the_peak_of_the_datas_largest_batch(workspac
     text = next(c.value for c in at.caption if "largest batch holds" in c.value)
     tokens = int(text.split("largest batch holds ")[1].split(" tokens")[0].replace(",", ""))
     assert 0 < tokens < 4 * 64 and "not 256" in text
+
+
+@pytest.mark.slow  # builds the demo assets (a few pretraining steps)
+def test_the_preference_demo_buttons_fill_the_form_without_false_warnings(workspace):
+    """Issue #21 item 17: 'Use the demo's preference pairs' warned that data.format 'standard' is not a format
+    (checked against SFT's), and trained on the demo base while `core.demo --run-dpo` trains on the SFT-merged
+    model. Now: no warning, and the SFT-merged demo model when there is one."""
+    import shutil
+
+    from core.demo.build import build_demo
+
+    demo = build_demo(workspace / "demo", pretrain_steps=3, log=lambda _m: None)
+    at = _page(workspace)
+    for method, button in (("dpo", "tr_demo_dpo"), ("kto", "tr_demo_kto")):
+        at.radio(key="tr_method").set_value(method).run()
+        at.button(key=button).click().run()
+        assert not at.exception, at.exception
+        assert not [w.value for w in at.warning], [w.value for w in at.warning]
+        assert at.session_state["tr_method"] == method and at.text_input(key="tr_model_path").value.endswith(
+            "/base"
+        )
+    shutil.copytree(demo / "base", demo / "sft-merged")  # what core.demo --run-dpo leaves: the SFT run merged
+    at.button(key="tr_demo_kto").click().run()
+    assert at.text_input(key="tr_model_path").value == str((demo / "sft-merged").resolve())
+    assert any("on sft-merged" in c.value for c in at.caption)

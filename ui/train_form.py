@@ -8,7 +8,7 @@ from pathlib import Path
 import streamlit as st
 
 from core.demo.build import demo_config, demo_dir, demo_ready
-from core.demo.prefs import PREFERENCE_DEMOS
+from core.demo.prefs import PREFERENCE_DEMOS, preference_base
 from core.runs.admin import (
     check_fields,
     check_model_folder,
@@ -213,8 +213,9 @@ def _name_and_method(workspace: str):
         )
     ):
         folder = demo_dir(workspace).resolve()
-        st.session_state["tr_pending"] = demo(folder, folder / "base")
-        st.session_state["tr_pending_source"] = f"the demo's {method.label} settings"
+        model = preference_base(folder)  # what `core.demo --run-dpo/--run-kto` trains on, when it has run
+        st.session_state["tr_pending"] = demo(folder, model)
+        st.session_state["tr_pending_source"] = f"the demo's {method.label} settings, on {model.name}"
         st.rerun()
 
     return name, method
