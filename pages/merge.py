@@ -289,6 +289,22 @@ def show_gguf(d: dict) -> None:
         st.code(d["ollama_command"], language="bash")
 
 
+def free_path(path: Path) -> Path:
+    """`path`, or `<stem>-2<suffix>`, `-3`, ... the first that does not exist."""
+    n, out = 2, path
+    while out.exists():
+        out, n = path.with_name(f"{path.stem}-{n}{path.suffix}"), n + 1
+    return out
+
+
+def previous_path(path: Path) -> Path:
+    """The name free_path gave before `path` (`x-3.gguf` -> `x-2.gguf`, `x-2.gguf` -> `x.gguf`)."""
+    stem, _, n = path.stem.rpartition("-")
+    if not n.isdigit() or not stem:
+        return path
+    return path.with_name(f"{stem}{path.suffix}" if n == "2" else f"{stem}-{int(n) - 1}{path.suffix}")
+
+
 def gguf_tab(ws: Path) -> None:
     """Convert a merged export (any model folder in <workspace>/exports) to GGUF, as a background job."""
     from core.gguf import BadInput, estimate_size
@@ -303,16 +319,25 @@ def gguf_tab(ws: Path) -> None:
         "Type", GGUF_TYPES, key="gguf_type", help="q8_0: near-lossless; q4_k_m: Ollama's usual"
     )
     verify = c3.selectbox("Verification", ["auto", "quick", "full", "none"], key="gguf_verify")
-    out = src.with_name(f"{src.name}-{gtype}.gguf")
+    first = src.with_name(f"{src.name}-{gtype}.gguf")
+    out = free_path(first)  # a GGUF file is never overwritten: a later export takes the next free name
     try:
         size = estimate_size(src, gtype)
-        st.caption(f"Output: {out} · about {disk(size['bytes'])} ({size['tensors']} tensors)")
+        again = (
+            f" ({first.name} exists already and is kept: this export writes the next name)"
+            if out != first
+            else ""
+        )
+        st.caption(f"Output: {out} · about {disk(size['bytes'])} ({size['tensors']} tensors){again}")
     except BadInput as e:
         st.error(str(e))
         return
-    job = jobs.latest(ws, "gguf", key=str(out))
+    # the newest export of this model and type: the one running, or the last one that finished
+    job = jobs.latest(ws, "gguf", key=str(out)) or jobs.latest(ws, "gguf", key=str(previous_path(out)))
     running = job is not None and not job.done
-    if st.button("Convert to GGUF", key="gguf_go", type="primary", disabled=running or out.exists()):
+    if running:
+        st.caption("An export of this model and type is running: its progress is below.")
+    if st.button("Convert to GGUF", key="gguf_go", type="primary", disabled=running):
         try:
             jobs.start(
                 ws,

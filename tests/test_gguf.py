@@ -420,3 +420,37 @@ def test_bad_input_api_raises_before_writing(families, tmp_path):
     with pytest.raises(BadInput):
         estimate_size(families["demo"], "q9")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_two_exports_to_one_path_leave_the_winners_sidecars(families, tmp_path):
+    """Issue #21 item 10: the first export to finish keeps the file (right), but its .verify.json described the
+    loser's export and progress.json said failed. The sidecars belong to the export whose file is there."""
+    out = tmp_path / "race.gguf"
+    slow_env = dict(os.environ, LORA_COCKPIT_TEST_GGUF_PAUSE_AFTER_FIRST_TENSOR="8")
+    base = [sys.executable, "-m", "core.gguf", "--model", str(families["demo"]), "--out", str(out)]
+    slow = subprocess.Popen(
+        [*base, "--verify", "full"],
+        cwd=REPO,
+        env=slow_env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.time() + 120
+        while not ((read_progress(out) or {}).get("tensors_done", 0) >= 1):
+            assert time.time() < deadline, "the first export never reported its first tensor"
+            time.sleep(0.1)
+        fast = subprocess.Popen(
+            [*base, "--verify", "quick"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
+        assert fast.wait(timeout=300) == 0, fast.stderr.read()
+        _, err = slow.communicate(timeout=300)
+    finally:
+        if slow.poll() is None:
+            slow.kill()
+    assert slow.returncode != 0 and "appeared during the export" in err, err[-2000:]
+    report = json.loads(out.with_name(out.name + ".verify.json").read_text())
+    assert report["ok"] and report["mode"] == "quick"  # the winner's verification, not the loser's
+    progress = read_progress(out)
+    assert progress["phase"] == "done" and progress["pid"] == fast.pid, progress

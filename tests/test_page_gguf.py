@@ -17,12 +17,19 @@ def test_merge_then_gguf_in_one_click_and_the_gguf_tab(finished_run, workspace):
     job = _wait_for_merge_job(workspace)
     assert job.state == "finished", job.error
     gguf = workspace / "exports" / "demo-1-merged-q8_0.gguf"
-    assert gguf.is_file() and (gguf.parent / "Modelfile").is_file()
+    assert gguf.is_file() and gguf.with_suffix(".Modelfile").is_file()
     at.run()
     texts = " ".join(s.value for s in at.success)
     assert "verify (" in texts and "tokenizer round-trip" in texts
     assert any(c.value.startswith("ollama create") for c in at.code)
 
+    # the same type again (issue #21 item 18: Convert was greyed out without a reason): the file is kept, the
+    # export would take the next name, and the finished export's report stays shown
+    at.selectbox(key="gguf_type").set_value("q8_0").run()
+    assert not at.button(key="gguf_go").disabled
+    assert any(
+        "demo-1-merged-q8_0-2.gguf" in c.value and "exists already and is kept" in c.value for c in at.caption
+    )
     # the GGUF tab converts the same export to another type, as its own job
     at.selectbox(key="gguf_type").set_value("f16").run()
     assert any("about" in c.value and "tensors" in c.value for c in at.caption)  # the size estimate

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from core import procs
+from core.files import atomic_write_text
 from core.gguf.modelfile import write_modelfile
 from core.gguf.source import BadInput, open_source
 from core.gguf.tensors import K_TYPES, TYPES, plan_tensors
@@ -175,7 +176,7 @@ def export_gguf(
 
     # what killed exports to `out` left behind (only folders with our owner record, never a live one's)
     procs.clean_stale_temps(out.parent, f".{glob.escape(out.name)}.*.partial")
-    progress = ProgressFile(progress_path(out) if progress_file else None, on_progress)
+    progress = ProgressFile(progress_path(out) if progress_file else None, on_progress, target=out)
     tmp_dir = out.parent / f".{out.name}.{os.getpid()}.partial"
     tmp_file = tmp_dir / out.name
     total_bytes = sum(j.nbytes for j in jobs)
@@ -223,8 +224,10 @@ def export_gguf(
         progress.update(force=True, phase="verifying", size=size)
         report = verify(tmp_dir, out.name, src, tok, out_type, mode, vocab=vocab)
         report["size"] = size
-        report_path(out).write_text(json.dumps(report, indent=1, default=str))
+        text = json.dumps(report, indent=1, default=str)
         if not report["ok"]:
+            if not out.exists():  # no export's file there: the report says why there is none
+                atomic_write_text(report_path(out), text)
             raise ExportError(f"Verification failed: {report['reason']}.", report)
         try:
             os.link(tmp_file, out)  # fails if `out` appeared meanwhile: never overwrite
@@ -238,6 +241,8 @@ def export_gguf(
                     f"{out} appeared during the export; the new file was not put in its place."
                 ) from None
             os.rename(tmp_file, out)
+        progress.won = True  # the file is ours: from here its sidecars describe this export
+        atomic_write_text(report_path(out), text)
     except ExportError as e:
         progress.update(force=True, phase="failed", error=str(e))
         raise

@@ -20,6 +20,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from core.files import atomic_write_text
+
 # Probe conversations: user only, system + user, three turns, system + three turns, and longer text.
 _S, _U1, _A1, _U2 = "SYSTEM-TEXT-1", "USER-TEXT-1", "ASSISTANT-TEXT-1", "USER-TEXT-2"
 PROBES: list[list[dict]] = [
@@ -366,13 +368,11 @@ def write_modelfile(
     bos: str | None = None,
     add_bos: bool = False,
 ) -> tuple[Path, str, ChatTranslation]:
-    """Write `Modelfile` beside the GGUF (or `<stem>.Modelfile` when one exists); returns (path, command,
-    translation)."""
+    """Write `<stem>.Modelfile` beside `<stem>.gguf` (one rule for the first export and every later one: each GGUF
+    has its own); returns (path, command, translation)."""
     text, tr = render_modelfile(gguf_path.name, chat_template, context_length, eos, bos, add_bos)
-    path = gguf_path.with_name("Modelfile")
-    if path.exists():
-        path = gguf_path.with_name(gguf_path.stem + ".Modelfile")
-    path.write_text(text)
+    path = gguf_path.with_name(gguf_path.stem + ".Modelfile")
+    atomic_write_text(path, text)
     name = re.sub(r"[^a-z0-9._-]+", "-", gguf_path.stem.lower()).strip("-") or "model"
     command = f"ollama create {name} -f {path}"
     return path, command, tr

@@ -19,14 +19,21 @@ from core.gguf.vocab import VocabInfo, write_vocab
 
 
 class ProgressFile:
-    """`FILE.gguf.progress.json`: phase, tensors done/total, bytes done/total, pid; replaced atomically."""
+    """`FILE.gguf.progress.json`: phase, tensors done/total, bytes done/total, pid; replaced atomically. Once
+    another export's file is at `target` (two exports to one path: the first to finish wins), this one writes the
+    file no more: the sidecars belong to the export whose file is there (`won`)."""
 
     def __init__(
-        self, path: Path | None, callback: Callable[[dict], None] | None = None, every_s: float = 0.25
+        self,
+        path: Path | None,
+        callback: Callable[[dict], None] | None = None,
+        every_s: float = 0.25,
+        target: Path | None = None,
     ):
-        self.path, self.callback, self.every_s = path, callback, every_s
+        self.path, self.callback, self.every_s, self.target = path, callback, every_s, target
         self.state: dict = {"pid": os.getpid(), "started": time.time()}
         self._last = 0.0
+        self.won = False
 
     def update(self, force: bool = False, **fields) -> None:
         self.state.update(fields, updated=time.time())
@@ -35,6 +42,8 @@ class ProgressFile:
         now = time.monotonic()
         if self.path is None or (not force and now - self._last < self.every_s):
             return
+        if self.target is not None and not self.won and self.target.exists():
+            return  # another export's file is in place: its progress is not ours to overwrite
         self._last = now
         tmp = self.path.with_name(self.path.name + f".{os.getpid()}.tmp")
         try:
