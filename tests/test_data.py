@@ -138,3 +138,20 @@ def test_collator_pads_and_counts_tokens():
     assert (col.tokens_seen, col.samples_seen) == (4, 2)
     col([{"input_ids": [1, 2], "labels": [1, 2], "is_eval": 1}])  # eval batches are not training throughput
     assert col.tokens_seen == 4
+
+
+def test_a_data_file_that_is_not_utf8_names_its_file_and_line(tmp_path):
+    """Issue #21 item 13: a Latin-1 file loaded 'fine' and failed later with a bare UnicodeDecodeError."""
+    from core.train.data import DataError, check_utf8, load_rows
+
+    jsonl = tmp_path / "latin1.jsonl"
+    jsonl.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
+    csv = tmp_path / "pairs.csv"
+    csv.write_bytes(b"prompt,chosen,rejected\nhi,yo,no\nhi,caf\xe9,no\n")
+    for path, line in ((jsonl, 2), (csv, 3)):
+        with pytest.raises(DataError, match=rf"line {line} of {path} is not UTF-8 text \(byte 0xe9\)"):
+            load_rows({"path": str(path)})
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"text": "café ☕ naïve"}\n' * 50, encoding="utf-8")
+    check_utf8(good, block=7)  # multi-byte characters across every block boundary: still UTF-8
+    assert len(load_rows({"path": str(good)})) == 50

@@ -89,6 +89,9 @@ def load_rows(data_cfg: dict):
                 "files (all of one kind) or a save_to_disk folder."
             )
         kind = kinds.pop()
+        if kind in ("json", "csv"):  # pyarrow keeps invalid UTF-8 as it is and fails on the row much later
+            for path in paths:
+                check_utf8(path)
         try:
             with quiet_datasets():
                 ds = datasets.load_dataset(kind, data_files=[str(p) for p in paths], split="train")
@@ -105,6 +108,33 @@ def load_rows(data_cfg: dict):
                 ds = ds.remove_columns(expected)
             ds = ds.rename_column(user, expected)
     return ds
+
+
+def check_utf8(path: Path, block: int = 1 << 20) -> None:
+    """A text data file that is not UTF-8 (a Latin-1 or Windows-1252 export): DataError naming the first line
+    that is not, read block by block (memory stays at one block, whatever the file's size)."""
+    line, carry = 1, b""
+    try:
+        with open(path, "rb") as fh:
+            while True:
+                chunk = fh.read(block)
+                data = carry + chunk
+                cut = len(data) if not chunk else data.rfind(b"\n") + 1  # whole lines; the rest waits
+                body, carry = data[:cut], data[cut:]
+                try:
+                    body.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    at = line + body.count(b"\n", 0, exc.start)
+                    raise DataError(
+                        f"data.path: line {at} of {path} is not UTF-8 text (byte 0x{body[exc.start]:02x}): save the "
+                        "file as UTF-8 (an editor's 'save with encoding', or iconv -f latin1 -t utf-8), or fix that "
+                        "line."
+                    ) from None
+                line += body.count(b"\n")
+                if not chunk:
+                    return
+    except OSError as exc:
+        raise DataError(f"data.path: {path} cannot be read ({exc.strerror}).") from None
 
 
 def _check_json_lines(path: Path, max_lines: int = 2_000_000) -> None:
