@@ -42,6 +42,18 @@ def check_run_name(name: str) -> str:
     return name
 
 
+def existing_run_name(name: str, runs: str | os.PathLike) -> str:
+    """A name to look an existing run up by: the rule for new names, or any folder name that is already a run
+    under `runs` (`core.train --run-dir "runs/my run"` can make one with a space or accents). Never a path."""
+    try:
+        return check_run_name(name)
+    except WorkspaceError:
+        plain = name and "/" not in name and "\\" not in name and not name.startswith(".")
+        if plain and (Path(runs) / name).is_dir():
+            return name
+        raise
+
+
 def suggest_run_name(text: str) -> str:
     """Turn free text into a valid run name (for defaults, never for silently renaming user input)."""
     slug = re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-._")[:64]

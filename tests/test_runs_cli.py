@@ -93,3 +93,20 @@ def test_texts_for_a_live_run_point_at_the_command_line(tmp_path):
     finally:
         owner.kill()
         owner.wait()
+
+
+def test_a_run_folder_with_a_space_or_accents_is_shown_stopped_and_deleted_by_its_name(tmp_path):
+    """Issue #21 item 14: `core.train --run-dir "runs/my run"` makes such folders; list showed them, show, stop and
+    delete refused their names. A name is still never a path."""
+    ws = tmp_path / "ws"
+    for name in ("my run", "café-1"):
+        _ended_run(ws, name)
+        shown = runs(ws, "show", name)
+        assert shown.returncode == 0 and shown.stdout.startswith(f"{name}: sft run, stopped"), shown.stderr
+        stopped = runs(ws, "stop", name)
+        assert stopped.returncode == 0 and "stopped" in stopped.stdout, stopped.stderr
+        deleted = runs(ws, "delete", name)
+        assert deleted.returncode == 0 and not (ws / "runs" / name).exists(), deleted.stderr
+    for bad in ("../ws", "runs/x", ".hidden", "nope nope"):
+        out = runs(ws, "show", bad)
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr

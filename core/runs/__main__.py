@@ -19,7 +19,7 @@ from core.runs import rundir
 from core.runs.admin import delete_run
 from core.runs.launcher import RunError, RunInfo, create_run, launch, list_runs, run_state, stop_run
 from core.train.config import field_errors
-from core.workspace import WorkspaceError, check_run_name, default_workspace, runs_dir
+from core.workspace import WorkspaceError, default_workspace, existing_run_name, runs_dir
 
 EXIT_BAD_INPUT = 2
 
@@ -56,7 +56,7 @@ def _find(workspace: Path, name: str, leftovers: bool = False) -> Path:
     """The run folder NAME; leftovers: also a folder a start that failed before writing its config left behind
     (status, pid, lock), so that delete can remove it."""
     try:
-        name = check_run_name(name)
+        name = existing_run_name(name, runs_dir(workspace))
     except WorkspaceError as exc:
         raise RunError(str(exc)) from None
     path = runs_dir(workspace) / name
