@@ -197,7 +197,9 @@ def merge_form(ws: Path, base_dir: str, adapter_dir: str, run: str | None) -> No
                 st.success("Ready to merge.")
         except M.MergeError as e:
             st.error(str(e))
-    job = jobs.latest(ws, "merge", key=str(target))
+    # this target's job; else this adapter's newest merge (after it finished, or a server restart, the default
+    # target has moved on to the next free name)
+    job = jobs.latest(ws, "merge", key=str(target)) or jobs.latest(ws, "merge", adapter=adapter_dir)
     running = job is not None and not job.done
     if b2.button("Merge and export", type="primary", key="merge_go", disabled=running):
         params = {
@@ -220,10 +222,10 @@ def merge_form(ws: Path, base_dir: str, adapter_dir: str, run: str | None) -> No
             return
         st.rerun()
     if job is not None:
-        merge_job(job, ws, str(target), pre_slot)
+        merge_job(job, pre_slot)
 
 
-def merge_job(job, ws: Path, key: str, pre_slot) -> None:
+def merge_job(job, pre_slot) -> None:
     """The merge runs as its own process (core.jobs): a reload or another tab reattaches to it here."""
     if not job.done:
 
@@ -247,7 +249,7 @@ def merge_job(job, ws: Path, key: str, pre_slot) -> None:
                 f"Running as a background job ({view.path.name}); reloading this page reattaches to it."
             )
 
-        follow(lambda: jobs.latest(ws, "merge", key=key), draw)
+        follow(lambda: jobs.read(job.path), draw)
         return
     if job.state == "failed":
         st.error(job.error or "The merge failed.")
@@ -297,14 +299,6 @@ def free_path(path: Path) -> Path:
     return out
 
 
-def previous_path(path: Path) -> Path:
-    """The name free_path gave before `path` (`x-3.gguf` -> `x-2.gguf`, `x-2.gguf` -> `x.gguf`)."""
-    stem, _, n = path.stem.rpartition("-")
-    if not n.isdigit() or not stem:
-        return path
-    return path.with_name(f"{stem}{path.suffix}" if n == "2" else f"{stem}-{int(n) - 1}{path.suffix}")
-
-
 def gguf_tab(ws: Path) -> None:
     """Convert a merged export (any model folder in <workspace>/exports) to GGUF, as a background job."""
     from core.gguf import BadInput, estimate_size
@@ -333,7 +327,7 @@ def gguf_tab(ws: Path) -> None:
         st.error(str(e))
         return
     # the newest export of this model and type: the one running, or the last one that finished
-    job = jobs.latest(ws, "gguf", key=str(out)) or jobs.latest(ws, "gguf", key=str(previous_path(out)))
+    job = jobs.latest(ws, "gguf", model=str(src), type=gtype)
     running = job is not None and not job.done
     if running:
         st.caption("An export of this model and type is running: its progress is below.")

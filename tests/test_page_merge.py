@@ -65,6 +65,12 @@ def test_page_lists_run_tries_and_merges(finished_run, tiny_llama, workspace):
     assert any("PASSED" in s.value for s in at.success)
     assert any("model.safetensors" in str(df.value) for df in at.dataframe)
 
+    # A fresh session (a server restart): the default target has moved on to "-2", and the finished merge of
+    # this adapter is still what the page shows (issue #21 item 14)
+    fresh = _app(workspace).run()
+    assert fresh.text_input(key=f"merge_name_{finished_run / 'adapter'}").value == "demo-1-merged-2"
+    assert any("PASSED" in s.value for s in fresh.success)
+
     # Merging again into the same folder is refused (the default name now moves on to a free one).
     at.text_input(key=f"merge_name_{finished_run / 'adapter'}").set_value("demo-1-merged")
     at.button(key="merge_go").click().run()

@@ -102,15 +102,19 @@ def read(folder: str | os.PathLike) -> JobView:
     return view
 
 
-def latest(workspace: str | os.PathLike, kind: str, key: str | None = None) -> JobView | None:
-    """The newest job of `kind` (with `key`, when given): what a page reattaches to after a reload."""
+def latest(workspace: str | os.PathLike, kind: str, key: str | None = None, **params) -> JobView | None:
+    """The newest job of `kind` (with `key`, and these `params`, when given): what a page reattaches to after a
+    reload, or a restart of the server (the newest merge of an adapter, whatever its target was called)."""
     root = jobs_dir(workspace)
     if not root.is_dir():
         return None
     found = []
     for folder in root.glob(f"{kind}-*"):
         job = read_json_object(folder / JOB)
-        if job and (key is None or job.get("key") == key):
+        if not job or (key is not None and job.get("key") != key):
+            continue
+        given = job.get("params") if isinstance(job.get("params"), dict) else {}
+        if all(given.get(name) == value for name, value in params.items()):
             found.append((job.get("started") or 0.0, folder))
     return read(max(found)[1]) if found else None
 
