@@ -319,6 +319,10 @@ if info.state in ("stopped", "failed") and checkpoint is not None:
     ):
         try:
             launch(run_dir, resume=True)
+            # a fresh watcher: the stopped run's last snapshot (its state, its reason) must not show under the
+            # new one while the trainer starts
+            st.session_state.get("watchers", {}).pop(run_dir, None)
+            st.session_state["mon_flash"] = f"Run {info.name} resumes from {checkpoint.name}."
             st.rerun()
         except RunError as exc:
             st.error(str(exc))
@@ -331,8 +335,12 @@ elif c2.button(
 ):
     with st.spinner("Stopping: the trainer saves a checkpoint at the end of the current step…"):
         state = stop_run(run_dir)
-    st.success(f"Run {info.name} is {state}.")
-    live = False
+    # the whole page again, at once: the selector's label, Resume in place of Stop, the static panels
+    st.session_state["mon_flash"] = f"Run {info.name} is {state}."
+    st.rerun()
+flash = st.session_state.pop("mon_flash", None)
+if flash:
+    st.success(flash)
 if info.state in ("stopped", "failed") and info.reason:
     st.caption(f"Why it {info.state}: {first_sentence(info.reason)}")
 st.columns([1, 3])[0].number_input(

@@ -79,3 +79,12 @@ def test_launch_from_train_page_then_stop_from_monitor(workspace, tiny_llama, tm
     assert checkpoints, list(run_dir.rglob("*"))
     assert (checkpoints[-1] / "adapter_model.safetensors").is_file() or any(checkpoints[-1].iterdir())
     assert any(f"Run {run_dir.name} is stopped" in s.value for s in at.success)
+    # at once, without a reload (issue #21 item 15): Resume in place of Stop, the selector no longer says live
+    assert at.button(key="mon_resume") is not None and not at.button(key="mon_resume").disabled
+    selector = at.selectbox(key="mon_run")
+    assert selector.options[selector.index].endswith("· stopped"), selector.options
+    at.button(key="mon_resume").click().run()
+    assert not at.exception, at.exception
+    assert any(f"Run {run_dir.name} resumes from checkpoint-" in s.value for s in at.success)
+    assert at.metric[0].value in ("starting", "running"), at.metric[0].value  # not the stopped run's state
+    request.addfinalizer(lambda: stop_run(run_dir, grace_s=10))
