@@ -102,3 +102,41 @@ def test_preflight_and_demo_clis_say_one_sentence(tmp_path, tiny_llama):
         errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
         assert out.returncode == 2 and len(errors) == 1 and message in errors[0], out.stderr[-1500:]
         assert "Traceback" not in out.stderr
+
+
+def test_weights_that_contradict_config_json_are_one_sentence_before_loading(tiny_llama, tmp_path):
+    """Issue #21 item 13: --dry-run passed and training raised a size-mismatch traceback."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    from core.train.findings import check_model_folder
+    from tests.cli import REPO
+
+    assert check_model_folder(str(tiny_llama)) is None
+    for key, value, says in (
+        ("vocab_size", 500, "config.json says vocab_size 500"),
+        ("num_hidden_layers", 5, "config.json says num_hidden_layers 5"),
+    ):
+        model = tmp_path / key
+        shutil.copytree(tiny_llama, model)
+        cfg = json.loads((model / "config.json").read_text())
+        cfg[key] = value
+        (model / "config.json").write_text(json.dumps(cfg))
+        problem = check_model_folder(str(model))
+        assert problem and says in problem and "put the matching config.json back" in problem, problem
+        data = tmp_path / "d.jsonl"
+        data.write_text('{"text": "hello"}\n')
+        run = tmp_path / f"{key}.yaml"
+        run.write_text(f"model: {{path: {model}}}\ndata: {{path: {data}}}\n")
+        out = subprocess.run(
+            [sys.executable, "-m", "core.train", str(run), "--dry-run"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert out.returncode == 2 and says in out.stderr and "Traceback" not in out.stderr, out.stderr[
+            -2000:
+        ]

@@ -8,6 +8,7 @@ first record of the data being row 1) and the fix.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -82,10 +83,14 @@ def check_model_folder(path, need_weights: bool = True) -> str | None:
             return (
                 f"model.path: {folder} has no weights (*.safetensors or *.bin): the download is incomplete."
             )
+        shapes: dict[str, list] = {}
         for shard in weights:
-            problem = _safetensors_problem(shard) if shard.suffix == ".safetensors" else None
+            problem = _safetensors_problem(shard, shapes) if shard.suffix == ".safetensors" else None
             if problem:
                 return f"model.path: {shard} is {problem}: download or copy that file again."
+        problem = _contradiction(shapes, data)
+        if problem:
+            return f"model.path: {folder}: {problem}"
         index = folder / "model.safetensors.index.json"
         if index.is_file():
             try:
@@ -108,8 +113,33 @@ def _cached_hub_folder(repo_id: str):
     return Path(hit).parent if isinstance(hit, str) else None
 
 
-def _safetensors_problem(path: Path) -> str | None:
-    """'truncated' / 'not a safetensors file' from the header alone (8-byte length + JSON), else None."""
+EMBEDDINGS = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight")
+_LAYER = re.compile(r"\.(?:layers|h|blocks)\.(\d+)\.")
+
+
+def _contradiction(shapes: dict[str, list], config: dict) -> str | None:
+    """The weights against config.json, from the safetensors headers alone: the embedding's rows and width (vocab
+    x hidden) and the number of layers. Training would otherwise fail at load with a size-mismatch traceback, after
+    --dry-run passed."""
+    vocab, hidden = config.get("vocab_size"), config.get("hidden_size", config.get("n_embd"))
+    fix = "the weights belong to another model, or config.json was edited: put the matching config.json back."
+    sizes_known = isinstance(vocab, int) and isinstance(hidden, int)
+    for name, shape in shapes.items():
+        if sizes_known and name.endswith(EMBEDDINGS) and len(shape) == 2 and shape != [vocab, hidden]:
+            return (
+                f"the weights' {name} is {shape[0]:,} x {shape[1]:,}, config.json says vocab_size {vocab:,} x "
+                f"hidden_size {hidden:,}: {fix}"
+            )
+    layers = {int(m.group(1)) for name in shapes if (m := _LAYER.search(name))}
+    n = config.get("num_hidden_layers", config.get("n_layer"))
+    if layers and isinstance(n, int) and max(layers) + 1 != n:
+        return f"the weights hold {max(layers) + 1} layers, config.json says num_hidden_layers {n}: {fix}"
+    return None
+
+
+def _safetensors_problem(path: Path, shapes: dict | None = None) -> str | None:
+    """'truncated' / 'not a safetensors file' from the header alone (8-byte length + JSON), else None; the
+    tensors' shapes go into `shapes`."""
     import json
     import struct
 
@@ -137,6 +167,12 @@ def _safetensors_problem(path: Path) -> str | None:
     ]
     if ends and 8 + n + max(ends) > size:
         return f"truncated ({size:,} bytes, its header describes {8 + n + max(ends):,})"
+    if shapes is not None:
+        shapes.update(
+            (k, v["shape"])
+            for k, v in header.items()
+            if isinstance(v, dict) and isinstance(v.get("shape"), list)
+        )
     return None
 
 
