@@ -281,6 +281,7 @@ def _candidates(plan: Plan) -> list[tuple[str, dict, str, bool]]:
                 True,
             )
         )
+    out += _sharding(plan)
     if plan.batch_size > 1:
         half = plan.batch_size // 2
         factor = plan.batch_size / half
@@ -302,6 +303,48 @@ def _candidates(plan: Plan) -> list[tuple[str, dict, str, bool]]:
                 False,
             )
         )
+    return out
+
+
+SHARDING_COST = (
+    "every layer is all-gathered each step (DDP is faster when one card holds the model); the effective batch "
+    "grows with the GPUs (or lower gradient_accumulation_steps)"
+)
+
+
+def _sharding(plan: Plan) -> list[tuple[str, dict, str, bool]]:
+    """FSDP on the GPUs the plan has (when it asks for DDP), and more GPUs with FSDP: the fewest of 2x, 4x, 8x
+    that fits, else 8x (what one card cannot hold, FSDP spreads: shared/design/multi-gpu.md)."""
+    if plan.device != "cuda" or plan.strategy == "deepspeed_zero3":
+        return []
+    out = []
+    if plan.gpus > 1 and plan.strategy == "ddp":
+        out.append(
+            (
+                f"FSDP over the {plan.gpus} GPUs (distributed.strategy: fsdp)",
+                {"strategy": "fsdp"},
+                SHARDING_COST,
+                True,
+            )
+        )
+    counts = [plan.gpus * k for k in (2, 4, 8)]
+    chosen = counts[-1]
+    for n in counts:
+        try:
+            if estimate(replace(plan, gpus=n, strategy="fsdp")).verdict == "fits":
+                chosen = n
+                break
+        except (PlanError, SpecError):
+            return out
+    machine = "" if chosen <= 8 else " (several machines: distributed.num_machines)"
+    out.append(
+        (
+            f"{chosen} GPUs with FSDP (distributed.gpus: {chosen}, strategy: fsdp){machine}",
+            {"gpus": chosen, "strategy": "fsdp"},
+            f"needs {chosen} GPUs; " + SHARDING_COST,
+            True,
+        )
+    )
     return out
 
 
@@ -370,8 +413,8 @@ def _combined(plan: Plan, spec: ModelSpec, base) -> dict | None:
     while est.verdict != "fits":
         scored = []
         for label, change, cost, keeps in _candidates(current):
-            if not keeps or "batch_size" in change:
-                continue
+            if not keeps or "batch_size" in change or "gpus" in change or "strategy" in change:
+                continue  # more GPUs are offered on their own, never folded into a one-card recipe
             try:
                 scored.append((estimate(replace(current, **change), spec), label, change, cost))
             except (PlanError, SpecError):
