@@ -129,9 +129,10 @@ class Plan:
     def to_dict(self) -> dict:
         d = asdict(self)
         # a one-GPU plan's record stays what it was before multi-GPU planning (plan.json, --json, the snapshots)
-        for name, default in ONE_GPU.items():
-            if d[name] == default:
-                del d[name]
+        if self.gpus == 1:
+            for name, default in ONE_GPU.items():
+                if d[name] == default:
+                    del d[name]
         return d
 
     @property
