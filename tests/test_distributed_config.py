@@ -3,6 +3,7 @@ combinations refused with reason and fix, the GPU count of this machine (only th
 torch.cuda's device count), and the accelerate config the engine writes, parsed by accelerate itself."""
 
 import importlib.util
+import json
 
 import pytest
 import torch
@@ -16,8 +17,10 @@ from core.estimate.plan import PlanError
 from core.monitor import gpu
 from core.precision import Device, resolve
 from core.train import distributed
-from core.train.config import ConfigError, validate_config
+from core.train.cli import dry_run
+from core.train.config import ConfigError, dump_config, validate_config
 from core.train.engine_args import bnb_config
+from core.train.trainer import ConfigRefused, run_training
 
 
 def minimal(**sections):
@@ -240,3 +243,31 @@ def test_auto_resolves_by_the_plan_and_one_gpu_writes_nothing(tmp_path):
     assert (
         from_config.write_accelerate_config(validate_config(minimal()), tmp_path / "one", gpu_gb=24.0) is None
     )
+
+
+# ---- the engine: --dry-run writes the accelerate config; the trainer does not start N processes yet ------------
+
+
+def run_yaml(tmp_path, model_dir, **distributed_values):
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(f'{{"instruction": "Say {i}", "output": "{i}"}}\n' for i in range(8)))
+    cfg = minimal(model={"path": str(model_dir)}, training={"max_length": 64}, distributed=distributed_values)
+    cfg["data"]["path"] = str(data)
+    return dump_config(cfg, tmp_path / "run.yaml")
+
+
+def test_dry_run_with_a_run_dir_writes_the_accelerate_config(tiny_llama, tmp_path, capsys):
+    path = run_yaml(tmp_path, tiny_llama, gpus=2, strategy="fsdp")
+    assert dry_run(str(path), gpu_gb=24.0, run_dir=str(tmp_path / "run")) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["distributed"]["strategy"] == "fsdp"  # the plan per GPU
+    config = load_config_from_file(str(tmp_path / "run" / "accelerate.yaml"))
+    assert config.distributed_type == DistributedType.FSDP and config.num_processes == 2
+    assert "accelerate config:" in out.err
+
+
+def test_the_trainer_refuses_several_processes_until_the_launcher_starts_them(tiny_llama, tmp_path):
+    path = run_yaml(tmp_path, tiny_llama, gpus=2)
+    with pytest.raises(ConfigRefused, match="distributed.gpus asks for 2 processes"):
+        run_training(path, tmp_path / "run")
+    assert not (tmp_path / "run").exists()  # refused before anything was written
