@@ -46,7 +46,7 @@ from core.estimate.plan import (
     largest_batch_tokens,
     validate,
 )
-from core.estimate.shard_terms import DISTRIBUTED_COMPONENTS, Sharding, apply, shard
+from core.estimate.shard_terms import ACCURACY_NOTE, DISTRIBUTED_COMPONENTS, Sharding, apply, shard
 from core.estimate.specs import ModelSpec, load_spec, lora_targets, normalize_targets
 from core.estimate.static_terms import (
     optimizer_state_bytes,
@@ -130,7 +130,7 @@ def _estimate(plan: Plan, asked: Plan, spec: ModelSpec, targets, warnings: list[
         phase_components["eval"] = {**t.static, "kv_cache": t.kv_cache}
     if sharding:
         phase_components = apply(sharding, phase_components)
-    return _bill(asked, t, phase_components, list(warnings), sharding)
+    return _bill(asked, t, phase_components, list(warnings) + ([ACCURACY_NOTE] if sharding else []), sharding)
 
 
 def step_terms(plan: Plan, spec: ModelSpec, targets) -> StepTerms:
@@ -336,7 +336,9 @@ def _bill(
         allocator = context = 0
     else:
         share = FRAGMENTATION_EXPANDABLE if plan.expandable_segments else FRAGMENTATION
-        allocator = int(share * max(0, tensor_peak - sum(t.static.values())))
+        # the load moment's weights are allocated once and kept (nothing comes and goes): no fragmentation share
+        held = tensor_peak if peak_phase == "load" else sum(t.static.values())
+        allocator = int(share * max(0, tensor_peak - held))
         context = CUDA_CONTEXT_BYTES
     nccl = sharding.nccl if sharding else 0
     reserved = tensor_peak + allocator
