@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from core.estimate import cli
+from core.estimate import cli, from_config
 from core.estimate.bill import estimate
 from core.estimate.from_config import plan_for_config, plan_to_config
 from core.estimate.levers import what_would_fit
@@ -135,3 +135,27 @@ def test_cli_plans_per_gpu(capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["distributed"]["strategy"] == "fsdp" and data["plan"]["gpus"] == 2
     assert cli.main(args[:4] + ["--strategy", "zero9"]) == 2
+
+
+def test_cli_plans_a_multi_gpu_config_on_a_named_card_and_refuses_the_missing_gpus(
+    tmp_path, capsys, monkeypatch
+):
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "model: {path: meta-llama/Llama-2-70b-hf}\nquantization: {load_in_4bit: true}\ndata: {path: d.jsonl}\n"
+        "training: {max_length: 2048, per_device_train_batch_size: 1}\ndistributed: {gpus: 4}\n"
+    )
+    assert cli.main(["--config", str(path), "--gpu-gb", "24", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["distributed"] == {
+        **data["distributed"],
+        "gpus": 4,
+        "strategy": "fsdp",
+    }  # auto: 70B needs FSDP
+    assert data["verdict"] == "fits"
+    assert cli.main(["--config", str(path), "--gpu-gb", "24", "--gpus", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["verdict"] == "does not fit"  # the flag overrides the config
+    # this machine's card (no GPU driver here, or mocked to none): four GPUs are not there
+    monkeypatch.setattr(cli, "local_card", lambda: from_config.Card("cpu", 16.0, "this CPU", 0))
+    assert cli.main(["--config", str(path)]) == 2
+    assert "asks for 4 GPUs but this machine has 0 CUDA GPUs" in capsys.readouterr().err

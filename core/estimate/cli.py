@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from core.estimate.bill import OUTSIDE_TORCH, estimate, estimate_for_lengths
 from core.estimate.fit import fit_search
-from core.estimate.from_config import local_card, plan_for_config
+from core.estimate.from_config import gpu_problem, local_card, plan_for_config
 from core.estimate.levers import lever_savings, modelled_note, what_would_fit, with_every_lever
 from core.estimate.plan import Estimate, GiB, Plan, PlanError
 from core.estimate.specs import SpecError, preset_ids
@@ -168,6 +168,13 @@ def _parser() -> argparse.ArgumentParser:
         help=f"default {d.device}; with --config: the device this machine trains on, as the trainer plans (a GPU "
         "when --gpu-gb is given)",
     )
+    _multi_gpu_flags(p, d)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+def _multi_gpu_flags(p: argparse.ArgumentParser, d: Plan) -> None:
+    """--gpus, --strategy, --cpu-offload: None unless given, so that --config keeps its distributed section."""
     multi = p.add_argument_group("several GPUs (the run config's distributed section)")
     multi.add_argument(
         "--gpus",
@@ -187,8 +194,6 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="fsdp / deepspeed_zero3: parameters, gradients and optimizer states in CPU RAM",
     )
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    return p
 
 
 class _ArgError(Exception):
@@ -310,6 +315,9 @@ def _plan_from_config(cfg: dict, args) -> Plan:
         args.device = "cuda"  # a card's size names a GPU: plan that card
     if args.gpu_gb is None or args.device is None:
         card = local_card()
+        problem = gpu_problem(cfg, card)
+        if problem:
+            raise PlanError(problem)
         args.gpu_gb = card.gpu_gb if args.gpu_gb is None else args.gpu_gb
         args.device = args.device or card.device
     plan = plan_for_config(

@@ -147,7 +147,9 @@ def gpu_problem(cfg: dict, card: Card) -> str | None:
     if gpus == 1:
         return None  # one process: the card the plan is made for
     have = card.count if card.device == "cuda" else 0
-    where = f"this machine has {have} CUDA GPU{'s' if have != 1 else ''} ({card.label})"
+    where = f"this machine has {have} CUDA GPU{'s' if have != 1 else ''}" + (
+        f" ({card.label})" if have else ""
+    )
     if isinstance(gpus, list):
         missing = [i for i in gpus if i >= have]
         if missing:
