@@ -271,3 +271,5 @@ def test_the_trainer_refuses_several_processes_until_the_launcher_starts_them(ti
     with pytest.raises(ConfigRefused, match="distributed.gpus asks for 2 processes"):
         run_training(path, tmp_path / "run")
     assert not (tmp_path / "run").exists()  # refused before anything was written
+    with pytest.raises(ConfigRefused, match="CUDA_VISIBLE_DEVICES=1"):
+        run_training(run_yaml(tmp_path, tiny_llama, gpus=[1]), tmp_path / "run")

@@ -4,7 +4,9 @@ and add the gathered units, activations and logits are never divided, each proce
 and the run config reach it through the one mapping (core.estimate.from_config)."""
 
 import json
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -159,3 +161,20 @@ def test_cli_plans_a_multi_gpu_config_on_a_named_card_and_refuses_the_missing_gp
     monkeypatch.setattr(cli, "local_card", lambda: from_config.Card("cpu", 16.0, "this CPU", 0))
     assert cli.main(["--config", str(path)]) == 2
     assert "asks for 4 GPUs but this machine has 0 CUDA GPUs" in capsys.readouterr().err
+
+
+def test_published_benchmark_plans_every_point_and_says_why_it_misses(tmp_path, capsys):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import multi_gpu_published as bench
+
+    rc = bench.main(["--json", str(tmp_path / "rows.json")])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("multi_gpu_published: median ") and "(goal median <=10%, worst <=20%)" in last
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert len(rows) == len(bench.POINTS) >= 15
+    median = sorted(abs(r["error"]) for r in rows)[len(rows) // 2]
+    assert rc == (
+        0 if median <= bench.GOAL_MEDIAN and max(abs(r["error"]) for r in rows) <= bench.GOAL_WORST else 1
+    )
+    for r in rows:  # a point planned more than the median goal away from its published figure says why
+        assert abs(r["error"]) <= bench.GOAL_MEDIAN or r["why"], r["point"]

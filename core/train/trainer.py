@@ -220,7 +220,12 @@ def run_training(
 def checked_config(config_path) -> dict:
     """The validated config whose model folder exists and looks like a model, or ConfigError."""
     cfg = load_config(config_path)
-    world = distributed.world_size(cfg)
+    world, gpus = distributed.world_size(cfg), cfg["distributed"]["gpus"]
+    if world == 1 and isinstance(gpus, list) and gpus != [0]:
+        raise ConfigError(
+            f"distributed.gpus {gpus} picks a GPU, which the trainer does not apply yet (issue #22): set gpus: 1 "
+            f"and start it with CUDA_VISIBLE_DEVICES={gpus[0]}."
+        )
     if world > 1:
         # one process owns a run directory today; issue #22 item 3 adds the N-process launch
         raise ConfigError(
