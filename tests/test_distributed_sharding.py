@@ -68,3 +68,17 @@ def test_each_rank_holds_what_the_planner_plans_per_gpu(model_dir, tmp_path, mod
         # sharded: the two ranks together hold one copy; DDP: each holds one
         together = sum(rank[measured_key] for rank in ranks)
         assert together == one_gpu[term] * (2 if strategy == "ddp" else 1), (mode, term)
+
+
+@pytest.mark.slow
+def test_multi_gpu_truth_takes_its_code_path_on_two_cpu_processes(tmp_path):
+    """benchmarks/multi_gpu_truth.py (run on a machine with >= 2 GPUs) stays runnable: --dry-run wraps and trains
+    the same way on 2 gloo ranks and plans each strategy."""
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "multi_gpu_truth.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--dry-run", "--out", str(tmp_path)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1].startswith("multi_gpu_truth (dry run, cpu): 2 strategies ran")
+    rows = json.loads((tmp_path / "multi_gpu_truth.json").read_text())
+    assert [r["mode"] for r in rows] == ["fsdp", "ddp"] and all(len(r["ranks"]) == 2 for r in rows)
