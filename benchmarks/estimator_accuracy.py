@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 import warnings
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -42,7 +42,8 @@ warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
 
-from core.measure.plan import MeasurePlan, planner_plan  # noqa: E402
+from core.estimate.plan import Plan  # noqa: E402
+from core.measure.plan import autocast_dtype, step_plan  # noqa: E402
 from core.measure.step import measure_depths, num_layers_of  # noqa: E402
 
 GOAL_MEDIAN, GOAL_WORST = 0.03, 0.07
@@ -51,6 +52,7 @@ MiB = 2**20
 ARCHS = {
     "tinyllama": ("TinyLlama/TinyLlama-1.1B-Chat-v1.0", {}),
     "qwen0.5b": ("Qwen/Qwen2.5-0.5B", {}),
+    "qwen1.5b": ("Qwen/Qwen2.5-1.5B", {}),
     "llama2-7b/4": (
         "meta-llama/Llama-2-7b-hf",
         {"hidden_size": 1024, "intermediate_size": 2752, "num_attention_heads": 8, "num_key_value_heads": 8},
@@ -62,16 +64,16 @@ AL = "all-linear"
 PAGED = "paged_adamw_8bit"
 
 
-def matrix() -> list[tuple[str, MeasurePlan]]:
+def matrix() -> list[tuple[str, Plan]]:
     """The configurations: every axis of the issue appears on each side, spread over the architectures.
     Rows 0-28 run the plain-Trainer loss (full logits, `fused_lm_head=False`); the rows after them run what
     TRL's SFTTrainer does (fused LM head; QLoRA prepared without prepare_model_for_kbit_training)."""
 
     def P(*args, **kw):  # the plain path: cross-entropy over the full logits
-        return MeasurePlan(*args, fused_lm_head=False, **kw)
+        return step_plan(*args, fused_lm_head=False, **kw)
 
     rows = []
-    for arch in ARCHS:
+    for arch in ("tinyllama", "qwen0.5b", "llama2-7b/4"):  # the axes of issue 6 (qwen1.5b: uneven rows only)
         rows += [
             (arch, P("lora", lora_r=16, target_modules=QV, batch_size=1, seq_len=512, optim="adamw_torch")),
             (
@@ -159,18 +161,18 @@ def matrix() -> list[tuple[str, MeasurePlan]]:
     rows += [
         (
             "llama2-7b/4",
-            P("lora", target_modules=AL, lora_dropout=0.05, batch_size=1, seq_len=256, mixed_precision=None),
+            P("lora", target_modules=AL, lora_dropout=0.05, batch_size=1, seq_len=256, autocast=False),
         ),
-        ("tinyllama", P("lora", target_modules=QV, batch_size=1, seq_len=256, mixed_precision=None)),
+        ("tinyllama", P("lora", target_modules=QV, batch_size=1, seq_len=256, autocast=False)),
     ]
-    return rows + trl_matrix() + lever_matrix() + dpo_matrix()
+    return rows + trl_matrix() + lever_matrix() + dpo_matrix() + uneven_matrix()
 
 
-def trl_matrix() -> list[tuple[str, MeasurePlan]]:
+def trl_matrix() -> list[tuple[str, Plan]]:
     """SFTTrainer's path (trl 1.16): add_fused_lm_head + compute_loss from per-token log-probabilities, and for
     QLoRA enable_input_require_grads (with checkpointing) + bf16 adapters instead of prepare_kbit. Qwen's
     152k vocabulary is where the head's tiles dominate; on the CPU every position is scored."""
-    T = MeasurePlan  # its defaults are TRL's: fused_lm_head=True, prepare_kbit=False
+    T = step_plan  # its defaults are TRL's: fused_lm_head=True, prepare_kbit=False
     return [
         ("tinyllama", T("lora", target_modules=QV, batch_size=1, seq_len=512)),
         (
@@ -185,7 +187,7 @@ def trl_matrix() -> list[tuple[str, MeasurePlan]]:
             ),
         ),
         ("tinyllama", T("qlora", double_quant=False, target_modules=QV, batch_size=2, seq_len=256)),
-        ("tinyllama", T("lora", target_modules=QV, batch_size=1, seq_len=256, mixed_precision=None)),
+        ("tinyllama", T("lora", target_modules=QV, batch_size=1, seq_len=256, autocast=False)),
         (
             "qwen0.5b",
             T("lora", target_modules=AL, batch_size=2, seq_len=512, gradient_checkpointing=True, optim=PAGED),
@@ -223,11 +225,11 @@ def trl_matrix() -> list[tuple[str, MeasurePlan]]:
     ]
 
 
-def lever_matrix() -> list[tuple[str, MeasurePlan]]:
+def lever_matrix() -> list[tuple[str, Plan]]:
     """The levers that run on a CPU, through the engine (SFTTrainer): padding-free batches (one row of every
     token, position_ids; several rows -> transformers' block-diagonal mask on sdpa), BFD packing (two documents
     per row), with the fused head and TRL's QLoRA. Activation offloading and Liger need a CUDA GPU."""
-    T = MeasurePlan
+    T = step_plan
     return [
         ("tinyllama", T("lora", target_modules=QV, batch_size=2, seq_len=256, padding_free=True)),
         (
@@ -279,10 +281,10 @@ def lever_matrix() -> list[tuple[str, MeasurePlan]]:
     ]
 
 
-def dpo_matrix() -> list[tuple[str, MeasurePlan]]:
+def dpo_matrix() -> list[tuple[str, Plan]]:
     """DPOTrainer (trl 1.16) through the engine: [chosen; rejected] rows through the policy with grad, the
     reference forward (the base with the adapter off) inside the step, or precomputed reference log-probs."""
-    T = MeasurePlan
+    T = step_plan
     return [
         ("tinyllama", T("lora", target_modules=QV, batch_size=1, seq_len=256, objective="dpo")),
         (
@@ -312,6 +314,21 @@ def dpo_matrix() -> list[tuple[str, MeasurePlan]]:
             "tinyllama",
             T("lora", target_modules=AL, batch_size=2, seq_len=128, objective="dpo", precompute_ref=True),
         ),
+    ]
+
+
+def uneven_matrix() -> list[tuple[str, Plan]]:
+    """Issue #25 item 3: a batch of two rows of 512 and 320 tokens (batch_tokens 832 of the bound 1024) on a large
+    tied vocabulary (Qwen2.5-1.5B's 151,936 x 1536), padding-free against the padded bound: the fused LM head's
+    tiles and the loss's buffers must follow the flat batch's real tokens."""
+    T = step_plan
+    lora = dict(
+        target_modules=AL, lora_r=32, lora_alpha=64, batch_size=2, seq_len=512, gradient_checkpointing=True
+    )
+    return [
+        ("qwen1.5b", T("lora", padding_free=True, batch_tokens=832, **lora)),
+        ("qwen1.5b", T("lora", **lora)),
+        ("qwen1.5b", T("qlora", padding_free=True, batch_tokens=832, optim="adamw_8bit", **lora)),
     ]
 
 
@@ -346,7 +363,7 @@ def naive_bytes(est) -> int:
     return int(est.total_params * per_param * 4)
 
 
-def describe(p: MeasurePlan) -> str:
+def describe(p: Plan) -> str:
     bits = ["trl" if p.fused_lm_head else "plain", p.method]
     if p.method == "qlora":
         bits.append("dq" if p.double_quant else "no-dq")
@@ -355,7 +372,7 @@ def describe(p: MeasurePlan) -> str:
         bits.append("qv" if p.target_modules == QV else "all")
         if p.lora_dropout:
             bits.append(f"drop{p.lora_dropout:g}")
-    if p.autocast_dtype() is None and p.dtype != "float32":
+    if autocast_dtype(p) is None and p.load_dtype != "fp32":
         bits.append("no-autocast")
     if p.objective == "dpo":
         bits.append("dpo-precomputed-ref" if p.precompute_ref else "dpo")
@@ -367,7 +384,7 @@ def describe(p: MeasurePlan) -> str:
         "gc" if p.gradient_checkpointing else "no-gc",
         p.attn,
         f"b{p.batch_size}",
-        f"s{p.seq_len}",
+        f"s{p.seq_len}" + (f" t{p.batch_tokens}" if p.batch_tokens else ""),
         p.optim,
     ]
     return " ".join(bits)
@@ -418,7 +435,7 @@ def main(argv=None) -> int:
                 cache[key] = m
                 if args.measure_cache:
                     Path(args.measure_cache).write_text(json.dumps(cache))
-            est = estimate(planner_plan(model_ref(arch, cfg, tmp), p))
+            est = estimate(replace(p, model=model_ref(arch, cfg, tmp)))
             err = est.tensor_peak_bytes / m["peak"] - 1
             naive = naive_bytes(est)
             naive_err = naive / m["peak"] - 1

@@ -67,31 +67,43 @@ def device_info(cuda: bool) -> dict:
 
 
 def matrix(dry: bool):
-    """(name, transformers config, MeasurePlan) rows."""
+    """(name, transformers config, Plan) rows (the device set by measure_row)."""
     from estimator_accuracy import full_config
 
     from core.demo.toy import tiny_config
     from core.measure.build import with_layers
-    from core.measure.plan import MeasurePlan
+    from core.measure.plan import step_plan
 
     if dry:
         cfg = tiny_config("llama")
         s = dict(batch_size=2, seq_len=64)
         return [
-            ("tiny lora", cfg, MeasurePlan("lora", dtype="float32", mixed_precision=None, **s)),
+            (
+                "tiny lora",
+                cfg,
+                step_plan("lora", load_dtype="fp32", compute_dtype="fp32", autocast=False, **s),
+            ),
             (
                 "tiny qlora gc",
                 cfg,
-                MeasurePlan("qlora", dtype="float32", mixed_precision=None, gradient_checkpointing=True, **s),
+                step_plan(
+                    "qlora",
+                    load_dtype="fp32",
+                    compute_dtype="fp32",
+                    autocast=False,
+                    gradient_checkpointing=True,
+                    **s,
+                ),
             ),
             # the GPU rows' paths (offloading is left out on a CPU, as the planner plans it)
             (
                 "tiny lora gc offloading",
                 cfg,
-                MeasurePlan(
+                step_plan(
                     "lora",
-                    dtype="float32",
-                    mixed_precision=None,
+                    load_dtype="fp32",
+                    compute_dtype="fp32",
+                    autocast=False,
                     gradient_checkpointing=True,
                     activation_offloading=True,
                     **s,
@@ -100,38 +112,40 @@ def matrix(dry: bool):
             (
                 "tiny lora dpo",
                 cfg,
-                MeasurePlan("lora", dtype="float32", mixed_precision=None, objective="dpo", **s),
+                step_plan(
+                    "lora", load_dtype="fp32", compute_dtype="fp32", autocast=False, objective="dpo", **s
+                ),
             ),
         ]
     tl = with_layers(full_config("tinyllama"), 4)
     l2 = with_layers(full_config("llama2-7b/4"), 4)
     s = dict(batch_size=2, seq_len=1024)
     rows = [
-        ("tinyllama lora all", tl, MeasurePlan("lora", **s)),
-        ("tinyllama lora all gc", tl, MeasurePlan("lora", gradient_checkpointing=True, **s)),
-        ("tinyllama qlora gc paged8", tl, MeasurePlan("qlora", gradient_checkpointing=True, optim="paged_adamw_8bit", **s)),
-        ("tinyllama qlora plain-path gc", tl, MeasurePlan("qlora", prepare_kbit=True, fused_lm_head=False, gradient_checkpointing=True, **s)),
-        ("tinyllama lora plain-path", tl, MeasurePlan("lora", fused_lm_head=False, **s)),
-        ("llama2/4 full gc adamw8", l2, MeasurePlan("full", gradient_checkpointing=True, optim="adamw_8bit", **s)),
-        ("llama2/4 lora qv", l2, MeasurePlan("lora", target_modules="q_proj,v_proj", **s)),
-        ("llama2/4 qlora no-gc", l2, MeasurePlan("qlora", **s)),
+        ("tinyllama lora all", tl, step_plan("lora", **s)),
+        ("tinyllama lora all gc", tl, step_plan("lora", gradient_checkpointing=True, **s)),
+        ("tinyllama qlora gc paged8", tl, step_plan("qlora", gradient_checkpointing=True, optim="paged_adamw_8bit", **s)),
+        ("tinyllama qlora plain-path gc", tl, step_plan("qlora", prepare_kbit=True, fused_lm_head=False, gradient_checkpointing=True, **s)),
+        ("tinyllama lora plain-path", tl, step_plan("lora", fused_lm_head=False, **s)),
+        ("llama2/4 full gc adamw8", l2, step_plan("full", gradient_checkpointing=True, optim="adamw_8bit", **s)),
+        ("llama2/4 lora qv", l2, step_plan("lora", target_modules="q_proj,v_proj", **s)),
+        ("llama2/4 qlora no-gc", l2, step_plan("qlora", **s)),
         # the levers modelled from their code until measured here (issue 12), and DPO's step (issue 13)
-        ("tinyllama lora gc offloading", tl, MeasurePlan("lora", gradient_checkpointing=True, activation_offloading=True, **s)),
-        ("tinyllama lora padding-free gc", tl, MeasurePlan("lora", gradient_checkpointing=True, padding_free=True, **s)),
-        ("tinyllama lora dpo gc", tl, MeasurePlan("lora", gradient_checkpointing=True, objective="dpo", batch_size=1, seq_len=1024)),
+        ("tinyllama lora gc offloading", tl, step_plan("lora", gradient_checkpointing=True, activation_offloading=True, **s)),
+        ("tinyllama lora padding-free gc", tl, step_plan("lora", gradient_checkpointing=True, padding_free=True, **s)),
+        ("tinyllama lora dpo gc", tl, step_plan("lora", gradient_checkpointing=True, objective="dpo", batch_size=1, seq_len=1024)),
     ]  # fmt: skip
     import importlib.util
 
     if importlib.util.find_spec("liger_kernel") is not None:  # optional: pip install liger-kernel
         rows.append(
-            ("tinyllama lora gc liger", tl, MeasurePlan("lora", gradient_checkpointing=True, liger=True, **s))
+            ("tinyllama lora gc liger", tl, step_plan("lora", gradient_checkpointing=True, liger=True, **s))
         )
     return rows
 
 
 def measure_row(config, plan, cuda: bool, cache: Path) -> dict:
     """One steady step on the device: the tracker's tensor peak, torch's and NVML's figures, and the plan's."""
-    import copy
+    from dataclasses import replace
 
     import torch
 
@@ -140,8 +154,8 @@ def measure_row(config, plan, cuda: bool, cache: Path) -> dict:
     from core.measure.step import make_batch, run_step
 
     device = "cuda" if cuda else "cpu"
-    plan = copy.deepcopy(plan)
-    model, cfg = build_model(config, plan, cache, device)
+    plan = replace(plan, device=device)
+    model, cfg = build_model(config, plan, cache)
     optimizer = build_optimizer(model, plan)
     batch = {k: v.to(device) for k, v in make_batch(cfg, plan).items()}
     run_step(
@@ -154,7 +168,7 @@ def measure_row(config, plan, cuda: bool, cache: Path) -> dict:
     folder = cache / f"planner-{abs(hash(cfg.to_json_string()))}"
     folder.mkdir(exist_ok=True)
     cfg.to_json_file(str(folder / "config.json"))
-    est = estimate_for(str(folder), plan, device) or {}
+    est = estimate_for(str(folder), plan) or {}
     row = {
         "tensor_peak": measured.peak_bytes,
         "planned_tensor_peak": est.get("tensor_peak_bytes"),

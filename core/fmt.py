@@ -16,6 +16,14 @@ def mem(b: float) -> str:
     return gib(b) if b >= GiB / 10 else f"{b / MiB:.1f} MiB"
 
 
+def nbytes(n: float) -> str:
+    """Any byte count in binary units that read best: "512 B" (not "0 KiB"), "1.5 KiB", "37.8 MiB", "1.25 GiB"."""
+    for unit, div in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if n >= div:
+            return f"{n / div:.{2 if unit == 'GiB' else 1}f} {unit}"
+    return f"{int(n)} B"
+
+
 def disk(n: float) -> str:
     """A file's size: "1.25 GB", "3.4 MB"; small files are not "0.0 MB"."""
     if n >= 0.1 * GB:

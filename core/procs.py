@@ -156,8 +156,8 @@ def _try_flock(fd: int) -> bool:
         return False
 
 
-def _recorded_owner(folder: str | os.PathLike) -> dict | None:
-    """The recorded owner when it is another process that still runs."""
+def other_owner(folder: str | os.PathLike) -> dict | None:
+    """The recorded owner (pid info) when it is another process that still runs, else None."""
     info = read_pid_info(folder)
     return info if info and info["pid"] != os.getpid() and same_process(info) else None
 
@@ -173,7 +173,7 @@ def claim(folder: str | os.PathLike, wait_s: float = 1.0, label: str | None = No
     while True:
         owner = None
         if _try_flock(fd):
-            owner = _recorded_owner(folder)
+            owner = other_owner(folder)
             if owner is None:
                 return fd
         if time.monotonic() > deadline:
@@ -226,7 +226,7 @@ def alive(folder: str | os.PathLike) -> bool:
     still runs (someone deleted the lock file under it). This process's own record counts only with the lock."""
     reap()
     if not lock_held(folder):
-        return _recorded_owner(folder) is not None
+        return other_owner(folder) is not None
     info = read_pid_info(folder)
     if info and info["pid"] != os.getpid() and not same_process(info):
         # the recorded process is gone (or a zombie) while the lock is still held: the kernel is still tearing

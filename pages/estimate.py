@@ -2,27 +2,30 @@
 
 from __future__ import annotations
 
+import copy
 import importlib
+from dataclasses import replace
 
 import streamlit as st
 
 from core.estimate.bill import OUTSIDE_TORCH, estimate, estimate_for_lengths
 from core.estimate.fit import fit_search, memory_curve
-from core.estimate.levers import lever_savings, modelled_note, what_would_fit, with_every_lever
-from core.estimate.plan import (
-    ATTN,
-    FIT_LIMIT,
-    OPTIMIZERS,
-    PACKING_STRATEGIES,
-    TARGET_LOW,
-    GiB,
-    Plan,
-    PlanError,
+from core.estimate.from_config import plan_for_draft
+from core.estimate.levers import (
+    BOUND_LEVERS,
+    LEVERS,
+    lever_savings,
+    modelled_note,
+    what_would_fit,
+    with_every_lever,
 )
+from core.estimate.plan import FIT_LIMIT, TARGET_LOW, GiB, Plan, PlanError
 from core.estimate.specs import SpecError, load_spec, preset_ids
-from core.fmt import gib
+from core.fmt import gib, nbytes
 from core.monitor import gpu
 from core.train import methods
+from core.train.config import ConfigError, config_to_yaml, default_config
+from ui import fields
 from ui.routing import leave_legacy_mode
 
 
@@ -61,234 +64,146 @@ def _cards() -> list[tuple[str, float]]:
     ]
 
 
-def _model_and_method(d: Plan) -> dict:
-    """The model, how it is trained (full / LoRA / QLoRA; SFT / DPO / KTO) and the card."""
+P = "es_"  # this page's widget keys: es_ + the field's name (ui/fields.py)
+DEFAULT_MODEL = "meta-llama/Llama-2-7b-hf"
+# How the planner is asked beyond the run config: the card, and settings a run config does not carry (the KV cache
+# of evaluation, the allocator, the plain-Trainer paths for comparison).
+OPTIONS = {
+    "gpu": None,
+    "eval_kv_tokens": 0,
+    "expandable_segments": False,
+    "fused_lm_head": True,
+    "prepare_kbit": False,
+}
+
+
+def _saved() -> tuple[dict, dict]:
+    """The run config this page edits and its planner options, as the page was left (this page's own state)."""
+    cfg = st.session_state.get("estimate_config")
+    if not cfg:
+        cfg = default_config()
+        cfg["model"]["path"] = DEFAULT_MODEL
+    return copy.deepcopy(cfg), {**OPTIONS, **(st.session_state.get("estimate_options") or {})}
+
+
+def _fill_once(cfg: dict, options: dict) -> None:
+    """Fill the widgets from the saved config when they are not on screen yet (a first visit, or back from
+    another page: Streamlit forgets a page's widgets when it is left)."""
+    if P + "max_length" in st.session_state:
+        return
+    method = methods.get(cfg)
+    st.session_state[P + "method"] = method.name
+    fields.fill(P, cfg, ESTIMATE_FIELDS, method)
+    model = cfg["model"].get("path") or DEFAULT_MODEL
+    st.session_state[P + "model"] = model if model in preset_ids() else LOCAL
+    st.session_state[P + "model_path"] = "" if model in preset_ids() else model
+    for name, value in options.items():
+        if name != "gpu" or value in _card_labels():
+            st.session_state[P + name] = value
+
+
+ESTIMATE_FIELDS = tuple(n for n in fields.PLAN_FIELDS if n != "model_path") + ("packing_strategy",)
+
+
+def _card_labels() -> dict[str, float]:
+    """The detected cards first, then the common sizes: label -> GiB."""
+    return {**dict(_cards()), **{f"{g} GiB": float(g) for g in CARD_SIZES}}
+
+
+def _model_and_method() -> None:
+    """The model, how it is trained (SFT / DPO / KTO and the method's own settings) and the card."""
     presets = preset_ids()
-    options = presets + [LOCAL]
-    choice = st.selectbox(
-        "Model",
-        options,
-        index=options.index(d.model) if d.model in presets else len(presets),
-        key="model",
-    )
-    model = choice
-    if choice == LOCAL:
-        model = st.text_input(
-            "Model folder (holds config.json)",
-            value="" if d.model in presets else d.model,
-            key="model_path",
-        )
-    method = st.radio(
-        "Method",
-        ["lora", "qlora", "full"],
-        index=["lora", "qlora", "full"].index(d.method),
-        horizontal=True,
-        key="method",
-    )
-    objective = st.radio(
+    st.selectbox("Model", presets + [LOCAL], key=P + "model")
+    if st.session_state[P + "model"] == LOCAL:
+        st.text_input("Model folder (holds config.json)", key=P + "model_path")
+    st.radio(
         "Training method",
         methods.NAMES,
-        index=methods.NAMES.index(d.objective),
         format_func=lambda name: methods.get(name).label,
         horizontal=True,
-        key="objective",
+        key=P + "method",
         help="SFT; DPO (chosen + rejected rows and a reference model); KTO (rated answers and a reference)",
     )
-    reference = "auto"
-    precompute_ref = False
-    if methods.get(objective).traits.reference:
-        precompute_ref = st.checkbox(
-            "Precompute the reference's log-probs",
-            value=d.precompute_ref,
-            key="precompute_ref",
-            help="training.precompute_ref_log_probs: no reference forward inside a training step",
-        )
-        reference = st.radio(
-            "Reference model",
-            ["auto", "copy"],
-            key="reference",
-            horizontal=True,
-            help="auto: the base with the adapter disabled (LoRA); copy: a separate model",
-        )
-    cards = _cards()
-    labels = [c[0] for c in cards] + [f"{g} GiB" for g in CARD_SIZES]
-    sizes = [c[1] for c in cards] + [float(g) for g in CARD_SIZES]
-    card = st.selectbox("GPU", labels, index=0, key="gpu", help="Defaults to the detected card.")
-    gpu_gb = sizes[labels.index(card)]
-    return dict(
-        model=model,
-        method=method,
-        objective=objective,
-        reference=reference,
-        precompute_ref=precompute_ref,
-        gpu_gb=gpu_gb,
-    )
+    for f in methods.get(st.session_state[P + "method"]).fields:
+        fields.draw(P, f)
+    st.selectbox("GPU", list(_card_labels()), key=P + "gpu", help="Defaults to the detected card.")
 
 
-def _step_settings(d: Plan) -> dict:
+def _step_settings() -> None:
     """Batch, length, checkpointing, attention, optimizer and precision."""
-    batch_size = st.number_input("Batch size (per device)", value=d.batch_size, step=1, key="batch_size")
-    seq_len = st.number_input("Sequence length (tokens)", value=d.seq_len, step=128, key="seq_len")
-    gradient_checkpointing = st.checkbox(
-        "Gradient checkpointing", value=d.gradient_checkpointing, key="gradient_checkpointing"
-    )
-    attn = st.selectbox(
-        "Attention",
-        ATTN,
-        index=ATTN.index(d.attn),
-        key="attn",
-        help="flash: flash_attention_2/3 (GPU); needed for padding-free batches without a mask",
-    )
-    optims = list(OPTIMIZERS)
-    optim = st.selectbox(
-        "Optimizer (TrainingArguments optim)",
-        optims,
-        index=optims.index(d.optim) if d.optim in optims else 0,
-        key="optim",
-    )
-    load_dtype = st.selectbox(
-        "Load dtype",
-        ["bf16", "fp16", "fp32"],
-        index=["bf16", "fp16", "fp32"].index(d.load_dtype),
-        key="load_dtype",
-    )
-    compute_dtype = st.selectbox(
-        "Compute dtype",
-        ["bf16", "fp16", "fp32"],
-        index=["bf16", "fp16", "fp32"].index(d.compute_dtype),
-        key="compute_dtype",
-    )
-    return dict(
-        batch_size=batch_size,
-        seq_len=seq_len,
-        gradient_checkpointing=gradient_checkpointing,
-        attn=attn,
-        optim=optim,
-        load_dtype=load_dtype,
-        compute_dtype=compute_dtype,
-    )
+    for name in ("batch", "max_length", "ckpt", "attn", "optim", "dtype", "bf16", "fp16"):
+        fields.draw(P, fields.FIELDS[name])
 
 
-def _adapter_settings(d: Plan, method: str) -> dict:
+def _adapter_settings() -> None:
     """LoRA, 4-bit quantization, the KV cache of evaluation and the allocator."""
-    lora_r = st.number_input("LoRA rank r", value=d.lora_r, step=1, key="lora_r", disabled=method == "full")
-    lora_alpha = st.number_input(
-        "LoRA alpha", value=d.lora_alpha, step=1, key="lora_alpha", disabled=method == "full"
+    full = not st.session_state.get(P + "lora")
+    fields.row(P, ("lora", "4bit"))
+    for name in ("r", "alpha", "dropout", "targets"):
+        fields.draw(P, fields.FIELDS[name], disabled=full)
+    qlora = st.session_state.get(P + "4bit") and not full
+    for name in ("quant_type", "double_quant"):
+        fields.draw(P, fields.FIELDS[name], disabled=not qlora)
+    st.number_input("Eval/generation KV cache tokens", step=256, key=P + "eval_kv_tokens", min_value=0)
+    st.checkbox("expandable_segments allocator", key=P + "expandable_segments")
+
+
+def _lever_toggles(method) -> None:
+    """The memory levers (README 'Fitting more'), and the plain-Trainer paths to compare the engine with."""
+    fields.row(P, ("padding_free", "packing", "packing_strategy"), method=method)
+    fields.row(P, ("offload", "liger", None), method=method)
+    c1, c2, _ = st.columns(3)
+    c1.checkbox(
+        "Fused LM head (tiled loss)",
+        key=P + "fused_lm_head",
+        help="Always on in the engine (TRL's trainers); off = plain Trainer's full logits, for comparison.",
     )
-    lora_dropout = st.number_input(
-        "LoRA dropout",
-        value=float(d.lora_dropout),
-        step=0.05,
-        key="lora_dropout",
-        disabled=method == "full",
-    )
-    target_modules = st.text_input(
-        "Target modules",
-        value=d.target_modules,
-        key="target_modules",
-        help="all-linear, or names such as q_proj,v_proj",
-        disabled=method == "full",
-    )
-    quant_type = st.selectbox(
-        "4-bit type",
-        ["nf4", "fp4"],
-        index=["nf4", "fp4"].index(d.quant_type),
-        key="quant_type",
-        disabled=method != "qlora",
-    )
-    double_quant = st.checkbox(
-        "Double quantization", value=d.double_quant, key="double_quant", disabled=method != "qlora"
-    )
-    prepare_kbit = st.checkbox(
+    c2.checkbox(
         "QLoRA fp32 upcast (plain Trainer, for comparison)",
-        value=d.prepare_kbit,
-        key="prepare_kbit",
-        disabled=method != "qlora",
+        key=P + "prepare_kbit",
         help="peft.prepare_model_for_kbit_training casts embeddings, lm_head and norms to fp32. The engine "
-        "(TRL's SFTTrainer) never does: it keeps them 16-bit and casts the adapters to bf16.",
-    )
-    eval_kv_tokens = st.number_input(
-        "Eval/generation KV cache tokens", value=d.eval_kv_tokens, step=256, key="eval_kv_tokens"
-    )
-    expandable_segments = st.checkbox(
-        "expandable_segments allocator", value=d.expandable_segments, key="expandable_segments"
-    )
-    return dict(
-        lora_r=lora_r,
-        lora_alpha=lora_alpha,
-        lora_dropout=lora_dropout,
-        target_modules=target_modules,
-        quant_type=quant_type,
-        double_quant=double_quant,
-        prepare_kbit=prepare_kbit,
-        eval_kv_tokens=eval_kv_tokens,
-        expandable_segments=expandable_segments,
+        "(TRL's trainers) never does: it keeps them 16-bit and casts the adapters to bf16.",
     )
 
 
-def _lever_toggles(d: Plan) -> dict:
-    """The memory levers (README 'Fitting more')."""
-    l1, l2, l3 = st.columns(3)
-    with l1:
-        fused_lm_head = st.checkbox(
-            "Fused LM head (tiled loss)",
-            value=d.fused_lm_head,
-            key="fused_lm_head",
-            help="Always on in the engine (TRL's SFTTrainer); off = plain Trainer's full logits, for comparison.",
-        )
-        padding_free = st.checkbox(
-            "Padding-free batches",
-            value=d.padding_free,
-            key="padding_free",
-            help="training.padding_free: the batch's rows as one sequence; needs flash attention on the GPU.",
-        )
-    with l2:
-        packing = st.checkbox("Packing", value=d.packing, key="packing", help="training.packing")
-        packing_strategy = st.selectbox(
-            "Packing strategy",
-            PACKING_STRATEGIES,
-            index=PACKING_STRATEGIES.index(d.packing_strategy),
-            key="packing_strategy",
-            disabled=not packing,
-        )
-    with l3:
-        activation_offloading = st.checkbox(
-            "Activation offloading (CUDA)",
-            value=d.activation_offloading,
-            key="activation_offloading",
-            help="training.activation_offloading: saved activations to pinned CPU RAM. Modelled, not yet measured.",
-        )
-        liger = st.checkbox(
-            "Liger kernels (CUDA)",
-            value=d.liger,
-            key="liger",
-            help="training.use_liger_kernel (pip install liger-kernel). Modelled, not yet measured.",
-        )
-    return dict(
-        fused_lm_head=fused_lm_head,
-        padding_free=padding_free,
-        packing=packing,
-        packing_strategy=packing_strategy,
-        activation_offloading=activation_offloading,
-        liger=liger,
-    )
-
-
-def plan_form() -> Plan:
-    saved = st.session_state.get("plan") or {}
-    d = Plan(**{k: v for k, v in saved.items() if k in Plan.__dataclass_fields__}) if saved else Plan()
+def config_form() -> tuple[dict, dict]:
+    """The run config the form says (the one vocabulary: the Train page's fields) and the planner options."""
+    cfg, options = _saved()
+    _fill_once(cfg, options)
     c1, c2, c3 = st.columns(3)
     with c1:
-        values = _model_and_method(d)
+        _model_and_method()
     with c2:
-        values |= _step_settings(d)
+        _step_settings()
     with c3:
-        values |= _adapter_settings(d, values["method"])
+        _adapter_settings()
+    method = methods.get(st.session_state[P + "method"])
     st.markdown("**Memory levers** — what each saves and costs is listed under the bill.")
-    values |= _lever_toggles(d)
-    ints = ("lora_r", "lora_alpha", "batch_size", "seq_len", "eval_kv_tokens")
-    floats = ("lora_dropout", "gpu_gb")
-    return Plan(**{k: int(v) if k in ints else float(v) if k in floats else v for k, v in values.items()})
+    _lever_toggles(method)
+    cfg = fields.read(P, cfg, ESTIMATE_FIELDS, method)
+    model = st.session_state[P + "model"]
+    cfg["model"]["path"] = (st.session_state.get(P + "model_path") or "").strip() if model == LOCAL else model
+    options = {name: st.session_state.get(P + name) for name in OPTIONS}
+    st.session_state["estimate_config"], st.session_state["estimate_options"] = cfg, options
+    return cfg, options
+
+
+def plan_of(cfg: dict, options: dict) -> Plan:
+    """The Plan of the form's run config on the chosen card, through the one mapping (core.estimate.from_config),
+    with the planner's own options."""
+    if not cfg["model"]["path"]:
+        raise PlanError(
+            "Model folder is empty: enter a local folder that holds config.json, or pick a preset."
+        )
+    plan = plan_for_draft(
+        cfg, _card_labels()[options["gpu"]], "cuda", expandable_segments=bool(options["expandable_segments"])
+    )
+    return replace(
+        plan,
+        eval_kv_tokens=int(options["eval_kv_tokens"] or 0),
+        fused_lm_head=bool(options["fused_lm_head"]),
+        prepare_kbit=bool(options["prepare_kbit"]) and plan.method == "qlora",
+    )
 
 
 # Segment colours: no greens and no reds, so the green target band and the red card line drawn over the bars
@@ -368,7 +283,7 @@ def show(plan: Plan) -> None:
     m[1].metric("Reserved peak", gib(est.reserved_peak_bytes), help="torch.cuda.max_memory_reserved")
     m[2].metric("Device total", gib(est.device_total_bytes), help="what nvidia-smi shows; decides OOM")
     m[3].metric("Peak phase", est.peak_phase)
-    m[4].metric("KV cache / token", f"{est.kv_cache_bytes_per_token / 1024:.0f} KiB")
+    m[4].metric("KV cache / token", nbytes(est.kv_cache_bytes_per_token))
     st.caption(f"{spec.model_id}: {est.total_params:,} parameters, {est.trainable_params:,} trainable.")
     if est.cpu_pinned_bytes:
         st.info(
@@ -408,7 +323,7 @@ def show(plan: Plan) -> None:
     if est.reference:
         st.info(f"Reference model: {est.reference}.")
     fit_panel(plan, spec, est)
-    advice_panel(plan, spec)
+    advice_panel(plan, spec, est)
 
 
 def fit_panel(plan: Plan, spec, est) -> None:
@@ -426,8 +341,15 @@ def fit_panel(plan: Plan, spec, est) -> None:
     every = with_every_lever(plan)
     if every != plan:
         best = fit_search(every, spec)
+        left = [lever.label for lever in LEVERS if lever.field not in BOUND_LEVERS and lever.applies(plan)]
         st.markdown(
-            f"**With every memory lever on** (the table below): largest batch size "
+            "**With every memory lever on** that keeps what is trained"
+            + (
+                f" (all in the table below but {', '.join(left)}: they change the batch or the recipe)"
+                if left
+                else ""
+            )
+            + ": largest batch size "
             f"{_largest(best['max_batch_size'], 'batch size 1')} · largest sequence length "
             f"{_largest(best['max_seq_len'], 'the shortest sequence tried')}."
         )
@@ -447,11 +369,17 @@ def fit_panel(plan: Plan, spec, est) -> None:
     )
 
 
-def advice_panel(plan: Plan, spec) -> None:
-    """What would make it fit: each change with its saving and cost, and every lever's saving here."""
+def advice_panel(plan: Plan, spec, est) -> None:
+    """What would make it fit: each change with its saving and cost, and every lever's saving here. A plan that
+    fits needs no change: only the levers' table, for what each would save anyway."""
     st.subheader("What would make it fit")
-    advice = what_would_fit(plan, spec)
-    if not advice:
+    advice = [] if est.verdict == "fits" else what_would_fit(plan, spec)
+    if est.verdict == "fits":
+        st.write(
+            f"Nothing: it fits ({est.fraction:.0%} of the card, within the 90% limit). What each memory lever would "
+            "save anyway is in the table below."
+        )
+    elif not advice:
         st.write("Nothing on the list lowers this plan further.")
     for i, a in enumerate(advice, 1):
         combined = "**Combined:** " if a["combined"] else ""
@@ -483,18 +411,20 @@ def advice_panel(plan: Plan, spec) -> None:
 
 st.title("Estimate")
 st.caption("The whole GPU memory bill of one training step, term by term, before you launch anything.")
-plan = plan_form()
+cfg, options = config_form()
 try:
+    plan = plan_of(cfg, options)
     show(plan)
-    st.session_state["plan"] = plan.to_dict()  # this page's own state: it comes back as it was left
+    with st.expander("This plan as a run config (YAML)"):
+        st.code(config_to_yaml(cfg), language="yaml")
     if st.button(
         "Use this plan on the Train page",
         key="est_use_plan",
         icon=":material/arrow_forward:",
-        help="Copies the method, LoRA settings, precision, optimizer, batch size and length into the Train form "
-        "(the Train page lists what it took). Viewing a plan changes nothing there.",
+        help="Hands this run config's method, LoRA settings, precision, optimizer, batch size, length and levers to "
+        "the Train form (the Train page lists what it took). Viewing a plan changes nothing there.",
     ):
-        st.session_state["train_plan"] = plan.to_dict()
+        st.session_state[fields.HANDOVER] = cfg
         st.switch_page("pages/train.py")
-except (PlanError, SpecError) as exc:
+except (ConfigError, PlanError, SpecError) as exc:
     st.error(str(exc))

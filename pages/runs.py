@@ -12,9 +12,9 @@ import streamlit as st
 from core.fmt import duration
 from core.monitor.series import DEFAULT_SMOOTHING_STEPS
 from core.monitor.summary import COMPARABLE, comparable_metrics, compare_frame, summarize_runs
-from core.monitor.watch import CHANCE_ACCURACY
 from core.runs.admin import delete_run
 from core.runs.launcher import RunError
+from core.train import methods
 from core.workspace import default_workspace, runs_dir
 from ui.routing import leave_legacy_mode
 
@@ -116,8 +116,9 @@ def compare(summaries) -> None:
         )
         .properties(height=420)
     )
-    if metric == "rewards/accuracies":  # against a coin flip
-        chance = pd.DataFrame({"value": [CHANCE_ACCURACY]})
+    line = methods.chance_of(metric)  # e.g. a preference accuracy against a coin flip
+    if line is not None:
+        chance = pd.DataFrame({"value": [line]})
         chart = alt.layer(
             chart, alt.Chart(chance).mark_rule(strokeDash=[6, 4], color="#7f7f7f").encode(y="value:Q")
         )

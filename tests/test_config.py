@@ -254,3 +254,15 @@ def test_schema_is_read_from_the_installed_libraries():
 
     sft_fields = {f.name for f in dataclasses.fields(SFTConfig) if f.init}
     assert set(section_schema("training")) == sft_fields - set(OWNED["training"])
+
+
+def test_an_old_and_a_new_spelling_of_one_key_are_refused_not_dropped():
+    """Issue #21 item 19: max_length and max_seq_length together kept one silently."""
+    from core.train.config import ConfigError, validate_config
+
+    base = {"model": {"path": "m"}, "data": {"path": "d.jsonl"}}
+    with pytest.raises(
+        ConfigError, match=r"training.max_seq_length and training.max_length are both set \(256 and 128\)"
+    ):
+        validate_config({**base, "training": {"max_length": 128, "max_seq_length": 256}})
+    assert validate_config({**base, "training": {"max_seq_length": 256}})["training"]["max_length"] == 256

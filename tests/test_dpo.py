@@ -14,7 +14,7 @@ from core.demo.toy import tiny_config
 from core.estimate.bill import estimate
 from core.estimate.from_config import plan_for_config, plan_to_config
 from core.estimate.plan import Plan
-from core.measure.plan import MeasurePlan, planner_plan
+from core.measure.plan import step_plan
 from core.measure.step import measure_plan
 from core.runs import rundir
 from core.train.config import ConfigError, validate_config
@@ -111,10 +111,10 @@ def test_dpo_doubles_the_rows_and_adds_the_reference_forward():
 @pytest.mark.parametrize(
     "plan",
     [
-        MeasurePlan("lora", batch_size=2, seq_len=64, objective="dpo"),
-        MeasurePlan("lora", batch_size=2, seq_len=64, objective="dpo", gradient_checkpointing=True),
-        MeasurePlan("lora", batch_size=2, seq_len=64, objective="dpo", precompute_ref=True),
-        MeasurePlan("qlora", batch_size=1, seq_len=128, objective="dpo"),
+        step_plan("lora", batch_size=2, seq_len=64, objective="dpo"),
+        step_plan("lora", batch_size=2, seq_len=64, objective="dpo", gradient_checkpointing=True),
+        step_plan("lora", batch_size=2, seq_len=64, objective="dpo", precompute_ref=True),
+        step_plan("qlora", batch_size=1, seq_len=128, objective="dpo"),
     ],
     ids=["dpo", "dpo-gc", "dpo-precomputed", "dpo-qlora"],
 )
@@ -128,7 +128,7 @@ def test_planner_agrees_with_a_measured_dpo_step(tmp_path, plan):
     folder.mkdir()
     config.to_json_file(str(folder / "config.json"))
     measured = measure_plan(config, plan, cache_dir=tmp_path)
-    est = estimate(planner_plan(str(folder), plan))
+    est = estimate(replace(plan, model=str(folder)))
     error = est.tensor_peak_bytes / measured.steady_peak_bytes - 1
     assert abs(error) <= GOAL, (error, est.phases, measured.steady_phase_peaks)
 

@@ -12,7 +12,6 @@ import pytest
 
 from core.estimate.bill import estimate
 from core.estimate.from_config import plan_for_config
-from core.measure.plan import MeasurePlan
 from core.measure.step import measure_plan
 from core.train.config import validate_config
 
@@ -50,22 +49,8 @@ def test_bf16_weights_without_autocast_estimate_within_tolerance(wide_llama, dro
     assert (plan.load_dtype, plan.compute_dtype, plan.autocast, plan.device) == ("bf16", "bf16", False, "cpu")
     est = estimate(plan)
 
-    # as core.train runs this config on a CPU: bfloat16 weights, no Trainer bf16/fp16 flag (no autocast)
-    lora = cfg["lora"]
-    measure = MeasurePlan(
-        method="lora",
-        dtype="bfloat16",
-        mixed_precision=None,
-        lora_r=lora["r"],
-        lora_alpha=lora["lora_alpha"],
-        lora_dropout=lora["lora_dropout"],
-        target_modules=lora["target_modules"],
-        batch_size=cfg["training"]["per_device_train_batch_size"],
-        seq_len=cfg["training"]["max_length"],
-        attn="sdpa",
-        optim=cfg["training"]["optim"],
-    )
-    measured = measure_plan(AutoConfig.from_pretrained(str(wide_llama)), measure)
+    # the very plan, measured as core.train runs it on a CPU: bfloat16 weights, no autocast
+    measured = measure_plan(AutoConfig.from_pretrained(str(wide_llama)), plan)
 
     peak = measured.steady_peak_bytes
     error = est.tensor_peak_bytes / peak - 1

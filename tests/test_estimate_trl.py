@@ -25,7 +25,7 @@ from core.estimate.cli import main
 from core.estimate.plan import Plan
 from core.estimate.specs import load_spec
 from core.measure.build import build_model
-from core.measure.plan import MeasurePlan, planner_plan
+from core.measure.plan import step_plan
 from core.measure.step import make_batch, measure_plan
 
 GOAL = 0.03  # benchmarks/estimator_accuracy.py: median <= 3% (worst <= 7%)
@@ -147,7 +147,7 @@ def test_cli_flags_reach_the_plan(capsys):
 def test_build_model_prepares_qlora_as_sfttrainer(tmp_path):
     pytest.importorskip("bitsandbytes")
     config, _ = _folder(tmp_path)
-    plan = MeasurePlan("qlora", batch_size=1, seq_len=16, lora_r=4, gradient_checkpointing=True)
+    plan = step_plan("qlora", batch_size=1, seq_len=16, lora_r=4, gradient_checkpointing=True)
     model, cfg = build_model(config, plan, tmp_path)
     trainable = [p for p in model.parameters() if p.requires_grad]
     assert trainable and all(p.dtype == torch.bfloat16 for p in trainable)  # SFTTrainer's cast
@@ -164,7 +164,9 @@ def test_fused_loss_is_the_plain_loss(tmp_path):
     from core.measure.step import _loss
 
     config, _ = _folder(tmp_path)
-    plan = MeasurePlan("lora", dtype="float32", batch_size=2, seq_len=16, lora_r=4)
+    plan = step_plan(
+        "lora", load_dtype="fp32", compute_dtype="fp32", autocast=False, batch_size=2, seq_len=16, lora_r=4
+    )
     model, cfg = build_model(config, plan, tmp_path)
     batch = make_batch(cfg, plan)
     fused = _loss(model, batch, plan)
@@ -175,23 +177,23 @@ def test_fused_loss_is_the_plain_loss(tmp_path):
 # -- the planner against a measured step -------------------------------------------------------------------
 
 
-def _measured_and_planned(tmp_path, plan: MeasurePlan):
+def _measured_and_planned(tmp_path, plan):
     config, folder = _folder(tmp_path, f"m{abs(hash(repr(plan)))}")
     measured = measure_plan(config, plan, cache_dir=tmp_path)
-    est = estimate(planner_plan(folder, plan))
+    est = estimate(replace(plan, model=folder))
     return measured, est
 
 
 @pytest.mark.parametrize(
     "plan",
     [
-        MeasurePlan("lora", batch_size=2, seq_len=64, fused_lm_head=True),
-        MeasurePlan("lora", batch_size=2, seq_len=64, fused_lm_head=False),
-        MeasurePlan("lora", batch_size=1, seq_len=64, lora_dropout=0.05, gradient_checkpointing=True),
-        MeasurePlan("qlora", batch_size=2, seq_len=64, prepare_kbit=False),
-        MeasurePlan("qlora", batch_size=2, seq_len=64, prepare_kbit=True),
-        MeasurePlan("qlora", batch_size=2, seq_len=64, prepare_kbit=False, gradient_checkpointing=True),
-        MeasurePlan("qlora", batch_size=2, seq_len=64, prepare_kbit=True, fused_lm_head=False),
+        step_plan("lora", batch_size=2, seq_len=64, fused_lm_head=True),
+        step_plan("lora", batch_size=2, seq_len=64, fused_lm_head=False),
+        step_plan("lora", batch_size=1, seq_len=64, lora_dropout=0.05, gradient_checkpointing=True),
+        step_plan("qlora", batch_size=2, seq_len=64, prepare_kbit=False),
+        step_plan("qlora", batch_size=2, seq_len=64, prepare_kbit=True),
+        step_plan("qlora", batch_size=2, seq_len=64, prepare_kbit=False, gradient_checkpointing=True),
+        step_plan("qlora", batch_size=2, seq_len=64, prepare_kbit=True, fused_lm_head=False),
     ],
     ids=["fused", "plain", "fused-gc-dropout", "qlora-trl", "qlora-prep-fused", "qlora-trl-gc", "qlora-old"],
 )
@@ -210,7 +212,7 @@ def test_each_switch_moves_the_measurement_as_much_as_the_plan(tmp_path, switch)
     peak): the switch's term is what the libraries do, not a constant that happens to fit."""
     if switch == "prepare_kbit":
         pytest.importorskip("bitsandbytes")
-    base = MeasurePlan("qlora" if switch == "prepare_kbit" else "lora", batch_size=2, seq_len=64)
+    base = step_plan("qlora" if switch == "prepare_kbit" else "lora", batch_size=2, seq_len=64)
     flipped = replace(base, **{switch: not getattr(base, switch)})
     (m0, e0), (m1, e1) = (_measured_and_planned(tmp_path, p) for p in (base, flipped))
     measured = m1.steady_peak_bytes - m0.steady_peak_bytes

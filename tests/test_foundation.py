@@ -109,3 +109,35 @@ def test_toy_model_and_tokenizer_load_with_transformers(tiny_llama):
     assert "<|assistant|>" in tok.apply_chat_template(
         [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
     )
+
+
+def test_sizes_read_in_the_unit_that_fits():
+    """Issue #21 item 24: 512 bytes read "0 KiB"."""
+    from core.fmt import nbytes
+
+    assert [nbytes(n) for n in (0, 512, 1536, 3 * 2**20, 5 * 2**30)] == [
+        "0 B",
+        "512 B",
+        "1.5 KiB",
+        "3.0 MiB",
+        "5.00 GiB",
+    ]
+
+
+def test_core_jobs_help_is_help_not_a_folder():
+    """Issue #21 item 24: `python -m core.jobs --help` looked for ./--help/job.json."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "core.jobs", "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert (
+        out.returncode == 0
+        and out.stdout.startswith("usage: python -m core.jobs FOLDER")
+        and "job.json" in out.stdout
+    )
+    bad = subprocess.run(
+        [sys.executable, "-m", "core.jobs", "--nope"], capture_output=True, text=True, timeout=120
+    )
+    assert bad.returncode == 2 and "usage" in bad.stderr and "Traceback" not in bad.stderr

@@ -193,7 +193,7 @@ def test_measured_peak_against_plan_fake_gpu_samples(healthy_records):
 
 # --- DPO runs: synthetic metrics.jsonl in the trainer's format for DPOTrainer (tests/test_watch.write_dpo_run) ---
 
-DPO_CODES = {"dpo_chance_accuracy", "dpo_margin_flat", "dpo_chosen_collapse"}
+DPO_CODES = {"preference_chance_accuracy", "preference_margin_flat", "preference_chosen_collapse"}
 
 
 def dpo_warnings(run_dir):
@@ -226,7 +226,9 @@ def test_dpo_accuracy_stuck_at_chance_warns_once_enough_points_are_in(tmp_path):
     with open(run / "metrics.jsonl", "a") as fh:
         fh.write(json.dumps(recs[-1]) + "\n")
     warnings = watcher.refresh().warnings
-    assert codes(warnings) == {"dpo_chance_accuracy"}  # the flat margin says the same: one warning, not two
+    assert codes(warnings) == {
+        "preference_chance_accuracy"
+    }  # the flat margin says the same: one warning, not two
     w = warnings[0]
     train = [r["rewards/accuracies"] for r in recs if "rewards/accuracies" in r]
     mean = sum(train[10:30]) / 20
@@ -236,7 +238,7 @@ def test_dpo_accuracy_stuck_at_chance_warns_once_enough_points_are_in(tmp_path):
     # the whole run at chance, finished: not told to stop
     done = write_dpo_run(tmp_path / "done", "chance", steps=100, state="finished")
     (w,) = dpo_warnings(done)
-    assert w.code == "dpo_chance_accuracy" and w.fix.startswith("Relaunch") and "Stop" not in w.fix
+    assert w.code == "preference_chance_accuracy" and w.fix.startswith("Relaunch") and "Stop" not in w.fix
     assert "eval accuracy 0.5" in w.detail
     # 100 steps at chance, but max steps is 2000: still in the warm-up, no verdict
     assert dpo_warnings(write_dpo_run(tmp_path / "warming", "chance", steps=100, max_steps=2000)) == []
@@ -248,16 +250,18 @@ def test_dpo_margin_not_rising_warns(tmp_path):
     run = write_dpo_run(tmp_path / "flat", "flat", steps=100)
     warnings = dpo_warnings(run)
     # the accuracy is above chance (0.7): only the margin says it
-    assert codes(warnings) == {"dpo_margin_flat"}
+    assert codes(warnings) == {"preference_margin_flat"}
     w = warnings[0]
     assert "rewards/margins" in w.detail and "to step 100" in w.detail
     assert "training.beta" in w.fix and "training.learning_rate" in w.fix and w.fix.startswith("Stop the run")
     stopped = write_dpo_run(tmp_path / "stopped", "flat", steps=100, state="stopped")
     (w,) = dpo_warnings(stopped)
-    assert w.code == "dpo_margin_flat" and "Stop" not in w.fix
+    assert w.code == "preference_margin_flat" and "Stop" not in w.fix
     # 21 steps: the warm-up is 2.1 of them, so 19 points (steps 3-21) to judge, one short of a verdict
     assert dpo_warnings(write_dpo_run(tmp_path / "short", "flat", steps=21)) == []
-    assert codes(dpo_warnings(write_dpo_run(tmp_path / "enough", "flat", steps=22))) == {"dpo_margin_flat"}
+    assert codes(dpo_warnings(write_dpo_run(tmp_path / "enough", "flat", steps=22))) == {
+        "preference_margin_flat"
+    }
 
 
 def test_dpo_chosen_reward_collapsing_while_the_margin_rises_warns(tmp_path):
@@ -265,16 +269,18 @@ def test_dpo_chosen_reward_collapsing_while_the_margin_rises_warns(tmp_path):
 
     run = write_dpo_run(tmp_path / "collapse", "collapse", steps=100)
     warnings = dpo_warnings(run)
-    assert codes(warnings) == {"dpo_chosen_collapse"}
+    assert codes(warnings) == {"preference_chosen_collapse"}
     w = warnings[0]
     assert "rewards/chosen fell steadily" in w.detail and "logps/chosen went from" in w.detail
     assert "lower training.learning_rate" in w.fix and "higher training.beta" in w.fix
     assert w.fix.startswith("Stop the run")
     done = write_dpo_run(tmp_path / "done", "collapse", steps=100, state="finished")
     (w,) = dpo_warnings(done)
-    assert w.code == "dpo_chosen_collapse" and "Stop" not in w.fix and "checkpoint from before" in w.fix
+    assert (
+        w.code == "preference_chosen_collapse" and "Stop" not in w.fix and "checkpoint from before" in w.fix
+    )
     # a healthy run's chosen reward dips too, but by a small share of the margin's rise: no warning
-    assert "dpo_chosen_collapse" not in codes(dpo_warnings(write_dpo_run(tmp_path / "ok", "healthy")))
+    assert "preference_chosen_collapse" not in codes(dpo_warnings(write_dpo_run(tmp_path / "ok", "healthy")))
     # too few points after the warm-up
     assert dpo_warnings(write_dpo_run(tmp_path / "early", "collapse", steps=100, max_steps=1000)) == []
 
@@ -298,4 +304,29 @@ def test_sft_loss_flat_rule_leaves_dpo_runs_to_their_own_rules():
 
     series = RunSeries.from_records(dpo_records("chance", 100))
     warnings = HealthChecker(FAST).check(series, status={"state": "running", "max_steps": 100})
-    assert codes(warnings) == {"dpo_chance_accuracy"}  # not loss_flat with SFT's learning-rate advice
+    assert codes(warnings) == {"preference_chance_accuracy"}  # not loss_flat with SFT's learning-rate advice
+
+
+def test_a_kto_run_is_judged_by_its_own_rules_in_its_own_words(tmp_path):
+    """Issue #20: the preference rules come from the run's method (core.train.methods: `health`). A KTO run logs
+    no preference accuracy (its rows are not pairs) and calls its preferred answers desirable."""
+    from test_watch import write_dpo_run
+
+    run = write_dpo_run(tmp_path / "flat", "flat", steps=100, method="kto")
+    kto_lines = []
+    for line in (run / "metrics.jsonl").read_text().splitlines():  # what KTOTrainer logs: no accuracies, a KL
+        rec = json.loads(line)
+        rec.pop("rewards/accuracies", None)
+        rec.pop("eval_rewards/accuracies", None)
+        kto_lines.append(json.dumps({**rec, "kl": 0.01}))
+    (run / "metrics.jsonl").write_text("\n".join(kto_lines) + "\n")
+    (w,) = dpo_warnings(run)
+    assert w.code == "preference_margin_flat" and w.title == "KTO reward margin is not rising"
+    assert "the desirable answers are not gaining on the undesirable ones" in w.detail
+    assert "DPO" not in w.title + w.detail + w.fix and "LoRA KTO usually trains at" in w.fix
+    # the same figures of a DPO run: DPO's words
+    (d,) = dpo_warnings(write_dpo_run(tmp_path / "dpo", "flat", steps=100))
+    assert d.title == "DPO reward margin is not rising" and "chosen answers are not gaining" in d.detail
+    # no config: the figures tell (a KL and no accuracy is KTO's)
+    (run / "config.yaml").unlink()
+    assert [w.title for w in dpo_warnings(run)] == ["KTO reward margin is not rising"]

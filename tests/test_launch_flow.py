@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from core.estimate.plan import Plan
 from core.runs.launcher import stop_run
+from core.train.config import default_config
+from ui.fields import HANDOVER
 
 APP = str(Path(__file__).resolve().parent.parent / "dashboard.py")
 
@@ -40,13 +41,13 @@ def test_launch_from_train_page_then_stop_from_monitor(workspace, tiny_llama, tm
         },
     }
     # As a user would: a plan made on the Estimate page for this model, "Use this plan", the Train page prefilled.
-    plan = Plan(
-        model=str(tiny_llama), batch_size=2, seq_len=48, load_dtype="fp32", compute_dtype="fp32"
-    ).to_dict()
+    handed = default_config()
+    handed["model"].update(path=str(tiny_llama), dtype="float32")
+    handed["training"].update(per_device_train_batch_size=2, max_length=48)
     at = AppTest.from_file(APP, default_timeout=180)
     at.session_state["workspace"] = str(workspace)
     at.session_state["train_config"] = config
-    at.session_state["train_plan"] = plan  # what the Estimate page's "Use this plan" button hands over
+    at.session_state[HANDOVER] = handed  # what the Estimate page's "Use this plan" button hands over
     at.run()
     at.switch_page("pages/train.py").run()
     assert not at.exception, at.exception

@@ -16,7 +16,7 @@ from core.estimate.bill import estimate
 from core.estimate.levers import LEVERS, lever_savings, modelled_note, readme_table, what_would_fit
 from core.estimate.plan import OFFLOAD_STASH, Plan, batch_shape, largest_batch_tokens
 from core.estimate.specs import load_spec, lora_targets, normalize_targets
-from core.measure.plan import MeasurePlan, planner_plan
+from core.measure.plan import step_plan
 from core.measure.step import measure_plan
 from tests.cli import train
 
@@ -145,13 +145,15 @@ def test_lever_savings_are_re_estimates_and_cover_every_lever():
 
 
 def test_what_would_fit_combines_levers_when_no_single_change_is_enough():
-    """8B, batch 8 x 4096 on 24 GiB (the issue's case): no single change fits, so the first suggestion is a
-    combination that does, each entry with its cost."""
+    """8B, batch 8 x 4096 on 24 GiB (the issue's case): no single change that keeps what is trained fits (a
+    shorter length does, but truncates the data), so the first suggestion is a combination that does, each entry
+    with its cost."""
     spec = load_spec(LLAMA8B)
     plan = Plan(model=LLAMA8B, batch_size=8, seq_len=4096, gpu_gb=24.0, gradient_checkpointing=False)
     advice = what_would_fit(plan, spec)
     singles = [a for a in advice if not a["combined"]]
-    assert singles and all(a["verdict"] != "fits" for a in singles)
+    assert singles and all(a["verdict"] != "fits" for a in singles if a["keeps_training"])
+    assert any(a["verdict"] == "fits" and not a["keeps_training"] for a in singles)  # the shortest length
     combo = advice[0]
     assert combo["combined"] and combo["verdict"] == "fits" and " + " in combo["change"]
     assert (
@@ -182,20 +184,33 @@ def _folder(tmp_path, name):
 @pytest.mark.parametrize(
     "plan",
     [
-        MeasurePlan("lora", batch_size=2, seq_len=64, padding_free=True),
-        MeasurePlan("lora", batch_size=2, seq_len=64, padding_free=True, gradient_checkpointing=True),
-        MeasurePlan("lora", batch_size=2, seq_len=64, packing=True),
-        MeasurePlan("lora", batch_size=2, seq_len=64, packing=True, packing_strategy="wrapped"),
-        MeasurePlan("qlora", batch_size=2, seq_len=64, padding_free=True),
+        step_plan("lora", batch_size=2, seq_len=64, padding_free=True),
+        step_plan("lora", batch_size=2, seq_len=64, padding_free=True, gradient_checkpointing=True),
+        step_plan("lora", batch_size=2, seq_len=64, packing=True),
+        step_plan("lora", batch_size=2, seq_len=64, packing=True, packing_strategy="wrapped"),
+        step_plan("qlora", batch_size=2, seq_len=64, padding_free=True),
+        # uneven rows (issue #25 item 3): 64 + 40 tokens of the bound 128, one row of 104 through the model
+        step_plan("lora", batch_size=2, seq_len=64, padding_free=True, batch_tokens=104),
+        step_plan(
+            "lora", batch_size=2, seq_len=64, padding_free=True, batch_tokens=104, gradient_checkpointing=True
+        ),
     ],
-    ids=["padding-free", "padding-free-gc", "packing-bfd", "packing-wrapped", "qlora-padding-free"],
+    ids=[
+        "padding-free",
+        "padding-free-gc",
+        "packing-bfd",
+        "packing-wrapped",
+        "qlora-padding-free",
+        "uneven-rows",
+        "uneven-rows-gc",
+    ],
 )
 def test_cpu_levers_agree_with_a_measured_step(tmp_path, plan):
     if plan.method == "qlora":
         pytest.importorskip("bitsandbytes")
     config, folder = _folder(tmp_path, "m")
     measured = measure_plan(config, plan, cache_dir=tmp_path)
-    est = estimate(planner_plan(folder, plan))
+    est = estimate(replace(plan, model=folder))
     error = est.tensor_peak_bytes / measured.steady_peak_bytes - 1
     assert abs(error) <= GOAL, (error, est.phases, measured.steady_phase_peaks)
 
@@ -203,11 +218,11 @@ def test_cpu_levers_agree_with_a_measured_step(tmp_path, plan):
 def test_padding_free_moves_the_measurement_as_much_as_the_plan(tmp_path):
     """Switching a batch of two rows to padding-free on sdpa: the measured change of the peak (mask, GQA copies)
     is the planned one."""
-    base = MeasurePlan("lora", batch_size=2, seq_len=96)
+    base = step_plan("lora", batch_size=2, seq_len=96)
     flipped = replace(base, padding_free=True)
     config, folder = _folder(tmp_path, "m")
     m0, m1 = (measure_plan(config, p, cache_dir=tmp_path).steady_peak_bytes for p in (base, flipped))
-    e0, e1 = (estimate(planner_plan(folder, p)).tensor_peak_bytes for p in (base, flipped))
+    e0, e1 = (estimate(replace(p, model=folder)).tensor_peak_bytes for p in (base, flipped))
     assert m1 != m0
     assert abs((e1 - e0) - (m1 - m0)) <= GOAL * m0, (e1 - e0, m1 - m0)
 
@@ -396,3 +411,49 @@ def test_max_context_benchmark_meets_its_goal():
     headline = out.stdout.strip().splitlines()[-1]
     assert headline.startswith("max_context: ") and "(goal >= 80000, >= 4x)" in headline
     assert int(headline.split()[1]) >= 80_000
+
+
+@pytest.mark.slow
+def test_uneven_rows_on_a_large_tied_vocabulary_agree_with_a_measured_step(tmp_path):
+    """Issue #25 item 3: two rows of 64 and 40 tokens, padding-free, on a model whose tied LM head dominates the
+    step (vocab 8000 x hidden 128): the plan follows the 104 real tokens, not the padded bound of 128."""
+    config = tiny_config(
+        "llama",
+        num_hidden_layers=3,
+        vocab_size=8000,
+        intermediate_size=256,
+        hidden_size=128,
+        tie_word_embeddings=True,
+    )
+    folder = tmp_path / "tied"
+    folder.mkdir()
+    config.to_json_file(str(folder / "config.json"))
+    uneven = step_plan(
+        "lora", batch_size=2, seq_len=64, padding_free=True, batch_tokens=104, gradient_checkpointing=True
+    )
+    bound = replace(uneven, padding_free=False, batch_tokens=0)
+    measured = {
+        k: measure_plan(config, p, cache_dir=tmp_path).steady_peak_bytes
+        for k, p in (("u", uneven), ("b", bound))
+    }
+    planned = {
+        k: estimate(replace(p, model=str(folder))).tensor_peak_bytes for k, p in (("u", uneven), ("b", bound))
+    }
+    assert measured["u"] < measured["b"]  # the real tokens save memory ...
+    for k in measured:  # ... and the plan says how much
+        assert abs(planned[k] / measured[k] - 1) <= GOAL, (k, planned, measured)
+
+
+def test_a_smaller_batch_or_length_is_the_largest_that_fits_not_a_halving():
+    """Issue #21 item 21: the advice said batch 4 where 5 fits, 2,048 tokens where 2,752 fit."""
+    from core.estimate.fit import fit_search
+    from core.estimate.levers import what_would_fit
+
+    plan = Plan(model="meta-llama/Llama-3.1-8B", method="qlora", batch_size=8, seq_len=4096, gpu_gb=24.0)
+    fit = fit_search(plan)
+    assert 1 <= fit["max_batch_size"] < plan.batch_size and fit["max_seq_len"] < plan.seq_len  # over the card
+    advice = {tuple(a["settings"]): a for a in what_would_fit(plan)}
+    batch = advice[("batch_size", "batch_tokens")]["settings"]["batch_size"]
+    seq = advice[("seq_len", "batch_tokens")]["settings"]["seq_len"]
+    assert (batch, seq) == (fit["max_batch_size"], fit["max_seq_len"])
+    assert advice[("batch_size", "batch_tokens")]["verdict"] == "fits"

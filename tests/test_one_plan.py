@@ -117,24 +117,12 @@ def test_gpt2_conv1d_folder_plans_lora(tmp_path):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_the_tracker_measures_the_plan_of_the_one_mapping(tiny_llama, dataset, variant):
-    from core.measure.plan import plan_from, planner_plan
+    """A measured step of a run config runs the very Plan the planner estimates (no measurement vocabulary)."""
+    from core.measure.plan import plan_of_config
 
     cfg = _config(tiny_llama, dataset, VARIANTS[variant])
     for device in ("cpu", "cuda"):
-        mapped = plan_for_config(cfg, device=device)
-        measured = planner_plan(
-            cfg["model"]["path"], plan_from(cfg) if device == "cpu" else _cuda(cfg), device
-        )
-        card = ("gpu_gb", "expandable_segments", "eval_kv_tokens", "reference")
-        assert {k: v for k, v in asdict(measured).items() if k not in card} == {
-            k: v for k, v in asdict(mapped).items() if k not in card
-        }
-
-
-def _cuda(cfg):
-    from core.measure.plan import _plan_from_run_config
-
-    return _plan_from_run_config(cfg, device="cuda")
+        assert plan_of_config(cfg, device) == plan_for_config(cfg, device=device)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -156,6 +144,7 @@ RUN_VARIANTS = {
         "training": {"max_steps": 1, "optim": "paged_adamw_8bit", "per_device_train_batch_size": 2},
     },
     "dpo": {"method": "dpo", "training": {"max_steps": 1, "per_device_train_batch_size": 2}},
+    "kto": {"method": "kto", "training": {"max_steps": 1, "per_device_train_batch_size": 2}},
 }
 
 
@@ -167,13 +156,22 @@ def pairs(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def feedback(tmp_path_factory):
+    """KTO's unpaired rows: an answer each, rated good (true) or bad (false)."""
+    path = tmp_path_factory.mktemp("feedback") / "feedback.jsonl"
+    rows = [{"prompt": f"Say {i}", "completion": f" {i}!", "label": i % 2 == 0} for i in range(8)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
 def _cli(*args, timeout=300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
-def _run_config(tiny_llama, dataset, pairs, variant):
+def _run_config(tiny_llama, dataset, pairs, feedback, variant):
     extra = dict(RUN_VARIANTS[variant])
-    data = pairs if extra.get("method") == "dpo" else dataset
+    data = {"dpo": pairs, "kto": feedback}.get(variant, dataset)
     raw = {"model": {"path": str(tiny_llama)}, "data": {"path": str(data)}, "training": {"max_length": 64}}
     for section, values in extra.items():
         if isinstance(values, dict):
@@ -185,12 +183,12 @@ def _run_config(tiny_llama, dataset, pairs, variant):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", RUN_VARIANTS)
-def test_one_plan_per_run_wherever_it_is_asked(tiny_llama, dataset, pairs, variant, tmp_path):
+def test_one_plan_per_run_wherever_it_is_asked(tiny_llama, dataset, pairs, feedback, variant, tmp_path):
     """The trainer's plan.json (written for the device it really trains on), `core.train --dry-run`,
     `core.estimate --config` and the Train page's verdict: the same three totals for the same config."""
     from streamlit.testing.v1 import AppTest
 
-    cfg = _run_config(tiny_llama, dataset, pairs, variant)
+    cfg = _run_config(tiny_llama, dataset, pairs, feedback, variant)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     path = dump_config(cfg, run_dir / "config.yaml")
@@ -221,8 +219,10 @@ def test_one_plan_per_run_wherever_it_is_asked(tiny_llama, dataset, pairs, varia
 
 
 @pytest.mark.parametrize("variant", RUN_VARIANTS)
-def test_a_cuda_plan_is_the_same_from_dry_run_and_estimate(tiny_llama, dataset, pairs, variant, tmp_path):
-    cfg = _run_config(tiny_llama, dataset, pairs, variant)
+def test_a_cuda_plan_is_the_same_from_dry_run_and_estimate(
+    tiny_llama, dataset, pairs, feedback, variant, tmp_path
+):
+    cfg = _run_config(tiny_llama, dataset, pairs, feedback, variant)
     path = dump_config(cfg, tmp_path / "run.yaml")
     card = ("--device", "cuda", "--gpu-gb", "24")
     dry = json.loads(_cli("-m", "core.train", str(path), "--dry-run", *card).stdout)

@@ -26,40 +26,43 @@ def test_renders_the_bill_and_stores_the_plan():
     assert at.title[0].value == "Estimate"
     assert len(at.get("vega_lite_chart")) >= 3  # the stacked bill + two curves
     assert any("What would make it fit" in s.value for s in at.subheader)
-    plan = at.session_state["plan"]
-    assert plan["model"] == at.selectbox(key="model").value and plan["method"] == "lora"
+    cfg = at.session_state["estimate_config"]  # the page edits a run config: the Train page's vocabulary
+    assert cfg["model"]["path"] == at.selectbox(key="es_model").value and cfg["lora"]["enabled"]
+    assert any("max_length" in c.value for c in at.code)  # shown as the YAML it would hand over
     assert [m.label for m in at.metric][:4] == ["Tensor peak", "Reserved peak", "Device total", "Peak phase"]
 
 
 def test_changing_inputs_changes_the_verdict():
     at = _app()
-    at.selectbox(key="model").set_value("Qwen/Qwen2.5-0.5B")
-    at.number_input(key="seq_len").set_value(512)
-    at.selectbox(key="gpu").set_value("141 GiB")
+    at.selectbox(key="es_model").set_value("Qwen/Qwen2.5-0.5B")
+    at.number_input(key="es_max_length").set_value(512)
+    at.selectbox(key="es_gpu").set_value("141 GiB")
     at.run()
     assert not at.exception
     assert _verdict(at).startswith("**FITS**")
-    at.selectbox(key="model").set_value("meta-llama/Llama-3.1-70B")
-    at.radio(key="method").set_value("full")
-    at.selectbox(key="gpu").set_value("24 GiB")
+    at.selectbox(key="es_model").set_value("meta-llama/Llama-3.1-70B")
+    at.checkbox(key="es_lora").uncheck()
+    at.selectbox(key="es_gpu").set_value("24 GiB")
     at.run()
     assert not at.exception
     assert _verdict(at).startswith("**DOES NOT FIT**")
-    assert at.session_state["plan"]["method"] == "full"
+    assert at.session_state["estimate_config"]["lora"]["enabled"] is False
 
 
 def test_bad_inputs_show_an_error_not_an_exception(tmp_path):
     at = _app()
-    at.number_input(key="batch_size").set_value(0)
+    at.number_input(key="es_batch").set_value(0)
     at.run()
     assert not at.exception
-    assert any("batch_size must be a whole number above zero" in e.value for e in at.error)
+    assert any("training.per_device_train_batch_size" in e.value for e in at.error), [
+        e.value for e in at.error
+    ]
 
-    at.number_input(key="batch_size").set_value(1)
-    at.selectbox(key="optim").set_value("sgd")
-    at.selectbox(key="model").set_value("Local model folder…")
+    at.number_input(key="es_batch").set_value(1)
+    at.selectbox(key="es_optim").set_value("sgd")
+    at.selectbox(key="es_model").set_value("Local model folder…")
     at.run()
-    at.text_input(key="model_path").set_value(str(tmp_path))
+    at.text_input(key="es_model_path").set_value(str(tmp_path))
     at.run()
     assert not at.exception
     assert any("no config.json" in e.value for e in at.error)
@@ -79,7 +82,7 @@ def test_sweeps_stop_where_the_card_line_is_readable_and_every_table_is_labelled
     import pyarrow as pa
 
     at = _app()
-    at.selectbox(key="model").set_value("meta-llama/Llama-3.1-8B").run()
+    at.selectbox(key="es_model").set_value("meta-llama/Llama-3.1-8B").run()
     assert not at.exception
     frames = [
         pa.ipc.open_stream(d.data.data).read_all().to_pandas()
@@ -134,10 +137,10 @@ def test_levers_are_toggles_with_their_savings_costs_and_modelled_markers():
     """Issue #12: the levers as toggles; a plan that no single change fits gets a combined suggestion first,
     each suggestion with its cost; GPU-only levers are marked as modelled; offloading shows its pinned CPU RAM."""
     at = _app()
-    at.selectbox(key="model").set_value("meta-llama/Llama-3.1-8B")
-    at.number_input(key="batch_size").set_value(8)
-    at.number_input(key="seq_len").set_value(4096)
-    at.selectbox(key="gpu").set_value("24 GiB")
+    at.selectbox(key="es_model").set_value("meta-llama/Llama-3.1-8B")
+    at.number_input(key="es_batch").set_value(8)
+    at.number_input(key="es_max_length").set_value(16384)
+    at.selectbox(key="es_gpu").set_value("24 GiB")
     at.run()
     assert not at.exception
     assert _verdict(at).startswith("**DOES NOT FIT**")
@@ -148,24 +151,42 @@ def test_levers_are_toggles_with_their_savings_costs_and_modelled_markers():
     assert {"lever", "saves GiB", "costs", "planner term"} <= set(levers.columns)
     assert "modelled, not yet measured" in set(levers["planner term"])
     assert not any("pinned CPU RAM" in i.value for i in at.info)
-    for key in ("gradient_checkpointing", "activation_offloading", "liger"):
+    for key in ("es_ckpt", "es_offload", "es_liger"):
         at.checkbox(key=key).check()
     at.run()
     assert not at.exception
     assert any("pinned CPU RAM" in i.value for i in at.info)
     assert any("not yet measured" in c.value for c in at.caption)
-    plan = at.session_state["plan"]
-    assert plan["activation_offloading"] and plan["liger"] and plan["gradient_checkpointing"]
+    training = at.session_state["estimate_config"]["training"]  # the levers as the run config's keys
+    assert (
+        training["activation_offloading"]
+        and training["use_liger_kernel"]
+        and training["gradient_checkpointing"]
+    )
 
 
 def test_the_data_lengths_from_the_train_page_give_the_real_batch_next_to_the_bound():
     at = AppTest.from_file(PAGE, default_timeout=120)
     at.session_state["data_lengths"] = [100, 300, 250, 90, 40]
     at.run()
-    at.checkbox(key="padding_free").check()
-    at.selectbox(key="attn").set_value("flash")
-    at.number_input(key="batch_size").set_value(4)
+    at.checkbox(key="es_padding_free").check()
+    at.selectbox(key="es_attn").set_value("flash_attention_2")
+    at.number_input(key="es_batch").set_value(4)
+    at.number_input(key="es_max_length").set_value(2048)
     at.run()
     assert not at.exception
     text = next(i.value for i in at.info if "largest batch the sampler" in i.value)
     assert "740 tokens" in text and "bound: 8,192" in text  # 300 + 250 + 100 + 90 of 4 x 2048
+
+
+def test_a_plan_that_fits_is_told_it_needs_nothing():
+    """Issue #21 item 21: 'What would make it fit' listed changes for a plan at 31% of the card."""
+    at = _app()
+    at.selectbox(key="es_model").set_value("Qwen/Qwen2.5-0.5B")
+    at.selectbox(key="es_gpu").set_value("141 GiB")
+    at.run()
+    assert not at.exception and _verdict(at).startswith("**FITS**")
+    assert any(m.value.startswith("Nothing: it fits (") for m in at.markdown)
+    assert not [m.value for m in at.markdown if m.value[:3] in ("1. ", "2. ")]
+    every = next(m.value for m in at.markdown if m.value.startswith("**With every memory lever on**"))
+    assert "LoRA dropout 0" in every  # named as left out, though the table lists it

@@ -226,31 +226,46 @@ def test_plan_for_config_describes_the_run(tiny_llama, dataset):
     )  # the trainer never autocasts on CPU
 
 
-def test_plan_from_estimate_page_prefills_and_flags_what_the_trainer_lacks(workspace, tiny_llama, dataset):
-    from core.estimate.plan import Plan
+def _handed(model, **training) -> dict:
+    """A run config as the Estimate page hands it over ("Use this plan"): its own draft, no data path."""
+    cfg = default_config()
+    cfg["model"]["path"] = str(model)
+    cfg["training"].update(training)
+    return cfg
 
-    plan = Plan(model=str(tiny_llama), batch_size=3, seq_len=64, lora_r=4, optim="adagrad", load_dtype="fp32")
+
+def test_config_from_the_estimate_page_fills_the_form_key_for_key(workspace, tiny_llama, dataset):
+    from ui.fields import HANDOVER
+
+    handed = _handed(tiny_llama, per_device_train_batch_size=3, max_length=64, optim="adagrad")
+    handed["lora"]["r"], handed["model"]["dtype"] = 4, "float32"
     at = AppTest.from_file(PAGE, default_timeout=180)
     at.session_state["workspace"] = str(workspace)
     at.session_state["train_config"] = tiny_config(tiny_llama, dataset)  # the data path comes from here
-    at.session_state["train_plan"] = plan.to_dict()
+    at.session_state[HANDOVER] = handed
     at.run()
     assert not at.exception, at.exception
     assert at.number_input(key="tr_batch").value == 3 and at.number_input(key="tr_r").value == 4
-    assert any("'adagrad' is not available here" in w.value for w in at.warning)
+    assert at.selectbox(key="tr_dtype").value == "float32"
+    # a value the library takes but the form does not list: said, and the form's default used
+    assert any("training.optim 'adagrad' is not available here" in w.value for w in at.warning)
     assert at.selectbox(key="tr_optim").value == "adamw_torch"
+    assert at.text_input(key="tr_data_path").value == str(dataset)  # the Estimate page plans no data
+    caption = next(c.value for c in at.caption if c.value.startswith("Prefilled from"))
+    assert "training.per_device_train_batch_size 2 → 3" in caption and "lora.r 16 → 4" in caption
 
 
-def test_plan_for_a_hub_model_keeps_the_local_model_and_its_sizes(workspace, tiny_llama, dataset):
+def test_plan_for_a_hub_model_keeps_the_local_model_and_its_sizes(workspace):
     """Estimate a preset (no weights here), then Train: the plan's 2048 tokens must not land on a 256-position
     model; the LoRA settings still come across."""
-    from core.estimate.plan import Plan
+    from ui.fields import HANDOVER
 
-    plan = Plan(model="meta-llama/Llama-2-7b-hf", batch_size=7, seq_len=2048, lora_r=8)
+    handed = _handed("meta-llama/Llama-2-7b-hf", per_device_train_batch_size=7, max_length=2048)
+    handed["lora"]["r"] = 8
     at = AppTest.from_file(PAGE, default_timeout=180)
     at.session_state["workspace"] = str(workspace)
     at.session_state["train_config"] = None
-    at.session_state["train_plan"] = plan.to_dict()
+    at.session_state[HANDOVER] = handed
     at.run()
     assert not at.exception, at.exception
     assert at.text_input(key="tr_model_path").value.endswith("demo/base")
@@ -261,19 +276,21 @@ def test_plan_for_a_hub_model_keeps_the_local_model_and_its_sizes(workspace, tin
 
 
 def test_viewing_the_estimate_page_does_not_change_the_train_form(workspace):
-    """Issue #16: merely opening the Estimate page (it keeps its plan in the session) left the demo run with
-    the plan's QLoRA/dtype settings. Only 'Use this plan' hands a plan over, and the form lists what it took."""
-    from core.estimate.plan import Plan
+    """Issue #16: merely opening the Estimate page (it keeps its config in the session) left the demo run with
+    the plan's QLoRA/dtype settings. Only 'Use this plan' hands the config over, and the form lists what it took."""
+    from ui.fields import HANDOVER
 
+    planned = _handed("meta-llama/Llama-2-7b-hf")
+    planned["quantization"]["load_in_4bit"], planned["model"]["dtype"] = True, "bfloat16"
     at = AppTest.from_file(PAGE, default_timeout=180)
     at.session_state["workspace"] = str(workspace)
-    at.session_state["plan"] = Plan(method="qlora", load_dtype="bf16", gradient_checkpointing=True).to_dict()
+    at.session_state["estimate_config"] = planned
     at.run()
     assert not at.exception, at.exception
     assert not at.checkbox(key="tr_4bit").value and at.selectbox(key="tr_dtype").value == "auto"
     assert any("Prefilled from the demo model and dataset" in c.value for c in at.caption)
 
-    at.session_state["train_plan"] = at.session_state["plan"]  # now the user clicked "Use this plan"
+    at.session_state[HANDOVER] = at.session_state["estimate_config"]  # now the user clicked "Use this plan"
     at.run()
     assert at.checkbox(key="tr_4bit").value and at.selectbox(key="tr_dtype").value == "bfloat16"
     caption = next(c.value for c in at.caption if c.value.startswith("Prefilled from"))
@@ -282,15 +299,22 @@ def test_viewing_the_estimate_page_does_not_change_the_train_form(workspace):
     )
 
 
-def test_estimate_page_use_this_plan_hands_it_over():
+def test_estimate_page_use_this_plan_hands_its_run_config_over():
     from pathlib import Path as _P
+
+    from ui.fields import HANDOVER
 
     at = AppTest.from_file(str(_P(PAGE).parent.parent / "dashboard.py"), default_timeout=180).run()
     assert not at.exception, at.exception
-    assert "train_plan" not in at.session_state  # viewing the landing Estimate page hands nothing over
+    assert HANDOVER not in at.session_state  # viewing the landing Estimate page hands nothing over
+    at.number_input(key="es_r").set_value(24).run()
+    at.checkbox(key="es_4bit").check().run()
     at.button(key="est_use_plan").click().run()
     assert not at.exception, at.exception
-    assert at.session_state["train_plan"] == at.session_state["plan"]
+    handed = at.session_state[HANDOVER]
+    assert handed == at.session_state["estimate_config"]  # the page's own run config, not a translation
+    assert (handed["lora"]["r"], handed["quantization"]["load_in_4bit"]) == (24, True)
+    assert at.number_input(key="tr_r").value == 24 and at.checkbox(key="tr_4bit").value  # on the Train page
 
 
 def test_launch_into_a_workspace_that_cannot_be_created_is_one_sentence(tiny_llama, dataset):
@@ -438,3 +462,28 @@ def test_the_memory_plan_also_gives_the_peak_of_the_datas_largest_batch(workspac
     text = next(c.value for c in at.caption if "largest batch holds" in c.value)
     tokens = int(text.split("largest batch holds ")[1].split(" tokens")[0].replace(",", ""))
     assert 0 < tokens < 4 * 64 and "not 256" in text
+
+
+@pytest.mark.slow  # builds the demo assets (a few pretraining steps)
+def test_the_preference_demo_buttons_fill_the_form_without_false_warnings(workspace):
+    """Issue #21 item 17: 'Use the demo's preference pairs' warned that data.format 'standard' is not a format
+    (checked against SFT's), and trained on the demo base while `core.demo --run-dpo` trains on the SFT-merged
+    model. Now: no warning, and the SFT-merged demo model when there is one."""
+    import shutil
+
+    from core.demo.build import build_demo
+
+    demo = build_demo(workspace / "demo", pretrain_steps=3, log=lambda _m: None)
+    at = _page(workspace)
+    for method, button in (("dpo", "tr_demo_dpo"), ("kto", "tr_demo_kto")):
+        at.radio(key="tr_method").set_value(method).run()
+        at.button(key=button).click().run()
+        assert not at.exception, at.exception
+        assert not [w.value for w in at.warning], [w.value for w in at.warning]
+        assert at.session_state["tr_method"] == method and at.text_input(key="tr_model_path").value.endswith(
+            "/base"
+        )
+    shutil.copytree(demo / "base", demo / "sft-merged")  # what core.demo --run-dpo leaves: the SFT run merged
+    at.button(key="tr_demo_kto").click().run()
+    assert at.text_input(key="tr_model_path").value == str((demo / "sft-merged").resolve())
+    assert any("on sft-merged" in c.value for c in at.caption)

@@ -103,3 +103,23 @@ def test_cli_exits_non_zero_with_the_findings(tmp_path, tiny_llama, capsys):
     )
     assert main([str(run_yaml)]) == 2
     assert "data.max_len: unknown key" in capsys.readouterr().err
+
+
+def test_a_broken_jsonl_line_is_one_sentence_once(tmp_path, tiny_llama):
+    """Issue #21 item 20: datasets printed its own "row 41" error and progress bars before our "line 42", and
+    --dry-run printed the error twice."""
+    import subprocess
+    import sys
+
+    from tests.cli import REPO
+
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"text": "fine"}\n{"text": broken\n')
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"model: {{path: {tiny_llama}}}\ndata: {{path: {data}}}\n")
+    for args in (["-m", "core.preflight", str(cfg)], ["-m", "core.train", str(cfg), "--dry-run"]):
+        out = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 2, (args, out.stderr[-2000:])
+        text = out.stdout + out.stderr
+        assert text.count("line 2 of") == 1, text
+        assert "row 1" not in text and "Generating train split" not in text and "Traceback" not in text, text

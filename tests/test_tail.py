@@ -232,7 +232,7 @@ def test_dpo_figures_are_columns_with_smoothed_twins():
     debiased EMA as the loss, recomputed when the window changes; SFT lines carry none and get none."""
     s = RunSeries(smoothing_steps=1.0)
     s.add_metrics([{"time": 1, "step": 1, "loss": 2.0}])
-    assert not s.has_dpo_metrics and set(s.smoothed) == {"loss"}
+    assert not s.has_preference_metrics and set(s.smoothed) == {"loss"}
     s.add_metrics(
         [
             {"time": 2, "step": 2, "loss": 0.69, "rewards/margins": 0.0, "rewards/accuracies": 0.5},
@@ -240,7 +240,7 @@ def test_dpo_figures_are_columns_with_smoothed_twins():
             {"time": 4, "step": 3, "eval_loss": 0.7, "eval_rewards/accuracies": 0.75, "logps/chosen": "x"},
         ]
     )
-    assert s.has_dpo_metrics
+    assert s.has_preference_metrics
     assert list(s.metric("eval_rewards/accuracies")[1]) == [0.75]
     assert "logps/chosen" not in s.metrics and "eval_rewards/accuracies" not in s.smoothed
     e1 = math.exp(-1)

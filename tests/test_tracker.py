@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from core.demo.toy import tiny_config
-from core.measure.plan import MeasurePlan, plan_from
+from core.measure.plan import plan_of_config, step_plan
 from core.measure.step import measure_depths, measure_plan
 from core.measure.tracker import TrackerError, track_live_tensors
 
@@ -138,7 +138,7 @@ def test_peft_lora_step_on_tiny_llama(lora_llama):
 
 def test_bnb_4bit_qlora_step_works_under_the_mode():
     pytest.importorskip("bitsandbytes")
-    plan = MeasurePlan(method="qlora", double_quant=True, batch_size=2, seq_len=32, optim="paged_adamw_8bit")
+    plan = step_plan("qlora", double_quant=True, batch_size=2, seq_len=32, optim="paged_adamw_8bit")
     r = measure_plan(tiny_config("llama"), plan)
     assert r.adopted_bytes == 0
     assert r.peak_bytes > r.baseline_bytes > 0
@@ -150,7 +150,7 @@ def test_bnb_4bit_weights_are_counted_with_their_quantization_state(tmp_path):
     from core.measure.build import build_model
     from core.measure.tracker import module_tensors
 
-    plan = MeasurePlan(method="qlora", double_quant=False, prepare_kbit=False, lora_r=4)
+    plan = step_plan("qlora", double_quant=False, prepare_kbit=False, lora_r=4)
     model, _ = build_model(tiny_config("llama"), plan, tmp_path)
     q = model.base_model.model.model.layers[0].self_attn.q_proj.base_layer
     n = q.in_features * q.out_features
@@ -167,7 +167,7 @@ def test_extrapolation_from_two_and_three_layers_equals_full_depth():
         # LoRA with dropout under Trainer's bf16 autocast: the first layer saves less than the others
         (
             tiny_config("llama", num_hidden_layers=6),
-            MeasurePlan("lora", batch_size=2, seq_len=32, lora_dropout=0.05),
+            step_plan("lora", batch_size=2, seq_len=32, lora_dropout=0.05),
         ),
         # full fine-tuning with checkpointing and a tied embedding on the plain path (full logits): backward's
         # peak moves from its start (logits) at 2-3 layers to its end (all gradients + the tied gradient's
@@ -176,7 +176,7 @@ def test_extrapolation_from_two_and_three_layers_equals_full_depth():
             tiny_config(
                 "llama", num_hidden_layers=6, tie_word_embeddings=True, vocab_size=2000, intermediate_size=512
             ),
-            MeasurePlan("full", batch_size=1, seq_len=64, gradient_checkpointing=True, fused_lm_head=False),
+            step_plan("full", batch_size=1, seq_len=64, gradient_checkpointing=True, fused_lm_head=False),
         ),
     ):
         fit = measure_depths(config, plan)[plan.seq_len]
@@ -240,16 +240,20 @@ def test_bad_inputs_say_what_to_fix(tmp_path):
 
     with pytest.raises(TrackerError, match="no config.json"):
         measure_config(tmp_path, {"method": "lora"})
-    with pytest.raises(TrackerError, match="method 'dora'"):
-        plan_from({"method": "dora"})
-    with pytest.raises(TrackerError, match="seq_len must be a positive"):
-        plan_from({"seq_len": 0})
+    with pytest.raises(TrackerError, match="method 'dora' is not one of"):
+        step_plan("dora")
+    with pytest.raises(TrackerError, match="seq_len must be a whole number above zero"):
+        step_plan(seq_len=0)
+    with pytest.raises(TrackerError, match="attention 'flash' is not measurable here"):
+        step_plan(attn="flash")
+    with pytest.raises(TrackerError, match="lora.r must be"):
+        plan_of_config({"lora": {"r": -1}})
     with pytest.raises(TrackerError, match="must be a torch.nn.Module"):
         track_live_tensors(model="llama")
 
 
-def test_plan_from_run_config_reads_the_sections():
-    from core.measure.plan import _plan_from_run_config
+def test_plan_of_a_run_config_reads_the_sections():
+    from core.measure.plan import autocast_dtype
 
     cfg = {
         "model": {"path": "x", "dtype": "bfloat16", "attn_implementation": "eager"},
@@ -259,8 +263,8 @@ def test_plan_from_run_config_reads_the_sections():
         "training": {"per_device_train_batch_size": 4, "gradient_checkpointing": True, "bf16": True},
     }
     # through the one config -> plan mapping: on a CPU the trainer never autocasts, on a GPU bf16 does
-    assert plan_from(cfg).autocast_dtype() is None
-    plan = _plan_from_run_config(cfg, device="cuda")
+    assert autocast_dtype(plan_of_config(cfg)) is None
+    plan = plan_of_config(cfg, device="cuda")
     assert (plan.method, plan.attn, plan.lora_r, plan.seq_len, plan.batch_size) == (
         "qlora",
         "eager",
@@ -268,19 +272,19 @@ def test_plan_from_run_config_reads_the_sections():
         1024,
         4,
     )
-    assert plan.double_quant and plan.gradient_checkpointing and plan.autocast_dtype() == torch.bfloat16
+    assert plan.double_quant and plan.gradient_checkpointing and autocast_dtype(plan) == torch.bfloat16
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "name, overrides, plan",
     [
-        ("lora-dropout", {}, MeasurePlan("lora", batch_size=2, seq_len=64, lora_dropout=0.05)),
+        ("lora-dropout", {}, step_plan("lora", batch_size=2, seq_len=64, lora_dropout=0.05)),
         # the plain-Trainer QLoRA path, stated explicitly (the defaults follow TRL: tests/test_estimate_trl.py)
         (
             "qlora-prepare",
             {},
-            MeasurePlan(
+            step_plan(
                 "qlora",
                 batch_size=2,
                 seq_len=64,
@@ -292,12 +296,12 @@ def test_plan_from_run_config_reads_the_sections():
         (
             "full-gc-tied",
             {"tie_word_embeddings": True},
-            MeasurePlan("full", batch_size=1, seq_len=64, gradient_checkpointing=True),
+            step_plan("full", batch_size=1, seq_len=64, gradient_checkpointing=True),
         ),
         (
             "lora-gc-eager-8bit",
             {},
-            MeasurePlan(
+            step_plan(
                 "lora",
                 batch_size=2,
                 seq_len=64,
@@ -311,8 +315,7 @@ def test_plan_from_run_config_reads_the_sections():
 def test_planner_agrees_with_the_measured_step_on_tiny_models(tmp_path, name, overrides, plan):
     """core.estimate (device cpu) against one measured step of the same plan: the planner's terms come from
     the module code, so even a tiny model, where small terms weigh more, lands within 1%."""
-    from core.estimate.bill import estimate
-    from core.measure.plan import planner_plan
+    from core.measure.plan import estimate_for
 
     config = tiny_config(
         "llama", num_hidden_layers=4, vocab_size=2000, intermediate_size=256, hidden_size=128
@@ -321,9 +324,9 @@ def test_planner_agrees_with_the_measured_step_on_tiny_models(tmp_path, name, ov
         setattr(config, k, v)
     config.to_json_file(str(tmp_path / "config.json"))
     measured = measure_plan(config, plan)
-    est = estimate(planner_plan(str(tmp_path), plan, "cpu"))  # the measurement's own plan -> Plan mapping
-    assert est.peak_phase == measured.steady_peak_phase
-    assert abs(est.tensor_peak_bytes / measured.steady_peak_bytes - 1) < 0.01, (
-        est.phases,
+    est = estimate_for(str(tmp_path), plan)  # the very Plan the step ran
+    assert est["peak_phase"] == measured.steady_peak_phase
+    assert abs(est["tensor_peak_bytes"] / measured.steady_peak_bytes - 1) < 0.01, (
+        est["phases"],
         measured.phase_peaks,
     )

@@ -17,7 +17,10 @@ from core.monitor.summary import (
     summarize_run,
     summarize_runs,
 )
-from core.monitor.watch import CHANCE_ACCURACY, DPO_CHARTS, RunWatcher
+from core.monitor.watch import RunWatcher
+from core.train import methods
+
+DPO_CHARTS = tuple(f"dpo_{chart.key}" for chart in methods.get("dpo").charts)
 
 GiB = 1024**3
 
@@ -384,7 +387,7 @@ def test_dpo_run_gets_rewards_accuracy_and_logps_charts(tmp_path):
     assert acc[acc.series == "train"].value.tolist() == train_acc  # every logged point, in order
     assert len(acc[acc.series == "eval"]) == 4  # eval at 25, 50, 75, 100
     assert list(acc[acc.series == "eval"].step) == [25, 50, 75, 100]
-    assert CHANCE_ACCURACY == 0.5
+    assert methods.chance_of("rewards/accuracies") == methods.chance_of("eval_rewards/accuracies") == 0.5
     # the loss chart and the others are as for SFT
     assert set(snap.charts["loss"]["series"]) == {"train", "train (smoothed)", "eval"}
     assert not snap.charts["learning_rate"].empty and not snap.charts["grad_norm"].empty

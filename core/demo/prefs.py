@@ -252,3 +252,11 @@ def kto_demo_config(out: str | os.PathLike, model: str | os.PathLike) -> dict:
 
 # The demo's preference runs, by method: what the Train page's "Use the demo's ..." button loads
 PREFERENCE_DEMOS = {"dpo": dpo_demo_config, "kto": kto_demo_config}
+
+
+def preference_base(folder: str | os.PathLike) -> Path:
+    """The model a preference demo trains on: the newest SFT-merged demo model (`core.demo --run-dpo/--run-kto`
+    merges the SFT run into the base first, as preference training is usually done), else the demo base."""
+    folder = Path(folder)
+    merged = [p for p in folder.glob("sft-merged*") if (p / "config.json").is_file()]
+    return max(merged, key=lambda p: p.stat().st_mtime) if merged else folder / "base"

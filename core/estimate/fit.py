@@ -9,7 +9,7 @@ from core.estimate.plan import FIT_LIMIT, Plan, validate
 from core.estimate.specs import ModelSpec, load_spec
 
 
-def _largest(plan: Plan, spec: ModelSpec, name: str, hi: int, step: int = 1, limit: float = FIT_LIMIT) -> int:
+def largest(plan: Plan, spec: ModelSpec, name: str, hi: int, step: int = 1, limit: float = FIT_LIMIT) -> int:
     """The largest value of `name` (a multiple of `step`, <= hi) whose device total stays within `limit` of the
     card; 0 if none."""
 
@@ -36,8 +36,8 @@ def fit_search(plan: Plan, spec: ModelSpec | None = None, limit: float = FIT_LIM
     validate(plan)
     spec = spec or load_spec(plan.model)
     max_seq = max(spec.max_position_embeddings or 0, plan.seq_len)
-    batch = _largest(plan, spec, "batch_size", 4096, limit=limit)
-    seq = _largest(plan, spec, "seq_len", max_seq, step=64 if max_seq >= 64 else 1, limit=limit)
+    batch = largest(plan, spec, "batch_size", 4096, limit=limit)
+    seq = largest(plan, spec, "seq_len", max_seq, step=64 if max_seq >= 64 else 1, limit=limit)
     out = {"max_batch_size": batch, "max_seq_len": seq, "seq_len_cap": max_seq}
     for key, name, value in (("batch_fraction", "batch_size", batch), ("seq_fraction", "seq_len", seq)):
         out[key] = (

@@ -99,6 +99,17 @@ def plan_for_config(
     return Plan(**fields)
 
 
+def plan_for_draft(cfg: dict, gpu_gb: float = 24.0, device: str = "cuda", **kw) -> Plan:
+    """The Plan of a run config whose model weights and data need not exist yet (the Estimate page's, a measured
+    step's), nor run on this machine: paths play no part in a step's memory, so a placeholder stands in where one
+    is missing. Raises ConfigError with the validator's sentence for a bad setting."""
+    cfg = copy.deepcopy(cfg)
+    for section in ("model", "data"):
+        cfg[section] = {**(cfg.get(section) or {})}
+        cfg[section]["path"] = cfg[section].get("path") or "unused"
+    return plan_for_config(validate_config(cfg, here=False), gpu_gb, device, **kw)
+
+
 def estimate_for_config(cfg: dict, gpu_gb: float = 24.0, device: str = "cuda", batch_size=None, **kw):
     """core.estimate.estimate of plan_for_config(...); raises PlanError/SpecError with the planner's sentence."""
 
@@ -215,8 +226,9 @@ def _get(plan: Any, key: str, default=None):
 
 
 def plan_to_config(plan: Any, base: dict | None = None) -> dict:
-    """The Estimate page's plan (core.estimate Plan or its dict) as a run config, on top of `base`: the inverse
-    of plan_for_config for the settings a run config carries.
+    """A Plan (or its dict) as a run config, on top of `base`: the inverse of plan_for_config for the settings a
+    run config carries. A measured step of a Plan builds its model through the engine, which reads run configs
+    (core.measure.build); the pages never translate: both edit run configs.
 
     Tolerant: a missing or None key leaves the base value alone. Returns a validated config when base has the
     required paths, else an unvalidated dict the caller completes.

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from core.estimate.bill import estimate
+from core.estimate.fit import largest
 from core.estimate.plan import OPTIMIZERS, Plan, PlanError
 from core.estimate.specs import ModelSpec, SpecError, load_spec
 
@@ -246,8 +247,9 @@ def lever_savings(plan: Plan, spec: ModelSpec | None = None) -> list[dict]:
     return out
 
 
-def _candidates(plan: Plan) -> list[tuple[str, dict, str, bool]]:
-    """(label, plan change, cost, keeps what is trained) for every single change that could lower the bill."""
+def _candidates(plan: Plan, spec: ModelSpec) -> list[tuple[str, dict, str, bool]]:
+    """(label, plan change, cost, keeps what is trained) for every single change that could lower the bill. A
+    smaller batch or length is the largest that fits (not a halving that gives away what would fit)."""
     out = []
     for lever in LEVERS:
         if lever.applies(plan) and not lever.is_on(plan):
@@ -281,24 +283,29 @@ def _candidates(plan: Plan) -> list[tuple[str, dict, str, bool]]:
                 True,
             )
         )
-    out += _sharding(plan)
+    out += _sharding(plan, spec)
     if plan.batch_size > 1:
-        half = plan.batch_size // 2
-        factor = plan.batch_size / half
+        batch = largest(plan, spec, "batch_size", plan.batch_size - 1) or plan.batch_size // 2
+        steps = -(-plan.batch_size // batch)
+        effective = (
+            "same effective batch"
+            if batch * steps == plan.batch_size
+            else f"effective batch {batch * steps} for {plan.batch_size}"
+        )
         out.append(
             (
-                f"batch size {half} with gradient_accumulation_steps x{factor:g} (same effective batch)",
-                {"batch_size": half, "batch_tokens": 0},
+                f"batch size {batch} with gradient_accumulation_steps x{steps} ({effective})",
+                {"batch_size": batch, "batch_tokens": 0},
                 "more, smaller steps (slower on a GPU with room to spare)",
                 True,
             )
         )
     if plan.seq_len > 64:
-        half = max(64, plan.seq_len // 2)
+        seq = largest(plan, spec, "seq_len", plan.seq_len - 1, step=64) or max(64, plan.seq_len // 2)
         out.append(
             (
-                f"shorter sequences: {half} tokens",
-                {"seq_len": half, "batch_tokens": 0},
+                f"shorter sequences: {seq} tokens",
+                {"seq_len": seq, "batch_tokens": 0},
                 "longer rows truncated",
                 False,
             )
@@ -312,7 +319,12 @@ SHARDING_COST = (
 )
 
 
-def _sharding(plan: Plan) -> list[tuple[str, dict, str, bool]]:
+def _other_cards(change: dict) -> bool:
+    """Does this change ask for other hardware (more GPUs, or sharding them) rather than a setting of this card?"""
+    return "gpus" in change or "strategy" in change
+
+
+def _sharding(plan: Plan, spec: ModelSpec) -> list[tuple[str, dict, str, bool]]:
     """FSDP on the GPUs the plan has (when it asks for DDP), and more GPUs with FSDP: the fewest of 2x, 4x, 8x
     that fits, else 8x (what one card cannot hold, FSDP spreads: shared/design/multi-gpu.md)."""
     if plan.device != "cuda" or plan.strategy == "deepspeed_zero3":
@@ -331,7 +343,7 @@ def _sharding(plan: Plan) -> list[tuple[str, dict, str, bool]]:
     chosen = counts[-1]
     for n in counts:
         try:
-            if estimate(replace(plan, gpus=n, strategy="fsdp")).verdict == "fits":
+            if estimate(replace(plan, gpus=n, strategy="fsdp"), spec).verdict == "fits":
                 chosen = n
                 break
         except (PlanError, SpecError):
@@ -350,12 +362,12 @@ def _sharding(plan: Plan) -> list[tuple[str, dict, str, bool]]:
 
 def what_would_fit(plan: Plan, spec: ModelSpec | None = None) -> list[dict]:
     """Changes that lower the device total, each re-estimated with the bytes it saves and what it costs, largest
-    saving first. When no single change fits, the first entry combines them: the levers that keep what is trained
+    saving first. When no single change that keeps what is trained fits, the first entry combines them: the levers that keep what is trained
     (largest saving first), then smaller batches, then shorter sequences, until the plan fits."""
     spec = spec or load_spec(plan.model)
     base = estimate(plan, spec)
     out = []
-    for label, change, cost, keeps in _candidates(plan):
+    for label, change, cost, keeps in _candidates(plan, spec):
         try:
             new = estimate(replace(plan, **change), spec)
         except (PlanError, SpecError):
@@ -364,7 +376,12 @@ def what_would_fit(plan: Plan, spec: ModelSpec | None = None) -> list[dict]:
         if saved > 0:
             out.append(_advice(label, change, cost, saved, new, keeps))
     out.sort(key=lambda c: -c["saves_bytes"])
-    if base.verdict != "fits" and not any(c["verdict"] == "fits" for c in out):
+    # no single change that keeps what is trained fits: lead with a combination of them (a shorter length
+    # alone may fit, but it truncates the data)
+    # (more GPUs fitting does not spare a one-card recipe: they are offered beside it)
+    if base.verdict != "fits" and not any(
+        c["verdict"] == "fits" and c["keeps_training"] and not _other_cards(c["settings"]) for c in out
+    ):
         combo = _combined(plan, spec, base)
         if combo:
             out.insert(0, combo)
@@ -412,8 +429,8 @@ def _combined(plan: Plan, spec: ModelSpec, base) -> dict | None:
 
     while est.verdict != "fits":
         scored = []
-        for label, change, cost, keeps in _candidates(current):
-            if not keeps or "batch_size" in change or "gpus" in change or "strategy" in change:
+        for label, change, cost, keeps in _candidates(current, spec):
+            if not keeps or "batch_size" in change or _other_cards(change):
                 continue  # more GPUs are offered on their own, never folded into a one-card recipe
             try:
                 scored.append((estimate(replace(current, **change), spec), label, change, cost))

@@ -104,8 +104,12 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m core.jobs FOLDER (started by core.jobs.start)", file=sys.stderr)
+    usage = "usage: python -m core.jobs FOLDER\n\nRun the background job described in FOLDER/job.json (the pages and\ncore.jobs.start write that folder; you rarely start this yourself)."
+    if args in (["-h"], ["--help"]):
+        print(usage)
+        return 0
+    if len(args) != 1 or args[0].startswith("-"):
+        print(usage, file=sys.stderr)
         return 2
     folder = Path(args[0]).resolve()
     job = read_json_object(folder / JOB)

@@ -8,14 +8,16 @@ import hashlib
 import os
 import tempfile
 import weakref
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from core.demo.toy import build_tokenizer
 from core.estimate.from_config import plan_to_config
-from core.measure.plan import MeasurePlan, is_engine_path, planner_plan
-from core.precision import Device, Precision, torch_dtype
+from core.estimate.plan import Plan
+from core.measure.plan import StepOptions, autocast_dtype, is_engine_path, lora_targets
+from core.precision import LONG, Device, Precision, torch_dtype
 from core.train import methods
 from core.train.config import validate_config
 from core.train.trainer import load_model, make_trainer, quiet_progress_bars
@@ -81,10 +83,13 @@ def _saved_checkpoint(config, dtype: str, cache_dir: Path) -> Path:
 
 
 def build_model(
-    config_or_dir, plan: MeasurePlan, cache_dir: str | os.PathLike | None = None, device: str = "cpu"
+    config_or_dir,
+    plan: Plan,
+    cache_dir: str | os.PathLike | None = None,
+    options: StepOptions = StepOptions(),
 ):
     """The model a run with `plan` trains: base (+ 4-bit) + LoRA, with the attention implementation and
-    gradient checkpointing set as Trainer sets them, on `device` (4-bit weights are quantized where they
+    gradient checkpointing set as Trainer sets them, on plan.device (4-bit weights are quantized where they
     land), prepared for QLoRA by prepare_model_for_kbit_training (plan.prepare_kbit) or as SFTTrainer does, and with
     SFTTrainer's fused LM head (plan.fused_lm_head). Returns (model, config)."""
     from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
@@ -93,12 +98,13 @@ def build_model(
     config = AutoConfig.from_pretrained(str(config_or_dir)) if from_dir else config_or_dir
     config = copy.deepcopy(config)
     config.use_cache = False  # training: no KV cache
+    device = plan.device
     if is_engine_path(plan):
-        src = Path(config_or_dir) if from_dir else _saved_checkpoint(config, plan.dtype, Path(cache_dir))
-        return _build_with_engine(src, plan, device), config
-    dtype = torch_dtype(plan.dtype)
+        src = Path(config_or_dir) if from_dir else _saved_checkpoint(config, plan.load_dtype, Path(cache_dir))
+        return _build_with_engine(src, plan, options), config
+    dtype = torch_dtype(plan.load_dtype)
     if plan.method == "qlora":
-        src = Path(config_or_dir) if from_dir else _saved_checkpoint(config, plan.dtype, Path(cache_dir))
+        src = Path(config_or_dir) if from_dir else _saved_checkpoint(config, plan.load_dtype, Path(cache_dir))
         quant = BitsAndBytesConfig(
             load_in_4bit=True,
             bnb_4bit_quant_type=plan.quant_type,
@@ -148,7 +154,7 @@ def build_model(
             r=plan.lora_r,
             lora_alpha=plan.lora_alpha,
             lora_dropout=plan.lora_dropout,
-            target_modules=plan.target_modules,
+            target_modules=lora_targets(plan),
             task_type="CAUSAL_LM",
         )
         model = get_peft_model(model, lora)
@@ -171,7 +177,7 @@ TRL_FUSED_OUTPUTS = ("log_probs", "entropy", "is_top1")  # what trl 1.16 SFTTrai
 ENGINE_TRAINERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _build_with_engine(src: Path, plan: MeasurePlan, device: str):
+def _build_with_engine(src: Path, plan: Plan, options: StepOptions):
     """The model through core.train's own functions: load_model (the base, 4-bit where asked) and make_trainer
     (SFTTrainer: peft, its QLoRA casts, its fused head), from the run config that plan describes (the inverse of
     the one config -> plan mapping). Gradient checkpointing is switched on as Trainer.train does."""
@@ -179,14 +185,14 @@ def _build_with_engine(src: Path, plan: MeasurePlan, device: str):
 
     quiet_progress_bars()
 
-    planned = planner_plan(str(src), plan, device).to_dict()
     base = validate_config({"model": {"path": str(src)}, "data": {"path": "unused.jsonl"}})
-    cfg = validate_config(plan_to_config(planned, base))
-    cfg["model"]["dtype"], cfg["training"]["max_grad_norm"] = plan.dtype, plan.max_grad_norm
-    autocast = plan.autocast_dtype()
+    cfg = validate_config(plan_to_config(replace(plan, model=str(src)), base))
+    load = LONG[plan.load_dtype]
+    cfg["model"]["dtype"], cfg["training"]["max_grad_norm"] = load, options.max_grad_norm
+    autocast = autocast_dtype(plan)
     bf16, fp16 = autocast is torch.bfloat16, autocast is torch.float16
-    compute = "bfloat16" if bf16 else "float16" if fp16 else plan.dtype
-    prec = Precision(Device.of(device), plan.dtype, compute, bf16 or fp16, bf16, fp16)
+    compute = "bfloat16" if bf16 else "float16" if fp16 else LONG[plan.compute_dtype]
+    prec = Precision(Device.of(plan.device), load, compute, bf16 or fp16, bf16, fp16)
     tokenizer = build_tokenizer()  # the measured batch is random ids: only the trainer's pad token matters
     data = Dataset.from_list(list(methods.get(plan.objective).measure_rows))
     model = load_model(cfg, prec)
@@ -204,7 +210,7 @@ def _build_with_engine(src: Path, plan: MeasurePlan, device: str):
     return model
 
 
-def _trl_qlora_preparation(model, plan: MeasurePlan) -> None:
+def _trl_qlora_preparation(model, plan: Plan) -> None:
     """SFTTrainer.__init__ (trl 1.16) for a quantized peft model, in place of prepare_model_for_kbit_training:
     input grads for checkpointed blocks, and every trainable parameter cast to bfloat16 (the QLoRA paper's
     recommendation; DoRA's magnitude vector excluded), so their grads and Adam states are bf16 too."""
@@ -215,20 +221,20 @@ def _trl_qlora_preparation(model, plan: MeasurePlan) -> None:
             param.data = param.data.to(torch.bfloat16)
 
 
-def build_optimizer(model, plan: MeasurePlan):
+def build_optimizer(model, plan: Plan, options: StepOptions = StepOptions()):
     """The optimizer Trainer builds for `plan.optim` (its own name→class mapping); the engine's trainer's own
     for a model built through the engine."""
     from transformers import Trainer, TrainingArguments
 
     trainer = ENGINE_TRAINERS.get(model)
-    if trainer is not None and plan.foreach is None:
+    if trainer is not None and options.foreach is None:
         return trainer.create_optimizer()
 
     with tempfile.TemporaryDirectory() as tmp:
         args = TrainingArguments(output_dir=tmp, optim=plan.optim, report_to=[], use_cpu=True)
         cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
-    if cls.__module__.startswith("torch.optim") and plan.foreach is not None and "fused" not in kwargs:
-        kwargs["foreach"] = plan.foreach
+    if cls.__module__.startswith("torch.optim") and options.foreach is not None and "fused" not in kwargs:
+        kwargs["foreach"] = options.foreach
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = cls(params, **kwargs)
     if "bitsandbytes" in str(cls) and kwargs.get("optim_bits") == 8:

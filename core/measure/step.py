@@ -3,61 +3,69 @@ bitsandbytes, gradient checkpointing, the optimizer Trainer would pick, and eith
 preparation -- fused LM head, bf16 QLoRA adapters -- or the plain Trainer path with
 `prepare_model_for_kbit_training`), run one step under the tracker, and compare with the planner.
 
-- `measure_plan(config, plan, num_layers=...)`: one step of `plan` on a model built from a transformers config
-  (random weights; the memory of a step does not depend on their values).
+- `measure_plan(config, plan, num_layers=...)`: one step of `plan` (a core.estimate Plan, core.measure.plan) on a
+  model built from a transformers config (random weights; the memory of a step does not depend on their values).
 - `measure_depths(config, plan)`: the real widths at 2 and 3 layers, extrapolated to the full depth per phase
   (per-layer term = m3 - m2, the rest is constant): how we measure 7B-70B models on a CPU.
-- `measure_config(model_dir_or_config, plan_or_run_config)`: the smoke-test hook; measured vs estimated.
+- `measure_config(model_dir_or_config, plan_or_run_config)`: one step of the user's model, measured vs estimated.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from core.estimate.plan import flat_batch
+from core.estimate.plan import Plan, batch_shape, flat_batch
 from core.measure.build import ENGINE_TRAINERS, build_model, build_optimizer, with_layers
-from core.measure.plan import MeasurePlan, checked_plan, estimate_for, plan_from
+from core.measure.plan import StepOptions, autocast_dtype, checked, estimate_for, plan_of_config
 from core.measure.tracker import StepMemory, TrackerError, main_phase, main_phase_peaks, track_live_tensors
 from core.train import methods
 
 
-def make_batch(config, plan: MeasurePlan, seed: int = 0) -> dict:
-    """A full batch of random tokens with labels: rows of seq_len tokens with an all-ones attention mask, as a
-    padding collator gives for equal-length rows; or, padding-free (or BFD-packed), what TRL's collator makes
-    of them: one row of every token with position_ids (two documents per packed row)."""
+def make_batch(config, plan: Plan, seed: int = 0) -> dict:
+    """A full batch of random tokens with labels, of the shape the planner plans (core.estimate.plan.batch_shape):
+    rows padded to the longest with an all-ones attention mask, as a padding collator gives for equal-length rows;
+    or, padding-free (or BFD-packed), what TRL's collator makes of them: one row of every token with position_ids
+    (two documents per packed row). `plan.batch_tokens` below the bound gives uneven rows: full rows of seq_len
+    and one shorter row with the rest (512 + 320 for 832 tokens at batch 2 x 512)."""
     g = torch.Generator().manual_seed(seed)
     own = methods.get(plan.objective).measure_batch(
         g, config.vocab_size, plan.batch_size, plan.seq_len, plan.precompute_ref
     )
     if own is not None:
         return own
-    ids = torch.randint(0, config.vocab_size, (plan.batch_size, plan.seq_len), generator=g)
-
     if not flat_batch(plan):
+        ids = torch.randint(0, config.vocab_size, (plan.batch_size, batch_shape(plan)[1]), generator=g)
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
     rows = []
-    for row in ids.tolist():
+    for length in row_lengths(plan):
+        row = torch.randint(0, config.vocab_size, (length,), generator=g).tolist()
         example = {"input_ids": row, "labels": row}
         if plan.packing:
-            half = max(1, plan.seq_len // 2)
-            example["seq_lengths"] = [half, plan.seq_len - half] if plan.seq_len > half else [plan.seq_len]
+            half = max(1, length // 2)
+            example["seq_lengths"] = [half, length - half] if length > half else [length]
         rows.append(example)
     return DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)(rows)
 
 
-def _trainer_forward(model, plan: MeasurePlan, device_type: str = "cpu"):
+def row_lengths(plan: Plan) -> list[int]:
+    """The rows of a flat batch: full rows of seq_len, then what is left of batch_tokens (0: the bound)."""
+    tokens = plan.batch_tokens or plan.batch_size * plan.seq_len
+    full, rest = divmod(tokens, plan.seq_len)
+    return [plan.seq_len] * full + ([rest] if rest else [])
+
+
+def _trainer_forward(model, plan: Plan, device_type: str = "cpu"):
     """Wrap forward as accelerate does under Trainer(bf16=True): autocast, outputs converted to fp32."""
-    dt = plan.autocast_dtype()
+    dt = autocast_dtype(plan)
     if dt is None:
         return contextlib.nullcontext()
     from accelerate.utils import convert_outputs_to_fp32
@@ -75,7 +83,9 @@ def _trainer_forward(model, plan: MeasurePlan, device_type: str = "cpu"):
     return restore()
 
 
-def run_step(model, optimizer, batch, plan: MeasurePlan, detail: bool = False) -> StepMemory:
+def run_step(
+    model, optimizer, batch, plan: Plan, options: StepOptions = StepOptions(), detail: bool = False
+) -> StepMemory:
     """One Trainer-like step under the tracker: forward + loss, backward, grad clipping, optimizer step,
     zero_grad(set_to_none)."""
     model.train()
@@ -99,9 +109,9 @@ def run_step(model, optimizer, batch, plan: MeasurePlan, detail: bool = False) -
         for h in hooks:
             h.remove()
         with tr.phase("optimizer"):
-            if plan.max_grad_norm:
+            if options.max_grad_norm:
                 params = [p for p in model.parameters() if p.grad is not None]
-                torch.nn.utils.clip_grad_norm_(params, plan.max_grad_norm)
+                torch.nn.utils.clip_grad_norm_(params, options.max_grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     result = tr.result()
@@ -148,7 +158,7 @@ def _decoder_layers(model):
     return max(lists, key=len)
 
 
-def _loss(model, batch, plan: MeasurePlan | None = None):
+def _loss(model, batch, plan: Plan | None = None):
     """The training loss as the trainer computes it; the outputs die here, before backward."""
     trainer = ENGINE_TRAINERS.get(model)
     if trainer is not None:
@@ -167,15 +177,17 @@ def _loss(model, batch, plan: MeasurePlan | None = None):
     return loss
 
 
-def measure_plan(config, plan, num_layers: int | None = None, cache_dir=None) -> StepMemory:
+def measure_plan(
+    config, plan: Plan, num_layers: int | None = None, cache_dir=None, options: StepOptions = StepOptions()
+) -> StepMemory:
     """One measured step of `plan` on a model built from `config` (at `num_layers` when given)."""
-    plan = checked_plan(copy.deepcopy(plan_from(plan)))
+    plan = checked(plan)
     if num_layers is not None:
         config = with_layers(config, num_layers)
     with tempfile.TemporaryDirectory() as tmp:
-        model, cfg = build_model(config, plan, cache_dir or tmp)
-        optimizer = build_optimizer(model, plan)
-        return run_step(model, optimizer, make_batch(cfg, plan), plan)
+        model, cfg = build_model(config, plan, cache_dir or tmp, options=options)
+        optimizer = build_optimizer(model, plan, options)
+        return run_step(model, optimizer, make_batch(cfg, plan), plan, options)
 
 
 # -- reduced depth ------------------------------------------------------------------------------------------
@@ -219,46 +231,54 @@ def num_layers_of(config) -> int:
     return int(n)
 
 
-def measure_depths(config, plan, layers=(2, 3), seq_lens=None, cache_dir=None) -> dict[int, DepthFit]:
+def measure_depths(
+    config, plan: Plan, layers=(2, 3), seq_lens=None, cache_dir=None, options: StepOptions = StepOptions()
+) -> dict[int, DepthFit]:
     """Measure `plan` at the real widths with layers[0] and layers[1] decoder layers, for each sequence length
     in `seq_lens` (default: the plan's). Returns {seq_len: DepthFit}; `fit.peak_at(num_layers_of(config))`.
 
     Why 2 and 3 layers by default, not 1 and 2: the first layer saves less (its input comes from a frozen
     embedding, so e.g. LoRA dropout keeps no mask there) and the last one differs too; a 1-layer model is both
     at once, so m(2) - m(1) is not a middle layer's bytes. From 2 layers on, each added layer is a middle one."""
-    plan = plan_from(plan)
     out = {}
     for s in seq_lens or [plan.seq_len]:
-        p = copy.copy(plan)
-        p.seq_len = s
-        small, large = (measure_plan(config, p, n, cache_dir) for n in layers)
+        p = replace(plan, seq_len=s)
+        small, large = (measure_plan(config, p, n, cache_dir, options) for n in layers)
         out[s] = DepthFit(tuple(layers), small, large)
     return out
 
 
 # -- the smoke-test hook ---------------------------------------------------------------------------------------
-def measure_config(model_dir_or_spec, plan_or_run_config, device: str = "cpu") -> dict:
-    """One real step of the user's model and config under the tracker, next to the planner's estimate.
+def measure_config(model_dir_or_spec, plan_or_run_config: Plan | dict, device: str = "cpu") -> dict:
+    """One real step of the user's model under the tracker, next to the planner's estimate of the same Plan.
     `model_dir_or_spec`: a local model folder (its weights are loaded) or a transformers config.
+    `plan_or_run_config`: a Plan (run on its own device) or a run config (planned for `device`).
     Returns {"measured": StepMemory as dict, "estimated": planner figures or None, "error": relative error}."""
-    plan = plan_from(plan_or_run_config)
-    if device != "cpu" and not torch.cuda.is_available():
-        raise TrackerError(f"device {device!r} asked for but CUDA is not available; use device='cpu'")
     src = model_dir_or_spec
     if isinstance(src, (str, os.PathLike)) and not (Path(src) / "config.json").exists():
         raise TrackerError(
             f"{src} is not a model folder (no config.json); pass a local model folder or a config"
         )
+    options = StepOptions()
+    if isinstance(plan_or_run_config, Plan):
+        plan = checked(plan_or_run_config)
+    else:
+        plan = plan_of_config(plan_or_run_config, device)
+        grad_norm = (plan_or_run_config.get("training") or {}).get("max_grad_norm")
+        options = StepOptions(max_grad_norm=1.0 if grad_norm is None else float(grad_norm))
+    device = plan.device
+    if device != "cpu" and not torch.cuda.is_available():
+        raise TrackerError(f"device {device!r} asked for but CUDA is not available; use device='cpu'")
     with tempfile.TemporaryDirectory() as tmp:
-        model, cfg = build_model(src, plan, tmp, device)
-        optimizer = build_optimizer(model, plan)
+        model, cfg = build_model(src, plan, tmp, options=options)
+        optimizer = build_optimizer(model, plan, options)
         batch = {k: v.to(device) for k, v in make_batch(cfg, plan).items()}
-        measured = run_step(model, optimizer, batch, plan)
+        measured = run_step(model, optimizer, batch, plan, options)
         if not isinstance(src, (str, os.PathLike)):  # the planner reads a folder's config.json
             src = Path(tmp) / "planner-config"
             src.mkdir()
             cfg.to_json_file(str(src / "config.json"))
-        estimated = estimate_for(str(src), plan, device)
+        estimated = estimate_for(str(src), plan)
     out = {"measured": measured.to_dict(), "estimated": estimated, "error": None}
     if estimated and estimated.get("tensor_peak_bytes"):
         # the planner predicts a steady step (optimizer state alive), which the first step's figures give

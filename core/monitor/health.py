@@ -4,10 +4,10 @@ Each warning names what is wrong with the figures that show it and what to chang
 stateful only where that saves work each tick: loss-spike detection looks at new loss points only, and the
 "first 200 steps" verdict is settled once.
 
-A DPO run (one that logs TRL's rewards/* figures; an SFT run never does, so these rules never fire on one) is
-also checked for not learning its preferences: the preference accuracy stuck at a coin flip, the reward margin
-not rising, and the chosen answers' log-probs collapsing while the margin grows. They judge only the points
-logged after a warm-up share of training.max_steps, and only once there are enough of them.
+A run whose method learns preferences (DPO, KTO: its core.train.methods module carries `health`, the rules' words
+for it) is also checked for not learning them: the preference accuracy stuck at a coin flip (DPO logs one), the
+reward margin not rising, and the preferred answers' log-probs collapsing while the margin grows. They judge only
+the points logged after a warm-up share of training.max_steps, and only once there are enough of them.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import numpy as np
 
 from core.fmt import gib
 from core.monitor.tail import RunSeries
+from core.train import methods
+from core.train.methods.base import Method
 
 GiB = 1024**3
 
@@ -26,7 +28,7 @@ GiB = 1024**3
 @dataclass
 class HealthWarning:
     # stable id: low_utilization, memory_high, nonfinite_loss, loss_spike, loss_flat, plan_mismatch,
-    # dpo_chance_accuracy, dpo_margin_flat, dpo_chosen_collapse
+    # preference_chance_accuracy, preference_margin_flat, preference_chosen_collapse
     code: str
     level: str  # "error" | "warning" | "info"
     title: str
@@ -68,14 +70,21 @@ class HealthChecker:
         self._series_id: int | None = None
 
     def check(
-        self, series: RunSeries, plan: dict | None = None, status: dict | None = None
+        self,
+        series: RunSeries,
+        plan: dict | None = None,
+        status: dict | None = None,
+        method: str | None = None,
     ) -> list[HealthWarning]:
+        """`method`: the run's (its config's); None: told by its figures (rewards/* are a preference run's)."""
         if id(series) != self._series_id:  # a rebuilt series (file replaced): forget what we learned
             self.__init__(self.s)
             self._series_id = id(series)
         state = (status or {}).get("state")
         live = state in (None, "starting", "running")
-        chance = self._dpo_chance(series, status, live)
+        m = methods.get(method) if method else methods.from_metrics(series.metrics)
+        pref = m.health is not None
+        chance = self._dpo_chance(m, series, status, live) if pref else None
         out: list[HealthWarning] = []
         for w in (
             self._nonfinite(
@@ -86,13 +95,13 @@ class HealthChecker:
             self._memory(series, plan),
             self._utilization(series) if state in (None, "starting", "running") else None,
             self._spikes_warning(series),
-            # a DPO loss starts at ln 2 and its own rules say whether it learns (with DPO's advice, not SFT's)
-            None if series.has_dpo_metrics else self._loss_flat(series),
+            # a preference loss starts at ln 2 and its own rules say whether it learns (with its advice, not SFT's)
+            None if pref else self._loss_flat(series),
             self._plan(series, plan),
             chance,
             # a margin that does not rise is what an accuracy at chance already says: one cause, one warning
-            None if chance else self._dpo_margin_flat(series, status, live),
-            self._dpo_collapse(series, status, live),
+            None if chance or not pref else self._dpo_margin_flat(m, series, status, live),
+            self._dpo_collapse(m, series, status, live) if pref else None,
         ):
             if w is not None:
                 out.append(w)
@@ -296,10 +305,10 @@ class HealthChecker:
             )
         return None
 
-    # --- DPO rules ---------------------------------------------------------------------------------------------
+    # --- preference rules (DPO, KTO) ---------------------------------------------------------------------------
 
     def _dpo_points(self, series: RunSeries, name: str, status: dict | None) -> tuple[np.ndarray, np.ndarray]:
-        """The finite points of a DPO figure logged after the warm-up; empty when too few to judge."""
+        """The finite points of a preference figure logged after the warm-up; empty when too few to judge."""
         steps, vals = series.metric(name)
         if not steps.size:
             return steps, vals
@@ -311,8 +320,13 @@ class HealthChecker:
             return np.empty(0), np.empty(0)
         return steps, vals
 
-    def _dpo_chance(self, series: RunSeries, status: dict | None, live: bool) -> HealthWarning | None:
-        steps, acc = self._dpo_points(series, "rewards/accuracies", status)
+    def _dpo_chance(
+        self, m: Method, series: RunSeries, status: dict | None, live: bool
+    ) -> HealthWarning | None:
+        h = m.health
+        if h.accuracy is None:
+            return None
+        steps, acc = self._dpo_points(series, h.accuracy, status)
         if not acc.size:
             return None
         n = self.s.dpo_window
@@ -324,25 +338,26 @@ class HealthChecker:
         if abs(mean - 0.5) > band or rising > band / 2:  # above chance, or on its way up
             return None
         margin = _last_finite(series, "rewards/margins")
-        evals = _last_finite(series, "eval_rewards/accuracies")
+        evals = _last_finite(series, "eval_" + h.accuracy)
         return HealthWarning(
-            "dpo_chance_accuracy",
+            "preference_chance_accuracy",
             "warning",
-            "DPO is not learning the preferences: accuracy is stuck at chance (0.5)",
-            f"rewards/accuracies averaged {mean:.2f} over the last {n} logged points (steps {int(steps[0])}-"
-            f"{int(steps[-1])}); 0.5 is a coin flip, so the model does not yet rank the chosen answer above the "
-            "rejected one"
+            f"{m.label} is not learning the preferences: accuracy is stuck at chance (0.5)",
+            f"{h.accuracy} averaged {mean:.2f} over the last {n} logged points (steps {int(steps[0])}-"
+            f"{int(steps[-1])}); 0.5 is a coin flip, so the model does not yet rank the {h.good} answer above the "
+            f"{h.bad} one"
             + (f"; the reward margin is {margin:.3g}" if margin is not None else "")
             + (f"; eval accuracy {evals:.2f}" if evals is not None else "")
             + ".",
             ("Stop the run and relaunch" if live else "Relaunch")
-            + " with a higher training.learning_rate (LoRA DPO usually trains at 5e-6 to 5e-5; 1e-6 is for full "
-            "fine-tunes) and a warmup that is not most of the run; check that the chosen and rejected answers "
-            "really differ and are not swapped in the data, and that training.loss_type is the one you meant "
-            "(sigmoid is standard DPO).",
+            + f" with a higher training.learning_rate ({h.learning_rate}) and a warmup that is not most of the run; "
+            f"check that the {h.good} and {h.bad} answers really differ and are not swapped in the data, and that "
+            f"training.loss_type is the one you meant ({h.loss_types}).",
         )
 
-    def _dpo_margin_flat(self, series: RunSeries, status: dict | None, live: bool) -> HealthWarning | None:
+    def _dpo_margin_flat(
+        self, m: Method, series: RunSeries, status: dict | None, live: bool
+    ) -> HealthWarning | None:
         steps, margins = self._dpo_points(series, "rewards/margins", status)
         if not margins.size:
             return None
@@ -358,22 +373,26 @@ class HealthChecker:
         )  # a batch-to-batch wobble, in the margin's own units
         if now - start > noise:
             return None
+        h = m.health
         return HealthWarning(
-            "dpo_margin_flat",
+            "preference_margin_flat",
             "warning",
-            "DPO reward margin is not rising",
+            f"{m.label} reward margin is not rising",
             f"rewards/margins: median {start:.3g} over the first {k} logged points and {now:.3g} over the last {k} "
             f"(to step {int(steps[-1])}), a rise of {now - start:.3g} against a point-to-point wobble of "
-            f"{noise:.3g}: the chosen answers are not gaining on the rejected ones.",
+            f"{noise:.3g}: the {h.good} answers are not gaining on the {h.bad} ones.",
             ("Stop the run and relaunch" if live else "Relaunch")
-            + " with a higher training.learning_rate (LoRA DPO usually trains at 5e-6 to 5e-5) or a higher "
-            "training.beta (the margin is beta times the log-ratio gap, so a tiny beta keeps it near 0); check "
-            "that LoRA targets the attention/MLP projections and that training.loss_type is the one you meant.",
+            + f" with a higher training.learning_rate ({h.learning_rate}) or a higher training.beta (the margin is "
+            "beta times the log-ratio gap, so a tiny beta keeps it near 0); check that LoRA targets the "
+            "attention/MLP projections and that training.loss_type is the one you meant.",
         )
 
-    def _dpo_collapse(self, series: RunSeries, status: dict | None, live: bool) -> HealthWarning | None:
+    def _dpo_collapse(
+        self, m: Method, series: RunSeries, status: dict | None, live: bool
+    ) -> HealthWarning | None:
         """rewards/chosen falling steadily while rewards/margins rise: the model wins the margin by pushing the
-        chosen answers down too (their log-prob collapses), a known DPO failure."""
+        preferred answers down too (their log-prob collapses), a known DPO failure (KTO's rewards/chosen are its
+        desirable answers')."""
         steps, chosen = self._dpo_points(series, "rewards/chosen", status)
         m_steps, margins = self._dpo_points(series, "rewards/margins", status)
         if not chosen.size or not margins.size:
@@ -394,16 +413,17 @@ class HealthChecker:
             return None
         logps = series.metric("logps/chosen")[1]
         logps = logps[np.isfinite(logps)]
+        h = m.health
         return HealthWarning(
-            "dpo_chosen_collapse",
+            "preference_chosen_collapse",
             "warning",
-            "DPO is pushing the chosen answers down: their log-probs are collapsing",
+            f"{m.label} is pushing the {h.good} answers down: their log-probs are collapsing",
             f"Over steps {int(min(steps[0], m_steps[0]))}-{int(steps[-1])} rewards/chosen fell steadily (median "
             f"{q[0]:.3g} in the first quarter, {q[-1]:.3g} in the last) while rewards/margins rose from {mq[0]:.3g} "
             f"to {mq[-1]:.3g}"
             + (f"; logps/chosen went from {logps[0]:.4g} to {logps[-1]:.4g}" if logps.size >= 2 else "")
-            + ": the margin grows because both answers lose probability, the rejected ones faster, and the "
-            "model drifts away from the chosen answers it should learn.",
+            + f": the margin grows because both answers lose probability, the {h.bad} ones faster, and the "
+            f"model drifts away from the {h.good} answers it should learn.",
             (
                 "Stop the run (a checkpoint from before the fall may be the better adapter) and relaunch"
                 if live

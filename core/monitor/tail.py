@@ -369,8 +369,8 @@ class RunSeries:
                 self.gpu_other_processes[idx] = others
 
     @property
-    def has_dpo_metrics(self) -> bool:
-        """The run logged what only TRL's DPOTrainer logs (rewards/*, train or eval)."""
+    def has_preference_metrics(self) -> bool:
+        """The run logged what only a preference trainer (DPO, KTO) logs: rewards/*, train or eval."""
         return any(name.startswith(("rewards/", "eval_rewards/")) for name in self.metrics)
 
     def metric(self, name: str) -> tuple[np.ndarray, np.ndarray]:

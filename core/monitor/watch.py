@@ -31,15 +31,8 @@ from core.monitor.series import downsample_minmax, stride
 from core.monitor.tail import RunFiles, RunSeries, TextTail
 from core.runs import rundir
 from core.train import methods
-from core.train.methods.dpo import METHOD as DPO_METHOD
 
 GiB = 1024**3
-
-
-CHANCE_ACCURACY = DPO_METHOD.charts[1].chance  # a coin flip's preference accuracy: what DPO must rise above
-
-
-DPO_CHARTS = tuple(f"dpo_{chart.key}" for chart in DPO_METHOD.charts)
 
 
 @dataclass
@@ -171,13 +164,13 @@ def run_method(run_dir: str | os.PathLike) -> str | None:
 
 
 def resolve_method(config_method: str | None, config_exists: bool, series: RunSeries) -> str | None:
-    """What the run is: DPO when its config says so or its metrics carry DPO's rewards (robust to a config that
-    is missing or unreadable); else the config's method, "sft" for a config without one (the default), None
-    when there is no config to tell."""
+    """What the run is: its config's method; without a readable config, the method whose figures it logged
+    (robust to a config that is missing or unreadable); "sft" for a config without one (the default), None when
+    nothing tells."""
     if config_method:
         return config_method
-    if series.has_dpo_metrics:  # no config to tell: rewards/* are a preference run's (DPO's, the older kind)
-        return "dpo"
+    if series.has_preference_metrics:  # no config to tell: rewards/* are a preference method's own figures
+        return methods.from_metrics(series.metrics).name
     return "sft" if config_exists else None
 
 
@@ -241,7 +234,7 @@ class RunWatcher:
             state = "unknown"
         health_key = (series.n_metric_records, series.n_gpu_records, state, id(plan), id(series))
         if health_key != self._health_key:
-            self._warnings = self.health.check(series, plan, status)
+            self._warnings = self.health.check(series, plan, status, method)
             self._health_key = health_key
         stderr = self.stderr.read()
         diagnosis = None

@@ -13,9 +13,12 @@ import json
 import sys
 from pathlib import Path
 
+from core.files import read_json_object, read_yaml_mapping
+from core.fmt import first_sentence, mem
 from core.runs import rundir
 from core.runs.admin import delete_run
 from core.runs.launcher import RunError, RunInfo, create_run, launch, list_runs, run_state, stop_run
+from core.train.config import field_errors
 from core.workspace import WorkspaceError, check_run_name, default_workspace, runs_dir
 
 EXIT_BAD_INPUT = 2
@@ -65,6 +68,9 @@ def _find(workspace: Path, name: str, leftovers: bool = False) -> Path:
     return path
 
 
+LIST_HEADER = f"{'NAME':<32} {'METH':<4} {'STATE':<9} {'STEP':>11}  {'LOSS':<13} PID"
+
+
 def _print_run(obj: dict, as_json: bool) -> None:
     if as_json:
         print(json.dumps(obj))
@@ -78,6 +84,50 @@ def _print_run(obj: dict, as_json: bool) -> None:
     )
     if obj["reason"] and obj["state"] in ("failed", "stopped"):
         print(f"    {obj['reason'].splitlines()[0]}")
+
+
+def show_lines(info: RunInfo) -> list[str]:
+    """The whole run for `show`: state and process, progress and last figures, why it ended, what it trains (its
+    config), its plan and its checkpoints. Every file is read bounded and may be missing or broken."""
+    obj = run_object(info)
+    raw = read_yaml_mapping(info.path / rundir.CONFIG)
+    cfg = field_errors(raw, here=False)[0] if raw else {}  # the library defaults filled in, never raising
+    plan = read_json_object(info.path / rundir.PLAN) or {}
+    of = f" of {obj['max_steps']}" if obj["max_steps"] else ""
+    process = f"pid {obj['pid']}, alive" if obj["alive"] else "no live process"
+    lines = [
+        f"{obj['name']}: {obj['method'] or '-'} run, {obj['state']} ({process})",
+        f"  folder       {obj['path']}",
+        f"  step         {obj['step']}{of}"
+        + (f", loss {obj['loss']:.4g}" if obj["loss"] is not None else ""),
+    ]
+    if obj.get("stall"):
+        lines.append(f"  stalled      {obj['stall']}")
+    if obj["reason"]:
+        lines.append(f"  reason       {first_sentence(obj['reason'])}")
+    if obj["malformed"]:
+        lines.append(f"  metrics      {obj['malformed']} malformed line(s) skipped")
+    model, data, lora, t = (
+        cfg.get(k) if isinstance(cfg.get(k), dict) else {} for k in ("model", "data", "lora", "training")
+    )
+    if cfg:
+        adapter = f"LoRA r{lora.get('r', '?')}" if lora.get("enabled", True) else "full fine-tune"
+        lines += [
+            f"  model        {model.get('path', '?')} ({adapter})",
+            f"  data         {data.get('path', '?')}",
+            f"  training     max_length {t.get('max_length', '?')}, batch {t.get('per_device_train_batch_size', '?')} x "
+            f"{t.get('gradient_accumulation_steps', '?')} accumulation, learning rate {t.get('learning_rate', '?')}",
+        ]
+    if isinstance(plan.get("device_total_bytes"), (int, float)):
+        device = (plan.get("plan") or {}).get("device", "?")
+        lines.append(
+            f"  plan         {mem(plan['device_total_bytes'])} on {device} ({plan.get('verdict', '?')}), tensor peak "
+            f"{mem(plan.get('tensor_peak_bytes') or 0)}"
+        )
+    ckpts = rundir.checkpoints(info.path)
+    newest = ", ".join(c.name for c in ckpts[:3])
+    lines.append(f"  checkpoints  {newest + ' (newest first)' if ckpts else 'none yet'}")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,10 +157,16 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(objs))
             elif not objs:
                 print(f"no runs in {runs_dir(workspace)}")
+            else:
+                print(LIST_HEADER)
             for obj in [] if args.json else objs:
                 _print_run(obj, False)
         elif args.command == "show":
-            _print_run(run_object(run_state(_find(workspace, args.name))), args.json)
+            info = run_state(_find(workspace, args.name))
+            if args.json:
+                _print_run(run_object(info), True)
+            else:
+                print("\n".join(show_lines(info)))
         elif args.command == "launch":
             from core.train.config import ConfigError, load_config
 

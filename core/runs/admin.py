@@ -150,7 +150,8 @@ def delete_run(run_dir: str | os.PathLike, workspace: str | os.PathLike) -> None
     info = run_state(target)
     if info.alive or info.state in LIVE_STATES:
         raise RunError(
-            f"Run {target.name} is {info.state} (pid {info.pid}): stop it on the Monitor page before deleting it."
+            f"Run {target.name} is {info.state} (pid {info.pid}): stop it first (Stop on the Monitor page, or "
+            f"`python -m core.runs stop {target.name}`), then delete it."
         )
     trash = root / f".deleting-{target.name}-{time.time_ns()}"
     os.replace(target, trash)

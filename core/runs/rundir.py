@@ -17,6 +17,7 @@ from pathlib import Path
 
 from core import procs
 from core.files import atomic_write_text, iter_jsonl_objects, read_json_object
+from core.fmt import nbytes
 from core.procs import LOCK, PID, STDERR, STDOUT  # noqa: F401 - names of the run directory too
 
 CONFIG = "config.yaml"  # the validated run config
@@ -81,7 +82,7 @@ def disk_full_reason(run_dir: str | os.PathLike, exc: BaseException | None = Non
     """status.json's reason for a run stopped by a full disk: where, how much is free, what to do."""
     free = ""
     with contextlib.suppress(OSError):
-        free = f" ({_size(shutil.disk_usage(run_dir).free)} free)"
+        free = f" ({nbytes(shutil.disk_usage(run_dir).free)} free)"
     what = ""
     if exc is not None:
         text = str(exc).strip().splitlines()
@@ -90,13 +91,6 @@ def disk_full_reason(run_dir: str | os.PathLike, exc: BaseException | None = Non
         f"disk full: no space left on the disk that holds {run_dir}{free}{what}. Free space there (or move the "
         "run to a larger disk), then resume the run."
     )
-
-
-def _size(n: float) -> str:
-    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= div:
-            return f"{n / div:.1f} {unit}"
-    return f"{int(n)} B"
 
 
 def _write_last_words(path: Path, text: str) -> None:
@@ -359,6 +353,12 @@ def check_run_dir(run_dir: Path, resume: bool) -> None:
     if resume or not run_dir.is_dir() or is_leftover(run_dir):
         return
     status = read_status(run_dir) or {}
+    owner = procs.other_owner(run_dir)
+    if owner:
+        raise RunRefused(
+            f"{run_dir} is being trained right now (pid {owner['pid']}): watch it (`python -m core.runs show`, the Monitor "
+            "page) or stop it first; give a new --run-dir for another run."
+        )
     if status.get("state") in (*END_STATES, "running") or any(
         (run_dir / name).exists() for name in TRAINED_MARKS
     ):

@@ -22,7 +22,7 @@ from core.runs import rundir
 from core.train.callbacks import StopFlag
 from core.train.config import ConfigError, check_with_libraries, load_config
 from core.train.data import DataError
-from core.train.preflight import check_model_folder, has_errors, load_tokenizer_and_config, run_preflight
+from core.train.preflight import check_model_folder, load_tokenizer_and_config, run_preflight
 from core.train.smoke import smoke_line
 from core.train.trainer import (
     EXIT_BAD_INPUT,
@@ -50,10 +50,11 @@ def dry_run(
             raise ConfigError(problem)
         tokenizer, model_config = load_tokenizer_and_config(cfg["model"])
         findings = run_preflight(cfg, tokenizer, model_config)
+        first = next((f for f in findings if f.level == "error"), None)
         for f in findings:
-            print(f"preflight: {f}", file=sys.stderr, flush=True)
-        if has_errors(findings):
-            first = next(f for f in findings if f.level == "error")
+            if f is not first:  # the first error is the exit message, printed once
+                print(f"preflight: {f}", file=sys.stderr, flush=True)
+        if first is not None:
             raise DataError(f"preflight: {first}")
         plan = plan_json(cfg, gpu_gb, device)
         written = write_accelerate_config(cfg, run_dir, gpu_gb) if run_dir else None

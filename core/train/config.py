@@ -196,8 +196,9 @@ def _special_checks(path: str, value: Any) -> str | None:
     return None
 
 
-def field_errors(raw: Any) -> tuple[dict, dict[str, str]]:
+def field_errors(raw: Any, here: bool = True) -> tuple[dict, dict[str, str]]:
     """(the config with defaults filled in and values coerced, {key path: one sentence}) for every problem.
+    here=False: the run is planned for another machine, so what this one lacks (a package) is no problem.
 
     A form shows each message next to its field; validate_config raises the first one.
     """
@@ -208,6 +209,7 @@ def field_errors(raw: Any) -> tuple[dict, dict[str, str]]:
         return default_config(), {
             "config": "The run config must be a mapping with the keys " + ", ".join(TOP_LEVEL) + "."
         }
+    errors.update(renamed_twice(raw))
     raw = migrate(raw)
     cfg = default_config()
     method = raw.get("method", "sft")
@@ -250,15 +252,16 @@ def field_errors(raw: Any) -> tuple[dict, dict[str, str]]:
                 continue
             cfg[top][key] = copy.deepcopy(value)
     if not errors:
-        problem = _combination_problem(cfg)
+        problem = _combination_problem(cfg) or (_missing_here(cfg) if here else None)
         if problem:
             errors[problem[0]] = problem[1]
     return cfg, errors
 
 
-def validate_config(raw: Any) -> dict:
-    """Fill defaults and check every key; return the complete config or raise ConfigError naming the key path."""
-    cfg, errors = field_errors(raw)
+def validate_config(raw: Any, here: bool = True) -> dict:
+    """Fill defaults and check every key; return the complete config or raise ConfigError naming the key path.
+    here=False: valid for some machine, not necessarily this one (the Estimate page plans any card)."""
+    cfg, errors = field_errors(raw, here)
     if errors:
         raise ConfigError(next(iter(errors.values())))
     return cfg
@@ -267,6 +270,25 @@ def validate_config(raw: Any) -> dict:
 def _short(value: Any, limit: int = 80) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def renamed_twice(raw: dict) -> dict[str, str]:
+    """{old key path: sentence} for each old spelling (RENAMED) set beside its new key: one of them would be
+    dropped silently, so the config says both and neither wins."""
+    out = {}
+    for (section, key), (new_section, new_key, _) in RENAMED.items():
+        old, new = raw.get(section), raw.get(new_section)
+        if not (isinstance(old, dict) and key in old and isinstance(new, dict) and new_key in new):
+            continue
+        if section not in OWN_SCHEMA and key in section_schema(section):
+            continue  # the library still knows the old key: it is a setting of its own
+        if (section, key) == (new_section, new_key):
+            continue
+        out[f"{section}.{key}"] = (
+            f"{section}.{key} and {new_section}.{new_key} are both set ({old[key]!r} and {new[new_key]!r}); "
+            f"{section}.{key} is the old name of {new_section}.{new_key}: keep one of them."
+        )
+    return out
 
 
 def migrate(raw: dict) -> dict:
@@ -333,13 +355,18 @@ def _combination_problem(cfg: dict) -> tuple[str, str] | None:
             "quantization.load_in_4bit needs lora.enabled: true (4-bit weights cannot be trained directly).",
         )
     # padding_free without packing: the engine truncates rows to max_length itself (TRL would refuse the pair).
-    if t.get("use_liger_kernel") and importlib.util.find_spec("liger_kernel") is None:
+    return distributed.combination_problem(cfg)
+
+
+def _missing_here(cfg: dict) -> tuple[str, str] | None:
+    """What this machine lacks for the config (a setting valid elsewhere)."""
+    if cfg["training"].get("use_liger_kernel") and importlib.util.find_spec("liger_kernel") is None:
         return (
             "training.use_liger_kernel",
             "training.use_liger_kernel needs the liger-kernel package and a CUDA GPU (pip install liger-kernel); "
             "set it to false on this machine.",
         )
-    return distributed.combination_problem(cfg)
+    return distributed.missing_here(cfg)
 
 
 def checkpointing(cfg: dict) -> bool:

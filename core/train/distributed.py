@@ -13,7 +13,8 @@ accelerate config the engine launches them with (`<run>/accelerate.yaml`, writte
 
 accelerate is the only engine (TRL, PEFT's docs, LLaMA-Factory's FSDP path and axolotl all launch through it);
 the four configs follow shared/design/multi-gpu.md section 3. The known-bad combinations are refused here, each
-with its reason and its fix (`combination_problem`); "more GPUs than the box has" needs the machine, so
+with its reason and its fix (`combination_problem`); what this machine lacks (`missing_here`: the deepspeed
+package) only where the run is planned for it; "more GPUs than the box has" needs the machine, so
 core.estimate.from_config checks it.
 """
 
@@ -133,7 +134,17 @@ def combination_problem(cfg: dict) -> tuple[str, str] | None:
             + (" and strategy auto picks DDP when the plan fits one card" if strategy == "auto" else "")
             + ": set use_reentrant: false (the engine's default) or strategy: fsdp.",
         )
-    if strategy == "deepspeed_zero3" and importlib.util.find_spec("deepspeed") is None:
+    return None
+
+
+def missing_here(cfg: dict) -> tuple[str, str] | None:
+    """What this machine lacks for the section (valid elsewhere: the Estimate page plans any machine)."""
+    d = cfg["distributed"]
+    if (
+        world_size(cfg) > 1
+        and d["strategy"] == "deepspeed_zero3"
+        and importlib.util.find_spec("deepspeed") is None
+    ):
         return (
             "distributed.strategy",
             "distributed.strategy deepspeed_zero3 needs the deepspeed package (pip install deepspeed) on every "

@@ -25,7 +25,8 @@ class Finding:
     rows: list[int] = field(default_factory=list)  # 1-based row numbers
 
     def __str__(self) -> str:
-        return f"{self.level.upper()} [{self.check}] {self.message} Fix: {self.fix}"
+        fix = f" Fix: {self.fix}" if self.fix else ""  # a message that already says how to fix it has none
+        return f"{self.level.upper()} [{self.check}] {self.message}{fix}"
 
 
 def format_rows(rows: list[int]) -> str:

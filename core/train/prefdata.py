@@ -284,7 +284,7 @@ def check_rows_with_tokenizer(
     try:
         rows = read_rows(cfg["data"])
     except DataError as exc:
-        return [Finding("error", "data", str(exc), "Point data.path at a readable dataset.")]
+        return [Finding("error", "data", str(exc), "")]  # the data error says how to fix it
     if tokenizer is None or model_config is None:
         tok, conf = load_tokenizer_and_config(cfg["model"])
         tokenizer, model_config = tokenizer or tok, model_config or conf

@@ -41,19 +41,44 @@ class Chart:
 
 
 @dataclass(frozen=True)
-class FormField:
-    """A setting of the method's own that the Train page shows as a field (written only for this method's runs:
-    the other methods' TRL configs do not know the key)."""
+class PreferenceHealth:
+    """What the Monitor's preference rules (core.monitor.health) judge for a method that learns preferences from
+    TRL's rewards/* figures, in that method's own words."""
 
-    state: str  # the page's widget key
-    section: str
-    key: str
+    accuracy: str | None  # the preference accuracy it logs (a coin flip is 0.5); None: it logs none
+    good: str  # what its data calls the preferred answers ("chosen", "desirable")
+    bad: str
+    learning_rate: str  # the usual range, for the advice
+    loss_types: str  # which training.loss_type is the standard one
+
+
+@dataclass(frozen=True)
+class Field:
+    """One run-config setting as the pages show it: the one field table (ui/fields.py holds the common ones; a method
+    lists its own in `Method.fields`, shown and written only for its runs, since the other methods' TRL configs do
+    not know the key). The Train and Estimate pages draw, fill and read every field through it."""
+
+    name: str  # the widget's key on a page: the page's prefix + name (tr_beta on the Train page)
+    path: str  # the run config's key path: "training.beta" ("method": the top-level key)
     label: str
-    kind: str  # "float" | "choice" | "bool" | "path"
-    default: Any
+    kind: str  # "text" | "path" | "int" | "float" | "bool" | "choice" | "targets"
+    default: Any = None  # a method's own field: its value when the config has none
     choices: tuple = ()
     help: str = ""
     as_list: bool = False  # the library takes a list (DPOConfig.loss_type); the form edits its first item
+    step: float | None = None
+    fmt: str | None = None
+    flat_only: bool = (
+        False  # SFTTrainer's batch shapes (padding-free, packing): off without traits.flat_batches
+    )
+
+    @property
+    def section(self) -> str:
+        return self.path.partition(".")[0]
+
+    @property
+    def key(self) -> str:
+        return self.path.partition(".")[2]
 
 
 @dataclass(frozen=True)
@@ -72,7 +97,8 @@ class Method:
     charts: tuple[Chart, ...] = ()
     # the figure the Runs page and `runs list` summarise a run by (eval twin preferred), with its label
     headline: tuple[tuple[str, str], ...] = ()
-    fields: tuple[FormField, ...] = ()  # its own settings on the Train page
+    health: PreferenceHealth | None = None  # the Monitor's preference rules, in this method's words
+    fields: tuple[Field, ...] = ()  # its own settings on the Train page
     data_noun: str = "rows"  # what its data is, for sentences: "preference pairs", "rated answers"
     row_noun: str = "rows"  # what one row is, counted: "512 pairs"
     choice: str = ""  # the method as the Train page offers it: "DPO (preference pairs)"

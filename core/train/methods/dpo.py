@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from core.train.data import DataError, load_rows
-from core.train.methods.base import Chart, FormField, Method, PlanTraits, fill_to
+from core.train.methods.base import Chart, Field, Method, PlanTraits, PreferenceHealth, fill_to
 from core.train.prefdata import (
     detect_pref_format,
     load_pref_rows,
@@ -34,20 +34,18 @@ LOSS_TYPES = (
     "apo_down",
 )
 REFERENCE_FIELDS = (
-    FormField(
-        "tr_precompute",
-        "training",
-        "precompute_ref_log_probs",
+    Field(
+        "precompute",
+        "training.precompute_ref_log_probs",
         "Precompute reference",
         "bool",
         False,
         help="training.precompute_ref_log_probs: the reference's log-probs once before training (no reference "
         "forward in each step)",
     ),
-    FormField(
-        "tr_reference",
-        "model",
-        "reference_path",
+    Field(
+        "reference",
+        "model.reference_path",
         "Reference model folder (empty: the base with the adapter off)",
         "path",
         "",
@@ -157,13 +155,19 @@ METHOD = DPO(
         ),
     ),
     headline=(("rewards/accuracies", "reward accuracy"), ("rewards/margins", "reward margin")),
+    health=PreferenceHealth(
+        accuracy="rewards/accuracies",
+        good="chosen",
+        bad="rejected",
+        learning_rate="LoRA DPO usually trains at 5e-6 to 5e-5; 1e-6 is for full fine-tunes",
+        loss_types="sigmoid is standard DPO",
+    ),
     measure_rows=({"prompt": "hello", "chosen": "HELLO!", "rejected": "HELLO"},),
     fields=(
-        FormField("tr_beta", "training", "beta", "DPO beta", "float", 0.1, help="training.beta"),
-        FormField(
-            "tr_loss_type",
-            "training",
+        Field("beta", "training.beta", "DPO beta", "float", 0.1, help="training.beta"),
+        Field(
             "loss_type",
+            "training.loss_type",
             "DPO loss",
             "choice",
             "sigmoid",

@@ -9,7 +9,7 @@ from core.train.feedback import (
     preview_feedback,
     run_feedback_preflight,
 )
-from core.train.methods.base import Chart, FormField, Method, PlanTraits, fill_to
+from core.train.methods.base import Chart, Field, Method, PlanTraits, PreferenceHealth, fill_to
 from core.train.methods.dpo import REFERENCE_FIELDS
 
 
@@ -123,31 +123,35 @@ METHOD = KTO(
         ),
     ),
     headline=(("rewards/margins", "reward margin"),),
+    health=PreferenceHealth(
+        accuracy=None,  # KTOTrainer logs no preference accuracy: its rows are not pairs
+        good="desirable",
+        bad="undesirable",
+        learning_rate="LoRA KTO usually trains at 5e-6 to 5e-5; 5e-7 to 5e-6 is for full fine-tunes",
+        loss_types="kto is standard KTO",
+    ),
     fields=(
-        FormField("tr_beta", "training", "beta", "KTO beta", "float", 0.1, help="training.beta"),
-        FormField(
-            "tr_kto_loss",
-            "training",
-            "loss_type",
+        Field("beta", "training.beta", "KTO beta", "float", 0.1, help="training.beta"),
+        Field(
+            "kto_loss",
+            "training.loss_type",
             "KTO loss",
             "choice",
             "kto",
             ("kto", "apo_zero_unpaired"),
             help="training.loss_type",
         ),
-        FormField(
-            "tr_desirable",
-            "training",
-            "desirable_weight",
+        Field(
+            "desirable",
+            "training.desirable_weight",
             "Weight of good answers",
             "float",
             1.0,
             help="training.desirable_weight: raise it when good answers are rarer than bad ones",
         ),
-        FormField(
-            "tr_undesirable",
-            "training",
-            "undesirable_weight",
+        Field(
+            "undesirable",
+            "training.undesirable_weight",
             "Weight of bad answers",
             "float",
             1.0,

@@ -112,7 +112,7 @@ def sft_findings(cfg: dict, tokenizer=None, model_config=None) -> list[Finding]:
     try:
         ds = load_rows(data)
     except DataError as exc:
-        return [Finding("error", "data", str(exc), "Point data.path at a readable dataset.")]
+        return [Finding("error", "data", str(exc), "")]  # the data error says how to fix it
     if len(ds) == 0:
         return [
             Finding("error", "data", f"{data['path']} has no rows.", "Give a dataset with at least one row.")

@@ -1,0 +1,95 @@
+"""`python -m core.runs` as a terminal user reads it (issue #21 item 20): a list with a header, a `show` that shows
+the whole run, and sentences that point at the command line, not at a page."""
+
+import json
+import subprocess
+import sys
+import time
+
+from core import procs
+from tests.cli import REPO, runs
+
+
+def _ended_run(workspace, name="demo-1"):
+    run = workspace / "runs" / name
+    (run / "checkpoints" / "checkpoint-10").mkdir(parents=True)
+    (run / "checkpoints" / "checkpoint-20").mkdir()
+    (run / "config.yaml").write_text(
+        "method: sft\nmodel: {path: /models/base}\ndata: {path: /data/train.jsonl}\n"
+        "training: {max_length: 256, per_device_train_batch_size: 2, gradient_accumulation_steps: 4, "
+        "learning_rate: 0.0002}\n"
+    )
+    (run / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, "loss": 2.0 / s, "time": 1000.0 + s}) + "\n" for s in (10, 20))
+    )
+    (run / "status.json").write_text(
+        json.dumps(
+            {"state": "stopped", "step": 20, "max_steps": 100, "reason": "stopped by SIGTERM at step 20"}
+        )
+    )
+    (run / "plan.json").write_text(
+        json.dumps(
+            {
+                "device_total_bytes": 3 * 2**30,
+                "tensor_peak_bytes": 2**30,
+                "verdict": "fits",
+                "plan": {"device": "cpu"},
+            }
+        )
+    )
+    return run
+
+
+def test_list_has_a_header_and_show_shows_the_whole_run(tmp_path):
+    ws = tmp_path / "ws"
+    run = _ended_run(ws)
+    listed = runs(ws, "list")
+    assert listed.returncode == 0, listed.stderr
+    header, row = listed.stdout.splitlines()[:2]
+    assert header.split()[:5] == ["NAME", "METH", "STATE", "STEP", "LOSS"] and row.startswith("demo-1")
+    shown = runs(ws, "show", "demo-1")
+    assert shown.returncode == 0, shown.stderr
+    out = shown.stdout
+    assert out != listed.stdout and out.startswith("demo-1: sft run, stopped (no live process)")
+    for expected in (
+        f"folder       {run}",
+        "step         20 of 100, loss 0.1",
+        "reason       Stopped by SIGTERM at step 20",
+        "model        /models/base (LoRA r16)",
+        "data         /data/train.jsonl",
+        "max_length 256, batch 2 x 4 accumulation",
+        "plan         3.00 GiB on cpu (fits)",
+        "checkpoints  checkpoint-20, checkpoint-10 (newest first)",
+    ):
+        assert expected in out, (expected, out)
+
+
+def test_texts_for_a_live_run_point_at_the_command_line(tmp_path):
+    """A run whose trainer still lives: delete says how to stop it from here; core.train into its folder says it
+    is being trained now (not "continue it with --resume")."""
+    ws = tmp_path / "ws"
+    run = _ended_run(ws, "live-1")
+    (run / "status.json").write_text(json.dumps({"state": "running", "step": 20, "max_steps": 100}))
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        procs.write_pid_info(run, owner.pid)  # the trainer of record: another process that runs
+        time.sleep(0.2)
+        deleted = runs(ws, "delete", "live-1")
+        assert deleted.returncode == 2 and "`python -m core.runs stop live-1`" in deleted.stderr, (
+            deleted.stderr
+        )
+        trained = subprocess.run(
+            [sys.executable, "-m", "core.train", str(run / "config.yaml"), "--run-dir", str(run)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert trained.returncode == 2, trained.stderr[-2000:]
+        assert (
+            f"is being trained right now (pid {owner.pid})" in trained.stderr
+            and "--resume" not in trained.stderr
+        )
+    finally:
+        owner.kill()
+        owner.wait()
