@@ -123,13 +123,17 @@ def worker(model_dir: str, mode: str, out_dir: str, seq_len: int) -> None:
             device_used=torch.cuda.mem_get_info()[1] - torch.cuda.mem_get_info()[0],
         )
     Path(out_dir, f"{mode}-rank{rank}.json").write_text(json.dumps(out))
+    dist.barrier()  # both ranks leave together: a rank left alone in teardown can wait on gloo forever
     dist.destroy_process_group()
 
 
 def run_mode(mode: str, model_dir: Path, out: Path, nproc: int, seq_len: int) -> list[dict]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     cmd += [__file__, "--worker", mode, str(model_dir), str(out), str(seq_len)]
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900)
+    except subprocess.TimeoutExpired as exc:
+        raise RuntimeError(f"{mode}: torchrun did not finish in {exc.timeout} s") from None
     if done.returncode != 0:
         raise RuntimeError(f"{mode}: torchrun exited {done.returncode}: {done.stderr[-2000:]}")
     return [json.loads((out / f"{mode}-rank{r}.json").read_text()) for r in range(nproc)]

@@ -66,6 +66,7 @@ def main(model_dir: str, mode: str, out_dir: str) -> None:
         "optimizer_states": states,
     }
     Path(out_dir, f"{mode}-{rank}.json").write_text(json.dumps(out))
+    dist.barrier()  # both ranks leave together: a rank left alone in teardown can wait on gloo forever
     dist.destroy_process_group()
 
 

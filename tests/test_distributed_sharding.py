@@ -57,7 +57,7 @@ def planned(model_dir: Path, gpus: int, strategy: str) -> dict:
 def test_each_rank_holds_what_the_planner_plans_per_gpu(model_dir, tmp_path, mode, strategy):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     done = subprocess.run(
-        [*cmd, str(WORKER), str(model_dir), mode, str(tmp_path)], capture_output=True, text=True
+        [*cmd, str(WORKER), str(model_dir), mode, str(tmp_path)], capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, done.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"{mode}-{r}.json").read_text()) for r in (0, 1)]
@@ -76,7 +76,10 @@ def test_multi_gpu_truth_takes_its_code_path_on_two_cpu_processes(tmp_path):
     the same way on 2 gloo ranks and plans each strategy."""
     script = Path(__file__).resolve().parent.parent / "benchmarks" / "multi_gpu_truth.py"
     done = subprocess.run(
-        [sys.executable, str(script), "--dry-run", "--out", str(tmp_path)], capture_output=True, text=True
+        [sys.executable, str(script), "--dry-run", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=1200,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1].startswith("multi_gpu_truth (dry run, cpu): 2 strategies ran")
