@@ -16,7 +16,7 @@ def minimal(**sections):
 
 def test_defaults_fill_every_section():
     cfg = validate_config(minimal())
-    assert set(cfg) == {"method", "model", "quantization", "lora", "data", "training"}
+    assert set(cfg) == {"method", "model", "quantization", "lora", "data", "training", "distributed"}
     assert cfg["lora"]["r"] == default_config()["lora"]["r"]
     assert cfg["model"]["path"] == "some/model"
 

@@ -57,8 +57,8 @@ def dataset(tmp_path_factory):
 def test_every_path_yields_the_same_plan(tiny_llama, dataset, variant):
     cfg = _config(tiny_llama, dataset, VARIANTS[variant])
     plan = plan_for_config(cfg, 24.0, "cuda")
-    assert asdict(plan) == estimate_for_config(cfg, 24.0, "cuda").plan  # the Train page and the launcher
-    assert plan_json(cfg, 24.0, "cuda")["plan"] == asdict(plan)  # --dry-run and a CLI run's plan.json
+    assert plan.to_dict() == estimate_for_config(cfg, 24.0, "cuda").plan  # the Train page and the launcher
+    assert plan_json(cfg, 24.0, "cuda")["plan"] == plan.to_dict()  # --dry-run and a CLI run's plan.json
     assert estimate(plan).tensor_peak_bytes == plan_json(cfg, 24.0, "cuda")["tensor_peak_bytes"]
     assert plan.objective == "sft" and plan.fused_lm_head and not plan.prepare_kbit  # what SFTTrainer does
 

@@ -46,6 +46,7 @@ from core.estimate.plan import (
     largest_batch_tokens,
     validate,
 )
+from core.estimate.shard_terms import ACCURACY_NOTE, DISTRIBUTED_COMPONENTS, Sharding, apply, shard
 from core.estimate.specs import ModelSpec, load_spec, lora_targets, normalize_targets
 from core.estimate.static_terms import (
     optimizer_state_bytes,
@@ -97,14 +98,29 @@ class StepTerms:
 
 
 def estimate(plan: Plan, spec: ModelSpec | None = None) -> Estimate:
-    """The whole memory bill of one training step of `plan`. Raises PlanError / SpecError on bad input."""
+    """The whole memory bill of one training step of `plan` (per GPU when it trains on several). Raises
+    PlanError / SpecError on bad input."""
     warnings = validate(plan)
     spec = spec or load_spec(plan.model)
     targets = (
         lora_targets(spec.model_id, normalize_targets(plan.target_modules)) if plan.method != "full" else ()
     )
     warnings += check_against_spec(spec, plan, targets)
+    if plan.gpus > 1 and plan.strategy == "auto":
+        # DDP when the plan fits one card (fastest: nothing gathered), else FSDP full shard
+        ddp = _estimate(replace(plan, strategy="ddp"), plan, spec, targets, warnings)
+        if ddp.verdict == "fits":
+            return ddp
+        return _estimate(replace(plan, strategy="fsdp"), plan, spec, targets, warnings)
+    return _estimate(plan, plan, spec, targets, warnings)
+
+
+def _estimate(plan: Plan, asked: Plan, spec: ModelSpec, targets, warnings: list[str]) -> Estimate:
     t = step_terms(plan, spec, targets)
+    sharding = None
+    if plan.gpus > 1:
+        sharding = shard(plan, spec, t.static, t.grads, t.opt_temp, t.trainable, t.param_bytes)
+        t = replace(t, static=sharding.static, grads=sharding.grads, opt_temp=sharding.opt_temp)
     phase_components = {
         "forward": forward_moment(t),
         "optimizer": {**t.static, "gradients": t.grads, "optimizer_temporaries": t.opt_temp},
@@ -112,7 +128,9 @@ def estimate(plan: Plan, spec: ModelSpec | None = None) -> Estimate:
     }
     if t.kv_cache:
         phase_components["eval"] = {**t.static, "kv_cache": t.kv_cache}
-    return _bill(plan, t, phase_components, warnings)
+    if sharding:
+        phase_components = apply(sharding, phase_components)
+    return _bill(asked, t, phase_components, list(warnings) + ([ACCURACY_NOTE] if sharding else []), sharding)
 
 
 def step_terms(plan: Plan, spec: ModelSpec, targets) -> StepTerms:
@@ -305,8 +323,11 @@ def backward_moment(t: StepTerms) -> dict:
     return max(moments, key=lambda c: sum(c.values()))
 
 
-def _bill(asked: Plan, t: StepTerms, phase_components: dict, warnings: list[str]) -> Estimate:
-    """The Estimate: the peak phase, the allocator's overhead and the CUDA context on top, the verdict."""
+def _bill(
+    asked: Plan, t: StepTerms, phase_components: dict, warnings: list[str], sharding: Sharding | None = None
+) -> Estimate:
+    """The Estimate: the peak phase, the allocator's overhead and the CUDA context on top, the verdict (per GPU
+    when `sharding` spreads the plan over several)."""
     plan, spec = t.plan, t.spec
     phases = {name: sum(c.values()) for name, c in phase_components.items()}
     peak_phase = max(phases, key=phases.get)
@@ -315,22 +336,28 @@ def _bill(asked: Plan, t: StepTerms, phase_components: dict, warnings: list[str]
         allocator = context = 0
     else:
         share = FRAGMENTATION_EXPANDABLE if plan.expandable_segments else FRAGMENTATION
-        allocator = int(share * (tensor_peak - sum(t.static.values())))
+        # the load moment's weights are allocated once and kept (nothing comes and goes): no fragmentation share
+        held = tensor_peak if peak_phase == "load" else sum(t.static.values())
+        allocator = int(share * max(0, tensor_peak - held))
         context = CUDA_CONTEXT_BYTES
+    nccl = sharding.nccl if sharding else 0
     reserved = tensor_peak + allocator
-    device_total = reserved + context + t.opt_paged
-    components = dict.fromkeys(COMPONENT_ORDER, 0)
+    device_total = reserved + context + nccl + t.opt_paged
+    order = COMPONENT_ORDER + (DISTRIBUTED_COMPONENTS if sharding else ())
+    components = dict.fromkeys(order, 0)
     components.update(phase_components[peak_phase])
     components.update(
         {"allocator_overhead": allocator, "cuda_context": context, "paged_optimizer_states": t.opt_paged}
     )
+    if sharding:
+        components["nccl_context"] = nccl
     gpu = plan.gpu_bytes
     frac = device_total / gpu
     verdict = "fits" if frac <= FIT_LIMIT else ("tight" if frac <= 1.0 else "does not fit")
     return Estimate(
         plan=asked.to_dict(),
         model_id=spec.model_id,
-        components={k: int(components[k]) for k in COMPONENT_ORDER},
+        components={k: int(components[k]) for k in order},
         phases={k: int(v) for k, v in phases.items()},
         phase_components={k: {n: int(b) for n, b in c.items()} for k, c in phase_components.items()},
         tensor_peak_bytes=int(tensor_peak),
@@ -349,6 +376,7 @@ def _bill(asked: Plan, t: StepTerms, phase_components: dict, warnings: list[str]
         batch_rows=t.batch,
         batch_length=plan.seq_len,
         warnings=warnings,
+        distributed=sharding.record() if sharding else None,
     )
 
 
@@ -370,4 +398,4 @@ COMPONENT_ORDER = (
     "paged_optimizer_states",
 )
 # Terms outside torch's allocator stats (not in tensor/reserved peak, but on the card)
-OUTSIDE_TORCH = ("cuda_context", "paged_optimizer_states")
+OUTSIDE_TORCH = ("cuda_context", "paged_optimizer_states", "nccl_context")

@@ -13,13 +13,14 @@ from dataclasses import replace
 
 from core.estimate.bill import OUTSIDE_TORCH, estimate, estimate_for_lengths
 from core.estimate.fit import fit_search
-from core.estimate.from_config import local_card, plan_for_config
+from core.estimate.from_config import gpu_problem, local_card, plan_for_config
 from core.estimate.levers import lever_savings, modelled_note, what_would_fit, with_every_lever
 from core.estimate.plan import Estimate, GiB, Plan, PlanError
 from core.estimate.specs import SpecError, preset_ids
 from core.fmt import gib
 from core.train import methods
 from core.train.config import ConfigError, load_config
+from core.train.config_keys import STRATEGIES
 from core.train.data import DataError, preview_dataset
 from core.train.findings import load_tokenizer_and_config
 
@@ -44,8 +45,16 @@ def format_table(est: Estimate, fit: dict | None = None, advice: list[dict] | No
         lines.append(
             f"{'pinned CPU RAM':<26}{b:>16,}  {gib(b, width=7)}  (activation offloading; not on the card)"
         )
+    d = est.distributed
+    if d and d["cpu_offload_bytes"]:
+        b = d["cpu_offload_bytes"]
+        lines.append(f"{'CPU RAM (offloaded)':<26}{b:>16,}  {gib(b, width=7)}  (cpu_offload; per process)")
     lines.append(f"peak phase: {est.peak_phase};  KV cache per token: {est.kv_cache_bytes_per_token:,} bytes")
-    lines.append(f"verdict: {est.verdict} ({est.fraction:.0%} of the card; aim for 85-90%)")
+    if d:
+        load = f"; load peak {gib(d['load_peak_bytes'])}" if d["load_peak_bytes"] else ""
+        lines.append(f"{d['gpus']} GPUs, strategy {d['strategy']}: every figure above is per GPU{load}")
+    per = " per GPU" if d else ""
+    lines.append(f"verdict{per}: {est.verdict} ({est.fraction:.0%} of the card; aim for 85-90%)")
     if est.reference:
         lines.append(f"Reference model: {est.reference}")
     if fit:
@@ -159,8 +168,32 @@ def _parser() -> argparse.ArgumentParser:
         help=f"default {d.device}; with --config: the device this machine trains on, as the trainer plans (a GPU "
         "when --gpu-gb is given)",
     )
+    _multi_gpu_flags(p, d)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
+
+
+def _multi_gpu_flags(p: argparse.ArgumentParser, d: Plan) -> None:
+    """--gpus, --strategy, --cpu-offload: None unless given, so that --config keeps its distributed section."""
+    multi = p.add_argument_group("several GPUs (the run config's distributed section)")
+    multi.add_argument(
+        "--gpus",
+        type=int,
+        help=f"processes (GPUs) over every machine; the figures are then per GPU (default {d.gpus}; with "
+        "--config: the config's)",
+    )
+    multi.add_argument(
+        "--strategy",
+        choices=STRATEGIES,
+        help=f"how they share the model: auto (DDP when one card holds the plan, else FSDP), ddp, fsdp, "
+        f"deepspeed_zero3 (default {d.strategy}; with --config: the config's)",
+    )
+    multi.add_argument(
+        "--cpu-offload",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="fsdp / deepspeed_zero3: parameters, gradients and optimizer states in CPU RAM",
+    )
 
 
 class _ArgError(Exception):
@@ -193,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.config:
         args.gpu_gb = Plan.gpu_gb if args.gpu_gb is None else args.gpu_gb
         args.device = args.device or Plan.device
+        for name in ("gpus", "strategy", "cpu_offload"):
+            if getattr(args, name) is None:
+                setattr(args, name, getattr(Plan, name))
     values = {
         k: v for k, v in vars(args).items() if k not in ("list_models", "json", "config", "data_lengths")
     }
@@ -279,6 +315,9 @@ def _plan_from_config(cfg: dict, args) -> Plan:
         args.device = "cuda"  # a card's size names a GPU: plan that card
     if args.gpu_gb is None or args.device is None:
         card = local_card()
+        problem = gpu_problem(cfg, card)
+        if problem:
+            raise PlanError(problem)
         args.gpu_gb = card.gpu_gb if args.gpu_gb is None else args.gpu_gb
         args.device = args.device or card.device
     plan = plan_for_config(
@@ -288,7 +327,10 @@ def _plan_from_config(cfg: dict, args) -> Plan:
         expandable_segments=args.expandable_segments,
         model=args.model,
     )
-    return replace(plan, batch_tokens=args.batch_tokens) if args.batch_tokens else plan
+    given = {k: getattr(args, k) for k in ("gpus", "strategy", "cpu_offload") if getattr(args, k) is not None}
+    if args.batch_tokens:
+        given["batch_tokens"] = args.batch_tokens
+    return replace(plan, **given) if given else plan
 
 
 if __name__ == "__main__":

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from core.estimate.bill import estimate
-from core.estimate.plan import Plan
+from core.estimate.plan import Plan, PlanError
 from core.monitor.gpu import detect_gpus
 from core.precision import SHORT, Device, resolve
-from core.train import methods
+from core.train import distributed, methods
 from core.train.config import checkpointing, default_config, validate_config
 from core.train.config_keys import DTYPES, SECTIONS
 
@@ -91,6 +91,10 @@ def plan_for_config(
         packing_strategy=t.get("packing_strategy") or "bfd",
         activation_offloading=bool(t.get("activation_offloading")),
         liger=bool(t.get("use_liger_kernel")),
+        # the distributed section: every process of every machine shares the model (gpu_gb is each card's)
+        gpus=distributed.world_size(cfg),
+        strategy=cfg["distributed"]["strategy"],
+        cpu_offload=bool(cfg["distributed"]["cpu_offload"]) and distributed.world_size(cfg) > 1,
     )
     return Plan(**fields)
 
@@ -127,6 +131,7 @@ class Card:
     device: str  # "cuda" | "cpu"
     gpu_gb: float
     label: str  # for a sentence: "the NVIDIA RTX 4090", "this machine's CPU (no CUDA GPU)"
+    count: int = 1  # the CUDA GPUs torch can use here (0 on a machine without one)
 
 
 def local_card() -> Card:
@@ -138,10 +143,59 @@ def local_card() -> Card:
         import torch
 
         if torch.cuda.is_available():
-            return Card("cuda", gpus[0].memory_total / 2**30, f"the {gpus[0].name}")
+            return Card(
+                "cuda", gpus[0].memory_total / 2**30, f"the {gpus[0].name}", torch.cuda.device_count()
+            )
     import psutil
 
-    return Card("cpu", psutil.virtual_memory().total / 2**30, "this machine's CPU and RAM (no CUDA GPU)")
+    return Card("cpu", psutil.virtual_memory().total / 2**30, "this machine's CPU and RAM (no CUDA GPU)", 0)
+
+
+def gpu_problem(cfg: dict, card: Card) -> str | None:
+    """One sentence when the distributed section asks for GPUs this machine does not have (the count torch sees,
+    the card detection local_card uses), else None."""
+    gpus = cfg["distributed"]["gpus"]
+    if gpus == 1:
+        return None  # one process: the card the plan is made for
+    have = card.count if card.device == "cuda" else 0
+    where = f"this machine has {have} CUDA GPU{'s' if have != 1 else ''}" + (
+        f" ({card.label})" if have else ""
+    )
+    if isinstance(gpus, list):
+        missing = [i for i in gpus if i >= have]
+        if missing:
+            valid = f"ids 0 to {have - 1}" if have else "no ids"
+            return f"distributed.gpus names GPU {missing[0]} but {where}: use {valid}."
+        return None
+    if gpus > have:
+        fix = f"set gpus: {have} or fewer" if have > 1 else "set gpus: 1 (one process)"
+        return (
+            f"distributed.gpus asks for {gpus} GPUs but {where}: {fix}, or plan another card with --gpu-gb."
+        )
+    return None
+
+
+def resolve_strategy(cfg: dict, gpu_gb: float | None = None) -> str | None:
+    """The strategy a run of `cfg` uses on several GPUs (auto resolved by the plan: DDP when it fits one card,
+    else FSDP), or None for one process. On this machine's card unless `gpu_gb` names one."""
+    if distributed.world_size(cfg) == 1:
+        return None
+    if gpu_gb is None:
+        card = local_card()
+        problem = gpu_problem(cfg, card)
+        if problem:
+            raise PlanError(problem)
+        gpu_gb = card.gpu_gb
+    return estimate_for_config(cfg, gpu_gb, "cuda").distributed["strategy"]
+
+
+def write_accelerate_config(cfg: dict, run_dir, gpu_gb: float | None = None):
+    """`<run_dir>/accelerate.yaml` for a run on several GPUs (its strategy resolved by the plan), or None for one
+    process: what `accelerate launch --config_file` takes."""
+    strategy = resolve_strategy(cfg, gpu_gb)
+    if strategy is None:
+        return None
+    return distributed.write_accelerate_config(cfg, run_dir, strategy, resolve(cfg, Device.of("cuda")))
 
 
 def plan_json(
@@ -154,6 +208,9 @@ def plan_json(
         device = "cuda"  # a card's size names a GPU: plan that card
     if gpu_gb is None or device is None:
         card = local_card()
+        problem = gpu_problem(cfg, card)
+        if problem:
+            raise PlanError(problem)
         gpu_gb = card.gpu_gb if gpu_gb is None else gpu_gb
         device = device or card.device
     return plan_record(estimate_for_config(cfg, gpu_gb, device, batch_size, smoke=smoke))
@@ -260,6 +317,16 @@ def plan_to_config(plan: Any, base: dict | None = None) -> dict:
     if quant:
         put("quantization", "bnb_4bit_quant_type", str(quant).lower())
     put("quantization", "bnb_4bit_use_double_quant", _get(plan, "double_quant"), bool)
+    # several GPUs: the plan's process count is this machine's (num_machines stays as the base has it)
+    gpus = _get(plan, "gpus")
+    if gpus is not None:
+        machines = cfg["distributed"].get("num_machines") or 1
+        per_machine = max(1, int(gpus) // machines)
+        now = cfg["distributed"].get("gpus", 1)
+        if (len(now) if isinstance(now, list) else now) != per_machine:  # a list of ids of that length stays
+            cfg["distributed"]["gpus"] = per_machine
+    put("distributed", "strategy", _get(plan, "strategy"), str)
+    put("distributed", "cpu_offload", _get(plan, "cpu_offload"), bool)
 
     if cfg["model"].get("path") and cfg["data"].get("path"):
         return validate_config(cfg)

@@ -283,6 +283,7 @@ def _candidates(plan: Plan, spec: ModelSpec) -> list[tuple[str, dict, str, bool]
                 True,
             )
         )
+    out += _sharding(plan, spec)
     if plan.batch_size > 1:
         batch = largest(plan, spec, "batch_size", plan.batch_size - 1) or plan.batch_size // 2
         steps = -(-plan.batch_size // batch)
@@ -312,6 +313,53 @@ def _candidates(plan: Plan, spec: ModelSpec) -> list[tuple[str, dict, str, bool]
     return out
 
 
+SHARDING_COST = (
+    "every layer is all-gathered each step (DDP is faster when one card holds the model); the effective batch "
+    "grows with the GPUs (or lower gradient_accumulation_steps)"
+)
+
+
+def _other_cards(change: dict) -> bool:
+    """Does this change ask for other hardware (more GPUs, or sharding them) rather than a setting of this card?"""
+    return "gpus" in change or "strategy" in change
+
+
+def _sharding(plan: Plan, spec: ModelSpec) -> list[tuple[str, dict, str, bool]]:
+    """FSDP on the GPUs the plan has (when it asks for DDP), and more GPUs with FSDP: the fewest of 2x, 4x, 8x
+    that fits, else 8x (what one card cannot hold, FSDP spreads: shared/design/multi-gpu.md)."""
+    if plan.device != "cuda" or plan.strategy == "deepspeed_zero3":
+        return []
+    out = []
+    if plan.gpus > 1 and plan.strategy == "ddp":
+        out.append(
+            (
+                f"FSDP over the {plan.gpus} GPUs (distributed.strategy: fsdp)",
+                {"strategy": "fsdp"},
+                SHARDING_COST,
+                True,
+            )
+        )
+    counts = [plan.gpus * k for k in (2, 4, 8)]
+    chosen = counts[-1]
+    for n in counts:
+        try:
+            if estimate(replace(plan, gpus=n, strategy="fsdp"), spec).verdict == "fits":
+                chosen = n
+                break
+        except (PlanError, SpecError):
+            return out
+    machine = "" if chosen <= 8 else " (several machines: distributed.num_machines)"
+    out.append(
+        (
+            f"{chosen} GPUs with FSDP (distributed.gpus: {chosen}, strategy: fsdp){machine}",
+            {"gpus": chosen, "strategy": "fsdp"},
+            f"needs {chosen} GPUs; " + SHARDING_COST,
+            True,
+        )
+    )
+    return out
+
+
 def what_would_fit(plan: Plan, spec: ModelSpec | None = None) -> list[dict]:
     """Changes that lower the device total, each re-estimated with the bytes it saves and what it costs, largest
     saving first. When no single change that keeps what is trained fits, the first entry combines them: the levers that keep what is trained
@@ -330,7 +378,10 @@ def what_would_fit(plan: Plan, spec: ModelSpec | None = None) -> list[dict]:
     out.sort(key=lambda c: -c["saves_bytes"])
     # no single change that keeps what is trained fits: lead with a combination of them (a shorter length
     # alone may fit, but it truncates the data)
-    if base.verdict != "fits" and not any(c["verdict"] == "fits" and c["keeps_training"] for c in out):
+    # (more GPUs fitting does not spare a one-card recipe: they are offered beside it)
+    if base.verdict != "fits" and not any(
+        c["verdict"] == "fits" and c["keeps_training"] and not _other_cards(c["settings"]) for c in out
+    ):
         combo = _combined(plan, spec, base)
         if combo:
             out.insert(0, combo)
@@ -379,8 +430,8 @@ def _combined(plan: Plan, spec: ModelSpec, base) -> dict | None:
     while est.verdict != "fits":
         scored = []
         for label, change, cost, keeps in _candidates(current, spec):
-            if not keeps or "batch_size" in change:
-                continue
+            if not keeps or "batch_size" in change or _other_cards(change):
+                continue  # more GPUs are offered on their own, never folded into a one-card recipe
             try:
                 scored.append((estimate(replace(current, **change), spec), label, change, cost))
             except (PlanError, SpecError):

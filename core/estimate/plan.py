@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field, fields
 from core.estimate.specs import ModelSpec
 from core.precision import BYTES
 from core.train import methods
+from core.train.config_keys import STRATEGIES
 
 GiB = 2**30
 DTYPE_BYTES = BYTES  # core.precision's one dtype table
@@ -108,6 +109,12 @@ class Plan:
     # Tokens in the largest batch the sampler can form from the data (0: the bound, batch_size x seq_len).
     # Padded batches: batch_size x the longest row; padding-free: the sum of the longest rows.
     batch_tokens: int = 0
+    # Several GPUs (the run config's distributed section, core.estimate.shard_terms): the number of processes over
+    # every machine, how they share the model (auto: DDP when the plan fits one card, else FSDP), and whether the
+    # sharded terms live in CPU RAM. gpu_gb is then each card's size and the verdict is per GPU.
+    gpus: int = 1
+    strategy: str = "auto"
+    cpu_offload: bool = False
 
     @classmethod
     def from_dict(cls, data: dict) -> Plan:
@@ -120,11 +127,20 @@ class Plan:
         return cls(**data)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        # a one-GPU plan's record stays what it was before multi-GPU planning (plan.json, --json, the snapshots)
+        if self.gpus == 1:
+            for name, default in ONE_GPU.items():
+                if d[name] == default:
+                    del d[name]
+        return d
 
     @property
     def gpu_bytes(self) -> int:
         return int(self.gpu_gb * GiB)
+
+
+ONE_GPU = {"gpus": 1, "strategy": "auto", "cpu_offload": False}
 
 
 @dataclass
@@ -151,13 +167,18 @@ class Estimate:
     batch_rows: int = 0  # the shape the model sees: rows x length (padding-free: one row)
     batch_length: int = 0
     warnings: list[str] = field(default_factory=list)
+    # Several GPUs: {gpus, strategy (auto resolved), cpu_offload_bytes, load_peak_bytes}; the totals are per GPU
+    distributed: dict | None = None
 
     @property
     def fraction(self) -> float:
         return self.device_total_bytes / self.gpu_bytes
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if d["distributed"] is None:
+            del d["distributed"]  # a one-GPU estimate's record stays as it was
+        return d
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -176,6 +197,7 @@ def validate(plan: Plan) -> list[str]:
         "objective": (plan.objective, methods.NAMES),
         "device": (plan.device, ("cuda", "cpu")),
         "packing_strategy": (plan.packing_strategy, PACKING_STRATEGIES),
+        "strategy": (plan.strategy, STRATEGIES),
     }
     for name, (value, valid) in choices.items():
         if value not in valid:
@@ -203,6 +225,13 @@ def validate(plan: Plan) -> list[str]:
         )
     if not (isinstance(plan.gpu_gb, (int, float)) and plan.gpu_gb > 0 and math.isfinite(plan.gpu_gb)):
         raise PlanError(f"gpu_gb must be a positive number of GiB, got {plan.gpu_gb!r}.")
+    if not isinstance(plan.gpus, int) or isinstance(plan.gpus, bool) or plan.gpus < 1:
+        raise PlanError(f"gpus must be a whole number of at least 1, got {plan.gpus!r}.")
+    if plan.cpu_offload and plan.gpus > 1 and plan.strategy in ("ddp", "auto"):
+        raise PlanError(
+            f"cpu_offload needs a sharding strategy (fsdp or deepspeed_zero3): DDP keeps everything on every GPU "
+            f"(strategy {plan.strategy})."
+        )
     if not (0 <= plan.lora_dropout < 1):
         raise PlanError(f"lora_dropout must be in [0, 1), got {plan.lora_dropout!r}.")
     warnings = []

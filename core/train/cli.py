@@ -15,7 +15,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from core.estimate.from_config import plan_json
+from core.estimate.from_config import plan_json, write_accelerate_config
 from core.estimate.plan import PlanError
 from core.estimate.specs import SpecError
 from core.runs import rundir
@@ -35,9 +35,12 @@ from core.train.trainer import (
 )
 
 
-def dry_run(config_path: str, gpu_gb: float | None = None, device: str | None = None) -> int:
+def dry_run(
+    config_path: str, gpu_gb: float | None = None, device: str | None = None, run_dir: str | None = None
+) -> int:
     """Everything a launch checks, without a model's weights: the config (by the libraries' own classes), the
-    data against the tokenizer and the model config, and the plan. Prints the plan as JSON."""
+    data against the tokenizer and the model config, and the plan. Prints the plan as JSON. With `run_dir`, a
+    config on several GPUs also gets the accelerate config its launch uses: run_dir/accelerate.yaml."""
 
     try:
         cfg = load_config(config_path)
@@ -54,6 +57,9 @@ def dry_run(config_path: str, gpu_gb: float | None = None, device: str | None = 
         if first is not None:
             raise DataError(f"preflight: {first}")
         plan = plan_json(cfg, gpu_gb, device)
+        written = write_accelerate_config(cfg, run_dir, gpu_gb) if run_dir else None
+        if written:
+            print(f"accelerate config: {written}", file=sys.stderr, flush=True)
     except (ConfigError, DataError, PlanError, SpecError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
@@ -67,7 +73,11 @@ def dry_run(config_path: str, gpu_gb: float | None = None, device: str | None = 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m core.train", description=__doc__.splitlines()[0])
     parser.add_argument("config", help="run config YAML (its keys: core/train/config.py and the README)")
-    parser.add_argument("--run-dir", help="the run directory to write into (not needed with --dry-run)")
+    parser.add_argument(
+        "--run-dir",
+        help="the run directory to write into (with --dry-run: only a config on several GPUs writes there, its "
+        "accelerate.yaml)",
+    )
     parser.add_argument(
         "--resume", action="store_true", help="continue from the newest checkpoint in the run dir"
     )
@@ -92,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = StopFlag().install()  # first thing: a stop during the slow imports must not kill us mid-write
     args = parser.parse_args(argv)
     if args.dry_run:
-        return dry_run(args.config, args.gpu_gb, args.device)
+        return dry_run(args.config, args.gpu_gb, args.device, args.run_dir)
     if not args.run_dir:
         print("error: give --run-dir DIR (the folder the run writes into), or --dry-run.", file=sys.stderr)
         return EXIT_BAD_INPUT

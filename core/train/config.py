@@ -30,7 +30,7 @@ from typing import Any
 
 from core import files
 from core.files import YamlError, atomic_write_text, read_yaml
-from core.train import methods, schema
+from core.train import distributed, methods, schema
 from core.train.config_keys import (
     ALIASES,
     COLUMN_KEYS,
@@ -189,6 +189,8 @@ def _special_checks(path: str, value: Any) -> str | None:
         return "must be 'all-linear' or a non-empty list of module names such as [q_proj, v_proj]"
     if path == "training.max_steps" and not (value == -1 or value >= 1):
         return "must be -1 (use num_train_epochs) or at least 1"
+    if path.startswith("distributed."):
+        return distributed.field_problem(path, value)
     if path == "training.warmup_steps" and not (value >= 0 and (value < 1 or float(value).is_integer())):
         return "must be a fraction of the steps (0 to <1) or a whole number of steps"
     return None
@@ -353,7 +355,7 @@ def _combination_problem(cfg: dict) -> tuple[str, str] | None:
             "quantization.load_in_4bit needs lora.enabled: true (4-bit weights cannot be trained directly).",
         )
     # padding_free without packing: the engine truncates rows to max_length itself (TRL would refuse the pair).
-    return None
+    return distributed.combination_problem(cfg)
 
 
 def _missing_here(cfg: dict) -> tuple[str, str] | None:
@@ -364,7 +366,7 @@ def _missing_here(cfg: dict) -> tuple[str, str] | None:
             "training.use_liger_kernel needs the liger-kernel package and a CUDA GPU (pip install liger-kernel); "
             "set it to false on this machine.",
         )
-    return None
+    return distributed.missing_here(cfg)
 
 
 def checkpointing(cfg: dict) -> bool:

@@ -10,7 +10,7 @@ from core.train import methods
 METHODS = methods.NAMES
 
 
-SECTIONS = ("model", "quantization", "lora", "data", "training")
+SECTIONS = ("model", "quantization", "lora", "data", "training", "distributed")
 
 
 TOP_LEVEL = ("method", *SECTIONS)
@@ -20,6 +20,11 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 ATTN = ("eager", "sdpa", "flash_attention_2", "flex_attention")
+
+
+# distributed.strategy: how the work is spread over several GPUs (core.train.distributed writes the accelerate
+# config for each; auto = DDP when the plan fits one card, else FSDP)
+STRATEGIES = ("auto", "ddp", "fsdp", "deepspeed_zero3")
 
 
 # Suggestions for the Train page's selectors (every other value the library accepts is valid too).
@@ -105,6 +110,17 @@ DEFAULTS: dict[str, Any] = {
         "save_total_limit": 2,
         "seed": 42,
     },
+    # One GPU unless said otherwise; several GPUs (and machines) go through accelerate (core.train.distributed).
+    "distributed": {
+        "gpus": 1,  # how many GPUs of this machine (a count), or which (a list of CUDA ids, e.g. [0, 2])
+        "strategy": "auto",  # auto | ddp | fsdp | deepspeed_zero3
+        "fsdp_version": "auto",  # auto: FSDP2 for a 16-bit base, FSDP1 (the QLoRA recipe) for a 4-bit one
+        "cpu_offload": False,  # fsdp / deepspeed_zero3: parameters, gradients and optimizer states in CPU RAM
+        "num_machines": 1,
+        "machine_rank": 0,  # this machine's rank (0: the main one)
+        "main_process_ip": None,  # the main machine's address (needed with num_machines > 1)
+        "main_process_port": None,  # None: accelerate's default (29500)
+    },
 }
 
 
@@ -128,6 +144,9 @@ OWNED = {
         "assistant_only_loss": "the engine masks the prompt itself: set data.mask_prompt",
         "pad_token": "the engine pads with the tokenizer's pad token (eos when it has none)",
         "chat_template_path": "the engine uses the model folder's chat template",
+        "fsdp": "set distributed.strategy: fsdp (the engine writes the accelerate config into the run directory)",
+        "fsdp_config": "set distributed.strategy: fsdp (the engine writes the accelerate config into the run directory)",
+        "deepspeed": "set distributed.strategy: deepspeed_zero3 (the engine writes the accelerate config)",
     },
     "lora": {
         "task_type": "the engine trains causal language models (CAUSAL_LM)",
@@ -167,6 +186,14 @@ ALIASES = {
     "optim": "training.optim",
     "optimizer": "training.optim",
     "load_in_4bit": "quantization.load_in_4bit",
+    "num_gpus": "distributed.gpus",
+    "num_processes": "distributed.gpus",
+    "gpu_ids": "distributed.gpus",
+    "nproc_per_node": "distributed.gpus",
+    "nnodes": "distributed.num_machines",
+    "node_rank": "distributed.machine_rank",
+    "master_addr": "distributed.main_process_ip",
+    "master_port": "distributed.main_process_port",
 }
 
 
@@ -189,6 +216,9 @@ RANGES: dict[str, tuple] = {
     "training.save_total_limit": (1, None),
     "training.seed": (0, 2**32 - 1),
     "training.dataloader_num_workers": (0, 256),
+    "distributed.num_machines": (1, 4096),
+    "distributed.machine_rank": (0, 4095),
+    "distributed.main_process_port": (1, 65535),
     "data.eval_split": (0, 0.5, "right-open"),
 }
 
@@ -214,6 +244,16 @@ OWN_SCHEMA = {
         "split": {"kinds": ["str"]},
         "eval_split": {"kinds": ["float"]},
         "mask_prompt": {"kinds": ["bool"]},
+    },
+    "distributed": {
+        "gpus": {"kinds": ["int", "list"]},
+        "strategy": {"kinds": ["str"], "choices": list(STRATEGIES)},
+        "fsdp_version": {"kinds": ["str", "int"]},
+        "cpu_offload": {"kinds": ["bool"]},
+        "num_machines": {"kinds": ["int"]},
+        "machine_rank": {"kinds": ["int"]},
+        "main_process_ip": {"kinds": ["str", "none"]},
+        "main_process_port": {"kinds": ["int", "none"]},
     },
 }
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from core.precision import CUDA_ONLY, Precision, torch_dtype
 from core.runs import rundir
-from core.train import methods
+from core.train import distributed, methods
 
 # Library defaults the engine fills in where the run config leaves them unset
 LORA_ENGINE = {"task_type": "CAUSAL_LM"}
@@ -30,6 +30,10 @@ def bnb_config(cfg: dict, load_dtype: str | None = None):
     if compute == "auto":
         compute = load_dtype or (cfg["model"]["dtype"] if cfg["model"]["dtype"] != "auto" else "bfloat16")
     q["bnb_4bit_compute_dtype"] = torch_dtype(compute)
+    # several processes: the 4-bit weights stored in the compute dtype, so FSDP can shard them (derived, not a key)
+    q["bnb_4bit_quant_storage"] = distributed.quant_storage(cfg, compute) or q.get("bnb_4bit_quant_storage")
+    if q["bnb_4bit_quant_storage"] is None:
+        q.pop("bnb_4bit_quant_storage")
     if isinstance(q.get("bnb_4bit_quant_storage"), str):
         q["bnb_4bit_quant_storage"] = torch_dtype(q["bnb_4bit_quant_storage"])
     return BitsAndBytesConfig(**q)

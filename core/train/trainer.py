@@ -24,7 +24,7 @@ from core.monitor.gpu import GpuSampler
 from core.precision import Device, Precision, PrecisionError, resolve, torch_dtype
 from core.runs import rundir
 from core.runs.rundir import read_status, truncate_metrics, write_status
-from core.train import methods
+from core.train import distributed, methods
 from core.train.callbacks import StopFlag, make_run_callback
 from core.train.config import ConfigError, load_config
 from core.train.data import DataError
@@ -220,6 +220,19 @@ def run_training(
 def checked_config(config_path) -> dict:
     """The validated config whose model folder exists and looks like a model, or ConfigError."""
     cfg = load_config(config_path)
+    world, gpus = distributed.world_size(cfg), cfg["distributed"]["gpus"]
+    if world == 1 and isinstance(gpus, list) and gpus != [0]:
+        raise ConfigError(
+            f"distributed.gpus {gpus} picks a GPU, which the trainer does not apply yet (issue #22): set gpus: 1 "
+            f"and start it with CUDA_VISIBLE_DEVICES={gpus[0]}."
+        )
+    if world > 1:
+        # one process owns a run directory today; issue #22 item 3 adds the N-process launch
+        raise ConfigError(
+            f"distributed.gpus asks for {world} processes, and the trainer does not start several yet (issue "
+            "#22): set distributed.gpus: 1 to train on one GPU now; `python -m core.train run.yaml --dry-run "
+            "--run-dir DIR` plans it per GPU and writes DIR/accelerate.yaml."
+        )
     problem = check_model_folder(cfg["model"]["path"])
     if problem:
         raise ConfigError(problem)
