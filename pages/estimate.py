@@ -102,7 +102,14 @@ def _fill_once(cfg: dict, options: dict) -> None:
             st.session_state[P + name] = value
 
 
-ESTIMATE_FIELDS = tuple(n for n in fields.PLAN_FIELDS if n != "model_path") + ("packing_strategy",)
+# The multi-GPU settings are planned here; the Train page launches one process for now (issue #22), so "Use
+# this plan" does not hand them over (PLAN_FIELDS).
+ESTIMATE_FIELDS = tuple(n for n in fields.PLAN_FIELDS if n != "model_path") + (
+    "packing_strategy",
+    "gpus",
+    "strategy",
+    "cpu_offload",
+)
 
 
 def _card_labels() -> dict[str, float]:
@@ -127,6 +134,8 @@ def _model_and_method() -> None:
     for f in methods.get(st.session_state[P + "method"]).fields:
         fields.draw(P, f)
     st.selectbox("GPU", list(_card_labels()), key=P + "gpu", help="Defaults to the detected card.")
+    fields.row(P, ("gpus", "strategy"))
+    fields.draw(P, fields.FIELDS["cpu_offload"])
 
 
 def _step_settings() -> None:
@@ -274,7 +283,11 @@ def show(plan: Plan) -> None:
     est = estimate(plan, spec)
     for w in est.warnings:
         st.warning(w)
-    text = f"**{est.verdict.upper()}** — {gib(est.device_total_bytes)} of {gib(est.gpu_bytes)} ({est.fraction:.0%}). "
+    per_gpu = f" per GPU ({plan.gpus} GPUs, {plan.strategy})" if plan.gpus > 1 else ""
+    text = (
+        f"**{est.verdict.upper()}** — {gib(est.device_total_bytes)} of {gib(est.gpu_bytes)}{per_gpu} "
+        f"({est.fraction:.0%}). "
+    )
     {"fits": st.success, "tight": st.warning, "does not fit": st.error}[est.verdict](
         text + VERDICT_TEXT[est.verdict]
     )

@@ -190,3 +190,20 @@ def test_a_plan_that_fits_is_told_it_needs_nothing():
     assert not [m.value for m in at.markdown if m.value[:3] in ("1. ", "2. ")]
     every = next(m.value for m in at.markdown if m.value.startswith("**With every memory lever on**"))
     assert "LoRA dropout 0" in every  # named as left out, though the table lists it
+
+
+def test_several_gpus_give_a_verdict_per_gpu():
+    """Issue #22: the number of GPUs and the strategy on the page; the verdict is per GPU."""
+    at = _app()
+    at.selectbox(key="es_model").set_value("meta-llama/Llama-2-70b-hf")
+    at.checkbox(key="es_4bit").check()
+    at.selectbox(key="es_gpu").set_value("24 GiB")
+    at.run()
+    assert _verdict(at).startswith("**DOES NOT FIT**")
+    at.number_input(key="es_gpus").set_value(4)
+    at.selectbox(key="es_strategy").set_value("fsdp")
+    at.run()
+    assert not at.exception
+    verdict = _verdict(at)
+    assert verdict.startswith("**FITS**") and "per GPU (4 GPUs, fsdp)" in verdict, verdict
+    assert at.session_state["estimate_config"]["distributed"]["gpus"] == 4

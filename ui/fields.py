@@ -12,7 +12,7 @@ import streamlit as st
 from core.estimate.plan import PACKING_STRATEGIES
 from core.train import methods
 from core.train.config import default_config
-from core.train.config_keys import ATTN, DTYPES, OPTIMIZERS, SCHEDULERS
+from core.train.config_keys import ATTN, DTYPES, OPTIMIZERS, SCHEDULERS, STRATEGIES
 from core.train.methods.base import Field
 
 FORMATS = tuple(dict.fromkeys(("auto", *(f for m in methods.REGISTRY.values() for f in m.formats))))
@@ -68,6 +68,13 @@ FIELDS = {
               help="training.packing (BFD): rows filled to max length"),
         Field("packing_strategy", "training.packing_strategy", "Packing strategy", "choice", "bfd",
               PACKING_STRATEGIES, flat_only=True, help="training.packing_strategy (with packing on)"),
+        Field("gpus", "distributed.gpus", "GPUs", "int", step=1,
+              help="distributed.gpus: how many GPUs of the box train this run (the verdict is per GPU)"),
+        Field("strategy", "distributed.strategy", "Multi-GPU strategy", "choice", choices=STRATEGIES,
+              help="ddp: every GPU holds the whole model; fsdp / deepspeed_zero3: weights, gradients and optimizer "
+              "states split over the GPUs (activations are not); auto: DDP when one card fits, else FSDP"),
+        Field("cpu_offload", "distributed.cpu_offload", "CPU offload (FSDP / ZeRO-3)", "bool",
+              help="distributed.cpu_offload: parameters, gradients and optimizer states in CPU RAM"),
         Field("offload", "training.activation_offloading", "Activation offloading (CUDA)", "bool",
               help="training.activation_offloading: saved activations to pinned CPU RAM"),
         Field("liger", "training.use_liger_kernel", "Liger kernels (CUDA)", "bool",
@@ -106,7 +113,10 @@ def _get(cfg: dict, f: Field):
 
 
 def widget_value(f: Field, value):
-    """A config value as the widget holds it: targets as text, paths as text, floats as floats."""
+    """A config value as the widget holds it: targets as text, paths as text, floats as floats, a list of GPU ids
+    as their count."""
+    if f.kind == "int" and isinstance(value, list):
+        value = len(value)
     if f.as_list and isinstance(value, list):
         value = value[0] if value else None
     if f.kind == "targets" and isinstance(value, list):
