@@ -190,6 +190,7 @@ RANGES: dict[str, tuple] = {
     "training.seed": (0, 2**32 - 1),
     "training.dataloader_num_workers": (0, 256),
     "data.eval_split": (0, 0.5, "right-open"),
+    "training.eval_samples": (0, 1000),
 }
 
 
@@ -216,6 +217,12 @@ OWN_SCHEMA = {
         "mask_prompt": {"kinds": ["bool"]},
     },
 }
+
+
+# The cockpit's own keys in the training section (not the TRL config's: the engine takes them out before it).
+# eval_samples: greedy answers to this many fixed held-out prompts at each evaluation, into samples.jsonl
+# (core.train.callbacks); 0 (the default) is off.
+OWN_TRAINING = {"eval_samples": {"kinds": ["int"]}}
 
 
 # Values the cockpit adds to a library field: "auto" precision/dtype is resolved by the engine per device.

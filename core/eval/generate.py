@@ -1,0 +1,135 @@
+"""Batched greedy answers and teacher-forced answer losses: the two model calls an evaluation makes.
+
+Low in the layering (imports nothing of core): the trainer's samples callback (core.train.callbacks) uses the
+same generation as `python -m core.eval`. Prompts are token ids; batches are left-padded and formed from prompts
+of similar length (sorted), so little is spent on padding; answers come back in the prompts' order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+
+def model_device(model):
+    import torch
+
+    try:
+        return next(model.parameters()).device
+    except StopIteration:
+        return torch.device("cpu")
+
+
+def pad_id(tokenizer) -> int:
+    for tid in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if tid is not None:
+            return int(tid)
+    return 0
+
+
+def sides(model, tuned):
+    """[(side, model, context)]: the base first (the adapter switched off, or the base model), then the tuned."""
+    import contextlib
+
+    if tuned is None:
+        return [("base", model, model.disable_adapter()), ("tuned", model, contextlib.nullcontext())]
+    return [("base", model, contextlib.nullcontext()), ("tuned", tuned, contextlib.nullcontext())]
+
+
+def _batches(lengths: list[int], batch_size: int) -> list[list[int]]:
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    return [order[s : s + batch_size] for s in range(0, len(order), batch_size)]
+
+
+def greedy(
+    model,
+    tokenizer,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    batch_size: int = 32,
+    on_batch: Callable[[int], None] | None = None,
+) -> list[str]:
+    """The greedy answer to each prompt (decoded, special tokens dropped, stripped), stopping at EOS.
+
+    `on_batch(n_done)` is called after each batch (progress)."""
+    import torch
+
+    out: list[str] = [""] * len(prompts)
+    device, pad = model_device(model), pad_id(tokenizer)
+    was_training = model.training
+    model.eval()
+    done = 0
+    try:
+        with torch.no_grad():
+            for idx in _batches([len(p) for p in prompts], batch_size):
+                width = max(len(prompts[i]) for i in idx)
+                ids = torch.full((len(idx), width), pad, dtype=torch.long)
+                mask = torch.zeros((len(idx), width), dtype=torch.long)
+                for row, i in enumerate(idx):
+                    n = len(prompts[i])
+                    if n:
+                        ids[row, width - n :] = torch.tensor(prompts[i], dtype=torch.long)
+                        mask[row, width - n :] = 1
+                gen = model.generate(
+                    input_ids=ids.to(device),
+                    attention_mask=mask.to(device),
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    num_beams=1,
+                    use_cache=True,
+                    eos_token_id=tokenizer.eos_token_id,
+                    pad_token_id=pad,
+                )
+                for row, i in enumerate(idx):
+                    out[i] = tokenizer.decode(gen[row, width:], skip_special_tokens=True).strip()
+                done += len(idx)
+                if on_batch is not None:
+                    on_batch(done)
+    finally:
+        model.train(was_training)
+    return out
+
+
+def answer_losses(
+    model,
+    prompts: list[list[int]],
+    answers: list[list[int]],
+    batch_size: int = 32,
+    pad: int = 0,
+    on_batch: Callable[[int], None] | None = None,
+) -> list[float]:
+    """The summed negative log-likelihood of each answer's tokens after its prompt (teacher forcing), in nats:
+    divided by the answer's token count, the mean loss per token the trainer's eval_loss also reports."""
+    import torch
+
+    seqs = [p + a for p, a in zip(prompts, answers, strict=True)]
+    out: list[float] = [0.0] * len(seqs)
+    device = model_device(model)
+    was_training = model.training
+    model.eval()
+    done = 0
+    try:
+        with torch.no_grad():
+            for idx in _batches([len(s) for s in seqs], batch_size):
+                width = max(len(seqs[i]) for i in idx)
+                ids = torch.full((len(idx), width), pad, dtype=torch.long)
+                mask = torch.zeros((len(idx), width), dtype=torch.long)
+                target = torch.zeros((len(idx), width), dtype=torch.bool)
+                for row, i in enumerate(idx):
+                    n, k = len(seqs[i]), len(prompts[i])
+                    ids[row, :n] = torch.tensor(seqs[i], dtype=torch.long)
+                    mask[row, :n] = 1
+                    target[row, k:n] = True
+                ids, mask, target = ids.to(device), mask.to(device), target.to(device)
+                logits = model(input_ids=ids, attention_mask=mask).logits.float()
+                # the token at position t is predicted by the logits at t - 1
+                logps = torch.log_softmax(logits[:, :-1], dim=-1)
+                token = logps.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+                sums = -(token * target[:, 1:]).sum(-1)
+                for row, i in enumerate(idx):
+                    out[i] = float(sums[row])
+                done += len(idx)
+                if on_batch is not None:
+                    on_batch(done)
+    finally:
+        model.train(was_training)
+    return out
