@@ -1,0 +1,246 @@
+"""core.eval (issue #24): the base against the tuned model on held-out rows, on one small trained demo run shared
+by the module (built once: a 200-step demo base, a 40-step run with samples at each evaluation)."""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from core.eval import scores
+from tests.cli import REPO, train
+
+slow = pytest.mark.slow
+
+
+def eval_cli(*args, timeout: float = 600, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "core.eval", *map(str, args)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+def lines_of(out: str) -> dict[str, str]:
+    """{"exact match": "0% -> 100%", ...} from the `eval: <metric> B -> A` lines."""
+    found = {}
+    for line in out.splitlines():
+        if line.startswith("eval: ") and " -> " in line:
+            head, after = line[len("eval: ") :].split(" -> ")
+            metric, before = head.rsplit(" ", 1)
+            found[metric] = f"{before} -> {after}"
+    return found
+
+
+# ---- scores: plain functions ----------------------------------------------------------------------------------
+
+
+def test_exact_match_is_strict_about_case_like_the_demo():
+    assert scores.exact_match(" HELLO\n", "HELLO") == 1.0
+    assert scores.exact_match("hello", "HELLO") == 0.0
+
+
+def test_token_f1_counts_overlapping_words():
+    assert scores.token_f1("the cat sat", "the cat sat") == 1.0
+    assert scores.token_f1("a b", "c d") == 0.0
+    assert scores.token_f1("the cat", "the cat sat on") == pytest.approx(2 * 1.0 * 0.5 / 1.5)
+    assert scores.token_f1("", "") == 1.0 and scores.token_f1("", "x") == 0.0
+
+
+def test_rouge_l_and_chrf_come_from_their_libraries():
+    assert scores.rouge_l("the cat sat", "the cat sat") == pytest.approx(1.0)
+    assert 0.0 < scores.rouge_l("the cat", "the cat sat on the mat") < 1.0
+    assert scores.chrf("HELLO", "HELLO") == pytest.approx(1.0)
+    assert scores.chrf("xyz", "HELLO") < 0.1
+
+
+def test_summary_lines_read_base_then_tuned():
+    rows = [
+        {
+            "base_exact_match": 0.0,
+            "tuned_exact_match": 1.0,
+            "n_answer_tokens": 2,
+            "base_loss_sum": 4.0,
+            "tuned_loss_sum": 0.2,
+        },
+        {
+            "base_exact_match": 0.0,
+            "tuned_exact_match": 0.0,
+            "n_answer_tokens": 2,
+            "base_loss_sum": 4.0,
+            "tuned_loss_sum": 0.2,
+        },
+    ]
+    summary = scores.summarize(rows)
+    lines = scores.summary_lines(summary)
+    assert "eval: exact match 0% -> 50%" in lines
+    assert summary["answer_loss"] == pytest.approx({"base": 2.0, "tuned": 0.1})
+    assert any(line.startswith("eval: perplexity 7.389 -> 1.105") for line in lines), lines
+    assert scores.fmt_value(0.975, "pct") == "97.5%" and scores.fmt_value(1.0, "pct") == "100%"
+
+
+# ---- the demo run ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    """(demo folder, a finished 40-step demo run with training.eval_samples: 3, evaluated every 20 steps)."""
+    from core.demo.build import build_demo, demo_config
+
+    root = tmp_path_factory.mktemp("eval_demo")
+    demo = build_demo(root / "demo", pretrain_steps=200, log=lambda _m: None)
+    cfg = demo_config(out=demo)
+    cfg["training"].update(max_steps=40, eval_steps=20, save_steps=20, eval_samples=3)
+    run_dir = root / "runs" / "demo-eval"
+    done = train(cfg, run_dir)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return demo, run_dir
+
+
+@slow
+def test_cli_prints_the_demos_own_heldout_figure_on_the_same_rows(demo_run):
+    from core.demo.build import heldout_accuracy
+
+    demo, run_dir = demo_run
+    out = eval_cli("--run", run_dir, "--data", demo / "heldout.jsonl")
+    assert out.returncode == 0, out.stderr[-3000:]
+    before, after = heldout_accuracy(demo), heldout_accuracy(demo, run_dir / "adapter")
+    got = lines_of(out.stdout)
+    assert got["exact match"] == f"{scores.fmt_value(before, 'pct')} -> {scores.fmt_value(after, 'pct')}", (
+        out.stdout
+    )
+    assert after > before  # the run learned something the base could not do
+    for metric in ("token F1", "ROUGE-L", "chrF", "answer loss", "perplexity"):
+        assert metric in got, out.stdout
+    folder = run_dir / "eval" / "heldout"
+    settings = json.loads((folder / "settings.json").read_text())
+    assert settings["data"] == str((demo / "heldout.jsonl").resolve()) and settings["tuned"].endswith(
+        "adapter"
+    )
+    rows = [json.loads(line) for line in (folder / "rows.jsonl").read_text().splitlines()]
+    assert len(rows) == 100
+    assert {"prompt", "reference", "base_answer", "tuned_answer", "change"} <= set(rows[0])
+    assert sum(r["tuned_exact_match"] for r in rows) / 100 == pytest.approx(after)
+
+
+@slow
+def test_default_is_the_runs_own_eval_split_and_a_second_ask_is_read_back(demo_run):
+    from transformers import AutoTokenizer
+
+    from core.eval.run import evaluate
+    from core.train.config import load_config
+    from core.train.data import prepare_datasets
+
+    _, run_dir = demo_run
+    first = evaluate(run_dir)
+    assert not first.reused and first.folder.name == "eval-split"
+    # the very rows the trainer held out: prompt + answer tokens are its eval rows' tokens
+    cfg = load_config(run_dir / "config.yaml")
+    tok = AutoTokenizer.from_pretrained(cfg["model"]["path"])
+    _, held = prepare_datasets(cfg, tok)
+    assert first.summary["rows"] == len(held)
+    from core.eval.heldout import split_rows
+
+    mine = sorted(tuple(r.prompt_ids + r.answer_ids) for r in split_rows(cfg, tok))
+    assert mine == sorted(tuple(ids) for ids in held["input_ids"])
+    again = evaluate(run_dir)
+    assert again.reused and again.lines == first.lines
+
+
+@slow
+def test_samples_while_training_show_the_answer_and_the_one_before(demo_run):
+    from core.runs.rundir import latest_samples
+
+    _, run_dir = demo_run
+    recs = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert sorted({r["step"] for r in recs}) == [20, 40]
+    assert len(recs) == 6  # 3 prompts at each of the two evaluations
+    latest = latest_samples(run_dir)
+    assert [s["i"] for s in latest] == [0, 1, 2]
+    assert all(s["step"] == 40 and s["previous_step"] == 20 for s in latest)
+    assert all(s["reference"] and s["reference"].isupper() for s in latest), latest
+
+
+@slow
+def test_eval_runs_as_a_job_that_a_page_can_follow(demo_run, workspace):
+    from core import jobs
+
+    demo, run_dir = demo_run
+    folder = jobs.start(
+        workspace,
+        "eval",
+        {"run": str(run_dir), "data": str(demo / "heldout.jsonl"), "limit": 10, "name": "job-ten"},
+        key=str(run_dir),
+    )
+    deadline = time.time() + 300
+    view = jobs.read(folder)
+    while not view.done and time.time() < deadline:
+        time.sleep(0.5)
+        view = jobs.read(folder)
+    assert view.state == "finished", view.error
+    assert any(line.startswith("eval: exact match") for line in view.result["lines"])
+    assert Path(view.result["folder"]) == run_dir / "eval" / "job-ten"
+    assert jobs.latest(workspace, "eval", key=str(run_dir)).path == folder
+
+
+# ---- bad input: one sentence, exit 2 ----------------------------------------------------------------------------
+
+
+def _one_sentence(out: subprocess.CompletedProcess) -> str:
+    assert out.returncode == 2, (out.stdout, out.stderr[-2000:])
+    assert "Traceback" not in out.stderr
+    err = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+    assert len(err) == 1, out.stderr
+    return err[0]
+
+
+def test_missing_run_is_one_sentence(tmp_path):
+    assert "is not a run folder" in _one_sentence(eval_cli("--run", tmp_path / "nope"))
+
+
+@slow
+def test_bad_inputs_are_one_sentence(demo_run, tmp_path, tiny_llama):
+    demo, run_dir = demo_run
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert "empty.jsonl" in _one_sentence(eval_cli("--run", run_dir, "--data", empty))
+    missing = _one_sentence(eval_cli("--run", run_dir, "--data", tmp_path / "missing.jsonl"))
+    assert "does not exist" in missing
+    text = tmp_path / "text.jsonl"
+    text.write_text(json.dumps({"text": "just words"}) + "\n")
+    assert "questions with reference answers" in _one_sentence(eval_cli("--run", run_dir, "--data", text))
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"question": "Uppercase: " + "abcde " * 20, "answer": "X"}) + "\n")
+    assert "longer than the model's 64 positions" in _one_sentence(eval_cli("--run", run_dir, "--data", long))
+    other = _one_sentence(eval_cli("--run", run_dir, "--base", tiny_llama, "--data", demo / "heldout.jsonl"))
+    assert "base it was trained on" in other, other
+
+
+@slow
+def test_a_run_still_training_is_evaluated_at_its_newest_checkpoint(demo_run, tmp_path):
+    import shutil
+
+    from core import procs
+    from core.eval.heldout import EvalError
+    from core.eval.target import resolve
+    from core.runs import rundir
+
+    _, run_dir = demo_run
+    live = tmp_path / "live"
+    shutil.copytree(run_dir, live, ignore=shutil.ignore_patterns("eval", "lock", "pid"))
+    shutil.rmtree(live / "adapter")
+    rundir.write_status(live, state="running")
+    fd = procs.claim(live)  # this process plays the trainer: the run is alive
+    try:
+        target = resolve(live)
+        assert target.what == "checkpoint-40" and "still training" in target.note
+        shutil.rmtree(live / "checkpoints")
+        with pytest.raises(EvalError, match="still training and has saved no checkpoint"):
+            resolve(live)
+    finally:
+        procs.disown(live, fd)
