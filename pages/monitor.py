@@ -17,6 +17,7 @@ from core.runs.launcher import RunError, launch, list_runs, stop_run
 from core.runs.rundir import LIVE_STATES, latest_checkpoint
 from core.train import methods
 from core.workspace import default_workspace
+from ui.eval_panels import samples_panel
 from ui.routing import leave_legacy_mode
 
 leave_legacy_mode()
@@ -270,6 +271,7 @@ def show(run_dir: str, live: bool) -> None:
         failure(snap)
         health(snap)
         charts(snap)
+        samples_panel(run_dir)
         logs(snap)
         st.caption(
             f"{run_dir} · updated {time.strftime('%H:%M:%S')}"
@@ -333,6 +335,9 @@ elif c2.button(
         state = stop_run(run_dir)
     st.success(f"Run {info.name} is {state}.")
     live = False
+if info.state in ENDED and st.button("Evaluate this run", key="mon_eval", icon=":material/fact_check:"):
+    st.session_state["eval_run"] = run_dir
+    st.switch_page("pages/evaluate.py")
 if info.state in ("stopped", "failed") and info.reason:
     st.caption(f"Why it {info.state}: {first_sentence(info.reason)}")
 st.columns([1, 3])[0].number_input(

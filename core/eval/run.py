@@ -19,12 +19,11 @@ from pathlib import Path
 
 from core.eval import generate, scores
 from core.eval.heldout import EvalError, EvalRow, file_rows, run_format, split_rows
+from core.eval.results import EVAL_DIR, ROWS, SETTINGS, SUMMARY, Result, read_result
 from core.eval.target import Target, resolve
-from core.files import atomic_write_text, iter_jsonl_objects, read_json_object
+from core.files import atomic_write_text
 from core.train import methods
 
-EVAL_DIR = "eval"
-SETTINGS, ROWS, SUMMARY = "settings.json", "rows.jsonl", "summary.json"
 DEFAULT_BATCH = 32
 Progress = Callable[..., None]
 
@@ -44,17 +43,6 @@ class Settings:
     extra: dict = field(default_factory=dict)
 
 
-@dataclass
-class Result:
-    folder: Path
-    settings: dict
-    summary: dict
-    lines: list[str]
-    rows: list[dict] | None = None
-    reused: bool = False
-    note: str = ""
-
-
 def eval_root(target: Target) -> Path:
     if target.run_dir is not None:
         return target.run_dir / EVAL_DIR
@@ -64,29 +52,6 @@ def eval_root(target: Target) -> Path:
 def default_name(data: str | None, target: Target) -> str:
     stem = Path(data).stem if data else "eval-split"
     return f"{stem}-{target.what.replace(' ', '-')}" if target.what not in ("adapter", "model") else stem
-
-
-def read_result(folder: str | os.PathLike, with_rows: bool = True) -> Result | None:
-    """A stored evaluation (None when the folder holds none)."""
-    folder = Path(folder)
-    settings, summary = read_json_object(folder / SETTINGS), read_json_object(folder / SUMMARY)
-    if settings is None or summary is None:
-        return None
-    rows = list(iter_jsonl_objects(folder / ROWS)) if with_rows and (folder / ROWS).is_file() else None
-    return Result(folder, settings, summary.get("summary") or {}, summary.get("lines") or [], rows)
-
-
-def list_results(run_dir: str | os.PathLike) -> list[Result]:
-    """The run's stored evaluations, newest first (summaries only)."""
-    root = Path(run_dir) / EVAL_DIR
-    found = (
-        [r for d in root.iterdir() if d.is_dir() and (r := read_result(d, with_rows=False))]
-        if root.is_dir()
-        else []
-    )
-    return sorted(
-        found, key=lambda r: r.summary.get("finished", 0) if isinstance(r.summary, dict) else 0, reverse=True
-    )
 
 
 def evaluate(
