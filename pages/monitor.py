@@ -270,8 +270,8 @@ def show(run_dir: str, live: bool) -> None:
         header(snap)
         failure(snap)
         health(snap)
+        samples_panel(run_dir)  # the answers to held-out prompts, above the curves they explain
         charts(snap)
-        samples_panel(run_dir)
         logs(snap)
         st.caption(
             f"{run_dir} · updated {time.strftime('%H:%M:%S')}"

@@ -71,4 +71,4 @@ def samples_panel(run_dir: str) -> None:
         }
         for s in samples
     ]
-    st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch")
+    st.table(pd.DataFrame(rows).set_index("prompt"))  # a few rows of text: a static table, read as it is

@@ -76,6 +76,8 @@ class SFT(Method):
             span = last_answer_span(row["labels"])
             if span is None:
                 continue
+            if span[0] == 0:  # plain text, nothing masked: its first half asks, the rest is the reference
+                span = (max(1, span[1] // 2), span[1])
             ids = row["input_ids"]
             out.append(
                 {
