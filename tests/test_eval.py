@@ -244,3 +244,83 @@ def test_a_run_still_training_is_evaluated_at_its_newest_checkpoint(demo_run, tm
             resolve(live)
     finally:
         procs.disown(live, fd)
+
+
+@slow
+@pytest.mark.parametrize("method", ["dpo", "kto"])
+def test_preference_runs_are_scored_on_their_heldout_rows(demo_run, method, tmp_path):
+    from core.demo.prefs import PREFERENCE_DEMOS
+
+    demo, _ = demo_run
+    cfg = PREFERENCE_DEMOS[method](demo, demo / "base")
+    cfg["training"].update(max_steps=10, eval_steps=10, save_steps=10, eval_samples=2)
+    run_dir = tmp_path / f"{method}-run"
+    done = train(cfg, run_dir)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = eval_cli("--run", run_dir, "--limit", 16)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = lines_of(out.stdout)
+    assert "greedy answer in the preferred" in got, out.stdout
+    assert ("preference" in got) == (method == "dpo"), out.stdout  # likelihood accuracy needs pairs
+    assert "eval: reward accuracy" in out.stdout, out.stdout
+    rows = [
+        json.loads(line) for line in (run_dir / "eval" / "eval-split" / "rows.jsonl").read_text().splitlines()
+    ]
+    assert len(rows) == 16
+    assert all("base_answer" in r and "tuned_answer" in r for r in rows)
+    assert all(("reward_margin" if method == "dpo" else "reward") in r for r in rows)
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert [s["i"] for s in samples] == [0, 1] and samples[0]["reference"], samples
+
+
+# ---- the pages ---------------------------------------------------------------------------------------------
+
+
+def _page(path: str, workspace: Path, **state):
+    from streamlit.testing.v1 import AppTest
+
+    at = AppTest.from_file(str(REPO / path), default_timeout=120)
+    at.session_state["workspace"] = str(workspace)
+    for key, value in state.items():
+        at.session_state[key] = value
+    at.run()
+    assert not at.exception, at.exception
+    return at
+
+
+@slow
+def test_pages_show_stored_evaluations_without_recomputing(demo_run):
+    from core.eval.run import evaluate
+
+    _, run_dir = demo_run
+    result = evaluate(run_dir, limit=8, name="page-eight")
+    ws = run_dir.parent.parent
+    at = _page("pages/evaluate.py", ws, eval_run=str(run_dir), ev_result="page-eight")
+    assert any(c.value == "\n".join(result.lines) for c in at.code), [c.value for c in at.code]
+    figures, rows = at.dataframe[0].value, at.dataframe[1].value
+    assert list(figures["metric"])[:4] == ["exact match", "token F1", "ROUGE-L", "chrF"]
+    assert len(rows) == 8 and list(rows.columns)[:5] == [
+        "row",
+        "prompt",
+        "reference",
+        "base_answer",
+        "tuned_answer",
+    ]
+    changes = [c for c in rows["change"] if c is not None]
+    assert changes == sorted(changes, reverse=True)  # largest gain first
+    assert not (run_dir / "eval" / "page-eight-2").exists()  # shown, not evaluated again
+
+    runs = _page("pages/runs.py", ws)
+    table = runs.dataframe[0].value.set_index("run")
+    assert table.loc[run_dir.name, "eval (base -> tuned)"].startswith("exact match ")
+    compared = runs.dataframe[1].value
+    assert set(compared["run"]) == {run_dir.name} and "exact match" in set(compared["metric"])
+
+
+@slow
+def test_monitor_shows_the_newest_answers_beside_the_previous_ones(demo_run):
+    _, run_dir = demo_run
+    at = _page("pages/monitor.py", run_dir.parent.parent, monitor_run=str(run_dir))
+    assert any("Answers on held-out prompts" in m.value for m in at.markdown)
+    table = at.table[0].value
+    assert "answer (step 40)" in table.columns and set(table["previous step"]) == {20}
