@@ -260,7 +260,7 @@ def test_preference_runs_are_scored_on_their_heldout_rows(demo_run, method, tmp_
     out = eval_cli("--run", run_dir, "--limit", 16)
     assert out.returncode == 0, out.stderr[-3000:]
     got = lines_of(out.stdout)
-    assert "greedy answer in the preferred" in got, out.stdout
+    assert "greedy answer in the preferred style" in got, out.stdout
     assert ("preference" in got) == (method == "dpo"), out.stdout  # likelihood accuracy needs pairs
     assert "eval: reward accuracy" in out.stdout, out.stdout
     rows = [
@@ -324,3 +324,51 @@ def test_monitor_shows_the_newest_answers_beside_the_previous_ones(demo_run):
     assert any("Answers on held-out prompts" in m.value for m in at.markdown)
     table = at.table[0].value
     assert "answer (step 40)" in table.columns and set(table["previous step"]) == {20}
+
+
+LM_TASK = """task: demo_uppercase
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{question}}}}"
+doc_to_target: "{{{{answer}}}}"
+generation_kwargs:
+  until: ["</s>"]
+  max_gen_toks: 10
+  do_sample: false
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+"""
+
+
+@slow
+def test_lm_eval_runs_a_local_task_on_base_and_tuned(demo_run, tmp_path):
+    pytest.importorskip("lm_eval")
+    demo, run_dir = demo_run
+    task = tmp_path / "demo_uppercase.yaml"
+    task.write_text(LM_TASK.format(data=demo / "heldout.jsonl"))
+    out = eval_cli(
+        "--run", run_dir, "--data", demo / "heldout.jsonl", "--limit", 4, "--name", "lm", "--lm-eval", task
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "eval: lm-eval demo_uppercase exact_match 0 -> 1" in out.stdout, out.stdout
+    stored = json.loads((run_dir / "eval" / "lm" / "lm_eval.json").read_text())
+    assert stored["figures"]["demo_uppercase exact_match"] == {"base": 0.0, "tuned": 1.0}
+
+
+def test_lm_eval_tasks_are_names_or_task_files(tmp_path):
+    from core.eval.harness import _tasks
+    from core.eval.heldout import EvalError
+
+    good = tmp_path / "mine.yaml"
+    good.write_text("task: my_task\ndataset_path: json\n")
+    assert _tasks(f"arc_easy, {good}") == (["arc_easy", "my_task"], [str(tmp_path.resolve())])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("dataset_path: json\n")
+    with pytest.raises(EvalError, match="not a task YAML file"):
+        _tasks(str(bad))

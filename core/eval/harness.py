@@ -17,6 +17,17 @@ from core.files import atomic_write_text, read_yaml_mapping
 LM_EVAL = "lm_eval.json"
 
 
+SKIP = ("sample_len", "alias", "samples")  # bookkeeping in lm-eval's results, not figures
+
+
+def lm_tokenizer(base: str, adapter: str | None):
+    """The tokenizer the evaluation used: the adapter folder's when it carries one, else the base's."""
+    from transformers import AutoTokenizer
+
+    has_own = adapter and (Path(adapter) / "tokenizer_config.json").is_file()
+    return AutoTokenizer.from_pretrained(adapter if has_own else base)
+
+
 def _tasks(spec: str) -> tuple[list[str], list[str]]:
     """(task names, folders to include) from "name,path/to/task.yaml,..."."""
     names, include = [], []
@@ -55,19 +66,28 @@ def run_tasks(result, spec: str, batch_size: int = 8) -> list[str]:
         "base": {"pretrained": s["base"]},
         "tuned": {"pretrained": s["base"], "peft": adapter} if adapter else {"pretrained": s["tuned"]},
     }
+    chat = bool(getattr(lm_tokenizer(s["base"], adapter), "chat_template", None))
     figures: dict[str, dict] = {}
     for side, kwargs in models.items():
         lm = HFLM(
             **kwargs, batch_size=batch_size, device=s.get("device") or "cpu", dtype=s.get("dtype") or "auto"
         )
         try:
-            out = simple_evaluate(model=lm, tasks=names, task_manager=manager, log_samples=False)
+            out = simple_evaluate(
+                model=lm,
+                tasks=names,
+                task_manager=manager,
+                log_samples=False,
+                limit=s.get("limit"),  # the evaluation's own --limit
+                apply_chat_template=chat,  # prompts as the run was trained: through the chat template
+            )
         except Exception as exc:  # a task that does not load is the user's input
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise EvalError(f"--lm-eval: the tasks did not run ({first}).") from None
         for task, values in (out or {}).get("results", {}).items():
             for metric, value in values.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and "stderr" not in metric:
+                number = isinstance(value, (int, float)) and not isinstance(value, bool)
+                if number and metric not in SKIP and "_stderr" not in metric:
                     figures.setdefault(f"{task} {metric.split(',')[0]}", {})[side] = float(value)
     atomic_write_text(
         Path(result.folder) / LM_EVAL, json.dumps({"tasks": names, "figures": figures}, indent=1)

@@ -43,19 +43,10 @@ def _text(answer) -> str:
     return "".join(m["content"] for m in answer) if isinstance(answer, list) else str(answer)
 
 
-def _logps(m, prompts, answers, batch_size, pad, report, label) -> list[float]:
-    n = len(prompts)
-    sums = generate.answer_losses(
-        m, prompts, answers, batch_size, pad, on_batch=lambda k: report(phase=label, done=k, total=n)
-    )
-    return [-s for s in sums]
-
-
 def evaluate_prefs(rows, method, cfg, model, tuned, tokenizer, max_new_tokens, batch_size, report):
     """(per-row table, summary, `eval:` lines) of a preference run."""
     rated = method.eval_kind == "rated"
     beta = float(cfg["training"].get("beta") or DEFAULT_BETA)
-    pad = generate.pad_id(tokenizer)
     prompts, good, bad = [], [], []
     for r in rows:
         if rated:
@@ -72,19 +63,12 @@ def evaluate_prefs(rows, method, cfg, model, tuned, tokenizer, max_new_tokens, b
             row.update(answer=_text(r["completion"]), label=bool(r["label"]))
         else:
             row.update(chosen=_text(r["chosen"]), rejected=_text(r["rejected"]))
-    n = len(rows)
-    for side, m, ctx in generate.sides(model, tuned):
-        with ctx:
-            said = generate.greedy(
-                m,
-                tokenizer,
-                prompts,
-                max_new_tokens,
-                batch_size,
-                on_batch=lambda k, s=side: report(phase=f"{s} answers", done=k, total=n),
-            )
-            lp_good = _logps(m, prompts, good, batch_size, pad, report, f"{side} log-probs")
-            lp_bad = _logps(m, prompts, bad, batch_size, pad, report, f"{side} log-probs") if bad else None
+    targets = [good, bad] if bad else [good]
+    for side, (said, losses) in generate.both_sides(
+        model, tuned, tokenizer, prompts, targets, max_new_tokens, batch_size, report
+    ).items():
+        lp_good = [-x for x in losses[0]]
+        lp_bad = [-x for x in losses[1]] if bad else None
         for i, row in enumerate(out):
             row[f"{side}_answer"] = said[i]
             if rated:

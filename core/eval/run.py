@@ -240,26 +240,9 @@ def answer_rows(rows, model, tuned, tokenizer, max_new_tokens, batch_size, repor
         {"row": r.row, "prompt": r.prompt, "reference": r.reference, "n_answer_tokens": len(r.answer_ids)}
         for r in rows
     ]
-    n = len(rows)
-    pad = generate.pad_id(tokenizer)
-    for side, m, ctx in generate.sides(model, tuned):
-        with ctx:
-            said = generate.greedy(
-                m,
-                tokenizer,
-                prompts,
-                max_new_tokens,
-                batch_size,
-                on_batch=lambda k, s=side: report(phase=f"{s} answers", done=k, total=n),
-            )
-            losses = generate.answer_losses(
-                m,
-                prompts,
-                answers,
-                batch_size,
-                pad,
-                on_batch=lambda k, s=side: report(phase=f"{s} answer loss", done=k, total=n),
-            )
+    for side, (said, (losses,)) in generate.both_sides(
+        model, tuned, tokenizer, prompts, [answers], max_new_tokens, batch_size, report
+    ).items():
         for row, text, loss in zip(out, said, losses, strict=True):
             row[f"{side}_answer"] = text
             row[f"{side}_loss_sum"] = loss
