@@ -261,8 +261,10 @@ def test_preference_runs_are_scored_on_their_heldout_rows(demo_run, method, tmp_
     assert out.returncode == 0, out.stderr[-3000:]
     got = lines_of(out.stdout)
     assert "greedy answer in the preferred style" in got, out.stdout
-    assert ("preference" in got) == (method == "dpo"), out.stdout  # likelihood accuracy needs pairs
+    assert ("preference accuracy" in got) == (method == "dpo"), out.stdout  # likelihood accuracy needs pairs
     assert "eval: reward accuracy" in out.stdout, out.stdout
+    summary = json.loads((run_dir / "eval" / "eval-split" / "summary.json").read_text())["summary"]
+    assert summary["reward_margin"] > 0, summary  # ten steps already reward the preferred answers more
     rows = [
         json.loads(line) for line in (run_dir / "eval" / "eval-split" / "rows.jsonl").read_text().splitlines()
     ]
