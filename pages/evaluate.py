@@ -51,8 +51,15 @@ def start(ws: str, run_dir: str) -> None:
         follow(lambda: jobs.latest(ws, "eval", key=run_dir), progress)
     elif job.state == "failed":
         st.error(job.error or "The evaluation failed.")
-    elif (job.result or {}).get("note"):
-        st.caption(job.result["note"])
+    else:
+        done = job.result or {}
+        if done.get("folder") and st.session_state.get("ev_shown_job") != str(job.path):
+            st.session_state["ev_shown_job"] = str(job.path)  # a finished job's result is the one shown, once
+            st.session_state["ev_result"] = Path(done["folder"]).name
+        if done.get("reused"):
+            st.caption("Evaluated before with these settings: the stored result is shown, not recomputed.")
+        if done.get("note"):
+            st.caption(done["note"])
 
 
 st.title("Evaluate")
