@@ -9,10 +9,14 @@ import argparse
 import sys
 
 from core.eval.heldout import EvalError
+from core.train.data import DataError
 
 
 def parse_args(argv: list[str] | None):
-    p = argparse.ArgumentParser(prog="python -m core.eval", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m core.eval",
+        description="The base against the tuned model on held-out rows; prints `eval: <metric> B -> A` lines.",
+    )
     p.add_argument(
         "--run", help="run folder or run name (its adapter, or its newest checkpoint while it trains)"
     )
@@ -70,9 +74,12 @@ def main(argv: list[str] | None = None) -> int:
             from core.eval.harness import run_tasks
 
             lm_lines = run_tasks(result, args.lm_eval)
-    except EvalError as exc:
+    except (EvalError, DataError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:  # a CLI prints the sentence, not a traceback (a bug still says what it was)
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
     print(file=sys.stderr)
     if result.note:
         print(result.note)
