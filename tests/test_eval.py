@@ -374,3 +374,23 @@ def test_lm_eval_tasks_are_names_or_task_files(tmp_path):
     bad.write_text("dataset_path: json\n")
     with pytest.raises(EvalError, match="not a task YAML file"):
         _tasks(str(bad))
+
+
+@slow
+def test_a_merged_export_is_compared_with_its_base_like_its_adapter(demo_run, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from core.eval.run import evaluate
+
+    demo, run_dir = demo_run
+    base = AutoModelForCausalLM.from_pretrained(demo / "base")
+    merged = PeftModel.from_pretrained(base, str(run_dir / "adapter")).merge_and_unload()
+    out = tmp_path / "merged"
+    merged.save_pretrained(out)
+    AutoTokenizer.from_pretrained(demo / "base").save_pretrained(out)
+    data = str(demo / "heldout.jsonl")
+    by_model = evaluate(run_dir, model=str(out), data=data, limit=20, name="export")
+    by_adapter = evaluate(run_dir, data=data, limit=20, name="adapter-20")
+    assert by_model.settings["tuned"] == str(out.resolve()) and by_model.settings["what"] == "model merged"
+    assert by_model.lines[:4] == by_adapter.lines[:4]  # the same answers, scored the same
