@@ -11,7 +11,7 @@ from core.runs.launcher import list_runs
 from core.workspace import default_workspace
 from ui.eval_panels import progress, show_result
 from ui.jobs import follow
-from ui.routing import leave_legacy_mode
+from ui.routing import follow_choice, leave_legacy_mode
 
 leave_legacy_mode()
 
@@ -73,10 +73,7 @@ if not runs:
     st.info(f"No runs yet in {Path(workspace) / 'runs'}. Train one first; it can be evaluated here.")
     st.stop()
 paths = [str(r.path) for r in runs]
-wanted = st.session_state.get("eval_run")
-if wanted in paths and st.session_state.get("ev_for") != wanted:
-    st.session_state["ev_run"] = wanted  # a run chosen on another page (Runs, Monitor)
-    st.session_state["ev_for"] = wanted
+follow_choice(paths, "eval_run", "ev_run", "ev_for")  # a run chosen on another page (Runs, Monitor)
 by_path = {str(r.path): r for r in runs}
 run_dir = st.selectbox(
     "Run", paths, key="ev_run", format_func=lambda p: f"{by_path[p].name} · {by_path[p].state}"

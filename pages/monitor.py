@@ -18,7 +18,7 @@ from core.runs.rundir import LIVE_STATES, latest_checkpoint
 from core.train import methods
 from core.workspace import default_workspace
 from ui.eval_panels import samples_panel
-from ui.routing import leave_legacy_mode
+from ui.routing import follow_choice, leave_legacy_mode
 
 leave_legacy_mode()
 
@@ -291,12 +291,7 @@ if not runs:
     st.stop()
 
 paths = [str(r.path) for r in runs]
-wanted = st.session_state.get("monitor_run")
-if wanted not in paths:
-    wanted = paths[0]  # newest
-if st.session_state.get("mon_run") not in paths or st.session_state.get("mon_for") != wanted:
-    st.session_state["mon_run"] = wanted  # follow a run chosen on another page
-    st.session_state["mon_for"] = wanted
+follow_choice(paths, "monitor_run", "mon_run", "mon_for")  # a run chosen on another page
 by_path = {str(r.path): r for r in runs}
 run_methods = {p: run_method(p) for p in paths}
 c1, c2 = st.columns([4, 1], vertical_alignment="bottom")

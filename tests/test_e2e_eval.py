@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.browser import CHROMIUM, CHROMIUM_ARGS, REPO, exceptions_on, streamlit_server, wait_idle
+from tests.browser import CHROMIUM, REPO, exceptions_on, open_app, streamlit_server, wait_idle
 from tests.test_e2e_flow import nav, wait_text
 
 pytestmark = [
@@ -39,11 +39,7 @@ def test_finished_demo_run_is_evaluated_from_the_page(tmp_path, monkeypatch):
     assert info.state == "finished", (info.reason, (run_dir / "stderr.log").read_text()[-2000:])
 
     with streamlit_server(ws, tmp_path / "logs") as url, sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1100})
-        page.set_default_timeout(60_000)
-        page.goto(url + "/")
-        wait_idle(page)
+        browser, page = open_app(p, url)
 
         nav(page, "Monitor")
         wait_text(page, r"Answers on held-out prompts", 60)
