@@ -40,6 +40,7 @@ PAGES = [
     st.Page("pages/train.py", title="Train", icon=":material/rocket_launch:"),
     st.Page("pages/monitor.py", title="Monitor", icon=":material/monitoring:"),
     st.Page("pages/runs.py", title="Runs", icon=":material/folder_open:"),
+    st.Page("pages/evaluate.py", title="Evaluate", icon=":material/fact_check:"),
     st.Page("pages/merge.py", title="Merge & Export", icon=":material/merge:"),
 ]
 

@@ -17,7 +17,8 @@ from core.runs.launcher import RunError, launch, list_runs, stop_run
 from core.runs.rundir import LIVE_STATES, latest_checkpoint
 from core.train import methods
 from core.workspace import default_workspace
-from ui.routing import leave_legacy_mode
+from ui.eval_panels import samples_panel
+from ui.routing import follow_choice, leave_legacy_mode
 
 leave_legacy_mode()
 
@@ -269,6 +270,7 @@ def show(run_dir: str, live: bool) -> None:
         header(snap)
         failure(snap)
         health(snap)
+        samples_panel(run_dir)  # the answers to held-out prompts, above the curves they explain
         charts(snap)
         logs(snap)
         st.caption(
@@ -289,12 +291,7 @@ if not runs:
     st.stop()
 
 paths = [str(r.path) for r in runs]
-wanted = st.session_state.get("monitor_run")
-if wanted not in paths:
-    wanted = paths[0]  # newest
-if st.session_state.get("mon_run") not in paths or st.session_state.get("mon_for") != wanted:
-    st.session_state["mon_run"] = wanted  # follow a run chosen on another page
-    st.session_state["mon_for"] = wanted
+follow_choice(paths, "monitor_run", "mon_run", "mon_for")  # a run chosen on another page
 by_path = {str(r.path): r for r in runs}
 run_methods = {p: run_method(p) for p in paths}
 c1, c2 = st.columns([4, 1], vertical_alignment="bottom")
@@ -341,6 +338,9 @@ elif c2.button(
 flash = st.session_state.pop("mon_flash", None)
 if flash:
     st.success(flash)
+if info.state in ENDED and st.button("Evaluate this run", key="mon_eval", icon=":material/fact_check:"):
+    st.session_state["eval_run"] = run_dir
+    st.switch_page("pages/evaluate.py")
 if info.state in ("stopped", "failed") and info.reason:
     st.caption(f"Why it {info.state}: {first_sentence(info.reason)}")
 st.columns([1, 3])[0].number_input(

@@ -1,6 +1,7 @@
 """Runs page: every run of the workspace at a glance, loss curves side by side (and a DPO run's preference
-accuracy and reward margin), open one in the Monitor, delete finished ones. UI only: summaries come from
-core.monitor.watch, deleting from core.runs.admin."""
+accuracy and reward margin), the runs' evaluations side by side, open one in the Monitor or evaluate it, delete
+finished ones. UI only: summaries come from core.monitor.watch, evaluations from core.eval.results, deleting
+from core.runs.admin."""
 
 from datetime import datetime
 from pathlib import Path
@@ -9,6 +10,7 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
+from core.eval.results import compare_rows, headline
 from core.fmt import duration
 from core.monitor.series import DEFAULT_SMOOTHING_STEPS
 from core.monitor.summary import COMPARABLE, comparable_metrics, compare_frame, summarize_runs
@@ -56,6 +58,7 @@ def table(summaries) -> None:
                 else {}
             ),
             "peak GPU memory (GiB)": _num(s.peak_memory_gib, ".2f", "n/a (no GPU samples)"),
+            "eval (base -> tuned)": headline(s.run_dir) or "–",
             "note": s.error or (f"{s.malformed} unreadable log line(s) skipped" if s.malformed else ""),
         }
         for s in summaries
@@ -125,6 +128,18 @@ def compare(summaries) -> None:
     st.altair_chart(chart, width="stretch")
 
 
+def compare_evals(summaries) -> None:
+    """The runs' newest evaluations side by side (core.eval: base against tuned on held-out rows)."""
+    rows = compare_rows([s.run_dir for s in summaries])
+    if not rows:
+        return
+    st.subheader("Compare evaluations")
+    df = pd.DataFrame(rows)
+    metrics = list(dict.fromkeys(df["metric"]))
+    metric = st.columns([1, 2])[0].selectbox("Figure", metrics, key="runs_eval_metric")
+    st.dataframe(df[df["metric"] == metric], hide_index=True, width="stretch")
+
+
 def open_and_delete(summaries) -> None:
     st.subheader("One run")
     by_name = {s.name: s for s in summaries}
@@ -134,6 +149,9 @@ def open_and_delete(summaries) -> None:
     if c2.button("Open in Monitor", key="runs_open", icon=":material/monitoring:"):
         st.session_state["monitor_run"] = run.run_dir
         st.switch_page("pages/monitor.py")
+    if c2.button("Evaluate", key="runs_eval", icon=":material/fact_check:", disabled=run.state != "finished"):
+        st.session_state["eval_run"] = run.run_dir
+        st.switch_page("pages/evaluate.py")
     with st.expander(f"Delete {name}"):
         st.caption("Deletes the run folder with its checkpoints and adapter. Running runs cannot be deleted.")
         sure = st.checkbox(f"Yes, delete {name} and all its files", key=f"runs_sure_{name}")
@@ -162,4 +180,5 @@ if not summaries:
     st.stop()
 table(summaries)
 compare(summaries)
+compare_evals(summaries)
 open_and_delete(summaries)

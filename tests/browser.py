@@ -66,3 +66,13 @@ def wait_idle(page, timeout_ms: int = 60_000):
 
 def exceptions_on(page) -> list[str]:
     return [e.inner_text() for e in page.query_selector_all('[data-testid="stException"]')]
+
+
+def open_app(playwright, url: str):
+    """(browser, page): headless Debian Chromium on the app's landing page, loaded and idle."""
+    browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+    page = browser.new_page(viewport={"width": 1400, "height": 1100})
+    page.set_default_timeout(60_000)
+    page.goto(url + "/")
+    wait_idle(page)
+    return browser, page

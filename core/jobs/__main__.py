@@ -92,14 +92,38 @@ def run_gguf(p: dict, report: Progress) -> dict:
     return result.to_dict()
 
 
-RUNNERS = {"merge": run_merge, "demo": run_demo, "preflight": run_preflight_job, "gguf": run_gguf}
+def run_eval(p: dict, report: Progress) -> dict:
+    from core.eval.run import evaluate
+
+    result = evaluate(p.get("run"), **{k: v for k, v in p.items() if k != "run"}, progress=report)
+    return {"folder": str(result.folder), "lines": result.lines, "reused": result.reused, "note": result.note}
+
+
+RUNNERS = {
+    "merge": run_merge,
+    "demo": run_demo,
+    "preflight": run_preflight_job,
+    "gguf": run_gguf,
+    "eval": run_eval,
+}
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     """The exceptions that carry a sentence for the user (anything else is a bug: traceback in stderr.log)."""
+    from core.eval.heldout import EvalError
     from core.merge import MergeError
 
-    return (ValueError, OSError, MergeError, DemoError, DataError, BadInput, ExportError, WorkspaceError)
+    return (
+        ValueError,
+        EvalError,
+        OSError,
+        MergeError,
+        DemoError,
+        DataError,
+        BadInput,
+        ExportError,
+        WorkspaceError,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

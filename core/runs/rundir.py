@@ -26,6 +26,9 @@ STATUS = "status.json"  # state + reason, written by the trainer
 METRICS = "metrics.jsonl"  # one line per logging step
 GPU = "gpu.jsonl"  # NVML samples
 SMOKE = "smoke.json"  # the smoke test's measured peak
+SAMPLES = (
+    "samples.jsonl"  # greedy answers to fixed held-out prompts at each evaluation (training.eval_samples)
+)
 # PID ("pid": the training process), LOCK ("lock": held by it), STDOUT and STDERR: see core.procs
 CHECKPOINTS = "checkpoints"
 ADAPTER, MODEL = "adapter", "model"  # the final weights: a LoRA adapter, or a full fine-tune
@@ -244,6 +247,32 @@ def _torch_file_problem(path: Path, deep: bool) -> str | None:
 def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     """The newest checkpoint that can be resumed from (checkpoint_problem), or None."""
     return next((p for p in checkpoints(run_dir) if checkpoint_problem(p) is None), None)
+
+
+def latest_samples(run_dir: str | os.PathLike) -> list[dict]:
+    """samples.jsonl as the Monitor shows it: per held-out prompt (by its index), the newest answer with its step
+    and the answer before it: {"i", "prompt", "reference", "step", "answer", "previous_step", "previous"}."""
+    by_prompt: dict[int, list[dict]] = {}
+    for rec in iter_jsonl_objects(Path(run_dir) / SAMPLES):
+        if isinstance(rec.get("i"), int) and isinstance(rec.get("step"), int):
+            by_prompt.setdefault(rec["i"], []).append(rec)
+    out = []
+    for i, recs in sorted(by_prompt.items()):
+        recs.sort(key=lambda r: r["step"])  # a resumed run appends again from its checkpoint's step
+        last = recs[-1]
+        before = next((r for r in reversed(recs[:-1]) if r["step"] < last["step"]), None)
+        out.append(
+            {
+                "i": i,
+                "prompt": str(last.get("prompt", "")),
+                "reference": str(last.get("reference", "")),
+                "step": last["step"],
+                "answer": str(last.get("answer", "")),
+                "previous_step": before["step"] if before else None,
+                "previous": str(before.get("answer", "")) if before else None,
+            }
+        )
+    return out
 
 
 def read_smoke(run_dir: str | os.PathLike) -> dict | None:

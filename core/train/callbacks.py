@@ -254,3 +254,58 @@ def make_run_callback(
     the run folder's (core.runs.rundir.folder_identity) as the trainer found it; config: the run's config, kept in
     each checkpoint it saves."""
     return _callback_class()(run_dir, stop, smoke, device, samples_per_step, identity, config)
+
+
+SAMPLES_EXTRA_TOKENS, SAMPLES_MAX_TOKENS = 8, 128  # an answer: its reference's length and a little more
+
+
+def samples_callbacks(cfg: dict, run_dir: Path, tokenizer, eval_ds, smoke: bool) -> list:
+    """[the samples callback] when training.eval_samples asks for it and the run holds rows out, else []: at each
+    evaluation, greedy answers to the first eval_samples held-out prompts go to <run>/samples.jsonl, one line
+    each {"step", "time", "i", "prompt", "reference", "answer"}."""
+    n = int(cfg["training"].get("eval_samples") or 0)
+    if smoke or n <= 0 or eval_ds is None:
+        return []
+    from core.train import methods
+
+    rows = methods.get(cfg).sample_rows(eval_ds, tokenizer, n)
+    if not rows:
+        return []
+    longest = max(len(tokenizer(r["reference"], add_special_tokens=False)["input_ids"]) for r in rows)
+    new_tokens = min(SAMPLES_MAX_TOKENS, longest + SAMPLES_EXTRA_TOKENS)
+    return [_samples_class()(run_dir / rundir.SAMPLES, rows, tokenizer, new_tokens)]
+
+
+def _samples_class():
+    from transformers import TrainerCallback
+
+    class SamplesCallback(TrainerCallback):
+        """Greedy answers to fixed held-out prompts at each evaluation (core.eval.generate, batched)."""
+
+        def __init__(self, path: Path, rows: list[dict], tokenizer, max_new_tokens: int):
+            self.path, self.rows, self.tokenizer, self.max_new_tokens = path, rows, tokenizer, max_new_tokens
+
+        def on_evaluate(self, args, state, control, model=None, **kw):
+            if model is None or not state.is_world_process_zero:
+                return
+            from core.eval.generate import greedy
+
+            said = greedy(model, self.tokenizer, [r["prompt_ids"] for r in self.rows], self.max_new_tokens)
+            now = time.time()
+            lines = [
+                json.dumps(
+                    {
+                        "step": state.global_step,
+                        "time": now,
+                        "i": i,
+                        "prompt": r["prompt"],
+                        "reference": r["reference"],
+                        "answer": a,
+                    }
+                )
+                for i, (r, a) in enumerate(zip(self.rows, said, strict=True))
+            ]
+            with contextlib.suppress(OSError), open(self.path, "a", encoding="utf-8") as fh:
+                fh.write("\n".join(lines) + "\n")
+
+    return SamplesCallback

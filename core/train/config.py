@@ -38,6 +38,7 @@ from core.train.config_keys import (
     EXTRA_VALUES,
     METHODS,
     OWN_SCHEMA,
+    OWN_TRAINING,
     OWNED,
     RANGES,
     RENAMED,
@@ -65,6 +66,8 @@ def section_schema(section: str, method: str = "sft") -> dict[str, dict]:
     fields = dict(schema.library_schema()[name])
     if section == "lora":
         fields["enabled"] = {"kinds": ["bool"]}
+    if section == "training":
+        fields.update(OWN_TRAINING)
     for key in OWNED.get(section, {}):
         fields.pop(key, None)
     return fields

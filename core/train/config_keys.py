@@ -220,6 +220,7 @@ RANGES: dict[str, tuple] = {
     "distributed.machine_rank": (0, 4095),
     "distributed.main_process_port": (1, 65535),
     "data.eval_split": (0, 0.5, "right-open"),
+    "training.eval_samples": (0, 1000),
 }
 
 
@@ -256,6 +257,12 @@ OWN_SCHEMA = {
         "main_process_port": {"kinds": ["int", "none"]},
     },
 }
+
+
+# The cockpit's own keys in the training section (not the TRL config's: the engine takes them out before it).
+# eval_samples: greedy answers to this many fixed held-out prompts at each evaluation, into samples.jsonl
+# (core.train.callbacks); 0 (the default) is off.
+OWN_TRAINING = {"eval_samples": {"kinds": ["int"]}}
 
 
 # Values the cockpit adds to a library field: "auto" precision/dtype is resolved by the engine per device.

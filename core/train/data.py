@@ -245,6 +245,18 @@ def tokenize_row(row: dict, fmt: str, tokenizer, max_length: int, mask_prompt: b
     return {"input_ids": ids[:max_length], "labels": labels[:max_length], "length": len(ids)}
 
 
+def last_answer_span(labels: list[int]) -> tuple[int, int] | None:
+    """(start, end) of the last run of trained tokens in a row's labels (its last answer), or None: what an
+    evaluation asks (the tokens before it) and scores (the answer itself)."""
+    end = next((i + 1 for i in range(len(labels) - 1, -1, -1) if labels[i] != IGNORE_INDEX), None)
+    if end is None:
+        return None
+    start = end
+    while start > 0 and labels[start - 1] != IGNORE_INDEX:
+        start -= 1
+    return start, end
+
+
 def tokenize_dataset(ds, fmt: str, tokenizer, max_length: int, mask_prompt: bool = True):
     return ds.map(
         lambda row: tokenize_row(row, fmt, tokenizer, max_length, mask_prompt),

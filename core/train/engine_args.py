@@ -14,6 +14,7 @@ from pathlib import Path
 from core.precision import CUDA_ONLY, Precision, torch_dtype
 from core.runs import rundir
 from core.train import distributed, methods
+from core.train.config_keys import OWN_TRAINING
 
 # Library defaults the engine fills in where the run config leaves them unset
 LORA_ENGINE = {"task_type": "CAUSAL_LM"}
@@ -67,7 +68,7 @@ def training_args(
     method = methods.get(cfg)
     args_class = method.config_class()
 
-    t = dict(cfg["training"])
+    t = {k: v for k, v in cfg["training"].items() if k not in OWN_TRAINING}  # the cockpit's own keys
     if prec is not None:
         t["bf16"], t["fp16"] = prec.bf16, prec.fp16
     else:

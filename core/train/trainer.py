@@ -25,7 +25,7 @@ from core.precision import Device, Precision, PrecisionError, resolve, torch_dty
 from core.runs import rundir
 from core.runs.rundir import read_status, truncate_metrics, write_status
 from core.train import distributed, methods
-from core.train.callbacks import StopFlag, make_run_callback
+from core.train.callbacks import StopFlag, make_run_callback, samples_callbacks
 from core.train.config import ConfigError, load_config
 from core.train.data import DataError
 from core.train.engine_args import bnb_config, lora_config, training_args
@@ -413,7 +413,8 @@ def _train(
             run_dir=run_dir,
             smoke=smoke,
             collator=collator,
-            callbacks=[callback],
+            # the samples first: their generation is evaluation time, which the run callback keeps out of tokens/s
+            callbacks=[*samples_callbacks(cfg, run_dir, tokenizer, eval_ds, smoke), callback],
             report_to=_report_to(cfg, run_dir, smoke),
         )
         if checkpoint and new_hyperparameters:

@@ -102,6 +102,9 @@ class Method:
     data_noun: str = "rows"  # what its data is, for sentences: "preference pairs", "rated answers"
     row_noun: str = "rows"  # what one row is, counted: "512 pairs"
     choice: str = ""  # the method as the Train page offers it: "DPO (preference pairs)"
+    # what core.eval scores on held-out rows: "answers" (greedy answers against reference answers), "pairs"
+    # (chosen against rejected answers: preference accuracy, reward margins), "rated" (answers rated good or bad)
+    eval_kind: str = "answers"
 
     # -- the libraries' classes ------------------------------------------------------------------------------
     def config_class(self):
@@ -146,6 +149,20 @@ class Method:
         for prompt in rows:
             if add_unique(out, user_text(prompt), n):
                 break
+        return out
+
+    def sample_rows(self, rows, tokenizer, n: int) -> list[dict]:
+        """The first `n` held-out rows as {"prompt": text, "prompt_ids", "reference"}: what the trainer's samples
+        callback asks at each evaluation (training.eval_samples). Here: rows with a prompt column and a chosen
+        answer or a completion (DPO, KTO), tokenized as their trainers do."""
+        from core.train.prefdata import pair_token_ids
+
+        out = []
+        for row in rows.select(range(min(n, len(rows)))):
+            answer = row.get("chosen", row.get("completion"))
+            ids, _, _ = pair_token_ids({"prompt": row["prompt"], "chosen": answer, "rejected": ""}, tokenizer)
+            text = "".join(m["content"] for m in answer) if isinstance(answer, list) else str(answer)
+            out.append({"prompt": user_text(row["prompt"]), "prompt_ids": ids, "reference": text})
         return out
 
     def prompt_rows(self, data_cfg: dict) -> list:

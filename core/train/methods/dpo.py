@@ -180,4 +180,5 @@ METHOD = DPO(
     data_noun="preference pairs",
     row_noun="pairs",
     choice="DPO (preference pairs)",
+    eval_kind="pairs",
 )

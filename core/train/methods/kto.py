@@ -162,6 +162,7 @@ METHOD = KTO(
     data_noun="rated answers",
     row_noun="rated answers",
     choice="KTO (rated answers: thumbs up / down)",
+    eval_kind="rated",
     measure_rows=(
         {"prompt": "hello", "completion": "HELLO!", "label": True},
         {"prompt": "world", "completion": "WORLD", "label": False},

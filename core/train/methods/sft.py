@@ -9,6 +9,7 @@ from core.train.data import (
     Collator,
     DataError,
     detect_format,
+    last_answer_span,
     load_rows,
     missing_columns,
     prepare_datasets,
@@ -67,6 +68,25 @@ class SFT(Method):
 
     def sample_prompts(self, data_cfg: dict, n: int = 3) -> list[str]:
         return sample_prompts(data_cfg, n)
+
+    def sample_rows(self, rows, tokenizer, n: int) -> list[dict]:
+        """Tokenized rows (input_ids, labels): the prompt is what comes before the last answer."""
+        out = []
+        for row in rows.select(range(min(n, len(rows)))):
+            span = last_answer_span(row["labels"])
+            if span is None:
+                continue
+            if span[0] == 0:  # plain text, nothing masked: its first half asks, the rest is the reference
+                span = (max(1, span[1] // 2), span[1])
+            ids = row["input_ids"]
+            out.append(
+                {
+                    "prompt": tokenizer.decode(ids[: span[0]], skip_special_tokens=True),
+                    "prompt_ids": list(ids[: span[0]]),
+                    "reference": tokenizer.decode(ids[span[0] : span[1]], skip_special_tokens=True).strip(),
+                }
+            )
+        return out
 
 
 class SmokeCollator(Collator):
