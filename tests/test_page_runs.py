@@ -106,7 +106,7 @@ def test_delete_refuses_a_live_run_with_a_stand_in_process(live_stand_in, worksp
     at = _page(workspace)
     at.checkbox(key="runs_sure_live").check().run()
     at.button(key="runs_delete").click().run()
-    assert any("is running" in e.value and "stop it on the Monitor page" in e.value for e in at.error)
+    assert any("is running" in e.value and "Stop on the Monitor page" in e.value for e in at.error)
     assert (live_stand_in / "config.yaml").is_file()
 
 
