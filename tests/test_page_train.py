@@ -487,3 +487,12 @@ def test_the_preference_demo_buttons_fill_the_form_without_false_warnings(worksp
     at.button(key="tr_demo_kto").click().run()
     assert at.text_input(key="tr_model_path").value == str((demo / "sft-merged").resolve())
     assert any("on sft-merged" in c.value for c in at.caption)
+
+
+def test_sample_answers_at_each_eval_is_a_field_and_off_stays_out_of_the_yaml(workspace, tiny_llama, dataset):
+    """Issue #24: training.eval_samples on the form (it was YAML-only); 0 (off) is not written."""
+    at = _page(workspace, tiny_config(tiny_llama, dataset))
+    assert at.number_input(key="tr_eval_samples").value == 0
+    assert "eval_samples" not in at.session_state["train_config"]["training"]
+    at.number_input(key="tr_eval_samples").set_value(3).run()
+    assert not at.exception and at.session_state["train_config"]["training"]["eval_samples"] == 3

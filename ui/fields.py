@@ -60,6 +60,9 @@ FIELDS = {
         Field("ckpt", "training.gradient_checkpointing", "Gradient checkpointing", "bool"),
         Field("logging", "training.logging_steps", "Log every (steps)", "int", step=1),
         Field("save", "training.save_steps", "Checkpoint every (steps)", "int", step=10),
+        Field("eval_samples", "training.eval_samples", "Sample answers at each eval", "int", 0, step=1,
+              help="training.eval_samples: greedy answers to this many held-out prompts at each evaluation, shown on "
+              "the Monitor (needs an eval split; 0: off)"),
         # the memory levers (README "Fitting more"); padding-free and packing are SFTTrainer's only
         Field("padding_free", "training.padding_free", "Padding-free batches", "bool", flat_only=True,
               help="training.padding_free: the batch's rows as one sequence, no padding (SFT; use flash attention "
@@ -86,6 +89,7 @@ HANDOVER = "train_from_estimate"  # the run config the Estimate page's "Use this
 
 # Off is the libraries' default for these: a form leaves them out of the YAML rather than writing false.
 OFF_BY_DEFAULT = {"padding_free", "packing", "offload", "liger"}
+ZERO_IS_OFF = {"eval_samples"}  # 0 (off) is left out of the YAML too
 
 WHOLE_WHEN_WHOLE = {"alpha", "warmup"}
 
@@ -178,8 +182,10 @@ def read(prefix: str, base: dict, names, method) -> dict:
         if f.flat_only and not method.traits.flat_batches:
             section.pop(f.key, None)  # the other methods' TRL configs do not know the key
             continue
-        if name in OFF_BY_DEFAULT:
-            if value:
+        if name in OFF_BY_DEFAULT or name in ZERO_IS_OFF:
+            if value and name in ZERO_IS_OFF:
+                section[f.key] = value
+            elif value:
                 section[f.key] = True
             else:
                 section.pop(f.key, None)

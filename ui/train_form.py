@@ -26,7 +26,7 @@ P = "tr_"  # the Train page's widget keys: tr_ + the field's name (ui/fields.py)
 TRAIN_FIELDS = (
     "model_path", "dtype", "attn", "trust", "lora", "4bit", "r", "alpha", "dropout", "targets", "data_path",
     "format", "max_length", "eval_split", "batch", "accum", "max_steps", "epochs", "lr", "sched", "warmup", "optim",
-    "ckpt", "logging", "save", "padding_free", "packing", "offload", "liger",
+    "ckpt", "logging", "save", "eval_samples", "padding_free", "packing", "offload", "liger",
 )  # fmt: skip
 
 
@@ -246,7 +246,7 @@ def _training_fields(method) -> None:
     fields.row(P, ("batch", "accum", "max_steps", "epochs"))
     fields.row(P, ("lr", "sched", "warmup", "optim"))
     fields.row(P, ("padding_free", "packing", "offload", "liger"), method=method)
-    fields.row(P, ("ckpt", "logging", "save", None))
+    fields.row(P, ("ckpt", "logging", "save", "eval_samples"))
     fields.method_row(P, method)
 
 
