@@ -248,7 +248,7 @@ def test_auto_resolves_by_the_plan_and_one_gpu_writes_nothing(tmp_path):
     )
 
 
-# ---- the engine: --dry-run writes the accelerate config; the trainer does not start N processes yet ------------
+# ---- the engine: --dry-run writes the accelerate config; the launch line the supervisor starts the ranks with -----
 
 
 def run_yaml(tmp_path, model_dir, **distributed_values):
@@ -269,10 +269,34 @@ def test_dry_run_with_a_run_dir_writes_the_accelerate_config(tiny_llama, tmp_pat
     assert "accelerate config:" in out.err
 
 
-def test_the_trainer_refuses_several_processes_until_the_launcher_starts_them(tiny_llama, tmp_path):
-    path = run_yaml(tmp_path, tiny_llama, gpus=2)
-    with pytest.raises(ConfigRefused, match="distributed.gpus asks for 2 processes"):
-        run_training(path, tmp_path / "run")
-    assert not (tmp_path / "run").exists()  # refused before anything was written
+def test_one_process_on_a_chosen_gpu_is_refused_with_the_way_to_pick_it(tiny_llama, tmp_path):
     with pytest.raises(ConfigRefused, match="CUDA_VISIBLE_DEVICES=1"):
         run_training(run_yaml(tmp_path, tiny_llama, gpus=[1]), tmp_path / "run")
+    assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+def test_the_launch_lines_parse_as_accelerate_and_torchrun_read_them(tiny_llama, tmp_path):
+    """The supervisor's command for the ranks, read back by the launchers' own parsers: accelerate with the run's
+    accelerate.yaml on GPUs, torchrun (gloo) on a machine without CUDA; several machines keep their rank."""
+    from accelerate.commands.launch import launch_command_parser
+    from torch.distributed.run import get_args_parser
+
+    from core.train import ranks
+
+    cfg = validate_config(
+        minimal(
+            model={"path": str(tiny_llama)},
+            distributed={"gpus": 2, "num_machines": 2, "machine_rank": 1, "main_process_ip": "10.0.0.1"},
+        )
+    )
+    run = tmp_path / "run"
+    gpu = ranks.launch_argv(cfg, run / "config.yaml", run, on_cuda=True)
+    assert gpu[1:3] == ["-m", "accelerate.commands.launch"]
+    args = launch_command_parser().parse_args(gpu[3:])
+    assert args.config_file == str(run / "accelerate.yaml") and args.module
+    assert args.training_script == "core.train" and args.training_script_args[-1] == str(run)
+    cpu = ranks.launch_argv(cfg, run / "config.yaml", run, on_cuda=False)
+    assert cpu[1:3] == ["-m", "torch.distributed.run"]
+    targs = get_args_parser().parse_args(cpu[3:])
+    assert (targs.nproc_per_node, targs.nnodes, targs.node_rank) == ("2", "2", 1)
+    assert (targs.master_addr, targs.master_port, targs.module) == ("10.0.0.1", 29500, True)

@@ -15,9 +15,16 @@ from pathlib import Path
 from core.files import atomic_write_text
 from core.runs import rundir
 from core.runs.rundir import write_status
+from core.train import distributed, ranks
 from core.train.config import config_to_yaml
 
 METRIC_KEYS = ("loss", "eval_loss", "learning_rate", "grad_norm")
+RANK_MEMORY = (
+    "cuda_allocated",
+    "cuda_reserved",
+    "cuda_peak",
+    "rss_bytes",
+)  # per rank: rankK_<name> for K > 0
 
 
 class StopFlag:
@@ -61,8 +68,11 @@ def _callback_class():
             self.stopped_at: int | None = None
             self.disk_full: str | None = None  # why training stopped before a checkpoint that could not fit
             self.step_seconds: list[float] = []
+            # several processes: rank 0 alone writes the run's files; every rank agrees on when to stop
+            self.main, self.world = ranks.is_main(), ranks.world()
             # A smoke test writes no metrics: its one step is not a training curve.
-            self._fh = None if smoke else open(run_dir / rundir.METRICS, "a", encoding="utf-8")  # noqa: SIM115
+            writes = self.main and not smoke
+            self._fh = open(run_dir / rundir.METRICS, "a", encoding="utf-8") if writes else None  # noqa: SIM115
             import psutil
 
             self._proc = psutil.Process()
@@ -77,7 +87,7 @@ def _callback_class():
                 self._fh.close()
 
         def _status(self, **fields):
-            if not self._check_folder(None):  # a stat per write (at most a few a second)
+            if self.main and not self._check_folder(None):  # a stat per write (at most a few a second)
                 try:
                     write_status(self.run_dir, **fields)
                 except FileNotFoundError:  # deleted between the check and the write
@@ -103,7 +113,9 @@ def _callback_class():
             if self._check_folder(control):
                 return
             self._status(state="running", step=state.global_step, max_steps=state.max_steps)
-            if self.stop.signal:  # signalled while loading: stop before the first step
+            (stop,) = ranks.agree(args.device, bool(self.stop.signal))
+            if stop:  # signalled while loading: stop before the first step (every rank)
+                self.stop.signal = self.stop.signal or "SIGTERM"
                 control.should_training_stop = True
 
         def on_step_begin(self, args, state, control, **kw):
@@ -111,14 +123,26 @@ def _callback_class():
 
         def on_step_end(self, args, state, control, **kw):
             self.step_seconds.append(time.perf_counter() - self._step_t0)
-            if self._check_folder(control):  # before the Trainer logs or saves into it
+            gone, stop = ranks.agree(args.device, self._check_folder(None), bool(self.stop.signal))
+            if gone:  # before the Trainer logs or saves into it (seen by this rank or another)
+                self.gone = (
+                    self.gone
+                    or f"the run folder {self.run_dir} was deleted or replaced while the run trained"
+                )
+                self._check_folder(control)
                 return
-            if self.stop.signal and self.stopped_at is None:
+            if stop and self.stopped_at is None:
                 self.stopped_at = state.global_step
+                self.stop.signal = self.stop.signal or "SIGTERM"  # another rank's: the run stops as one
                 control.should_training_stop = True
                 control.should_save = not self.smoke
-            if control.should_save and not self.smoke:
-                self._check_space(state.global_step, control, kw.get("model"), kw.get("optimizer"))
+            if control.should_save and not self.smoke:  # the same on every rank: the step and the agreed stop
+                problem = self._space_problem(state.global_step, kw.get("model"), kw.get("optimizer"))
+                (full,) = ranks.agree(args.device, problem is not None)
+                if full:
+                    control.should_save = False
+                    control.should_training_stop = True
+                    self.disk_full = problem or "disk full: rank 0 found no room for the next checkpoint"
             now = time.time()
             if now - self._status_t > 1.0:  # at most one status write a second keeps the overhead invisible
                 self._status_t = now
@@ -126,17 +150,18 @@ def _callback_class():
                 step_s = statistics.median(self.step_seconds[-20:])
                 self._status(step=state.global_step, step_s=round(step_s, 4))
 
-        def _check_space(self, step: int, control, model, optimizer) -> None:
+        def _space_problem(self, step: int, model, optimizer) -> str | None:
             """A checkpoint that cannot fit is not started (a half-written one is worth nothing and fills the disk
-            others use too): training stops, and the run fails with "disk full" and the figures."""
+            others use too): training stops, and the run fails with "disk full" and the figures. Rank 0 decides
+            (the ranks share the run directory)."""
+            if not self.main:
+                return None
             need = checkpoint_bytes(model, optimizer, rundir.latest_checkpoint(self.run_dir))
             free = _free_bytes(self.run_dir)
             if need is None or free is None or free >= need:
-                return
-            control.should_save = False
-            control.should_training_stop = True
+                return None
             last = rundir.latest_checkpoint(self.run_dir)
-            self.disk_full = (
+            return (
                 f"disk full: checkpoint-{step} needs about {_mib(need)} and the disk that holds {self.run_dir} has "
                 f"{_mib(free)} free, so training stopped before writing it (newest checkpoint: "
                 f"{last.name if last else 'none yet'}). Free space there (or move the run to a larger disk), then "
@@ -152,7 +177,7 @@ def _callback_class():
         def on_save(self, args, state, control, **kw):
             self._last_t = time.time()  # checkpoint writing is not training time: keep it out of tokens/s
             saved = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-            if self._config_text is not None and saved.is_dir() and not self._check_folder(control):
+            if self.main and self._config_text and saved.is_dir() and not self._check_folder(control):
                 # the config that trained it, beside its weights: what a resume compares with (core.train.resume)
                 atomic_write_text(saved / rundir.CHECKPOINT_CONFIG, self._config_text, parents=False)
 
@@ -160,11 +185,14 @@ def _callback_class():
             self._last_t = time.time()  # likewise evaluation
 
         def on_log(self, args, state, control, logs=None, **kw):
-            if self._check_folder(control):
-                return
             logs = logs or {}
             if not any(k in logs for k in METRIC_KEYS):
                 return  # the end-of-training summary (train_runtime, ...) is not a metric line
+            # every rank's memory, gathered on every rank (a collective: before anything one rank alone decides)
+            memory = {**cuda_memory(), "rss_bytes": self._proc.memory_info().rss}
+            per_rank = ranks.gather(args.device, [float(memory.get(k, math.nan)) for k in RANK_MEMORY])
+            if self._check_folder(control) or not self.main:
+                return
             now = time.time()
             rec = {"time": now, "step": state.global_step, "epoch": float(state.epoch or 0.0)}
             # every number the trainer logs: loss, learning rate, grad norm and TRL's own (mean_token_accuracy,
@@ -178,8 +206,10 @@ def _callback_class():
                 rec["tokens_per_s"] = max(0.0, tokens - self._last_tokens) / dt
                 rec["samples_per_s"] = (state.global_step - self._last_step) * self.samples_per_step / dt
                 self._last_t, self._last_tokens, self._last_step = now, tokens, state.global_step
-            rec.update(cuda_memory())
-            rec["rss_bytes"] = self._proc.memory_info().rss  # CPU memory: the curve a run without a GPU has
+            rec.update(memory)  # rss_bytes, the CPU memory: the curve a run without a GPU has
+            for k, values in enumerate((per_rank or [])[1:], start=1):  # rank 0's are the plain names
+                pairs = zip(RANK_MEMORY, values, strict=True)
+                rec.update({f"rank{k}_{n}": v for n, v in pairs if math.isfinite(v)})
             # json.dumps writes NaN for a NaN loss: the file stays readable by Python's json and the UI sees it.
             if self._fh is not None:
                 self._fh.write(json.dumps(rec) + "\n")
@@ -264,8 +294,9 @@ def samples_callbacks(cfg: dict, run_dir: Path, tokenizer, eval_ds, smoke: bool)
     evaluation, greedy answers to the first eval_samples held-out prompts go to <run>/samples.jsonl, one line
     each {"step", "time", "i", "prompt", "reference", "answer"}."""
     n = int(cfg["training"].get("eval_samples") or 0)
-    if smoke or n <= 0 or eval_ds is None:
-        return []
+    handed = ranks.spec() or {}
+    if smoke or n <= 0 or eval_ds is None or handed.get("strategy") in distributed.SHARDED:
+        return []  # sharded weights: rank 0 alone cannot generate (every rank takes part in each forward)
     from core.train import methods
 
     rows = methods.get(cfg).sample_rows(eval_ds, tokenizer, n)

@@ -19,6 +19,7 @@ from core.estimate.from_config import plan_json, write_accelerate_config
 from core.estimate.plan import PlanError
 from core.estimate.specs import SpecError
 from core.runs import rundir
+from core.train import ranks
 from core.train.callbacks import StopFlag
 from core.train.config import ConfigError, check_with_libraries, load_config
 from core.train.data import DataError
@@ -101,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     stop = StopFlag().install()  # first thing: a stop during the slow imports must not kill us mid-write
     args = parser.parse_args(argv)
+    if ranks.spec() is not None:  # one rank of a run on several processes (core.train.ranks)
+        ranks.become_rank(Path(args.run_dir))
     if args.dry_run:
         return dry_run(args.config, args.gpu_gb, args.device, args.run_dir)
     if not args.run_dir:
@@ -135,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
             print(f"error: {reason}", file=sys.stderr, flush=True)
         return EXIT_FAILED
+    if ranks.spec() is not None:
+        ranks.end_rank(run_dir, summary["state"])
     print(f"run {summary['state']} at step {summary['step']}", flush=True)
     if args.smoke:
         print(smoke_line(summary.get("smoke") or {}), flush=True)

@@ -94,6 +94,10 @@ def training_args(
     if report_to is not None and "report_to" not in cfg["training"]:
         t["report_to"] = report_to
     t.setdefault("report_to", "none")
+    if distributed.world_size(cfg) > 1:
+        # every trainable weight (LoRA's, or the model's) takes part in each forward: DDP's search for unused
+        # ones is an extra pass over the graph per step, and with checkpointing it is what breaks (trl#921)
+        t.setdefault("ddp_find_unused_parameters", False)
     if prec is not None and prec.on_cpu:
         for key in CUDA_ONLY:
             if t.get(key):

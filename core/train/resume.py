@@ -19,6 +19,7 @@ from typing import Any
 
 from core.files import atomic_write_text
 from core.runs import rundir
+from core.train import distributed
 from core.train.config import ConfigError, config_to_yaml, load_config
 
 # What a checkpoint's bytes depend on: the base the adapter adapts (its weights for a full fine-tune), the adapter's
@@ -62,6 +63,16 @@ def _why_fixed(key: str) -> str | None:
 
 def resume_conflict(old: dict, new: dict, checkpoint: Path) -> str | None:
     """One sentence naming the first changed key a resume from `checkpoint` cannot take, or None."""
+    was, now = distributed.world_size(old), distributed.world_size(new)
+    if was != now:
+        # sharded optimizer states and per-rank RNG files belong to that many processes, and the effective batch
+        # (per device x accumulation x processes) would change under the schedule
+        return (
+            f"--resume: {checkpoint.name} was trained by {was} process{'es' if was > 1 else ''} and this config "
+            f"starts {now} (distributed.gpus x num_machines): resume with the same number (distributed.gpus: "
+            f"{old['distributed']['gpus']}, num_machines: {old['distributed']['num_machines']}), or train the "
+            "new config as a new run (another --run-dir)."
+        )
     a, b = flatten(old), flatten(new)
     for key in changed_keys(old, new):
         why = _why_fixed(key)

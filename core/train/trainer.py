@@ -17,14 +17,14 @@ import time
 from pathlib import Path
 
 from core import procs
-from core.estimate.from_config import plan_json
+from core.estimate.from_config import plan_json, resolve_strategy
 from core.estimate.plan import PlanError
 from core.estimate.specs import SpecError
 from core.monitor.gpu import GpuSampler
 from core.precision import Device, Precision, PrecisionError, resolve, torch_dtype
 from core.runs import rundir
 from core.runs.rundir import read_status, truncate_metrics, write_status
-from core.train import distributed, methods
+from core.train import distributed, methods, ranks
 from core.train.callbacks import StopFlag, make_run_callback, samples_callbacks
 from core.train.config import ConfigError, load_config
 from core.train.data import DataError
@@ -191,6 +191,9 @@ def run_training(
     keep_lock (the CLI): hold it until the process exits, so the run reads as ended only once it is gone."""
     rundir.check_run_dir_path(run_dir)  # before resolve(): a dangling link must not name where to create it
     run_dir = Path(run_dir).resolve()
+    handed = ranks.spec()
+    if handed is not None:  # one rank of a run on several processes: its supervisor owns the folder
+        return _run_rank(run_dir, handed, stop)
     rundir.check_run_dir(run_dir, resume)
     adopted = (
         procs.adopt_claim()
@@ -226,13 +229,6 @@ def checked_config(config_path) -> dict:
             f"distributed.gpus {gpus} picks a GPU, which the trainer does not apply yet (issue #22): set gpus: 1 "
             f"and start it with CUDA_VISIBLE_DEVICES={gpus[0]}."
         )
-    if world > 1:
-        # one process owns a run directory today; issue #22 item 3 adds the N-process launch
-        raise ConfigError(
-            f"distributed.gpus asks for {world} processes, and the trainer does not start several yet (issue "
-            "#22): set distributed.gpus: 1 to train on one GPU now; `python -m core.train run.yaml --dry-run "
-            "--run-dir DIR` plans it per GPU and writes DIR/accelerate.yaml."
-        )
     problem = check_model_folder(cfg["model"]["path"])
     if problem:
         raise ConfigError(problem)
@@ -246,6 +242,8 @@ def _run_training(cfg: dict, run_dir: Path, resume: bool, smoke: bool, stop: Sto
         stop = StopFlag().install() if threading.current_thread() is threading.main_thread() else StopFlag()
     identity = rundir.folder_identity(run_dir)  # a run folder deleted or replaced later is told by it
     prec, checkpoint, new_hyperparameters = _setup_run(cfg, run_dir, resume, smoke, start)
+    if distributed.world_size(cfg) > 1 and not smoke:  # a smoke test measures one process's step
+        return _supervise(cfg, run_dir, prec, checkpoint, new_hyperparameters, stop)
     tokenizer, train_ds, eval_ds = _setup_data(cfg)
     trainer, callback, peak, seconds = _train(
         cfg,
@@ -260,6 +258,13 @@ def _run_training(cfg: dict, run_dir: Path, resume: bool, smoke: bool, stop: Sto
         identity,
         new_hyperparameters,
     )
+    return _finish(cfg, prec, run_dir, tokenizer, trainer, callback, peak, seconds, smoke, stop)
+
+
+def _finish(cfg, prec, run_dir: Path, tokenizer, trainer, callback, peak, seconds, smoke, stop) -> dict:
+    """The run's end state from how training ended (status.json: rank 0's alone), and the adapter saved."""
+    main = ranks.is_main()
+    write = write_status if main else (lambda *a, **k: None)
     if callback.gone:  # nothing more is written: the folder is not this run's any more
         raise rundir.RunGone(callback.gone)
     step = trainer.state.global_step
@@ -280,17 +285,86 @@ def _run_training(cfg: dict, run_dir: Path, resume: bool, smoke: bool, stop: Sto
         return {**summary, "state": "finished", "smoke": result}
     if callback.stopped_at is not None:
         reason = f"stopped by {stop.signal} at step {step}; saved checkpoints/checkpoint-{step}; continue with --resume"
-        write_status(run_dir, state="stopped", reason=reason, step=step)
+        write(run_dir, state="stopped", reason=reason, step=step)
         return {**summary, "state": "stopped"}
     if stop.signal and step == 0:  # signalled before the first step ended: nothing to save
-        write_status(
-            run_dir, state="stopped", reason=f"stopped by {stop.signal} before the first step", step=0
-        )
+        write(run_dir, state="stopped", reason=f"stopped by {stop.signal} before the first step", step=0)
         return {**summary, "state": "stopped"}
     # A signal after the last step (while saving) does not undo a finished run: the adapter is still saved.
     save_final(trainer, tokenizer, run_dir, cfg)
-    write_status(run_dir, state="finished", reason=None, step=step)
+    write(run_dir, state="finished", reason=None, step=step)
     return {**summary, "state": "finished"}
+
+
+def _gpu_sampler(run_dir: Path) -> GpuSampler:
+    """gpu.jsonl: NVML's view of every GPU once a second, with what this process and its children hold."""
+    return GpuSampler(
+        run_dir / rundir.GPU,
+        interval=1.0,
+        watch_pid=os.getpid(),
+        on_unavailable=lambda why: print(f"gpu.jsonl: not written: {why}", flush=True),
+    ).start()
+
+
+def _supervise(
+    cfg: dict, run_dir: Path, prec: Precision, checkpoint, new_hyperparameters: bool, stop
+) -> dict:
+    """A run on several processes: this process keeps the run (lock, pid, status) and starts, watches and stops
+    its ranks (core.train.ranks); on GPUs through accelerate with <run>/accelerate.yaml."""
+    strategy = "ddp"  # without CUDA: torchrun, DDP over gloo
+    if not prec.on_cpu:
+        try:
+            strategy = resolve_strategy(cfg)
+        except (PlanError, SpecError) as exc:
+            raise ConfigError(str(exc)) from None
+        distributed.write_accelerate_config(cfg, run_dir, strategy, prec)
+    handed = {
+        "checkpoint": str(checkpoint) if checkpoint else None,
+        "new_hyperparameters": new_hyperparameters,
+        "strategy": strategy,
+    }
+    world = distributed.world_size(cfg)
+    print(f"distributed: {world} processes, {strategy}", flush=True)
+    sampler = _gpu_sampler(run_dir)  # every GPU, and the memory of this process's tree: every rank
+    try:
+        failed = ranks.supervise(cfg, run_dir / rundir.CONFIG, run_dir, not prec.on_cpu, handed, stop)
+    finally:
+        sampler.stop()
+    if failed:
+        raise TrainError(failed)
+    status = read_status(run_dir) or {}
+    step = status.get("step") if isinstance(status.get("step"), int) else 0
+    return {"state": status.get("state"), "step": step, "processes": world, "device": prec.device.label}
+
+
+def _run_rank(run_dir: Path, handed: dict, stop: StopFlag | None) -> dict:
+    """One rank of a run its supervisor set up (config.yaml says what trains from here, the checkpoint is
+    handed down): data, model and trainer, train, finish. Writes nothing but rank 0's run files."""
+    import torch
+
+    quiet_progress_bars()
+    stop = stop or StopFlag().install()
+    cfg = load_config(run_dir / rundir.CONFIG)
+    identity = rundir.folder_identity(run_dir)
+    prec = choose_precision(cfg)
+    if not prec.on_cpu:  # each rank its own GPU, before the model lands on one
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    tokenizer, train_ds, eval_ds = _setup_data(cfg)
+    checkpoint = Path(handed["checkpoint"]) if handed.get("checkpoint") else None
+    trainer, callback, peak, seconds = _train(
+        cfg,
+        prec,
+        run_dir,
+        tokenizer,
+        train_ds,
+        eval_ds,
+        checkpoint,
+        False,
+        stop,
+        identity,
+        bool(handed.get("new_hyperparameters")),
+    )
+    return _finish(cfg, prec, run_dir, tokenizer, trainer, callback, peak, seconds, False, stop)
 
 
 def _setup_run(cfg: dict, run_dir: Path, resume: bool, smoke: bool, start):
@@ -381,17 +455,13 @@ def _train(
     """(trainer, callback, smoke peak, (seconds, CPU seconds)): the model and its trainer built, trained, with the
     GPU sampler running beside it."""
     method, t = methods.get(cfg), cfg["training"]
-    sampler = GpuSampler(
-        run_dir / rundir.GPU,
-        interval=1.0,
-        watch_pid=os.getpid(),
-        on_unavailable=lambda why: print(f"gpu.jsonl: not written: {why}", flush=True),
-    ).start()
+    # one process samples its GPU; the ranks of a run on several are sampled by their supervisor
+    sampler = _gpu_sampler(run_dir) if ranks.spec() is None else None
     collator = method.smoke_collator(tokenizer.pad_token_id, t["max_length"]) if smoke else None
     samples_per_step = (
         method.smoke_batch_size
         if smoke
-        else t["per_device_train_batch_size"] * t["gradient_accumulation_steps"]
+        else t["per_device_train_batch_size"] * t["gradient_accumulation_steps"] * ranks.world()
     )
     callback = make_run_callback(
         run_dir, stop, smoke, prec.device.label, samples_per_step, identity=identity, config=cfg
@@ -426,7 +496,8 @@ def _train(
             trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
             seconds = (time.perf_counter() - t0, time.process_time() - cpu0)
     finally:
-        sampler.stop()
+        if sampler is not None:
+            sampler.stop()
         callback.close()
     return trainer, callback, peak, seconds
 
@@ -521,8 +592,16 @@ def save_final(trainer, tokenizer, run_dir: Path, cfg: dict) -> Path:
 
     name = rundir.ADAPTER if cfg["lora"]["enabled"] else rundir.MODEL
     final, tmp = run_dir / name, run_dir / f".{name}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    trainer.model.save_pretrained(str(tmp))
+    if ranks.is_main():
+        shutil.rmtree(tmp, ignore_errors=True)
+    if ranks.world() > 1:
+        # every rank takes part (FSDP gathers the shards); the Trainer writes on rank 0 alone
+        trainer.save_model(str(tmp))
+        if not ranks.is_main():
+            return final
+        (tmp / "training_args.bin").unlink(missing_ok=True)  # a pickle, and no part of an adapter
+    else:
+        trainer.model.save_pretrained(str(tmp))
     tokenizer.save_pretrained(str(tmp))
     if cfg["lora"]["enabled"]:
         from core.merge.fingerprint import record_base  # the merge engine imports torch: not at module level
@@ -535,8 +614,12 @@ def save_final(trainer, tokenizer, run_dir: Path, cfg: dict) -> Path:
 
 
 def report_failure(run_dir: Path, reason: str, smoke: bool) -> None:
-    """failed + reason into status.json (and into smoke.json for a smoke test)."""
+    """failed + reason into status.json (and into smoke.json for a smoke test); a rank of a run on several
+    processes tells its supervisor instead (its rank record), which writes the run's end."""
     if not run_dir.is_dir():
+        return
+    if ranks.spec() is not None:
+        ranks.end_rank(run_dir, "failed", reason)
         return
     if smoke:
         rundir.write_smoke(run_dir, {"state": "failed", "reason": reason, "time": time.time()})

@@ -1,0 +1,118 @@
+"""Issue #22 item 3 on this GPU-less box: a run on two processes (DDP over gloo, started by torchrun as the run's
+supervisor starts it on a machine without CUDA), launched, stopped, resumed and killed the way users do it.
+
+Real trainers on the tiny model, real subprocesses and files; nothing is timed (timeouts are generous)."""
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+from test_runs import run_config, wait_until
+
+from core.runs import rundir
+from core.runs.launcher import RunError, create_run, launch, run_state, stop_run, wait_for
+from core.train import ranks
+from core.train.config import validate_config
+from tests.cli import train
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True)
+def _one_thread_per_rank(monkeypatch, workspace):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    yield
+    for proc in psutil.process_iter(["cmdline"]):  # a failed test leaves no rank behind
+        if any(str(workspace) in part for part in proc.info["cmdline"] or ()):
+            proc.kill()
+
+
+def _config(workspace, model, gpus: int, batch: int, **training) -> dict:
+    cfg = run_config(workspace, model, per_device_train_batch_size=batch, **training)
+    cfg["lora"]["lora_dropout"] = 0.0  # dropout draws differ per rank: without it the arithmetic is the same
+    cfg["distributed"] = {"gpus": gpus}
+    return validate_config(cfg)
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / rundir.METRICS).read_text().splitlines()]
+
+
+def _processes_of(run_dir: Path) -> list[int]:
+    return [
+        p.pid
+        for p in psutil.process_iter(["cmdline"])
+        if any(str(run_dir) in part for part in p.info["cmdline"] or ())
+    ]
+
+
+def test_two_processes_train_as_one_at_the_same_global_batch(workspace, tiny_llama):
+    """Same loss curve as one process at the same global batch (2 x 2 rows against 1 x 4), metrics written once
+    (by rank 0, with rank 1's memory), each rank's output kept, one adapter."""
+    runs = {}
+    for name, gpus, batch in (("one", 1, 4), ("two", 2, 2)):
+        run_dir = workspace / "runs" / name
+        out = train(_config(workspace, tiny_llama, gpus, batch, max_steps=8, logging_steps=1), run_dir)
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs[name] = run_dir
+    one, two = (_metrics(runs[n]) for n in ("one", "two"))
+    assert [r["step"] for r in two] == list(range(1, 9))  # once per logging step, not once per rank
+    for a, b in zip(one, two, strict=True):
+        assert abs(a["loss"] - b["loss"]) < 1e-5, (a["loss"], b["loss"])
+    assert all("rank1_rss_bytes" in r and r["rank1_rss_bytes"] > 0 for r in two)
+    assert not any(k.startswith("rank1_") for r in one for k in r)
+    recs = ranks.records(runs["two"])
+    assert sorted(recs) == [0, 1] and all(r["ended"]["state"] == "finished" for r in recs.values())
+    assert "core.train: pid" in (runs["two"] / "ranks" / "rank-1.log").read_text()
+    assert rundir.read_status(runs["two"])["state"] == "finished"
+    adapter = runs["two"] / rundir.ADAPTER
+    assert (adapter / "adapter_model.safetensors").is_file() and not (adapter / "training_args.bin").exists()
+    assert _processes_of(runs["two"]) == []
+
+
+def test_stop_checkpoints_every_rank_resume_continues_and_a_killed_rank_fails_the_run(workspace, tiny_llama):
+    """The launcher's Stop: every rank stops at the same step and one checkpoint holds both ranks' state; Resume
+    continues from it on two processes (another number is refused with a sentence); SIGKILL of rank 1 shows the
+    run failed at once, with that rank's last lines, and no process of the run is left."""
+    cfg = _config(workspace, tiny_llama, 2, 2, max_steps=5000, save_steps=1000, logging_steps=5)
+    run_dir = create_run(workspace, "ddp", cfg)
+    launch(run_dir)
+    assert wait_until(lambda: run_state(run_dir).step >= 10, 300), run_state(run_dir)
+    assert stop_run(run_dir) == "stopped"
+    status = rundir.read_status(run_dir)
+    step = status["step"]
+    assert "stopped by SIGTERM" in status["reason"]
+    checkpoint = rundir.latest_checkpoint(run_dir)
+    assert checkpoint.name == f"checkpoint-{step}"
+    assert (checkpoint / "rng_state_0.pth").is_file() and (checkpoint / "rng_state_1.pth").is_file()
+    assert all(r["ended"]["state"] == "stopped" for r in ranks.records(run_dir).values())
+    assert _processes_of(run_dir) == []
+
+    # another world size: refused before anything starts, with the way out
+    changed = dict(cfg, distributed={**cfg["distributed"], "gpus": 1})
+    (run_dir / rundir.CONFIG).write_text(yaml.safe_dump(changed))
+    with pytest.raises(RunError, match="trained by 2 processes and this config starts 1"):
+        launch(run_dir, resume=True)
+    (run_dir / rundir.CONFIG).write_text(yaml.safe_dump(cfg))
+
+    launch(run_dir, resume=True)
+    assert wait_until(lambda: run_state(run_dir).step >= step + 10, 300), run_state(run_dir)
+    recs = ranks.records(run_dir)
+    assert sorted(recs) == [0, 1]
+    os.kill(recs[1]["pid"], signal.SIGKILL)
+    killed = time.time()
+    assert wait_until(lambda: run_state(run_dir).state == "failed", 30)
+    reason = run_state(run_dir).reason
+    assert f"rank 1 (pid {recs[1]['pid']}) ended without a word" in reason and "ranks/rank-1.log" in reason
+    assert "core.train: pid" in reason  # the rank's own last lines
+    assert wait_for(run_dir, timeout=60).alive is False
+    assert _processes_of(run_dir) == [], "a rank outlived the run"
+    assert time.time() - killed < 60
+    steps = [r["step"] for r in _metrics(run_dir)]
+    assert len(steps) == len(set(steps)) and steps == sorted(steps)  # the resume's lines follow the stop's
+    assert max(steps) > step
