@@ -102,14 +102,7 @@ def _fill_once(cfg: dict, options: dict) -> None:
             st.session_state[P + name] = value
 
 
-# The multi-GPU settings are planned here; the Train page launches one process for now (issue #22), so "Use
-# this plan" does not hand them over (PLAN_FIELDS).
-ESTIMATE_FIELDS = tuple(n for n in fields.PLAN_FIELDS if n != "model_path") + (
-    "packing_strategy",
-    "gpus",
-    "strategy",
-    "cpu_offload",
-)
+ESTIMATE_FIELDS = tuple(n for n in fields.PLAN_FIELDS if n != "model_path") + ("packing_strategy",)
 
 
 def _card_labels() -> dict[str, float]:

@@ -14,6 +14,7 @@ import pytest
 import yaml
 from test_runs import run_config, wait_until
 
+from core.monitor.watch import RunWatcher
 from core.runs import rundir
 from core.runs.launcher import RunError, create_run, launch, run_state, stop_run, wait_for
 from core.train import ranks
@@ -73,6 +74,10 @@ def test_two_processes_train_as_one_at_the_same_global_batch(workspace, tiny_lla
     adapter = runs["two"] / rundir.ADAPTER
     assert (adapter / "adapter_model.safetensors").is_file() and not (adapter / "training_args.bin").exists()
     assert _processes_of(runs["two"]) == []
+    # the Monitor draws one memory line per process from rank 0's lines; a run on one process keeps its one line
+    cpu = RunWatcher(runs["two"]).refresh().charts["cpu_memory"]
+    assert set(cpu["series"]) == {"rank 0 (RSS)", "rank 1 (RSS)"} and (cpu["value"] > 0).all()
+    assert set(RunWatcher(runs["one"]).refresh().charts["cpu_memory"]["series"]) == {"training process (RSS)"}
 
 
 def test_stop_checkpoints_every_rank_resume_continues_and_a_killed_rank_fails_the_run(workspace, tiny_llama):

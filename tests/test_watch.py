@@ -504,3 +504,38 @@ def test_runs_summaries_show_method_and_dpo_figures(tmp_path):
     smooth = compare_frame([runs / "dpo-train"], "rewards/margins", smoothed=True, smoothing_steps=5.0)
     raw = compare_frame([runs / "dpo-train"], "rewards/margins", smoothed=False)
     assert len(smooth) == len(raw) == 40 and not np.allclose(smooth.value, raw.value)
+
+
+def test_a_run_on_two_gpus_draws_one_memory_line_per_gpu_and_per_rank(tmp_path):
+    """gpu.jsonl as the supervisor's NVML sampler writes it for two GPUs (the file, not a driver, is the input)
+    and metrics lines with rank 1's memory (rank1_*, as rank 0 writes them)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    write_status(run, step=4)
+    (run / "metrics.jsonl").write_text(
+        "".join(
+            metric(
+                s, cuda_reserved=5 * GiB, rss_bytes=GiB, rank1_cuda_reserved=6 * GiB, rank1_rss_bytes=2 * GiB
+            )
+            for s in range(1, 5)
+        )
+    )
+    lines = []
+    for second in range(4):
+        for index, used in ((0, 10 * GiB), (1, 12 * GiB)):
+            rec = json.loads(gpu(second, used=used))
+            lines.append(json.dumps({**rec, "index": index}) + "\n")
+    (run / "gpu.jsonl").write_text("".join(lines))
+    snap = RunWatcher(run).refresh()
+    mem = snap.charts["gpu_memory"]
+    assert set(mem["series"]) == {
+        "GPU 0: this run (NVML)",
+        "GPU 1: this run (NVML)",
+        "rank 0: torch reserved",
+        "rank 1: torch reserved",
+    }
+    gpu1 = mem[mem.series == "GPU 1: this run (NVML)"]["value"]
+    assert np.allclose(gpu1, 11.0)  # 12 GiB used minus the 1 GiB other processes hold, in GiB
+    rank1 = mem[mem.series == "rank 1: torch reserved"]["value"]
+    assert np.allclose(rank1, 6.0)
+    assert set(snap.charts["cpu_memory"]["series"]) == {"rank 0 (RSS)", "rank 1 (RSS)"}

@@ -96,7 +96,8 @@ WHOLE_WHEN_WHOLE = {"alpha", "warmup"}
 # The fields that change a run's memory: what the Estimate page edits and hands over to the Train page.
 PLAN_FIELDS = (
     "model_path", "dtype", "attn", "lora", "4bit", "quant_type", "double_quant", "r", "alpha", "dropout", "targets",
-    "max_length", "batch", "optim", "bf16", "fp16", "ckpt", "padding_free", "packing", "offload", "liger",
+    "max_length", "batch", "optim", "bf16", "fp16", "ckpt", "padding_free", "packing", "offload", "liger", "gpus",
+    "strategy", "cpu_offload",
 )  # fmt: skip
 
 METHOD_FIELDS = {f.name: f for m in methods.REGISTRY.values() for f in m.fields}

@@ -26,7 +26,8 @@ P = "tr_"  # the Train page's widget keys: tr_ + the field's name (ui/fields.py)
 TRAIN_FIELDS = (
     "model_path", "dtype", "attn", "trust", "lora", "4bit", "r", "alpha", "dropout", "targets", "data_path",
     "format", "max_length", "eval_split", "batch", "accum", "max_steps", "epochs", "lr", "sched", "warmup", "optim",
-    "ckpt", "logging", "save", "eval_samples", "padding_free", "packing", "offload", "liger",
+    "ckpt", "logging", "save", "eval_samples", "padding_free", "packing", "offload", "liger", "gpus", "strategy",
+    "cpu_offload",
 )  # fmt: skip
 
 
@@ -248,6 +249,16 @@ def _training_fields(method) -> None:
     fields.row(P, ("padding_free", "packing", "offload", "liger"), method=method)
     fields.row(P, ("ckpt", "logging", "save", "eval_samples"))
     fields.method_row(P, method)
+    fields.row(P, ("gpus", "strategy", "cpu_offload"))
+    gpus = st.session_state.get(P + "gpus")
+    if isinstance(gpus, int) and gpus > 1:
+        batch, accum = st.session_state.get(P + "batch"), st.session_state.get(P + "accum")
+        if isinstance(batch, int) and isinstance(accum, int):
+            st.caption(
+                f"{gpus} processes, one per GPU: each step trains {batch} × {accum} × {gpus} = "
+                f"{batch * accum * gpus} rows (per-device batch × accumulation × GPUs). The memory plan is per GPU; "
+                "the Monitor draws each GPU's memory."
+            )
 
 
 def _checked(workspace: str, name: str, slots: dict) -> tuple[dict, dict, str]:
@@ -259,8 +270,8 @@ def _checked(workspace: str, name: str, slots: dict) -> tuple[dict, dict, str]:
     if name_problem:
         errors = {**errors, "run_name": name_problem}
     _errors_below(slots["name"], errors, "run_name")
-    for section in ("model", "quantization", "lora", "data", "training"):
-        slot = slots.get(section) or slots["lora"]
+    for section in ("model", "quantization", "lora", "data", "training", "distributed"):
+        slot = slots.get(section) or slots["training" if section == "distributed" else "lora"]
         _errors_below(slot, errors, *[k for k in errors if k.startswith(section + ".")])
     _errors_below(slots["training"], errors, *[k for k in errors if "." not in k and k != "run_name"])
     return raw, errors, name

@@ -23,6 +23,7 @@ from core.files import loads_json, open_regular
 from core.monitor.series import DEFAULT_SMOOTHING_STEPS, StepEMA
 from core.procs import tail_text
 from core.runs import rundir
+from core.runs.rundir import RANK_MEMORY
 from core.train import methods
 
 try:  # 3-4x faster on the first read of a long run; optional. It refuses integers beyond float range itself.
@@ -234,6 +235,10 @@ EVAL_METHOD_FIELDS = tuple(f"eval_{name}" for name in METHOD_FIELDS)
 # Training series kept with a smoothed twin (`RunSeries.smoothed`), like the loss.
 SMOOTHED_FIELDS = ("loss", *METHOD_FIELDS)
 _ALL_FIELDS = METRIC_FIELDS + METHOD_FIELDS + EVAL_METHOD_FIELDS
+# A run on several processes: rank 0 writes every other rank's memory as rankK_<name> (core.train.callbacks).
+MAX_RANKS = 16
+RANK_FIELDS = tuple(f"rank{k}_{name}" for k in range(1, MAX_RANKS) for name in RANK_MEMORY)
+_RANKS_MARK = "rank1_rss_bytes"  # on every line of such a run
 _METHOD_KEYS = frozenset(METHOD_FIELDS + EVAL_METHOD_FIELDS)
 _SMOOTHED = frozenset(SMOOTHED_FIELDS)
 GPU_FIELDS = ("memory_used", "memory_total", "utilization", "temperature", "power_w", "process_memory")
@@ -290,7 +295,8 @@ class RunSeries:
                 self.last_time = t if self.last_time is None or t > self.last_time else self.last_time
             tt = math.nan if t is None else t
             # a line without any method figure (every SFT line) skips their lookups
-            for name in METRIC_FIELDS if _METHOD_KEYS.isdisjoint(rec) else _ALL_FIELDS:
+            names = METRIC_FIELDS if _METHOD_KEYS.isdisjoint(rec) else _ALL_FIELDS
+            for name in names + RANK_FIELDS if _RANKS_MARK in rec else names:
                 v = rec.get(name)
                 if v is None:
                     continue
@@ -381,6 +387,17 @@ class RunSeries:
         idx = self.main_gpu() if index is None else index
         p = self.gpu.get(idx, {}).get(name) if idx is not None else None
         return p.arrays() if p else (np.empty(0), np.empty(0))
+
+    def ranks(self) -> int:
+        """How many training processes the run's metrics speak of (1 for a run on one process)."""
+        k = 1
+        while f"rank{k}_rss_bytes" in self.metrics:
+            k += 1
+        return k
+
+    def gpus_used(self) -> list[int]:
+        """The GPUs where the run's process tree holds memory (NVML), lowest first."""
+        return [idx for idx in sorted(self.gpu) if len(self.gpu[idx].get("process_memory", ()))]
 
     def main_gpu(self) -> int | None:
         """The GPU the run uses: the one where the run's process tree holds memory, else the lowest index."""

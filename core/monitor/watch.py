@@ -277,31 +277,32 @@ class RunWatcher:
         # at 24 h, unlike absolute unix seconds).
         t0 = self._t0(s)
         mem = []
-        for name, label in (
-            ("memory_used", "GPU used (all processes)"),
-            ("process_memory", "this run (NVML)"),
-        ):
-            t, v = s.gpu_series(name)
-            if t.size:
+        used = s.gpus_used()
+        if len(used) > 1:  # a run on several GPUs: one line per GPU (its per-GPU plan is the chart's rule)
+            for idx in used:
+                t, v = s.gpu_series("process_memory", idx)
                 t, v = downsample_minmax(t, v, b.spiky)
-                mem.append((label, (t - t0) / 60.0, v / GiB))
-        for name, label in (("cuda_allocated", "torch allocated"), ("cuda_reserved", "torch reserved")):
-            if name in s.metrics:
-                _, v = s.metric(name)
-                t = s.metric_time[name].arrays()[1]
-                ok = np.isfinite(t)
-                if ok.any():
-                    t, v = downsample_minmax(t[ok], v[ok], b.sparse)
+                mem.append((f"GPU {idx}: this run (NVML)", (t - t0) / 60.0, v / GiB))
+        else:
+            for name, label in (
+                ("memory_used", "GPU used (all processes)"),
+                ("process_memory", "this run (NVML)"),
+            ):
+                t, v = s.gpu_series(name)
+                if t.size:
+                    t, v = downsample_minmax(t, v, b.spiky)
                     mem.append((label, (t - t0) / 60.0, v / GiB))
+        n = s.ranks()
+        for name, label in (("cuda_allocated", "torch allocated"), ("cuda_reserved", "torch reserved")):
+            for k in range(n):
+                key = name if k == 0 else f"rank{k}_{name}"
+                who = f"rank {k}: " if n > 1 else ""
+                mem += self._timed(s, key, f"{who}{label}", t0, b.sparse)
         charts["gpu_memory"] = _frame("minutes", mem)
         cpu = []
-        if "rss_bytes" in s.metrics:  # the training process's RAM: the memory curve of a run on a CPU
-            _, v = s.metric("rss_bytes")
-            t = s.metric_time["rss_bytes"].arrays()[1]
-            ok = np.isfinite(t)
-            if ok.any():
-                t, v = downsample_minmax(t[ok], v[ok], b.sparse)
-                cpu.append(("training process (RSS)", (t - t0) / 60.0, v / GiB))
+        for k in range(n):  # the training processes' RAM: the memory curve of a run on a CPU
+            key = "rss_bytes" if k == 0 else f"rank{k}_rss_bytes"
+            cpu += self._timed(s, key, f"rank {k} (RSS)" if n > 1 else "training process (RSS)", t0, b.sparse)
         charts["cpu_memory"] = _frame("minutes", cpu)
         t, u = s.gpu_series("utilization")
         charts["gpu_util"] = _frame(
@@ -312,6 +313,19 @@ class RunWatcher:
             "minutes", [("temperature °C", *_rel(stride(t, c, b.smooth), t0))] if t.size else []
         )
         return charts
+
+    @staticmethod
+    def _timed(s: RunSeries, name: str, label: str, t0: float, points: int) -> list:
+        """[(label, minutes, GiB)] of a metric by its wall-clock time, or [] when the run has none."""
+        if name not in s.metrics:
+            return []
+        _, v = s.metric(name)
+        t = s.metric_time[name].arrays()[1]
+        ok = np.isfinite(t)
+        if not ok.any():
+            return []
+        t, v = downsample_minmax(t[ok], v[ok], points)
+        return [(label, (t - t0) / 60.0, v / GiB)]
 
     @staticmethod
     def _t0(s: RunSeries) -> float:

@@ -24,6 +24,8 @@ CONFIG = "config.yaml"  # the validated run config
 PLAN = "plan.json"  # the planner's estimate for this config
 STATUS = "status.json"  # state + reason, written by the trainer
 METRICS = "metrics.jsonl"  # one line per logging step
+# a run on several processes: rank 0 writes every other rank K's memory on each line as rankK_<name>
+RANK_MEMORY = ("cuda_allocated", "cuda_reserved", "cuda_peak", "rss_bytes")
 GPU = "gpu.jsonl"  # NVML samples
 SMOKE = "smoke.json"  # the smoke test's measured peak
 SAMPLES = (

@@ -14,17 +14,11 @@ from pathlib import Path
 
 from core.files import atomic_write_text
 from core.runs import rundir
-from core.runs.rundir import write_status
+from core.runs.rundir import RANK_MEMORY, write_status
 from core.train import distributed, ranks
 from core.train.config import config_to_yaml
 
 METRIC_KEYS = ("loss", "eval_loss", "learning_rate", "grad_norm")
-RANK_MEMORY = (
-    "cuda_allocated",
-    "cuda_reserved",
-    "cuda_peak",
-    "rss_bytes",
-)  # per rank: rankK_<name> for K > 0
 
 
 class StopFlag:
