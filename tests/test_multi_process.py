@@ -80,6 +80,55 @@ def test_two_processes_train_as_one_at_the_same_global_batch(workspace, tiny_lla
     assert set(RunWatcher(runs["one"]).refresh().charts["cpu_memory"]["series"]) == {"training process (RSS)"}
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_machines_on_one_box_train_one_run(workspace, tiny_llama):
+    """A run on two "machines" (two launches of the same config with --machine-rank 0 and 1, torchrun --nnodes 2,
+    rendezvous on 127.0.0.1) into one run directory, as on shared storage: machine 1 owns machines/machine-1/,
+    the main machine the run; the same loss as one process at the same global batch."""
+    import subprocess
+    import sys
+
+    from tests.cli import REPO
+
+    cfg = _config(workspace, tiny_llama, 1, 2, max_steps=6, logging_steps=1)
+    cfg["distributed"].update(num_machines=2, main_process_ip="127.0.0.1", main_process_port=_free_port())
+    cfg_path = workspace / "nodes.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    run_dir = workspace / "runs" / "nodes"
+
+    def start(rank: int) -> subprocess.Popen:
+        argv = [sys.executable, "-m", "core.train", str(cfg_path), "--run-dir", str(run_dir)]
+        return subprocess.Popen(
+            [*argv, "--machine-rank", str(rank)],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+
+    worker, main = start(1), start(0)
+    outputs = [p.communicate(timeout=600)[0] for p in (main, worker)]
+    assert (main.returncode, worker.returncode) == (0, 0), [o[-2000:] for o in outputs]
+    assert "machine 1 of 2" in outputs[1]
+    assert rundir.read_status(run_dir)["state"] == "finished"
+    assert rundir.read_status(run_dir / "machines" / "machine-1")["state"] == "finished"
+    recs = ranks.records(run_dir)
+    assert {k: r["machine"] for k, r in recs.items()} == {0: 0, 1: 1}
+    one = train(
+        _config(workspace, tiny_llama, 1, 4, max_steps=6, logging_steps=1), workspace / "runs" / "one"
+    )
+    assert one.returncode == 0, one.stderr[-2000:]
+    for a, b in zip(_metrics(workspace / "runs" / "one"), _metrics(run_dir), strict=True):
+        assert abs(a["loss"] - b["loss"]) < 1e-5, (a["loss"], b["loss"])
+
+
 def test_stop_checkpoints_every_rank_resume_continues_and_a_killed_rank_fails_the_run(workspace, tiny_llama):
     """The launcher's Stop: every rank stops at the same step and one checkpoint holds both ranks' state; Resume
     continues from it on two processes (another number is refused with a sentence); SIGKILL of rank 1 shows the

@@ -31,6 +31,8 @@ from core.train.trainer import (
     EXIT_STOPPED,
     ConfigRefused,
     TrainError,
+    machine_folder,
+    machine_rank,
     report_failure,
     run_training,
 )
@@ -100,6 +102,15 @@ def main(argv: list[str] | None = None) -> int:
         choices=("cuda", "cpu"),
         help="with --dry-run: plan for this device (default: the one this machine trains on)",
     )
+    parser.add_argument(
+        "--machine-rank",
+        type=int,
+        help="a run on several machines: this machine's rank (over distributed.machine_rank; a SLURM script passes "
+        "$SLURM_NODEID)",
+    )
+    parser.add_argument(
+        "--main-process-ip", help="a run on several machines: the main machine's address (over the config's)"
+    )
     stop = StopFlag().install()  # first thing: a stop during the slow imports must not kill us mid-write
     args = parser.parse_args(argv)
     if ranks.spec() is not None:  # one rank of a run on several processes (core.train.ranks)
@@ -112,9 +123,21 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(args.run_dir)
     mode = " (smoke test)" if args.smoke else " (resume)" if args.resume else ""
     print(f"core.train: pid {os.getpid()} training {run_dir}{mode}", file=sys.stderr, flush=True)
+    machine = {"machine_rank": args.machine_rank, "main_process_ip": args.main_process_ip}
+    if not args.smoke and machine_rank(args.config, machine) > 0:
+        # a machine other than the main one reports into its own folder, never over the run's status
+        home = machine_folder(run_dir, machine_rank(args.config, machine))
+    else:
+        home = run_dir
     try:
         summary = run_training(
-            args.config, run_dir, resume=args.resume, smoke=args.smoke, stop=stop, keep_lock=True
+            args.config,
+            run_dir,
+            resume=args.resume,
+            smoke=args.smoke,
+            stop=stop,
+            keep_lock=True,
+            machine=machine,
         )
     except (rundir.RunRefused, rundir.RunBusy, ConfigRefused) as exc:  # nothing was written: touch nothing
         print(f"error: {exc}", file=sys.stderr, flush=True)
@@ -124,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FAILED
     except (ConfigError, DataError, TrainError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
-        report_failure(run_dir, str(exc), args.smoke)
+        report_failure(home, str(exc), args.smoke)
         return EXIT_BAD_INPUT if isinstance(exc, (ConfigError, DataError)) else EXIT_FAILED
     except Exception as exc:
         # the status first: on a full disk stderr.log cannot take the traceback, and the reason must still say why
@@ -133,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             reason = f"{type(exc).__name__}: {exc}"
         with contextlib.suppress(OSError):
-            report_failure(run_dir, reason, args.smoke)
+            report_failure(home, reason, args.smoke)
         with contextlib.suppress(OSError):
             traceback.print_exc()
             print(f"error: {reason}", file=sys.stderr, flush=True)

@@ -38,6 +38,7 @@ from core.train import distributed
 
 SPEC_ENV = "LORA_COCKPIT_RANKS"  # what the supervisor hands every rank (JSON): run dir, checkpoint, strategy
 RANKS = "ranks"  # in the run directory: rank-K.json records and rank-K.log outputs
+MACHINES = "machines"  # in the run directory: machine-K/, what machine K > 0 of a run on several owns
 POLL_S = 0.25
 TAIL_LINES = 20
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -104,7 +105,14 @@ def become_rank(run_dir: Path) -> None:
         os.dup2(fd, 2)
         os.close(fd)
     me = os.getpid()
-    record = {"rank": k, "pid": me, "start_time": procs.process_start_time(me), "ended": None}
+    machine = (spec() or {}).get("machine", 0)
+    record = {
+        "rank": k,
+        "machine": machine,
+        "pid": me,
+        "start_time": procs.process_start_time(me),
+        "ended": None,
+    }
     atomic_write_text(_record_path(run_dir, k), json.dumps(record))
 
 
@@ -145,13 +153,16 @@ def gather(device, values: list[float]) -> list[list[float]] | None:
 # ---- the supervisor's side ------------------------------------------------------------------------------------
 
 
-def launch_argv(cfg: dict, config_path: Path, run_dir: Path, on_cuda: bool) -> list[str]:
-    """The command that starts every rank of this machine: accelerate with the run's accelerate.yaml on GPUs,
-    torchrun on a machine without CUDA (gloo)."""
+def launch_argv(
+    cfg: dict, config_path: Path, run_dir: Path, on_cuda: bool, home: Path | None = None
+) -> list[str]:
+    """The command that starts every rank of this machine: accelerate with this machine's accelerate.yaml (in
+    `home`, the folder the supervisor owns: the run directory on the main machine) on GPUs, torchrun on a machine
+    without CUDA (gloo)."""
     d = cfg["distributed"]
     train = ["-m", "core.train", str(config_path), "--run-dir", str(run_dir)]
     if on_cuda:
-        conf = run_dir / distributed.ACCELERATE_FILE
+        conf = Path(home or run_dir) / distributed.ACCELERATE_FILE
         return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(conf), *train]
     argv = [
         sys.executable,
@@ -166,22 +177,22 @@ def launch_argv(cfg: dict, config_path: Path, run_dir: Path, on_cuda: bool) -> l
     return [*argv, *train]
 
 
-def records(run_dir: Path) -> dict[int, dict]:
-    """{rank: record} of the ranks of this launch that have started."""
+def records(run_dir: Path, machine: int | None = None) -> dict[int, dict]:
+    """{rank: record} of the ranks of this launch that have started (of one machine's, when named)."""
     out = {}
     for path in sorted((Path(run_dir) / RANKS).glob("rank-*.json")):
         rec = read_json_object(path)
-        if rec and isinstance(rec.get("rank"), int):
+        if rec and isinstance(rec.get("rank"), int) and machine in (None, rec.get("machine", 0)):
             out[rec["rank"]] = rec
     return out
 
 
-def _clear(run_dir: Path) -> None:
-    """A new launch: the previous launch's records go (its logs stay, each launch's output appended)."""
+def _clear(run_dir: Path, machine: int) -> None:
+    """A new launch: this machine's records of the previous launch go (every rank's output stays, appended)."""
     folder = Path(run_dir) / RANKS
     folder.mkdir(exist_ok=True)
-    for path in folder.glob("rank-*.json"):
-        path.unlink(missing_ok=True)
+    for k in records(run_dir, machine):
+        _record_path(run_dir, k).unlink(missing_ok=True)
 
 
 def _dead(recs: dict[int, dict]) -> dict | None:
@@ -217,16 +228,19 @@ def _end_all(child: subprocess.Popen) -> None:
         child.wait(timeout=30)
 
 
-def supervise(cfg: dict, config_path: Path, run_dir: Path, on_cuda: bool, handed: dict, stop) -> str | None:
-    """Start the ranks and watch them until they end. Returns None when they ended well (rank 0 wrote the run's
-    end state), else the reason the run failed (the caller writes it). `handed` goes to every rank (checkpoint,
-    strategy, ...); `stop` is the supervisor's StopFlag, passed on to the ranks once set."""
-    _clear(run_dir)
-    argv = launch_argv(cfg, config_path, run_dir, on_cuda)
+def supervise(
+    cfg: dict, config_path: Path, run_dir: Path, home: Path, on_cuda: bool, handed: dict, stop
+) -> str | None:
+    """Start this machine's ranks and watch them until they end. Returns None when they ended well (and, on the
+    main machine, rank 0 wrote the run's end state), else the reason the run failed (the caller writes it into
+    `home`, the folder it owns). `handed` goes to every rank (checkpoint, strategy, ...); `stop` is the
+    supervisor's StopFlag, passed on to the ranks once set."""
+    machine = cfg["distributed"]["machine_rank"]
+    _clear(run_dir, machine)
+    argv = launch_argv(cfg, config_path, run_dir, on_cuda, home)
     print(f"launch: {shlex.join(argv)}", flush=True)
-    env = dict(
-        os.environ, PYTHONUNBUFFERED="1", **{SPEC_ENV: json.dumps({**handed, "run_dir": str(run_dir)})}
-    )
+    spec_text = json.dumps({**handed, "run_dir": str(run_dir), "machine": machine})
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **{SPEC_ENV: spec_text})
     env.pop(procs.LOCK_FD_ENV, None)
     # its own session: a Ctrl+C in the terminal reaches the supervisor alone, which stops the ranks in step
     child = subprocess.Popen(
@@ -240,7 +254,7 @@ def supervise(cfg: dict, config_path: Path, run_dir: Path, on_cuda: bool, handed
     signalled: set[int] = set()
     failed = None
     while child.poll() is None:
-        recs = records(run_dir)
+        recs = records(run_dir, machine)
         if stop.signal:
             for rec in recs.values():
                 if rec["pid"] not in signalled and not rec.get("ended") and procs.same_process(rec):
@@ -250,17 +264,17 @@ def supervise(cfg: dict, config_path: Path, run_dir: Path, on_cuda: bool, handed
         dead = _dead(recs)
         if dead is not None and child.poll() is None:
             failed = _killed_reason(run_dir, dead)
-            rundir.write_status(run_dir, state="failed", reason=failed)  # at once: the next refresh shows it
+            rundir.write_status(home, state="failed", reason=failed)  # at once: the next refresh shows it
             _end_all(child)
             break
         time.sleep(POLL_S)
-    return failed or _outcome(run_dir, child.returncode, distributed.gpus_per_machine(cfg))
+    return failed or _outcome(run_dir, child.returncode, distributed.gpus_per_machine(cfg), machine)
 
 
-def _outcome(run_dir: Path, returncode: int, here: int) -> str | None:
-    """After the launcher exited: None when this machine's `here` ranks ended well and the run's end state is
-    written, else why not."""
-    recs = records(run_dir)
+def _outcome(run_dir: Path, returncode: int, here: int, machine: int) -> str | None:
+    """After the launcher exited: None when this machine's `here` ranks ended well and (on the main machine) the
+    run's end state is written, else why not."""
+    recs = records(run_dir, machine)
     dead = next((r for r in recs.values() if not r.get("ended")), None)
     if dead is not None:
         return _killed_reason(run_dir, dead)
@@ -268,7 +282,7 @@ def _outcome(run_dir: Path, returncode: int, here: int) -> str | None:
     if failures:
         first = failures[0]
         return f"rank {first['rank']}: {first['ended']['reason']}"
-    state = (rundir.read_status(run_dir) or {}).get("state")
+    state = (rundir.read_status(run_dir) or {}).get("state") if machine == 0 else "finished"
     if returncode == 0 and len(recs) == here and state in ("finished", "stopped"):
         return None
     return (

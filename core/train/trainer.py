@@ -26,7 +26,7 @@ from core.runs import rundir
 from core.runs.rundir import read_status, truncate_metrics, write_status
 from core.train import distributed, methods, ranks
 from core.train.callbacks import StopFlag, make_run_callback, samples_callbacks
-from core.train.config import ConfigError, load_config
+from core.train.config import ConfigError, load_config, validate_config
 from core.train.data import DataError
 from core.train.engine_args import bnb_config, lora_config, training_args
 from core.train.preflight import check_model_folder, has_errors, run_preflight
@@ -177,6 +177,7 @@ def run_training(
     smoke: bool = False,
     stop: StopFlag | None = None,
     keep_lock: bool = False,
+    machine: dict | None = None,
 ) -> dict:
     """Train and return a summary; raises ConfigError/DataError/TrainError for the user's problems (ConfigRefused:
     found before anything was written), RunRefused and RunBusy (core.runs.rundir; touching nothing) for a run
@@ -188,18 +189,25 @@ def run_training(
     config leaves no folder behind.
 
     The process holds the run's lock from here to the end: that, not a pid, is what makes the run "running".
-    keep_lock (the CLI): hold it until the process exits, so the run reads as ended only once it is gone."""
+    keep_lock (the CLI): hold it until the process exits, so the run reads as ended only once it is gone.
+    machine: {"machine_rank", "main_process_ip"} given on the command line (a SLURM script's node id) over the
+    config's distributed section; a machine other than the main one supervises its ranks from its own folder
+    (_run_machine)."""
     rundir.check_run_dir_path(run_dir)  # before resolve(): a dangling link must not name where to create it
     run_dir = Path(run_dir).resolve()
     handed = ranks.spec()
     if handed is not None:  # one rank of a run on several processes: its supervisor owns the folder
-        return _run_rank(run_dir, handed, stop)
+        return _run_rank(config_path, run_dir, handed, stop)
+    if not smoke and machine_rank(config_path, machine) > 0:
+        return _run_machine(
+            checked_config(config_path, machine), config_path, run_dir, resume, stop, keep_lock
+        )
     rundir.check_run_dir(run_dir, resume)
     adopted = (
         procs.adopt_claim()
     )  # a launcher took the lock and handed it down: the folder is already the run's
     try:
-        cfg = checked_config(config_path)
+        cfg = checked_config(config_path, machine)
         start = check_resume(run_dir, cfg, config_path) if resume and not smoke else (None, [], None)
     except (ConfigError, rundir.RunRefused) as exc:
         if adopted is None:  # nothing was created or locked: say so and leave the folder as it was
@@ -220,9 +228,28 @@ def run_training(
             procs.disown(run_dir, lock_fd)  # in-process callers: the run is seen ended from here on
 
 
-def checked_config(config_path) -> dict:
-    """The validated config whose model folder exists and looks like a model, or ConfigError."""
+def machine_rank(config_path, machine: dict | None = None) -> int:
+    """This machine's rank in a run on several machines (0: the main one, which owns the run directory)."""
+    if machine and machine.get("machine_rank") is not None:
+        return int(machine["machine_rank"])
+    try:
+        return int(load_config(config_path)["distributed"]["machine_rank"])
+    except ConfigError:
+        return 0  # the main path says what is wrong with it
+
+
+def machine_folder(run_dir: Path, rank: int) -> Path:
+    """What a machine other than the main one owns in the run directory (its lock, pid, status and output)."""
+    return Path(run_dir) / ranks.MACHINES / f"machine-{rank}"
+
+
+def checked_config(config_path, machine: dict | None = None) -> dict:
+    """The validated config (with the command line's machine settings over its own) whose model folder exists
+    and looks like a model, or ConfigError."""
     cfg = load_config(config_path)
+    given = {k: v for k, v in (machine or {}).items() if v is not None}
+    if given:
+        cfg = validate_config({**cfg, "distributed": {**cfg["distributed"], **given}})
     world, gpus = distributed.world_size(cfg), cfg["distributed"]["gpus"]
     if world == 1 and isinstance(gpus, list) and gpus != [0]:
         raise ConfigError(
@@ -307,17 +334,27 @@ def _gpu_sampler(run_dir: Path) -> GpuSampler:
 
 
 def _supervise(
-    cfg: dict, run_dir: Path, prec: Precision, checkpoint, new_hyperparameters: bool, stop
+    cfg: dict,
+    run_dir: Path,
+    prec: Precision,
+    checkpoint,
+    new_hyperparameters: bool,
+    stop,
+    home=None,
+    config=None,
 ) -> dict:
     """A run on several processes: this process keeps the run (lock, pid, status) and starts, watches and stops
-    its ranks (core.train.ranks); on GPUs through accelerate with <run>/accelerate.yaml."""
+    its ranks (core.train.ranks); on GPUs through accelerate with <home>/accelerate.yaml. home: the folder this
+    process owns (the run directory; its own folder on a machine other than the main one); config: the config
+    file the ranks read (the run's config.yaml)."""
+    home = home or run_dir
     strategy = "ddp"  # without CUDA: torchrun, DDP over gloo
     if not prec.on_cpu:
         try:
             strategy = resolve_strategy(cfg)
         except (PlanError, SpecError) as exc:
             raise ConfigError(str(exc)) from None
-        distributed.write_accelerate_config(cfg, run_dir, strategy, prec)
+        distributed.write_accelerate_config(cfg, home, strategy, prec)
     handed = {
         "checkpoint": str(checkpoint) if checkpoint else None,
         "new_hyperparameters": new_hyperparameters,
@@ -325,9 +362,10 @@ def _supervise(
     }
     world = distributed.world_size(cfg)
     print(f"distributed: {world} processes, {strategy}", flush=True)
-    sampler = _gpu_sampler(run_dir)  # every GPU, and the memory of this process's tree: every rank
+    sampler = _gpu_sampler(home)  # every GPU, and the memory of this process's tree: every rank
     try:
-        failed = ranks.supervise(cfg, run_dir / rundir.CONFIG, run_dir, not prec.on_cpu, handed, stop)
+        config = Path(config or run_dir / rundir.CONFIG)
+        failed = ranks.supervise(cfg, config, run_dir, home, not prec.on_cpu, handed, stop)
     finally:
         sampler.stop()
     if failed:
@@ -337,14 +375,43 @@ def _supervise(
     return {"state": status.get("state"), "step": step, "processes": world, "device": prec.device.label}
 
 
-def _run_rank(run_dir: Path, handed: dict, stop: StopFlag | None) -> dict:
-    """One rank of a run its supervisor set up (config.yaml says what trains from here, the checkpoint is
-    handed down): data, model and trainer, train, finish. Writes nothing but rank 0's run files."""
+def _run_machine(cfg: dict, config_path, run_dir: Path, resume: bool, stop, keep_lock: bool) -> dict:
+    """Machine K > 0 of a run on several machines: start and watch this machine's ranks. The main machine owns the
+    run directory (its status, metrics and checkpoints, written by global rank 0); this one owns
+    <run>/machines/machine-K/ (lock, pid, status, its accelerate.yaml), so that on shared storage the machines
+    never write each other's files, and on a disk of its own it has a folder to report into."""
+    k = cfg["distributed"]["machine_rank"]
+    home = machine_folder(run_dir, k)
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise rundir.RunRefused(f"--run-dir {run_dir} cannot be created ({exc.strerror}).") from None
+    try:
+        lock_fd = procs.adopt_claim() or procs.claim(home, label=f"machine {k} of run {run_dir.name}")
+    except procs.Busy as exc:
+        raise rundir.RunBusy(str(exc)) from None
+    try:
+        procs.write_pid_info(home)
+        write_status(home, state="running", reason=None, machine=k, started=time.time(), ended=None)
+        prec = choose_precision(cfg)
+        checkpoint = rundir.latest_checkpoint(run_dir) if resume else None  # the main machine's choice, read
+        print(f"machine {k} of {cfg['distributed']['num_machines']}: ranks of {run_dir}", flush=True)
+        summary = _supervise(cfg, run_dir, prec, checkpoint, False, stop or StopFlag(), home, config_path)
+        write_status(home, state="finished", reason=None)
+        return {**summary, "state": "finished"}
+    finally:
+        if not keep_lock:
+            procs.disown(home, lock_fd)
+
+
+def _run_rank(config_path, run_dir: Path, handed: dict, stop: StopFlag | None) -> dict:
+    """One rank of a run its supervisor set up (the config file it reads says what trains from here, the
+    checkpoint is handed down): data, model and trainer, train, finish. Writes nothing but rank 0's run files."""
     import torch
 
     quiet_progress_bars()
     stop = stop or StopFlag().install()
-    cfg = load_config(run_dir / rundir.CONFIG)
+    cfg = load_config(config_path)
     identity = rundir.folder_identity(run_dir)
     prec = choose_precision(cfg)
     if not prec.on_cpu:  # each rank its own GPU, before the model lands on one
