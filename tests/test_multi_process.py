@@ -88,39 +88,47 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_two_machines_on_one_box_train_one_run(workspace, tiny_llama):
-    """A run on two "machines" (two launches of the same config with --machine-rank 0 and 1, torchrun --nnodes 2,
-    rendezvous on 127.0.0.1) into one run directory, as on shared storage: machine 1 owns machines/machine-1/,
-    the main machine the run; the same loss as one process at the same global batch."""
-    import subprocess
-    import sys
+SRUN = """#!/bin/bash
+# srun on one box: the job's one task a node, on two "nodes" at once
+while [[ "$1" == --* ]]; do shift; done
+SLURM_NODEID=1 "$@" & worker=$!
+SLURM_NODEID=0 "$@"; main=$?
+wait $worker; exit $((main | $?))
+"""
 
-    from tests.cli import REPO
+
+def test_two_machines_on_one_box_train_one_run_from_the_exported_slurm_script(workspace, tiny_llama):
+    """A run on two "machines": `core.runs export NAME --slurm` writes the sbatch script, run here with srun and
+    scontrol stand-ins (the only fakes: no cluster) so that its one task a node starts on two nodes of one box,
+    --machine-rank 0 and 1, torchrun --nnodes 2 meeting on 127.0.0.1, one run directory as on shared storage.
+    Machine 1 owns machines/machine-1/, the main machine the run; the loss is one process's at that global batch."""
+    import stat
+    import subprocess
+
+    from tests.cli import runs as runs_cli
 
     cfg = _config(workspace, tiny_llama, 1, 2, max_steps=6, logging_steps=1)
     cfg["distributed"].update(num_machines=2, main_process_ip="127.0.0.1", main_process_port=_free_port())
-    cfg_path = workspace / "nodes.yaml"
-    cfg_path.write_text(yaml.safe_dump(cfg))
-    run_dir = workspace / "runs" / "nodes"
-
-    def start(rank: int) -> subprocess.Popen:
-        argv = [sys.executable, "-m", "core.train", str(cfg_path), "--run-dir", str(run_dir)]
-        return subprocess.Popen(
-            [*argv, "--machine-rank", str(rank)],
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-
-    worker, main = start(1), start(0)
-    outputs = [p.communicate(timeout=600)[0] for p in (main, worker)]
-    assert (main.returncode, worker.returncode) == (0, 0), [o[-2000:] for o in outputs]
-    assert "machine 1 of 2" in outputs[1]
+    run_dir = create_run(workspace, "nodes", cfg)
+    out = runs_cli(workspace, "export", "nodes", "--slurm")
+    assert out.returncode == 0, out.stderr
+    script = Path(out.stdout.strip())
+    assert script == run_dir / "slurm.sbatch"
+    text = script.read_text()
+    assert "#SBATCH --nodes=2" in text and "#SBATCH --gpus-per-node=1" in text and "--machine-rank" in text
+    shims = workspace / "bin"
+    shims.mkdir()
+    for name, body in (("srun", SRUN), ("scontrol", "#!/bin/bash\necho 127.0.0.1\n")):
+        (shims / name).write_text(body)
+        (shims / name).chmod(stat.S_IRWXU)
+    env = dict(os.environ, PATH=f"{shims}:{os.environ['PATH']}", SLURM_JOB_NODELIST="node[1-2]")
+    done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert rundir.read_status(run_dir)["state"] == "finished"
     assert rundir.read_status(run_dir / "machines" / "machine-1")["state"] == "finished"
-    recs = ranks.records(run_dir)
-    assert {k: r["machine"] for k, r in recs.items()} == {0: 0, 1: 1}
+    assert {k: r["machine"] for k, r in ranks.records(run_dir).items()} == {0: 0, 1: 1}
+    assert runs_cli(workspace, "export", "nodes", "--slurm").stdout.strip().endswith("slurm-2.sbatch")
+    assert script.read_text() == text  # the first script (perhaps edited) is kept
     one = train(
         _config(workspace, tiny_llama, 1, 4, max_steps=6, logging_steps=1), workspace / "runs" / "one"
     )

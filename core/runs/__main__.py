@@ -1,4 +1,5 @@
-"""Runs from the terminal, the same as from the pages: `python -m core.runs list|show|launch|stop|resume|delete`.
+"""Runs from the terminal, the same as from the pages: `python -m core.runs list|show|launch|stop|resume|delete`,
+and `export NAME --slurm` (an sbatch script for a cluster).
 
 The workspace is $LORA_COCKPIT_WORKSPACE or ./workspace, as for the app. A run is findable, stoppable and seen
 dead at once whatever started it (the page, this command or `python -m core.train`): the trainer holds its run's
@@ -148,6 +149,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("name")
     p = sub.add_parser("delete", help="delete an ended run (never a live one)")
     p.add_argument("name")
+    p = sub.add_parser("export", help="write a launch script for the run: --slurm, an sbatch file beside it")
+    p.add_argument("name")
+    p.add_argument(
+        "--slurm", action="store_true", required=True, help="<run>/slurm.sbatch (srun, one task a machine)"
+    )
     args = parser.parse_args(argv)
     workspace = default_workspace()
     try:
@@ -186,6 +192,16 @@ def main(argv: list[str] | None = None) -> int:
                 raise RunError(f"Run {args.name} has no checkpoint to resume from yet.")
             launch(run_dir, resume=True)
             print(run_dir)
+        elif args.command == "export":
+            from core.runs.slurm import export_slurm
+            from core.train.config import ConfigError, load_config
+
+            run_dir = _find(workspace, args.name)
+            try:
+                cfg = load_config(run_dir / rundir.CONFIG)
+            except ConfigError as exc:
+                raise RunError(str(exc)) from None
+            print(export_slurm(run_dir, cfg))
         elif args.command == "delete":
             delete_run(_find(workspace, args.name, leftovers=True), workspace)
             print(f"deleted {args.name}")
