@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import time
@@ -66,13 +67,25 @@ def process_start_time(pid: int) -> float | None:
         return None
 
 
+def this_host() -> str:
+    return socket.gethostname()
+
+
+def elsewhere(info: dict | None) -> str | None:
+    """The host a recorded process runs on when that is another machine (a folder on shared storage), else None:
+    its pid means nothing here, and no signal from here reaches it."""
+    host = (info or {}).get("host")
+    return host if isinstance(host, str) and host and host != this_host() else None
+
+
 def same_process(info: dict | None) -> bool:
-    """The one liveness check of a recorded process: it exists, is not a zombie, and is the one recorded.
+    """The one liveness check of a recorded process: it exists, is not a zombie, and is the one recorded (on this
+    machine: a record from another host is never a process here).
 
     `start_time` (what write_pid_info records) must match; a record that carries instead `started` (when its
     work began: older merge markers) matches a process created no later than that; a record with neither
     matches any live process with the pid."""
-    if not info or not isinstance(info.get("pid"), int) or info["pid"] <= 0:
+    if not info or not isinstance(info.get("pid"), int) or info["pid"] <= 0 or elsewhere(info):
         return False
     created = process_start_time(info["pid"])
     if created is None:
@@ -110,9 +123,15 @@ def is_stopped(pid: int | None) -> bool:
 
 def write_pid_info(folder: str | os.PathLike, pid: int | None = None) -> dict:
     """Record the folder's owner: pid, start time (so a stop signals this process, never a later one that reused
-    the pid) and whether it leads its own session (so a stop never reaches its starter's process group)."""
+    the pid), whether it leads its own session (so a stop never reaches its starter's process group) and the host
+    (a folder on shared storage is read from other machines)."""
     pid = pid or os.getpid()
-    info = {"pid": pid, "start_time": process_start_time(pid), "session_leader": leads_session(pid)}
+    info = {
+        "pid": pid,
+        "start_time": process_start_time(pid),
+        "session_leader": leads_session(pid),
+        "host": this_host(),
+    }
     atomic_write_text(Path(folder) / PID, json.dumps(info))
     return info
 

@@ -330,11 +330,15 @@ elif c2.button(
     icon=":material/stop_circle:",
     help="Graceful: checkpoint, then exit",
 ):
-    with st.spinner("Stopping: the trainer saves a checkpoint at the end of the current step…"):
-        state = stop_run(run_dir)
-    # the whole page again, at once: the selector's label, Resume in place of Stop, the static panels
-    st.session_state["mon_flash"] = f"Run {info.name} is {state}."
-    st.rerun()
+    try:
+        with st.spinner("Stopping: the trainer saves a checkpoint at the end of the current step…"):
+            state = stop_run(run_dir)
+    except RunError as exc:  # it trains on another machine (shared storage): stopped there
+        st.error(str(exc))
+    else:
+        # the whole page again, at once: the selector's label, Resume in place of Stop, the static panels
+        st.session_state["mon_flash"] = f"Run {info.name} is {state}."
+        st.rerun()
 flash = st.session_state.pop("mon_flash", None)
 if flash:
     st.success(flash)

@@ -349,3 +349,44 @@ def test_real_dpo_run_shows_its_charts_here_and_its_figures_on_the_runs_page(wor
     last_eval = [m for m in metrics if "eval_rewards/accuracies" in m][-1]
     assert row["method"] == "dpo"
     assert row["reward accuracy"] == f"{last_eval['eval_rewards/accuracies']:.2f} (eval)"
+
+
+def test_a_run_trained_on_another_machine_is_followed_from_its_reports_and_never_signalled(workspace):
+    """Issue #22 item 4: a run directory on shared storage, trained by a process on another host (its pid record
+    says so). Here its pid names a real local process that a signal would kill: the Monitor reads the run as
+    running while its status is fresh, Stop says where to stop it and signals nothing, a launch is refused, and a
+    status gone quiet reads as failed naming the host."""
+    import subprocess
+    import sys
+    import time
+
+    from core import procs
+    from core.runs import launcher
+
+    run = workspace / "runs" / "cluster"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text("model: {path: m}\ndata: {path: d.jsonl}\n")
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        record = {"pid": bystander.pid, "start_time": procs.process_start_time(bystander.pid), "host": "node-7"}
+        (run / "pid").write_text(json.dumps(record))
+        (run / "lock").touch()
+        now = time.time()
+        status = {"state": "running", "step": 40, "max_steps": 100, "started": now - 600, "updated": now - 5}
+        (run / "status.json").write_text(json.dumps({**status, "step_s": 1.0}))
+        at = _page(workspace, run)
+        assert _metric(at, "State") == "running"
+        at.button(key="mon_stop").click().run()
+        assert not at.exception, at.exception
+        assert any("is running on node-7" in e.value and "stop it there" in e.value for e in at.error)
+        with pytest.raises(launcher.RunError, match="running on node-7"):
+            launcher.launch(run, resume=True)
+        assert bystander.poll() is None  # no signal crossed to the local process the pid happens to name
+
+        (run / "status.json").write_text(json.dumps({**status, "updated": now - 3600, "step_s": 1.0}))
+        info = launcher.run_state(run)
+        assert (info.state, info.alive) == ("failed", False)
+        assert "on node-7 has not reported" in info.reason
+    finally:
+        bystander.kill()
+        bystander.wait()

@@ -87,6 +87,9 @@ def launch(run_dir: str | os.PathLike, resume: bool = False, smoke: bool = False
     if not config.is_file():
         raise RunError(f"{run_dir} has no config.yaml: create the run with create_run() first.")
     stopping = (read_status(run_dir) or {}).get("state") in rundir.END_STATES
+    remote = rundir.busy_elsewhere(run_dir)
+    if remote:
+        raise RunError(remote)
     try:
         lock_fd = procs.claim(run_dir, wait_s=15.0 if stopping else 1.0)
     except procs.Busy as exc:
@@ -134,6 +137,9 @@ def stop_run(run_dir: str | os.PathLike, grace_s: float = 60.0) -> str:
     it is gone, then SIGKILL it and its children if it is not (core.procs.stop). Returns the state once the
     process has exited."""
     run_dir = Path(run_dir)
+    remote = rundir.busy_elsewhere(run_dir)
+    if remote:
+        raise RunError(remote)
     outcome = procs.stop(run_dir, grace_s)
     if outcome == "killed":
         write_status(

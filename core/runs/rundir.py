@@ -399,8 +399,23 @@ def check_run_dir(run_dir: Path, resume: bool) -> None:
         )
 
 
+def busy_elsewhere(run_dir: str | os.PathLike) -> str | None:
+    """One sentence when the run trains on another machine (its folder on shared storage) and still reports."""
+    info = procs.read_pid_info(run_dir)
+    host = procs.elsewhere(info)
+    if not host or not remote_alive(read_status(run_dir)):
+        return None
+    return (
+        f"Run {Path(run_dir).name} is running on {host} (pid {info['pid']}), as its status says: a signal from "
+        f"this machine cannot reach it; stop it there (python -m core.runs stop NAME on {host})."
+    )
+
+
 def claim(run_dir: str | os.PathLike, wait_s: float = 1.0) -> int:
     """Take the run's lock for this process (core.procs.claim) or raise RunBusy naming the trainer's pid."""
+    remote = busy_elsewhere(run_dir)
+    if remote:
+        raise RunBusy(remote)
     try:
         return procs.claim(run_dir, wait_s)
     except procs.Busy as exc:
@@ -421,7 +436,11 @@ def live_state(run_dir: str | os.PathLike, status: dict | None = None) -> tuple[
         # no trace of a process at all (a folder written by hand or by a test): the status says it all
         state = written or "new"
         return state, state in LIVE_STATES
-    alive = procs.alive(run_dir)
+    if procs.elsewhere(procs.read_pid_info(run_dir)):
+        # trained from another machine on shared storage: its lock if the storage shows it, else its reports
+        alive = procs.lock_held(run_dir) or remote_alive(status)
+    else:
+        alive = procs.alive(run_dir)
     state = written or ("starting" if alive else "new")
     if state in ("starting", "running") and not alive and written:
         return "failed", False
@@ -433,12 +452,29 @@ def live_state(run_dir: str | os.PathLike, status: dict | None = None) -> tuple[
 STDERR_TAIL_LINES = 20  # the lines of stderr.log a vanished trainer's reason quotes
 
 
+def remote_alive(status: dict | None, now: float | None = None) -> bool:
+    """A run whose process is on another machine reads as alive while its status still says starting/running and
+    was updated within the stall limit (the trainer writes it at least at each step's end and while it evaluates)."""
+    status = status or {}
+    updated, step_s = status.get("updated"), status.get("step_s")
+    if status.get("state") not in LIVE_STATES or not _number(updated):
+        return False
+    limit = max(STALL_MIN_S, STALL_FACTOR * step_s) if _number(step_s) else STALL_MIN_S
+    return (time.time() if now is None else now) - updated < limit
+
+
 def vanished_reason(run_dir: str | os.PathLike) -> str:
     """Why a run whose process is gone still says starting/running: it ended without writing its own status
     (SIGKILL from the kernel's OOM killer or from outside, a segfault). A first line that is a sentence by itself
     (the pages show it alone), then the end of stderr.log when it holds anything."""
     info = procs.read_pid_info(run_dir)
     pid = f" (pid {info['pid']})" if info else ""
+    host = procs.elsewhere(info)
+    if host:
+        return (
+            f"The training process{pid} on {host} has not reported for longer than its steps take; this machine "
+            f"cannot check a process on another one: it has presumably ended (look at {host})."
+        )
     reason = f"The training process{pid} ended without reporting (it was killed, or crashed in native code)."
     last = procs.tail_text(Path(run_dir) / STDERR, STDERR_TAIL_LINES).strip("\n")
     if last.strip():
