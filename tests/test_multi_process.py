@@ -178,3 +178,18 @@ def test_stop_checkpoints_every_rank_resume_continues_and_a_killed_rank_fails_th
     steps = [r["step"] for r in _metrics(run_dir)]
     assert len(steps) == len(set(steps)) and steps == sorted(steps)  # the resume's lines follow the stop's
     assert max(steps) > step
+
+
+def test_a_killed_supervisor_takes_its_ranks_with_it(workspace, tiny_llama):
+    """SIGKILL of the process that owns the run (the OOM killer's usual pick: the biggest is a rank, but any can
+    go): the lock is released, so no rank may outlive it — a Resume would otherwise meet a first trainer's ranks
+    still writing into the folder."""
+    cfg = _config(workspace, tiny_llama, 2, 2, max_steps=5000, save_steps=1000, logging_steps=5)
+    run_dir = create_run(workspace, "orphans", cfg)
+    owner = launch(run_dir)
+    assert wait_until(lambda: run_state(run_dir).step >= 5, 300), run_state(run_dir)
+    assert sorted(ranks.records(run_dir)) == [0, 1]
+    os.kill(owner, signal.SIGKILL)
+    assert wait_until(lambda: _processes_of(run_dir) == [], 30), "a rank outlived its supervisor"
+    info = run_state(run_dir)
+    assert (info.state, info.alive) == ("failed", False)
