@@ -193,3 +193,14 @@ def test_a_killed_supervisor_takes_its_ranks_with_it(workspace, tiny_llama):
     assert wait_until(lambda: _processes_of(run_dir) == [], 30), "a rank outlived its supervisor"
     info = run_state(run_dir)
     assert (info.state, info.alive) == ("failed", False)
+
+
+def test_the_smoke_test_of_a_run_on_two_gpus_is_one_process_planned_as_one(workspace, tiny_llama):
+    from core.runs.launcher import wait_for_smoke
+
+    run_dir = create_run(workspace, "smoke2", _config(workspace, tiny_llama, 2, 2))
+    launch(run_dir, smoke=True)
+    result = wait_for_smoke(run_dir, timeout=300)
+    assert result["state"] == "finished", result
+    assert result["estimate_bytes"] and result["peak_bytes"]  # the plan of the one process it measured
+    assert not (run_dir / ranks.RANKS).exists()

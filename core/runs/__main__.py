@@ -119,6 +119,14 @@ def show_lines(info: RunInfo) -> list[str]:
             f"  training     max_length {t.get('max_length', '?')}, batch {t.get('per_device_train_batch_size', '?')} x "
             f"{t.get('gradient_accumulation_steps', '?')} accumulation, learning rate {t.get('learning_rate', '?')}",
         ]
+        d = cfg.get("distributed") if isinstance(cfg.get("distributed"), dict) else {}
+        gpus, machines = d.get("gpus", 1), d.get("num_machines", 1)
+        if gpus != 1 or machines != 1:
+            per = len(gpus) if isinstance(gpus, list) else gpus
+            lines.append(
+                f"  processes    {per} GPU(s) x {machines} machine(s), strategy {d.get('strategy', 'auto')} "
+                f"(ranks/: each rank's record and output)"
+            )
     if isinstance(plan.get("device_total_bytes"), (int, float)):
         device = (plan.get("plan") or {}).get("device", "?")
         lines.append(

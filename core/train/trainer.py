@@ -141,8 +141,10 @@ def _first_line(exc: BaseException) -> str:
 
 def _write_plan(cfg: dict, run_dir: Path, prec: Precision, smoke: bool) -> None:
     """plan.json: what this process trains, planned for the device it really trains on (its one producer). The
-    Monitor draws it on the memory chart; a smoke test compares its measured peak with it."""
-
+    Monitor draws it on the memory chart; a smoke test compares its measured peak with it. A run on several GPUs
+    is planned per GPU; its smoke test is one process, and planned as one."""
+    if smoke:
+        cfg = {**cfg, "distributed": {**cfg["distributed"], "gpus": 1, "num_machines": 1, "machine_rank": 0}}
     try:
         rundir.write_plan(run_dir, plan_json(cfg, device=prec.device.kind, smoke=smoke))
     except (PlanError, SpecError) as exc:
