@@ -11,6 +11,9 @@
 3. Failure paths: an OOM forced with set_per_process_memory_fraction is diagnosed as OOM; expandable_segments
    changes the reserved peak the way the planner says.
 4. The merge with --device cuda, verified.
+5. Several GPUs (only where two or more are visible): the demo through the launcher on 2 GPUs with DDP and with
+   FSDP (accelerate launch from the run's accelerate.yaml): finished, every rank's record and memory, the loss
+   against the one-GPU run; then benchmarks/multi_gpu_truth.py (per-rank peaks against the per-GPU plan).
 Writes DIR/gpu_truth.json (figures, device, driver, versions); the headline is the last line.
 """
 
@@ -313,6 +316,52 @@ def part_merge(cuda: bool, work: Path, product: dict) -> dict:
     return {"passed": v.passed, "mode": v.mode, "max_abs_diff": v.max_abs_diff, "seconds": result.seconds}
 
 
+# ---- 5. several GPUs --------------------------------------------------------------------------------------------
+
+
+def part_multi_gpu(cuda: bool, work: Path, out_dir: Path) -> dict:
+    import torch
+
+    visible = torch.cuda.device_count() if cuda else 0
+    if visible < 2:
+        return {"skipped": f"{visible} CUDA GPU(s) visible: the multi-GPU paths need 2 (tests/test_multi_process.py "
+                "runs the launcher on 2 CPU processes)"}  # fmt: skip
+    from core.demo.build import demo_config
+    from core.runs import rundir
+    from core.runs.launcher import create_run, launch, wait_for
+    from core.train import ranks
+
+    out = {"visible_gpus": visible}
+    for strategy in ("ddp", "fsdp"):
+        cfg = demo_config(out=work / "demo")
+        cfg["training"].update(max_steps=40, logging_steps=2, eval_steps=None, save_steps=1000)
+        cfg["data"]["eval_split"] = 0.0
+        cfg["distributed"] = {"gpus": 2, "strategy": strategy}
+        run = create_run(work / "ws", f"truth-2gpu-{strategy}", cfg)
+        launch(run)
+        info = wait_for(run, timeout=900)
+        lines = (
+            [json.loads(x) for x in (run / rundir.METRICS).read_text().splitlines()]
+            if info.state == "finished"
+            else []
+        )
+        out[strategy] = {
+            "state": info.state,
+            "reason": info.reason,
+            "ranks": {k: (r.get("ended") or {}).get("state") for k, r in ranks.records(run).items()},
+            "rank1_memory": any("rank1_cuda_reserved" in x for x in lines),
+            "final_loss": next((x["loss"] for x in reversed(lines) if "loss" in x), None),
+        }
+        print(f"  2 GPUs {strategy}: {json.dumps(out[strategy], default=str)}", flush=True)
+    child = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "multi_gpu_truth.py"), "--out", str(out_dir)],
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    out["multi_gpu_truth"] = (child.stdout.strip().splitlines() or [""])[-1] + child.stderr[-300:]
+    out["passed"] = all(out[s]["state"] == "finished" and out[s]["rank1_memory"] for s in ("ddp", "fsdp"))
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="folder for gpu_truth.json")
@@ -347,6 +396,8 @@ def main() -> int:
         report["failures"] = part_failures(cuda, work, report["product"])
         print("4. merge", flush=True)
         report["merge"] = part_merge(cuda, work, report["product"])
+        print("5. several GPUs", flush=True)
+        report["multi_gpu"] = part_multi_gpu(cuda, work, out)
     report["seconds"] = round(time.time() - t0, 1)
     (out / "gpu_truth.json").write_text(json.dumps(report, indent=1, default=str))
     s = report["planner"]["summary"].get("err_tensor", {"median": 1.0, "worst": 1.0})
@@ -358,6 +409,7 @@ def main() -> int:
     ok = s["median"] <= GOAL_MEDIAN and s["worst"] <= GOAL_WORST and runs_ok and report["merge"]["passed"]
     if cuda:
         ok = ok and report["failures"].get("oom_rule") == "cuda_oom"
+    ok = ok and report["multi_gpu"].get("passed", True)  # judged where it ran
     where = "dry run, cpu" if args.dry_run else report["device"]["device"]
     print(f"report: {out / 'gpu_truth.json'} ({report['seconds']} s)")
     print(

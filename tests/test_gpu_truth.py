@@ -26,3 +26,4 @@ def test_gpu_truth_dry_run_passes_and_reports_every_part(tmp_path):
     assert {report["product"][v]["state"] for v in ("lora", "qlora")} == {"finished"}
     assert report["merge"]["passed"] and "skipped" in report["failures"]
     assert report["versions"]["trl"]
+    assert "0 CUDA GPU(s) visible" in report["multi_gpu"]["skipped"]
