@@ -209,7 +209,10 @@ def main(argv: list[str] | None = None) -> int:
                 cfg = load_config(run_dir / rundir.CONFIG)
             except ConfigError as exc:
                 raise RunError(str(exc)) from None
-            print(export_slurm(run_dir, cfg))
+            try:
+                print(export_slurm(run_dir, cfg))
+            except OSError as exc:
+                raise RunError(str(exc)) from None
         elif args.command == "delete":
             delete_run(_find(workspace, args.name, leftovers=True), workspace)
             print(f"deleted {args.name}")

@@ -10,6 +10,7 @@ submitit would add a dependency and a second launcher for what one sbatch file s
 
 from __future__ import annotations
 
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -39,7 +40,7 @@ def slurm_script(run_dir: Path, cfg: dict, python: str = sys.executable) -> str:
             f"# Run {run_dir.name} on {d['num_machines']} machine(s) x {distributed.gpus_per_machine(cfg)} GPU(s):",
             "# written by `python -m core.runs export NAME --slurm`; submit with `sbatch` from any node. One task per",
             "# machine starts the run's supervisor, which starts that machine's ranks (accelerate launch).",
-            f"#SBATCH --job-name=lora-{run_dir.name[:40]}",
+            f"#SBATCH --job-name=lora-{re.sub(r'[^A-Za-z0-9_.-]+', '-', run_dir.name)[:40]}",
             f"#SBATCH --nodes={d['num_machines']}",
             "#SBATCH --ntasks-per-node=1",
             f"#SBATCH --gpus-per-node={distributed.gpus_per_machine(cfg)}",
@@ -63,6 +64,9 @@ def export_slurm(run_dir: Path, cfg: dict) -> Path:
     path, n = run_dir / SCRIPT, 2
     while path.exists():
         path, n = run_dir / f"slurm-{n}.sbatch", n + 1
-    atomic_write_text(path, slurm_script(run_dir, cfg), parents=False)
-    path.chmod(0o755)
+    try:
+        atomic_write_text(path, slurm_script(run_dir, cfg), parents=False)
+        path.chmod(0o755)
+    except OSError as exc:
+        raise OSError(f"Cannot write {path} ({exc.strerror or exc}): make the run folder writable.") from None
     return path
