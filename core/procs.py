@@ -315,6 +315,11 @@ def _send(procs: list[psutil.Process], sig: int) -> None:
             proc.send_signal(sig)
 
 
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and all its descendants (found by parentage, whatever their session)."""
+    _send(_tree(pid), signal.SIGKILL)
+
+
 def wait_gone(folder: str | os.PathLike, timeout: float, info: dict | None = None) -> bool:
     """Wait until the folder's owner is gone: its lock released and the recorded process exited."""
     info = info or read_pid_info(folder)

@@ -204,3 +204,17 @@ def test_the_smoke_test_of_a_run_on_two_gpus_is_one_process_planned_as_one(works
     assert result["state"] == "finished", result
     assert result["estimate_bytes"] and result["peak_bytes"]  # the plan of the one process it measured
     assert not (run_dir / ranks.RANKS).exists()
+
+
+def test_a_run_folder_deleted_under_two_ranks_stops_both_and_recreates_nothing(workspace, tiny_llama):
+    import shutil
+
+    cfg = _config(workspace, tiny_llama, 2, 2, max_steps=5000, save_steps=1000, logging_steps=5)
+    run_dir = create_run(workspace, "deleted", cfg)
+    launch(run_dir)
+    assert wait_until(lambda: run_state(run_dir).step >= 5, 300), run_state(run_dir)
+    assert len(_processes_of(run_dir)) >= 3  # the supervisor, torchrun and two ranks
+    shutil.rmtree(run_dir)
+    # the ranks agree on the step to stop at (one alone would leave the other waiting in a collective)
+    assert wait_until(lambda: _processes_of(run_dir) == [], 120), "a process kept training"
+    assert not run_dir.exists()  # nothing wrote into it again

@@ -222,8 +222,7 @@ def _killed_reason(run_dir: Path, rec: dict) -> str:
 
 def _end_all(child: subprocess.Popen) -> None:
     """SIGKILL the launcher and every rank under it (a rank died: the others would wait for it for ever)."""
-    tree = procs._tree(child.pid)  # noqa: SLF001 (the one tree walk, in core.procs)
-    procs._send(tree, signal.SIGKILL)  # noqa: SLF001
+    procs.kill_tree(child.pid)
     with contextlib.suppress(subprocess.TimeoutExpired):
         child.wait(timeout=30)
 
@@ -264,7 +263,10 @@ def supervise(
         dead = _dead(recs)
         if dead is not None and child.poll() is None:
             failed = _killed_reason(run_dir, dead)
-            rundir.write_status(home, state="failed", reason=failed)  # at once: the next refresh shows it
+            with contextlib.suppress(
+                OSError
+            ):  # at once: the next refresh shows it (unless the folder is gone)
+                rundir.write_status(home, state="failed", reason=failed)
             _end_all(child)
             break
         time.sleep(POLL_S)

@@ -350,6 +350,7 @@ def _supervise(
     process owns (the run directory; its own folder on a machine other than the main one); config: the config
     file the ranks read (the run's config.yaml)."""
     home = home or run_dir
+    identity = rundir.folder_identity(run_dir)  # the ranks stop without saving once it is deleted or replaced
     strategy = "ddp"  # without CUDA: torchrun, DDP over gloo
     if not prec.on_cpu:
         try:
@@ -370,6 +371,8 @@ def _supervise(
         failed = ranks.supervise(cfg, config, run_dir, home, not prec.on_cpu, handed, stop)
     finally:
         sampler.stop()
+    if rundir.folder_identity(run_dir) != identity:
+        raise rundir.RunGone(f"the run folder {run_dir} was deleted or replaced while the run trained.")
     if failed:
         raise TrainError(failed)
     status = read_status(run_dir) or {}
