@@ -127,6 +127,8 @@ def end_rank(run_dir: Path, state: str, reason: str | None = None) -> None:
 
 def agree(device, *flags: bool) -> list[bool]:
     """Each flag true on any rank is true on all (an all-reduce MAX); the flags as they are with one process."""
+    if world() == 1:  # every step of every run: nothing to import or ask
+        return [bool(f) for f in flags]
     import torch
     import torch.distributed as dist
 
@@ -139,6 +141,8 @@ def agree(device, *flags: bool) -> list[bool]:
 
 def gather(device, values: list[float]) -> list[list[float]] | None:
     """Every rank's `values` (rank order), on every rank; None with one process."""
+    if world() == 1:
+        return None
     import torch
     import torch.distributed as dist
 
