@@ -52,19 +52,30 @@ def _processes_of(run_dir: Path) -> list[int]:
     ]
 
 
-def test_two_processes_train_as_one_at_the_same_global_batch(workspace, tiny_llama):
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, tiny_llama) -> Path:
+    """The reference: one process, 8 steps of 4 rows (the data's content is the same in every workspace)."""
+    ws = tmp_path_factory.mktemp("one_process")
+    run_dir = ws / "runs" / "one"
+    out = train(_config(ws, tiny_llama, 1, 4, max_steps=8, logging_steps=1), run_dir)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return run_dir
+
+
+def _same_curve(reference: Path, run_dir: Path) -> None:
+    pairs = zip(_metrics(reference), _metrics(run_dir), strict=True)
+    assert all(abs(a["loss"] - b["loss"]) < 1e-5 for a, b in pairs), (_metrics(reference), _metrics(run_dir))
+
+
+def test_two_processes_train_as_one_at_the_same_global_batch(workspace, tiny_llama, one_process):
     """Same loss curve as one process at the same global batch (2 x 2 rows against 1 x 4), metrics written once
     (by rank 0, with rank 1's memory), each rank's output kept, one adapter."""
-    runs = {}
-    for name, gpus, batch in (("one", 1, 4), ("two", 2, 2)):
-        run_dir = workspace / "runs" / name
-        out = train(_config(workspace, tiny_llama, gpus, batch, max_steps=8, logging_steps=1), run_dir)
-        assert out.returncode == 0, out.stderr[-3000:]
-        runs[name] = run_dir
+    runs = {"one": one_process, "two": workspace / "runs" / "two"}
+    out = train(_config(workspace, tiny_llama, 2, 2, max_steps=8, logging_steps=1), runs["two"])
+    assert out.returncode == 0, out.stderr[-3000:]
     one, two = (_metrics(runs[n]) for n in ("one", "two"))
+    _same_curve(one_process, runs["two"])
     assert [r["step"] for r in two] == list(range(1, 9))  # once per logging step, not once per rank
-    for a, b in zip(one, two, strict=True):
-        assert abs(a["loss"] - b["loss"]) < 1e-5, (a["loss"], b["loss"])
     assert all("rank1_rss_bytes" in r and r["rank1_rss_bytes"] > 0 for r in two)
     assert not any(k.startswith("rank1_") for r in one for k in r)
     recs = ranks.records(runs["two"])
@@ -97,7 +108,9 @@ wait $worker; exit $((main | $?))
 """
 
 
-def test_two_machines_on_one_box_train_one_run_from_the_exported_slurm_script(workspace, tiny_llama):
+def test_two_machines_on_one_box_train_one_run_from_the_exported_slurm_script(
+    workspace, tiny_llama, one_process
+):
     """A run on two "machines": `core.runs export NAME --slurm` writes the sbatch script, run here with srun and
     scontrol stand-ins (the only fakes: no cluster) so that its one task a node starts on two nodes of one box,
     --machine-rank 0 and 1, torchrun --nnodes 2 meeting on 127.0.0.1, one run directory as on shared storage.
@@ -107,7 +120,7 @@ def test_two_machines_on_one_box_train_one_run_from_the_exported_slurm_script(wo
 
     from tests.cli import runs as runs_cli
 
-    cfg = _config(workspace, tiny_llama, 1, 2, max_steps=6, logging_steps=1)
+    cfg = _config(workspace, tiny_llama, 1, 2, max_steps=8, logging_steps=1)
     cfg["distributed"].update(num_machines=2, main_process_ip="127.0.0.1", main_process_port=_free_port())
     run_dir = create_run(workspace, "nodes", cfg)
     out = runs_cli(workspace, "export", "nodes", "--slurm")
@@ -129,12 +142,7 @@ def test_two_machines_on_one_box_train_one_run_from_the_exported_slurm_script(wo
     assert {k: r["machine"] for k, r in ranks.records(run_dir).items()} == {0: 0, 1: 1}
     assert runs_cli(workspace, "export", "nodes", "--slurm").stdout.strip().endswith("slurm-2.sbatch")
     assert script.read_text() == text  # the first script (perhaps edited) is kept
-    one = train(
-        _config(workspace, tiny_llama, 1, 4, max_steps=6, logging_steps=1), workspace / "runs" / "one"
-    )
-    assert one.returncode == 0, one.stderr[-2000:]
-    for a, b in zip(_metrics(workspace / "runs" / "one"), _metrics(run_dir), strict=True):
-        assert abs(a["loss"] - b["loss"]) < 1e-5, (a["loss"], b["loss"])
+    _same_curve(one_process, run_dir)
 
 
 def test_stop_checkpoints_every_rank_resume_continues_and_a_killed_rank_fails_the_run(workspace, tiny_llama):
