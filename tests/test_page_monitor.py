@@ -368,7 +368,11 @@ def test_a_run_trained_on_another_machine_is_followed_from_its_reports_and_never
     (run / "config.yaml").write_text("model: {path: m}\ndata: {path: d.jsonl}\n")
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     try:
-        record = {"pid": bystander.pid, "start_time": procs.process_start_time(bystander.pid), "host": "node-7"}
+        record = {
+            "pid": bystander.pid,
+            "start_time": procs.process_start_time(bystander.pid),
+            "host": "node-7",
+        }
         (run / "pid").write_text(json.dumps(record))
         (run / "lock").touch()
         now = time.time()
