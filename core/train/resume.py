@@ -7,7 +7,8 @@ and shapes follow the base model, `lora.*` and `quantization.*`), the optimizer'
 changes what they mean (CANNOT_RESUME) and records every other change: the config that trained up to step N goes
 to `config.history/until-step-N.yaml`, `config.yaml` becomes the config that trains from here.
 
-Reads only, except record_config (called by the trainer once it owns the run directory).
+Reads only, except record_config (called by the trainer once it owns the run directory); keep_new_hyperparameters
+makes a resumed trainer take the config's new learning rate and schedule.
 """
 
 from __future__ import annotations
@@ -164,3 +165,55 @@ def record_config(run_dir: Path, cfg: dict, trained: dict | None, checkpoint: Pa
     if not same:
         atomic_write_text(current, text)
     return changed
+
+
+def keep_new_hyperparameters(trainer) -> None:
+    """A resume with a changed learning rate (or weight decay, betas, schedule length) trains with the new values.
+
+    torch's Optimizer.load_state_dict brings back the checkpoint's param-group hyperparameters along with the
+    moments, and the scheduler its base learning rates: without this, a resumed run with a new learning_rate
+    trains on at the old one while config.yaml says the new. The moments and the step count are the checkpoint's;
+    the hyperparameters this config's (create_optimizer / create_scheduler are the Trainer's overridable API)."""
+    from torch.optim.lr_scheduler import LambdaLR
+
+    create_optimizer, create_scheduler = trainer.create_optimizer, trainer.create_scheduler
+
+    def take_new_groups(optimizer, state_dict):
+        saved = state_dict["param_groups"]
+        if len(saved) != len(optimizer.param_groups):
+            return None  # not this optimizer's state: torch says so
+        groups = [
+            {**{k: v for k, v in new.items() if k != "params"}, "params": old["params"]}
+            for old, new in zip(saved, optimizer.param_groups, strict=True)
+        ]
+        return {**state_dict, "param_groups": groups}
+
+    def new_create_optimizer(*args, **kwargs):
+        optimizer = create_optimizer(*args, **kwargs)
+        optimizer.register_load_state_dict_pre_hook(take_new_groups)
+        return optimizer
+
+    def new_create_scheduler(*args, **kwargs):
+        scheduler = create_scheduler(*args, **kwargs)
+        load = scheduler.load_state_dict
+        if not isinstance(scheduler, LambdaLR):
+            return scheduler
+
+        def load_state_dict(state):
+            # once: the scheduler's own method again, and nothing unpicklable left in the state it saves
+            del scheduler.load_state_dict
+            load(state)  # the step count; then this config's learning rates at that step
+            groups = scheduler.optimizer.param_groups
+            scheduler.base_lrs = [g["initial_lr"] for g in groups]
+            lrs = [
+                base * fn(scheduler.last_epoch)
+                for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)
+            ]
+            for group, lr in zip(groups, lrs, strict=True):
+                group["lr"] = lr
+            scheduler._last_lr = lrs
+
+        scheduler.load_state_dict = load_state_dict
+        return scheduler
+
+    trainer.create_optimizer, trainer.create_scheduler = new_create_optimizer, new_create_scheduler

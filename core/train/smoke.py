@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
+from pathlib import Path
+
+from core.precision import Precision
+from core.runs import rundir
+from core.train import methods
 
 
 @contextlib.contextmanager
@@ -94,3 +100,35 @@ def smoke_line(smoke: dict) -> str:
         f"{smoke.get('batch_size') or 1} at "
         f"max_length {smoke.get('max_length')} (measured by {smoke.get('measured_by')})"
     )
+
+
+def finish_smoke(cfg: dict, prec: Precision, run_dir: Path, peak: dict, callback, step: int) -> dict:
+    """smoke.json: the measured peak of the one step next to the plan's (plan.json, written for this step)."""
+    plan = rundir.read_plan(run_dir) or {}
+    result = {
+        "state": "finished",
+        "reason": None,
+        "time": time.time(),
+        "peak_bytes": peak.get("peak_bytes"),
+        "peak_phase": peak.get("peak_phase"),
+        "measured_by": peak.get("measured_by"),
+        "reserved_peak_bytes": peak.get("reserved_peak_bytes"),
+        # how the steady peak came about: the first step's own peak, what was alive before it, and the
+        # optimizer state it made (alive through every later step)
+        "first_step_peak_bytes": peak.get("first_step_peak_bytes"),
+        "baseline_bytes": peak.get("baseline_bytes"),
+        "optimizer_state_bytes": peak.get("optimizer_state_bytes"),
+        "cuda_peak_bytes": peak.get("cuda_peak_bytes"),
+        "seconds_per_step": callback.step_seconds[-1] if callback.step_seconds else None,
+        "device": prec.device.label,
+        "estimate_bytes": plan.get("tensor_peak_bytes"),
+        "estimate_reserved_bytes": plan.get("reserved_peak_bytes"),
+        "max_length": cfg["training"]["max_length"],
+        "batch_size": methods.get(cfg).smoke_batch_size,
+    }
+    rundir.write_smoke(run_dir, result)
+    with contextlib.suppress(OSError):  # the Trainer made an output folder that stays empty in smoke mode
+        (run_dir / rundir.CHECKPOINTS).rmdir()
+    reason = f"smoke test: one step at batch size {result['batch_size']}"
+    rundir.write_status(run_dir, state="finished", reason=reason, step=step)
+    return result

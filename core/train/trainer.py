@@ -30,8 +30,8 @@ from core.train.config import ConfigError, load_config, validate_config
 from core.train.data import DataError
 from core.train.engine_args import bnb_config, lora_config, training_args
 from core.train.preflight import check_model_folder, has_errors, run_preflight
-from core.train.resume import check_resume, record_config
-from core.train.smoke import measure_peak
+from core.train.resume import check_resume, keep_new_hyperparameters, record_config
+from core.train.smoke import finish_smoke, measure_peak
 
 EXIT_BAD_INPUT, EXIT_FAILED, EXIT_STOPPED = 2, 1, 0
 
@@ -310,7 +310,7 @@ def _finish(cfg, prec, run_dir: Path, tokenizer, trainer, callback, peak, second
     if callback.disk_full:  # a checkpoint that could not fit was not started
         raise TrainError(callback.disk_full)
     if smoke:
-        result = _finish_smoke(cfg, prec, run_dir, peak, callback, step)
+        result = finish_smoke(cfg, prec, run_dir, peak, callback, step)
         return {**summary, "state": "finished", "smoke": result}
     if callback.stopped_at is not None:
         reason = f"stopped by {stop.signal} at step {step}; saved checkpoints/checkpoint-{step}; continue with --resume"
@@ -572,90 +572,6 @@ def _train(
             sampler.stop()
         callback.close()
     return trainer, callback, peak, seconds
-
-
-def keep_new_hyperparameters(trainer) -> None:
-    """A resume with a changed learning rate (or weight decay, betas, schedule length) trains with the new values.
-
-    torch's Optimizer.load_state_dict brings back the checkpoint's param-group hyperparameters along with the
-    moments, and the scheduler its base learning rates: without this, a resumed run with a new learning_rate
-    trains on at the old one while config.yaml says the new. The moments and the step count are the checkpoint's;
-    the hyperparameters this config's (create_optimizer / create_scheduler are the Trainer's overridable API)."""
-    from torch.optim.lr_scheduler import LambdaLR
-
-    create_optimizer, create_scheduler = trainer.create_optimizer, trainer.create_scheduler
-
-    def take_new_groups(optimizer, state_dict):
-        saved = state_dict["param_groups"]
-        if len(saved) != len(optimizer.param_groups):
-            return None  # not this optimizer's state: torch says so
-        groups = [
-            {**{k: v for k, v in new.items() if k != "params"}, "params": old["params"]}
-            for old, new in zip(saved, optimizer.param_groups, strict=True)
-        ]
-        return {**state_dict, "param_groups": groups}
-
-    def new_create_optimizer(*args, **kwargs):
-        optimizer = create_optimizer(*args, **kwargs)
-        optimizer.register_load_state_dict_pre_hook(take_new_groups)
-        return optimizer
-
-    def new_create_scheduler(*args, **kwargs):
-        scheduler = create_scheduler(*args, **kwargs)
-        load = scheduler.load_state_dict
-        if not isinstance(scheduler, LambdaLR):
-            return scheduler
-
-        def load_state_dict(state):
-            # once: the scheduler's own method again, and nothing unpicklable left in the state it saves
-            del scheduler.load_state_dict
-            load(state)  # the step count; then this config's learning rates at that step
-            groups = scheduler.optimizer.param_groups
-            scheduler.base_lrs = [g["initial_lr"] for g in groups]
-            lrs = [
-                base * fn(scheduler.last_epoch)
-                for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)
-            ]
-            for group, lr in zip(groups, lrs, strict=True):
-                group["lr"] = lr
-            scheduler._last_lr = lrs
-
-        scheduler.load_state_dict = load_state_dict
-        return scheduler
-
-    trainer.create_optimizer, trainer.create_scheduler = new_create_optimizer, new_create_scheduler
-
-
-def _finish_smoke(cfg: dict, prec: Precision, run_dir: Path, peak: dict, callback, step: int) -> dict:
-    """smoke.json: the measured peak of the one step next to the plan's (plan.json, written for this step)."""
-    plan = rundir.read_plan(run_dir) or {}
-    result = {
-        "state": "finished",
-        "reason": None,
-        "time": time.time(),
-        "peak_bytes": peak.get("peak_bytes"),
-        "peak_phase": peak.get("peak_phase"),
-        "measured_by": peak.get("measured_by"),
-        "reserved_peak_bytes": peak.get("reserved_peak_bytes"),
-        # how the steady peak came about: the first step's own peak, what was alive before it, and the
-        # optimizer state it made (alive through every later step)
-        "first_step_peak_bytes": peak.get("first_step_peak_bytes"),
-        "baseline_bytes": peak.get("baseline_bytes"),
-        "optimizer_state_bytes": peak.get("optimizer_state_bytes"),
-        "cuda_peak_bytes": peak.get("cuda_peak_bytes"),
-        "seconds_per_step": callback.step_seconds[-1] if callback.step_seconds else None,
-        "device": prec.device.label,
-        "estimate_bytes": plan.get("tensor_peak_bytes"),
-        "estimate_reserved_bytes": plan.get("reserved_peak_bytes"),
-        "max_length": cfg["training"]["max_length"],
-        "batch_size": methods.get(cfg).smoke_batch_size,
-    }
-    rundir.write_smoke(run_dir, result)
-    with contextlib.suppress(OSError):  # the Trainer made an output folder that stays empty in smoke mode
-        (run_dir / rundir.CHECKPOINTS).rmdir()
-    reason = f"smoke test: one step at batch size {result['batch_size']}"
-    write_status(run_dir, state="finished", reason=reason, step=step)
-    return result
 
 
 def save_final(trainer, tokenizer, run_dir: Path, cfg: dict) -> Path:
