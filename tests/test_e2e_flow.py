@@ -89,7 +89,7 @@ def test_new_user_flow_from_plan_to_verified_export(tmp_path):
         wait_idle(page, 300_000)
         assert (ws / "demo" / "base" / "config.json").is_file()
         max_steps = page.get_by_label("Max steps (-1: epochs)")
-        max_steps.fill("2000")  # ~1-3 minutes here: long enough to watch it live and reload
+        max_steps.fill("1000")  # 1-3 minutes here: long enough to watch it live and reload
         max_steps.press("Enter")
         logging = page.get_by_label("Log every (steps)")
         logging.fill("10")
@@ -124,7 +124,7 @@ def test_new_user_flow_from_plan_to_verified_export(tmp_path):
 
         run_dir = next((ws / "runs").iterdir())
         expected = demo_config(out=ws / "demo")
-        expected["training"].update(max_steps=2000, logging_steps=10)
+        expected["training"].update(max_steps=1000, logging_steps=10)
         assert load_config(run_dir / "config.yaml") == expected
 
         # Reload mid-run: a new session reattaches to the same live run from its directory.
