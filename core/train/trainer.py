@@ -273,6 +273,13 @@ def _run_training(cfg: dict, run_dir: Path, resume: bool, smoke: bool, stop: Sto
     prec, checkpoint, new_hyperparameters = _setup_run(cfg, run_dir, resume, smoke, start)
     if distributed.world_size(cfg) > 1 and not smoke:  # a smoke test measures one process's step
         return _supervise(cfg, run_dir, prec, checkpoint, new_hyperparameters, stop)
+    return _train_and_finish(cfg, prec, run_dir, checkpoint, smoke, stop, identity, new_hyperparameters)
+
+
+def _train_and_finish(
+    cfg, prec, run_dir: Path, checkpoint, smoke, stop, identity, new_hyperparameters
+) -> dict:
+    """The data, the model and its trainer, training, and the run's end (one process, or one rank)."""
     tokenizer, train_ds, eval_ds = _setup_data(cfg)
     trainer, callback, peak, seconds = _train(
         cfg,
@@ -421,22 +428,9 @@ def _run_rank(config_path, run_dir: Path, handed: dict, stop: StopFlag | None) -
     prec = choose_precision(cfg)
     if not prec.on_cpu:  # each rank its own GPU, before the model lands on one
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    tokenizer, train_ds, eval_ds = _setup_data(cfg)
     checkpoint = Path(handed["checkpoint"]) if handed.get("checkpoint") else None
-    trainer, callback, peak, seconds = _train(
-        cfg,
-        prec,
-        run_dir,
-        tokenizer,
-        train_ds,
-        eval_ds,
-        checkpoint,
-        False,
-        stop,
-        identity,
-        bool(handed.get("new_hyperparameters")),
-    )
-    return _finish(cfg, prec, run_dir, tokenizer, trainer, callback, peak, seconds, False, stop)
+    new_hyperparameters = bool(handed.get("new_hyperparameters"))
+    return _train_and_finish(cfg, prec, run_dir, checkpoint, False, stop, identity, new_hyperparameters)
 
 
 def _setup_run(cfg: dict, run_dir: Path, resume: bool, smoke: bool, start):
