@@ -80,8 +80,9 @@ def _record_path(run_dir: Path, k: int) -> Path:
     return Path(run_dir) / RANKS / f"rank-{k}.json"
 
 
-def log_path(run_dir: Path, k: int) -> Path:
-    return Path(run_dir) / RANKS / f"rank-{k}.log"
+def output_name(k: int) -> str:
+    """Where rank K's output goes, in the run directory: rank 0's is the run's stderr.log."""
+    return rundir.STDERR if k == 0 else f"{RANKS}/rank-{k}.log"
 
 
 def _die_with_parent() -> None:
@@ -100,7 +101,7 @@ def become_rank(run_dir: Path) -> None:
         os._exit(1)
     k = rank()
     if k > 0:
-        fd = os.open(log_path(run_dir, k), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        fd = os.open(Path(run_dir) / output_name(k), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
@@ -208,19 +209,14 @@ def _dead(recs: dict[int, dict]) -> dict | None:
     return None
 
 
-def rank_tail(run_dir: Path, k: int) -> str:
-    path = Path(run_dir) / (rundir.STDERR if k == 0 else f"{RANKS}/rank-{k}.log")
-    return procs.tail_text(path, TAIL_LINES)
-
-
 def _killed_reason(run_dir: Path, rec: dict) -> str:
     k = rec["rank"]
     step = (rundir.read_status(run_dir) or {}).get("step")
-    where = "stderr.log" if k == 0 else f"{RANKS}/rank-{k}.log"
+    where = output_name(k)
     return (
         f"rank {k} (pid {rec['pid']}) ended without a word at step {step or 0} (killed: SIGKILL, the "
         f"out-of-memory killer or a crash), so the other ranks were ended too; its last lines ({where}):\n"
-        + rank_tail(run_dir, k)
+        + procs.tail_text(Path(run_dir) / where, TAIL_LINES)
     )
 
 
