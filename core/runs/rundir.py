@@ -459,8 +459,7 @@ def remote_alive(status: dict | None, now: float | None = None) -> bool:
     updated, step_s = status.get("updated"), status.get("step_s")
     if status.get("state") not in LIVE_STATES or not _number(updated):
         return False
-    limit = max(STALL_MIN_S, STALL_FACTOR * step_s) if _number(step_s) else STALL_MIN_S
-    return (time.time() if now is None else now) - updated < limit
+    return (time.time() if now is None else now) - updated < stall_limit(step_s if _number(step_s) else 0.0)
 
 
 def vanished_reason(run_dir: str | os.PathLike) -> str:
@@ -503,6 +502,11 @@ STALL_MIN_S = (
 )
 
 
+def stall_limit(step_s: float) -> float:
+    """Seconds without a report after which a live run counts as stalled (or, run from another host, as gone)."""
+    return max(STALL_MIN_S, STALL_FACTOR * step_s)
+
+
 def stall(run_dir: str | os.PathLike, status: dict | None, state: str, alive: bool, now: float | None = None):
     """(seconds without a step, why) for a live run that stopped stepping, else (None, None).
 
@@ -523,7 +527,7 @@ def stall(run_dir: str | os.PathLike, status: dict | None, state: str, alive: bo
     if not _number(step_s):  # a trainer that does not record its step time: the mean since it started
         started, step = status.get("started"), status.get("step")
         step_s = (updated - started) / step if _number(started) and _number(step) and step > 0 else 0.0
-    if quiet > max(STALL_MIN_S, STALL_FACTOR * step_s):
+    if quiet > stall_limit(step_s):
         usual = f"; a step usually takes {step_s:.2g} s" if step_s else ""
         return quiet, f"no step for {_seconds(quiet)}{usual}"
     return None, None
