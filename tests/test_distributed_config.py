@@ -4,6 +4,10 @@ torch.cuda's device count), and the accelerate config the engine writes, parsed 
 
 import importlib.util
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +24,6 @@ from core.train import distributed
 from core.train.cli import dry_run
 from core.train.config import ConfigError, dump_config, validate_config
 from core.train.engine_args import bnb_config
-from core.train.trainer import ConfigRefused, run_training
 
 
 def minimal(**sections):
@@ -52,7 +55,7 @@ def test_one_gpu_is_the_default_and_a_count_or_ids_validate():
     [
         ({"gpus": 0}, "distributed.gpus must be at least 1"),
         ({"gpus": [0, 0]}, "distributed.gpus lists a GPU twice"),
-        ({"gpus": [-1]}, "distributed.gpus must be a count (2) or a non-empty list of CUDA ids"),
+        ({"gpus": [-1]}, "distributed.gpus must be a count (2) or a non-empty list of GPU ids"),
         ({"gpus": "two"}, "distributed.gpus must be a whole number or a list"),
         ({"strategy": "fsd"}, "Did you mean 'fsdp'?"),
         ({"fsdp_version": 3}, "distributed.fsdp_version must be auto, 1 or 2"),
@@ -269,10 +272,89 @@ def test_dry_run_with_a_run_dir_writes_the_accelerate_config(tiny_llama, tmp_pat
     assert "accelerate config:" in out.err
 
 
-def test_one_process_on_a_chosen_gpu_is_refused_with_the_way_to_pick_it(tiny_llama, tmp_path):
-    with pytest.raises(ConfigRefused, match="CUDA_VISIBLE_DEVICES=1"):
-        run_training(run_yaml(tmp_path, tiny_llama, gpus=[1]), tmp_path / "run")
-    assert not (tmp_path / "run").exists()  # refused before anything was written
+# The trainer's CLI under a spy on torch.cuda's first query (the GPU driver, mocked: this box has none).
+CUDA_SPY = """
+import atexit, json, os, runpy, sys
+import torch
+
+first = {}
+
+def spy(answer):
+    def query(*args, **kwargs):
+        first.setdefault("env", {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")})
+        return answer
+    return query
+
+torch.cuda.is_available, torch.cuda.device_count = spy(False), spy(0)
+atexit.register(lambda: print("first CUDA query: " + json.dumps(first), flush=True))
+sys.argv = ["core.train", *sys.argv[1:]]
+runpy.run_module("core.train", run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_one_process_trains_on_the_named_gpu_pinned_before_cuda_starts_mocked_gpu_driver(
+    tiny_llama, tmp_path
+):
+    """`gpus: [1]` on one process: the trainer's CLI sets CUDA_VISIBLE_DEVICES=1 (nvidia-smi's numbering) before
+    anything asks CUDA about the machine, whatever the shell had, and trains (here on the CPU)."""
+    cfg = run_yaml(tmp_path, tiny_llama, gpus=[1])
+    text = cfg.read_text().replace("max_length: 64", "max_length: 64\n  max_steps: 2")
+    cfg.write_text(text)
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_DEVICE_ORDER"}
+    env["CUDA_VISIBLE_DEVICES"] = "0,1"  # the shell's choice, replaced by the config's
+    out = subprocess.run(
+        [sys.executable, "-c", CUDA_SPY, str(cfg), "--run-dir", str(tmp_path / "run")],
+        cwd=Path(__file__).resolve().parents[1],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    first = json.loads(out.stdout.split("first CUDA query: ")[-1].splitlines()[0])
+    assert first["env"] == {"CUDA_VISIBLE_DEVICES": "1", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    assert json.loads((tmp_path / "run" / "status.json").read_text())["state"] == "finished"
+
+
+def test_pinning_picks_one_card_for_one_process_and_leaves_ranks_to_accelerate():
+    def pinned(env, one_process=None, **values):
+        cfg = validate_config(minimal(distributed=values))
+        one = distributed.world_size(cfg) == 1 if one_process is None else one_process
+        said = distributed.pin_gpus(cfg, one_process=one, environ=env)
+        return env, said
+
+    env, said = pinned({}, gpus=[2])
+    assert env == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "2"}
+    assert said == "GPU 2 (nvidia-smi's numbering: CUDA_VISIBLE_DEVICES=2)"
+    env, said = pinned({"CUDA_VISIBLE_DEVICES": "0,1", "CUDA_DEVICE_ORDER": "FASTEST_FIRST"}, gpus=[2])
+    assert env == {"CUDA_DEVICE_ORDER": "FASTEST_FIRST", "CUDA_VISIBLE_DEVICES": "2"}  # the user's order kept
+    assert said.endswith("in place of CUDA_VISIBLE_DEVICES=0,1)")
+    # A count on one process: the first card the shell left visible, never all of them (nn.DataParallel).
+    assert pinned({"CUDA_VISIBLE_DEVICES": "3,1"})[0]["CUDA_VISIBLE_DEVICES"] == "3"
+    assert pinned({})[0]["CUDA_VISIBLE_DEVICES"] == "0"
+    assert pinned({"CUDA_VISIBLE_DEVICES": ""})[0]["CUDA_VISIBLE_DEVICES"] == ""  # GPUs hidden: stays CPU
+    # Several processes: accelerate's gpu_ids gives each rank its card; only the numbering is set here.
+    assert pinned({}, gpus=[1, 3]) == ({"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}, None)
+    # ...and the smoke test of that run is one process, on the first card the config names.
+    assert pinned({}, gpus=[1, 3], one_process=True)[0]["CUDA_VISIBLE_DEVICES"] == "1"
+
+
+def test_the_plan_is_made_for_the_cards_the_config_names_mocked_gpu_driver():
+    cards = (gpu.GpuInfo(0, "NVIDIA RTX 4090", 24 * 2**30), gpu.GpuInfo(1, "NVIDIA RTX A6000", 48 * 2**30))
+    box = from_config.Card("cuda", 24.0, "the NVIDIA RTX 4090", 2, cards)
+
+    def card(**values):
+        return box.of(validate_config(minimal(distributed=values)))
+
+    assert (card(gpus=[1]).gpu_gb, card(gpus=[1]).label) == (48.0, "the NVIDIA RTX A6000")
+    assert card(gpus=[0, 1]).gpu_gb == 24.0  # several cards: the plan per GPU holds on the smallest
+    assert card().gpu_gb == 24.0 and card(gpus=2).gpu_gb == 24.0
+    # A process pinned to GPU 1 sees one CUDA device, yet GPU 1 is still one of the machine's.
+    pinned = from_config.Card("cuda", 24.0, "the NVIDIA RTX 4090", 1, cards)
+    assert from_config.gpu_problem(validate_config(minimal(distributed={"gpus": [1]})), pinned) is None
+    problem = from_config.gpu_problem(validate_config(minimal(distributed={"gpus": [2]})), pinned)
+    assert problem.startswith("distributed.gpus names GPU 2 but this machine has 2 CUDA GPUs")
 
 
 def test_the_launch_lines_parse_as_accelerate_and_torchrun_read_them(tiny_llama, tmp_path):

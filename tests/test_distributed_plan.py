@@ -158,7 +158,7 @@ def test_cli_plans_a_multi_gpu_config_on_a_named_card_and_refuses_the_missing_gp
     assert cli.main(["--config", str(path), "--gpu-gb", "24", "--gpus", "2", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["verdict"] == "does not fit"  # the flag overrides the config
     # this machine's card (no GPU driver here, or mocked to none): four GPUs are not there
-    monkeypatch.setattr(cli, "local_card", lambda: from_config.Card("cpu", 16.0, "this CPU", 0))
+    monkeypatch.setattr(from_config, "local_card", lambda: from_config.Card("cpu", 16.0, "this CPU", 0))
     assert cli.main(["--config", str(path)]) == 2
     assert "asks for 4 GPUs but this machine has 0 CUDA GPUs" in capsys.readouterr().err
 

@@ -57,7 +57,7 @@ def _card():
 
 def verdict_panel(cfg: dict) -> None:
     """The planner's verdict for this config where Launch trains it: the plan.json the trainer will write."""
-    card = _card()
+    card = _card().of(cfg)
     try:
         est = estimate_for_config(cfg, card.gpu_gb, card.device)
     except (PlanError, SpecError, ValueError) as exc:

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from core.estimate.bill import OUTSIDE_TORCH, estimate, estimate_for_lengths
 from core.estimate.fit import fit_search
-from core.estimate.from_config import gpu_problem, local_card, plan_for_config
+from core.estimate.from_config import card_for, plan_for_config
 from core.estimate.levers import lever_savings, modelled_note, what_would_fit, with_every_lever
 from core.estimate.plan import Estimate, GiB, Plan, PlanError
 from core.estimate.specs import SpecError, preset_ids
@@ -314,10 +314,7 @@ def _plan_from_config(cfg: dict, args) -> Plan:
     if args.device is None and args.gpu_gb is not None:
         args.device = "cuda"  # a card's size names a GPU: plan that card
     if args.gpu_gb is None or args.device is None:
-        card = local_card()
-        problem = gpu_problem(cfg, card)
-        if problem:
-            raise PlanError(problem)
+        card = card_for(cfg)
         args.gpu_gb = card.gpu_gb if args.gpu_gb is None else args.gpu_gb
         args.device = args.device or card.device
     plan = plan_for_config(

@@ -8,7 +8,7 @@ trainer uses) for the device, and its memory switches follow what the engine (TR
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from core.estimate.bill import estimate
@@ -132,6 +132,22 @@ class Card:
     gpu_gb: float
     label: str  # for a sentence: "the NVIDIA RTX 4090", "this machine's CPU (no CUDA GPU)"
     count: int = 1  # the CUDA GPUs torch can use here (0 on a machine without one)
+    gpus: tuple = ()  # every GPU of the machine in nvidia-smi's order (NVML's GpuInfo), where NVML tells
+
+    def of(self, cfg: dict) -> Card:
+        """The card a run of `cfg` is planned against: the smallest of the GPUs it names (`gpus: [1, 3]`) or uses
+        (the first N for a count; ids are nvidia-smi's, the order the trainer pins: distributed.pin_gpus)."""
+        ids = distributed.gpu_ids(cfg)
+        known = {g.index: g for g in self.gpus if g.memory_total}
+        used = (
+            [known[i] for i in ids if i in known]
+            if ids
+            else list(self.gpus[: distributed.gpus_per_machine(cfg)])
+        )
+        if self.device != "cuda" or not used or len(used) != len(ids or used):
+            return self  # no NVML, or a GPU it does not list: gpu_problem says so
+        small = min(used, key=lambda g: g.memory_total)
+        return replace(self, gpu_gb=small.memory_total / 2**30, label=f"the {small.name}")
 
 
 def local_card() -> Card:
@@ -144,29 +160,47 @@ def local_card() -> Card:
 
         if torch.cuda.is_available():
             return Card(
-                "cuda", gpus[0].memory_total / 2**30, f"the {gpus[0].name}", torch.cuda.device_count()
+                "cuda",
+                gpus[0].memory_total / 2**30,
+                f"the {gpus[0].name}",
+                torch.cuda.device_count(),
+                tuple(gpus),
             )
     import psutil
 
     return Card("cpu", psutil.virtual_memory().total / 2**30, "this machine's CPU and RAM (no CUDA GPU)", 0)
 
 
+def card_for(cfg: dict) -> Card:
+    """This machine's card for a run of `cfg` (Card.of), or PlanError when the config asks for GPUs it lacks."""
+    card = local_card()
+    problem = gpu_problem(cfg, card)
+    if problem:
+        raise PlanError(problem)
+    return card.of(cfg)
+
+
 def gpu_problem(cfg: dict, card: Card) -> str | None:
-    """One sentence when the distributed section asks for GPUs this machine does not have (the count torch sees,
-    the card detection local_card uses), else None."""
+    """One sentence when the distributed section asks for GPUs this machine does not have, else None. A count is
+    checked against the GPUs torch can use; ids against every GPU of the machine (a process already pinned to
+    one card by CUDA_VISIBLE_DEVICES still names it by nvidia-smi's number)."""
     gpus = cfg["distributed"]["gpus"]
     if gpus == 1:
         return None  # one process: the card the plan is made for
     have = card.count if card.device == "cuda" else 0
+    if isinstance(gpus, list):
+        installed = max(have, len(card.gpus)) if have else 0
+        missing = [i for i in gpus if i >= installed]
+        if missing:
+            where = f"this machine has {installed} CUDA GPU{'s' if installed != 1 else ''}" + (
+                f" ({card.label})" if installed else ""
+            )
+            valid = f"ids 0 to {installed - 1}" if installed else "no ids"
+            return f"distributed.gpus names GPU {missing[0]} but {where}: use {valid}."
+        return None
     where = f"this machine has {have} CUDA GPU{'s' if have != 1 else ''}" + (
         f" ({card.label})" if have else ""
     )
-    if isinstance(gpus, list):
-        missing = [i for i in gpus if i >= have]
-        if missing:
-            valid = f"ids 0 to {have - 1}" if have else "no ids"
-            return f"distributed.gpus names GPU {missing[0]} but {where}: use {valid}."
-        return None
     if gpus > have:
         fix = f"set gpus: {have} or fewer" if have > 1 else "set gpus: 1 (one process)"
         return (
@@ -181,11 +215,7 @@ def resolve_strategy(cfg: dict, gpu_gb: float | None = None) -> str | None:
     if distributed.world_size(cfg) == 1:
         return None
     if gpu_gb is None:
-        card = local_card()
-        problem = gpu_problem(cfg, card)
-        if problem:
-            raise PlanError(problem)
-        gpu_gb = card.gpu_gb
+        gpu_gb = card_for(cfg).gpu_gb
     return estimate_for_config(cfg, gpu_gb, "cuda").distributed["strategy"]
 
 
@@ -207,10 +237,7 @@ def plan_json(
     if device is None and gpu_gb is not None:
         device = "cuda"  # a card's size names a GPU: plan that card
     if gpu_gb is None or device is None:
-        card = local_card()
-        problem = gpu_problem(cfg, card)
-        if problem:
-            raise PlanError(problem)
+        card = card_for(cfg)
         gpu_gb = card.gpu_gb if gpu_gb is None else gpu_gb
         device = device or card.device
     return plan_record(estimate_for_config(cfg, gpu_gb, device, batch_size, smoke=smoke))

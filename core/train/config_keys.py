@@ -112,7 +112,7 @@ DEFAULTS: dict[str, Any] = {
     },
     # One GPU unless said otherwise; several GPUs (and machines) go through accelerate (core.train.distributed).
     "distributed": {
-        "gpus": 1,  # how many GPUs of this machine (a count), or which (a list of CUDA ids, e.g. [0, 2])
+        "gpus": 1,  # how many GPUs of this machine (a count), or which (nvidia-smi's ids, e.g. [0, 2])
         "strategy": "auto",  # auto | ddp | fsdp | deepspeed_zero3
         "fsdp_version": "auto",  # auto: FSDP2 for a 16-bit base, FSDP1 (the QLoRA recipe) for a 4-bit one
         "cpu_offload": False,  # fsdp / deepspeed_zero3: parameters, gradients and optimizer states in CPU RAM

@@ -2,7 +2,7 @@
 accelerate config the engine launches them with (`<run>/accelerate.yaml`, written by `write_accelerate_config`).
 
     distributed:
-      gpus: 2                  # a count of this machine's GPUs, or which ones: [0, 2] (CUDA ids)
+      gpus: 2                  # a count of this machine's GPUs, or which ones: [0, 2] (nvidia-smi's numbers)
       strategy: auto           # auto (DDP when the plan fits one card, else FSDP) | ddp | fsdp | deepspeed_zero3
       fsdp_version: auto       # auto: FSDP2 for a 16-bit base, FSDP1 (the QLoRA recipe) for a 4-bit one
       cpu_offload: false       # fsdp / deepspeed_zero3: parameters, gradients and optimizer states in CPU RAM
@@ -47,6 +47,36 @@ def world_size(cfg: dict) -> int:
     return gpus_per_machine(cfg) * cfg["distributed"]["num_machines"]
 
 
+def gpu_ids(cfg: dict) -> list[int] | None:
+    """The GPUs the config names (`gpus: [1, 3]`), or None for a count (the first ones CUDA shows)."""
+    gpus = cfg["distributed"]["gpus"]
+    return list(gpus) if isinstance(gpus, list) else None
+
+
+def pin_gpus(cfg: dict, one_process: bool, environ=None) -> str | None:
+    """Make this process (and the processes it starts) train on the GPUs the config names, before CUDA starts.
+
+    GPU ids are nvidia-smi's: CUDA's own default order puts the fastest card first, so the engine asks for PCI bus
+    order (CUDA_DEVICE_ORDER=PCI_BUS_ID) unless the user chose an order. One process (a one-GPU run, or the smoke
+    test of any run) trains on exactly one card, the first the config names: with several cards visible the
+    Trainer would wrap it in nn.DataParallel (another batch, and memory the plan does not describe). The ranks of a
+    run on several processes get theirs from accelerate (gpu_ids in accelerate.yaml), as any accelerate launch
+    does. Returns the sentence the trainer prints when the config names a card, else None."""
+    env = os.environ if environ is None else environ
+    env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    if not one_process:
+        return None
+    ids, before = gpu_ids(cfg), env.get("CUDA_VISIBLE_DEVICES")
+    if ids is None:  # a count: the first card this process may see; an empty value hides them all (CPU)
+        visible = [v.strip() for v in (before if before is not None else "0").split(",") if v.strip()]
+        if visible:
+            env["CUDA_VISIBLE_DEVICES"] = visible[0]
+        return None
+    env["CUDA_VISIBLE_DEVICES"] = str(ids[0])
+    instead = f", in place of CUDA_VISIBLE_DEVICES={before}" if before not in (None, str(ids[0])) else ""
+    return f"GPU {ids[0]} (nvidia-smi's numbering: CUDA_VISIBLE_DEVICES={ids[0]}{instead})"
+
+
 def fsdp_version(cfg: dict) -> int:
     """The FSDP version the engine uses: FSDP1 for a 4-bit base (bitsandbytes#1945: FSDP2 corrupts or replicates
     4-bit weights), FSDP2 otherwise, unless the config names one."""
@@ -70,10 +100,10 @@ def field_problem(path: str, value) -> str | None:
     """The checks of the section's own values that a type and a range cannot say."""
     if path == "distributed.gpus":
         if isinstance(value, int) and not isinstance(value, bool):
-            return None if value >= 1 else "must be at least 1 (a count) or a list of CUDA ids such as [0, 1]"
+            return None if value >= 1 else "must be at least 1 (a count) or a list of GPU ids such as [0, 1]"
         ids = value if isinstance(value, list) else []
         if not ids or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-            return "must be a count (2) or a non-empty list of CUDA ids (whole numbers from 0) such as [0, 2]"
+            return "must be a count (2) or a non-empty list of GPU ids (nvidia-smi's numbers, from 0) such as [0, 2]"
         if len(set(ids)) != len(ids):
             return "lists a GPU twice: each id once, e.g. [0, 1]"
     if path == "distributed.fsdp_version" and value not in ("auto", 1, 2):

@@ -101,6 +101,12 @@ def make_trainer(
     core.measure."""
 
     args = training_args(cfg, run_dir, prec, smoke=smoke, has_eval=eval_ds is not None, report_to=report_to)
+    if args.n_gpu > 1:  # one process seeing several cards: the Trainer would wrap it in nn.DataParallel
+        raise TrainError(
+            f"this process sees {args.n_gpu} CUDA GPUs and would spread one process over all of them "
+            "(nn.DataParallel): CUDA started before the run could pick its card; start it with "
+            "CUDA_VISIBLE_DEVICES set to one GPU, or set distributed.gpus to train on several."
+        )
     kwargs = dict(
         model=model,
         args=args,
@@ -201,15 +207,18 @@ def run_training(
     if handed is not None:  # one rank of a run on several processes: its supervisor owns the folder
         return _run_rank(config_path, run_dir, handed, stop)
     if not smoke and machine_rank(config_path, machine) > 0:
-        return _run_machine(
-            checked_config(config_path, machine), config_path, run_dir, resume, stop, keep_lock
-        )
+        cfg = checked_config(config_path, machine)
+        distributed.pin_gpus(cfg, one_process=False)
+        return _run_machine(cfg, config_path, run_dir, resume, stop, keep_lock)
     rundir.check_run_dir(run_dir, resume)
     adopted = (
         procs.adopt_claim()
     )  # a launcher took the lock and handed it down: the folder is already the run's
     try:
         cfg = checked_config(config_path, machine)
+        pinned = distributed.pin_gpus(cfg, one_process=smoke or distributed.world_size(cfg) == 1)
+        if pinned and Device.local().kind == "cuda":  # asked only now: CUDA starts on the card just pinned
+            print(f"training on {pinned}", flush=True)
         start = check_resume(run_dir, cfg, config_path) if resume and not smoke else (None, [], None)
     except (ConfigError, rundir.RunRefused) as exc:
         if adopted is None:  # nothing was created or locked: say so and leave the folder as it was
@@ -252,12 +261,6 @@ def checked_config(config_path, machine: dict | None = None) -> dict:
     given = {k: v for k, v in (machine or {}).items() if v is not None}
     if given:
         cfg = validate_config({**cfg, "distributed": {**cfg["distributed"], **given}})
-    world, gpus = distributed.world_size(cfg), cfg["distributed"]["gpus"]
-    if world == 1 and isinstance(gpus, list) and gpus != [0]:
-        raise ConfigError(
-            f"distributed.gpus {gpus} picks a GPU, which the trainer does not apply yet (issue #22): set gpus: 1 "
-            f"and start it with CUDA_VISIBLE_DEVICES={gpus[0]}."
-        )
     problem = check_model_folder(cfg["model"]["path"])
     if problem:
         raise ConfigError(problem)
