@@ -340,6 +340,19 @@ def test_pinning_picks_one_card_for_one_process_and_leaves_ranks_to_accelerate()
     assert pinned({}, gpus=[1, 3], one_process=True)[0]["CUDA_VISIBLE_DEVICES"] == "1"
 
 
+def test_one_process_that_still_sees_several_cards_is_refused_mocked_gpu_driver(monkeypatch):
+    """CUDA started before the run could pin its card (an in-process caller): the Trainer would spread the one
+    process over every card (nn.DataParallel), so the run is refused with the way out."""
+    from core.train import trainer
+
+    prec = resolve(validate_config(minimal()), Device.of("cuda"))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(trainer.TrainError, match="sees 2 CUDA GPUs .* CUDA_VISIBLE_DEVICES"):
+        trainer._one_card(prec)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert trainer._one_card(prec) is None
+
+
 def test_the_plan_is_made_for_the_cards_the_config_names_mocked_gpu_driver():
     cards = (gpu.GpuInfo(0, "NVIDIA RTX 4090", 24 * 2**30), gpu.GpuInfo(1, "NVIDIA RTX A6000", 48 * 2**30))
     box = from_config.Card("cuda", 24.0, "the NVIDIA RTX 4090", 2, cards)

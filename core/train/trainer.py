@@ -101,12 +101,6 @@ def make_trainer(
     core.measure."""
 
     args = training_args(cfg, run_dir, prec, smoke=smoke, has_eval=eval_ds is not None, report_to=report_to)
-    if args.n_gpu > 1:  # one process seeing several cards: the Trainer would wrap it in nn.DataParallel
-        raise TrainError(
-            f"this process sees {args.n_gpu} CUDA GPUs and would spread one process over all of them "
-            "(nn.DataParallel): CUDA started before the run could pick its card; start it with "
-            "CUDA_VISIBLE_DEVICES set to one GPU, or set distributed.gpus to train on several."
-        )
     kwargs = dict(
         model=model,
         args=args,
@@ -535,6 +529,7 @@ def _train(
     callback = make_run_callback(
         run_dir, stop, smoke, prec.device.label, samples_per_step, identity=identity, config=cfg
     )
+    _one_card(prec)
     try:
         try:
             model = load_model(cfg, prec)
@@ -569,6 +564,22 @@ def _train(
             sampler.stop()
         callback.close()
     return trainer, callback, peak, seconds
+
+
+def _one_card(prec: Precision) -> None:
+    """A run on one process trains on one card. One that sees several (CUDA started in this process before
+    run_training could pin its card: distributed.pin_gpus) is refused: the Trainer would wrap it in nn.DataParallel
+    over all of them, with another batch and memory the plan does not describe."""
+    if ranks.spec() is not None or prec.device.kind != "cuda":
+        return
+    import torch
+
+    if torch.cuda.device_count() > 1:
+        raise TrainError(
+            f"this process sees {torch.cuda.device_count()} CUDA GPUs and would spread one process over all of "
+            "them (nn.DataParallel): CUDA started before the run could pick its card; start it with "
+            "CUDA_VISIBLE_DEVICES set to one GPU, or set distributed.gpus to train on several."
+        )
 
 
 def save_final(trainer, tokenizer, run_dir: Path, cfg: dict) -> Path:
