@@ -200,7 +200,7 @@ def test_several_gpus_give_a_verdict_per_gpu():
     at.selectbox(key="es_gpu").set_value("24 GiB")
     at.run()
     assert _verdict(at).startswith("**DOES NOT FIT**")
-    at.number_input(key="es_gpus").set_value(4)
+    at.text_input(key="es_gpus").set_value("4")
     at.selectbox(key="es_strategy").set_value("fsdp")
     at.run()
     assert not at.exception

@@ -309,7 +309,7 @@ def test_estimate_page_use_this_plan_hands_its_run_config_over():
     assert HANDOVER not in at.session_state  # viewing the landing Estimate page hands nothing over
     at.number_input(key="es_r").set_value(24).run()
     at.checkbox(key="es_4bit").check().run()
-    at.number_input(key="es_gpus").set_value(2).run()
+    at.text_input(key="es_gpus").set_value("2").run()
     at.selectbox(key="es_strategy").set_value("ddp").run()
     at.button(key="est_use_plan").click().run()
     assert not at.exception, at.exception
@@ -317,7 +317,7 @@ def test_estimate_page_use_this_plan_hands_its_run_config_over():
     assert handed == at.session_state["estimate_config"]  # the page's own run config, not a translation
     assert (handed["lora"]["r"], handed["quantization"]["load_in_4bit"]) == (24, True)
     assert at.number_input(key="tr_r").value == 24 and at.checkbox(key="tr_4bit").value  # on the Train page
-    assert at.number_input(key="tr_gpus").value == 2 and at.selectbox(key="tr_strategy").value == "ddp"
+    assert at.text_input(key="tr_gpus").value == "2" and at.selectbox(key="tr_strategy").value == "ddp"
     batch, accum = at.number_input(key="tr_batch").value, at.number_input(key="tr_accum").value
     assert any(
         f"each step trains {batch} × {accum} × 2 = {batch * accum * 2} rows" in c.value for c in at.caption
@@ -330,10 +330,34 @@ def test_a_run_on_two_gpus_is_written_with_its_distributed_section(workspace, ti
     at.session_state["train_config"] = tiny_config(tiny_llama, dataset)
     at.run()
     assert not any("each step trains" in c.value for c in at.caption)  # one GPU: nothing to say
-    at.number_input(key="tr_gpus").set_value(2).run()
+    at.text_input(key="tr_gpus").set_value("2").run()
     assert not at.exception, at.exception
     assert at.session_state["train_config"]["distributed"]["gpus"] == 2
     assert not [e.value for e in at.error]
+
+
+def test_the_gpus_a_loaded_config_names_survive_the_form_and_can_be_picked(workspace, tiny_llama, dataset):
+    """distributed.gpus [1, 3] (which cards, nvidia-smi's numbers) is shown and written back as ids, not turned
+    into a count; the field takes a count, ids, or one GPU alone ([1]); anything else is one sentence."""
+    cfg = tiny_config(tiny_llama, dataset)
+    cfg["distributed"] = {"gpus": [1, 3], "strategy": "ddp"}
+    at = AppTest.from_file(PAGE, default_timeout=180)
+    at.session_state["workspace"] = str(workspace)
+    at.session_state["train_config"] = cfg
+    at.run()
+    assert not at.exception, at.exception
+    assert at.text_input(key="tr_gpus").value == "[1, 3]"
+    assert at.session_state["train_config"]["distributed"]["gpus"] == [1, 3]
+    assert any("each step trains" in c.value and "× 2 =" in c.value for c in at.caption)
+    for typed, written in (("[1]", [1]), ("0, 2", [0, 2]), ("1", 1)):
+        at.text_input(key="tr_gpus").set_value(typed).run()
+        assert at.session_state["train_config"]["distributed"]["gpus"] == written, typed
+    at.text_input(key="tr_gpus").set_value("two").run()
+    assert not at.exception, at.exception
+    said = [e.value for e in at.error]
+    assert any("distributed.gpus) must be a count (2) or a non-empty list of GPU ids" in e for e in said), (
+        said
+    )
 
 
 def test_launch_into_a_workspace_that_cannot_be_created_is_one_sentence(tiny_llama, dataset):

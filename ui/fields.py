@@ -71,8 +71,9 @@ FIELDS = {
               help="training.packing (BFD): rows filled to max length"),
         Field("packing_strategy", "training.packing_strategy", "Packing strategy", "choice", "bfd",
               PACKING_STRATEGIES, flat_only=True, help="training.packing_strategy (with packing on)"),
-        Field("gpus", "distributed.gpus", "GPUs", "int", step=1,
-              help="distributed.gpus: how many GPUs of the box train this run (the verdict is per GPU)"),
+        Field("gpus", "distributed.gpus", "GPUs", "gpus",
+              help="distributed.gpus: how many GPUs of the box train this run (2), or which, as nvidia-smi numbers "
+              "them ([1, 3]; [1]: GPU 1 alone). One process per GPU; the verdict is per GPU"),
         Field("strategy", "distributed.strategy", "Multi-GPU strategy", "choice", choices=STRATEGIES,
               help="ddp: every GPU holds the whole model; fsdp / deepspeed_zero3: weights, gradients and optimizer "
               "states split over the GPUs (activations are not); auto: DDP when one card fits, else FSDP"),
@@ -118,10 +119,10 @@ def _get(cfg: dict, f: Field):
 
 
 def widget_value(f: Field, value):
-    """A config value as the widget holds it: targets as text, paths as text, floats as floats, a list of GPU ids
-    as their count."""
-    if f.kind == "int" and isinstance(value, list):
-        value = len(value)
+    """A config value as the widget holds it: targets as text, paths as text, floats as floats, GPUs as the YAML
+    says them (2, or [1, 3])."""
+    if f.kind == "gpus":
+        value = f"[{', '.join(str(i) for i in value)}]" if isinstance(value, list) else str(value)
     if f.as_list and isinstance(value, list):
         value = value[0] if value else None
     if f.kind == "targets" and isinstance(value, list):
@@ -143,11 +144,31 @@ def config_value(f: Field, value):
             value = [m.strip() for m in value.split(",") if m.strip()] or value
     if f.kind == "path":
         value = (value or "").strip() or None
+    if f.kind == "gpus":
+        value = gpus_value(value)
     if f.name in WHOLE_WHEN_WHOLE and isinstance(value, float) and value >= 1 and value.is_integer():
         value = int(value)  # whole numbers read as such in the YAML (warmup >= 1 counts steps)
     if f.as_list:
         value = [value] if value else None
     return value
+
+
+def gpus_value(text):
+    """The GPUs field's text as distributed.gpus: "2" a count, "[1, 3]" or "1, 3" ids; anything else is kept as
+    typed, for the config check to name."""
+    text = str(text if text is not None else "").strip()
+    listed = text.startswith("[") and text.endswith("]")
+    parts = [p.strip() for p in (text[1:-1] if listed else text).split(",")]
+    if not all(p.isdigit() for p in parts):
+        return text
+    numbers = [int(p) for p in parts]
+    return numbers if listed or len(numbers) > 1 else numbers[0]
+
+
+def gpu_count(text) -> int | None:
+    """How many processes the GPUs field's text asks for (None where it is not a count or ids yet)."""
+    value = gpus_value(text)
+    return len(value) if isinstance(value, list) else value if isinstance(value, int) else None
 
 
 def fill(prefix: str, cfg: dict, names, method) -> list[str]:

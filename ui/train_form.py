@@ -250,8 +250,8 @@ def _training_fields(method) -> None:
     fields.row(P, ("ckpt", "logging", "save", "eval_samples"))
     fields.method_row(P, method)
     fields.row(P, ("gpus", "strategy", "cpu_offload"))
-    gpus = st.session_state.get(P + "gpus")
-    if isinstance(gpus, int) and gpus > 1:
+    gpus = fields.gpu_count(st.session_state.get(P + "gpus"))
+    if gpus is not None and gpus > 1:
         batch, accum = st.session_state.get(P + "batch"), st.session_state.get(P + "accum")
         if isinstance(batch, int) and isinstance(accum, int):
             st.caption(

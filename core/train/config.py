@@ -247,6 +247,8 @@ def field_errors(raw: Any, here: bool = True) -> tuple[dict, dict[str, str]]:
                 errors[path] = f"{path}: unknown key.{_suggest(top, str(key))}"
                 continue
             value, problem = _check_value(path, value, fields[key])
+            if problem and top == "distributed":  # its own words for a wrong type: what the key takes
+                problem = distributed.field_problem(path, value) or problem
             problem = problem or (
                 None if value is None else _check_range(path, value) or _special_checks(path, value)
             )
