@@ -539,3 +539,51 @@ def test_sample_answers_at_each_eval_is_a_field_and_off_stays_out_of_the_yaml(wo
     assert "eval_samples" not in at.session_state["train_config"]["training"]
     at.number_input(key="tr_eval_samples").set_value(3).run()
     assert not at.exception and at.session_state["train_config"]["training"]["eval_samples"] == 3
+
+
+class BusyNvml:
+    """Stands in for the GPU driver (this box has none): two 24 GiB cards, GPU 1 nearly full with another
+    process's memory (a notebook kernel, another run)."""
+
+    GiB = 2**30
+
+    def init(self):
+        return None
+
+    def devices(self):
+        from core.monitor.gpu import GpuInfo
+
+        return [GpuInfo(i, "NVIDIA RTX 4090", 24 * self.GiB) for i in (0, 1)]
+
+    def read(self, index):
+        held = int(23.5 * self.GiB) if index == 1 else 0
+        return {
+            "memory_used": held + int(0.3 * self.GiB),
+            "memory_total": 24 * self.GiB,
+            "processes": [{"pid": 4242, "memory": held}] if held else [],
+        }
+
+
+def test_a_gpu_another_process_holds_is_named_before_launch_mocked_gpu_driver(
+    workspace, tiny_llama, dataset, monkeypatch
+):
+    from core.estimate import from_config
+    from core.monitor import gpu
+
+    monkeypatch.setattr(gpu, "NvmlSource", BusyNvml)
+    cards = tuple(BusyNvml().devices())
+    monkeypatch.setattr(
+        from_config, "local_card", lambda: from_config.Card("cuda", 24.0, "the RTX 4090", 2, cards)
+    )
+    cfg = tiny_config(tiny_llama, dataset)
+    cfg["distributed"] = {"gpus": [1]}
+    at = AppTest.from_file(PAGE, default_timeout=180)
+    at.session_state["workspace"] = str(workspace)
+    at.session_state["train_config"] = cfg
+    at.run()
+    assert not at.exception, at.exception
+    busy = [w.value for w in at.warning if w.value.startswith("GPU 1 already has")]
+    assert len(busy) == 1 and "23.8 of 24 GiB in use (pid 4242: 23.5 GiB)" in busy[0], busy
+    assert "0.2 GiB left; end that process, or pick another GPU" in busy[0]
+    at.text_input(key="tr_gpus").set_value("[0]").run()  # the free card: nothing to say
+    assert not [w.value for w in at.warning if "already has" in w.value]

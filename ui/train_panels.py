@@ -68,6 +68,9 @@ def verdict_panel(cfg: dict) -> None:
         f"{est.gpu_bytes / GiB:.0f} GiB ({est.fraction:.0%}); tensor peak {mem(est.tensor_peak_bytes)} "
         f"in the {est.peak_phase} phase."
     )
+    if card.device == "cuda":
+        for busy in from_config.busy_gpus(cfg, est.device_total_bytes):
+            st.warning(busy)
     estimate_card = (st.session_state.get("plan") or {}).get("gpu_gb")
     if estimate_card and abs(float(estimate_card) - card.gpu_gb) > 0.5:
         st.caption(

@@ -13,7 +13,7 @@ from typing import Any
 
 from core.estimate.bill import estimate
 from core.estimate.plan import Plan, PlanError
-from core.monitor.gpu import detect_gpus
+from core.monitor import gpu
 from core.precision import SHORT, Device, resolve
 from core.train import distributed, methods
 from core.train.config import checkpointing, default_config, validate_config
@@ -154,7 +154,7 @@ def local_card() -> Card:
     """This machine's card as the trainer will see it. NVML finds a GPU cheaply; torch then confirms that it can
     use it (a CPU build of torch on a GPU box trains on the CPU, and so must its plan)."""
 
-    gpus, _ = detect_gpus()
+    gpus, _ = gpu.detect_gpus()
     if gpus and gpus[0].memory_total:
         import torch
 
@@ -178,6 +178,27 @@ def card_for(cfg: dict) -> Card:
     if problem:
         raise PlanError(problem)
     return card.of(cfg)
+
+
+def busy_gpus(cfg: dict, need_bytes: int) -> list[str]:
+    """A sentence for each GPU of this machine that a run of `cfg` will use whose memory other processes already
+    hold so much of that the plan's per-GPU total (`need_bytes`) does not fit in what is left (a notebook kernel or
+    another run: the most common out-of-memory at start)."""
+    ids = distributed.gpu_ids(cfg) or list(range(distributed.gpus_per_machine(cfg)))
+    out = []
+    for s in gpu.in_use(ids):
+        if s.memory_used is None or not s.memory_total or need_bytes <= s.memory_total - s.memory_used:
+            continue
+        holders = [p for p in s.other_processes if p.get("memory")]
+        held = ", ".join(f"pid {p['pid']}: {p['memory'] / 2**30:.1f} GiB" for p in holders[:3])
+        out.append(
+            f"GPU {s.index} already has {s.memory_used / 2**30:.1f} of {s.memory_total / 2**30:.0f} GiB in use"
+            + (f" ({held})" if held else "")
+            + f": the plan's {need_bytes / 2**30:.1f} GiB per GPU does not fit in the "
+            f"{max(0, s.memory_total - s.memory_used) / 2**30:.1f} GiB left; end that process, or pick another "
+            "GPU (distributed.gpus, e.g. [1])."
+        )
+    return out
 
 
 def gpu_problem(cfg: dict, card: Card) -> str | None:

@@ -204,6 +204,16 @@ def take_samples(source: GpuSource, devices: list[GpuInfo], watch_pid: int | Non
     return out
 
 
+def in_use(indices=None, source: GpuSource | None = None) -> list[GpuSample]:
+    """One reading of the machine's GPUs (those `indices` names, nvidia-smi's numbers) as a run about to start
+    finds them: every process on them is another's. [] without NVML."""
+    source = source or NvmlSource()
+    devices, reason = detect_gpus(source)
+    if reason:
+        return []
+    return take_samples(source, [d for d in devices if indices is None or d.index in indices])
+
+
 class GpuSampler:
     """Appends one JSON line per GPU per interval to `path` from a daemon thread.
 
