@@ -11,10 +11,12 @@ of percent with other people's jobs, while CPU time counts only the work this pr
 checked on tokens per CPU-second and the wall-clock ratio is printed next to it. Enough steps make the fixed
 start-up cost of train() (optimizer, dataloader) small and equal on both sides; medians of per-pair ratios.
 
-    python benchmarks/monitor_overhead.py [--steps 300] [--pairs 5] [--samples N]
+    python benchmarks/monitor_overhead.py [--steps 300] [--pairs 5] [--samples N] [--control]
 
 With --samples N both sides hold rows out and evaluate, and core.train also generates greedy answers to N held-out
 prompts at each evaluation (training.eval_samples, issue 24): the ratio is then the cost of the samples, printed.
+With --control both sides are the plain one (an A/A run): the spread of its ratios is this machine's noise, what a
+headline within it cannot resolve.
 """
 
 from __future__ import annotations
@@ -209,6 +211,9 @@ def main() -> int:
         default=0,
         help="training.eval_samples on core.train's side (both sides evaluate every 25 steps): its cost, printed",
     )
+    parser.add_argument(
+        "--control", action="store_true", help="plain SFTTrainer on both sides: the machine's noise, printed"
+    )
     args = parser.parse_args()
 
     import datasets
@@ -232,11 +237,15 @@ def main() -> int:
             run_config(model, data, SKIP + 10, args.seq), -1, root
         )  # warm-up: first-run costs (lazy imports, caches)
         wall_ratios, cpu_ratios, callback_shares = [], [], []
+        first = "plain (A/A)" if args.control else "core.train"
         for i in range(args.pairs):
             order = ("core", "plain") if i % 2 == 0 else ("plain", "core")
             tps, trained = {}, {}
             for side in order:
-                if side == "core":
+                if side == "core" and args.control:  # the A/A run: the plain side in core.train's slot
+                    tps[side], trained[side] = run_plain(cfg, 100 + i, root)
+                    callback_shares.append(0.0)
+                elif side == "core":
                     tps[side], trained[side], share = run_core(cfg_path, root, i)
                     callback_shares.append(share)
                 else:
@@ -255,8 +264,8 @@ def main() -> int:
             wall_ratios.append(tps["core"][0] / tps["plain"][0])
             cpu_ratios.append(tps["core"][1] / tps["plain"][1])
             print(
-                f"pair {i + 1}: wall tok/s core.train {tps['core'][0]:.0f} vs plain {tps['plain'][0]:.0f} "
-                f"(ratio {wall_ratios[-1]:.4f}); per CPU-second core.train {tps['core'][1]:.0f} vs plain "
+                f"pair {i + 1}: wall tok/s {first} {tps['core'][0]:.0f} vs plain {tps['plain'][0]:.0f} "
+                f"(ratio {wall_ratios[-1]:.4f}); per CPU-second {first} {tps['core'][1]:.0f} vs plain "
                 f"{tps['plain'][1]:.0f} (ratio {cpu_ratios[-1]:.4f}); core.train's callbacks "
                 f"{100 * callback_shares[-1]:.3f}% of its CPU time",
                 flush=True,
@@ -268,6 +277,12 @@ def main() -> int:
         f"core.train's own callbacks (metrics, status, stop/NaN checks): median "
         f"{100 * statistics.median(callback_shares):.3f}% of its training CPU time"
     )
+    if args.control:
+        print(
+            f"monitor_overhead control (plain SFTTrainer / itself): median {ratio:.4f}, per-pair range "
+            f"{min(cpu_ratios):.4f} - {max(cpu_ratios):.4f} (this machine's noise; no goal)"
+        )
+        return 0
     if args.samples:  # the cost of the samples is printed, not held to the goal (it is generation, by design)
         print(
             f"monitor_overhead with eval_samples {args.samples} (both sides evaluating every 25 steps), tokens per "
