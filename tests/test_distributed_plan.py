@@ -178,3 +178,51 @@ def test_published_benchmark_plans_every_point_and_says_why_it_misses(tmp_path, 
     )
     for r in rows:  # a point planned more than the median goal away from its published figure says why
         assert abs(r["error"]) <= bench.GOAL_MEDIAN or r["why"], r["point"]
+
+
+class BusyNvml:
+    """Stands in for the GPU driver (this box has none): two 24 GiB cards, GPU 1 nearly full with pid 4242's
+    memory."""
+
+    def init(self):
+        return None
+
+    def devices(self):
+        from core.monitor.gpu import GpuInfo
+
+        return [GpuInfo(i, "NVIDIA RTX 4090", 24 * 2**30) for i in (0, 1)]
+
+    def read(self, index):
+        held = int(23.5 * 2**30) if index == 1 else 0
+        return {
+            "memory_used": held + 2**28,
+            "memory_total": 24 * 2**30,
+            "processes": [{"pid": 4242, "memory": held}],
+        }
+
+
+def test_cli_names_a_gpu_of_this_machine_another_process_fills_mocked_gpu_driver(
+    tmp_path, capsys, monkeypatch
+):
+    from core.monitor import gpu
+
+    monkeypatch.setattr(gpu, "NvmlSource", BusyNvml)
+    cards = tuple(BusyNvml().devices())
+    monkeypatch.setattr(
+        from_config, "local_card", lambda: from_config.Card("cuda", 24.0, "the RTX 4090", 2, cards)
+    )
+    path = tmp_path / "run.yaml"
+    text = (
+        "model: {path: meta-llama/Llama-2-7b-hf}\nquantization: {load_in_4bit: true}\ndata: {path: d.jsonl}\n"
+    )
+    path.write_text(text + "distributed: {gpus: [1]}\n")
+    assert cli.main(["--config", str(path)]) == 0
+    err = capsys.readouterr().err
+    assert "warning: GPU 1 already has 23.8 of 24 GiB in use (pid 4242: 23.5 GiB)" in err, err
+    assert (
+        cli.main(["--config", str(path), "--gpu-gb", "24"]) == 0
+    )  # another card planned: this one is not read
+    assert "already has" not in capsys.readouterr().err
+    path.write_text(text + "distributed: {gpus: [0]}\n")
+    assert cli.main(["--config", str(path)]) == 0
+    assert "already has" not in capsys.readouterr().err

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from core.estimate.bill import OUTSIDE_TORCH, estimate, estimate_for_lengths
 from core.estimate.fit import fit_search
-from core.estimate.from_config import card_for, plan_for_config
+from core.estimate.from_config import busy_gpus, card_for, plan_for_config
 from core.estimate.levers import lever_savings, modelled_note, what_would_fit, with_every_lever
 from core.estimate.plan import Estimate, GiB, Plan, PlanError
 from core.estimate.specs import SpecError, preset_ids
@@ -237,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         cfg = _load_run_config(args.config) if args.config else None
+        here = cfg is not None and args.gpu_gb is None  # planned on this machine's own card(s)
         plan = _plan_from_config(cfg, args) if cfg else Plan.from_dict(values)
         est = estimate(plan)
         data_batch = _data_batch(cfg, plan) if args.data_lengths else None
@@ -247,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for w in est.warnings:
         print(f"warning: {w}", file=sys.stderr)
+    for busy in busy_gpus(cfg, est.device_total_bytes) if here and plan.device == "cuda" else ():
+        print(f"warning: {busy}", file=sys.stderr)
     note = modelled_note(plan)
     every = with_every_lever(plan)
     fit_every = fit_search(every) if every != plan else fit
