@@ -17,6 +17,7 @@ from core.estimate.levers import what_would_fit
 from core.estimate.plan import Plan, PlanError
 from core.estimate.shard_terms import DIVIDED, NCCL_CONTEXT_BYTES
 from core.train.config import validate_config
+from tests.fake_gpu import BusyNvml
 
 QLORA_7B = Plan(model="meta-llama/Llama-2-7b-hf", method="qlora", batch_size=2, seq_len=1024)
 NOT_DIVIDED = ("activations", "logits_loss", "lm_head_loss", "autocast_weight_copies")
@@ -178,27 +179,6 @@ def test_published_benchmark_plans_every_point_and_says_why_it_misses(tmp_path, 
     )
     for r in rows:  # a point planned more than the median goal away from its published figure says why
         assert abs(r["error"]) <= bench.GOAL_MEDIAN or r["why"], r["point"]
-
-
-class BusyNvml:
-    """Stands in for the GPU driver (this box has none): two 24 GiB cards, GPU 1 nearly full with pid 4242's
-    memory."""
-
-    def init(self):
-        return None
-
-    def devices(self):
-        from core.monitor.gpu import GpuInfo
-
-        return [GpuInfo(i, "NVIDIA RTX 4090", 24 * 2**30) for i in (0, 1)]
-
-    def read(self, index):
-        held = int(23.5 * 2**30) if index == 1 else 0
-        return {
-            "memory_used": held + 2**28,
-            "memory_total": 24 * 2**30,
-            "processes": [{"pid": 4242, "memory": held}],
-        }
 
 
 def test_cli_names_a_gpu_of_this_machine_another_process_fills_mocked_gpu_driver(

@@ -9,6 +9,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from core.train.config import default_config
+from tests.fake_gpu import BusyNvml
 
 PAGE = str(Path(__file__).resolve().parent.parent / "pages" / "train.py")
 
@@ -539,29 +540,6 @@ def test_sample_answers_at_each_eval_is_a_field_and_off_stays_out_of_the_yaml(wo
     assert "eval_samples" not in at.session_state["train_config"]["training"]
     at.number_input(key="tr_eval_samples").set_value(3).run()
     assert not at.exception and at.session_state["train_config"]["training"]["eval_samples"] == 3
-
-
-class BusyNvml:
-    """Stands in for the GPU driver (this box has none): two 24 GiB cards, GPU 1 nearly full with another
-    process's memory (a notebook kernel, another run)."""
-
-    GiB = 2**30
-
-    def init(self):
-        return None
-
-    def devices(self):
-        from core.monitor.gpu import GpuInfo
-
-        return [GpuInfo(i, "NVIDIA RTX 4090", 24 * self.GiB) for i in (0, 1)]
-
-    def read(self, index):
-        held = int(23.5 * self.GiB) if index == 1 else 0
-        return {
-            "memory_used": held + int(0.3 * self.GiB),
-            "memory_total": 24 * self.GiB,
-            "processes": [{"pid": 4242, "memory": held}] if held else [],
-        }
 
 
 def test_a_gpu_another_process_holds_is_named_before_launch_mocked_gpu_driver(
