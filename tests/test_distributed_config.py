@@ -397,3 +397,7 @@ def test_the_launch_lines_parse_as_accelerate_and_torchrun_read_them(tiny_llama,
     targs = get_args_parser().parse_args(cpu[3:])
     assert (targs.nproc_per_node, targs.nnodes, targs.node_rank) == ("2", "2", 1)
     assert (targs.master_addr, targs.master_port, targs.module) == ("10.0.0.1", 29500, True)
+    # one machine and no port named: torchrun takes a free port (two runs of one box at once)
+    cfg["distributed"].update(num_machines=1, machine_rank=0, main_process_ip=None)
+    targs = get_args_parser().parse_args(ranks.launch_argv(cfg, run / "config.yaml", run, on_cuda=False)[3:])
+    assert targs.standalone and (targs.nproc_per_node, targs.nnodes) == ("2", "1:1")

@@ -3,6 +3,7 @@ supervisor starts it on a machine without CUDA), launched, stopped, resumed and 
 
 Real trainers on the tiny model, real subprocesses and files; nothing is timed (timeouts are generous)."""
 
+import contextlib
 import json
 import os
 import signal
@@ -71,7 +72,8 @@ def test_two_processes_train_as_one_at_the_same_global_batch(workspace, tiny_lla
     """Same loss curve as one process at the same global batch (2 x 2 rows against 1 x 4), metrics written once
     (by rank 0, with rank 1's memory), each rank's output kept, one adapter."""
     runs = {"one": one_process, "two": workspace / "runs" / "two"}
-    out = train(_config(workspace, tiny_llama, 2, 2, max_steps=8, logging_steps=1), runs["two"])
+    with _port_taken(29500):  # another run of this box holds the default port: this one finds a free one
+        out = train(_config(workspace, tiny_llama, 2, 2, max_steps=8, logging_steps=1), runs["two"])
     assert out.returncode == 0, out.stderr[-3000:]
     one, two = (_metrics(runs[n]) for n in ("one", "two"))
     _same_curve(one_process, runs["two"])
@@ -89,6 +91,18 @@ def test_two_processes_train_as_one_at_the_same_global_batch(workspace, tiny_lla
     cpu = RunWatcher(runs["two"]).refresh().charts["cpu_memory"]
     assert set(cpu["series"]) == {"rank 0 (RSS)", "rank 1 (RSS)"} and (cpu["value"] > 0).all()
     assert set(RunWatcher(runs["one"]).refresh().charts["cpu_memory"]["series"]) == {"training process (RSS)"}
+
+
+@contextlib.contextmanager
+def _port_taken(port: int):
+    """Listen on `port` of 127.0.0.1 meanwhile (if something else already does, it is taken all the same)."""
+    import socket
+
+    with socket.socket() as sock:
+        with contextlib.suppress(OSError):
+            sock.bind(("127.0.0.1", port))
+            sock.listen()
+        yield
 
 
 def _free_port() -> int:

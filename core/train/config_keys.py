@@ -119,7 +119,7 @@ DEFAULTS: dict[str, Any] = {
         "num_machines": 1,
         "machine_rank": 0,  # this machine's rank (0: the main one)
         "main_process_ip": None,  # the main machine's address (needed with num_machines > 1)
-        "main_process_port": None,  # None: accelerate's default (29500)
+        "main_process_port": None,  # None: 29500 between machines; a free one on one machine
     },
 }
 

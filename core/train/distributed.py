@@ -9,7 +9,7 @@ accelerate config the engine launches them with (`<run>/accelerate.yaml`, writte
       num_machines: 1          # several machines: the same config on each, with its own machine_rank
       machine_rank: 0
       main_process_ip: null    # the main machine's address (needed with num_machines > 1)
-      main_process_port: null  # null: accelerate's default (29500)
+      main_process_port: null  # null: 29500 between machines; a free one on one machine
 
 accelerate is the only engine (TRL, PEFT's docs, LLaMA-Factory's FSDP path and axolotl all launch through it);
 the four configs follow shared/design/multi-gpu.md section 3. The known-bad combinations are refused here, each
