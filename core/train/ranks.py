@@ -169,7 +169,12 @@ def launch_argv(
     if on_cuda:
         conf = Path(home or run_dir) / distributed.ACCELERATE_FILE
         return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(conf), *train]
-    argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={distributed.gpus_per_machine(cfg)}"]
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={distributed.gpus_per_machine(cfg)}",
+    ]
     if d["num_machines"] == 1 and d["main_process_port"] is None:
         # torchrun finds a free port itself: two runs of this box at once do not meet on 29500 (accelerate does
         # the same on GPUs when that port is taken)
