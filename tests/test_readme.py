@@ -16,4 +16,4 @@ def test_readme_troubleshooting_is_generated_from_the_diagnosis_rules():
 def test_readme_shows_the_two_setup_commands():
     lines = (REPO / "README.md").read_text().splitlines()
     assert "pip install -r requirements.txt && streamlit run dashboard.py" in lines
-    assert "pip install -r requirements.txt && pytest" in lines
+    assert "pip install -r requirements.txt && pytest -n 2" in lines
