@@ -20,6 +20,7 @@ from core.runs import rundir
 from core.runs.launcher import RunError, create_run, launch, run_state, stop_run, wait_for
 from core.train import ranks
 from core.train.config import validate_config
+from tests.browser import free_port
 from tests.cli import train
 
 pytestmark = pytest.mark.slow
@@ -105,14 +106,6 @@ def _port_taken(port: int):
         yield
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 SRUN = """#!/bin/bash
 # srun on one box: the job's one task a node, on two "nodes" at once
 while [[ "$1" == --* ]]; do shift; done
@@ -135,7 +128,7 @@ def test_two_machines_on_one_box_train_one_run_from_the_exported_slurm_script(
     from tests.cli import runs as runs_cli
 
     cfg = _config(workspace, tiny_llama, 1, 2, max_steps=8, logging_steps=1)
-    cfg["distributed"].update(num_machines=2, main_process_ip="127.0.0.1", main_process_port=_free_port())
+    cfg["distributed"].update(num_machines=2, main_process_ip="127.0.0.1", main_process_port=free_port())
     run_dir = create_run(workspace, "nodes", cfg)
     out = runs_cli(workspace, "export", "nodes", "--slurm")
     assert out.returncode == 0, out.stderr
