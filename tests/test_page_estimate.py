@@ -200,6 +200,7 @@ def test_several_gpus_give_a_verdict_per_gpu():
     at.selectbox(key="es_gpu").set_value("24 GiB")
     at.run()
     assert _verdict(at).startswith("**DOES NOT FIT**")
+    assert not [w for w in at.warning if "Per-GPU figures" in w.value]
     at.text_input(key="es_gpus").set_value("4")
     at.selectbox(key="es_strategy").set_value("fsdp")
     at.run()
@@ -207,3 +208,5 @@ def test_several_gpus_give_a_verdict_per_gpu():
     verdict = _verdict(at)
     assert verdict.startswith("**FITS**") and "per GPU (4 GPUs, fsdp)" in verdict, verdict
     assert at.session_state["estimate_config"]["distributed"]["gpus"] == 4
+    # the per-GPU model is checked against published figures only: the page says how far to trust it
+    assert [w for w in at.warning if w.value.startswith("Per-GPU figures are checked against published")]
