@@ -1,6 +1,10 @@
 """One rank of tests/test_distributed_sharding.py, started by torchrun on gloo (CPU): a tiny Llama with a PEFT LoRA
 adapter wrapped by raw torch FSDP2 (per decoder layer, as accelerate's TRANSFORMER_BASED_WRAP does), FSDP1 (PEFT's
 wrap policy, use_orig_params=False: the QLoRA recipe) or DDP; one step; this rank's bytes of each term as JSON.
+Mode qlora-fsdp1: the same FSDP1 wrap of the model loaded in 4 bits by transformers as the product loads it
+(bitsandbytes NF4, double quantization, quant storage = the compute dtype, device_map = this rank's device, under
+the environment accelerate's FSDP launch sets), with this rank's bytes right after loading and its quantization
+constants.
 
     torchrun --standalone --nproc-per-node 2 tests/fsdp_shard_worker.py CONFIG_DIR MODE OUT_DIR
 """
@@ -21,12 +25,50 @@ def local(t) -> int:
     return t.numel() * t.element_size()
 
 
+def quant_constants(model) -> int:
+    """Bytes of the bitsandbytes QuantStates this rank holds (absmax, code book, the nested ones), each once."""
+    held = {}
+    for module in model.modules():
+        for qs in (
+            getattr(module, "quant_state", None),
+            getattr(getattr(module, "weight", None), "quant_state", None),
+        ):
+            if qs is None:
+                continue
+            nested = [qs.state2.absmax, qs.state2.code, qs.offset] if qs.nested else []
+            for t in [qs.absmax, qs.code, *nested]:
+                held[t.untyped_storage().data_ptr()] = t.numel() * t.element_size()
+    return sum(held.values())
+
+
+def load_4bit(model_dir: str):
+    """The model as core.train.trainer.load_model loads it for a QLoRA run on several processes."""
+    from transformers import BitsAndBytesConfig
+
+    quant = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.float32,
+        bnb_4bit_quant_storage=torch.float32,
+    )
+    return AutoModelForCausalLM.from_pretrained(
+        model_dir, quantization_config=quant, dtype=torch.float32, device_map={"": "cpu"}
+    )
+
+
 def main(model_dir: str, mode: str, out_dir: str) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    # the config only (the planner reads the same folder); the same seed gives every rank the same weights
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32)
+    loaded = {}
+    if mode == "qlora-fsdp1":
+        model = load_4bit(model_dir)
+        real = [p for p in model.parameters() if not p.is_meta]
+        loaded = {"loaded": sum(local(p) for p in real) + quant_constants(model)}
+    else:
+        # the config only (the planner reads the same folder); the same seed gives every rank the same weights
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32)
     model = get_peft_model(
         model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear")
     )
@@ -38,7 +80,7 @@ def main(model_dir: str, mode: str, out_dir: str) -> None:
         for layer in model.base_model.model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-    elif mode == "fsdp1":
+    elif mode in ("fsdp1", "qlora-fsdp1"):
         from peft.utils.other import fsdp_auto_wrap_policy
         from torch.distributed.fsdp import FullyShardedDataParallel
 
@@ -64,6 +106,8 @@ def main(model_dir: str, mode: str, out_dir: str) -> None:
         "trainable": sum(local(p) for p in params if p.requires_grad),
         "gradients": grads,
         "optimizer_states": states,
+        "quant_constants": quant_constants(model),
+        **loaded,
     }
     Path(out_dir, f"{mode}-{rank}.json").write_text(json.dumps(out))
     dist.barrier()  # both ranks leave together: a rank left alone in teardown can wait on gloo forever

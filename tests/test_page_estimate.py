@@ -205,6 +205,11 @@ def test_several_gpus_give_a_verdict_per_gpu():
     at.selectbox(key="es_strategy").set_value("fsdp")
     at.run()
     assert not at.exception
+    # every GPU first loads the whole 4-bit model (34 GiB): FSDP divides the step, not that moment
+    assert _verdict(at).startswith("**DOES NOT FIT**")
+    assert [w for w in at.warning if w.value.startswith("Every GPU first loads the whole 4-bit model")]
+    at.selectbox(key="es_gpu").set_value("48 GiB")
+    at.run()
     verdict = _verdict(at)
     assert verdict.startswith("**FITS**") and "per GPU (4 GPUs, fsdp)" in verdict, verdict
     assert at.session_state["estimate_config"]["distributed"]["gpus"] == 4

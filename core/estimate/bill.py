@@ -46,7 +46,7 @@ from core.estimate.plan import (
     largest_batch_tokens,
     validate,
 )
-from core.estimate.shard_terms import ACCURACY_NOTE, DISTRIBUTED_COMPONENTS, Sharding, apply, shard
+from core.estimate.shard_terms import ACCURACY_NOTE, DISTRIBUTED_COMPONENTS, LOAD_NOTE, Sharding, apply, shard
 from core.estimate.specs import ModelSpec, load_spec, lora_targets, normalize_targets
 from core.estimate.static_terms import (
     optimizer_state_bytes,
@@ -55,6 +55,7 @@ from core.estimate.static_terms import (
     trainable_tensors,
     weight_bytes,
 )
+from core.fmt import gib
 from core.train import methods
 
 
@@ -330,19 +331,41 @@ def _bill(
     when `sharding` spreads the plan over several)."""
     plan, spec = t.plan, t.spec
     phases = {name: sum(c.values()) for name, c in phase_components.items()}
-    peak_phase = max(phases, key=phases.get)
-    tensor_peak = phases[peak_phase]
-    if plan.device == "cpu":
-        allocator = context = 0
-    else:
+    context = 0 if plan.device == "cpu" else CUDA_CONTEXT_BYTES
+    nccl = sharding.nccl if sharding else 0
+
+    def allocator_of(phase: str) -> int:
+        if plan.device == "cpu":
+            return 0
         share = FRAGMENTATION_EXPANDABLE if plan.expandable_segments else FRAGMENTATION
         # the load moment's weights are allocated once and kept (nothing comes and goes): no fragmentation share
-        held = tensor_peak if peak_phase == "load" else sum(t.static.values())
-        allocator = int(share * max(0, tensor_peak - held))
-        context = CUDA_CONTEXT_BYTES
-    nccl = sharding.nccl if sharding else 0
+        held = phases[phase] if phase == "load" else sum(t.static.values())
+        return int(share * max(0, phases[phase] - held))
+
+    peak_phase = max(phases, key=phases.get)
+    tensor_peak = phases[peak_phase]
+    allocator = allocator_of(peak_phase)
     reserved = tensor_peak + allocator
     device_total = reserved + context + nccl + t.opt_paged
+    record = sharding.record() if sharding else None
+    if sharding:
+        # the step alone, without the load moment: what the card holds once training runs
+        step = max((p for p in phases if p != "load"), key=phases.get)
+        step_reserved = phases[step] + allocator_of(step)
+        record.update(
+            step_tensor_peak_bytes=int(phases[step]),
+            step_reserved_peak_bytes=int(step_reserved),
+            step_device_total_bytes=int(step_reserved + context + nccl + t.opt_paged),
+        )
+        if peak_phase == "load":
+            names = {"fsdp": "FSDP", "deepspeed_zero3": "ZeRO-3"}
+            warnings = warnings + [
+                LOAD_NOTE.format(
+                    load=gib(device_total),
+                    strategy=names[sharding.strategy],
+                    step=gib(record["step_device_total_bytes"]),
+                )
+            ]
     order = COMPONENT_ORDER + (DISTRIBUTED_COMPONENTS if sharding else ())
     components = dict.fromkeys(order, 0)
     components.update(phase_components[peak_phase])
@@ -376,7 +399,7 @@ def _bill(
         batch_rows=t.batch,
         batch_length=plan.seq_len,
         warnings=warnings,
-        distributed=sharding.record() if sharding else None,
+        distributed=record,
     )
 
 

@@ -3,8 +3,10 @@ strategy divides by the number of processes N, what it adds, and the load-time p
 
 - DDP replicates everything; its gradient buckets are a second copy of the trainable gradients (accelerate's
   DistributedDataParallel keeps gradient_as_bucket_view off), alive for the whole run.
-- FSDP full shard (FSDP1 and FSDP2) and DeepSpeed ZeRO-3 divide the frozen weights, the quantization constants,
-  the LoRA parameters, their gradients, the optimizer states and the optimizer step's scratch by N. In forward and
+- FSDP full shard (FSDP1 and FSDP2) and DeepSpeed ZeRO-3 divide the frozen weights, the LoRA parameters, their
+  gradients, the optimizer states and the optimizer step's scratch by N -- not the 4-bit quantization constants:
+  bitsandbytes keeps them in each weight's QuantState, not a parameter, so no strategy shards or offloads them and
+  every rank holds them whole (tests/test_distributed_sharding.py measures it on FSDP1). In forward and
   backward they hold gathered (unsharded) units next to the shards: the current decoder layer and the prefetched
   one (FSDP2 keeps two all-gather outputs alive, pytorch PR #128884; FSDP1's limit_all_gathers allows two;
   ZeRO-3 prefetches the next layer), and the root unit -- embeddings, lm_head, final norm: FSDP does not reshard
@@ -12,9 +14,12 @@ strategy divides by the number of processes N, what it adds, and the load-time p
   unsharded until their reduce-scatter (the communication buffer).
 - Activations, logits and the loss are NOT divided: every process runs its own micro-batch.
 - Each process pays a CUDA context (core.estimate.plan) and NCCL's buffers (NCCL_CONTEXT_BYTES, outside torch).
-- Load: under ZeRO-3 transformers skips zero.Init for a quantized model, so every rank first holds the whole 4-bit
-  model (deepspeedai/DeepSpeed#5660); FSDP's cpu_ram_efficient_loading loads on rank 0's CPU and broadcasts shards
-  (no GPU peak beyond the step's), DDP holds the full model anyway.
+- Load: every rank first holds the whole 4-bit model on its GPU. transformers quantizes a model where its
+  device_map points (core.train.trainer.load_model: the rank's GPU) and since transformers 5 loads it whole on every
+  rank under FSDP too (no rank-0-only loading: cpu_ram_efficient_loading only broadcasts what each rank already
+  holds); under ZeRO-3 it skips zero.Init for a quantized model (deepspeedai/DeepSpeed#5660). FSDP / ZeRO-3 shard
+  it afterwards. A 16-bit base loads on the CPU (FSDP) or sharded (zero.Init): no GPU peak beyond the step's.
+  DDP holds the full model anyway.
 - cpu_offload (FSDP offload_params, ZeRO-3 offload_param + offload_optimizer): the shards, their gradients and the
   optimizer states live in CPU RAM; the gathered units still come to the GPU.
 """
@@ -32,12 +37,18 @@ from core.estimate.static_terms import quantized_bytes
 # to be calibrated on a multi-GPU machine (benchmarks/gpu_truth.py).
 NCCL_CONTEXT_BYTES = 256 * 2**20
 # Terms the sharded strategies divide by N
-DIVIDED = ("weights", "quant_constants", "reference_model", "lora_params", "optimizer_states")
+DIVIDED = ("weights", "reference_model", "lora_params", "optimizer_states")
 DISTRIBUTED_COMPONENTS = ("gathered_params", "comm_buffers", "nccl_context")
 # benchmarks/multi_gpu_published.py: what a multi-GPU verdict can be trusted to, until a GPU calibrates it
 ACCURACY_NOTE = (
     "Per-GPU figures are checked against published multi-GPU runs only (median 15%, mostly below them: FSDP's "
     "allocator caching is not modelled yet); keep more headroom than on one GPU."
+)
+
+# When the load moment is the peak: what the user reads, with the sizes filled in
+LOAD_NOTE = (
+    "Every GPU first loads the whole 4-bit model ({load}) before {strategy} shards it, above the training step "
+    "({step}): more GPUs do not lower this moment; a card that holds the 4-bit model does."
 )
 
 
@@ -111,7 +122,7 @@ def shard(
         out.cpu_offload_bytes = moved
         out.static = {k: (0 if k in DIVIDED else v) for k, v in divided.items()}
         out.grads, out.opt_temp = 0, 0  # the optimizer steps on the CPU
-    if strategy == "deepspeed_zero3" and plan.method == "qlora":
+    if plan.method == "qlora":
         out.load = {"weights": static["weights"], "quant_constants": static["quant_constants"]}
     return out
 
