@@ -7,7 +7,8 @@ through `spawn`, which takes the lock first and hands the open descriptor down, 
 the lock the instant the process dies, so a dead owner is seen dead at once and a second owner cannot start.
 FOLDER/pid records the owner's pid, its start time and whether it leads its own session: the pair (pid, start
 time) names one process for ever (a reused pid does not match), so it is what `stop` signals, and it keeps
-ownership when someone deletes the lock file ("a stale lock"): `alive` and `claim` check both.
+ownership when someone deletes the lock file ("a stale lock"): `alive` and `claim` check both. When both files
+are gone, the owner is still found by its command line, which names the folder (`find_owner`).
 
 Stopping. SIGTERM goes to the owner alone, never to the process group of whoever started it (a trainer started
 as `core.train … | tee log` shares the shell job's group: signalling that group would kill tee and the shell).
@@ -83,8 +84,9 @@ def same_process(info: dict | None) -> bool:
     machine: a record from another host is never a process here).
 
     `start_time` (what write_pid_info records) must match; a record that carries instead `started` (when its
-    work began: older merge markers) matches a process created no later than that; a record with neither
-    matches any live process with the pid."""
+    work began: older merge markers) matches a process created no later than that; a record with neither (an
+    old plain-number pid file, a hand-written one) names no process for sure, so it matches none: a stop must
+    never reach whatever process reused that pid."""
     if not info or not isinstance(info.get("pid"), int) or info["pid"] <= 0 or elsewhere(info):
         return False
     created = process_start_time(info["pid"])
@@ -95,12 +97,12 @@ def same_process(info: dict | None) -> bool:
         return abs(created - start_time) < SAME_START_S
     if isinstance(started, (int, float)):
         return created <= started + SAME_START_S
-    return True
+    return False
 
 
 def pid_alive(pid: int | None) -> bool:
     """True while a process with this pid exists and is not a zombie (no start time to compare)."""
-    return bool(pid) and same_process({"pid": pid})
+    return isinstance(pid, int) and pid > 0 and process_start_time(pid) is not None
 
 
 def leads_session(pid: int) -> bool:
@@ -176,9 +178,51 @@ def _try_flock(fd: int) -> bool:
 
 
 def other_owner(folder: str | os.PathLike) -> dict | None:
-    """The recorded owner (pid info) when it is another process that still runs, else None."""
+    """The recorded owner (pid info) when it is another process that still runs, else None. Without a record (its
+    pid file deleted), a live process whose command line names the folder."""
     info = read_pid_info(folder)
-    return info if info and info["pid"] != os.getpid() and same_process(info) else None
+    if info is None:
+        return find_owner(folder)
+    return info if info["pid"] != os.getpid() and same_process(info) else None
+
+
+OWNER_FLAG = (
+    "--run-dir"  # how an owner's command line names its folder (core.train, its supervisor and ranks)
+)
+
+
+def find_owner(folder: str | os.PathLike, flag: str = OWNER_FLAG) -> dict | None:
+    """The pid info of the live process of this machine that owns `folder` by its command line (`flag FOLDER` or
+    `flag=FOLDER`, relative to its working directory), when the folder's own records are gone: the topmost such
+    process (a supervisor above its ranks), the oldest if several. This process never counts. A scan of this
+    user's processes: only for a folder without a pid record."""
+    try:
+        target = Path(folder).resolve()
+    except (OSError, RuntimeError):
+        return None
+    found: dict[int, int] = {}  # pid -> parent pid
+    me = os.getpid()
+    for proc in psutil.process_iter(["pid", "ppid", "cmdline"]):
+        try:
+            argv, pid = proc.info["cmdline"] or [], proc.info["pid"]
+            if pid == me or not any(a == flag or a.startswith(flag + "=") for a in argv):
+                continue
+            for i, arg in enumerate(argv):
+                named = argv[i + 1] if arg == flag and i + 1 < len(argv) else arg.partition("=")[2]
+                if not (arg == flag or arg.startswith(flag + "=")) or Path(named).name != target.name:
+                    continue
+                path = Path(named) if os.path.isabs(named) else Path(proc.cwd()) / named
+                if path.resolve() == target:
+                    found[pid] = proc.info["ppid"]
+        except (psutil.Error, OSError, RuntimeError):
+            continue
+    tops = [pid for pid, parent in found.items() if parent not in found]
+    infos = [
+        {"pid": pid, "start_time": t, "session_leader": leads_session(pid), "host": this_host()}
+        for pid in tops
+        if (t := process_start_time(pid)) is not None
+    ]
+    return min(infos, key=lambda i: i["start_time"]) if infos else None
 
 
 def claim(folder: str | os.PathLike, wait_s: float = 1.0, label: str | None = None) -> int:
@@ -336,7 +380,7 @@ def stop(folder: str | os.PathLike, grace_s: float = 60.0) -> str | None:
     """Stop the folder's owner: SIGTERM to it alone (a stopped process is continued so it can act on it), wait
     until it is gone, then SIGKILL it with all its descendants. Returns "exited" (it ended within the grace
     period), "killed", or None when no recorded process of another pid owns the folder."""
-    info = read_pid_info(folder)
+    info = read_pid_info(folder) or find_owner(folder)
     if not info or info["pid"] == os.getpid() or not same_process(info):
         return None
     pid = info["pid"]
@@ -345,8 +389,8 @@ def stop(folder: str | os.PathLike, grace_s: float = 60.0) -> str | None:
         return None
     owner = tree[0]
     _send([owner], signal.SIGTERM)
-    if is_stopped(pid):
-        _send(tree, signal.SIGCONT)
+    # a stopped process cannot act on it, nor can a stopped child it waits for (one rank of several)
+    _send([p for p in tree if is_stopped(p.pid)], signal.SIGCONT)
     if wait_gone(folder, grace_s, info):
         return "exited"
     tree += [p for p in _tree(pid) if p not in tree]

@@ -33,6 +33,13 @@ child = None
 if mode == "ignore":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     child = subprocess.Popen(["sleep", "300"])
+elif mode == "parent":  # like a supervisor: on SIGTERM it ends its child and waits for it
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    def end_child(*_):
+        child.terminate()
+        child.wait()
+        sys.exit(0)
+    signal.signal(signal.SIGTERM, end_child)
 else:
     def bye(*_):
         print("bye", flush=True)
@@ -62,11 +69,11 @@ def owner_script(tmp_path) -> Path:
     return path
 
 
-def _spawn_owner(folder: Path, script: Path, mode: str = "term") -> int:
+def _spawn_owner(folder: Path, script: Path, mode: str = "term", *extra: str) -> int:
     folder.mkdir(exist_ok=True)
     fd = procs.claim(folder)
     try:
-        pid = procs.spawn(folder, [sys.executable, str(script), str(folder), mode], fd, cwd=REPO)
+        pid = procs.spawn(folder, [sys.executable, str(script), str(folder), mode, *extra], fd, cwd=REPO)
     finally:
         os.close(fd)
     assert wait_until(lambda: (folder / "ready").exists()), procs.tail_text(folder / procs.STDERR)
@@ -143,6 +150,74 @@ def test_a_deleted_lock_file_does_not_make_a_live_owner_dead(tmp_path, owner_scr
     assert not procs.lock_held(folder)  # the refused claim let go of the new lock file
     assert procs.stop(folder, grace_s=60) == "exited" and not procs.pid_alive(pid)
     assert not procs.alive(folder)
+
+
+def test_an_owner_whose_lock_and_pid_files_were_deleted_is_found_by_its_command_line(tmp_path, owner_script):
+    """Both records gone: the owner still holds the folder (no second owner, no delete of a live run), is seen
+    alive and is stopped -- found by the `--run-dir FOLDER` of its command line, as core.train is."""
+    folder = tmp_path / "bare"
+    pid = _spawn_owner(folder, owner_script, "term", "--run-dir", str(folder))
+    (folder / procs.LOCK).unlink()
+    (folder / procs.PID).unlink()
+    rundir.write_status(folder, state="running", step=3)
+    assert procs.find_owner(folder)["pid"] == pid
+    assert procs.alive(folder)
+    with pytest.raises(procs.Busy) as refused:
+        procs.claim(folder, wait_s=0.2)
+    assert refused.value.pid == pid
+    info = run_state(folder)
+    assert (info.state, info.alive, info.pid) == ("running", True, pid)
+    assert procs.find_owner(tmp_path / "other") is None  # another folder names no owner
+    assert procs.stop(folder, grace_s=60) == "exited" and not procs.pid_alive(pid)
+    assert not procs.alive(folder)
+
+
+def test_a_pid_record_without_start_time_names_no_process(tmp_path):
+    """An old plain-number pid file (or a hand-written one) whose pid another process now has: that process is
+    neither the owner nor signalled by a stop."""
+    folder = tmp_path / "old"
+    folder.mkdir()
+    other = subprocess.Popen(["sleep", "300"])
+    try:
+        for text in (str(other.pid), json.dumps({"pid": other.pid})):
+            (folder / procs.PID).write_text(text)
+            assert not procs.alive(folder)
+            assert procs.stop(folder, grace_s=1) is None
+            assert other.poll() is None  # untouched
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_a_stop_continues_a_stopped_child_its_owner_waits_for(tmp_path, owner_script):
+    """One rank stopped (SIGSTOP, a debugger): the supervisor ends it on SIGTERM and waits; a stop continues every
+    stopped process of the tree so that it exits and checkpoints, instead of being killed at the grace's end."""
+    folder = tmp_path / "supervisor"
+    _spawn_owner(folder, owner_script, "parent")
+    child = int((folder / "ready").read_text())
+    os.kill(child, signal.SIGSTOP)
+    assert wait_until(lambda: procs.is_stopped(child), 30)
+    assert procs.stop(folder, grace_s=20) == "exited"
+    assert not procs.pid_alive(child)
+
+
+def test_a_stopped_rank_is_a_stall_at_once_and_a_stopped_supervisor_is_not(tmp_path):
+    folder = tmp_path / "ranked"
+    (folder / rundir.RANKS).mkdir(parents=True)
+    rank = subprocess.Popen(["sleep", "300"])
+    try:
+        record = {"rank": 1, "pid": rank.pid, "start_time": procs.process_start_time(rank.pid), "ended": None}
+        (folder / rundir.RANKS / "rank-1.json").write_text(json.dumps(record))
+        procs.write_pid_info(folder)  # this process as the owner (the supervisor)
+        status = rundir.write_status(folder, state="running", step=5)
+        assert rundir.stall(folder, status, "running", True) == (None, None)
+        os.kill(rank.pid, signal.SIGSTOP)
+        assert wait_until(lambda: procs.is_stopped(rank.pid), 30)
+        quiet, why = rundir.stall(folder, status, "running", True)
+        assert why.endswith("(rank 1 stopped)"), why
+    finally:
+        rank.kill()
+        rank.wait()
 
 
 def test_a_stopped_process_is_seen_stopped_and_a_stop_wakes_it_to_exit(tmp_path, owner_script):

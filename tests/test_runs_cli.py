@@ -110,3 +110,19 @@ def test_a_run_folder_with_a_space_or_accents_is_shown_stopped_and_deleted_by_it
     for bad in ("../ws", "runs/x", ".hidden", "nope nope"):
         out = runs(ws, "show", bad)
         assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+
+
+def test_list_keeps_going_past_a_status_of_the_wrong_type_and_a_number_too_long_to_read(tmp_path):
+    """One run's broken files are that run's row, never the end of the list: a state that is not a string, and a
+    config with a 5,000-digit integer (Python refuses to convert it)."""
+    ws = tmp_path / "ws"
+    _ended_run(ws)
+    odd = _ended_run(ws, "odd-state")
+    (odd / "status.json").write_text(json.dumps({"state": {"a": 1}, "step": 3}))
+    long = _ended_run(ws, "long-number")
+    (long / "config.yaml").write_text("model: {path: m}\ntraining: {max_steps: 1" + "0" * 4999 + "}\n")
+    listed = runs(ws, "list")
+    assert listed.returncode == 0 and "Traceback" not in listed.stderr, listed.stderr
+    names = [line.split()[0] for line in listed.stdout.splitlines()[1:] if line and not line.startswith(" ")]
+    assert sorted(names) == ["demo-1", "long-number", "odd-state"], listed.stdout
+    assert runs(ws, "list", "--json").returncode == 0

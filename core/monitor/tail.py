@@ -31,6 +31,7 @@ try:  # 3-4x faster on the first read of a long run; optional. It refuses intege
 except ImportError:  # pragma: no cover - depends on the environment
     _fast_loads = loads_json
 
+_FAST_MAX_BRACKETS = 1000
 # Large enough to swallow a 100k-line backlog in a few reads, small enough to bound one tick's memory.
 _CHUNK = 4 << 20
 # Bytes of the file's start remembered to tell a replaced file from a grown one (first line holds a timestamp).
@@ -139,6 +140,10 @@ class JsonlTail:
             if not line.strip():
                 continue
             try:
+                # orjson 3.8 overflows its C stack (a segfault) on nesting some 100k deep: such a line goes to
+                # json, which raises RecursionError; a metrics line has a handful of brackets
+                if line.count(b"[") + line.count(b"{") > _FAST_MAX_BRACKETS:
+                    raise ValueError("deep")
                 rec = _fast_loads(line)
             except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
                 try:

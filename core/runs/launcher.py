@@ -159,7 +159,8 @@ def run_state(run_dir: str | os.PathLike) -> RunInfo:
     read-only workspace."""
     run_dir = Path(run_dir)
     status, state, alive = rundir.read_live_status(run_dir)
-    pid = read_pid(run_dir)
+    # a scan for an owner whose pid file is gone only for a live run (listing many ended runs stays cheap)
+    pid = read_pid(run_dir) if alive else (procs.read_pid_info(run_dir) or {}).get("pid")
     stalled_s, stall = rundir.stall(run_dir, status, state, alive)
     status = status or {}
     step = status.get("step")

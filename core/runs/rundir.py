@@ -23,6 +23,7 @@ from core.procs import LOCK, PID, STDERR, STDOUT  # noqa: F401 - names of the ru
 CONFIG = "config.yaml"  # the validated run config
 PLAN = "plan.json"  # the planner's estimate for this config
 STATUS = "status.json"  # state + reason, written by the trainer
+RANKS = "ranks"  # a run on several processes: rank-K.json records (core.train.ranks) and rank-K.log outputs
 METRICS = "metrics.jsonl"  # one line per logging step
 # a run on several processes: rank 0 writes every other rank K's memory on each line as rankK_<name>
 RANK_MEMORY = ("cuda_allocated", "cuda_reserved", "cuda_peak", "rss_bytes")
@@ -295,7 +296,8 @@ def write_plan(run_dir: str | os.PathLike, plan: dict) -> None:
 
 
 def read_pid(run_dir: str | os.PathLike) -> int | None:
-    info = procs.read_pid_info(run_dir)
+    """The owner's pid: recorded, or (its pid file deleted) found by its command line while it lives."""
+    info = procs.read_pid_info(run_dir) or procs.find_owner(run_dir)
     return info["pid"] if info else None
 
 
@@ -432,7 +434,10 @@ def live_state(run_dir: str | os.PathLike, status: dict | None = None) -> tuple[
     process that is winding down ("stopping"), so nothing is relaunched under it."""
     status = read_status(run_dir) if status is None else status
     written = (status or {}).get("state")
+    written = written if isinstance(written, str) and written else None  # a hand-edited or broken file
     if not (Path(run_dir) / LOCK).exists() and procs.read_pid_info(run_dir) is None:
+        if written in LIVE_STATES and procs.find_owner(run_dir):
+            return written, True  # its lock and pid files were deleted under it: it still trains
         # no trace of a process at all (a folder written by hand or by a test): the status says it all
         state = written or "new"
         return state, state in LIVE_STATES
@@ -507,6 +512,27 @@ def stall_limit(step_s: float) -> float:
     return max(STALL_MIN_S, STALL_FACTOR * step_s)
 
 
+def rank_records(run_dir: str | os.PathLike, machine: int | None = None) -> dict[int, dict]:
+    """{rank: record} of the ranks of this launch that have started (of one machine's, when named)."""
+    out = {}
+    for path in sorted((Path(run_dir) / RANKS).glob("rank-*.json")):
+        rec = read_json_object(path)
+        if rec and isinstance(rec.get("rank"), int) and machine in (None, rec.get("machine", 0)):
+            out[rec["rank"]] = rec
+    return out
+
+
+def stopped_process(run_dir: str | os.PathLike) -> str | None:
+    """Which process of a live run is stopped (SIGSTOP, Ctrl+Z, a debugger), if one is: a rank of a run on
+    several processes (one stopped rank holds every other at its next collective), else its owner."""
+    live = {k: r for k, r in rank_records(run_dir).items() if not r.get("ended") and procs.same_process(r)}
+    if live:
+        k = next((k for k, r in sorted(live.items()) if procs.is_stopped(r["pid"])), None)
+        return None if k is None else f"rank {k} stopped"
+    info = procs.read_pid_info(run_dir)
+    return "process stopped" if info and procs.is_stopped(info["pid"]) and procs.same_process(info) else None
+
+
 def stall(run_dir: str | os.PathLike, status: dict | None, state: str, alive: bool, now: float | None = None):
     """(seconds without a step, why) for a live run that stopped stepping, else (None, None).
 
@@ -518,9 +544,9 @@ def stall(run_dir: str | os.PathLike, status: dict | None, state: str, alive: bo
     if not alive or state not in ("starting", "running") or not _number(updated):
         return None, None
     quiet = max(0.0, (time.time() if now is None else now) - updated)
-    info = procs.read_pid_info(run_dir)
-    if info and procs.is_stopped(info["pid"]) and procs.same_process(info):
-        return quiet, f"no step for {_seconds(quiet)} (process stopped)"
+    stopped = stopped_process(run_dir)
+    if stopped:
+        return quiet, f"no step for {_seconds(quiet)} ({stopped})"
     if state != "running":
         return None, None
     step_s = status.get("step_s")

@@ -37,7 +37,7 @@ from core.runs import rundir
 from core.train import distributed
 
 SPEC_ENV = "LORA_COCKPIT_RANKS"  # what the supervisor hands every rank (JSON): run dir, checkpoint, strategy
-RANKS = "ranks"  # in the run directory: rank-K.json records and rank-K.log outputs
+RANKS = rundir.RANKS
 MACHINES = "machines"  # in the run directory: machine-K/, what machine K > 0 of a run on several owns
 POLL_S = 0.25
 TAIL_LINES = 20
@@ -188,14 +188,7 @@ def launch_argv(
     return [*argv, *train]
 
 
-def records(run_dir: Path, machine: int | None = None) -> dict[int, dict]:
-    """{rank: record} of the ranks of this launch that have started (of one machine's, when named)."""
-    out = {}
-    for path in sorted((Path(run_dir) / RANKS).glob("rank-*.json")):
-        rec = read_json_object(path)
-        if rec and isinstance(rec.get("rank"), int) and machine in (None, rec.get("machine", 0)):
-            out[rec["rank"]] = rec
-    return out
+records = rundir.rank_records
 
 
 def _clear(run_dir: Path, machine: int) -> None:
