@@ -1,6 +1,7 @@
 """Data loading and formatting with the real char tokenizer and real `datasets` files of every kind."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -115,6 +116,32 @@ def test_bad_paths_say_what_to_do(tmp_path):
     (tmp_path / "folder").mkdir()
     with pytest.raises(DataError, match="not a datasets save_to_disk folder"):
         load_rows({"path": str(tmp_path / "folder")})
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "empty"])
+def test_a_data_path_that_is_no_file_of_rows_is_one_sentence_not_a_hang(tmp_path, kind):
+    """A FIFO would block the reader for ever, /dev/zero would feed it without end, an empty file gave
+    "StopIteration": each is one sentence, at once (in a child process, so that a hang fails the test)."""
+    import os
+    import subprocess
+    import sys
+
+    path = tmp_path / "train.jsonl"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "device":
+        path.symlink_to("/dev/zero")
+    else:
+        path.write_text("")
+    code = (
+        "import sys\nfrom core.train.data import DataError, load_rows\n"
+        f"try:\n    load_rows({{'path': {str(path)!r}}})\nexcept DataError as e:\n    print(e)\n    sys.exit(2)"
+    )
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    expected = "is empty" if kind == "empty" else "is not a regular file"
+    assert done.stdout.startswith(f"data.path: {path} {expected}"), done.stdout
 
 
 def test_preview_shows_formatted_rows_and_lengths(tmp_path, tok):

@@ -89,6 +89,13 @@ def load_rows(data_cfg: dict):
                 "files (all of one kind) or a save_to_disk folder."
             )
         kind = kinds.pop()
+        for path in paths:  # a FIFO or a device would block the reader for ever (or feed it without end)
+            if not path.is_file():
+                raise DataError(
+                    f"data.path: {path} is not a regular file (a pipe, a device or a socket); give a data file."
+                )
+            if path.stat().st_size == 0:
+                raise DataError(f"data.path: {path} is empty; give a file with training rows.")
         if kind in ("json", "csv"):  # pyarrow keeps invalid UTF-8 as it is and fails on the row much later
             for path in paths:
                 check_utf8(path)
