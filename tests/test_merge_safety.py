@@ -325,6 +325,19 @@ def _base_config_not_object(adapter: Path, base: Path):
     return base, adapter, (str(base / "config.json"), "JSON object", "again")
 
 
+def _alpha_nan(adapter: Path, base: Path):
+    # json reads NaN: the update's scale would be unknown (the merge once fell back to a default alpha, silently)
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    cfg["lora_alpha"] = float("nan")
+    (adapter / "adapter_config.json").write_text(json.dumps(cfg))
+    return base, adapter, ("lora_alpha nan", "not a finite number")
+
+
+def _config_nested(adapter: Path, base: Path):
+    (adapter / "adapter_config.json").write_text("[" * 200_000 + "]" * 200_000)
+    return base, adapter, (str(adapter / "adapter_config.json"), "nested too deeply")
+
+
 def _adapter_missing(adapter: Path, base: Path):
     missing = adapter.parent / "no-such-adapter"
     return base, missing, (str(missing), "does not exist", "--adapter")
@@ -343,6 +356,8 @@ BROKEN = [
     _base_config_not_json,
     _base_config_not_object,
     _adapter_missing,
+    _alpha_nan,
+    _config_nested,
 ]
 
 

@@ -253,6 +253,11 @@ def _set_scales(modules: dict[str, LoraModule], cfg: dict) -> None:
                 "(r/rank_pattern): the config and the weights do not belong together."
             )
         alpha = _pattern_value(alpha_pattern, name, cfg.get("lora_alpha", 8))
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+            raise MergeError(
+                f"Adapter module {name}: adapter_config.json gives lora_alpha {alpha!r} (lora_alpha/alpha_pattern), "
+                "not a finite number: the scale of its update is unknown; fix the config (training used a number)."
+            )
         mod.scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
         if cfg.get("use_dora") and mod.magnitude is None:
             raise MergeError(

@@ -8,6 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from core.files import FileTooLarge, NotRegularFile, read_bounded
+
 GB = 1024**3
 MB = 1024**2
 
@@ -45,11 +47,16 @@ ProgressFn = Callable[[MergeProgress], None]
 def read_json_object(path: Path, fix: str) -> dict:
     """The JSON object in `path`; a broken file is a MergeError naming it and `fix` (how to repair it)."""
     try:
-        data = json.loads(path.read_text())
+        # a regular file of sane size only: a FIFO would block, /dev/zero never ends
+        data = json.loads(read_bounded(path))
+    except (NotRegularFile, FileTooLarge) as e:
+        raise MergeError(f"{e}: {fix}") from None
     except OSError as e:
-        raise MergeError(f"{path} cannot be read ({e.strerror or e}): {fix}") from e
+        raise MergeError(f"{path} cannot be read ({e.strerror or e}): {fix}") from None
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-        raise MergeError(f"{path} is not valid JSON ({e}): {fix}") from e
+        raise MergeError(f"{path} is not valid JSON ({e}): {fix}") from None
+    except RecursionError:
+        raise MergeError(f"{path} is nested too deeply to be a config: {fix}") from None
     if not isinstance(data, dict):
         kinds = {list: "a list", str: "a string", bool: "true/false", type(None): "null"}
         kind = kinds.get(type(data), "a number")
