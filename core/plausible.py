@@ -8,6 +8,8 @@ key, its value and the plausible range. Ground layer: no imports from core.
 
 from __future__ import annotations
 
+import json
+
 HIDDEN = (1, 131_072)  # the largest real models: 16k-25k wide
 LAYERS = (1, 1_024)  # the deepest: ~160
 HEADS = (1, 4_096)
@@ -50,8 +52,13 @@ def check_model_config(config: dict, where: str = "config.json") -> None:
             continue
         for key, (lo, hi) in LIMITS.items():
             value = part.get(key)
-            if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            if value is None or isinstance(value, (list, dict)):  # per-layer sizes (Gemma 3n) are the model's
                 continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ImplausibleConfig(
+                    f"{where}: {prefix}{key} is {json.dumps(value)[:40]}, not a number; fix that file or point at "
+                    "the right model folder."
+                )
             if not lo <= value <= hi:
                 raise ImplausibleConfig(
                     f"{where}: {prefix}{key} is {_num(value)}, which no real model has (plausible: {lo:,} to "

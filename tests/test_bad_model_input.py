@@ -140,3 +140,37 @@ def test_weights_that_contradict_config_json_are_one_sentence_before_loading(tin
         assert out.returncode == 2 and says in out.stderr and "Traceback" not in out.stderr, out.stderr[
             -2000:
         ]
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ('"128"', 'hidden_size is "128", not a number'),
+        ("true", "hidden_size is true, not a number"),
+        ("[128]", "is not a valid llama config"),
+        (None, "is nested too deeply to be a model config"),
+    ],
+)
+def test_a_config_json_of_the_wrong_shape_is_one_sentence_in_the_planner(
+    tmp_path, tiny_llama, value, message
+):
+    """config.json sizes of the wrong type, or a file nested 200k deep: `core.estimate` says so in one sentence
+    (it once showed huggingface_hub's validation traceback, or a RecursionError)."""
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_llama, folder)
+    if value is None:
+        (folder / "config.json").write_text("[" * 200_000 + "]" * 200_000)
+    else:
+        cfg = json.loads((folder / "config.json").read_text())
+        cfg["hidden_size"] = json.loads(value)
+        (folder / "config.json").write_text(json.dumps(cfg))
+    out = subprocess.run(
+        [sys.executable, "-m", "core.estimate", "--model", str(folder), "--method", "lora"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], out.stderr[-2000:]

@@ -23,7 +23,7 @@ from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
 
-from core.files import atomic_write_text
+from core.files import FileTooLarge, NotRegularFile, atomic_write_text, read_bounded
 from core.plausible import ImplausibleConfig, check_model_config
 
 PRESETS_FILE = Path(__file__).with_name("presets.json")
@@ -101,9 +101,22 @@ def _config_from_dict(fields: dict, where: str):
     try:
         return AutoConfig.for_model(model_type, **fields)
     except (ValueError, KeyError) as exc:
-        raise SpecError(
-            f"{where} has model_type '{model_type}', which this transformers version does not know ({exc})."
-        ) from None
+        if model_type not in _known_model_types():
+            raise SpecError(
+                f"{where} has model_type '{model_type}', which this transformers version does not know; point at "
+                "a model folder of an architecture transformers supports (or upgrade transformers)."
+            ) from None
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise SpecError(f"{where} is not a valid {model_type} config ({first}); fix that file.") from None
+    except Exception as exc:  # huggingface_hub's strict dataclass checks raise their own types
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise SpecError(f"{where} is not a valid {model_type} config ({first}); fix that file.") from None
+
+
+def _known_model_types() -> set[str]:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    return set(CONFIG_MAPPING_NAMES)
 
 
 def _config_source(model: str) -> tuple[dict, str] | None:
@@ -123,9 +136,13 @@ def _config_source(model: str) -> tuple[dict, str] | None:
             "(the one that holds config.json and the weights)."
         )
     try:
-        data = json.loads(cfg_file.read_text())
+        data = json.loads(read_bounded(cfg_file))  # a regular file of sane size: a model config is < 1 MiB
+    except (NotRegularFile, FileTooLarge) as exc:
+        raise SpecError(f"{exc}: a model's config.json is a small JSON file; fix or replace it.") from None
     except (OSError, ValueError) as exc:
         raise SpecError(f"{cfg_file} is not valid JSON ({exc}); fix or replace that file.") from None
+    except RecursionError:
+        raise SpecError(f"{cfg_file} is nested too deeply to be a model config; fix or replace it.") from None
     if not isinstance(data, dict):
         raise SpecError(f"{cfg_file} does not hold a JSON object; it is not a model config.")
     return data, str(cfg_file)
