@@ -126,3 +126,15 @@ def test_list_keeps_going_past_a_status_of_the_wrong_type_and_a_number_too_long_
     names = [line.split()[0] for line in listed.stdout.splitlines()[1:] if line and not line.startswith(" ")]
     assert sorted(names) == ["demo-1", "long-number", "odd-state"], listed.stdout
     assert runs(ws, "list", "--json").returncode == 0
+
+
+def test_a_run_whose_config_is_not_a_file_is_shown_and_deleted_as_it_is_listed(tmp_path):
+    ws = tmp_path / "ws"
+    run = _ended_run(ws, "odd-config")
+    (run / "config.yaml").unlink()
+    (run / "config.yaml").mkdir()  # a folder where the config was
+    assert "odd-config" in runs(ws, "list").stdout
+    shown = runs(ws, "show", "odd-config")
+    assert shown.returncode == 0 and shown.stdout.startswith("odd-config:"), shown.stderr
+    deleted = runs(ws, "delete", "odd-config")
+    assert deleted.returncode == 0 and not run.exists(), deleted.stderr

@@ -63,7 +63,7 @@ def _find(workspace: Path, name: str, leftovers: bool = False) -> Path:
     path = runs_dir(workspace) / name
     if leftovers and path.is_dir() and rundir.is_leftover(path):
         return path
-    if not (path / rundir.CONFIG).is_file():
+    if not (path / rundir.CONFIG).exists():  # as the listing counts runs: a broken config.yaml is still a run
         known = ", ".join(r.name for r in list_runs(workspace)[:10]) or "none yet"
         raise RunError(f"No run named {name!r} in {runs_dir(workspace)} (runs: {known}).")
     return path
