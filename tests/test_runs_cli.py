@@ -138,3 +138,20 @@ def test_a_run_whose_config_is_not_a_file_is_shown_and_deleted_as_it_is_listed(t
     assert shown.returncode == 0 and shown.stdout.startswith("odd-config:"), shown.stderr
     deleted = runs(ws, "delete", "odd-config")
     assert deleted.returncode == 0 and not run.exists(), deleted.stderr
+
+
+def test_list_json_is_strict_json_when_a_loss_diverged(tmp_path):
+    ws = tmp_path / "ws"
+    run = _ended_run(ws, "diverged")
+    with open(run / "metrics.jsonl", "a") as fh:
+        fh.write('{"step": 21, "loss": Infinity, "time": 1021.0}\n')
+    for args in (("list", "--json"), ("show", "diverged", "--json")):
+        out = runs(ws, *args)
+        assert out.returncode == 0, out.stderr
+
+        def refuse(token):
+            raise ValueError(token)
+
+        data = json.loads(out.stdout, parse_constant=refuse)  # Infinity / NaN are not JSON
+        row = data[0] if isinstance(data, list) else data
+        assert row["loss"] is None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -53,6 +54,21 @@ def run_object(info: RunInfo) -> dict:
     }
 
 
+def strict_json(obj) -> str:
+    """JSON any parser reads: a diverged loss (inf, NaN) is null there (the run's state and reason say it diverged)."""
+
+    def finite(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {k: finite(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [finite(x) for x in v]
+        return v
+
+    return json.dumps(finite(obj), allow_nan=False)
+
+
 def _find(workspace: Path, name: str, leftovers: bool = False) -> Path:
     """The run folder NAME; leftovers: also a folder a start that failed before writing its config left behind
     (status, pid, lock), so that delete can remove it."""
@@ -74,7 +90,7 @@ LIST_HEADER = f"{'NAME':<32} {'METH':<4} {'STATE':<9} {'STEP':>11}  {'LOSS':<13}
 
 def _print_run(obj: dict, as_json: bool) -> None:
     if as_json:
-        print(json.dumps(obj))
+        print(strict_json(obj))
         return
     loss = f"{obj['loss']:.4g}" if obj["loss"] is not None else "-"
     pid = obj["pid"] if obj["alive"] else "-"
@@ -168,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "list":
             objs = [run_object(r) for r in list_runs(workspace)]
             if args.json:
-                print(json.dumps(objs))
+                print(strict_json(objs))
             elif not objs:
                 print(f"no runs in {runs_dir(workspace)}")
             else:
