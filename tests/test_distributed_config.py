@@ -272,6 +272,13 @@ def test_dry_run_with_a_run_dir_writes_the_accelerate_config(tiny_llama, tmp_pat
     config = load_config_from_file(str(tmp_path / "run" / "accelerate.yaml"))
     assert config.distributed_type == DistributedType.FSDP and config.num_processes == 2
     assert "accelerate config:" in out.err
+    # a --run-dir that cannot hold it names --run-dir, not the model folder
+    (tmp_path / "a-file").write_text("x")
+    assert dry_run(str(path), gpu_gb=24.0, run_dir=str(tmp_path / "a-file")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"error: --run-dir {tmp_path / 'a-file'}: accelerate.yaml cannot be written there"
+    ), err
 
 
 # The trainer's CLI under a spy on torch.cuda's first query (the GPU driver, mocked: this box has none).

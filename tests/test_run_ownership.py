@@ -67,6 +67,45 @@ def test_cli_started_run_is_listed_stopped_and_seen_dead(workspace, tiny_llama):
     assert shown["state"] == "stopped" and "stopped by SIGTERM" in shown["reason"]
 
 
+def test_a_trainer_whose_lock_and_pid_files_were_deleted_keeps_its_run(workspace, tiny_llama):
+    """Both records deleted under a training run: no second trainer gets in, delete refuses, the listing shows it
+    running with its pid, and stop still reaches it (found by the --run-dir of its command line)."""
+    proc, run_dir = _start_cli_trainer(workspace, tiny_llama, "bare", max_steps=2000, save_steps=20)
+    assert wait_until(lambda: rundir.latest_checkpoint(run_dir) is not None, 300)  # resumable
+    (run_dir / rundir.LOCK).unlink()
+    (run_dir / rundir.PID).unlink()
+    resumed = _runs_cli(workspace, "resume", "bare")
+    assert resumed.returncode == 2 and "already running" in resumed.stderr, resumed.stdout + resumed.stderr
+    deleted = _runs_cli(workspace, "delete", "bare")
+    assert deleted.returncode == 2 and run_dir.is_dir(), deleted.stdout + deleted.stderr
+    listed = json.loads(_runs_cli(workspace, "list", "--json").stdout)
+    assert [(r["name"], r["state"], r["pid"]) for r in listed] == [("bare", "running", proc.pid)]
+    out = _runs_cli(workspace, "stop", "bare")
+    assert out.returncode == 0 and out.stdout.strip() == "bare: stopped", out.stdout + out.stderr
+    assert proc.poll() is not None
+
+
+def test_a_folder_of_the_users_own_files_is_not_a_run_dir(workspace, tiny_llama):
+    """core.train into an existing folder that is no run but holds a config.yaml (not the one trained) or a
+    plan.json: refused, both files untouched."""
+    folder = workspace / "mine"
+    folder.mkdir()
+    (folder / "config.yaml").write_text("my_own_config: important\n")
+    (folder / "plan.json").write_text("user plan\n")
+    cfg_path = workspace / "run.yaml"
+    cfg_path.write_text(yaml.safe_dump(validate_config(run_config(workspace, tiny_llama, max_steps=2))))
+    before = _tree_digest(folder)
+    out = subprocess.run(
+        [sys.executable, "-m", "core.train", str(cfg_path), "--run-dir", str(folder)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert out.returncode == 2 and "already holds config.yaml and plan.json" in out.stderr, out.stderr[-2000:]
+    assert _tree_digest(folder) == before
+
+
 def test_sigkill_is_seen_at_once_and_delete_then_works(workspace, tiny_llama):
     proc, run_dir = _start_cli_trainer(workspace, tiny_llama, "killed", max_steps=2000)
     from core.monitor.watch import RunWatcher

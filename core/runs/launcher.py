@@ -103,7 +103,7 @@ def launch(run_dir: str | os.PathLike, resume: bool = False, smoke: bool = False
             raise RunError(f"Run {run_dir.name} has finished: create a new run to train again.")
         if not smoke:
             try:
-                rundir.check_run_dir(run_dir, resume)
+                rundir.check_run_dir(run_dir, resume, Path(config))
                 if resume:  # the trainer checks the same; refused here, nothing is started or written
                     check_resume(run_dir, load_config(config), config)
             except (rundir.RunRefused, ConfigError) as exc:

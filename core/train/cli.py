@@ -60,7 +60,13 @@ def dry_run(
         if first is not None:
             raise DataError(f"preflight: {first}")
         plan = plan_json(cfg, gpu_gb, device)
-        written = write_accelerate_config(cfg, run_dir, gpu_gb) if run_dir else None
+        try:
+            written = write_accelerate_config(cfg, run_dir, gpu_gb) if run_dir else None
+        except OSError as exc:  # not the model folder's fault: say which path
+            raise ConfigError(
+                f"--run-dir {run_dir}: accelerate.yaml cannot be written there ({exc.strerror or exc}); give a "
+                "folder (or a new name) for the run."
+            ) from None
         if written:
             print(f"accelerate config: {written}", file=sys.stderr, flush=True)
     except (ConfigError, DataError, PlanError, SpecError) as exc:

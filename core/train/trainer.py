@@ -204,7 +204,7 @@ def run_training(
         cfg = checked_config(config_path, machine)
         distributed.pin_gpus(cfg, one_process=False)
         return _run_machine(cfg, config_path, run_dir, resume, stop, keep_lock)
-    rundir.check_run_dir(run_dir, resume)
+    rundir.check_run_dir(run_dir, resume, Path(config_path))
     adopted = (
         procs.adopt_claim()
     )  # a launcher took the lock and handed it down: the folder is already the run's
