@@ -233,3 +233,15 @@ def test_a_run_folder_deleted_under_two_ranks_stops_both_and_recreates_nothing(w
     # the ranks agree on the step to stop at (one alone would leave the other waiting in a collective)
     assert wait_until(lambda: _processes_of(run_dir) == [], 120), "a process kept training"
     assert not run_dir.exists()  # nothing wrote into it again
+
+
+def test_a_killed_launcher_is_named_not_the_rank_that_died_with_it(tmp_path):
+    """torchrun SIGKILLed alone: its ranks die with it without a word; the reason names the launcher."""
+    (tmp_path / ranks.RANKS).mkdir()
+    for k in (0, 1):
+        rec = {"rank": k, "machine": 0, "pid": 10**6 + k, "start_time": 1.0, "ended": None}
+        (tmp_path / ranks.RANKS / f"rank-{k}.json").write_text(json.dumps(rec))
+    reason = ranks._outcome(tmp_path, -9, 2, 0, 4242)
+    assert reason.startswith("the launcher (torchrun, pid 4242) was killed by SIGKILL"), reason
+    # a launcher that exited by itself with ranks gone silent: those ranks are the reason, as before
+    assert ranks._outcome(tmp_path, 1, 2, 0, 4242).startswith("rank 0 (pid 1000000) ended without a word")

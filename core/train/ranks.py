@@ -269,13 +269,26 @@ def supervise(
             _end_all(child)
             break
         time.sleep(POLL_S)
-    return failed or _outcome(run_dir, child.returncode, distributed.gpus_per_machine(cfg), machine)
+    return failed or _outcome(
+        run_dir, child.returncode, distributed.gpus_per_machine(cfg), machine, child.pid
+    )
 
 
-def _outcome(run_dir: Path, returncode: int, here: int, machine: int) -> str | None:
+def _outcome(run_dir: Path, returncode: int, here: int, machine: int, launcher_pid: int = 0) -> str | None:
     """After the launcher exited: None when this machine's `here` ranks ended well and (on the main machine) the
-    run's end state is written, else why not."""
+    run's end state is written, else why not. The launcher killed by a signal is named first: its ranks die with
+    it, without a word of their own."""
     recs = records(run_dir, machine)
+    if returncode < 0 and any(not r.get("ended") for r in recs.values()):
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        step = (rundir.read_status(run_dir) or {}).get("step")
+        return (
+            f"the launcher (torchrun, pid {launcher_pid}) was killed by {name} at step {step or 0} (from outside, or "
+            "the out-of-memory killer), and its ranks ended with it."
+        )
     dead = next((r for r in recs.values() if not r.get("ended")), None)
     if dead is not None:
         return _killed_reason(run_dir, dead)
