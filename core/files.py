@@ -196,9 +196,10 @@ def parse_yaml(text: str, where: str = "the run config") -> Any:
         raise YamlError(f"{where} is not valid YAML{at} ({problem}).") from None
     except RecursionError:
         raise YamlError(f"{where} is nested too deeply to be a run config.") from None
-    except ValueError as exc:  # an integer of more digits than Python converts (sys.set_int_max_str_digits)
+    except ValueError:  # an integer of more digits than Python converts (sys.set_int_max_str_digits)
+        digits = sys.get_int_max_str_digits()
         raise YamlError(
-            f"{where} holds a number too long to read ({str(exc)[:60]}): write a real value."
+            f"{where} holds a number of more than {digits:,} digits: write a real value."
         ) from None
 
 

@@ -226,6 +226,13 @@ def test_yaml_aliases_are_refused_before_they_expand(tmp_path):
         load_config(tmp_path / "bomb.yaml")
 
 
+def test_a_number_too_long_for_python_is_one_sentence(tmp_path):
+    """A 5,000-digit integer: Python refuses to convert it (ValueError inside the YAML reader); one sentence."""
+    (tmp_path / "long.yaml").write_text("model: {path: m}\ntraining: {max_steps: 1" + "0" * 4999 + "}\n")
+    with pytest.raises(ConfigError, match="holds a number of more than 4,300 digits"):
+        load_config(tmp_path / "long.yaml")
+
+
 def test_the_libraries_check_the_combination(tmp_path):
     from core.train.config import check_with_libraries
 
