@@ -454,3 +454,40 @@ def test_two_exports_to_one_path_leave_the_winners_sidecars(families, tmp_path):
     assert report["ok"] and report["mode"] == "quick"  # the winner's verification, not the loser's
     progress = read_progress(out)
     assert progress["phase"] == "done" and progress["pid"] == fast.pid, progress
+
+
+def _lie(model: Path, folder: Path, edit) -> Path:
+    """A copy of `model` whose single safetensors header says something its data does not hold."""
+    import shutil
+    import struct
+
+    shutil.copytree(model, folder)
+    path = next(folder.glob("*.safetensors"))
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    key = next(k for k in header if k != "__metadata__")
+    edit(header[key])
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n :])
+    return folder
+
+
+LIES = {
+    "offsets beyond the file": lambda v: v.update(data_offsets=[0, 10**12]),
+    "negative offset": lambda v: v.update(data_offsets=[-5, 100]),
+    "shape beyond its data": lambda v: v.update(shape=[10**6, 10**6]),
+}
+
+
+@pytest.mark.parametrize("lie", list(LIES))
+def test_a_lying_safetensors_header_is_one_sentence_and_nothing_is_written(families, tmp_path, lie):
+    """safetensors' own checks raised their trace halfway through the export and left its progress file."""
+    model = _lie(families["demo"], tmp_path / "model", LIES[lie])
+    out = tmp_path / "out"
+    out.mkdir()
+    p = _cli(["--model", str(model), "--out", str(out / "m.gguf")], dict(os.environ))
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert len(lines) == 1 and "is not a valid safetensors file" in lines[0], p.stderr
+    assert list(out.iterdir()) == []

@@ -7,11 +7,13 @@ the export's RAM near one tensor. Shapes and dtypes come from the file headers.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from core.files import read_bounded
 from core.plausible import ImplausibleConfig, check_model_config
 
 # HF architecture -> (llama.cpp architecture name, whether q/k rows get llama.cpp's rotary permutation).
@@ -121,6 +123,19 @@ def _read_header(path: Path) -> dict:
         for v in tensors.values()
     ):
         raise BadInput(f"{bad} (its header does not describe tensors): {fix}")
+    data = size - 8 - n
+    for key, v in tensors.items():  # what safetensors itself checks, as a sentence rather than its trace
+        offsets = v.get("data_offsets")
+        if not (
+            isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+            and 0 <= offsets[0] <= offsets[1] <= data
+        ):
+            raise BadInput(f"{bad} (tensor {key}'s data lies outside the file's {data:,} data bytes): {fix}")
+        size_of = ST_ITEMSIZE.get(v["dtype"])
+        if size_of is not None and math.prod(v["shape"]) * size_of != offsets[1] - offsets[0]:
+            raise BadInput(f"{bad} (tensor {key}'s shape {v['shape']} does not match its data): {fix}")
     return header
 
 
@@ -133,9 +148,11 @@ def open_source(model_dir: str | Path) -> Source:
     if not cfg_file.is_file():
         raise BadInput(f"{path} has no config.json, so it is not a Hugging Face model folder.")
     try:
-        config = json.loads(cfg_file.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        config = json.loads(read_bounded(cfg_file))  # a regular file of sane size
+    except (OSError, ValueError) as e:
         raise BadInput(f"{cfg_file} cannot be read as JSON ({e}).") from None
+    except RecursionError:
+        raise BadInput(f"{cfg_file} is nested too deeply to be a model config.") from None
     if not isinstance(config, dict):
         raise BadInput(f"{cfg_file} does not hold a JSON object, so it is not a model config.")
     try:  # before the vocabulary or any tensor is read: a lying size would allocate gigabytes
@@ -159,7 +176,14 @@ def open_source(model_dir: str | Path) -> Source:
 
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+        try:
+            weight_map = json.loads(read_bounded(index))["weight_map"]
+            files = sorted({path / f for f in weight_map.values()})
+        except (OSError, ValueError, RecursionError, KeyError, TypeError, AttributeError):
+            raise BadInput(
+                f"{index} is not a safetensors index (JSON with a weight_map of file names); copy or download it "
+                "again, or re-save the model with save_pretrained."
+            ) from None
     else:
         files = sorted(path.glob("*.safetensors"))
     if not files:
