@@ -47,3 +47,20 @@ def first_sentence(reason: str | None, empty: str = "No reason recorded.") -> st
     "Loss became NaN at step 9"), `empty` when there is none. For the pages that show one line of a reason."""
     line = next((ln.strip() for ln in (reason or "").splitlines() if ln.strip()), "")
     return line[:1].upper() + line[1:] if line else empty
+
+
+def run_piped(main) -> int:
+    """Run a CLI's `main()` whose output may go to `| head`: a reader that closes the pipe early ends the
+    program quietly (no BrokenPipeError trace), as Python's documentation recommends."""
+    import os
+    import sys
+
+    try:
+        code = main()
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        os.dup2(
+            os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno()
+        )  # the interpreter's last flush goes nowhere
+        return 1

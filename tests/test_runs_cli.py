@@ -155,3 +155,26 @@ def test_list_json_is_strict_json_when_a_loss_diverged(tmp_path):
         data = json.loads(out.stdout, parse_constant=refuse)  # Infinity / NaN are not JSON
         row = data[0] if isinstance(data, list) else data
         assert row["loss"] is None
+
+
+def test_list_into_a_pipe_its_reader_closes_early_ends_without_a_trace(tmp_path):
+    """`core.runs list | head -1` with more runs than a pipe buffers: no BrokenPipeError trace on stderr."""
+    import os
+
+    ws = tmp_path / "ws"
+    for i in range(1200):
+        run = ws / "runs" / f"run-{i:04d}"
+        run.mkdir(parents=True)
+        (run / "config.yaml").write_text("model: {path: m}\n")
+    env = dict(os.environ, LORA_COCKPIT_WORKSPACE=str(ws))
+    piped = subprocess.run(
+        ["bash", "-c", f"{sys.executable} -m core.runs list 2>{tmp_path / 'err'} | head -1"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert piped.stdout.startswith("NAME"), piped.stdout
+    err = (tmp_path / "err").read_text()
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from core.files import read_json_object, read_yaml_mapping
-from core.fmt import first_sentence, mem
+from core.fmt import first_sentence, mem, run_piped
 from core.runs import rundir
 from core.runs.admin import delete_run
 from core.runs.launcher import RunError, RunInfo, create_run, launch, list_runs, run_state, stop_run
@@ -239,4 +239,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_piped(main))
