@@ -338,6 +338,14 @@ def _config_nested(adapter: Path, base: Path):
     return base, adapter, (str(adapter / "adapter_config.json"), "nested too deeply")
 
 
+def _base_config_implausible(adapter: Path, base: Path):
+    # the export would carry this config.json on: refused as estimate, train and gguf refuse it
+    cfg = json.loads((base / "config.json").read_text())
+    cfg["hidden_size"] = 10**12
+    (base / "config.json").write_text(json.dumps(cfg))
+    return base, adapter, (str(base / "config.json"), "which no real model has")
+
+
 def _adapter_missing(adapter: Path, base: Path):
     missing = adapter.parent / "no-such-adapter"
     return base, missing, (str(missing), "does not exist", "--adapter")
@@ -358,6 +366,7 @@ BROKEN = [
     _adapter_missing,
     _alpha_nan,
     _config_nested,
+    _base_config_implausible,
 ]
 
 

@@ -22,6 +22,7 @@ from core.merge.shards import (
     BaseCheckpoint,
     itemsize,
 )
+from core.plausible import ImplausibleConfig, check_model_config
 
 
 @dataclass
@@ -170,6 +171,10 @@ def _read_base_config(base_dir: Path) -> dict:
     if not cfg_path.is_file():
         raise MergeError(f"{base_dir} has no config.json: point --base at a transformers model folder.")
     config = read_json_object(cfg_path, "restore it (copy or download the base model again).")
+    try:  # the export carries this config on: one that no real model has is refused, as every other tool does
+        check_model_config(config, str(cfg_path))
+    except ImplausibleConfig as exc:
+        raise MergeError(str(exc)) from None
     quant = config.get("quantization_config")
     if quant:
         method = quant.get("quant_method", "quantized") if isinstance(quant, dict) else "quantized"
