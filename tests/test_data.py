@@ -118,7 +118,7 @@ def test_bad_paths_say_what_to_do(tmp_path):
         load_rows({"path": str(tmp_path / "folder")})
 
 
-@pytest.mark.parametrize("kind", ["fifo", "device", "empty"])
+@pytest.mark.parametrize("kind", ["fifo", "device", "empty", "blank"])
 def test_a_data_path_that_is_no_file_of_rows_is_one_sentence_not_a_hang(tmp_path, kind):
     """A FIFO would block the reader for ever, /dev/zero would feed it without end, an empty file gave
     "StopIteration": each is one sentence, at once (in a child process, so that a hang fails the test)."""
@@ -132,7 +132,7 @@ def test_a_data_path_that_is_no_file_of_rows_is_one_sentence_not_a_hang(tmp_path
     elif kind == "device":
         path.symlink_to("/dev/zero")
     else:
-        path.write_text("")
+        path.write_text("" if kind == "empty" else "\n\n  \n")  # blank lines: datasets said "no data!"
     code = (
         "import sys\nfrom core.train.data import DataError, load_rows\n"
         f"try:\n    load_rows({{'path': {str(path)!r}}})\nexcept DataError as e:\n    print(e)\n    sys.exit(2)"
@@ -140,8 +140,17 @@ def test_a_data_path_that_is_no_file_of_rows_is_one_sentence_not_a_hang(tmp_path
     root = Path(__file__).resolve().parent.parent
     done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr[-2000:]
-    expected = "is empty" if kind == "empty" else "is not a regular file"
+    expected = "is empty" if kind in ("empty", "blank") else "is not a regular file"
     assert done.stdout.startswith(f"data.path: {path} {expected}"), done.stdout
+
+
+def test_a_broken_csv_names_the_parsers_reason(tmp_path):
+    """datasets wraps the CSV parser's error in "An error occurred while generating the dataset": the reason
+    under it is what the user can act on."""
+    path = tmp_path / "train.csv"
+    path.write_text('instruction,output\n"an unterminated quote,x\ny,z\n')
+    with pytest.raises(DataError, match="EOF inside string"):
+        load_rows({"path": str(path)})
 
 
 def test_preview_shows_formatted_rows_and_lengths(tmp_path, tok):

@@ -94,7 +94,8 @@ def load_rows(data_cfg: dict):
                 raise DataError(
                     f"data.path: {path} is not a regular file (a pipe, a device or a socket); give a data file."
                 )
-            if path.stat().st_size == 0:
+            size = path.stat().st_size
+            if size == 0 or (size < (1 << 20) and not path.read_bytes().strip()):
                 raise DataError(f"data.path: {path} is empty; give a file with training rows.")
         if kind in ("json", "csv"):  # pyarrow keeps invalid UTF-8 as it is and fails on the row much later
             for path in paths:
@@ -106,7 +107,7 @@ def load_rows(data_cfg: dict):
             if kind == "json":
                 for path in paths:
                     _check_json_lines(path)  # names the line; the loader's own error does not
-            first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+            first = _first_line(_root_cause(exc))
             raise DataError(f"data.path: could not read {', '.join(map(str, paths))}: {first}") from None
     renames = {user: expected for expected, user in (data_cfg.get("columns") or {}).items()}
     for user, expected in renames.items():
@@ -115,6 +116,19 @@ def load_rows(data_cfg: dict):
                 ds = ds.remove_columns(expected)
             ds = ds.rename_column(user, expected)
     return ds
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    """The library error under datasets' own "An error occurred while generating the dataset" (the parser's)."""
+    seen = 0
+    while (exc.__cause__ or exc.__context__) is not None and seen < 10:
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return exc
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:300] if text else type(exc).__name__
 
 
 def check_utf8(path: Path, block: int = 1 << 20) -> None:
