@@ -186,9 +186,20 @@ def other_owner(folder: str | os.PathLike) -> dict | None:
     return info if info["pid"] != os.getpid() and same_process(info) else None
 
 
-OWNER_FLAG = (
-    "--run-dir"  # how an owner's command line names its folder (core.train, its supervisor and ranks)
-)
+# How an owner's command line names its folder (core.train, its supervisor and ranks) ...
+OWNER_FLAG = "--run-dir"
+# ... and how a process of another machine of the run says so: machine K > 0 names the run folder too, but owns
+# only machines/machine-K inside it (core.train._run_machine), never the run
+MACHINE_FLAG = "--machine-rank"
+
+
+def _flag_value(argv: list[str], flag: str) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.partition("=")[2]
+    return None
 
 
 def find_owner(folder: str | os.PathLike, flag: str = OWNER_FLAG) -> dict | None:
@@ -201,6 +212,7 @@ def find_owner(folder: str | os.PathLike, flag: str = OWNER_FLAG) -> dict | None
     except (OSError, RuntimeError):
         return None
     found: dict[int, int] = {}  # pid -> parent pid
+    other_machine: set[int] = set()
     me = os.getpid()
     for proc in psutil.process_iter(["pid", "ppid", "cmdline"]):
         try:
@@ -214,9 +226,12 @@ def find_owner(folder: str | os.PathLike, flag: str = OWNER_FLAG) -> dict | None
                 path = Path(named) if os.path.isabs(named) else Path(proc.cwd()) / named
                 if path.resolve() == target:
                     found[pid] = proc.info["ppid"]
+                    if _flag_value(argv, MACHINE_FLAG) not in (None, "0"):
+                        other_machine.add(pid)
         except (psutil.Error, OSError, RuntimeError):
             continue
-    tops = [pid for pid, parent in found.items() if parent not in found]
+    # the topmost of each tree (its torchrun and ranks below it name the folder too), not another machine's
+    tops = [pid for pid, parent in found.items() if parent not in found and pid not in other_machine]
     infos = [
         {"pid": pid, "start_time": t, "session_leader": leads_session(pid), "host": this_host()}
         for pid in tops

@@ -11,6 +11,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 from test_page_monitor import failed_run, finished_run
 
+from core import procs
 from core.runs.admin import delete_run
 from core.runs.launcher import RunError
 from core.runs.rundir import write_status
@@ -33,7 +34,7 @@ def live_stand_in(workspace):
     run_dir.mkdir(parents=True)
     (run_dir / "config.yaml").write_text("model:\n  path: x\ndata:\n  path: y\n")
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    (run_dir / "pid").write_text(str(proc.pid))
+    procs.write_pid_info(run_dir, proc.pid)  # pid and start time, as a launcher records its trainer
     write_status(run_dir, state="running", step=3, max_steps=100)
     yield run_dir
     proc.kill()

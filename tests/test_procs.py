@@ -168,6 +168,10 @@ def test_an_owner_whose_lock_and_pid_files_were_deleted_is_found_by_its_command_
     info = run_state(folder)
     assert (info.state, info.alive, info.pid) == ("running", True, pid)
     assert procs.find_owner(tmp_path / "other") is None  # another folder names no owner
+    # machine 1 of a run on two machines names the run folder too, but owns only machines/machine-1 in it
+    second = tmp_path / "second"
+    _spawn_owner(second, owner_script, "term", "--run-dir", str(folder), "--machine-rank", "1")
+    assert procs.find_owner(folder)["pid"] == pid
     assert procs.stop(folder, grace_s=60) == "exited" and not procs.pid_alive(pid)
     assert not procs.alive(folder)
 
