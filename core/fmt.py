@@ -49,6 +49,13 @@ def first_sentence(reason: str | None, empty: str = "No reason recorded.") -> st
     return line[:1].upper() + line[1:] if line else empty
 
 
+def error_line(exc: BaseException, limit: int = 300) -> str:
+    """A library exception as one line for a message: its first line (at most `limit` characters), or its type's
+    name when it says nothing."""
+    text = str(exc).strip()
+    return text.splitlines()[0][:limit] if text else type(exc).__name__
+
+
 def run_piped(main) -> int:
     """Run a CLI's `main()` whose output may go to `| head`: a reader that closes the pipe early ends the
     program quietly (no BrokenPipeError trace), as Python's documentation recommends."""

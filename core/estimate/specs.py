@@ -24,6 +24,7 @@ from importlib import metadata
 from pathlib import Path
 
 from core.files import FileTooLarge, NotRegularFile, atomic_write_text, read_bounded
+from core.fmt import error_line
 from core.plausible import ImplausibleConfig, check_model_config
 
 PRESETS_FILE = Path(__file__).with_name("presets.json")
@@ -100,17 +101,17 @@ def _config_from_dict(fields: dict, where: str):
         raise SpecError(f"{where} has no 'model_type', so transformers cannot tell which architecture it is.")
     try:
         return AutoConfig.for_model(model_type, **fields)
-    except (ValueError, KeyError) as exc:
+    except (
+        Exception
+    ) as exc:  # ValueError / KeyError, and huggingface_hub's strict dataclass checks' own types
         if model_type not in _known_model_types():
             raise SpecError(
                 f"{where} has model_type '{model_type}', which this transformers version does not know; point at "
                 "a model folder of an architecture transformers supports (or upgrade transformers)."
             ) from None
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-        raise SpecError(f"{where} is not a valid {model_type} config ({first}); fix that file.") from None
-    except Exception as exc:  # huggingface_hub's strict dataclass checks raise their own types
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-        raise SpecError(f"{where} is not a valid {model_type} config ({first}); fix that file.") from None
+        raise SpecError(
+            f"{where} is not a valid {model_type} config ({error_line(exc, 200)}); fix that file."
+        ) from None
 
 
 def _known_model_types() -> set[str]:

@@ -12,6 +12,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from core.fmt import error_line
+
 IGNORE_INDEX = -100
 
 # A short Alpaca template (no preamble): the preamble only costs tokens and every model learns the markers.
@@ -107,7 +109,7 @@ def load_rows(data_cfg: dict):
             if kind == "json":
                 for path in paths:
                     _check_json_lines(path)  # names the line; the loader's own error does not
-            first = _first_line(_root_cause(exc))
+            first = error_line(_root_cause(exc))
             raise DataError(f"data.path: could not read {', '.join(map(str, paths))}: {first}") from None
     renames = {user: expected for expected, user in (data_cfg.get("columns") or {}).items()}
     for user, expected in renames.items():
@@ -124,11 +126,6 @@ def _root_cause(exc: BaseException) -> BaseException:
     while (exc.__cause__ or exc.__context__) is not None and seen < 10:
         exc, seen = exc.__cause__ or exc.__context__, seen + 1
     return exc
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:300] if text else type(exc).__name__
 
 
 def check_utf8(path: Path, block: int = 1 << 20) -> None:

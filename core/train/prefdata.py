@@ -21,6 +21,7 @@ from __future__ import annotations
 import reprlib
 from typing import Any
 
+from core.fmt import error_line
 from core.train.data import DataError, load_rows, split_eval
 from core.train.findings import (
     Finding,
@@ -437,7 +438,7 @@ def _scan_pairs(rows, fmt: str, tokenizer, max_length: int, vocab, max_pos) -> d
         try:
             p, c, r = pair_token_ids(pair, tokenizer)
         except Exception as exc:  # a chat template that raises on this conversation, an odd tokenizer
-            first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+            first = error_line(exc, 200)
             structure.setdefault("format", ([], f"Row {n} cannot be rendered or tokenized: {first}."))[
                 0
             ].append(n)
