@@ -196,6 +196,8 @@ def parse_yaml(text: str, where: str = "the run config") -> Any:
         raise YamlError(f"{where} is not valid YAML{at} ({problem}).") from None
     except RecursionError:
         raise YamlError(f"{where} is nested too deeply to be a run config.") from None
+    except YamlError:  # the alias refusal above: already the sentence to show
+        raise
     except ValueError:  # an integer of more digits than Python converts (sys.set_int_max_str_digits)
         digits = sys.get_int_max_str_digits()
         raise YamlError(

@@ -86,8 +86,8 @@ def test_a_trainer_whose_lock_and_pid_files_were_deleted_keeps_its_run(workspace
 
 
 def test_a_folder_of_the_users_own_files_is_not_a_run_dir(workspace, tiny_llama):
-    """core.train into an existing folder that is no run but holds a config.yaml (not the one trained) or a
-    plan.json: refused, both files untouched."""
+    """core.train into an existing folder that is no run but holds a config.yaml (not the one trained): refused,
+    its files untouched."""
     folder = workspace / "mine"
     folder.mkdir()
     (folder / "config.yaml").write_text("my_own_config: important\n")
@@ -102,7 +102,7 @@ def test_a_folder_of_the_users_own_files_is_not_a_run_dir(workspace, tiny_llama)
         text=True,
         timeout=240,
     )
-    assert out.returncode == 2 and "already holds config.yaml and plan.json" in out.stderr, out.stderr[-2000:]
+    assert out.returncode == 2 and "already holds a config.yaml of its own" in out.stderr, out.stderr[-2000:]
     assert _tree_digest(folder) == before
 
 

@@ -388,24 +388,17 @@ def check_run_dir(run_dir: Path, resume: bool, config_path: Path | None = None) 
     """Refuse (touching nothing) a run directory that is a file, or one that already trained without --resume:
     a second run into it would truncate its metrics and mix old and new checkpoints. A failed start's leftovers
     (is_leftover) are not a run: a new one may start there. A folder that is no run (none of its status, pid,
-    lock) but holds a config.yaml other than `config_path`, or a plan.json, is the user's: a run would overwrite
-    them."""
+    lock, smoke.json) but holds a config.yaml other than `config_path` is the user's: a run would overwrite it."""
     if run_dir.exists() and not run_dir.is_dir():
         raise RunRefused(f"--run-dir {run_dir} is a file, not a folder: give a new folder for the run.")
     if resume or not run_dir.is_dir() or is_leftover(run_dir):
         return
-    if not any((run_dir / name).exists() for name in (STATUS, PID, LOCK)):
-        theirs = [
-            name
-            for name in (CONFIG, PLAN)
-            if (run_dir / name).exists()
-            and not (name == CONFIG and config_path is not None and _same_file(run_dir / name, config_path))
-        ]
-        if theirs:
-            raise RunRefused(
-                f"--run-dir {run_dir} already holds {' and '.join(theirs)}, which a run would overwrite: give a "
-                "new or empty folder for the run."
-            )
+    mine = (run_dir / CONFIG).exists() and not (config_path and _same_file(run_dir / CONFIG, config_path))
+    if mine and not any((run_dir / name).exists() for name in (STATUS, PID, LOCK, SMOKE)):
+        raise RunRefused(
+            f"--run-dir {run_dir} already holds a {CONFIG} of its own, which a run would overwrite: give a new or "
+            "empty folder for the run."
+        )
     status = read_status(run_dir) or {}
     owner = procs.other_owner(run_dir)
     if owner:
