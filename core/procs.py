@@ -217,17 +217,15 @@ def find_owner(folder: str | os.PathLike, flag: str = OWNER_FLAG) -> dict | None
     for proc in psutil.process_iter(["pid", "ppid", "cmdline"]):
         try:
             argv, pid = proc.info["cmdline"] or [], proc.info["pid"]
-            if pid == me or not any(a == flag or a.startswith(flag + "=") for a in argv):
+            named = _flag_value(argv, flag)
+            # cheap tests first: the process's cwd and a resolve only for a matching folder name
+            if pid == me or not named or Path(named).name != target.name:
                 continue
-            for i, arg in enumerate(argv):
-                named = argv[i + 1] if arg == flag and i + 1 < len(argv) else arg.partition("=")[2]
-                if not (arg == flag or arg.startswith(flag + "=")) or Path(named).name != target.name:
-                    continue
-                path = Path(named) if os.path.isabs(named) else Path(proc.cwd()) / named
-                if path.resolve() == target:
-                    found[pid] = proc.info["ppid"]
-                    if _flag_value(argv, MACHINE_FLAG) not in (None, "0"):
-                        other_machine.add(pid)
+            path = Path(named) if os.path.isabs(named) else Path(proc.cwd()) / named
+            if path.resolve() == target:
+                found[pid] = proc.info["ppid"]
+                if _flag_value(argv, MACHINE_FLAG) not in (None, "0"):
+                    other_machine.add(pid)
         except (psutil.Error, OSError, RuntimeError):
             continue
     # the topmost of each tree (its torchrun and ranks below it name the folder too), not another machine's
