@@ -8,7 +8,9 @@ the lock the instant the process dies, so a dead owner is seen dead at once and 
 FOLDER/pid records the owner's pid, its start time and whether it leads its own session: the pair (pid, start
 time) names one process for ever (a reused pid does not match), so it is what `stop` signals, and it keeps
 ownership when someone deletes the lock file ("a stale lock"): `alive` and `claim` check both. When both files
-are gone, the owner is still found by its command line, which names the folder (`find_owner`).
+are gone, the owner is still found by its command line, which names the folder (`find_owner`). Either way an
+owner is a process that holds the folder's lock open (`holds_lock`): a forged pid file, a wrapper that names the
+folder (`timeout 300 python -m core.train … --run-dir D`) or a second start still waiting for the lock is none.
 
 Stopping. SIGTERM goes to the owner alone, never to the process group of whoever started it (a trainer started
 as `core.train … | tee log` shares the shell job's group: signalling that group would kill tee and the shell).
@@ -177,20 +179,58 @@ def _try_flock(fd: int) -> bool:
         return False
 
 
-def other_owner(folder: str | os.PathLike) -> dict | None:
-    """The recorded owner (pid info) when it is another process that still runs, else None. Without a record (its
-    pid file deleted), a live process whose command line names the folder."""
+def other_owner(folder: str | os.PathLike, mine: int | None = None) -> dict | None:
+    """The recorded owner (pid info) when it is another process that still runs and holds the folder's lock open,
+    else None. Without a record (its pid file deleted), a live process whose command line names the folder and
+    that holds the folder's lock. `mine`: the lock descriptor this process holds (claim), never another's."""
     info = read_pid_info(folder)
     if info is None:
-        return find_owner(folder)
-    return info if info["pid"] != os.getpid() and same_process(info) else None
+        return find_owner(folder, mine=mine)
+    if info["pid"] == os.getpid() or not same_process(info) or not holds_lock(info["pid"], folder, mine):
+        return None
+    return info
 
 
-# How an owner's command line names its folder (core.train, its supervisor and ranks) ...
+def holds_lock(pid: int, folder: str | os.PathLike, mine: int | None = None) -> bool:
+    """The process has the folder's lock file open -- the one there now, or one deleted under it -- and that file
+    is locked: what every owner does for its whole life, and what a process that only names the folder (its
+    wrapper, a second start still waiting for the lock, an unrelated pid written into a forged pid file) does not.
+    The file `mine` (this process's own lock descriptor) never counts. Where /proc cannot be read (another OS),
+    every process counts, as before this check."""
+    lock = os.path.abspath(Path(folder) / LOCK)
+    fd_dir = f"/proc/{pid}/fd"
+    try:
+        fds = os.listdir(fd_dir)
+    except PermissionError:
+        return True  # another user's process: it may be the owner, and nothing here can signal it anyway
+    except OSError:
+        return not os.path.isdir("/proc/self/fd")
+    own = None
+    if mine is not None:
+        with contextlib.suppress(OSError):
+            st = os.fstat(mine)
+            own = (st.st_dev, st.st_ino)
+    for name in fds:
+        path = f"{fd_dir}/{name}"
+        try:
+            if os.readlink(path) not in (lock, lock + " (deleted)"):
+                continue
+            st = os.stat(path)
+            if (st.st_dev, st.st_ino) == own:
+                continue
+            probe = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            if not _try_flock(probe):
+                return True  # somebody holds it: this process, which has it open (a deleted file has no other)
+        finally:
+            os.close(probe)  # a probe that got the lock lets go of it at once
+    return False
+
+
+# How an owner's command line names its folder (core.train, its supervisor and ranks)
 OWNER_FLAG = "--run-dir"
-# ... and how a process of another machine of the run says so: machine K > 0 names the run folder too, but owns
-# only machines/machine-K inside it (core.train._run_machine), never the run
-MACHINE_FLAG = "--machine-rank"
 
 
 def _flag_value(argv: list[str], flag: str) -> str | None:
@@ -202,40 +242,42 @@ def _flag_value(argv: list[str], flag: str) -> str | None:
     return None
 
 
-def find_owner(folder: str | os.PathLike, flag: str = OWNER_FLAG) -> dict | None:
+def find_owner(folder: str | os.PathLike, flag: str = OWNER_FLAG, mine: int | None = None) -> dict | None:
     """The pid info of the live process of this machine that owns `folder` by its command line (`flag FOLDER` or
-    `flag=FOLDER`, relative to its working directory), when the folder's own records are gone: the topmost such
-    process (a supervisor above its ranks), the oldest if several. This process never counts. A scan of this
-    user's processes: only for a folder without a pid record."""
+    `flag=FOLDER`, relative to its working directory) when the folder's own records are gone: one that holds the
+    folder's lock (holds_lock), the oldest if several. This process and its ancestors never count (a wrapper such
+    as `timeout` or `/usr/bin/time` names the folder too), nor does a process of another machine of the run
+    (machine K > 0 names the run folder but holds only machines/machine-K's lock). A scan of this user's
+    processes: only for a folder without a pid record."""
     try:
         target = Path(folder).resolve()
     except (OSError, RuntimeError):
         return None
-    found: dict[int, int] = {}  # pid -> parent pid
-    other_machine: set[int] = set()
-    me = os.getpid()
-    for proc in psutil.process_iter(["pid", "ppid", "cmdline"]):
+    me = psutil.Process()
+    skip = {me.pid, *(p.pid for p in _parents(me))}
+    infos = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
         try:
             argv, pid = proc.info["cmdline"] or [], proc.info["pid"]
             named = _flag_value(argv, flag)
             # cheap tests first: the process's cwd and a resolve only for a matching folder name
-            if pid == me or not named or Path(named).name != target.name:
+            if pid in skip or not named or Path(named).name != target.name:
                 continue
             path = Path(named) if os.path.isabs(named) else Path(proc.cwd()) / named
-            if path.resolve() == target:
-                found[pid] = proc.info["ppid"]
-                if _flag_value(argv, MACHINE_FLAG) not in (None, "0"):
-                    other_machine.add(pid)
+            if path.resolve() != target or not holds_lock(pid, target, mine):
+                continue
         except (psutil.Error, OSError, RuntimeError):
             continue
-    # the topmost of each tree (its torchrun and ranks below it name the folder too), not another machine's
-    tops = [pid for pid, parent in found.items() if parent not in found and pid not in other_machine]
-    infos = [
-        {"pid": pid, "start_time": t, "session_leader": leads_session(pid), "host": this_host()}
-        for pid in tops
-        if (t := process_start_time(pid)) is not None
-    ]
+        if (t := process_start_time(pid)) is not None:
+            infos.append({"pid": pid, "start_time": t, "session_leader": leads_session(pid), "host": this_host()})
     return min(infos, key=lambda i: i["start_time"]) if infos else None
+
+
+def _parents(proc: psutil.Process) -> list[psutil.Process]:
+    try:
+        return proc.parents()
+    except psutil.Error:
+        return []
 
 
 def claim(folder: str | os.PathLike, wait_s: float = 1.0, label: str | None = None) -> int:
@@ -249,7 +291,7 @@ def claim(folder: str | os.PathLike, wait_s: float = 1.0, label: str | None = No
     while True:
         owner = None
         if _try_flock(fd):
-            owner = other_owner(folder)
+            owner = other_owner(folder, mine=fd)
             if owner is None:
                 return fd
         if time.monotonic() > deadline:
@@ -397,6 +439,8 @@ def stop(folder: str | os.PathLike, grace_s: float = 60.0) -> str | None:
     if not info or info["pid"] == os.getpid() or not same_process(info):
         return None
     pid = info["pid"]
+    if not holds_lock(pid, folder):
+        return None  # a pid file naming a process that does not own the folder (forged, or a stale copy)
     tree = _tree(pid)
     if not tree:
         return None

@@ -306,3 +306,96 @@ def test_stale_temps_are_removed_only_when_marked_and_their_owner_is_gone(tmp_pa
     assert unmarked.is_dir() and other.is_dir() and mine.is_dir()
     procs.unmark_temp(mine)  # this process no longer works in it (a failed rename, say)
     assert procs.clean_stale_temps(tmp_path, ".out.*.partial") == [mine]
+
+
+# A start as core.train does it when no launcher handed it a lock: wait for the go file (so that racing starts meet
+# at claim), claim, record, say "owner" and hold; or print the refusal and exit 2.
+STARTER = """
+import os, sys, time
+from core import procs
+
+folder, go = sys.argv[1], sys.argv[2]
+while not os.path.exists(go):
+    time.sleep(0.005)
+try:
+    fd = procs.claim(folder)
+except procs.Busy as exc:
+    print(exc, flush=True)
+    sys.exit(2)
+procs.write_pid_info(folder)
+print("owner", flush=True)
+time.sleep(300)
+"""
+
+
+def _start(tmp_path, folder: Path, go: Path, *wrapper: str) -> subprocess.Popen:
+    script = tmp_path / "starter.py"
+    script.write_text(STARTER)
+    argv = [*wrapper, sys.executable, str(script), str(folder), str(go), procs.OWNER_FLAG, str(folder)]
+    return subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, text=True)
+
+
+@pytest.mark.parametrize(
+    "wrapper",
+    [("timeout", "300"), ("sh", "-c", 'timeout 300 "$@"; true', "sh")],
+    ids=["timeout", "a-shell-that-forks"],
+)
+def test_a_start_under_a_wrapper_that_names_the_folder_owns_it(tmp_path, wrapper):
+    """#42: `timeout 300 python -m core.train … --run-dir D` refused itself, its wrapper `timeout` counting as the
+    folder's owner. A process's own ancestors never own its folder."""
+    folder, go = tmp_path / "wrapped", tmp_path / "go"
+    folder.mkdir()
+    go.touch()
+    proc = _start(tmp_path, folder, go, *wrapper)
+    try:
+        assert proc.stdout.readline().strip() == "owner"
+        info = procs.read_pid_info(folder)
+        assert procs.alive(folder) and info["pid"] != proc.pid  # the trainer, not its wrapper
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_of_two_starts_at_once_exactly_one_owns_the_folder_and_the_other_names_it(tmp_path):
+    """#42: two starts on one folder at the same moment both refused, each naming the other (each saw the other's
+    command line). The one that takes the lock owns it; the other waits, then refuses naming the winner."""
+    for attempt in range(10):
+        folder, go = tmp_path / f"race-{attempt}", tmp_path / f"go-{attempt}"
+        folder.mkdir()
+        pair = [_start(tmp_path, folder, go) for _ in range(2)]
+        try:
+            time.sleep(0.3)  # both past their imports, polling for the go file
+            go.touch()
+            first = [p.stdout.readline().strip() for p in pair]
+            winners = [p for p, line in zip(pair, first, strict=True) if line == "owner"]
+            assert len(winners) == 1, (attempt, first)
+            loser = next(p for p in pair if p is not winners[0])
+            assert loser.wait(30) == 2
+            assert f"(pid {winners[0].pid})" in next(line for line in first if line != "owner")
+            assert procs.read_pid_info(folder)["pid"] == winners[0].pid and procs.alive(folder)
+        finally:
+            for p in pair:
+                p.kill()
+                p.wait()
+
+
+def test_a_pid_file_naming_an_unrelated_live_process_is_no_owner(tmp_path):
+    """#42: a pid file forged with the pid and start time of a live `sleep` made the folder read alive, and a stop
+    would have signalled that sleep. An owner holds the folder's lock open; the sleep does not."""
+    folder = tmp_path / "forged"
+    folder.mkdir()
+    (folder / procs.LOCK).touch()
+    other = subprocess.Popen(["sleep", "300"])
+    try:
+        procs.write_pid_info(folder, other.pid)
+        assert procs.same_process(procs.read_pid_info(folder))  # the record names that process exactly
+        assert not procs.alive(folder)
+        assert procs.stop(folder, grace_s=1) is None and other.poll() is None
+        fd = procs.claim(folder, wait_s=0.2)  # a new owner gets in
+        os.close(fd)
+        rundir.write_status(folder, state="running", step=3)
+        info = run_state(folder)
+        assert (info.state, info.alive) == ("failed", False)
+    finally:
+        other.kill()
+        other.wait()

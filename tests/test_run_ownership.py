@@ -144,6 +144,55 @@ def test_two_racing_launches_start_one_trainer(workspace, tiny_llama):
     assert stop_run(run_dir, grace_s=120) == "stopped"
 
 
+def _trainer(cfg_path: Path, run_dir: Path, *wrapper: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [*wrapper, sys.executable, "-m", "core.train", str(cfg_path), "--run-dir", str(run_dir)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def test_a_trainer_under_a_wrapper_trains(workspace, tiny_llama):
+    """#42: `timeout 300 python -m core.train …` exited 2 naming `timeout` (which names the run folder) as the
+    run's owner; so did `/usr/bin/time -v` and any wrapper that forks."""
+    cfg_path = workspace / "wrapped.yaml"
+    cfg_path.write_text(yaml.safe_dump(validate_config(run_config(workspace, tiny_llama, max_steps=4))))
+    run_dir = workspace / "runs" / "wrapped"
+    proc = _trainer(cfg_path, run_dir, "timeout", "300")
+    out, err = proc.communicate(timeout=280)
+    assert proc.returncode == 0, err
+    assert run_state(run_dir).state == "finished" and rundir.read_status(run_dir)["step"] == 4
+
+
+def test_two_trainers_started_at_once_train_once(workspace, tiny_llama):
+    """#42: two `core.train … --run-dir D` started together could both refuse, each naming the other, leaving a
+    folder with only its lock. Exactly one trains; the other refuses naming the winner's pid."""
+    cfg_path = workspace / "twice.yaml"
+    cfg_path.write_text(yaml.safe_dump(validate_config(run_config(workspace, tiny_llama, max_steps=2000))))
+    run_dir = workspace / "runs" / "twice"
+    pair = [_trainer(cfg_path, run_dir) for _ in range(2)]
+    try:
+        loser = next(p for p in _first_to_end(pair, 240))
+        winner = next(p for p in pair if p is not loser)
+        err = loser.stderr.read()
+        assert loser.returncode == 2 and f"(pid {winner.pid})" in err and "Traceback" not in err, err
+        assert wait_until(lambda: run_state(run_dir).state == "running", 180)
+        assert run_state(run_dir).pid == winner.pid
+        assert _runs_cli(workspace, "stop", "twice").returncode == 0
+    finally:
+        for p in pair:
+            p.kill()
+            p.wait()
+
+
+def _first_to_end(procs_, timeout):
+    assert wait_until(lambda: any(p.poll() is not None for p in procs_), timeout), "neither refused"
+    return (p for p in procs_ if p.poll() is not None)
+
+
 def test_stop_then_immediate_resume(workspace, tiny_llama):
     run_dir = create_run(workspace, "again", run_config(workspace, tiny_llama, max_steps=2000, save_steps=5))
     launch(run_dir)
