@@ -222,8 +222,9 @@ def holds_lock(pid: int, folder: str | os.PathLike, mine: int | None = None) -> 
         except OSError:
             continue
         try:
+            # held: by this process, which has it open (a file deleted under its owner has no other holder)
             if not _try_flock(probe):
-                return True  # somebody holds it: this process, which has it open (a deleted file has no other)
+                return True
         finally:
             os.close(probe)  # a probe that got the lock lets go of it at once
     return False
@@ -269,7 +270,9 @@ def find_owner(folder: str | os.PathLike, flag: str = OWNER_FLAG, mine: int | No
         except (psutil.Error, OSError, RuntimeError):
             continue
         if (t := process_start_time(pid)) is not None:
-            infos.append({"pid": pid, "start_time": t, "session_leader": leads_session(pid), "host": this_host()})
+            infos.append(
+                {"pid": pid, "start_time": t, "session_leader": leads_session(pid), "host": this_host()}
+            )
     return min(infos, key=lambda i: i["start_time"]) if infos else None
 
 
