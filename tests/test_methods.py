@@ -55,6 +55,7 @@ def test_each_method_names_its_libraries_classes():
         "sft": ("SFTConfig", "SFTTrainer"),
         "dpo": ("DPOConfig", "DPOTrainer"),
         "kto": ("KTOConfig", "KTOTrainer"),
+        "grpo": ("GRPOConfig", "GRPOTrainer"),
     }
 
 

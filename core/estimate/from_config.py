@@ -74,8 +74,8 @@ def plan_for_config(
         # DPO/KTOConfig.disable_dropout (default on) sets every nn.Dropout to p=0, LoRA's too: an identity then
         lora_dropout=0.0 if preference and t.get("disable_dropout", True) else lo["lora_dropout"],
         target_modules=targets if isinstance(targets, str) else ",".join(targets),
-        batch_size=method.smoke_batch_size if smoke else (batch_size or t["per_device_train_batch_size"]),
-        seq_len=t["max_length"],
+        batch_size=method.smoke_batch(cfg) if smoke else (batch_size or t["per_device_train_batch_size"]),
+        seq_len=method.sequence_length(cfg),
         gradient_checkpointing=checkpointing(cfg),
         attn=PLAN_ATTN.get(cfg["model"]["attn_implementation"], cfg["model"]["attn_implementation"]),
         optim=t["optim"],

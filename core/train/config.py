@@ -31,6 +31,7 @@ from typing import Any
 from core import files
 from core.files import YamlError, atomic_write_text, read_yaml
 from core.train import distributed, methods, schema
+from core.train import rewards as reward_specs
 from core.train.config_keys import (
     ALIASES,
     COLUMN_KEYS,
@@ -68,6 +69,7 @@ def section_schema(section: str, method: str = "sft") -> dict[str, dict]:
         fields["enabled"] = {"kinds": ["bool"]}
     if section == "training":
         fields.update(OWN_TRAINING)
+        fields.update(methods.get(method).own_training)
     for key in OWNED.get(section, {}):
         fields.pop(key, None)
     return fields
@@ -221,8 +223,21 @@ def field_errors(raw: Any, here: bool = True) -> tuple[dict, dict[str, str]]:
         method = "sft"
     cfg["method"] = method
     cfg["training"].update(methods.get(method).defaults)
+    known = section_schema("training", method)
+    for key in [k for k in cfg["training"] if k not in known]:
+        del cfg["training"][
+            key
+        ]  # a cockpit default this method's TRL config has no key for (GRPO: max_length)
+    if methods.get(method).name == "grpo":
+        cfg["rewards"] = copy.deepcopy(raw.get("rewards"))
+        errors.update(reward_specs.problems(cfg["rewards"]))
+    elif "rewards" in raw:
+        errors["rewards"] = (
+            f"rewards: reward functions are for method grpo (this run's method is {method}): drop the section or "
+            "set method: grpo."
+        )
     for top, values in raw.items():
-        if top == "method":
+        if top in ("method", "rewards"):
             continue
         if top not in SECTIONS:
             near = difflib.get_close_matches(str(top), TOP_LEVEL, n=1, cutoff=0.6)
@@ -354,6 +369,10 @@ def _combination_problem(cfg: dict) -> tuple[str, str] | None:
             f"training.per_device_train_batch_size must be at least {method.smoke_batch_size} for method "
             f"{method.name}: {method.trainer_name} estimates its KL term from the other rows of a batch.",
         )
+    if method.name == "grpo":
+        problem = _grpo_problem(cfg)
+        if problem:
+            return problem
     if q.get("load_in_4bit") and not cfg["lora"]["enabled"]:
         return (
             "quantization.load_in_4bit",
@@ -363,8 +382,59 @@ def _combination_problem(cfg: dict) -> tuple[str, str] | None:
     return distributed.combination_problem(cfg)
 
 
+def _grpo_problem(cfg: dict) -> tuple[str, str] | None:
+    """What trl.GRPOConfig would refuse with a traceback, said in the run config's words."""
+    t = cfg["training"]
+    g = t.get("num_generations", 8)
+    if not isinstance(g, int) or g < 2:
+        return (
+            "training.num_generations",
+            f"training.num_generations must be at least 2 (got {g!r}): GRPO compares each completion with the "
+            "others of its prompt's group.",
+        )
+    weights = t.get("reward_weights")
+    if weights is not None and len(weights) != len(cfg["rewards"]):
+        return (
+            "training.reward_weights",
+            f"training.reward_weights has {len(weights)} weights for {len(cfg['rewards'])} reward functions "
+            f"({', '.join(reward_specs.names(cfg['rewards']))}): give one weight per reward, in the same order.",
+        )
+    if t.get("generation_batch_size") is not None and t.get("steps_per_generation") is not None:
+        return (
+            "training.steps_per_generation",
+            "training.generation_batch_size and training.steps_per_generation both set: TRL takes one of them.",
+        )
+    batch = t["per_device_train_batch_size"] * distributed.world_size(cfg)
+    if t.get("generation_batch_size") is not None:
+        generation = t["generation_batch_size"]
+        if generation % batch:
+            return (
+                "training.generation_batch_size",
+                f"training.generation_batch_size {generation} must be a multiple of the global batch size {batch} "
+                "(per_device_train_batch_size x GPUs).",
+            )
+    else:
+        steps = t.get("steps_per_generation") or t["gradient_accumulation_steps"]
+        generation = batch * steps
+    if generation % g:
+        options = [b for b in range(g, 4 * g + 1, g)]
+        return (
+            "training.num_generations",
+            f"The generation batch ({generation} completions: per_device_train_batch_size "
+            f"{t['per_device_train_batch_size']} x {distributed.world_size(cfg)} GPU(s) x "
+            f"{t.get('steps_per_generation') or t['gradient_accumulation_steps']} steps per generation) must divide "
+            f"by training.num_generations {g}: set per_device_train_batch_size to a multiple of {g} (e.g. "
+            f"{', '.join(map(str, options[:3]))}) or num_generations to a divisor of {generation}.",
+        )
+    return None
+
+
 def _missing_here(cfg: dict) -> tuple[str, str] | None:
     """What this machine lacks for the config (a setting valid elsewhere)."""
+    if cfg["training"].get("use_vllm"):
+        problem = _vllm_problem()
+        if problem:
+            return "training.use_vllm", problem
     if cfg["training"].get("use_liger_kernel") and importlib.util.find_spec("liger_kernel") is None:
         return (
             "training.use_liger_kernel",
@@ -372,6 +442,22 @@ def _missing_here(cfg: dict) -> tuple[str, str] | None:
             "set it to false on this machine.",
         )
     return distributed.missing_here(cfg)
+
+
+def _vllm_problem() -> str | None:
+    """Why GRPO cannot generate with vLLM on this machine, or None."""
+    if importlib.util.find_spec("vllm") is None:
+        return (
+            "training.use_vllm needs the vllm package (pip install vllm, on a machine with a CUDA GPU); set it to "
+            "false to generate with transformers."
+        )
+    import torch
+
+    if not torch.cuda.is_available():
+        return (
+            "training.use_vllm needs a CUDA GPU (vLLM does not run on this machine's CPU); set it to false."
+        )
+    return None
 
 
 def checkpointing(cfg: dict) -> bool:

@@ -13,7 +13,8 @@ METHODS = methods.NAMES
 SECTIONS = ("model", "quantization", "lora", "data", "training", "distributed")
 
 
-TOP_LEVEL = ("method", *SECTIONS)
+# rewards: a GRPO run's reward functions, a list (core.train.rewards checks it)
+TOP_LEVEL = ("method", *SECTIONS, "rewards")
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")

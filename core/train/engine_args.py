@@ -68,7 +68,8 @@ def training_args(
     method = methods.get(cfg)
     args_class = method.config_class()
 
-    t = {k: v for k, v in cfg["training"].items() if k not in OWN_TRAINING}  # the cockpit's own keys
+    own = {**OWN_TRAINING, **method.own_training}
+    t = {k: v for k, v in cfg["training"].items() if k not in own}  # the cockpit's own keys
     if prec is not None:
         t["bf16"], t["fp16"] = prec.bf16, prec.fp16
     else:
@@ -111,9 +112,16 @@ def training_args(
             # one full row at batch size 1 is the same tensor padded or not; SmokeCollator fills it to max_length
             # (TRL takes no custom collator with padding-free batches)
             t.update(padding_free=False, packing=False, max_length=cfg["training"]["max_length"])
+        if "max_completion_length" in args_class.__dataclass_fields__:
+            # GRPO: every completion as long as the run allows (min_new_tokens), so the step is the longest one
+            t["generation_kwargs"] = {
+                **(t.get("generation_kwargs") or {}),
+                "min_new_tokens": t.get("max_completion_length", 256),
+            }
+            t.update(generation_batch_size=None, steps_per_generation=None, num_iterations=1)
         t.update(
-            per_device_train_batch_size=method.smoke_batch_size,
-            per_device_eval_batch_size=method.smoke_batch_size,
+            per_device_train_batch_size=method.smoke_batch(cfg),
+            per_device_eval_batch_size=method.smoke_batch(cfg),
             gradient_accumulation_steps=1,
             max_steps=1,
             logging_steps=1,

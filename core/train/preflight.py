@@ -24,9 +24,10 @@ from core.train.findings import (  # noqa: F401  (the names callers take from he
 )
 
 
-def run_preflight(cfg: dict, tokenizer=None, model_config=None) -> list[Finding]:
-    """All findings for a validated run config, by its method; an empty list means the data is ready."""
-    return methods.get(cfg).preflight(cfg, tokenizer, model_config)
+def run_preflight(cfg: dict, tokenizer=None, model_config=None, in_trainer: bool = False) -> list[Finding]:
+    """All findings for a validated run config, by its method; an empty list means the data is ready.
+    in_trainer: the trainer process asks (a GRPO run's own reward code is tried there, never in the app)."""
+    return methods.get(cfg).preflight(cfg, tokenizer, model_config, in_trainer)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,7 +21,7 @@ from pathlib import Path
 from core.files import atomic_write_text
 from core.train import methods
 
-FORMAT = 3  # bump when the schema's shape changes (2: training_dpo, 3: training_kto)
+FORMAT = 4  # bump when the schema's shape changes (2: training_dpo, 3: training_kto, 4: training_grpo)
 PACKAGES = ("trl", "transformers", "peft")
 # Values the libraries check only inside their constructors; listed so a typo is caught before any import.
 KNOWN_CHOICES = {("quantization", "bnb_4bit_quant_type"): ["nf4", "fp4"]}
@@ -53,9 +53,7 @@ def library_schema() -> dict[str, dict[str, dict]]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         if isinstance(data, dict) and {
-            "training",
-            "training_dpo",
-            "training_kto",
+            *(m.schema_section for m in methods.REGISTRY.values()),
             "lora",
             "quantization",
         } <= set(data):

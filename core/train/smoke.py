@@ -123,8 +123,8 @@ def finish_smoke(cfg: dict, prec: Precision, run_dir: Path, peak: dict, callback
         "device": prec.device.label,
         "estimate_bytes": plan.get("tensor_peak_bytes"),
         "estimate_reserved_bytes": plan.get("reserved_peak_bytes"),
-        "max_length": cfg["training"]["max_length"],
-        "batch_size": methods.get(cfg).smoke_batch_size,
+        "max_length": cfg["training"].get("max_length"),
+        "batch_size": methods.get(cfg).smoke_batch(cfg),
     }
     rundir.write_smoke(run_dir, result)
     with contextlib.suppress(OSError):  # the Trainer made an output folder that stays empty in smoke mode

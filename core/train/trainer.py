@@ -31,6 +31,7 @@ from core.train.data import DataError
 from core.train.engine_args import bnb_config, lora_config, training_args
 from core.train.preflight import check_model_folder, has_errors, run_preflight
 from core.train.resume import check_resume, keep_new_hyperparameters, record_config
+from core.train.rewards import RewardError
 from core.train.smoke import finish_smoke, measure_peak
 
 EXIT_BAD_INPUT, EXIT_FAILED, EXIT_STOPPED = 2, 1, 0
@@ -106,13 +107,14 @@ def make_trainer(
         args=args,
         train_dataset=train_ds,
         eval_dataset=eval_ds,
-        data_collator=collator,
         processing_class=tokenizer,
         peft_config=lora_config(cfg),
         callbacks=list(callbacks),
     )
+    if collator is not None:  # GRPOTrainer batches its own generations and takes no collator
+        kwargs["data_collator"] = collator
     method = methods.get(cfg)
-    kwargs.update(method.trainer_kwargs(cfg, lambda path: load_model(cfg, prec, path=path)))
+    kwargs.update(method.trainer_kwargs(cfg, lambda path: load_model(cfg, prec, path=path), train_ds))
     trainer = method.trainer_class()(**kwargs)
     _fp32_trainable(trainer.model, prec)
     return trainer
@@ -491,7 +493,7 @@ def _setup_data(cfg: dict):
     model_config = transformers.AutoConfig.from_pretrained(
         m["path"], trust_remote_code=m["trust_remote_code"]
     )
-    findings = run_preflight(cfg, tokenizer, model_config)
+    findings = run_preflight(cfg, tokenizer, model_config, in_trainer=True)
     for f in findings:
         print(f"preflight: {f}", flush=True)
     if has_errors(findings):
@@ -520,9 +522,9 @@ def _train(
     method, t = methods.get(cfg), cfg["training"]
     # one process samples its GPU; the ranks of a run on several are sampled by their supervisor
     sampler = _gpu_sampler(run_dir) if ranks.spec() is None else None
-    collator = method.smoke_collator(tokenizer.pad_token_id, t["max_length"]) if smoke else None
+    collator = method.smoke_collator(tokenizer.pad_token_id, t.get("max_length")) if smoke else None
     samples_per_step = (
-        method.smoke_batch_size
+        method.smoke_batch(cfg)
         if smoke
         else t["per_device_train_batch_size"] * t["gradient_accumulation_steps"] * ranks.world()
     )
@@ -557,7 +559,10 @@ def _train(
             trainer.model.print_trainable_parameters()
         with measure_peak(trainer.model) if smoke else contextlib.nullcontext({}) as peak:
             t0, cpu0 = time.perf_counter(), time.process_time()
-            trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+            try:
+                trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+            except RewardError as exc:  # a GRPO reward function failed: its name, the row and the error
+                raise TrainError(str(exc)) from None
             seconds = (time.perf_counter() - t0, time.process_time() - cpu0)
     finally:
         if sampler is not None:

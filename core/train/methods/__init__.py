@@ -1,4 +1,5 @@
-"""The training methods, one module each: what differs between SFT, DPO and KTO lives there and nowhere else.
+"""The training methods, one module each: what differs between SFT, DPO, KTO and GRPO lives there and nowhere
+else.
 
     from core.train import methods
     method = methods.get(cfg)          # the run config's method (or its name)
@@ -9,10 +10,10 @@ Adding a method is one module with a `METHOD` plus a line here.
 
 from __future__ import annotations
 
-from core.train.methods import dpo, kto, sft
+from core.train.methods import dpo, grpo, kto, sft
 from core.train.methods.base import Chart, Method, PlanTraits
 
-REGISTRY: dict[str, Method] = {m.METHOD.name: m.METHOD for m in (sft, dpo, kto)}
+REGISTRY: dict[str, Method] = {m.METHOD.name: m.METHOD for m in (sft, dpo, kto, grpo)}
 NAMES = tuple(REGISTRY)
 
 

@@ -1,6 +1,6 @@
-"""What a training method is: everything that differs between SFT, DPO and KTO, in one object.
+"""What a training method is: everything that differs between SFT, DPO, KTO and GRPO, in one object.
 
-A method module (sft.py, dpo.py, kto.py) subclasses `Method` and fills it in: its TRL config and trainer
+A method module (sft.py, dpo.py, kto.py, grpo.py) subclasses `Method` and fills it in: its TRL config and trainer
 classes, its data formats, loader, preflight and preview, its smoke collator, what the planner must know of its
 step (`PlanTraits`), the figures its trainer logs and the Monitor charts they feed, its Train-page fields and
 the rows and batch a measured step uses. Code outside core/train/methods asks the run's method
@@ -92,6 +92,9 @@ class Method:
     defaults: dict = field(default_factory=dict)  # training defaults that differ from SFT's
     traits: PlanTraits = PlanTraits()
     smoke_batch_size: int = 1  # the smallest batch its trainer takes (KTO's KL term needs two rows)
+    # the cockpit's own training keys of this method, described as core.train.schema describes the libraries'
+    # (GRPO: max_prompt_length, which TRL 1.16 no longer has); the engine takes them out before the TRL config
+    own_training: dict = field(default_factory=dict)
     # the figures its trainer logs beyond loss / learning rate / grad norm (their eval twins: eval_<name>)
     metrics: tuple[str, ...] = ()
     charts: tuple[Chart, ...] = ()
@@ -123,8 +126,17 @@ class Method:
         """(train, eval or None) as its trainer takes them."""
         raise NotImplementedError
 
-    def preflight(self, cfg: dict, tokenizer=None, model_config=None) -> list:
+    def preflight(self, cfg: dict, tokenizer=None, model_config=None, in_trainer: bool = False) -> list:
+        """The data's findings. in_trainer: the trainer process runs it (the user's own code may run there)."""
         raise NotImplementedError
+
+    def sequence_length(self, cfg: dict) -> int:
+        """The longest row its trainer's forward sees, in tokens (what the planner plans per row)."""
+        return cfg["training"]["max_length"]
+
+    def smoke_batch(self, cfg: dict) -> int:
+        """The batch size of its smoke step (and of the plan that step is compared with)."""
+        return self.smoke_batch_size
 
     def check_columns(self, data_cfg: dict) -> str | None:
         """None when the data loads and has the columns this method needs; else one sentence."""
@@ -179,9 +191,9 @@ class Method:
         return None
 
     # -- training --------------------------------------------------------------------------------------------
-    def trainer_kwargs(self, cfg: dict, load_reference) -> dict:
+    def trainer_kwargs(self, cfg: dict, load_reference, train_ds=None) -> dict:
         """Extra keyword arguments of its trainer: a reference model loaded by `load_reference(path)` when the
-        config names one (model.reference_path)."""
+        config names one (model.reference_path). train_ds: the rows it trains on."""
         path = cfg["model"].get("reference_path")
         return {"ref_model": load_reference(path)} if path and self.traits.reference else {}
 

@@ -69,7 +69,7 @@ class DPO(Method):
     def datasets(self, cfg: dict, tokenizer):
         return prepare_pair_datasets(cfg)  # prompt/chosen/rejected: DPOTrainer tokenizes them itself
 
-    def preflight(self, cfg: dict, tokenizer=None, model_config=None) -> list:
+    def preflight(self, cfg: dict, tokenizer=None, model_config=None, in_trainer: bool = False) -> list:
         return run_pair_preflight(cfg, tokenizer, model_config)
 
     def check_columns(self, data_cfg: dict) -> str | None:

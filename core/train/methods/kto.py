@@ -27,7 +27,7 @@ class KTO(Method):
     def datasets(self, cfg: dict, tokenizer):
         return prepare_feedback_datasets(cfg)  # prompt/completion/label: KTOTrainer tokenizes them itself
 
-    def preflight(self, cfg: dict, tokenizer=None, model_config=None) -> list:
+    def preflight(self, cfg: dict, tokenizer=None, model_config=None, in_trainer: bool = False) -> list:
         return run_feedback_preflight(cfg, tokenizer, model_config)
 
     def check_columns(self, data_cfg: dict) -> str | None:

@@ -46,7 +46,7 @@ class SFT(Method):
             evaluation.remove_columns("length") if evaluation is not None else None
         )
 
-    def preflight(self, cfg: dict, tokenizer=None, model_config=None) -> list:
+    def preflight(self, cfg: dict, tokenizer=None, model_config=None, in_trainer: bool = False) -> list:
         return sft_findings(cfg, tokenizer, model_config)
 
     def check_columns(self, data_cfg: dict) -> str | None:

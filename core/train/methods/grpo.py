@@ -1,0 +1,232 @@
+"""GRPO (trl.GRPOTrainer): reinforcement learning with verifiable rewards. The model writes `num_generations`
+completions per prompt (core.train.prompts), the run's reward functions score them (core.train.rewards), and
+each completion is pushed towards the ones its group scored above their mean."""
+
+from __future__ import annotations
+
+from core.train import rewards as reward_specs
+from core.train.data import DataError, load_rows
+from core.train.methods.base import Chart, Field, Method, PlanTraits
+from core.train.prompts import (
+    DEFAULT_MAX_PROMPT_LENGTH,
+    normalize_prompts,
+    prepare_prompt_datasets,
+    preview_prompts,
+    row_finder,
+    run_prompt_preflight,
+)
+
+# What trl.GRPOTrainer 1.16 logs on top of the loss (per logging step; eval twins carry eval_). Each reward
+# function adds rewards/<name>/mean and /std (core.monitor reads those by their prefix).
+GRPO_METRICS = (
+    "reward",
+    "reward_std",
+    "frac_reward_zero_std",
+    "completions/mean_length",
+    "completions/min_length",
+    "completions/max_length",
+    "completions/clipped_ratio",
+    "completions/mean_terminated_length",
+    "kl",
+    "entropy",
+    "clip_ratio/region_mean",
+    "clip_ratio/low_mean",
+    "clip_ratio/high_mean",
+)
+LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo")
+SCALE_REWARDS = ("group", "batch", "none")
+
+
+class GRPO(Method):
+    def config_class(self):
+        from trl import GRPOConfig
+
+        return GRPOConfig
+
+    def trainer_class(self):
+        from trl import GRPOTrainer
+
+        return GRPOTrainer
+
+    def smoke_batch(self, cfg: dict) -> int:
+        """One prompt's group: the smallest batch whose generation batch divides by num_generations."""
+        return cfg["training"].get("num_generations", 8)
+
+    def sequence_length(self, cfg: dict) -> int:
+        """A prompt and its completion: the policy's forward runs over both."""
+        t = cfg["training"]
+        return t.get("max_prompt_length", DEFAULT_MAX_PROMPT_LENGTH) + t.get("max_completion_length", 256)
+
+    def datasets(self, cfg: dict, tokenizer):
+        return prepare_prompt_datasets(
+            cfg, tokenizer
+        )  # prompts (+ the columns the rewards read): TRL tokenizes
+
+    def preflight(self, cfg: dict, tokenizer=None, model_config=None, in_trainer: bool = False) -> list:
+        return run_prompt_preflight(cfg, tokenizer, model_config, in_trainer)
+
+    def check_columns(self, data_cfg: dict) -> str | None:
+        try:
+            rows, _ = normalize_prompts(load_rows(data_cfg), data_cfg.get("format", "auto"))
+        except DataError as exc:
+            return str(exc)
+        if not rows:
+            return (
+                f"data.path: {data_cfg['path']} has no usable prompts: GRPO reads a prompt column (a text or a list of "
+                "messages) and the columns its rewards compare with (e.g. answer)."
+            )
+        return None
+
+    def prompt_rows(self, data_cfg: dict) -> list:
+        rows = load_rows(data_cfg)
+        out, _ = normalize_prompts(rows.select(range(min(len(rows), 50))), data_cfg.get("format", "auto"))
+        return [r["prompt"] for r in out]
+
+    def preview(self, data_cfg: dict, n: int = 5, specs: list | None = None):
+        rows = load_rows(data_cfg)
+        return len(rows), preview_prompts(rows, n=n, fmt=data_cfg.get("format", "auto"), specs=specs)
+
+    def smoke_collator(self, pad_token_id: int, max_length: int):
+        return (
+            None  # GRPOTrainer batches its own generations; the smoke step generates full-length completions
+        )
+
+    def trainer_kwargs(self, cfg: dict, load_reference, train_ds=None) -> dict:
+        rows = list(train_ds) if train_ds is not None else []
+        return {
+            "reward_funcs": reward_specs.build(cfg["rewards"], allow_code=True, where_of=row_finder(rows))
+        }
+
+
+METHOD = GRPO(
+    name="grpo",
+    label="GRPO",
+    trainer_name="trl.GRPOTrainer",
+    formats=("standard", "conversational"),
+    columns=("prompt",),  # the columns rewards compare with are named in each reward (rewards[].column)
+    summary="prompts and reward functions: the model learns from its own completions that score above their "
+    "group's mean (reinforcement learning with verifiable rewards)",
+    # TRL's 1e-6 is for full fine-tunes of large models: a LoRA adapter needs a LoRA-sized rate; prompts are
+    # bounded by the cockpit (TRL 1.16 keeps them whole), completions by TRL's max_completion_length
+    defaults={
+        "learning_rate": 1e-5,
+        "max_prompt_length": DEFAULT_MAX_PROMPT_LENGTH,
+        "max_completion_length": 256,
+        "num_generations": 8,
+        "per_device_train_batch_size": 8,
+        "gradient_accumulation_steps": 1,
+        "log_completions": True,
+        "num_completions_to_print": 2,  # stdout.log shows a sample; the Monitor reads them all from the files
+    },
+    own_training={"max_prompt_length": {"kinds": ["int"]}},
+    traits=PlanTraits(rows_per_example=1, reference=False, flat_batches=False, head_outputs=2),
+    metrics=GRPO_METRICS,
+    charts=(
+        Chart(
+            "reward",
+            "Reward (mean of each group's completions)",
+            "reward",
+            (("reward", "reward"), ("reward_std", "std within a group")),
+            (("eval_reward", "eval reward"),),
+        ),
+        Chart(
+            "length",
+            "Completion length (tokens)",
+            "tokens",
+            (("completions/mean_length", "mean"), ("completions/max_length", "longest")),
+        ),
+        Chart(
+            "signal",
+            "Learning signal",
+            "share",
+            (
+                ("frac_reward_zero_std", "groups with no reward spread"),
+                ("completions/clipped_ratio", "completions cut at max length"),
+            ),
+        ),
+        Chart("kl", "KL to the reference (beta > 0)", "KL", (("kl", "train"),), (("eval_kl", "eval"),)),
+        Chart("entropy", "Entropy of the completions", "nats", (("entropy", "train"),)),
+    ),
+    headline=(("reward", "reward"),),
+    fields=(
+        Field(
+            "num_generations",
+            "training.num_generations",
+            "Completions per prompt",
+            "int",
+            8,
+            help="training.num_generations: the group each completion is compared with (at least 2)",
+        ),
+        Field(
+            "max_completion_length",
+            "training.max_completion_length",
+            "Max completion length (tokens)",
+            "int",
+            256,
+            help="training.max_completion_length",
+        ),
+        Field(
+            "max_prompt_length",
+            "training.max_prompt_length",
+            "Max prompt length (tokens)",
+            "int",
+            DEFAULT_MAX_PROMPT_LENGTH,
+            help="training.max_prompt_length: longer prompts are left out",
+        ),
+        Field(
+            "beta",
+            "training.beta",
+            "KL beta (0: no reference)",
+            "float",
+            0.0,
+            help="training.beta: the KL penalty towards the base; 0 loads no reference",
+        ),
+        Field(
+            "temperature",
+            "training.temperature",
+            "Sampling temperature",
+            "float",
+            1.0,
+            help="training.temperature: higher gives more varied completions (more learning signal)",
+        ),
+        Field(
+            "loss_type",
+            "training.loss_type",
+            "GRPO loss",
+            "choice",
+            "dapo",
+            LOSS_TYPES,
+            help="training.loss_type",
+        ),
+        Field(
+            "scale_rewards",
+            "training.scale_rewards",
+            "Scale rewards",
+            "choice",
+            "group",
+            SCALE_REWARDS,
+            help="training.scale_rewards: divide advantages by the std of the group, the batch, or not",
+        ),
+        Field(
+            "num_iterations",
+            "training.num_iterations",
+            "Updates per generation",
+            "int",
+            1,
+            help="training.num_iterations",
+        ),
+        Field(
+            "log_completions",
+            "training.log_completions",
+            "Log sample completions",
+            "bool",
+            True,
+            help="training.log_completions: the Monitor's table of completions and their rewards",
+        ),
+    ),  # fmt: skip
+    data_noun="prompts",
+    row_noun="prompts",
+    choice="GRPO (prompts + reward functions)",
+    eval_kind="rewards",
+    measure_rows=({"prompt": "Uppercase: hello", "answer": "HELLO"},),
+)
