@@ -1,6 +1,7 @@
 """`python -m core.demo`: build the demo (a tiny local model + a chat dataset) and, on request, train it: the SFT
-run, and the DPO or KTO run on top of it."""
+run, the DPO or KTO run on top of it, or the GRPO run from a warm start."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -43,6 +44,27 @@ def preference_demo(out: Path, sft_adapter: Path, method: str) -> tuple[float, f
     return before, after
 
 
+def grpo_demo(out: Path) -> tuple[float, float]:
+    """GRPO from the warm start (core.demo.grpo): held-out mean reward and exact match before and after."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from core.demo.grpo import REWARDS, ensure_grpo_data, grpo_demo_config, heldout_scores, warm_base
+
+    _, heldout_path = ensure_grpo_data(out)
+    heldout = [json.loads(line) for line in heldout_path.read_text(encoding="utf-8").splitlines() if line]
+    start = warm_base(out)
+    tokenizer = AutoTokenizer.from_pretrained(start)
+    model = AutoModelForCausalLM.from_pretrained(start)
+    reward_before, exact_before = heldout_scores(model, tokenizer, heldout, REWARDS)
+    run_dir = train_demo_run(out, "example-grpo-run", grpo_demo_config(out, start))
+    tuned = PeftModel.from_pretrained(model, str(run_dir / "adapter"))
+    reward_after, exact_after = heldout_scores(tuned, tokenizer, heldout, REWARDS)
+    print(f"grpo demo: held-out exact match {exact_before:.0%} -> {exact_after:.0%}", flush=True)
+    print(f"grpo demo: held-out mean reward {reward_before:.2f} -> {reward_after:.2f}", flush=True)
+    return reward_before, reward_after
+
+
 def _merged_sft(out: Path, sft_adapter: Path) -> Path:
     """The SFT adapter merged into the demo base, in a new folder (the preference demos train on top of it)."""
     from core.merge.export import merge_at
@@ -76,6 +98,12 @@ def main(argv: list[str] | None = None) -> int:
         help="train the demo run, merge it, then a KTO run on top of it from rated answers ('HELLO!' good, "
         "'HELLO' bad)",
     )
+    parser.add_argument(
+        "--run-grpo",
+        action="store_true",
+        help="GRPO from a warm start (the SFT demo run's first steps, merged) with an exact-match reward; prints "
+        "the held-out mean reward and exact match before -> after",
+    )
     parser.add_argument("--pretrain-steps", type=int, default=PRETRAIN_STEPS)
     args = parser.parse_args(argv)
     out = Path(args.out) if args.out else demo_dir(default_workspace())
@@ -99,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
             preference_demo(out, adapter, "dpo")
         if args.run_kto:
             preference_demo(out, adapter, "kto")
+        if args.run_grpo:
+            grpo_demo(out)
     except OSError as exc:  # the folder cannot be written: bad input, not a failure of the demo
         print(
             f"error: cannot write the demo into {out} ({exc.strerror or exc}): give a folder you can write.",
