@@ -149,8 +149,9 @@ def measure_side(browser, checkout: Path, root: Path, side: str, flags: list[str
         try:
             page.goto(f"{url}/monitor")
             wait_idle(page, 120_000)
-            page.get_by_text("live").first.wait_for(timeout=120_000)
-            time.sleep(4)
+            # the run's live fragment draws its step once the trainer logs (the selectbox names the run)
+            page.get_by_text(run).first.wait_for(timeout=120_000)
+            time.sleep(6)
             figures["monitor (running demo)"] = cpu_per_wall(proc.pid, window)
             print(
                 f"  {side:>7}  monitor of a running demo {figures['monitor (running demo)']:.3f}", flush=True

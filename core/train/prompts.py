@@ -38,8 +38,14 @@ def _kind(value: Any) -> str:
 def normalize_prompts(rows, fmt: str = "auto") -> tuple[list[dict], dict[str, list[int]]]:
     """(usable rows, {problem: 1-based rows}): rows whose prompt is missing, empty or neither a text nor a list of
     messages are left out and named."""
+    out, _, problems = usable_prompts(rows, fmt)
+    return out, problems
+
+
+def usable_prompts(rows, fmt: str = "auto") -> tuple[list[dict], list[int], dict[str, list[int]]]:
+    """normalize_prompts with the data's row number (from 1) of each usable row, for findings that name rows."""
     problems: dict[str, list[int]] = {}
-    out, kinds = [], set()
+    out, numbers, kinds = [], [], set()
     for i, row in enumerate(rows):
         n = i + 1
         if not isinstance(row, dict) or "prompt" not in row:
@@ -58,6 +64,7 @@ def normalize_prompts(rows, fmt: str = "auto") -> tuple[list[dict], dict[str, li
             continue
         kinds.add(kind)
         out.append(dict(row))
+        numbers.append(n)
     if len(kinds) > 1:
         raise DataError(
             "data: some prompts are texts and some are message lists: use one format (standard or conversational)."
@@ -66,7 +73,7 @@ def normalize_prompts(rows, fmt: str = "auto") -> tuple[list[dict], dict[str, li
         raise DataError(
             f"data.format is {fmt} but the prompts are {kinds.pop()}: set data.format auto or fix it."
         )
-    return out, problems
+    return out, numbers, problems
 
 
 _WHAT = {
@@ -148,7 +155,7 @@ def run_prompt_preflight(
     data, specs = cfg["data"], cfg.get("rewards") or []
     try:
         raw = load_rows(data)
-        rows, problems = normalize_prompts(raw, data["format"])
+        rows, numbers, problems = usable_prompts(raw, data["format"])
     except DataError as exc:
         return [Finding("error", "data", str(exc), "")]
     found = [
@@ -164,15 +171,15 @@ def run_prompt_preflight(
     if not rows:
         return found or [Finding("error", "data", f"data.path: {data['path']} has no prompts.", "")]
     columns = list(raw.column_names)
-    found += _answer_findings(specs, rows, columns)
+    found += _answer_findings(specs, rows, numbers, columns)
     if tokenizer is not None:
-        found += _length_findings(cfg, rows, tokenizer, model_config)
+        found += _length_findings(cfg, rows, numbers, tokenizer, model_config)
     if not any(f.level == "error" and f.check in ("answers", "reward_column") for f in found):
-        found += score_check(specs, rows, allow_code=in_trainer)
+        found += score_check(specs, rows, numbers, allow_code=in_trainer)
     return found
 
 
-def _answer_findings(specs: list, rows: list[dict], columns: list[str]) -> list[Finding]:
+def _answer_findings(specs: list, rows: list[dict], numbers: list[int], columns: list[str]) -> list[Finding]:
     out = []
     for i, spec in enumerate(specs):
         if spec.get("type") != "match":
@@ -189,7 +196,11 @@ def _answer_findings(specs: list, rows: list[dict], columns: list[str]) -> list[
                 )
             )
             continue
-        empty = [n + 1 for n, r in enumerate(rows) if is_blank(reward_specs.completion_text(r.get(column)))]
+        empty = [
+            n
+            for n, r in zip(numbers, rows, strict=True)
+            if is_blank(reward_specs.completion_text(r.get(column)))
+        ]
         if empty:
             out.append(
                 Finding(
@@ -203,7 +214,9 @@ def _answer_findings(specs: list, rows: list[dict], columns: list[str]) -> list[
     return out
 
 
-def _length_findings(cfg: dict, rows: list[dict], tokenizer, model_config) -> list[Finding]:
+def _length_findings(
+    cfg: dict, rows: list[dict], numbers: list[int], tokenizer, model_config
+) -> list[Finding]:
     if isinstance(rows[0]["prompt"], list) and not getattr(tokenizer, "chat_template", None):
         return [
             Finding(
@@ -216,7 +229,7 @@ def _length_findings(cfg: dict, rows: list[dict], tokenizer, model_config) -> li
     limit, completion = max_prompt_length(cfg), cfg["training"].get("max_completion_length", 512)
     lengths = [len(prompt_ids(r["prompt"], tokenizer)) for r in rows]
     out = []
-    long = [n + 1 for n, length in enumerate(lengths) if length > limit]
+    long = [n for n, length in zip(numbers, lengths, strict=True) if length > limit]
     if long:
         level = "error" if len(long) == len(rows) else "warning"
         out.append(
@@ -243,7 +256,7 @@ def _length_findings(cfg: dict, rows: list[dict], tokenizer, model_config) -> li
     return out
 
 
-def score_check(specs: list, rows: list[dict], allow_code: bool = False) -> list[Finding]:
+def score_check(specs: list, rows: list[dict], numbers: list[int], allow_code: bool = False) -> list[Finding]:
     """Each match reward on the first rows, with the row's own answer as the completion: it must score 1 (its
     maximum). With allow_code, the user's functions are called on the same completions: one that raises or
     returns something other than numbers is named before training starts."""
@@ -270,9 +283,10 @@ def score_check(specs: list, rows: list[dict], allow_code: bool = False) -> list
             continue
         if spec.get("type") != "match":
             continue
-        low = [n + 1 for n, s in enumerate(scores) if (s or 0) < 1.0]
+        low = [i for i, s in enumerate(scores) if (s or 0) < 1.0]
         if low:
-            shown = reward_specs.completion_text(answers[low[0] - 1])
+            shown = reward_specs.completion_text(answers[low[0]])
+            low = [numbers[i] for i in low]
             out.append(
                 Finding(
                     "error",

@@ -335,7 +335,7 @@ def _guarded(inner, name: str, spec: dict, where_of):
         except RewardError as exc:
             raise RewardError(f"reward {name!r} failed on {_where(where_of, prompts, 0)}: {exc}") from None
         except Exception as exc:
-            row = _where(where_of, prompts, getattr(exc, "row", 0))
+            row = _where(where_of, prompts, _culprit(inner, prompts, completions, kwargs))
             raise RewardError(
                 f"reward {name!r} ({_origin(spec)}) raised {type(exc).__name__} on {row}: {error_line(exc)}"
             ) from None
@@ -357,6 +357,19 @@ def _guarded(inner, name: str, spec: dict, where_of):
 
     reward.__name__ = reward.__qualname__ = name
     return reward
+
+
+def _culprit(inner, prompts, completions, kwargs) -> int:
+    """Which completion of a batch the function fails on: it is called again on each alone (the run is failing
+    anyway; this names the row to look at). 0 when none fails alone."""
+    per_row = {k: v for k, v in kwargs.items() if isinstance(v, list) and len(v) == len(completions or [])}
+    for i in range(len(completions or [])):
+        one = {**kwargs, **{k: [v[i]] for k, v in per_row.items()}}
+        try:
+            inner(prompts=[prompts[i]] if prompts else prompts, completions=[completions[i]], **one)
+        except Exception:
+            return i
+    return 0
 
 
 def _origin(spec: dict) -> str:
