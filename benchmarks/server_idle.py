@@ -22,6 +22,7 @@ a goal is missed, 2 when it cannot run here.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -105,6 +106,13 @@ def cpu_per_wall(pid: int, window_s: float) -> float:
     return (after.user + after.system - before.user - before.system) / wall
 
 
+def running(run_dir: Path) -> bool:
+    try:
+        return json.loads((run_dir / "status.json").read_text()).get("state") == "running"
+    except (OSError, ValueError):
+        return False
+
+
 def launch_demo_run(checkout: Path, name: str) -> Path:
     """The demo's run config, made long enough to outlast the measurement, launched as the Train page does."""
     cfg = yaml.safe_load((checkout / "workspace" / "demo" / "run.yaml").read_text())
@@ -120,8 +128,10 @@ def launch_demo_run(checkout: Path, name: str) -> Path:
     )
     run_dir = checkout / "workspace" / "runs" / name
     deadline = time.time() + 300
-    while time.time() < deadline and not (run_dir / "metrics.jsonl").exists():
+    while time.time() < deadline and not ((run_dir / "metrics.jsonl").exists() and running(run_dir)):
         time.sleep(1)
+    if not running(run_dir):
+        raise RuntimeError(f"the demo run did not start: {(run_dir / 'stderr.log').read_text()[-2000:]}")
     return run_dir
 
 
@@ -149,10 +159,10 @@ def measure_side(browser, checkout: Path, root: Path, side: str, flags: list[str
         try:
             page.goto(f"{url}/monitor")
             wait_idle(page, 120_000)
-            # the run's live fragment draws its step once the trainer logs (the selectbox names the run)
-            page.get_by_text(run).first.wait_for(timeout=120_000)
-            time.sleep(6)
+            assert not exceptions_on(page)
+            time.sleep(6)  # the live fragment re-runs every ~2 s from here on
             figures["monitor (running demo)"] = cpu_per_wall(proc.pid, window)
+            assert running(checkout / "workspace" / "runs" / run), "the demo run ended while it was measured"
             print(
                 f"  {side:>7}  monitor of a running demo {figures['monitor (running demo)']:.3f}", flush=True
             )
