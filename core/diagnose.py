@@ -2,7 +2,8 @@
 
 import sys
 
+from core.fmt import run_piped
 from core.monitor.diagnose import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_piped(main))

@@ -70,4 +70,4 @@ def run_piped(main) -> int:
         os.dup2(
             os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno()
         )  # the interpreter's last flush goes nowhere
-        return 1
+        return 0  # the reader had enough (`| head`): not a failure, so `set -o pipefail` scripts go on

@@ -178,3 +178,31 @@ def test_list_into_a_pipe_its_reader_closes_early_ends_without_a_trace(tmp_path)
     assert piped.stdout.startswith("NAME"), piped.stdout
     err = (tmp_path / "err").read_text()
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+def test_reports_into_a_pipe_closed_at_once_exit_0_without_a_trace(tmp_path):
+    """#42 §5: `core.diagnose RUN | head` printed a BrokenPipeError trace and `core.runs show NAME | head` exited 1.
+    A reader that has had enough is normal: quiet, exit 0 (so `set -o pipefail` scripts go on). `| true` closes the
+    pipe before the program writes (a deterministic `| head`)."""
+    import os
+
+    ws = tmp_path / "ws"
+    run = ws / "runs" / "failed-run"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text("model: {path: m}\ndata: {path: d.jsonl}\n")
+    (run / "status.json").write_text(json.dumps({"state": "failed", "reason": "CUDA out of memory."}))
+    (run / "stderr.log").write_text(
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n" * 50
+    )
+    env = dict(os.environ, LORA_COCKPIT_WORKSPACE=str(ws))
+    for command in (f"-m core.diagnose {run}", "-m core.runs show failed-run", "-m core.runs list"):
+        piped = subprocess.run(
+            ["bash", "-c", f"set -o pipefail; {sys.executable} {command} 2>{tmp_path / 'err'} | true"],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        err = (tmp_path / "err").read_text()
+        assert piped.returncode == 0 and "Traceback" not in err, (command, piped.returncode, err)
