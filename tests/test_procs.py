@@ -399,3 +399,32 @@ def test_a_pid_file_naming_an_unrelated_live_process_is_no_owner(tmp_path):
     finally:
         other.kill()
         other.wait()
+
+
+def test_the_run_watcher_warns_of_a_stopped_trainer_and_says_deleted_when_its_folder_goes(
+    tmp_path, owner_script
+):
+    """#42 §5: the page and `show` reported a SIGSTOPped trainer's stall while RunWatcher's own warnings list stayed
+    empty; after `rm -rf` of the run folder the watcher read "unknown"."""
+    import shutil
+
+    from core.monitor.watch import RunWatcher
+
+    run_dir = tmp_path / "sleepy"
+    pid = _spawn_owner(run_dir, owner_script)
+    now = time.time()
+    status = {"state": "running", "step": 4, "step_s": 1.0, "started": now - 60, "updated": now - 5}
+    (run_dir / rundir.STATUS).write_text(json.dumps(status))
+    watcher = RunWatcher(run_dir)
+    assert [w.code for w in watcher.refresh().warnings] == []
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        assert wait_until(lambda: procs.is_stopped(pid))
+        snap = watcher.refresh()
+        assert snap.stall and "process stopped" in snap.stall
+        stalled = [w for w in snap.warnings if w.code == "stalled"]
+        assert len(stalled) == 1 and stalled[0].detail == snap.stall
+    finally:
+        procs.stop(run_dir, grace_s=60)
+    shutil.rmtree(run_dir)
+    assert watcher.refresh().state == "deleted"

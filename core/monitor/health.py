@@ -27,7 +27,7 @@ GiB = 1024**3
 
 @dataclass
 class HealthWarning:
-    # stable id: low_utilization, memory_high, nonfinite_loss, loss_spike, loss_flat, plan_mismatch,
+    # stable id: stalled, low_utilization, memory_high, nonfinite_loss, loss_spike, loss_flat, plan_mismatch,
     # preference_chance_accuracy, preference_margin_flat, preference_chosen_collapse
     code: str
     level: str  # "error" | "warning" | "info"
@@ -37,6 +37,18 @@ class HealthWarning:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def stall_warning(stall: str) -> HealthWarning:
+    """A live run that stopped stepping (core.runs.rundir.stall's sentence) as a health warning."""
+    return HealthWarning(
+        "stalled",
+        "error",
+        "The run stopped stepping",
+        stall,
+        "A stopped process continues with `kill -CONT PID` (or stop the run and resume it); a hung one is ended by "
+        "Stop, which saves a checkpoint if it can.",
+    )
 
 
 @dataclass

@@ -26,7 +26,7 @@ import pandas as pd
 
 from core.files import read_json_object, read_yaml_mapping
 from core.monitor.diagnose import Diagnosis, diagnose, load_evidence
-from core.monitor.health import HealthChecker, HealthWarning
+from core.monitor.health import HealthChecker, HealthWarning, stall_warning
 from core.monitor.series import downsample_minmax, stride
 from core.monitor.tail import RunFiles, RunSeries, TextTail
 from core.runs import rundir
@@ -50,7 +50,7 @@ class ChartBudget:
 class Snapshot:
     run_dir: str
     name: str
-    state: str  # starting|running|finished|failed|stopped, or "unknown" without status.json
+    state: str  # starting|running|finished|failed|stopped, "unknown" without status.json, "deleted" when gone
     status: dict | None
     step: int | None
     max_steps: int | None
@@ -230,7 +230,9 @@ class RunWatcher:
         # failed on the next tick, a trainer still exiting as stopping
         status, state, alive = rundir.read_live_status(self.run_dir, status)
         stalled = rundir.stall(self.run_dir, status, state, alive)
-        if state == "new":
+        if not self.run_dir.is_dir():
+            state = "deleted"  # rm -rf under the page: say so, not "unknown"
+        elif state == "new":
             state = "unknown"
         health_key = (series.n_metric_records, series.n_gpu_records, state, id(plan), id(series))
         if health_key != self._health_key:
@@ -246,6 +248,8 @@ class RunWatcher:
             diagnosis = self._diagnosis[1]
         snap = self._snapshot(series, status, plan, state, changed, stderr, diagnosis)
         snap.stalled_s, snap.stall = stalled
+        if snap.stall:  # the same stall the page and `core.runs show` report, in the watcher's own list
+            snap.warnings = [stall_warning(snap.stall), *snap.warnings]
         return snap
 
     # --- pieces -------------------------------------------------------------------------------------------
