@@ -358,7 +358,8 @@ def write_dpo_run(
                 "max_steps": max_steps or steps,
                 "started": started,
                 "ended": ended,
-                "updated": started + steps,
+                # a live run reported just now (an old report would read as a stall)
+                "updated": started + steps if ended else time.time(),
             }
         )
     )
