@@ -5,7 +5,9 @@ from pathlib import Path
 import streamlit as st
 
 from core.monitor import gpu
-from core.workspace import default_workspace
+from core.runs.queue import QueueError
+from core.runs.supervisor import ensure_running
+from core.workspace import WorkspaceError, default_workspace
 
 st.set_page_config(page_title="LoRA Cockpit", page_icon=":material/flight:", layout="wide")
 
@@ -35,6 +37,19 @@ def sidebar():
         st.session_state["workspace"] = str(Path(ws).expanduser())
 
 
+def restart_queue():
+    """A queue left with work (the app or the machine restarted, its supervisor killed) goes on: once per
+    session and workspace, its supervisor is started when none lives (never a second one: core.runs.supervisor)."""
+    ws = st.session_state["workspace"]
+    if st.session_state.get("_queue_checked") == ws:
+        return
+    st.session_state["_queue_checked"] = ws
+    try:
+        ensure_running(ws)
+    except (QueueError, WorkspaceError) as exc:
+        st.sidebar.warning(f"Run queue: {exc}")
+
+
 PAGES = [
     st.Page("pages/estimate.py", title="Estimate", icon=":material/calculate:", default=True),
     st.Page("pages/train.py", title="Train", icon=":material/rocket_launch:"),
@@ -46,6 +61,7 @@ PAGES = [
 
 page = st.navigation(PAGES)
 sidebar()
+restart_queue()
 # This session has been through the router (see the legacy-mode guard at the top of each page).
 st.session_state["_routed"] = True
 page.run()

@@ -1,5 +1,5 @@
 """Runs from the terminal, the same as from the pages: `python -m core.runs list|show|launch|stop|resume|delete`,
-and `export NAME --slurm` (an sbatch script for a cluster).
+`queue add|ls|rm|move|resume` (core.runs.queue_cli) and `export NAME --slurm` (an sbatch script for a cluster).
 
 The workspace is $LORA_COCKPIT_WORKSPACE or ./workspace, as for the app. A run is findable, stoppable and seen
 dead at once whatever started it (the page, this command or `python -m core.train`): the trainer holds its run's
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from core.files import read_json_object, read_yaml_mapping
 from core.fmt import first_sentence, mem, run_piped
-from core.runs import rundir
+from core.runs import queue_cli, rundir
 from core.runs.admin import delete_run
 from core.runs.launcher import RunError, RunInfo, create_run, launch, list_runs, run_state, stop_run
 from core.train.config import field_errors
@@ -173,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("name")
     p = sub.add_parser("delete", help="delete an ended run (never a live one)")
     p.add_argument("name")
+    queue_cli.add_arguments(
+        sub.add_parser("queue", help="the run queue: add (a config or a sweep), ls, rm, move, resume")
+    )
     p = sub.add_parser("export", help="write a launch script for the run: --slurm, an sbatch file beside it")
     p.add_argument("name")
     p.add_argument(
@@ -180,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     workspace = default_workspace()
+    if args.command == "queue":
+        return queue_cli.run(args, workspace)
     try:
         if args.command == "list":
             objs = [run_object(r) for r in list_runs(workspace)]
