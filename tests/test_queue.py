@@ -176,6 +176,8 @@ def test_a_queue_runs_one_after_another_goes_on_after_a_failure_and_survives_a_k
     doomed = run_config(workspace, tiny_llama, max_steps=6)
     doomed["data"]["path"] = str(doomed_data)
     sweep = run_config(workspace, tiny_llama, max_steps=6)
+    sweep["data"].pop("max_length")
+    sweep["training"]["max_length"] = 256  # at batch 65536: ~100 GiB, more than a workstation has
     sweep["sweep"] = {"parameters": {"training.per_device_train_batch_size": [4, 65536]}}
     out = _cli(workspace, "add", str(good), "--name", "a")
     assert out.returncode == 0 and "a: queued, fits" in out.stdout and "supervisor: pid" in out.stdout, (
