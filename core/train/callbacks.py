@@ -280,6 +280,49 @@ def make_run_callback(
     return _callback_class()(run_dir, stop, smoke, device, samples_per_step, identity, config)
 
 
+def early_stopping_callbacks(cfg: dict, eval_ds, smoke: bool) -> list:
+    """[transformers' EarlyStoppingCallback] when training.early_stopping_patience asks for it, else []."""
+    patience = cfg["training"].get("early_stopping_patience")
+    if smoke or not patience or eval_ds is None:
+        return []
+    from transformers import EarlyStoppingCallback
+
+    return [EarlyStoppingCallback(patience, cfg["training"].get("early_stopping_threshold", 0.0))]
+
+
+def early_stop(trainer) -> dict | None:
+    """{"step", "best_step", "metric", "best", "patience"} when early stopping ended the run, else None."""
+    from transformers import EarlyStoppingCallback
+
+    es = next((c for c in trainer.callback_handler.callbacks if isinstance(c, EarlyStoppingCallback)), None)
+    state = trainer.state
+    if es is None or es.early_stopping_patience_counter < es.early_stopping_patience:
+        return None
+    if state.max_steps and state.global_step >= state.max_steps:
+        return None  # it ran to the end anyway
+    best = state.best_model_checkpoint
+    return {
+        "step": state.global_step,
+        "best_step": rundir.checkpoint_step(Path(best)) if best else None,
+        "metric": trainer.args.metric_for_best_model,
+        "best": state.best_metric,
+        "patience": es.early_stopping_patience,
+    }
+
+
+def early_stop_sentence(early: dict) -> str:
+    best = f" ({early['metric']} {early['best']:.4g})" if isinstance(early.get("best"), (int, float)) else ""
+    kept = (
+        f"the adapter is the best checkpoint, step {early['best_step']}{best}"
+        if early.get("best_step")
+        else ""
+    )
+    return (
+        f"stopped early at step {early['step']}: {early['metric']} did not improve for {early['patience']} "
+        f"evaluations" + (f"; {kept}" if kept else "")
+    )
+
+
 SAMPLES_EXTRA_TOKENS, SAMPLES_MAX_TOKENS = 8, 128  # an answer: its reference's length and a little more
 
 

@@ -373,6 +373,14 @@ def _combination_problem(cfg: dict) -> tuple[str, str] | None:
         problem = _grpo_problem(cfg)
         if problem:
             return problem
+    if t.get("early_stopping_patience") and (
+        cfg["data"]["eval_split"] <= 0 or t.get("eval_strategy") == "no"
+    ):
+        return (
+            "training.early_stopping_patience",
+            "training.early_stopping_patience needs evaluations to judge by: set data.eval_split (e.g. 0.05) and "
+            "leave training.eval_strategy at steps or epoch.",
+        )
     if q.get("load_in_4bit") and not cfg["lora"]["enabled"]:
         return (
             "quantization.load_in_4bit",

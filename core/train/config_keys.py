@@ -222,6 +222,8 @@ RANGES: dict[str, tuple] = {
     "distributed.main_process_port": (1, 65535),
     "data.eval_split": (0, 0.5, "right-open"),
     "training.eval_samples": (0, 1000),
+    "training.early_stopping_patience": (1, 100_000),
+    "training.early_stopping_threshold": (0, None),
 }
 
 
@@ -263,7 +265,13 @@ OWN_SCHEMA = {
 # The cockpit's own keys in the training section (not the TRL config's: the engine takes them out before it).
 # eval_samples: greedy answers to this many fixed held-out prompts at each evaluation, into samples.jsonl
 # (core.train.callbacks); 0 (the default) is off.
-OWN_TRAINING = {"eval_samples": {"kinds": ["int"]}}
+# early_stopping_patience / _threshold: transformers' EarlyStoppingCallback (stop once the method's eval metric has
+# not improved by more than the threshold for this many evaluations); the best checkpoint becomes the adapter.
+OWN_TRAINING = {
+    "eval_samples": {"kinds": ["int"]},
+    "early_stopping_patience": {"kinds": ["int", "none"]},
+    "early_stopping_threshold": {"kinds": ["float"]},
+}
 
 
 # Values the cockpit adds to a library field: "auto" precision/dtype is resolved by the engine per device.

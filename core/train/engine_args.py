@@ -50,6 +50,19 @@ def lora_config(cfg: dict):
     return LoraConfig(**{**LORA_ENGINE, **lora})
 
 
+def _best_checkpoint_args(t: dict, given: dict, method) -> None:
+    """Early stopping keeps the best checkpoint and makes it the adapter (load_best_model_at_end): a checkpoint at
+    every evaluation, judged by the method's eval metric, unless the config says otherwise."""
+    metric, greater = method.best_metric
+    t.setdefault("load_best_model_at_end", True)
+    t.setdefault("metric_for_best_model", metric)
+    t.setdefault("greater_is_better", greater)
+    if "save_strategy" not in given:
+        t["save_strategy"] = t["eval_strategy"]
+    if t.get("save_strategy", "steps") == "steps" and t.get("eval_strategy") == "steps":
+        t["save_steps"] = t["eval_steps"]  # the best evaluation's weights must be on disk to be kept
+
+
 def training_args(
     cfg: dict,
     run_dir: str | os.PathLike | None = None,
@@ -92,6 +105,8 @@ def training_args(
         kwargs.setdefault("use_reentrant", False)  # the planner models non-reentrant checkpointing
     prefix = "activation" if new_name else "gradient"
     t[f"{prefix}_checkpointing"], t[f"{prefix}_checkpointing_kwargs"] = bool(on), kwargs
+    if cfg["training"].get("early_stopping_patience") and has_eval and not smoke:
+        _best_checkpoint_args(t, cfg["training"], method)
     if report_to is not None and "report_to" not in cfg["training"]:
         t["report_to"] = report_to
     t.setdefault("report_to", "none")

@@ -25,7 +25,14 @@ from core.precision import Device, Precision, PrecisionError, resolve, torch_dty
 from core.runs import rundir
 from core.runs.rundir import read_status, truncate_metrics, write_status
 from core.train import distributed, methods, ranks
-from core.train.callbacks import StopFlag, make_run_callback, samples_callbacks
+from core.train.callbacks import (
+    StopFlag,
+    early_stop,
+    early_stop_sentence,
+    early_stopping_callbacks,
+    make_run_callback,
+    samples_callbacks,
+)
 from core.train.config import ConfigError, load_config, validate_config
 from core.train.data import DataError
 from core.train.engine_args import bnb_config, lora_config, training_args
@@ -280,6 +287,8 @@ def _train_and_finish(
 ) -> dict:
     """The data, the model and its trainer, training, and the run's end (one process, or one rank)."""
     tokenizer, train_ds, eval_ds = _setup_data(cfg)
+    if eval_ds is not None and not smoke and ranks.is_main():
+        _record_split(cfg, run_dir, train_ds, eval_ds)
     trainer, callback, peak, seconds = _train(
         cfg,
         prec,
@@ -326,9 +335,36 @@ def _finish(cfg, prec, run_dir: Path, tokenizer, trainer, callback, peak, second
         write(run_dir, state="stopped", reason=f"stopped by {stop.signal} before the first step", step=0)
         return {**summary, "state": "stopped"}
     # A signal after the last step (while saving) does not undo a finished run: the adapter is still saved.
-    save_final(trainer, tokenizer, run_dir, cfg)
-    write(run_dir, state="finished", reason=None, step=step)
-    return {**summary, "state": "finished"}
+    save_final(
+        trainer, tokenizer, run_dir, cfg
+    )  # the best checkpoint's weights when early stopping kept them
+    early = early_stop(trainer)
+    if early:
+        print(early_stop_sentence(early), flush=True)
+    write(
+        run_dir,
+        state="finished",
+        reason=early_stop_sentence(early) if early else None,
+        step=step,
+        **({"early_stop": early} if early else {}),
+    )
+    return {**summary, "state": "finished", **({"early_stop": early} if early else {})}
+
+
+def _record_split(cfg: dict, run_dir: Path, train_ds, eval_ds) -> None:
+    """eval_split.json: how the held-out rows were drawn (data.eval_split of the rows, with training.seed), so an
+    evaluation or a rerun can tell the held-out rows from the trained ones."""
+    import json
+
+    from core.files import atomic_write_text
+
+    record = {
+        "share": cfg["data"]["eval_split"],
+        "seed": cfg["training"]["seed"],
+        "train_rows": len(train_ds),
+        "eval_rows": len(eval_ds),
+    }
+    atomic_write_text(run_dir / "eval_split.json", json.dumps(record))
 
 
 def _gpu_sampler(run_dir: Path) -> GpuSampler:
@@ -550,7 +586,11 @@ def _train(
             smoke=smoke,
             collator=collator,
             # the samples first: their generation is evaluation time, which the run callback keeps out of tokens/s
-            callbacks=[*samples_callbacks(cfg, run_dir, tokenizer, eval_ds, smoke), callback],
+            callbacks=[
+                *samples_callbacks(cfg, run_dir, tokenizer, eval_ds, smoke),
+                *early_stopping_callbacks(cfg, eval_ds, smoke),
+                callback,
+            ],
             report_to=_report_to(cfg, run_dir, smoke),
         )
         if checkpoint and new_hyperparameters:

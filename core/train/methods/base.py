@@ -108,6 +108,8 @@ class Method:
     # what core.eval scores on held-out rows: "answers" (greedy answers against reference answers), "pairs"
     # (chosen against rejected answers: preference accuracy, reward margins), "rated" (answers rated good or bad)
     eval_kind: str = "answers"
+    # what early stopping and load_best_model_at_end judge checkpoints by: (its eval metric, greater is better)
+    best_metric: tuple[str, bool] = ("eval_loss", False)
 
     # -- the libraries' classes ------------------------------------------------------------------------------
     def config_class(self):

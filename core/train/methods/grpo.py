@@ -228,5 +228,6 @@ METHOD = GRPO(
     row_noun="prompts",
     choice="GRPO (prompts + reward functions)",
     eval_kind="rewards",
+    best_metric=("eval_reward", True),
     measure_rows=({"prompt": "Uppercase: hello", "answer": "HELLO"},),
 )
