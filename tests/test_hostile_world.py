@@ -460,3 +460,72 @@ def test_a_run_dir_too_long_or_a_dangling_link_is_refused_and_nothing_is_created
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-1500:]
     assert "symbolic link" in proc.stderr and "does not exist" in proc.stderr, proc.stderr
     assert not target.exists() and not target.parent.exists()  # it made /nonexistent/target before
+
+
+# ---- issue #42 item 3: a read-only workspace is one sentence per command --------------------------------------
+
+
+@pytest.fixture()
+def read_only_workspace(tmp_path, tiny_llama):
+    """A workspace holding a stopped run (a checkpoint to resume from) and an ended one, then made read-only: as
+    root a tmpfs remounted read-only (root writes through permission bits), else folders without write permission.
+    Yields (workspace, a run config file outside it)."""
+    from core.runs.launcher import create_run
+
+    root = os.geteuid() == 0
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    if root and subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(mnt)]).returncode:
+        pytest.skip("root, but no tmpfs can be mounted here, and permission bits do not stop root's writes")
+    ws = mnt / "ws"
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"instruction": f"Say {w}", "output": w}) + "\n" for w in WORDS))
+    cfg = {"model": {"path": str(tiny_llama)}, "data": {"path": str(data)}, "training": {"max_steps": 2}}
+    config = tmp_path / "run.yaml"
+    config.write_text(json.dumps(cfg))  # JSON is YAML
+    now = time.time()
+    for name in ("stopped", "ended"):
+        run = create_run(ws, name, cfg)
+        status = {
+            "state": "stopped",
+            "reason": None,
+            "step": 1,
+            "max_steps": 2,
+            "started": now,
+            "updated": now,
+        }
+        (run / "status.json").write_text(json.dumps(status))
+        (run / "checkpoints" / "checkpoint-1").mkdir(parents=True)
+    folders = [ws, ws / "runs", ws / "runs" / "stopped", ws / "runs" / "ended"]
+    if root:
+        subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+    else:
+        for folder in folders:
+            folder.chmod(0o555)
+    yield ws, config
+    if root:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+    else:
+        for folder in folders:
+            folder.chmod(0o755)
+
+
+def test_launch_resume_and_delete_on_a_read_only_workspace_are_one_sentence_each(read_only_workspace):
+    """Issue #42 item 3: each ended in an `OSError: [Errno 30]` traceback (reading worked)."""
+    ws, config = read_only_workspace
+    runs = ws / "runs"
+    before = sorted(p.name for p in runs.iterdir())
+    env = dict(os.environ, LORA_COCKPIT_WORKSPACE=str(ws))
+    for args, folder, fix in (
+        (("launch", str(config), "--name", "new"), runs, "choose a workspace you can write to"),
+        (("resume", "stopped"), runs / "stopped", "and resume again"),
+        (("delete", "ended"), runs, "so nothing was deleted"),
+    ):
+        proc = _cli("core.runs", *args, env=env)
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, (args, proc.stderr[-2000:])
+        assert len(lines) == 1 and lines[0].startswith("error: Cannot "), (args, proc.stderr)
+        said = lines[0]
+        assert f"{folder} is read-only" in said or f"{folder} is not writable by this user" in said, said
+        assert "make it writable" in said and fix in said, said
+    assert sorted(p.name for p in runs.iterdir()) == before
