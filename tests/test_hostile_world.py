@@ -529,3 +529,84 @@ def test_launch_resume_and_delete_on_a_read_only_workspace_are_one_sentence_each
         assert f"{folder} is read-only" in said or f"{folder} is not writable by this user" in said, said
         assert "make it writable" in said and fix in said, said
     assert sorted(p.name for p in runs.iterdir()) == before
+
+
+# ---- issue #42 item 4: an export and a full disk ----------------------------------------------------------------
+
+
+def test_a_gguf_export_that_cannot_fit_is_refused_before_it_writes(tmpfs, tmp_path, tiny_llama):
+    """Issue #42 item 4: there was no free-space check (the merge had one): the export started and failed."""
+    _fill(tmpfs, leave=200 << 10)  # the tiny model's GGUF is ~250 KB
+    proc = _cli("core.gguf", "--model", str(tiny_llama), "--out", str(tmpfs / "g.gguf"))
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert len(lines) == 1 and lines[0].startswith(
+        f"error: Not enough free disk at {tmpfs}: the export needs"
+    )
+    assert "is free" in lines[0], lines[0]
+    assert sorted(p.name for p in tmpfs.iterdir()) == ["filler"]  # not even its progress record
+
+
+def _fill_while_stopped(proc: subprocess.Popen, tmpfs: Path) -> None:
+    """Fill the disk while `proc` is stopped (SIGSTOP), so it resumes on a full disk whatever the machine's load."""
+    import signal
+
+    proc.send_signal(signal.SIGSTOP)
+    try:
+        _fill(tmpfs)
+    finally:
+        proc.send_signal(signal.SIGCONT)
+
+
+@pytest.mark.slow
+def test_a_gguf_export_on_a_disk_that_fills_midway_leaves_no_file_and_says_failed(tmpfs, tiny_llama):
+    """Issue #42 item 4: the CLI said "Nothing was written" while the .gguf was there without its report, a rerun
+    was refused because the file existed, progress.json still said "writing" beside a 0-byte temporary."""
+    from core.gguf import read_progress
+
+    out = tmpfs / "g2.gguf"
+    env = dict(os.environ, LORA_COCKPIT_TEST_GGUF_PAUSE_AFTER_FIRST_TENSOR="5")
+    cmd = [sys.executable, "-m", "core.gguf", "--model", str(tiny_llama), "--out", str(out)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while not (read_progress(out) or {}).get("tensors_done"):
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    _fill_while_stopped(proc, tmpfs)
+    _, stderr = proc.communicate(timeout=300)
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert proc.returncode == 1 and "Traceback" not in stderr, stderr[-2000:]
+    assert len(lines) == 1 and f"The disk holding {tmpfs} filled up" in lines[0], stderr
+    assert "it needs 1.3 MB free there" in lines[0] and f"Nothing was written to {out}" in lines[0], lines[0]
+    assert sorted(p.name for p in tmpfs.iterdir()) == ["filler", "g2.gguf.progress.json"]
+    progress = read_progress(out)
+    assert progress["phase"] == "failed" and "filled up" in progress["error"], progress
+    (tmpfs / "filler").unlink()
+    again = _cli("core.gguf", "--model", str(tiny_llama), "--out", str(out), "--verify", "quick")
+    assert again.returncode == 0, again.stderr[-2000:]  # nothing of the failed export stands in its way
+    assert read_progress(out)["phase"] == "done" and (tmpfs / "g2.gguf.verify.json").is_file()
+
+
+@pytest.mark.slow
+def test_a_merge_on_a_disk_that_fills_midway_names_the_file_and_the_space_it_needs(
+    tmpfs, tmp_path, tiny_llama
+):
+    """Issue #42 item 4: it said only "a file: No space left on device"."""
+    from core import merge as M
+    from tests.test_merge_safety import make_adapter
+
+    adapter = make_adapter(tiny_llama, tmp_path / "adapter")
+    target = tmpfs / "merged"
+    env = dict(os.environ, **{M.PAUSE_ENV: "5"})
+    cmd = [sys.executable, "-m", "core.merge", "--base", str(tiny_llama), "--adapter", str(adapter)]
+    cmd += ["--out", str(target), "--shard-size", "100KB"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while not list(tmpfs.glob(".merged.merging-*/.paused")):
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    _fill_while_stopped(proc, tmpfs)
+    _, stderr = proc.communicate(timeout=300)
+    lines = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and "Traceback" not in stderr, stderr[-2000:]
+    assert len(lines) == 1 and f"The disk holding {tmpfs} filled up while writing model-00002-of-" in lines[0]
+    assert "the merge needs" in lines[0] and "free there" in lines[0] and "is free now" in lines[0], lines[0]
+    assert sorted(p.name for p in tmpfs.iterdir()) == ["filler"]  # no target, no temporary folder
