@@ -238,7 +238,7 @@ def _bad_folder(kind: str, model: Path, tmp: Path) -> Path:
                 "header claims 931.32 GiB of tensors",
                 "extra.weight alone 931.32 GiB",
                 "config.json implies at most 340.2 KiB",
-                "copy or download the weights again",
+                "copy or download them again",
             ],
         ),
     ],

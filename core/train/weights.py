@@ -11,23 +11,12 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from core.estimate.specs import SpecError, parameter_shapes
+from core.estimate.specs import parameter_shapes
 from core.files import read_json_object
 from core.fmt import nbytes
 from core.train.findings import MISMATCH_FIX, loaded_weight_files, model_folder, safetensors_header
 
-ITEMSIZE = {
-    "F64": 8,
-    "I64": 8,
-    "U64": 8,
-    "F32": 4,
-    "I32": 4,
-    "U32": 4,
-    "F16": 2,
-    "BF16": 2,
-    "I16": 2,
-    "U16": 2,
-}
+ITEMSIZE = dict(F64=8, I64=8, U64=8, F32=4, I32=4, U32=4, F16=2, BF16=2, I16=2, U16=2)  # bytes per element
 # Real checkpoints carry a little beyond the model (a multi-token-prediction layer, a vision tower a causal LM
 # leaves out): twice what the config implies, at the widest dtype stored, is never a real one.
 CLAIM_FACTOR = 2
@@ -43,8 +32,8 @@ def weights_problem(path: str) -> str | None:
         return None  # check_model_folder has said why
     try:
         prefix, expected = parameter_shapes(config)
-    except SpecError:
-        return None  # the plan says so in its own words; a config it cannot build is not the weights' fault
+    except Exception:  # SpecError, or a library's own (remote code, not a causal LM): the plan tells it
+        return None
     headers = {}
     for file in loaded_weight_files(folder):
         header = safetensors_header(file)
@@ -79,9 +68,9 @@ def _oversized(headers: dict[Path, dict], expected: dict[str, tuple]) -> str | N
     )
     return (
         f"model.path: {file}'s header claims {nbytes(claims[file])} of tensors{sparse}, its {name} alone "
-        f"{nbytes(entry['data_offsets'][1] - entry['data_offsets'][0])}: loading them would need that much memory, "
-        f"but config.json implies at most {nbytes(implied)} ({params:,} parameters at {widest} bytes each). The "
-        "file is not this model's weights: copy or download the weights again."
+        f"{nbytes(entry['data_offsets'][1] - entry['data_offsets'][0])}: loading it would need that much memory "
+        f"while config.json implies at most {nbytes(implied)} ({params:,} parameters at {widest} bytes each), so "
+        "it is not this model's weights: copy or download them again."
     )
 
 
@@ -99,7 +88,10 @@ def _mismatch(headers: dict[Path, dict], prefix: str, expected: dict[str, tuple]
         return None
     file, name, got, want = wrong[0]
     more = f" ({len(wrong) - 1} more tensor(s) differ too)" if len(wrong) > 1 else ""
-    return f"model.path: {file}: the tensor {name} is {_shape(got)}, config.json implies {_shape(want)}{more}: {MISMATCH_FIX}"
+    return (
+        f"model.path: {file}: the tensor {name} is {_shape(got)}, config.json implies {_shape(want)}{more}: "
+        f"{MISMATCH_FIX}"
+    )
 
 
 def _tensor_entry(v) -> bool:
