@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 import sys
 import tempfile
@@ -26,6 +27,28 @@ def atomic_write_text(path: str | os.PathLike, text: str, parents: bool = True) 
         Path(tmp).unlink(missing_ok=True)
         raise
     return p
+
+
+def disk_needed(payload: int) -> int:
+    """The free disk an export of `payload` bytes asks for before it writes (the merge's and the GGUF export's one
+    rule): the bytes, plus a margin for the small files beside them and the filesystem's rounding; a few percent,
+    at least 1 MiB, at most 64 MiB (not a flat 64 MiB on a 1 MiB export)."""
+    return payload + min(64 << 20, max(1 << 20, payload // 50))
+
+
+def disk_shortfall(
+    folder: str | os.PathLike, needed: int, what: str = "the export"
+) -> tuple[int, str | None]:
+    """(free bytes at `folder`, the sentence saying so when `needed` bytes do not fit there; else None)."""
+    from core.fmt import disk
+
+    free = shutil.disk_usage(folder).free
+    if needed <= free:
+        return free, None
+    return free, (
+        f"Not enough free disk at {folder}: {what} needs {disk(needed)}, {disk(free)} is free; free some space "
+        "there, or write it elsewhere."
+    )
 
 
 _FLOAT_MAX = int(sys.float_info.max)

@@ -6,6 +6,7 @@ resolved and checked against it before anything is written.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 from pathlib import Path
@@ -80,3 +81,18 @@ def make_folder(path: Path, what: str = "folder") -> Path:
             "to in the sidebar (or $LORA_COCKPIT_WORKSPACE)."
         ) from None
     return path
+
+
+MAKE_WRITABLE = "make it writable (or remount its disk read-write)"
+
+
+def unwritable(folder: str | os.PathLike, exc: OSError) -> str:
+    """Which folder refused a write and why, for the sentence of the action that needed it: "<folder> is
+    read-only", "... is not writable by this user", "the disk holding ... is full"."""
+    if exc.errno == errno.EROFS:
+        return f"{folder} is read-only"
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return f"{folder} is not writable by this user"
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"the disk holding {folder} is full"
+    return f"{folder} cannot be written ({exc.strerror or exc})"

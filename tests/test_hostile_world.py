@@ -460,3 +460,153 @@ def test_a_run_dir_too_long_or_a_dangling_link_is_refused_and_nothing_is_created
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-1500:]
     assert "symbolic link" in proc.stderr and "does not exist" in proc.stderr, proc.stderr
     assert not target.exists() and not target.parent.exists()  # it made /nonexistent/target before
+
+
+# ---- issue #42 item 3: a read-only workspace is one sentence per command --------------------------------------
+
+
+@pytest.fixture()
+def read_only_workspace(tmp_path, tiny_llama):
+    """A workspace holding a stopped run (a checkpoint to resume from) and an ended one, then made read-only: as
+    root a tmpfs remounted read-only (root writes through permission bits), else folders without write permission.
+    Yields (workspace, a run config file outside it)."""
+    from core.runs.launcher import create_run
+
+    root = os.geteuid() == 0
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    if root and subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(mnt)]).returncode:
+        pytest.skip("root, but no tmpfs can be mounted here, and permission bits do not stop root's writes")
+    ws = mnt / "ws"
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"instruction": f"Say {w}", "output": w}) + "\n" for w in WORDS))
+    cfg = {"model": {"path": str(tiny_llama)}, "data": {"path": str(data)}, "training": {"max_steps": 2}}
+    config = tmp_path / "run.yaml"
+    config.write_text(json.dumps(cfg))  # JSON is YAML
+    now = time.time()
+    for name in ("stopped", "ended"):
+        run = create_run(ws, name, cfg)
+        status = {
+            "state": "stopped",
+            "reason": None,
+            "step": 1,
+            "max_steps": 2,
+            "started": now,
+            "updated": now,
+        }
+        (run / "status.json").write_text(json.dumps(status))
+        (run / "checkpoints" / "checkpoint-1").mkdir(parents=True)
+    folders = [ws, ws / "runs", ws / "runs" / "stopped", ws / "runs" / "ended"]
+    if root:
+        subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+    else:
+        for folder in folders:
+            folder.chmod(0o555)
+    yield ws, config
+    if root:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+    else:
+        for folder in folders:
+            folder.chmod(0o755)
+
+
+def test_launch_resume_and_delete_on_a_read_only_workspace_are_one_sentence_each(read_only_workspace):
+    """Issue #42 item 3: each ended in an `OSError: [Errno 30]` traceback (reading worked)."""
+    ws, config = read_only_workspace
+    runs = ws / "runs"
+    before = sorted(p.name for p in runs.iterdir())
+    env = dict(os.environ, LORA_COCKPIT_WORKSPACE=str(ws))
+    for args, folder, fix in (
+        (("launch", str(config), "--name", "new"), runs, "choose a workspace you can write to"),
+        (("resume", "stopped"), runs / "stopped", "and resume again"),
+        (("delete", "ended"), runs, "so nothing was deleted"),
+    ):
+        proc = _cli("core.runs", *args, env=env)
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, (args, proc.stderr[-2000:])
+        assert len(lines) == 1 and lines[0].startswith("error: Cannot "), (args, proc.stderr)
+        said = lines[0]
+        assert f"{folder} is read-only" in said or f"{folder} is not writable by this user" in said, said
+        assert "make it writable" in said and fix in said, said
+    assert sorted(p.name for p in runs.iterdir()) == before
+
+
+# ---- issue #42 item 4: an export and a full disk ----------------------------------------------------------------
+
+
+def test_a_gguf_export_that_cannot_fit_is_refused_before_it_writes(tmpfs, tmp_path, tiny_llama):
+    """Issue #42 item 4: there was no free-space check (the merge had one): the export started and failed."""
+    _fill(tmpfs, leave=200 << 10)  # the tiny model's GGUF is ~250 KB
+    proc = _cli("core.gguf", "--model", str(tiny_llama), "--out", str(tmpfs / "g.gguf"))
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert len(lines) == 1 and lines[0].startswith(
+        f"error: Not enough free disk at {tmpfs}: the export needs"
+    )
+    assert "is free" in lines[0], lines[0]
+    assert sorted(p.name for p in tmpfs.iterdir()) == ["filler"]  # not even its progress record
+
+
+def _fill_while_stopped(proc: subprocess.Popen, tmpfs: Path) -> None:
+    """Fill the disk while `proc` is stopped (SIGSTOP), so it resumes on a full disk whatever the machine's load."""
+    import signal
+
+    proc.send_signal(signal.SIGSTOP)
+    try:
+        _fill(tmpfs)
+    finally:
+        proc.send_signal(signal.SIGCONT)
+
+
+@pytest.mark.slow
+def test_a_gguf_export_on_a_disk_that_fills_midway_leaves_no_file_and_says_failed(tmpfs, tiny_llama):
+    """Issue #42 item 4: the CLI said "Nothing was written" while the .gguf was there without its report, a rerun
+    was refused because the file existed, progress.json still said "writing" beside a 0-byte temporary."""
+    from core.gguf import read_progress
+
+    out = tmpfs / "g2.gguf"
+    env = dict(os.environ, LORA_COCKPIT_TEST_GGUF_PAUSE_AFTER_FIRST_TENSOR="5")
+    cmd = [sys.executable, "-m", "core.gguf", "--model", str(tiny_llama), "--out", str(out)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while not (read_progress(out) or {}).get("tensors_done"):
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    _fill_while_stopped(proc, tmpfs)
+    _, stderr = proc.communicate(timeout=300)
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert proc.returncode == 1 and "Traceback" not in stderr, stderr[-2000:]
+    assert len(lines) == 1 and f"The disk holding {tmpfs} filled up" in lines[0], stderr
+    assert "it needs 1.3 MB free there" in lines[0] and f"Nothing was written to {out}" in lines[0], lines[0]
+    assert sorted(p.name for p in tmpfs.iterdir()) == ["filler", "g2.gguf.progress.json"]
+    progress = read_progress(out)
+    assert progress["phase"] == "failed" and "filled up" in progress["error"], progress
+    (tmpfs / "filler").unlink()
+    again = _cli("core.gguf", "--model", str(tiny_llama), "--out", str(out), "--verify", "quick")
+    assert again.returncode == 0, again.stderr[-2000:]  # nothing of the failed export stands in its way
+    assert read_progress(out)["phase"] == "done" and (tmpfs / "g2.gguf.verify.json").is_file()
+
+
+@pytest.mark.slow
+def test_a_merge_on_a_disk_that_fills_midway_names_the_file_and_the_space_it_needs(
+    tmpfs, tmp_path, tiny_llama
+):
+    """Issue #42 item 4: it said only "a file: No space left on device"."""
+    from core import merge as M
+    from tests.test_merge_safety import make_adapter
+
+    adapter = make_adapter(tiny_llama, tmp_path / "adapter")
+    target = tmpfs / "merged"
+    env = dict(os.environ, **{M.PAUSE_ENV: "5"})
+    cmd = [sys.executable, "-m", "core.merge", "--base", str(tiny_llama), "--adapter", str(adapter)]
+    cmd += ["--out", str(target), "--shard-size", "100KB"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while not list(tmpfs.glob(".merged.merging-*/.paused")):
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    _fill_while_stopped(proc, tmpfs)
+    _, stderr = proc.communicate(timeout=300)
+    lines = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and "Traceback" not in stderr, stderr[-2000:]
+    assert len(lines) == 1 and f"The disk holding {tmpfs} filled up while writing model-00002-of-" in lines[0]
+    assert "the merge needs" in lines[0] and "free there" in lines[0] and "is free now" in lines[0], lines[0]
+    assert sorted(p.name for p in tmpfs.iterdir()) == ["filler"]  # no target, no temporary folder

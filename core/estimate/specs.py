@@ -208,6 +208,13 @@ def _meta_model_for(config_json: str):
     return _build_meta_model(_config_from_dict(json.loads(config_json), "The config"))
 
 
+def parameter_shapes(fields: dict) -> tuple[str, dict[str, tuple[int, ...]]]:
+    """(base_model_prefix, {state-dict name: shape}) of the model config.json `fields` describes, from the same
+    meta model the planner counts; SpecError when it cannot be built."""
+    meta = _meta_model_for(json.dumps(fields, sort_keys=True))
+    return meta.base_model_prefix, {k: tuple(t.shape) for k, t in meta.state_dict().items()}
+
+
 def _decoder_layers(model):
     """The repeated decoder blocks: the largest nn.ModuleList in the model."""
     import torch.nn as nn

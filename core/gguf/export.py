@@ -8,6 +8,7 @@ leaves only that hidden folder, which the next export to the same target removes
 
 from __future__ import annotations
 
+import errno
 import glob
 import json
 import os
@@ -19,7 +20,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from core import procs
-from core.files import atomic_write_text
+from core.files import atomic_write_text, disk_needed, disk_shortfall
+from core.fmt import disk
 from core.gguf.modelfile import write_modelfile
 from core.gguf.source import BadInput, open_source
 from core.gguf.tensors import K_TYPES, TYPES, plan_tensors
@@ -109,8 +111,7 @@ def estimate_size(model_dir: str | os.PathLike, out_type: str = "f16") -> dict:
         n = (j.nbytes + ALIGN - 1) // ALIGN * ALIGN
         by_type[j.qtype.name] = by_type.get(j.qtype.name, 0) + n
         total += n
-    # Tokenizer metadata: each token is a length-prefixed string plus a type and a score; merges add as much.
-    meta = (int(src.config["vocab_size"]) + byte_rows(src.path)) * 40 + 64 * 1024
+    meta = _metadata_bytes(src)
     return {
         "bytes": total + meta,
         "tensor_bytes": total,
@@ -120,6 +121,18 @@ def estimate_size(model_dir: str | os.PathLike, out_type: str = "f16") -> dict:
         "source_bytes": sum(t.nbytes for t in src.tensors.values()),
         "exact": out_type not in K_TYPES,  # llama-quantize picks per-tensor types itself
     }
+
+
+def _metadata_bytes(src) -> int:
+    """Tokenizer metadata: each token is a length-prefixed string plus a type and a score; merges add as much."""
+    return (int(src.config["vocab_size"]) + byte_rows(src.path)) * 40 + 64 * 1024
+
+
+def _disk_bill(src, jobs, out_type: str) -> int:
+    """What the export writes beside --out before it is done: the file (a K-quant also its f16 source next to it),
+    with the exports' margin (core.files.disk_needed, the merge's rule)."""
+    size = sum((j.nbytes + ALIGN - 1) // ALIGN * ALIGN for j in jobs) + _metadata_bytes(src)
+    return disk_needed(2 * size if out_type in K_TYPES else size)
 
 
 def _quantize_k(f16: Path, out: Path, out_type: str) -> None:
@@ -176,6 +189,10 @@ def export_gguf(
 
     # what killed exports to `out` left behind (only folders with our owner record, never a live one's)
     procs.clean_stale_temps(out.parent, f".{glob.escape(out.name)}.*.partial")
+    needed = _disk_bill(src, jobs, out_type)
+    _free, short = disk_shortfall(out.parent, needed)
+    if short:  # refused before anything is written, rather than a disk filled half way
+        raise BadInput(short)
     progress = ProgressFile(progress_path(out) if progress_file else None, on_progress, target=out)
     tmp_dir = out.parent / f".{out.name}.{os.getpid()}.partial"
     tmp_file = tmp_dir / out.name
@@ -207,6 +224,10 @@ def export_gguf(
         bytes_total=total_bytes,
     )
     report: dict = {}
+    placed: list[Path] = []  # what this export put under final names: taken back if a later step fails
+    result = ExportResult(
+        out=out, out_type=out_type, size=0, seconds=0.0, report=report, vocab=vocab.summary()
+    )
     try:
         tmp_dir.mkdir()
         procs.mark_temp(tmp_dir)  # whose it is: the next export removes it once this process is gone
@@ -224,11 +245,16 @@ def export_gguf(
         progress.update(force=True, phase="verifying", size=size)
         report = verify(tmp_dir, out.name, src, tok, out_type, mode, vocab=vocab)
         report["size"] = size
+        result.size, result.report = size, report
         text = json.dumps(report, indent=1, default=str)
         if not report["ok"]:
             if not out.exists():  # no export's file there: the report says why there is none
                 atomic_write_text(report_path(out), text)
             raise ExportError(f"Verification failed: {report['reason']}.", report)
+        # the sidecars are written beside the temporary file first: once the GGUF is in place, only renames follow
+        atomic_write_text(tmp_dir / report_path(out).name, text)
+        if modelfile:
+            _staged_modelfile(result, src, vocab, tok, tmp_dir)
         try:
             os.link(tmp_file, out)  # fails if `out` appeared meanwhile: never overwrite
         except FileExistsError:
@@ -241,38 +267,54 @@ def export_gguf(
                     f"{out} appeared during the export; the new file was not put in its place."
                 ) from None
             os.rename(tmp_file, out)
+        placed.append(out)
         progress.won = True  # the file is ours: from here its sidecars describe this export
-        atomic_write_text(report_path(out), text)
+        for final in (report_path(out), result.modelfile):
+            if final is not None:
+                os.replace(tmp_dir / final.name, final)
+                placed.append(final)
     except ExportError as e:
+        _take_back(placed, tmp_dir)
         progress.update(force=True, phase="failed", error=str(e))
         raise
     except (OSError, ValueError, RuntimeError) as e:
-        progress.update(force=True, phase="failed", error=str(e))
-        raise ExportError(f"The export failed: {e}", report) from e
+        _take_back(placed, tmp_dir)  # before the failed record: on a full disk it needs the space back
+        message = f"The export failed: {e}"
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            message = (
+                f"The disk holding {out.parent} filled up while the export was writing ({e.strerror}): it needs "
+                f"{disk(needed)} free there, {disk(shutil.disk_usage(out.parent).free)} is free now; free some "
+                "space or choose another --out."
+            )
+        progress.update(force=True, phase="failed", error=message)
+        raise ExportError(message, report) from e
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         procs.unmark_temp(tmp_dir)
 
-    result = ExportResult(
-        out=out, out_type=out_type, size=size, seconds=0.0, report=report, vocab=vocab.summary()
-    )
-    if modelfile:
-        eos_id = vocab.special.get("eos")
-        eos = vocab.tokens[eos_id] if eos_id is not None else None
-        ctx = int(src.config.get("max_position_embeddings", 4096))
-        result.modelfile, result.ollama_command, tr = _modelfile(
-            out, vocab.chat_template, ctx, eos, tok.bos_token, vocab.add_bos
-        )
-        result.template_family = tr.family if tr.faithful else None
-        result.template_problem = tr.problem if vocab.chat_template else None
     result.seconds = time.time() - t0
     progress.update(force=True, phase="done", size=size, seconds=result.seconds)
     return result
 
 
-def _modelfile(out: Path, template: str | None, ctx: int, eos: str | None, bos: str | None, add_bos: bool):
+def _take_back(placed: list[Path], tmp_dir: Path) -> None:
+    """Undo a failed export: what it put under final names (its own link, its sidecars) and its temporary
+    folder, so nothing half-done is left and the space is free again."""
+    for path in placed:
+        path.unlink(missing_ok=True)
+    shutil.rmtree(tmp_dir, ignore_errors=True)
 
-    return write_modelfile(out, template, ctx, eos, bos, add_bos)
+
+def _staged_modelfile(result: ExportResult, src, vocab, tok, tmp_dir: Path) -> None:
+    """The Ollama Modelfile, written into `tmp_dir`; `result` gets its final path and command."""
+    eos_id = vocab.special.get("eos")
+    eos = vocab.tokens[eos_id] if eos_id is not None else None
+    ctx = int(src.config.get("max_position_embeddings", 4096))
+    result.modelfile, result.ollama_command, tr = write_modelfile(
+        result.out, vocab.chat_template, ctx, eos, tok.bos_token, vocab.add_bos, staging=tmp_dir
+    )
+    result.template_family = tr.family if tr.faithful else None
+    result.template_problem = tr.problem if vocab.chat_template else None
 
 
 def llama_cpp_line(lc: dict) -> str:

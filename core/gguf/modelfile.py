@@ -367,12 +367,14 @@ def write_modelfile(
     eos: str | None,
     bos: str | None = None,
     add_bos: bool = False,
+    staging: Path | None = None,
 ) -> tuple[Path, str, ChatTranslation]:
     """Write `<stem>.Modelfile` beside `<stem>.gguf` (one rule for the first export and every later one: each GGUF
-    has its own); returns (path, command, translation)."""
+    has its own); returns (path, command, translation). With `staging` (a folder on the same disk) it is written
+    there under the same name, for the caller to rename into place once the GGUF is."""
     text, tr = render_modelfile(gguf_path.name, chat_template, context_length, eos, bos, add_bos)
     path = gguf_path.with_name(gguf_path.stem + ".Modelfile")
-    atomic_write_text(path, text)
+    atomic_write_text(staging / path.name if staging else path, text)
     name = re.sub(r"[^a-z0-9._-]+", "-", gguf_path.stem.lower()).strip("-") or "model"
     command = f"ollama create {name} -f {path}"
     return path, command, tr

@@ -49,8 +49,8 @@ class ProgressFile:
         try:
             tmp.write_text(json.dumps(self.state))
             os.replace(tmp, self.path)
-        except OSError:
-            pass  # progress is advisory; never fail an export over it
+        except OSError:  # progress is advisory; never fail an export over it, nor leave its temporary behind
+            tmp.unlink(missing_ok=True)
 
 
 def read_progress(out: str | os.PathLike) -> dict | None:

@@ -3,6 +3,7 @@ files, verify, then rename into place. A merge killed midway leaves no target fo
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -15,7 +16,7 @@ import psutil
 import torch
 
 from core import procs
-from core.merge.common import TOKENIZER_FILES, MergeError, MergeProgress, ProgressFn, tokenizer_source
+from core.merge.common import TOKENIZER_FILES, MergeError, MergeProgress, ProgressFn, gb, tokenizer_source
 from core.merge.delta import tensor_stream
 from core.merge.plan import MergePlan, TensorPlan
 from core.merge.precheck import Preflight, preflight_at, workspace_target
@@ -146,14 +147,17 @@ def merge_at(
             "write to."
         ) from e
     ok = False
+    writing = "its first file"  # what a full disk interrupted, for the sentence
     try:
         procs.mark_temp(tmp, TEMP_MARKER, target=str(target), started=started)
         report("merge")
         for i, (name, tensors) in enumerate(plan.shards):
+            writing = name
             write_shard(tmp / name, tensors, lambda t: tensor_stream(t, plan.base, device), on_tensor)
             if i == 0 and os.environ.get(PAUSE_ENV):
                 (tmp / ".paused").write_text("paused after the first shard (test hook)")
                 time.sleep(float(os.environ[PAUSE_ENV]))
+        writing = "config.json and the tokenizer files"
         _write_small_files(plan, tmp)
         report("verify")
         verification = verify_export(plan, tmp, pf.verify_mode, device, qlora=pf.qlora)
@@ -168,6 +172,15 @@ def merge_at(
         os.rename(tmp, target)
         _fsync_dir(target.parent)
         ok = True
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # first: the free space then says what is left for a retry
+        raise MergeError(
+            f"The disk holding {target.parent} filled up while writing {writing} of the export ({e.strerror}): "
+            f"the merge needs {gb(pf.disk_needed)} free there, {gb(shutil.disk_usage(target.parent).free)} is "
+            f"free now; free some space or choose another --out. Nothing was written to {target}."
+        ) from None
     finally:
         procs.unmark_temp(tmp)
         if not ok:

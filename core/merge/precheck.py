@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
 import torch
 
+from core.files import disk_needed, disk_shortfall
 from core.merge import delta
 from core.merge.adapter import load_adapter
 from core.merge.common import MB, TOKENIZER_FILES, MergeError, gb, read_json_object, tokenizer_source
@@ -150,12 +150,10 @@ def preflight_at(
                 f"The logits check needs ~{gb(ram.verify)} RAM but {gb(ram.available)} is available: only the quick "
                 "check (every tensor re-read, merged rows recomputed, config and tokenizer loaded) will run."
             )
-    disk_free = shutil.disk_usage(probe).free
     disk_needed = _disk_needed(plan, adapter_dir, base_dir)
-    if disk_needed > disk_free:
-        problems.append(
-            f"Not enough free disk at {probe}: the export needs {gb(disk_needed)}, {gb(disk_free)} is free."
-        )
+    disk_free, short = disk_shortfall(probe, disk_needed)
+    if short:
+        problems.append(short)
     pf = Preflight(
         base_dir=str(base_dir),
         adapter_dir=str(adapter_dir),
@@ -242,8 +240,7 @@ def _ram_bill(plan: MergePlan) -> _RamBill:
 
 
 def _disk_needed(plan: MergePlan, adapter_dir: Path, base_dir: Path) -> int:
-    """The export's bytes: its tensors, the tokenizer files it copies and a margin."""
+    """The export's bytes: its tensors and the tokenizer files it copies, with the exports' margin."""
     tok_dir = tokenizer_source(adapter_dir, base_dir)
     small = sum((tok_dir / n).stat().st_size for n in TOKENIZER_FILES if (tok_dir / n).is_file())
-    # a margin for the index, config and filesystem rounding: a few percent, not a flat 64 MB on a 1 MB export
-    return plan.out_bytes + small + min(64 * MB, max(MB, plan.out_bytes // 50))
+    return disk_needed(plan.out_bytes + small)

@@ -18,7 +18,15 @@ from core.runs.rundir import LIVE_STATES
 from core.train import methods
 from core.train.config import dump_config, field_errors, validate_config
 from core.train.preflight import check_model_folder as check
-from core.workspace import WorkspaceError, check_run_name, inside, make_folder, runs_dir
+from core.workspace import (
+    MAKE_WRITABLE,
+    WorkspaceError,
+    check_run_name,
+    inside,
+    make_folder,
+    runs_dir,
+    unwritable,
+)
 
 SMOKE_DIR = "smoke"  # <workspace>/smoke/<run>-<n>/: one-step runs, not listed among the real runs
 # The planner models sdpa and eager; flash/flex attention keep no score matrix either, like sdpa.
@@ -154,7 +162,13 @@ def delete_run(run_dir: str | os.PathLike, workspace: str | os.PathLike) -> None
             f"`python -m core.runs stop {target.name}`), then delete it."
         )
     trash = root / f".deleting-{target.name}-{time.time_ns()}"
-    os.replace(target, trash)
+    try:
+        os.replace(target, trash)
+    except OSError as exc:
+        raise RunError(
+            f"Cannot delete run {target.name}: {unwritable(root, exc)}, so nothing was deleted; {MAKE_WRITABLE} "
+            "and delete it again."
+        ) from None
     shutil.rmtree(trash, ignore_errors=True)
 
 

@@ -10,6 +10,7 @@ read as failed with the last lines of stderr.log (nothing is written on read). A
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -21,7 +22,15 @@ from core.runs.rundir import read_pid, read_smoke, read_status, write_status
 from core.train.config import ConfigError, dump_config, load_config, validate_config
 from core.train.preflight import check_model_folder
 from core.train.resume import check_resume
-from core.workspace import WorkspaceError, check_run_name, inside, make_folder, runs_dir
+from core.workspace import (
+    MAKE_WRITABLE,
+    WorkspaceError,
+    check_run_name,
+    inside,
+    make_folder,
+    runs_dir,
+    unwritable,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TAIL_LINES = 20
@@ -67,8 +76,24 @@ def create_run(workspace: str | os.PathLike, name: str, config: dict) -> Path:
     if run_dir.exists():
         raise RunError(f"A run named {name!r} already exists in {run_dir.parent}: choose another name.")
     make_folder(run_dir.parent, "runs folder")
-    run_dir.mkdir()
-    dump_config(cfg, run_dir / rundir.CONFIG)
+    try:
+        run_dir.mkdir()
+    except FileExistsError:  # made since the check above
+        raise RunError(
+            f"A run named {name!r} already exists in {run_dir.parent}: choose another name."
+        ) from None
+    except OSError as exc:
+        raise RunError(
+            f"Cannot create the run {name}: {unwritable(run_dir.parent, exc)}; {MAKE_WRITABLE}, or choose a "
+            "workspace you can write to (the sidebar, or $LORA_COCKPIT_WORKSPACE)."
+        ) from None
+    try:
+        dump_config(cfg, run_dir / rundir.CONFIG)
+    except OSError as exc:
+        shutil.rmtree(run_dir, ignore_errors=True)  # the folder made just above: a run without config is none
+        raise RunError(
+            f"Cannot create the run {name}: {unwritable(run_dir, exc)}; {MAKE_WRITABLE}."
+        ) from None
     return run_dir
 
 
@@ -97,6 +122,8 @@ def launch(run_dir: str | os.PathLike, resume: bool = False, smoke: bool = False
             f"Run {run_dir.name} is already running (pid {exc.pid or read_pid(run_dir)}): stop it before "
             "launching again."
         ) from None
+    except OSError as exc:  # its lock file cannot be made: a read-only or full workspace
+        raise RunError(_cannot_start(run_dir, resume, exc)) from None
     try:
         status = read_status(run_dir)
         if status and status.get("state") == "finished" and not smoke:
@@ -115,13 +142,16 @@ def launch(run_dir: str | os.PathLike, resume: bool = False, smoke: bool = False
             # Smoke tests belong in their own folder (core.runs.admin keeps them apart): they write status too.
             cmd.append("--smoke")
             (run_dir / rundir.SMOKE).unlink(missing_ok=True)  # so a reader waits for this test's result
-        write_status(
-            run_dir,
-            state="starting",
-            reason=None,
-            ended=None,
-            **({} if resume and status else {"started": time.time(), "step": 0, "max_steps": None}),
-        )
+        try:
+            write_status(
+                run_dir,
+                state="starting",
+                reason=None,
+                ended=None,
+                **({} if resume and status else {"started": time.time(), "step": 0, "max_steps": None}),
+            )
+        except OSError as exc:
+            raise RunError(_cannot_start(run_dir, resume, exc)) from None
         try:
             # own session: survives the UI server; the trainer keeps the lock this launcher took
             return procs.spawn(run_dir, cmd, lock_fd, cwd=REPO_ROOT)
@@ -130,6 +160,13 @@ def launch(run_dir: str | os.PathLike, resume: bool = False, smoke: bool = False
             raise RunError(f"Could not start the trainer ({exc}).") from None
     finally:
         os.close(lock_fd)  # the child holds the lock through its own copy of the descriptor
+
+
+def _cannot_start(run_dir: Path, resume: bool, exc: OSError) -> str:
+    again = "resume" if resume else "launch"
+    return (
+        f"Cannot {again} run {run_dir.name}: {unwritable(run_dir, exc)}; {MAKE_WRITABLE} and {again} again."
+    )
 
 
 def stop_run(run_dir: str | os.PathLike, grace_s: float = 60.0) -> str:

@@ -23,7 +23,7 @@ from core.train import ranks
 from core.train.callbacks import StopFlag
 from core.train.config import ConfigError, check_with_libraries, load_config
 from core.train.data import DataError
-from core.train.preflight import check_model_folder, load_tokenizer_and_config, run_preflight
+from core.train.preflight import TokenizerError, check_model, load_tokenizer_and_config, run_preflight
 from core.train.smoke import smoke_line
 from core.train.trainer import (
     EXIT_BAD_INPUT,
@@ -48,7 +48,7 @@ def dry_run(
     try:
         cfg = load_config(config_path)
         check_with_libraries(cfg)
-        problem = check_model_folder(cfg["model"]["path"])
+        problem = check_model(cfg["model"]["path"])
         if problem:
             raise ConfigError(problem)
         tokenizer, model_config = load_tokenizer_and_config(cfg["model"])
@@ -69,10 +69,10 @@ def dry_run(
             ) from None
         if written:
             print(f"accelerate config: {written}", file=sys.stderr, flush=True)
-    except (ConfigError, DataError, PlanError, SpecError) as exc:
+    except (ConfigError, DataError, PlanError, SpecError, TokenizerError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
-    except (OSError, ValueError) as exc:  # the model folder's tokenizer or config.json could not be read
+    except (OSError, ValueError) as exc:  # the model folder's config.json could not be read
         print(f"error: model.path: {exc}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
     print(json.dumps(plan, indent=1, default=str), flush=True)

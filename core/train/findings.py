@@ -8,10 +8,12 @@ first record of the data being row 1) and the fix.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from core.files import read_bounded, read_json_object
 from core.plausible import ImplausibleConfig, check_model_config
 
 SHOW_ROWS = 20
@@ -40,25 +42,22 @@ def has_errors(findings: list[Finding]) -> bool:
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
+MAX_TOKENIZER_BYTES = 1 << 30  # the largest tokenizer.json files (260k-token vocabularies) are ~35 MB
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
 def check_model_folder(path, need_weights: bool = True) -> str | None:
     """None when `path` is a usable local model folder (or a hub id in the local cache); else one sentence: what
     is wrong, where, how to fix it. Checks config.json and each safetensors header without loading weights."""
-    import json
 
     if not isinstance(path, str) or not path.strip():
         return "model.path is empty: give the folder of a local model (config.json + weights)."
-    folder = Path(path).expanduser()
-    if not folder.is_dir():
-        cached = _cached_hub_folder(path)
-        if cached is None:
-            return (
-                f"model.path: the folder {folder} does not exist. Nothing is downloaded here: give the folder of a "
-                "local model (config.json, weights and tokenizer files), e.g. one saved with save_pretrained."
-            )
-        folder = cached
+    folder = model_folder(path)
+    if folder is None:
+        return (
+            f"model.path: the folder {Path(path).expanduser()} does not exist. Nothing is downloaded here: give the "
+            "folder of a local model (config.json, weights and tokenizer files), e.g. one saved with save_pretrained."
+        )
     config = folder / "config.json"
     if not config.is_file():
         return f"model.path: {folder} has no config.json, so it is not a transformers model folder."
@@ -103,6 +102,24 @@ def check_model_folder(path, need_weights: bool = True) -> str | None:
     return None
 
 
+def model_folder(path: str) -> Path | None:
+    """The local folder `path` names: the folder itself, or a hub id's snapshot in the local cache; None if neither."""
+    folder = Path(path).expanduser()
+    return folder if folder.is_dir() else _cached_hub_folder(path)
+
+
+def loaded_weight_files(folder: Path) -> list[Path]:
+    """The safetensors files transformers loads from `folder`: the shards its index lists, else model.safetensors
+    (a stray copy or an adapter beside them is never loaded, so it is not the model's)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = (read_json_object(index) or {}).get("weight_map")
+        names = set(weight_map.values()) if isinstance(weight_map, dict) else set()
+        return sorted(folder / n for n in names if isinstance(n, str) and (folder / n).is_file())
+    single = folder / "model.safetensors"
+    return [single] if single.is_file() else []
+
+
 def _cached_hub_folder(repo_id: str):
     try:
         from huggingface_hub import try_to_load_from_cache
@@ -113,6 +130,9 @@ def _cached_hub_folder(repo_id: str):
     return Path(hit).parent if isinstance(hit, str) else None
 
 
+MISMATCH_FIX = (
+    "the weights belong to another model, or config.json was edited: put the matching config.json back."
+)
 EMBEDDINGS = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight")
 _LAYER = re.compile(r"\.(?:layers|h|blocks)\.(\d+)\.")
 
@@ -122,7 +142,7 @@ def _contradiction(shapes: dict[str, list], config: dict) -> str | None:
     x hidden) and the number of layers. Training would otherwise fail at load with a size-mismatch traceback, after
     --dry-run passed."""
     vocab, hidden = config.get("vocab_size"), config.get("hidden_size", config.get("n_embd"))
-    fix = "the weights belong to another model, or config.json was edited: put the matching config.json back."
+    fix = MISMATCH_FIX
     sizes_known = isinstance(vocab, int) and isinstance(hidden, int)
     for name, shape in shapes.items():
         if sizes_known and name.endswith(EMBEDDINGS) and len(shape) == 2 and shape != [vocab, hidden]:
@@ -137,10 +157,16 @@ def _contradiction(shapes: dict[str, list], config: dict) -> str | None:
     return None
 
 
-def _safetensors_problem(path: Path, shapes: dict | None = None) -> str | None:
+def safetensors_header(path: Path) -> dict | None:
+    """The header of a safetensors file (tensor name -> dtype, shape, data_offsets), None where
+    check_model_folder finds the file unreadable."""
+    headers: dict[Path, dict] = {}
+    return headers.get(path) if _safetensors_problem(path, headers=headers) is None else None
+
+
+def _safetensors_problem(path: Path, shapes: dict | None = None, headers: dict | None = None) -> str | None:
     """'truncated' / 'not a safetensors file' from the header alone (8-byte length + JSON), else None; the
-    tensors' shapes go into `shapes`."""
-    import json
+    tensors' shapes go into `shapes`, the whole header into `headers[path]`."""
     import struct
 
     try:
@@ -167,6 +193,8 @@ def _safetensors_problem(path: Path, shapes: dict | None = None) -> str | None:
     ]
     if ends and 8 + n + max(ends) > size:
         return f"truncated ({size:,} bytes, its header describes {8 + n + max(ends):,})"
+    if headers is not None:
+        headers[path] = header
     if shapes is not None:
         shapes.update(
             (k, v["shape"])
@@ -176,13 +204,44 @@ def _safetensors_problem(path: Path, shapes: dict | None = None) -> str | None:
     return None
 
 
+class TokenizerError(ValueError):
+    """The model folder's tokenizer does not load; the message names the file when one is damaged."""
+
+
+TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
+
+
 def load_tokenizer_and_config(model_cfg: dict):
+    """The tokenizer and config of model_cfg's folder; TokenizerError (one sentence) when the tokenizer fails."""
     from transformers import AutoConfig, AutoTokenizer
 
     kw = {"trust_remote_code": model_cfg.get("trust_remote_code", False)}
-    return AutoTokenizer.from_pretrained(model_cfg["path"], **kw), AutoConfig.from_pretrained(
-        model_cfg["path"], **kw
-    )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_cfg["path"], **kw)
+    except (
+        Exception
+    ) as exc:  # the json, tokenizers or sentencepiece library's own error: a property of the folder
+        raise TokenizerError(tokenizer_problem(model_cfg["path"], exc)) from None
+    return tokenizer, AutoConfig.from_pretrained(model_cfg["path"], **kw)
+
+
+def tokenizer_problem(path: str, exc: Exception) -> str:
+    """Why the tokenizer of `path` did not load, as one sentence: the damaged JSON file by name when there is one
+    (the loader's own error names none), else the loader's first line."""
+    from core.fmt import error_line
+
+    fix = "copy the tokenizer files again from the original model (or save them with tokenizer.save_pretrained)."
+    folder = model_folder(path) or Path(path)
+    for name in TOKENIZER_JSON:
+        file = folder / name
+        if not file.exists():
+            continue
+        try:
+            json.loads(read_bounded(file, MAX_TOKENIZER_BYTES))
+        except (OSError, ValueError, RecursionError) as bad:
+            why = "it is empty" if file.is_file() and file.stat().st_size == 0 else error_line(bad, 120)
+            return f"model.path: the tokenizer file {file} is not valid JSON ({why}): {fix}"
+    return f"model.path: the tokenizer in {folder} does not load ({error_line(exc, 200)}): {fix}"
 
 
 def _text_config(model_config):

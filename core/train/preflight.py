@@ -1,6 +1,7 @@
-"""Preflight: check the data against the tokenizer and the model config before any GPU work.
+"""Preflight: check the model folder and the data against the tokenizer and the model config before any GPU work.
 
-Loads only the tokenizer and the model's config (no weights), so it takes seconds and can run from the UI. The
+Loads only the tokenizer and the model's config (the weights' headers are read, no weights), so it takes seconds
+and can run from the UI. The
 run's method (core.train.methods) supplies its data checks; each finding names the rows (counted from 1) and the
 fix.
 
@@ -16,12 +17,20 @@ from core.train.config import ConfigError, load_config
 from core.train.data import DataError
 from core.train.findings import (  # noqa: F401  (the names callers take from here)
     Finding,
+    TokenizerError,
     check_model_folder,
     format_rows,
     has_errors,
     load_tokenizer_and_config,
     model_limits,
 )
+from core.train.weights import weights_problem
+
+
+def check_model(path) -> str | None:
+    """What a launch checks of the model folder before loading anything: the folder (check_model_folder), then its
+    weights' shapes and sizes against config.json (core.train.weights). None when the model can be loaded."""
+    return check_model_folder(path) or weights_problem(path)
 
 
 def run_preflight(cfg: dict, tokenizer=None, model_config=None, in_trainer: bool = False) -> list[Finding]:
@@ -38,9 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config)
-        problem = check_model_folder(
-            cfg["model"]["path"], need_weights=False
-        )  # the tokenizer and config only
+        problem = check_model(cfg["model"]["path"])
         if problem:
             raise ConfigError(problem)
         findings = run_preflight(cfg)

@@ -36,7 +36,13 @@ from core.train.callbacks import (
 from core.train.config import ConfigError, load_config, validate_config
 from core.train.data import DataError
 from core.train.engine_args import bnb_config, lora_config, training_args
-from core.train.preflight import check_model_folder, has_errors, run_preflight
+from core.train.preflight import (
+    TokenizerError,
+    check_model,
+    has_errors,
+    load_tokenizer_and_config,
+    run_preflight,
+)
 from core.train.resume import check_resume, keep_new_hyperparameters, record_config
 from core.train.rewards import RewardError
 from core.train.smoke import finish_smoke, measure_peak
@@ -264,7 +270,7 @@ def checked_config(config_path, machine: dict | None = None) -> dict:
     given = {k: v for k, v in (machine or {}).items() if v is not None}
     if given:
         cfg = validate_config({**cfg, "distributed": {**cfg["distributed"], **given}})
-    problem = check_model_folder(cfg["model"]["path"])
+    problem = check_model(cfg["model"]["path"])
     if problem:
         raise ConfigError(problem)
     return cfg
@@ -515,20 +521,12 @@ def _setup_data(cfg: dict):
     import transformers  # heavy: loaded once the run is known to start
 
     transformers.set_seed(cfg["training"]["seed"])
-    m = cfg["model"]
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(
-            m["path"], trust_remote_code=m["trust_remote_code"]
-        )
-    except (OSError, ValueError) as exc:
-        raise ConfigError(
-            f"model.path: the tokenizer in {m['path']} does not load ({_first_line(exc)})."
-        ) from None
+        tokenizer, model_config = load_tokenizer_and_config(cfg["model"])
+    except TokenizerError as exc:
+        raise ConfigError(str(exc)) from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token  # padding is masked out of the loss anyway
-    model_config = transformers.AutoConfig.from_pretrained(
-        m["path"], trust_remote_code=m["trust_remote_code"]
-    )
     findings = run_preflight(cfg, tokenizer, model_config, in_trainer=True)
     for f in findings:
         print(f"preflight: {f}", flush=True)
