@@ -89,8 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         if problem:
             raise ConfigError(problem)
         findings = run_preflight(cfg)
-    except (ConfigError, DataError) as exc:  # our own sentence, whole
-        print(f"error: {exc}", file=sys.stderr)
+    except (ConfigError, DataError) as exc:  # our own sentence, whole (on one line)
+        print(f"error: {error_line(exc, 2000)}", file=sys.stderr)
         return 2
     except (OSError, ValueError) as exc:  # a library's, on one line
         print(f"error: {error_line(exc)}", file=sys.stderr)
