@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 GiB, MiB, KiB = 2**30, 2**20, 2**10
 GB, MB, KB = 2**30, 2**20, 2**10  # file sizes as the merge and GGUF exports have always reported them
 
@@ -50,10 +52,26 @@ def first_sentence(reason: str | None, empty: str = "No reason recorded.") -> st
 
 
 def error_line(exc: BaseException, limit: int = 300) -> str:
-    """A library exception as one line for a message: its first line (at most `limit` characters), or its type's
-    name when it says nothing."""
-    text = str(exc).strip()
-    return text.splitlines()[0][:limit] if text else type(exc).__name__
+    """A library exception as one line for a message, or its type's name when it says nothing. A message on
+    several lines keeps them (joined, bullets and blank lines dropped): transformers says "...but found" and lists
+    what it found on the lines below, and that list is the part the user needs. At most `limit` characters, cut
+    at a word."""
+    lines = [_BULLET.sub("", ln.strip()) for ln in str(exc).splitlines()]
+    lines = [ln for ln in lines if ln]
+    if not lines:
+        return type(exc).__name__
+    text = lines[0]
+    for i, ln in enumerate(lines[1:]):
+        # a line that ends mid-sentence ("but found") introduces the next; items after it are a list
+        text += " " if text.endswith((":", ",", ";", ".", "!", "?")) else ("; " if i else ": ")
+        text += ln
+    if len(text) > limit:
+        cut = text.rfind(" ", 0, limit - 3)
+        text = text[: cut if cut > limit // 2 else limit - 3].rstrip(" ,;:") + "..."
+    return text
+
+
+_BULLET = re.compile(r"^[-*•]\s+")
 
 
 def run_piped(main) -> int:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from core.demo.build import (
     PRETRAIN_STEPS,
+    NotADemoFolder,
     build_demo,
     demo_config,
     demo_dir,
@@ -76,6 +77,24 @@ def _merged_sft(out: Path, sft_adapter: Path) -> Path:
     return merged
 
 
+def argument_problem(args) -> str | None:
+    """What is wrong with the command line, in one sentence, or None."""
+    if args.run and args.adapter:
+        return (
+            "--run trains a new adapter and --adapter names one already trained: give one of them (--adapter "
+            "with --run-dpo or --run-kto builds on that adapter instead of training one)."
+        )
+    if args.adapter:
+        from core.merge.adapter import check_adapter  # the merge's own reading of an adapter folder
+        from core.merge.common import MergeError
+
+        try:
+            check_adapter(args.adapter)
+        except MergeError as exc:
+            return str(exc)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -107,6 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pretrain-steps", type=int, default=PRETRAIN_STEPS)
     args = parser.parse_args(argv)
     out = Path(args.out) if args.out else demo_dir(default_workspace())
+    problem = argument_problem(args)
+    if problem:  # found before the demo builds, loads or trains anything (minutes of work)
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     try:
         build_demo(out, pretrain_steps=args.pretrain_steps)
         from core.train.config import dump_config
@@ -134,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
             f"error: cannot write the demo into {out} ({exc.strerror or exc}): give a folder you can write.",
             file=sys.stderr,
         )
+        return 2
+    except NotADemoFolder as exc:  # bad input: nothing was built
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # a CLI prints the sentence, not a traceback
         print(f"error: {exc}", file=sys.stderr)

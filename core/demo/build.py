@@ -51,6 +51,10 @@ class DemoError(RuntimeError):
     """The demo assets are missing or broken; the message says how to rebuild them."""
 
 
+class NotADemoFolder(DemoError):
+    """--out names a folder that holds something else (bad input: nothing was built)."""
+
+
 def demo_dir(workspace: str | os.PathLike) -> Path:
     return Path(workspace) / "demo"
 
@@ -182,7 +186,9 @@ def build_demo(
     ):
         return out
     if out.exists() and any(out.iterdir()) and manifest is None:
-        raise DemoError(f"{out} exists and is not a demo folder: choose an empty or new folder for --out.")
+        raise NotADemoFolder(
+            f"{out} exists and is not a demo folder: choose an empty or new folder for --out."
+        )
     tmp = out.parent / f".{out.name}.building"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

@@ -127,25 +127,42 @@ def _read_config(d: Path) -> dict:
     return cfg
 
 
-def _read_weights(d: Path) -> dict[str, torch.Tensor]:
-    """The adapter's tensors from adapter_model.safetensors (or .bin); a broken file is one sentence."""
+def check_adapter(adapter_dir: str | os.PathLike) -> None:
+    """MergeError (one sentence) unless `adapter_dir` holds a complete LoRA adapter: its config and its weights
+    file, read from the safetensors header alone. What a command taking --adapter checks before it loads a model
+    or trains anything."""
+    d = Path(adapter_dir)
+    _read_config(d)
+    _weights_file(d)
+
+
+def _weights_file(d: Path) -> Path:
+    """adapter_model.safetensors (its header checked) or adapter_model.bin."""
     st_path, bin_path = d / "adapter_model.safetensors", d / "adapter_model.bin"
     if st_path.is_file():
         read_safetensors_header(st_path, RESAVE)  # truncated or corrupt: one sentence, not the library trace
-        try:
-            return load_file(str(st_path))
-        except Exception as e:
-            raise MergeError(f"{st_path} cannot be read ({e}): {RESAVE}") from e
+        return st_path
     if not bin_path.is_file():
         raise MergeError(
             f"No adapter weights in {d}: expected adapter_model.safetensors (or adapter_model.bin)."
         )
+    return bin_path
+
+
+def _read_weights(d: Path) -> dict[str, torch.Tensor]:
+    """The adapter's tensors from adapter_model.safetensors (or .bin); a broken file is one sentence."""
+    path = _weights_file(d)
+    if path.suffix == ".safetensors":
+        try:
+            return load_file(str(path))
+        except Exception as e:
+            raise MergeError(f"{path} cannot be read ({e}): {RESAVE}") from e
     try:
-        state = torch.load(bin_path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated zip, pickle errors, ...
-        raise MergeError(f"{bin_path} cannot be read ({type(e).__name__}: {e}): {RESAVE}") from e
+        raise MergeError(f"{path} cannot be read ({type(e).__name__}: {e}): {RESAVE}") from e
     if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
-        raise MergeError(f"{bin_path} does not hold a dict of tensors: {RESAVE}")
+        raise MergeError(f"{path} does not hold a dict of tensors: {RESAVE}")
     return state
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from core.files import read_json_object, read_yaml_mapping
 from core.fmt import first_sentence, mem, run_piped
 from core.runs import queue_cli, rundir
-from core.runs.admin import delete_run
+from core.runs.admin import check_new_run_name, delete_run
 from core.runs.launcher import RunError, RunInfo, create_run, launch, list_runs, run_state, stop_run
 from core.train.config import field_errors
 from core.workspace import WorkspaceError, default_workspace, existing_run_name, runs_dir
@@ -155,6 +155,26 @@ def show_lines(info: RunInfo) -> list[str]:
     return lines
 
 
+def checked_launch(workspace: Path, name: str, config: str) -> dict:
+    """The config of a new run NAME, checked as its trainer checks it before it trains (the data preflight, the
+    data tokenized, the libraries' objects: core.train.preflight.prepare_run), so that bad input is refused here,
+    before a run folder exists, and not by a run that fails a minute later."""
+    from core.precision import Device
+    from core.train.config import ConfigError, load_config
+    from core.train.data import DataError
+    from core.train.preflight import check_model, prepare_run
+
+    try:
+        cfg = load_config(config)
+        problem = check_new_run_name(workspace, name) or check_model(cfg["model"]["path"])
+        if problem:
+            raise RunError(problem)
+        prepare_run(cfg, Device.local(), file=sys.stderr)
+    except (ConfigError, DataError) as exc:
+        raise RunError(str(exc)) from None
+    return cfg
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m core.runs", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -203,13 +223,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 print("\n".join(show_lines(info)))
         elif args.command == "launch":
-            from core.train.config import ConfigError, load_config
-
-            try:
-                cfg = load_config(args.config)
-            except ConfigError as exc:
-                raise RunError(str(exc)) from None
-            run_dir = create_run(workspace, args.name, cfg)
+            run_dir = create_run(workspace, args.name, checked_launch(workspace, args.name, args.config))
             launch(run_dir)
             print(run_dir)
         elif args.command == "stop":

@@ -55,7 +55,7 @@ def _add(args, workspace: Path) -> int:
     from core.estimate.from_config import plan_json
     from core.estimate.plan import PlanError
     from core.estimate.specs import SpecError
-    from core.train.preflight import check_model_folder
+    from core.train.preflight import check_model
 
     try:
         raw = read_yaml(args.config)
@@ -67,7 +67,7 @@ def _add(args, workspace: Path) -> int:
     queued, refused = [], []
     for i, point in enumerate(points, 1):
         cfg = S.apply(base, point)
-        problem = check_model_folder(cfg["model"]["path"])
+        problem = check_model(cfg["model"]["path"])
         if problem:
             raise ConfigError(problem)
         try:

@@ -18,12 +18,13 @@ from pathlib import Path
 from core.estimate.from_config import plan_json, write_accelerate_config
 from core.estimate.plan import PlanError
 from core.estimate.specs import SpecError
+from core.precision import Device
 from core.runs import rundir
 from core.train import ranks
 from core.train.callbacks import StopFlag
-from core.train.config import ConfigError, check_with_libraries, load_config
+from core.train.config import ConfigError, load_config
 from core.train.data import DataError
-from core.train.preflight import TokenizerError, check_model, load_tokenizer_and_config, run_preflight
+from core.train.preflight import check_model, prepare_run
 from core.train.smoke import smoke_line
 from core.train.trainer import (
     EXIT_BAD_INPUT,
@@ -41,24 +42,18 @@ from core.train.trainer import (
 def dry_run(
     config_path: str, gpu_gb: float | None = None, device: str | None = None, run_dir: str | None = None
 ) -> int:
-    """Everything a launch checks, without a model's weights: the config (by the libraries' own classes), the
-    data against the tokenizer and the model config, and the plan. Prints the plan as JSON. With `run_dir`, a
-    config on several GPUs also gets the accelerate config its launch uses: run_dir/accelerate.yaml."""
+    """Everything a launch checks, without a model's weights: the config, the data against the tokenizer and the
+    model config, the data tokenized, the libraries' own classes built from the config, and the plan. Prints the
+    plan as JSON. With `run_dir`, a config on several GPUs also gets the accelerate config its launch uses:
+    run_dir/accelerate.yaml."""
 
     try:
         cfg = load_config(config_path)
-        check_with_libraries(cfg)
         problem = check_model(cfg["model"]["path"])
         if problem:
             raise ConfigError(problem)
-        tokenizer, model_config = load_tokenizer_and_config(cfg["model"])
-        findings = run_preflight(cfg, tokenizer, model_config)
-        first = next((f for f in findings if f.level == "error"), None)
-        for f in findings:
-            if f is not first:  # the first error is the exit message, printed once
-                print(f"preflight: {f}", file=sys.stderr, flush=True)
-        if first is not None:
-            raise DataError(f"preflight: {first}")
+        # what the run checks before it makes its folder (planned for another device: as the config says)
+        prepare_run(cfg, None if device else Device.local(), file=sys.stderr)
         plan = plan_json(cfg, gpu_gb, device)
         try:
             written = write_accelerate_config(cfg, run_dir, gpu_gb) if run_dir else None
@@ -69,7 +64,7 @@ def dry_run(
             ) from None
         if written:
             print(f"accelerate config: {written}", file=sys.stderr, flush=True)
-    except (ConfigError, DataError, PlanError, SpecError, TokenizerError) as exc:
+    except (ConfigError, DataError, PlanError, SpecError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
     except (OSError, ValueError) as exc:  # the model folder's config.json could not be read
@@ -128,7 +123,10 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     run_dir = Path(args.run_dir)
     mode = " (smoke test)" if args.smoke else " (resume)" if args.resume else ""
-    print(f"core.train: pid {os.getpid()} training {run_dir}{mode}", file=sys.stderr, flush=True)
+
+    def announce(folder: Path) -> None:  # once the folder is this run's: never before a refusal
+        print(f"core.train: pid {os.getpid()} training {folder}{mode}", file=sys.stderr, flush=True)
+
     machine = {"machine_rank": args.machine_rank, "main_process_ip": args.main_process_ip}
     if not args.smoke and machine_rank(args.config, machine) > 0:
         # a machine other than the main one reports into its own folder, never over the run's status
@@ -144,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             stop=stop,
             keep_lock=True,
             machine=machine,
+            announce=announce,
         )
     except (rundir.RunRefused, rundir.RunBusy, ConfigRefused) as exc:  # nothing was written: touch nothing
         print(f"error: {exc}", file=sys.stderr, flush=True)

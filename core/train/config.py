@@ -30,6 +30,7 @@ from typing import Any
 
 from core import files
 from core.files import YamlError, atomic_write_text, read_yaml
+from core.fmt import error_line
 from core.train import distributed, methods, schema
 from core.train import rewards as reward_specs
 from core.train.config_keys import (
@@ -474,18 +475,30 @@ def checkpointing(cfg: dict) -> bool:
     return bool(t.get("activation_checkpointing", t.get("gradient_checkpointing")))
 
 
-def check_with_libraries(cfg: dict, run_dir: str | os.PathLike | None = None) -> None:
+def check_with_libraries(
+    cfg: dict,
+    run_dir: str | os.PathLike | None = None,
+    has_eval: bool = False,
+    smoke: bool = False,
+    prec=None,
+) -> None:
     """Build the libraries' own objects from a validated config, so their cross-field checks run before any model
-    loads. Raises ConfigError with the library's message, prefixed by the section it came from."""
+    loads. has_eval, smoke and prec (core.precision.Precision) as the run builds them: a held-out split turns
+    evaluation on (load_best_model_at_end is checked against it), and bf16 on a CPU is off. Raises ConfigError
+    with the library's message (all of it: core.fmt.error_line), prefixed by the section it came from."""
 
-    for section, build in (("quantization", bnb_config), ("lora", lora_config), ("training", training_args)):
+    builds = (
+        ("quantization", lambda: bnb_config(cfg, prec.dtype if prec else None)),
+        ("lora", lambda: lora_config(cfg)),
+        ("training", lambda: training_args(cfg, run_dir, prec, smoke=smoke, has_eval=has_eval)),
+    )
+    for section, build in builds:
         try:
-            build(cfg, run_dir) if section == "training" else build(cfg)
+            build()
         except ConfigError:
             raise
         except Exception as exc:  # the libraries raise ValueError/TypeError/... with their own sentence
-            text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ConfigError(f"{section}: {text}") from None
+            raise ConfigError(f"{section}: {error_line(exc)}") from None
 
 
 def config_to_yaml(cfg: dict) -> str:

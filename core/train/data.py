@@ -155,15 +155,21 @@ def check_utf8(path: Path, block: int = 1 << 20) -> None:
         raise DataError(f"data.path: {path} cannot be read ({exc.strerror}).") from None
 
 
+JSON_ARRAY_CHECK_BYTES = 512 << 20  # the loader has just held a file this size in memory, and failed
+
+
 def _check_json_lines(path: Path, max_lines: int = 2_000_000) -> None:
-    """A .jsonl file line by line: the first line that is not a JSON object, by number (a .json file holding
-    one array is left to the loader)."""
+    """A .jsonl file line by line: the first line that is not a JSON object, by number. A .json file holding one
+    array is parsed whole, for the line and column of its first error (the loader says "position 70")."""
     import json
 
     try:
         with open(path, "rb") as fh:
-            head = fh.read(1).lstrip()
-            if head == b"[":
+            head = fh.read(1024).lstrip()
+            if head.startswith(b"["):
+                if path.stat().st_size <= JSON_ARRAY_CHECK_BYTES:
+                    fh.seek(0)
+                    _check_json_array(path, fh.read())
                 return
             fh.seek(0)
             for n, line in enumerate(fh, 1):
@@ -182,6 +188,20 @@ def _check_json_lines(path: Path, max_lines: int = 2_000_000) -> None:
                     )
     except OSError as exc:
         raise DataError(f"data.path: {path} cannot be read ({exc.strerror}).") from None
+
+
+def _check_json_array(path: Path, data: bytes) -> None:
+    import json
+
+    try:
+        json.loads(data)
+    except json.JSONDecodeError as exc:
+        raise DataError(
+            f"data.path: {path} is not valid JSON at line {exc.lineno}, column {exc.colno} ({exc.msg}): fix the "
+            "file there."
+        ) from None
+    except (ValueError, RecursionError):
+        return  # the loader's own error says it
 
 
 def detect_format(columns: list[str], requested: str = "auto") -> str:

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import sys
 
+from core.fmt import error_line
 from core.train import methods
-from core.train.config import ConfigError, load_config
-from core.train.data import DataError
+from core.train.config import ConfigError, check_with_libraries, load_config
+from core.train.data import DataError, quiet_datasets
 from core.train.findings import (  # noqa: F401  (the names callers take from here)
     Finding,
     TokenizerError,
@@ -39,6 +40,56 @@ def run_preflight(cfg: dict, tokenizer=None, model_config=None, in_trainer: bool
     return methods.get(cfg).preflight(cfg, tokenizer, model_config, in_trainer)
 
 
+def refuse_on_errors(findings: list[Finding], file=None) -> None:
+    """Print every finding but the first error (to `file`, default stdout), and raise that error as DataError: one
+    sentence, printed once by whoever catches it."""
+    first = next((f for f in findings if f.level == "error"), None)
+    for f in findings:
+        if f is not first:
+            print(f"preflight: {f}", file=file, flush=True)
+    if first is not None:
+        raise DataError(f"preflight: {first}")
+
+
+def prepare_run(
+    cfg: dict, device=None, smoke: bool = False, datasets: bool = True, file=None, in_trainer: bool = False
+):
+    """(tokenizer, train, eval): what a run trains on, made before the run writes anything or loads a weight, so
+    that bad input is refused with nothing left behind. The tokenizer and the model's config (no weights), the
+    data preflight (refuse_on_errors), the method's datasets (their own refusals: a row left with nothing to
+    learn), then the libraries' objects built as the run builds them on `device` (a core.precision.Device; None:
+    the config's own flags) with or without a held-out split (check_with_libraries). datasets=False (a
+    supervisor whose ranks make their own): the checks alone, (tokenizer, None, None). in_trainer: the trainer
+    process asks (a GRPO run's own reward code runs in its preflight). Raises ConfigError or DataError, one
+    sentence each."""
+    from core.precision import PrecisionError, resolve
+
+    m = cfg["model"]
+    try:
+        prec = resolve(cfg, device) if device is not None else None
+    except PrecisionError as exc:
+        raise ConfigError(str(exc)) from None
+    try:
+        tokenizer, model_config = load_tokenizer_and_config(m)
+    except TokenizerError as exc:  # names the damaged file
+        raise ConfigError(str(exc)) from None
+    except (OSError, ValueError) as exc:
+        raise ConfigError(
+            f"model.path: the tokenizer or config.json in {m['path']} does not load ({error_line(exc)})."
+        ) from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token  # padding is masked out of the loss anyway
+    refuse_on_errors(run_preflight(cfg, tokenizer, model_config, in_trainer), file)
+    train_ds = eval_ds = None
+    if datasets:
+        with quiet_datasets():  # no progress bars over the sentence that may follow
+            train_ds, eval_ds = methods.get(cfg).datasets(cfg, tokenizer)
+    # without the datasets, a held-out split is what the config asks for (split_eval needs 4 rows, ranks have them)
+    has_eval = eval_ds is not None if datasets else cfg["data"]["eval_split"] > 0
+    check_with_libraries(cfg, has_eval=has_eval, smoke=smoke, prec=prec)
+    return tokenizer, train_ds, eval_ds
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -51,9 +102,11 @@ def main(argv: list[str] | None = None) -> int:
         if problem:
             raise ConfigError(problem)
         findings = run_preflight(cfg)
-    except (ConfigError, DataError, OSError, ValueError) as exc:
-        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        print(f"error: {text}", file=sys.stderr)
+    except (ConfigError, DataError) as exc:  # our own sentence, whole (on one line)
+        print(f"error: {error_line(exc, 2000)}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as exc:  # a library's, on one line
+        print(f"error: {error_line(exc)}", file=sys.stderr)
         return 2
     for f in findings:
         print(f, file=sys.stderr if f.level == "error" else sys.stdout)

@@ -20,6 +20,7 @@ from core import procs
 from core.estimate.from_config import plan_json, resolve_strategy
 from core.estimate.plan import PlanError
 from core.estimate.specs import SpecError
+from core.fmt import error_line
 from core.monitor.gpu import GpuSampler
 from core.precision import Device, Precision, PrecisionError, resolve, torch_dtype
 from core.runs import rundir
@@ -36,13 +37,7 @@ from core.train.callbacks import (
 from core.train.config import ConfigError, load_config, validate_config
 from core.train.data import DataError
 from core.train.engine_args import bnb_config, lora_config, training_args
-from core.train.preflight import (
-    TokenizerError,
-    check_model,
-    has_errors,
-    load_tokenizer_and_config,
-    run_preflight,
-)
+from core.train.preflight import check_model, prepare_run
 from core.train.resume import check_resume, keep_new_hyperparameters, record_config
 from core.train.rewards import RewardError
 from core.train.smoke import finish_smoke, measure_peak
@@ -149,11 +144,6 @@ def _fp32_trainable(model, prec: Precision):
 # ---- the run ------------------------------------------------------------------------------------------------
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return (text.splitlines()[0] if text else type(exc).__name__)[:300]
-
-
 def _write_plan(cfg: dict, run_dir: Path, prec: Precision, smoke: bool) -> None:
     """plan.json: what this process trains, planned for the device it really trains on (its one producer). The
     Monitor draws it on the memory chart; a smoke test compares its measured peak with it. A run on several GPUs
@@ -195,6 +185,7 @@ def run_training(
     stop: StopFlag | None = None,
     keep_lock: bool = False,
     machine: dict | None = None,
+    announce=None,
 ) -> dict:
     """Train and return a summary; raises ConfigError/DataError/TrainError for the user's problems (ConfigRefused:
     found before anything was written), RunRefused and RunBusy (core.runs.rundir; touching nothing) for a run
@@ -202,8 +193,9 @@ def run_training(
     when the run directory was deleted or replaced under the trainer (it stops without writing anything).
 
     Everything that can be checked without the run directory is checked before it is created or locked: the
-    config, its model folder and (--resume) the checkpoint and whether the config can continue from it. A bad
-    config leaves no folder behind.
+    config, its model folder, (--resume) the checkpoint and whether the config can continue from it, and the
+    data (preflight and tokenized: core.train.preflight.prepare_run). A bad config or bad data leaves no folder
+    behind and loads no model. announce(run_dir): called once the folder is this run's and training starts.
 
     The process holds the run's lock from here to the end: that, not a pid, is what makes the run "running".
     keep_lock (the CLI): hold it until the process exits, so the run reads as ended only once it is gone.
@@ -214,11 +206,13 @@ def run_training(
     run_dir = Path(run_dir).resolve()
     handed = ranks.spec()
     if handed is not None:  # one rank of a run on several processes: its supervisor owns the folder
+        if announce:
+            announce(run_dir)
         return _run_rank(config_path, run_dir, handed, stop)
     if not smoke and machine_rank(config_path, machine) > 0:
         cfg = checked_config(config_path, machine)
         distributed.pin_gpus(cfg, one_process=False)
-        return _run_machine(cfg, config_path, run_dir, resume, stop, keep_lock)
+        return _run_machine(cfg, config_path, run_dir, resume, stop, keep_lock, announce)
     rundir.check_run_dir(run_dir, resume, Path(config_path))
     adopted = (
         procs.adopt_claim()
@@ -229,7 +223,11 @@ def run_training(
         if pinned and Device.local().kind == "cuda":  # asked only now: CUDA starts on the card just pinned
             print(f"training on {pinned}", flush=True)
         start = check_resume(run_dir, cfg, config_path) if resume and not smoke else (None, [], None)
-    except (ConfigError, rundir.RunRefused) as exc:
+        # the data checked and tokenized here, before the folder (a supervisor's ranks tokenize their own)
+        data = prepare_run(
+            cfg, Device.local(), smoke, datasets=smoke or distributed.world_size(cfg) == 1, in_trainer=True
+        )
+    except (ConfigError, DataError, rundir.RunRefused) as exc:
         if adopted is None:  # nothing was created or locked: say so and leave the folder as it was
             raise exc if isinstance(exc, rundir.RunRefused) else ConfigRefused(str(exc)) from None
         if not keep_lock:
@@ -242,7 +240,9 @@ def run_training(
     lock_fd = adopted or rundir.claim(run_dir)
     try:
         procs.write_pid_info(run_dir)  # pid, start time, and whether it leads its own session (for a stop)
-        return _run_training(cfg, run_dir, resume, smoke, stop, start)
+        if announce:
+            announce(run_dir)
+        return _run_training(cfg, run_dir, resume, smoke, stop, start, data)
     finally:
         if not keep_lock:
             procs.disown(run_dir, lock_fd)  # in-process callers: the run is seen ended from here on
@@ -276,7 +276,9 @@ def checked_config(config_path, machine: dict | None = None) -> dict:
     return cfg
 
 
-def _run_training(cfg: dict, run_dir: Path, resume: bool, smoke: bool, stop: StopFlag | None, start) -> dict:
+def _run_training(
+    cfg: dict, run_dir: Path, resume: bool, smoke: bool, stop: StopFlag | None, start, data
+) -> dict:
     """The run as torchtune's recipes do it: set up the run, its data, its model and trainer, train, finish."""
     quiet_progress_bars()
     if stop is None:
@@ -285,14 +287,18 @@ def _run_training(cfg: dict, run_dir: Path, resume: bool, smoke: bool, stop: Sto
     prec, checkpoint, new_hyperparameters = _setup_run(cfg, run_dir, resume, smoke, start)
     if distributed.world_size(cfg) > 1 and not smoke:  # a smoke test measures one process's step
         return _supervise(cfg, run_dir, prec, checkpoint, new_hyperparameters, stop)
-    return _train_and_finish(cfg, prec, run_dir, checkpoint, smoke, stop, identity, new_hyperparameters)
+    return _train_and_finish(cfg, prec, run_dir, checkpoint, smoke, stop, identity, new_hyperparameters, data)
 
 
 def _train_and_finish(
-    cfg, prec, run_dir: Path, checkpoint, smoke, stop, identity, new_hyperparameters
+    cfg, prec, run_dir: Path, checkpoint, smoke, stop, identity, new_hyperparameters, data=None
 ) -> dict:
-    """The data, the model and its trainer, training, and the run's end (one process, or one rank)."""
-    tokenizer, train_ds, eval_ds = _setup_data(cfg)
+    """The data (prepared before the run folder was made, or here: a rank), the model and its trainer, training,
+    and the run's end (one process, or one rank)."""
+    import transformers
+
+    tokenizer, train_ds, eval_ds = data or prepare_run(cfg, prec.device, smoke, in_trainer=True)
+    transformers.set_seed(cfg["training"]["seed"])  # the model and its LoRA weights start from the seed
     if eval_ds is not None and not smoke and ranks.is_main():
         _record_split(cfg, run_dir, train_ds, eval_ds)
     trainer, callback, peak, seconds = _train(
@@ -428,7 +434,9 @@ def _supervise(
     return {"state": status.get("state"), "step": step, "processes": world, "device": prec.device.label}
 
 
-def _run_machine(cfg: dict, config_path, run_dir: Path, resume: bool, stop, keep_lock: bool) -> dict:
+def _run_machine(
+    cfg: dict, config_path, run_dir: Path, resume: bool, stop, keep_lock: bool, announce
+) -> dict:
     """Machine K > 0 of a run on several machines: start and watch this machine's ranks. The main machine owns the
     run directory (its status, metrics and checkpoints, written by global rank 0); this one owns
     <run>/machines/machine-K/ (lock, pid, status, its accelerate.yaml), so that on shared storage the machines
@@ -445,6 +453,8 @@ def _run_machine(cfg: dict, config_path, run_dir: Path, resume: bool, stop, keep
         raise rundir.RunBusy(str(exc)) from None
     try:
         procs.write_pid_info(home)
+        if announce:
+            announce(run_dir)
         write_status(home, state="running", reason=None, machine=k, started=time.time(), ended=None)
         prec = choose_precision(cfg)
         checkpoint = rundir.latest_checkpoint(run_dir) if resume else None  # the main machine's choice, read
@@ -516,28 +526,6 @@ def _setup_run(cfg: dict, run_dir: Path, resume: bool, smoke: bool, start):
     return prec, checkpoint, any(k.startswith("training.") for k in changed)
 
 
-def _setup_data(cfg: dict):
-    """(tokenizer, train, eval): the tokenizer, the preflight (errors stop the run), the method's datasets."""
-    import transformers  # heavy: loaded once the run is known to start
-
-    transformers.set_seed(cfg["training"]["seed"])
-    try:
-        tokenizer, model_config = load_tokenizer_and_config(cfg["model"])
-    except TokenizerError as exc:
-        raise ConfigError(str(exc)) from None
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token  # padding is masked out of the loss anyway
-    findings = run_preflight(cfg, tokenizer, model_config, in_trainer=True)
-    for f in findings:
-        print(f"preflight: {f}", flush=True)
-    if has_errors(findings):
-        raise DataError(
-            "preflight found errors: " + " | ".join(str(f) for f in findings if f.level == "error")
-        )
-    train_ds, eval_ds = methods.get(cfg).datasets(cfg, tokenizer)
-    return tokenizer, train_ds, eval_ds
-
-
 def _train(
     cfg,
     prec,
@@ -571,7 +559,7 @@ def _train(
             model = load_model(cfg, prec)
         except (OSError, ValueError) as exc:  # a folder that passed the checks but still does not load
             raise ConfigError(
-                f"model.path: {cfg['model']['path']} does not load ({_first_line(exc)})."
+                f"model.path: {cfg['model']['path']} does not load ({error_line(exc)})."
             ) from None
         trainer = make_trainer(
             cfg,
