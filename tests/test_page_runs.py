@@ -2,8 +2,8 @@
 core.runs.admin.delete_run: never a live run, never a folder outside <workspace>/runs."""
 
 import json
+import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -33,12 +33,17 @@ def live_stand_in(workspace):
     run_dir = workspace / "runs" / "live"
     run_dir.mkdir(parents=True)
     (run_dir / "config.yaml").write_text("model:\n  path: x\ndata:\n  path: y\n")
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    procs.write_pid_info(run_dir, proc.pid)  # pid and start time, as a launcher records its trainer
+    fd = procs.claim(
+        run_dir
+    )  # as a launcher starts its trainer: the lock handed down, pid and start time recorded
+    try:
+        pid = procs.spawn(run_dir, [sys.executable, "-c", "import time; time.sleep(60)"], fd)
+    finally:
+        os.close(fd)
     write_status(run_dir, state="running", step=3, max_steps=100)
     yield run_dir
-    proc.kill()
-    proc.wait()
+    procs.kill_tree(pid)
+    procs.wait_gone(run_dir, 30)
 
 
 def _page(workspace: Path) -> AppTest:

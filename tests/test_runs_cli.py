@@ -2,9 +2,9 @@
 the whole run, and sentences that point at the command line, not at a page."""
 
 import json
+import os
 import subprocess
 import sys
-import time
 
 from core import procs
 from tests.cli import REPO, runs
@@ -70,10 +70,12 @@ def test_texts_for_a_live_run_point_at_the_command_line(tmp_path):
     ws = tmp_path / "ws"
     run = _ended_run(ws, "live-1")
     (run / "status.json").write_text(json.dumps({"state": "running", "step": 20, "max_steps": 100}))
-    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    fd = procs.claim(run)  # the trainer of record: another process that runs and holds the run's lock
     try:
-        procs.write_pid_info(run, owner.pid)  # the trainer of record: another process that runs
-        time.sleep(0.2)
+        pid = procs.spawn(run, [sys.executable, "-c", "import time; time.sleep(120)"], fd)
+    finally:
+        os.close(fd)
+    try:
         deleted = runs(ws, "delete", "live-1")
         assert deleted.returncode == 2 and "`python -m core.runs stop live-1`" in deleted.stderr, (
             deleted.stderr
@@ -87,12 +89,11 @@ def test_texts_for_a_live_run_point_at_the_command_line(tmp_path):
         )
         assert trained.returncode == 2, trained.stderr[-2000:]
         assert (
-            f"is being trained right now (pid {owner.pid})" in trained.stderr
-            and "--resume" not in trained.stderr
+            f"is being trained right now (pid {pid})" in trained.stderr and "--resume" not in trained.stderr
         )
     finally:
-        owner.kill()
-        owner.wait()
+        procs.kill_tree(pid)
+        procs.wait_gone(run, 30)
 
 
 def test_a_run_folder_with_a_space_or_accents_is_shown_stopped_and_deleted_by_its_name(tmp_path):
