@@ -199,13 +199,23 @@ def write(tmp_path, strategy, **sections):
 
 
 def launch_env(path) -> dict:
-    """The environment `accelerate launch --config_file path` gives the processes (no process is started)."""
+    """The environment `accelerate launch --config_file path` gives the processes (no process is started), as on
+    a CUDA machine: accelerate 1.16 maps gpu_ids to CUDA_VISIBLE_DEVICES only when torch names CUDA its
+    accelerator, so that answer is mocked here (the GPU driver, which this machine lacks)."""
+    import torch
+    from accelerate.utils import launch
+
     args = launch_command_parser().parse_args(["--config_file", str(path), "train.py"])
     _validate_launch_command(args)
-    return prepare_multi_gpu_env(args)
+    real = launch.get_torch_accelerator_backend
+    launch.get_torch_accelerator_backend = lambda check_available=True: ("cuda", torch.cuda)
+    try:
+        return prepare_multi_gpu_env(args)
+    finally:
+        launch.get_torch_accelerator_backend = real
 
 
-def test_fsdp_qlora_config_is_the_fsdp1_recipe_as_accelerate_reads_it(tmp_path):
+def test_fsdp_qlora_config_is_the_fsdp1_recipe_as_accelerate_reads_it_cuda_backend_mocked(tmp_path):
     path, config = write(
         tmp_path,
         "fsdp",
