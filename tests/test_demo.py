@@ -61,7 +61,9 @@ def test_demo_run_learns_the_heldout_task(workspace, monkeypatch):
     info = wait_for(run_dir, timeout=400)
     assert info.state == "finished", (info.reason, (run_dir / "stderr.log").read_text()[-2000:])
     losses = [m["loss"] for m in read_metrics(run_dir) if "loss" in m]
-    assert len(losses) == 8 and losses[-1] < losses[0] / 10, losses
+    assert len(losses) == 9 and losses[-1] < losses[0] / 10, (
+        losses
+    )  # step 1 (logging_first_step), 5, 10, ... 40
     assert any("eval_loss" in m for m in read_metrics(run_dir))
     before = heldout_accuracy(demo)
     after = heldout_accuracy(demo, run_dir / "adapter")  # PeftModel.from_pretrained on the saved adapter

@@ -248,6 +248,7 @@ def demo_config(workspace: str | os.PathLike | None = None, out: str | os.PathLi
                 "lr_scheduler_type": "cosine",
                 "warmup_steps": 0.1,
                 "logging_steps": 5,
+                "logging_first_step": True,  # a first point on the loss chart as soon as the first step is done
                 "eval_steps": 25,
                 "save_steps": 50,
                 "save_total_limit": 2,

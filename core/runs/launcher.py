@@ -148,6 +148,8 @@ def launch(run_dir: str | os.PathLike, resume: bool = False, smoke: bool = False
                 state="starting",
                 reason=None,
                 ended=None,
+                phase="importing the libraries",  # the trainer names its next phases itself
+                phase_started=time.time(),
                 **({} if resume and status else {"started": time.time(), "step": 0, "max_steps": None}),
             )
         except OSError as exc:

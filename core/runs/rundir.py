@@ -129,6 +129,8 @@ def write_status(run_dir: str | os.PathLike, **fields) -> dict:
     status["updated"] = time.time()
     if status["state"] in END_STATES and not status.get("ended"):
         status["ended"] = status["updated"]
+    if status["state"] in END_STATES:
+        status["phase"] = status["phase_started"] = None  # an ended run is doing nothing
     # never creates the folder: a run folder deleted under its trainer stays deleted (folder_identity)
     if status["state"] in END_STATES:
         _write_last_words(Path(run_dir) / STATUS, json.dumps(status))
@@ -136,6 +138,12 @@ def write_status(run_dir: str | os.PathLike, **fields) -> dict:
     else:
         atomic_write_text(Path(run_dir) / STATUS, json.dumps(status), parents=False)
     return status
+
+
+def write_phase(run_dir: str | os.PathLike, phase: str | None) -> None:
+    """What a starting run is doing now (status.json's `phase` and when it began), for the Monitor while the state
+    is still "starting": importing, checking the data, loading the model, the first step. None once it steps."""
+    write_status(run_dir, phase=phase, phase_started=time.time() if phase else None)
 
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
@@ -445,7 +453,8 @@ def claim(run_dir: str | os.PathLike, wait_s: float = 1.0) -> int:
 def live_state(run_dir: str | os.PathLike, status: dict | None = None) -> tuple[str, bool]:
     """(state, alive) from the status file and the process check. A live-looking status without a live process
     is a process that died without a word ("failed"); an ended status while the process still lives is a
-    process that is winding down ("stopping"), so nothing is relaunched under it."""
+    process that is exiting: it reads as what it said (finished, stopped, failed), still alive, so nothing is
+    relaunched under it -- never a transient "stopping" after a normal finish."""
     status = read_status(run_dir) if status is None else status
     written = (status or {}).get("state")
     written = written if isinstance(written, str) and written else None  # a hand-edited or broken file
@@ -463,8 +472,6 @@ def live_state(run_dir: str | os.PathLike, status: dict | None = None) -> tuple[
     state = written or ("starting" if alive else "new")
     if state in ("starting", "running") and not alive and written:
         return "failed", False
-    if state in END_STATES and alive:
-        return "stopping", True
     return state, alive
 
 

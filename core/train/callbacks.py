@@ -106,7 +106,13 @@ def _callback_class():
             self._last_t, self._last_step = time.time(), state.global_step
             if self._check_folder(control):
                 return
-            self._status(state="running", step=state.global_step, max_steps=state.max_steps)
+            self._status(
+                state="running",
+                step=state.global_step,
+                max_steps=state.max_steps,
+                phase="first step",  # until the first point is logged
+                phase_started=time.time(),
+            )
             (stop,) = ranks.agree(args.device, bool(self.stop.signal))
             if stop:  # signalled while loading: stop before the first step (every rank)
                 self.stop.signal = self.stop.signal or "SIGTERM"
@@ -213,7 +219,7 @@ def _callback_class():
                 self.nan_step = state.global_step
                 control.should_training_stop = True
                 control.should_save = False  # a NaN checkpoint is worthless
-            self._status(step=state.global_step)
+            self._status(step=state.global_step, phase=None, phase_started=None)
 
     return RunCallback
 

@@ -223,6 +223,8 @@ def run_training(
         if pinned and Device.local().kind == "cuda":  # asked only now: CUDA starts on the card just pinned
             print(f"training on {pinned}", flush=True)
         start = check_resume(run_dir, cfg, config_path) if resume and not smoke else (None, [], None)
+        if adopted is not None:  # the launcher's folder: say what it is doing (a terminal's run has none yet)
+            rundir.write_phase(run_dir, "checking and preparing the data")
         # the data checked and tokenized here, before the folder (a supervisor's ranks tokenize their own)
         data = prepare_run(
             cfg, Device.local(), smoke, datasets=smoke or distributed.world_size(cfg) == 1, in_trainer=True
@@ -513,8 +515,13 @@ def _setup_run(cfg: dict, run_dir: Path, resume: bool, smoke: bool, start):
     prec = choose_precision(cfg)
     _write_plan(cfg, run_dir, prec, smoke)
     status = {"state": "starting", "reason": None, "step": 0, "max_steps": None, "ended": None}
-    if not resume or read_status(run_dir) is None:
+    before = read_status(run_dir)
+    launched = (before or {}).get("state") == "starting" and isinstance(
+        (before or {}).get("started"), (int, float)
+    )
+    if before is None or not (resume or launched):  # a launcher's start time stays: Elapsed never goes back
         status["started"] = time.time()
+    status.update(phase="loading the model", phase_started=time.time())
     rundir.reserve_space(run_dir)  # so that a full disk can still be reported as such
     write_status(run_dir, device=prec.device.label, precision=prec.dtype, smoke=smoke, **status)
     print(
@@ -561,6 +568,8 @@ def _train(
             raise ConfigError(
                 f"model.path: {cfg['model']['path']} does not load ({error_line(exc)})."
             ) from None
+        if ranks.is_main():
+            rundir.write_phase(run_dir, "building the trainer")
         trainer = make_trainer(
             cfg,
             prec,
