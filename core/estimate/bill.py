@@ -136,7 +136,9 @@ def _estimate(plan: Plan, asked: Plan, spec: ModelSpec, targets, warnings: list[
         phase_components = with_rollouts(phase_components, rollouts)
     if sharding:
         phase_components = apply(sharding, phase_components)
-    notes = list(warnings) + ([ACCURACY_NOTE] if sharding else [])
+    notes = (
+        list(warnings) + ([ACCURACY_NOTE] if sharding else []) + list(rollouts.warnings if rollouts else ())
+    )
     return _bill(asked, t, phase_components, notes, sharding, rollouts)
 
 

@@ -95,9 +95,10 @@ def _generation_lines(est: Estimate) -> list[str]:
     """The generation phase of a generating method (GRPO) and every phase's total: its terms show whatever the
     peak phase is."""
     g = est.generation
+    others = ", ".join(f"{name} {gib(b)}" for name, b in g["moments"].items() if name != g["moment"])
     lines = [
         f"generation phase: {gib(g['bytes'])} at its {g['moment']} ({g['sequences']} completions, "
-        f"{g['tokens']:,} tokens)"
+        f"{g['tokens']:,} tokens)" + (f"; its {others}" if others else "")
     ]
     static = ("weights", "quant_constants", "reference_model", "lora_params", "optimizer_states")
     for name, b in g["components"].items():

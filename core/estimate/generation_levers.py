@@ -6,11 +6,11 @@ core.estimate.levers offers them; a batch or completion that shrinks shrinks to 
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 from core.estimate.bill import estimate
 from core.estimate.fit import largest, resized
+from core.estimate.generation_terms import vllm_need
 from core.estimate.plan import GiB, Plan, PlanError, generation_batch
 from core.estimate.specs import ModelSpec, SpecError
 
@@ -53,14 +53,6 @@ def smaller_batch(plan: Plan, spec: ModelSpec) -> int:
     return next(fitting, sizes[-1] if sizes else 0)
 
 
-def vllm_need(plan: Plan, spec: ModelSpec) -> float:
-    """The smallest share of the card (in steps of 0.05) that holds vLLM's copy of the weights (16-bit, or 4-bit
-    for a QLoRA base) and the KV cache of one generation batch."""
-    weights = spec.total_params * (0.55 if plan.method == "qlora" else 2)
-    kv = generation_batch(plan) * plan.seq_len * spec.kv_cache_bytes_per_token_per_byte * 2
-    return min(1.0, math.ceil((weights + kv) / plan.gpu_bytes * 20) / 20)
-
-
 def rollout_candidates(plan: Plan, spec: ModelSpec) -> list[tuple[str, dict, str, bool]]:
     """(label, plan change, cost, keeps what is trained) of a generating plan, as levers._candidates lists them."""
     out = []
@@ -96,7 +88,7 @@ def rollout_candidates(plan: Plan, spec: ModelSpec) -> list[tuple[str, dict, str
         change = {"completion_len": c, "seq_len": plan.seq_len - plan.completion_len + c}
         out.append((f"max_completion_length {c}", change, COMPLETION_COST, False))
     if plan.vllm == "colocate":
-        need = vllm_need(plan, spec)
+        need = vllm_need(spec, plan)
         if need < plan.vllm_fraction:
             out.append(
                 (
@@ -136,4 +128,4 @@ def shrink(plan: Plan, name: str) -> tuple[dict, str] | None:
     }, COMPLETION_COST
 
 
-__all__ = ["rollout_candidates", "shrink", "vllm_need"]
+__all__ = ["rollout_candidates", "shrink"]

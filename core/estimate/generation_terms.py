@@ -22,10 +22,11 @@ vLLM's terms are modelled from its code (a CUDA GPU only), not yet measured.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from core.estimate.activation_terms import FUSED_TOKEN_CHUNK, FUSED_VOCAB_CHUNK, step_dtypes
-from core.estimate.plan import DTYPE_BYTES, Plan, generation_batch
+from core.estimate.plan import DTYPE_BYTES, GiB, Plan, generation_batch
 from core.estimate.specs import ModelSpec
 from core.estimate.static_terms import adapter_bytes
 
@@ -47,16 +48,19 @@ class Rollouts:
 
     moment: str  # prefill | generate | logprob forward | vllm
     phase: dict  # the generation phase's components (static terms included)
+    moments: dict  # every moment's tensor bytes, static terms included
     held: int  # rollout_batch through the training step: the buffered ids, masks, advantages, log-probs
     step_inputs: int  # the training step's own inputs next to them (forward and backward)
     pool: int  # vLLM's pool in the training phases (colocated without sleep mode), else 0
     sequences: int
     tokens: int
+    warnings: tuple[str, ...] = ()
 
     def record(self) -> dict:
         return {
             "bytes": int(sum(self.phase.values())),
             "moment": self.moment,
+            "moments": dict(self.moments),
             "sequences": self.sequences,
             "tokens": self.tokens,
             "components": {k: int(v) for k, v in self.phase.items() if v},
@@ -115,6 +119,25 @@ def vllm_sync_bytes(spec: ModelSpec, plan: Plan) -> int:
     return largest * (adapter_bytes(plan) + DTYPE_BYTES[plan.load_dtype])
 
 
+def vllm_need(spec: ModelSpec, plan: Plan) -> float:
+    """The smallest share of the card (in steps of 0.05) that holds vLLM's copy of the weights (16-bit, or 4-bit
+    for a QLoRA base: TRL loads it with bitsandbytes) and the 16-bit KV cache of one generation batch."""
+    weights = spec.total_params * (0.55 if plan.method == "qlora" else 2)
+    kv = generation_batch(plan) * plan.seq_len * spec.kv_cache_bytes_per_token_per_byte * 2
+    return min(1.0, math.ceil((weights + kv) / plan.gpu_bytes * 20) / 20)
+
+
+def _vllm_warning(spec: ModelSpec, plan: Plan) -> tuple[str, ...]:
+    need = vllm_need(spec, plan)
+    if plan.vllm != "colocate" or need <= plan.vllm_fraction:
+        return ()
+    return (
+        f"vllm_gpu_memory_utilization {plan.vllm_fraction:g} ({plan.vllm_fraction * plan.gpu_gb:.1f} GiB) cannot "
+        f"hold vLLM's copy of the weights and one generation batch's KV cache ({need * plan.gpu_bytes / GiB:.1f} "
+        f"GiB): vLLM refuses to start. Give it {need:g}, or run it on another GPU (vllm_mode: server).",
+    )
+
+
 def rollout_terms(spec: ModelSpec, plan: Plan, targets, static: dict) -> Rollouts:
     """The generation phase of `plan` (a generating method's) and its rollouts' bytes in the training phases."""
     d = step_dtypes(plan)
@@ -154,18 +177,21 @@ def rollout_terms(spec: ModelSpec, plan: Plan, targets, static: dict) -> Rollout
             "rollout_batch": 32 * g * length + 8 * b * length + (g * c * 4 if plan.vllm != "off" else 0),
             "vllm_pool": 0 if plan.vllm_sleep else pool,
         }
-    name = max(moments, key=lambda k: sum(moments[k].values()))
+    totals = {k: int(sum(static.values()) + sum(m.values())) for k, m in moments.items()}
+    name = max(totals, key=totals.get)
     phase = {**static, **dict.fromkeys(ROLLOUT_COMPONENTS, 0), **moments[name]}
     # kept for the training steps: prompt and completion ids and masks, advantages, the old / reference log-probs
     held = 16 * g * length + 4 * g + 8 + 4 * g * c * (int(plan.old_logps) + int(ref))
     return Rollouts(
         moment=name,
         phase=phase,
+        moments=totals,
         held=held,
         step_inputs=8 * b * length,  # _compute_loss's attention mask (its ids and labels: activation_terms)
         pool=0 if plan.vllm_sleep else pool,
         sequences=g,
         tokens=g * length,
+        warnings=_vllm_warning(spec, plan),
     )
 
 
