@@ -150,7 +150,8 @@ def finish_smoke(cfg: dict, prec: Precision, run_dir: Path, peak: dict, callback
         "device": prec.device.label,
         "estimate_bytes": plan.get("tensor_peak_bytes"),
         "estimate_reserved_bytes": plan.get("reserved_peak_bytes"),
-        "max_length": cfg["training"].get("max_length"),
+        # GRPO has no max_length: its rows are a prompt and its completion
+        "max_length": cfg["training"].get("max_length") or methods.get(cfg).sequence_length(cfg),
         "batch_size": methods.get(cfg).smoke_batch(cfg),
     }
     rundir.write_smoke(run_dir, result)
