@@ -157,12 +157,12 @@ def rollout_terms(spec: ModelSpec, plan: Plan, targets, static: dict) -> Rollout
         }
         q_width, kv_width = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         decode = g * ((3 * spec.hidden_size + q_width + 2 * kv_width) * gd + 2 * spec.head_dim * gd)
+        sampling = 3 * g * spec.vocab_size * 4  # the last logits' fp32 copy, its scaled copy, the softmax
         moments["generate"] = {
             # the last step's cache, and one layer's K or V while torch.cat makes it one token longer
             "kv_cache": g * (length - 1) * kv + g * (length - 2) * kv // (2 * spec.num_layers),
-            "generation_activations": decode
-            + 3 * g * spec.vocab_size * 4,  # logits' fp32 copy, scaled, softmax
-            "rollout_batch": 8 * g * (3 * p + 2 * (length - 1)),
+            "generation_activations": decode + sampling,
+            "rollout_batch": 8 * g * (3 * p + 2 * (length - 1)),  # the prompts, the growing ids and mask
         }
     else:
         moments["vllm"] = {"vllm_pool": pool, "vllm_weight_sync": vllm_sync_bytes(spec, plan)}
