@@ -33,10 +33,10 @@ def _marked(trainer, marks, tracker):
 
 
 @contextlib.contextmanager
-def measure_peak(model, trainer=None, marks=()):
-    """Yields a dict that gets peak_bytes / peak_phase / measured_by when the block (the training step) ends.
-    `marks`: (trainer method, phase) pairs whose calls are a phase of their own (GRPO's generation: the method's
-    `measure_phases`), so that the peak phase can be named.
+def measure_peak(trainer, marks=()):
+    """Yields a dict that gets peak_bytes / peak_phase / measured_by when the block (the training step of
+    `trainer`, its model on its device) ends. `marks`: (trainer method, phase) pairs whose calls are a phase of
+    their own (GRPO's generation: the method's `measure_phases`), so that the peak phase can be named.
 
     peak_bytes is comparable to the planner's tensor_peak_bytes: the most bytes live tensors hold at once in a
     *steady* step. The smoke step is the first one, where the optimizer makes its state (Adam's moments) only
@@ -47,6 +47,7 @@ def measure_peak(model, trainer=None, marks=()):
     """
     import torch
 
+    model = trainer.model
     result: dict = {}
     cuda = torch.cuda.is_available()
     try:
@@ -57,7 +58,7 @@ def measure_peak(model, trainer=None, marks=()):
         # The model is on its device already (Trainer moved it): its tensors are the baseline.
         with (
             track_live_tensors(model=model, device="cuda" if cuda else "cpu", auto_phases=True) as tracker,
-            _marked(trainer, marks if trainer is not None else (), tracker),
+            _marked(trainer, marks, tracker),
         ):
             yield result
         step = tracker.result()
