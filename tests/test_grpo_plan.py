@@ -297,6 +297,9 @@ def test_dry_run_and_estimate_print_the_grpo_bill(grpo_run, capsys):
     assert f"peak phase: {record['peak_phase']}" in table and "longest completion" in table
     assert main(["--model", QWEN, "--objective", "grpo", "--batch-size", "8", "--seq-len", "1024"]) == 0
     assert "kv_cache" in capsys.readouterr().out  # TRL's defaults: 8 completions of 256 tokens
+    # the data's real lengths are SFT rows' (a prompt's completion is generated, its length unknown before)
+    assert main(["--config", str(path), "--gpu-gb", "24", "--data-lengths"]) == 2
+    assert "prompt + completion bound" in capsys.readouterr().err
 
 
 # -- measured: a real GRPO step on the CPU -------------------------------------------------------------------------

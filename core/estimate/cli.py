@@ -372,9 +372,10 @@ def main(argv: list[str] | None = None) -> int:
 def _data_batch(cfg: dict, plan: Plan) -> dict:
     """The largest batch the config's data can form (its rows tokenized as a run tokenizes them) and its plan."""
     method = methods.get(cfg)
-    if method.traits.reference:
+    if method.traits.reference or method.traits.generates:
+        bound = "prompt + completion" if method.traits.generates else "max_length"
         raise PlanError(
-            f"--data-lengths plans SFT rows; a {method.label} run's rows are planned at the max_length bound."
+            f"--data-lengths plans SFT rows; a {method.label} run's rows are planned at the {bound} bound."
         )
     try:
         tokenizer, _ = load_tokenizer_and_config(cfg["model"])
