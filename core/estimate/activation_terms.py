@@ -345,7 +345,11 @@ def fused_head_bytes(spec: ModelSpec, plan: Plan, rows: int) -> FusedHead:
     d = step_dtypes(plan)
     h, vocab = spec.hidden_size, spec.vocab_size
     n_all = rows * (plan.seq_len - 1)
-    n = min(n_all, FUSED_TOKEN_CHUNK)
+    triton = plan.device == "cuda"
+    traits = methods.get(plan.objective).traits
+    # GRPO labels only the completion: Triton gathers those positions, the CPU path scores every one
+    scored = rows * plan.completion_len if (triton and traits.generates) else n_all
+    n = min(scored, FUSED_TOKEN_CHUNK)
     cols = min(vocab, FUSED_VOCAB_CHUNK)
     tile = n * cols
     hd = d.hidden
@@ -354,25 +358,25 @@ def fused_head_bytes(spec: ModelSpec, plan: Plan, rows: int) -> FusedHead:
         wd = DTYPE_BYTES[plan.load_dtype]
     else:
         wd = 4  # prepare_model_for_kbit_training upcast the lm_head
-    triton = plan.device == "cuda"
     head_trains = plan.method == "full"
     final_norm_out = rows * plan.seq_len * h * hd  # last_hidden_state
     mm_buf = n * FUSED_VOCAB_CHUNK * cd
     hidden_chunk = n * h * cd if hd != cd else 0
     weight_chunk = cols * h * cd if wd != cd else 0
     # the saved hidden: a gathered (Triton) or reshaped (CPU, several rows) copy, or the norm output itself
-    hidden_own = n_all * h * hd if (triton or rows > 1) else 0
-    per_token_saved = n_all * (8 + 4 + 4 + 1)  # targets, log_z, entropy, masked_fill's mask
+    hidden_own = scored * h * hd if (triton or rows > 1) else 0
+    per_token_saved = scored * (8 + 4 + 4) + n_all  # targets, log_z, entropy; the label mask
     held = hidden_own + (0 if hidden_own else final_norm_out) + per_token_saved
-    stats = 7 * n_all * 4
-    outputs = n_all * (4 + 4 + 1 + 1)  # log_probs, entropy, is_top1, label mask
+    stats = 7 * scored * 4
+    # log_probs, entropy, is_top1 (SFT, DPO), the label mask, all as wide as the labels (scattered back)
+    outputs = n_all * (4 + 4 + (1 if traits.head_is_top1 else 0) + 1)
     # DPO/KTOTrainer also ask for mean_logits (their logits/* metrics)
-    outputs += n_all * 4 * methods.get(plan.objective).traits.head_outputs
+    outputs += n_all * 4 * traits.head_outputs
     if triton:
         fold_fwd = weight_chunk  # the transient weight-chunk copy inside torch.mm
         fold_bwd = 0
     else:
-        fold_fwd = max(13 * tile, weight_chunk)
+        fold_fwd = max((13 if traits.head_is_top1 else 12) * tile, weight_chunk)
         addmm = 0 if cd == 4 else 4 * tile + 4 * max(cols * h, n * h if head_trains else 0)
         fold_bwd = max(29 * tile, addmm)
     # forward: the norm output stays alive until the loss returns, next to the saved copy
@@ -381,10 +385,10 @@ def fused_head_bytes(spec: ModelSpec, plan: Plan, rows: int) -> FusedHead:
     )
     grad_weight = vocab * h * 4 if head_trains else 0
     grad_in = n_all * 4  # the incoming gradient of log_probs (masked_fill's backward)
-    backward = held + grad_in + n_all * h * 4 + grad_weight + mm_buf + hidden_chunk + weight_chunk + fold_bwd
+    backward = held + grad_in + scored * h * 4 + grad_weight + mm_buf + hidden_chunk + weight_chunk + fold_bwd
     # `.to(dtype)` of an fp32 accumulator is the same tensor when the input is fp32; the head's returned
     # gradient becomes its .grad (counted under gradients), so only a separate fp32 accumulator adds here.
-    end = held + n_all * h * (4 + (hd if hd != 4 else 0)) + (grad_weight if wd != 4 else 0)
+    end = held + scored * h * (4 + (hd if hd != 4 else 0)) + (grad_weight if wd != 4 else 0)
     return FusedHead(held, forward, backward, end, outputs)
 
 

@@ -34,6 +34,7 @@ from core.estimate.activation_terms import (
     outside_layers_saved_bytes,
     step_dtypes,
 )
+from core.estimate.generation_terms import ROLLOUT_COMPONENTS, Rollouts, rollout_terms, with_rollouts
 from core.estimate.plan import (
     CUDA_CONTEXT_BYTES,
     FIT_LIMIT,
@@ -43,6 +44,7 @@ from core.estimate.plan import (
     Plan,
     batch_shape,
     check_against_spec,
+    generates,
     largest_batch_tokens,
     validate,
 )
@@ -129,9 +131,15 @@ def _estimate(plan: Plan, asked: Plan, spec: ModelSpec, targets, warnings: list[
     }
     if t.kv_cache:
         phase_components["eval"] = {**t.static, "kv_cache": t.kv_cache}
+    rollouts = rollout_terms(spec, plan, targets, t.static) if generates(plan) else None
+    if rollouts:
+        phase_components = with_rollouts(phase_components, rollouts)
     if sharding:
         phase_components = apply(sharding, phase_components)
-    return _bill(asked, t, phase_components, list(warnings) + ([ACCURACY_NOTE] if sharding else []), sharding)
+    notes = (
+        list(warnings) + ([ACCURACY_NOTE] if sharding else []) + list(rollouts.warnings if rollouts else ())
+    )
+    return _bill(asked, t, phase_components, notes, sharding, rollouts)
 
 
 def step_terms(plan: Plan, spec: ModelSpec, targets) -> StepTerms:
@@ -196,8 +204,10 @@ def step_terms(plan: Plan, spec: ModelSpec, targets) -> StepTerms:
 
 
 def _reference(plan: Plan, model_bytes: int) -> tuple[int, str | None]:
-    """(bytes, what it is) of a preference method's reference model (core.train.methods' traits)."""
-    if not methods.get(plan.objective).traits.reference:
+    """(bytes, what it is) of a preference method's reference model, or GRPO's with beta > 0 (core.train.methods'
+    traits)."""
+    traits = methods.get(plan.objective).traits
+    if not (traits.reference or (traits.kl_reference and plan.kl_beta > 0)):
         return 0, None
     if plan.method == "full" or plan.reference == "copy":
         return (
@@ -325,10 +335,15 @@ def backward_moment(t: StepTerms) -> dict:
 
 
 def _bill(
-    asked: Plan, t: StepTerms, phase_components: dict, warnings: list[str], sharding: Sharding | None = None
+    asked: Plan,
+    t: StepTerms,
+    phase_components: dict,
+    warnings: list[str],
+    sharding: Sharding | None = None,
+    rollouts: Rollouts | None = None,
 ) -> Estimate:
     """The Estimate: the peak phase, the allocator's overhead and the CUDA context on top, the verdict (per GPU
-    when `sharding` spreads the plan over several)."""
+    when `sharding` spreads the plan over several; with the generation phase of a method's `rollouts`)."""
     plan, spec = t.plan, t.spec
     phases = {name: sum(c.values()) for name, c in phase_components.items()}
     context = 0 if plan.device == "cpu" else CUDA_CONTEXT_BYTES
@@ -338,8 +353,10 @@ def _bill(
         if plan.device == "cpu":
             return 0
         share = FRAGMENTATION_EXPANDABLE if plan.expandable_segments else FRAGMENTATION
-        # the load moment's weights are allocated once and kept (nothing comes and goes): no fragmentation share
+        # the load moment's weights are allocated once and kept (nothing comes and goes): no fragmentation share;
+        # nor has vLLM's pool, allocated whole
         held = phases[phase] if phase == "load" else sum(t.static.values())
+        held += phase_components[phase].get("vllm_pool", 0)
         return int(share * max(0, phases[phase] - held))
 
     peak_phase = max(phases, key=phases.get)
@@ -367,6 +384,7 @@ def _bill(
                 )
             ]
     order = COMPONENT_ORDER + (DISTRIBUTED_COMPONENTS if sharding else ())
+    order += tuple(c for c in ROLLOUT_COMPONENTS if c not in order) if rollouts else ()
     components = dict.fromkeys(order, 0)
     components.update(phase_components[peak_phase])
     components.update(
@@ -400,6 +418,15 @@ def _bill(
         batch_length=plan.seq_len,
         warnings=warnings,
         distributed=record,
+        generation=(
+            {
+                **rollouts.record(),
+                "bytes": int(phases["generation"]),
+                "components": {k: int(v) for k, v in phase_components["generation"].items() if v},
+            }
+            if rollouts
+            else None
+        ),
     )
 
 

@@ -15,7 +15,7 @@ from core.estimate.bill import OUTSIDE_TORCH, estimate, estimate_for_lengths
 from core.estimate.fit import fit_search
 from core.estimate.from_config import busy_gpus, card_for, plan_for_config
 from core.estimate.levers import lever_savings, modelled_note, what_would_fit, with_every_lever
-from core.estimate.plan import Estimate, GiB, Plan, PlanError
+from core.estimate.plan import VLLM_MODES, Estimate, GiB, Plan, PlanError
 from core.estimate.specs import SpecError, preset_ids
 from core.fmt import gib
 from core.train import methods
@@ -30,8 +30,14 @@ def format_table(est: Estimate, fit: dict | None = None, advice: list[dict] | No
     lines.append(f"{'component':<26}{'bytes':>16}  {'size':>11}")
     for name, b in est.components.items():
         if b:
-            outside = "  (outside torch)" if name in OUTSIDE_TORCH else ""
-            lines.append(f"{name:<26}{b:>16,}  {gib(b, width=7)}{outside}")
+            note = (
+                "  (outside torch)"
+                if name in OUTSIDE_TORCH
+                else NOTES.get(name, "")
+                if est.generation
+                else ""
+            )
+            lines.append(f"{name:<26}{b:>16,}  {gib(b, width=7)}{note}")
     lines.append("-" * 56)
     for label, b in (
         ("tensor peak", est.tensor_peak_bytes),
@@ -50,6 +56,8 @@ def format_table(est: Estimate, fit: dict | None = None, advice: list[dict] | No
         b = d["cpu_offload_bytes"]
         lines.append(f"{'CPU RAM (offloaded)':<26}{b:>16,}  {gib(b, width=7)}  (cpu_offload; per process)")
     lines.append(f"peak phase: {est.peak_phase};  KV cache per token: {est.kv_cache_bytes_per_token:,} bytes")
+    if est.generation:
+        lines += _generation_lines(est)
     if d:
         load = f"; load peak {gib(d['load_peak_bytes'])}" if d["load_peak_bytes"] else ""
         lines.append(f"{d['gpus']} GPUs, strategy {d['strategy']}: every figure above is per GPU{load}")
@@ -57,7 +65,12 @@ def format_table(est: Estimate, fit: dict | None = None, advice: list[dict] | No
     lines.append(f"verdict{per}: {est.verdict} ({est.fraction:.0%} of the card; aim for 85-90%)")
     if est.reference:
         lines.append(f"Reference model: {est.reference}")
-    if fit:
+    if fit and "max_completion_len" in fit:
+        lines.append(
+            f"largest batch size at this length: {fit['max_batch_size']}; "
+            f"longest completion at this batch size: {fit['max_completion_len']}"
+        )
+    elif fit:
         lines.append(
             f"largest batch size at this seq len: {fit['max_batch_size']}; "
             f"largest seq len at this batch size: {fit['max_seq_len']}"
@@ -68,6 +81,31 @@ def format_table(est: Estimate, fit: dict | None = None, advice: list[dict] | No
         if a.get("costs"):
             lines.append(f"      cost: {a['costs']}")
     return "\n".join(lines)
+
+
+# what a generating method's terms are, next to their names
+NOTES = {
+    "lm_head_loss": "  (the completions' log-probs: fused LM head)",
+    "rollout_batch": "  (the generation batch's ids, masks, log-probs)",
+    "vllm_pool": "  (vLLM's share of the card)",
+}
+
+
+def _generation_lines(est: Estimate) -> list[str]:
+    """The generation phase of a generating method (GRPO) and every phase's total: its terms show whatever the
+    peak phase is."""
+    g = est.generation
+    others = ", ".join(f"{name} {gib(b)}" for name, b in g["moments"].items() if name != g["moment"])
+    lines = [
+        f"generation phase: {gib(g['bytes'])} at its {g['moment']} ({g['sequences']} completions, "
+        f"{g['tokens']:,} tokens)" + (f"; its {others}" if others else "")
+    ]
+    static = ("weights", "quant_constants", "reference_model", "lora_params", "optimizer_states")
+    for name, b in g["components"].items():
+        if name not in static:
+            lines.append(f"  {name:<24}{b:>16,}  {gib(b, width=7)}")
+    lines.append("phases (tensors): " + ", ".join(f"{name} {gib(b)}" for name, b in est.phases.items()))
+    return lines
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -169,8 +207,58 @@ def _parser() -> argparse.ArgumentParser:
         "when --gpu-gb is given)",
     )
     _multi_gpu_flags(p, d)
+    _rollout_flags(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
+
+
+ROLLOUT_FIELDS = (
+    "completion_len",
+    "num_generations",
+    "generation_batch",
+    "kl_beta",
+    "old_logps",
+    "vllm",
+    "vllm_fraction",
+    "vllm_sleep",
+)
+
+
+def _rollout_flags(p: argparse.ArgumentParser) -> None:
+    """A generating method's rollouts (GRPO): None unless given (the method's defaults, or the config's)."""
+    g = p.add_argument_group(
+        "a generating method's rollouts (--objective grpo: --seq-len is prompt + completion)"
+    )
+    g.add_argument("--completion-len", type=int, help="max_completion_length (default: the method's, 256)")
+    g.add_argument("--num-generations", type=int, help="completions per prompt (default 8)")
+    g.add_argument(
+        "--generation-batch", type=int, help="completions generated at once per GPU (default: --batch-size)"
+    )
+    g.add_argument(
+        "--kl-beta", type=float, help="beta; above 0 the reference's log-probs are taken (default 0)"
+    )
+    g.add_argument(
+        "--old-logps",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the old policy's log-probs (an update between two generations, or vLLM)",
+    )
+    g.add_argument("--vllm", choices=VLLM_MODES, help="off (transformers generate), colocate or server")
+    g.add_argument("--vllm-fraction", type=float, help="vllm_gpu_memory_utilization (default 0.3)")
+    g.add_argument(
+        "--vllm-sleep", action=argparse.BooleanOptionalAction, default=None, help="vllm_enable_sleep_mode"
+    )
+
+
+def _rollout_values(args) -> dict:
+    """The rollout fields given on the command line, over the method's defaults (its run-config defaults through
+    its own mapping) for a generating objective."""
+    given = {k: getattr(args, k) for k in ROLLOUT_FIELDS if getattr(args, k) is not None}
+    method = methods.get(args.objective)
+    if not method.traits.generates or args.config:
+        return given
+    training = {"gradient_accumulation_steps": 1, **method.defaults}
+    return {**method.plan_shape({"training": training}, args.batch_size, 1, False), **given}
 
 
 def _multi_gpu_flags(p: argparse.ArgumentParser, d: Plan) -> None:
@@ -229,9 +317,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("gpus", "strategy", "cpu_offload"):
             if getattr(args, name) is None:
                 setattr(args, name, getattr(Plan, name))
-    values = {
-        k: v for k, v in vars(args).items() if k not in ("list_models", "json", "config", "data_lengths")
-    }
+    skip = ("list_models", "json", "config", "data_lengths", *ROLLOUT_FIELDS)
+    values = {k: v for k, v in vars(args).items() if k not in skip} | _rollout_values(args)
     if args.data_lengths and not args.config:
         print("error: --data-lengths reads a run config's data: give --config run.yaml too.", file=sys.stderr)
         return 2
@@ -271,10 +358,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"{data_batch['verdict']}"
             )
         if every != plan:
-            print(
-                f"with every lever on: largest batch size {fit_every['max_batch_size']}, "
-                f"largest seq len {fit_every['max_seq_len']}"
+            longest = (
+                f"longest completion {fit_every['max_completion_len']}"
+                if "max_completion_len" in fit_every
+                else f"largest seq len {fit_every['max_seq_len']}"
             )
+            print(f"with every lever on: largest batch size {fit_every['max_batch_size']}, {longest}")
         if note:
             print(f"note: {note}")
     return 0
@@ -283,9 +372,10 @@ def main(argv: list[str] | None = None) -> int:
 def _data_batch(cfg: dict, plan: Plan) -> dict:
     """The largest batch the config's data can form (its rows tokenized as a run tokenizes them) and its plan."""
     method = methods.get(cfg)
-    if method.traits.reference:
+    if method.traits.reference or method.traits.generates:
+        bound = "prompt + completion" if method.traits.generates else "max_length"
         raise PlanError(
-            f"--data-lengths plans SFT rows; a {method.label} run's rows are planned at the max_length bound."
+            f"--data-lengths plans SFT rows; a {method.label} run's rows are planned at the {bound} bound."
         )
     try:
         tokenizer, _ = load_tokenizer_and_config(cfg["model"])
@@ -328,6 +418,7 @@ def _plan_from_config(cfg: dict, args) -> Plan:
         model=args.model,
     )
     given = {k: getattr(args, k) for k in ("gpus", "strategy", "cpu_offload") if getattr(args, k) is not None}
+    given |= _rollout_values(args)
     if args.batch_tokens:
         given["batch_tokens"] = args.batch_tokens
     return replace(plan, **given) if given else plan

@@ -2,11 +2,37 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from core.estimate.bill import estimate
-from core.estimate.plan import FIT_LIMIT, Plan, validate
+from core.estimate.plan import FIT_LIMIT, Plan, generates, generation_batch, validate
 from core.estimate.specs import ModelSpec, load_spec
+
+
+def resized(plan: Plan, name: str, value: int) -> Plan:
+    """`plan` with `name` (batch_size, seq_len, or a generating plan's completion_len) set to `value`, every row
+    full. A generating plan (GRPO) keeps its shape: a batch keeps its steps per generation (the generation batch
+    follows it), a sequence its prompt (the completion follows it), a completion its prompt."""
+    change = {name: value, "batch_tokens": 0}
+    if generates(plan):
+        prompt = plan.seq_len - plan.completion_len
+        if name == "batch_size":
+            change["generation_batch"] = value * (generation_batch(plan) // plan.batch_size)
+        elif name == "seq_len":
+            change["completion_len"] = value - prompt
+        elif name == "completion_len":
+            change["seq_len"] = prompt + value
+    return replace(plan, **change)
+
+
+def batch_unit(plan: Plan) -> int:
+    """The batch sizes a plan can take are multiples of this: a generating plan's generation batch (batch x steps
+    per generation x GPUs) must divide by num_generations."""
+    if not generates(plan):
+        return 1
+    steps = generation_batch(plan) // plan.batch_size * plan.gpus
+    return plan.num_generations // math.gcd(plan.num_generations, steps)
 
 
 def largest(plan: Plan, spec: ModelSpec, name: str, hi: int, step: int = 1, limit: float = FIT_LIMIT) -> int:
@@ -14,7 +40,7 @@ def largest(plan: Plan, spec: ModelSpec, name: str, hi: int, step: int = 1, limi
     card; 0 if none."""
 
     def ok(v: int) -> bool:
-        e = estimate(replace(plan, **{name: v, "batch_tokens": 0}), spec)
+        e = estimate(resized(plan, name, v), spec)
         return e.device_total_bytes <= limit * e.gpu_bytes
 
     lo_units, hi_units = 0, hi // step  # invariant: lo fits (0 = nothing), hi+1 does not
@@ -32,17 +58,27 @@ def largest(plan: Plan, spec: ModelSpec, name: str, hi: int, step: int = 1, limi
 
 def fit_search(plan: Plan, spec: ModelSpec | None = None, limit: float = FIT_LIMIT) -> dict:
     """The largest batch size (at this seq len) and seq len (at this batch size) that stay within `limit` of the
-    card (90%: the verdict's "fits"), both at the max_length bound (every row full)."""
+    card (90%: the verdict's "fits"), both at the max_length bound (every row full). A generating plan (GRPO):
+    the batch in multiples its generation batch allows, and the longest completion after its prompt
+    (max_completion_len; max_seq_len is the prompt plus it)."""
     validate(plan)
     spec = spec or load_spec(plan.model)
     max_seq = max(spec.max_position_embeddings or 0, plan.seq_len)
-    batch = largest(plan, spec, "batch_size", 4096, limit=limit)
-    seq = largest(plan, spec, "seq_len", max_seq, step=64 if max_seq >= 64 else 1, limit=limit)
+    unit = batch_unit(plan)
+    batch = largest(plan, spec, "batch_size", 4096 // unit * unit, step=unit, limit=limit)
+    if generates(plan):
+        prompt = plan.seq_len - plan.completion_len
+        room = max_seq - prompt
+        completion = largest(plan, spec, "completion_len", room, step=16 if room >= 16 else 1, limit=limit)
+        seq, length = (prompt + completion if completion else 0), ("completion_len", completion)
+    else:
+        seq = largest(plan, spec, "seq_len", max_seq, step=64 if max_seq >= 64 else 1, limit=limit)
+        length = ("seq_len", seq)
     out = {"max_batch_size": batch, "max_seq_len": seq, "seq_len_cap": max_seq}
-    for key, name, value in (("batch_fraction", "batch_size", batch), ("seq_fraction", "seq_len", seq)):
-        out[key] = (
-            estimate(replace(plan, **{name: value, "batch_tokens": 0}), spec).fraction if value else None
-        )
+    if generates(plan):
+        out["max_completion_len"] = length[1]
+    for key, (name, value) in (("batch_fraction", ("batch_size", batch)), ("seq_fraction", length)):
+        out[key] = estimate(resized(plan, name, value), spec).fraction if value else None
     return out
 
 
@@ -51,7 +87,7 @@ def memory_curve(plan: Plan, name: str, values: list[int], spec: ModelSpec | Non
     spec = spec or load_spec(plan.model)
     rows = []
     for v in values:
-        e = estimate(replace(plan, **{name: v}), spec)
+        e = estimate(resized(plan, name, v) if generates(plan) else replace(plan, **{name: v}), spec)
         rows.append(
             {name: v, "device_total_bytes": e.device_total_bytes, "tensor_peak_bytes": e.tensor_peak_bytes}
         )

@@ -57,6 +57,8 @@ def plan_for_config(
     targets = lo["target_modules"]
     method = methods.get(cfg)
     preference = method.traits.reference
+    batch = method.smoke_batch(cfg) if smoke else (batch_size or t["per_device_train_batch_size"])
+    world = 1 if smoke else distributed.world_size(cfg)
     fields = dict(
         model=model or cfg["model"]["path"],
         method=method_of(cfg),
@@ -74,7 +76,7 @@ def plan_for_config(
         # DPO/KTOConfig.disable_dropout (default on) sets every nn.Dropout to p=0, LoRA's too: an identity then
         lora_dropout=0.0 if preference and t.get("disable_dropout", True) else lo["lora_dropout"],
         target_modules=targets if isinstance(targets, str) else ",".join(targets),
-        batch_size=method.smoke_batch(cfg) if smoke else (batch_size or t["per_device_train_batch_size"]),
+        batch_size=batch,
         seq_len=method.sequence_length(cfg),
         gradient_checkpointing=checkpointing(cfg),
         attn=PLAN_ATTN.get(cfg["model"]["attn_implementation"], cfg["model"]["attn_implementation"]),
@@ -95,6 +97,8 @@ def plan_for_config(
         gpus=distributed.world_size(cfg),
         strategy=cfg["distributed"]["strategy"],
         cpu_offload=bool(cfg["distributed"]["cpu_offload"]) and distributed.world_size(cfg) > 1,
+        # the method's own step (GRPO: its rollouts), read from the config by the method
+        **method.plan_shape(cfg, batch, world, smoke),
     )
     return Plan(**fields)
 
@@ -321,7 +325,16 @@ def plan_to_config(plan: Any, base: dict | None = None) -> dict:
         _get(plan, "batch_size", _get(plan, "micro_batch_size")),
         int,
     )
-    put("training", "max_length", _get(plan, "seq_len", _get(plan, "max_length")), int)
+    if methods.get(cfg.get("method")).traits.generates:
+        # a prompt and its completion, said by the method's own keys (GRPOConfig has no max_length)
+        own = methods.get(cfg.get("method")).training_of_plan(lambda k: _get(plan, k), cfg["training"])
+        for key, value in own.items():  # None: the key goes (its default gives the plan's value)
+            if value is None:
+                cfg["training"].pop(key, None)
+            else:
+                cfg["training"][key] = value
+    else:
+        put("training", "max_length", _get(plan, "seq_len", _get(plan, "max_length")), int)
     put("training", "gradient_checkpointing", _get(plan, "gradient_checkpointing"), bool)
     put("training", "optim", _get(plan, "optim"))
     # the memory levers a run config carries (core.estimate.levers); the others are always on in the engine

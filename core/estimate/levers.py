@@ -1,209 +1,19 @@
 """Every memory lever the engine has: what it saves (which term of the bill), what it costs, where it runs, and the
 library code its planner term is derived from. The Estimate page's toggles, `python -m core.estimate`'s flags and
-per-lever savings, "What would make it fit" and the README's "Fitting more" table all read this one list.
-
-A lever is a Plan field with the value that turns it on. `measured` says whether benchmarks/estimator_accuracy.py
-measures its term on the CPU; GPU-only levers are modelled from their code ("modelled, not yet measured").
+per-lever savings, "What would make it fit" and the README's "Fitting more" table all read one list
+(core.estimate.lever_table); a generating method's own changes (GRPO's) come from core.estimate.generation_levers.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from core.estimate.bill import estimate
 from core.estimate.fit import largest
-from core.estimate.plan import OPTIMIZERS, Plan, PlanError
+from core.estimate.generation_levers import rollout_candidates, shrink
+from core.estimate.lever_table import BOUND_LEVERS, BY_FIELD, LEVERS, Lever
+from core.estimate.plan import Plan, PlanError, generates
 from core.estimate.specs import ModelSpec, SpecError, load_spec
-
-
-@dataclass(frozen=True)
-class Lever:
-    field: str  # the Plan field
-    on: object  # its value with the lever on
-    off: object  # its value with the lever off (the comparison)
-    label: str
-    config_key: str | None  # where a run config sets it; None: the engine always has it on
-    saves: str
-    costs: str
-    runs_on: str  # "CPU and GPU" | "CUDA GPU"
-    measured: bool  # measured on the CPU by benchmarks/estimator_accuracy.py
-    source: str  # the library code the planner term follows
-
-    def applies(self, plan: Plan) -> bool:
-        if self.field == "prepare_kbit":
-            return plan.method == "qlora"
-        if self.field == "lora_dropout":
-            return plan.method != "full"
-        if self.field == "expandable_segments":
-            return plan.device == "cuda"
-        return True
-
-    def off_value(self, plan: Plan):
-        """The value with the lever off: the plan's own where it has one (its dropout, its optimizer)."""
-        value = getattr(plan, self.field)
-        if self.field in ("lora_dropout", "optim") and not self.is_on(plan):
-            return value
-        return self.off
-
-    def is_on(self, plan: Plan) -> bool:
-        value = getattr(plan, self.field)
-        if self.field == "optim":
-            return OPTIMIZERS.get(value, (0, 0, ""))[2].startswith("bnb8")
-        return value == self.on
-
-    @property
-    def setting(self) -> str:
-        """How a user turns it on, as they would write it."""
-        if self.config_key is None:
-            return "the engine's default (TRL's SFTTrainer)"
-        if self.config_key == "PYTORCH_CUDA_ALLOC_CONF":
-            return "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
-        value = ("true" if self.on else "false") if isinstance(self.on, bool) else self.on
-        return f"{self.config_key}: {value}"
-
-    @property
-    def term(self) -> str:
-        """How far its planner term is checked."""
-        return "measured on CPU" if self.measured else "modelled, not yet measured"
-
-
-LEVERS: tuple[Lever, ...] = (
-    Lever(
-        "gradient_checkpointing",
-        True,
-        False,
-        "Gradient checkpointing",
-        "training.gradient_checkpointing",
-        "saved activations: one input per layer, one layer recomputed at a time in backward",
-        "each layer's forward runs twice (~20-30% slower)",
-        "CPU and GPU",
-        True,
-        "torch.utils.checkpoint (non-reentrant) via transformers' gradient_checkpointing_enable",
-    ),
-    Lever(
-        "fused_lm_head",
-        True,
-        False,
-        "Fused LM head (tiled loss)",
-        None,
-        "the (tokens x vocab) logits, their fp32 copy and gradient: the loss is computed in tiles",
-        "none measurable; always on in the engine (TRL's SFTTrainer); off = plain Trainer, for comparison",
-        "CPU and GPU",
-        True,
-        "trl.trainer.utils.add_fused_lm_head, trl.kernels.chunked_logprob",
-    ),
-    Lever(
-        "prepare_kbit",
-        False,
-        True,
-        "QLoRA without the fp32 upcast",
-        None,
-        "embeddings, lm_head and norms stay 16-bit (no fp32 copies), a 16-bit residual stream",
-        "none; always so in the engine (TRL casts the adapters to bf16); on = peft's "
-        "prepare_model_for_kbit_training, for comparison",
-        "CPU and GPU",
-        True,
-        "trl SFTTrainer.__init__ (quantized models) vs peft.prepare_model_for_kbit_training",
-    ),
-    Lever(
-        "padding_free",
-        True,
-        False,
-        "Padding-free batches",
-        "training.padding_free",
-        "padding: every per-token term follows the tokens really in the batch (plan with the data's lengths)",
-        "needs flash_attention_2 on the GPU: on sdpa a (tokens x tokens) mask is built and copied per layer",
-        "CPU and GPU",
-        True,
-        "trl DataCollatorForLanguageModeling(padding_free), transformers masking_utils packed sequences",
-    ),
-    Lever(
-        "packing",
-        True,
-        False,
-        "Packing (BFD)",
-        "training.packing",
-        "nothing per step (packed rows are full); fewer steps per epoch: faster",
-        "BFD packing turns padding-free on (same attention needs); documents share rows",
-        "CPU and GPU",
-        True,
-        "trl.data_utils.pack_dataset",
-    ),
-    Lever(
-        "activation_offloading",
-        True,
-        False,
-        "Activation offloading",
-        "training.activation_offloading",
-        "saved activations move to pinned CPU memory during forward, back for backward",
-        "pinned CPU RAM about the size of what it moves; PCIe copies (overlapped on a stream, ~5-15% slower)",
-        "CUDA GPU",
-        False,
-        "trl.models.activation_offloading.OffloadActivations",
-    ),
-    Lever(
-        "liger",
-        True,
-        False,
-        "Liger kernels",
-        "training.use_liger_kernel",
-        "RMSNorm saves no fp32 copy, SwiGLU no silu(gate); SwiGLU gradients written in place",
-        "needs liger-kernel and Triton (pip install liger-kernel)",
-        "CUDA GPU",
-        False,
-        "liger_kernel.ops.rms_norm, liger_kernel.ops.swiglu",
-    ),
-    Lever(
-        "lora_dropout",
-        0.0,
-        0.05,
-        "LoRA dropout 0",
-        "lora.lora_dropout",
-        "each adapted module's dropout output and mask",
-        "no dropout regularisation of the adapter",
-        "CPU and GPU",
-        True,
-        "peft.tuners.lora.layer.Linear.forward",
-    ),
-    Lever(
-        "optim",
-        "adamw_8bit",
-        "adamw_torch",
-        "8-bit AdamW",
-        "training.optim",
-        "optimizer states: 2 x 1 byte per trainable parameter instead of 2 x 4",
-        "none measurable",
-        "CPU and GPU",
-        True,
-        "bitsandbytes.optim.AdamW8bit (blockwise 8-bit states)",
-    ),
-    Lever(
-        "expandable_segments",
-        True,
-        False,
-        "Expandable segments",
-        "PYTORCH_CUDA_ALLOC_CONF",
-        "allocator fragmentation (reserved minus allocated)",
-        "none",
-        "CUDA GPU",
-        False,
-        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (torch caching allocator)",
-    ),
-)
-BY_FIELD = {lever.field: lever for lever in LEVERS}
-
-
-# Levers that lower the bound without changing what is trained (padding-free and packing change the batch's
-# shape, not its bound; LoRA dropout is part of the training recipe)
-BOUND_LEVERS = (
-    "gradient_checkpointing",
-    "fused_lm_head",
-    "prepare_kbit",
-    "activation_offloading",
-    "liger",
-    "optim",
-    "expandable_segments",
-)
 
 
 def with_every_lever(plan: Plan) -> Plan:
@@ -284,6 +94,8 @@ def _candidates(plan: Plan, spec: ModelSpec) -> list[tuple[str, dict, str, bool]
             )
         )
     out += _sharding(plan, spec)
+    if generates(plan):  # GRPO: its batch keeps the generation batch, its length is the completion's
+        return out + rollout_candidates(plan, spec)
     if plan.batch_size > 1:
         batch = largest(plan, spec, "batch_size", plan.batch_size - 1) or plan.batch_size // 2
         steps = -(-plan.batch_size // batch)
@@ -442,14 +254,11 @@ def _combined(plan: Plan, spec: ModelSpec, base) -> dict | None:
         est, label, change, cost = min(scored, key=lambda s: s[0].device_total_bytes)
         current = replace(current, **change)
         steps.append((label, change, cost))
-    while est.verdict != "fits" and current.batch_size > 1:
-        if not apply("", {"batch_size": current.batch_size // 2, "batch_tokens": 0}, "more steps"):
-            break
-    while est.verdict != "fits" and current.seq_len > 64:
-        if not apply(
-            "", {"seq_len": max(64, current.seq_len // 2), "batch_tokens": 0}, "longer rows truncated"
-        ):
-            break
+    for name in ("batch_size", "seq_len"):
+        while est.verdict != "fits":
+            smaller = _shrink(current, name)
+            if smaller is None or not apply("", *smaller):
+                break
     if est.verdict != "fits":
         return None
     # halvings collapse into the final size, named once
@@ -460,7 +269,10 @@ def _combined(plan: Plan, spec: ModelSpec, base) -> dict | None:
     ):
         halved = [s for s in steps if name in s[1]]
         if halved:
-            final[name] = (text.format(halved[-1][1][name]), halved[-1][1], halved[-1][2])
+            last = halved[-1][1]
+            if "completion_len" in last:  # a generating plan's length is its completion's
+                text = "max_completion_length {}".format(last["completion_len"])
+            final[name] = (text.format(last[name]), last, halved[-1][2])
     steps = [s for s in steps if "batch_size" not in s[1] and "seq_len" not in s[1]] + list(final.values())
     for i in reversed(range(len(steps))):
         trial = steps[:i] + steps[i + 1 :]
@@ -480,6 +292,21 @@ def _combined(plan: Plan, spec: ModelSpec, base) -> dict | None:
         keeps,
         combined=True,
     )
+
+
+def _shrink(plan: Plan, name: str) -> tuple[dict, str] | None:
+    """(change, cost) halving the batch or the length (a generating plan's as its shape allows), or None."""
+    if generates(plan):
+        return shrink(plan, name)
+    if name == "batch_size":
+        return (
+            ({"batch_size": plan.batch_size // 2, "batch_tokens": 0}, "more steps")
+            if plan.batch_size > 1
+            else None
+        )
+    if plan.seq_len <= 64:
+        return None
+    return {"seq_len": max(64, plan.seq_len // 2), "batch_tokens": 0}, "longer rows truncated"
 
 
 def modelled_note(plan: Plan) -> str | None:

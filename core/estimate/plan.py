@@ -115,6 +115,20 @@ class Plan:
     gpus: int = 1
     strategy: str = "auto"
     cpu_offload: bool = False
+    # A generating method's rollouts (GRPO; core.train.methods traits.generates): seq_len is a prompt and its
+    # completion, the last completion_len tokens generated (max_completion_length); generation_batch completions
+    # are generated at once per device (per_device_train_batch_size x steps_per_generation; 0: batch_size), in
+    # groups of num_generations. kl_beta > 0 takes the reference's log-probs, old_logps the old policy's (a no-grad
+    # forward each). vllm: "off" (transformers generate on the training card), "colocate" (a vLLM engine in the
+    # process holding vllm_fraction of the card; released outside generation with vllm_sleep) or "server".
+    completion_len: int = 0
+    num_generations: int = 0
+    generation_batch: int = 0
+    kl_beta: float = 0.0
+    old_logps: bool = False
+    vllm: str = "off"
+    vllm_fraction: float = 0.3
+    vllm_sleep: bool = False
 
     @classmethod
     def from_dict(cls, data: dict) -> Plan:
@@ -129,10 +143,10 @@ class Plan:
     def to_dict(self) -> dict:
         d = asdict(self)
         # a one-GPU plan's record stays what it was before multi-GPU planning (plan.json, --json, the snapshots)
-        if self.gpus == 1:
-            for name, default in ONE_GPU.items():
-                if d[name] == default:
-                    del d[name]
+        trimmed = {**(ONE_GPU if self.gpus == 1 else {}), **({} if generates(self) else NO_ROLLOUTS)}
+        for name, default in trimmed.items():
+            if d[name] == default:
+                del d[name]
         return d
 
     @property
@@ -141,6 +155,28 @@ class Plan:
 
 
 ONE_GPU = {"gpus": 1, "strategy": "auto", "cpu_offload": False}
+# ... and the record of a method that generates nothing stays as it was before GRPO
+NO_ROLLOUTS = {
+    "completion_len": 0,
+    "num_generations": 0,
+    "generation_batch": 0,
+    "kl_beta": 0.0,
+    "old_logps": False,
+    "vllm": "off",
+    "vllm_fraction": 0.3,
+    "vllm_sleep": False,
+}
+VLLM_MODES = ("off", "colocate", "server")
+
+
+def generates(plan: Plan) -> bool:
+    """Does the plan's method generate its own completions before each step (GRPO)?"""
+    return methods.get(plan.objective).traits.generates
+
+
+def generation_batch(plan: Plan) -> int:
+    """Completions generated at once per device."""
+    return plan.generation_batch or plan.batch_size
 
 
 @dataclass
@@ -169,6 +205,9 @@ class Estimate:
     warnings: list[str] = field(default_factory=list)
     # Several GPUs: {gpus, strategy (auto resolved), cpu_offload_bytes, load_peak_bytes}; the totals are per GPU
     distributed: dict | None = None
+    # A generating method (GRPO): its generation phase, whatever the peak phase is -- {bytes, components,
+    # sequences, tokens, moment (the largest: "generate", "prefill", "logprob forward", "vllm")}
+    generation: dict | None = None
 
     @property
     def fraction(self) -> float:
@@ -176,8 +215,11 @@ class Estimate:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        if d["distributed"] is None:
-            del d["distributed"]  # a one-GPU estimate's record stays as it was
+        for name in ("distributed", "generation"):
+            if d[name] is None:
+                del d[
+                    name
+                ]  # a one-GPU estimate's record stays as it was, and so does a method's without rollouts
         return d
 
 
@@ -234,6 +276,8 @@ def validate(plan: Plan) -> list[str]:
         )
     if not (0 <= plan.lora_dropout < 1):
         raise PlanError(f"lora_dropout must be in [0, 1), got {plan.lora_dropout!r}.")
+    if generates(plan):
+        _validate_rollouts(plan)
     warnings = []
     if plan.method == "full" and plan.load_dtype == "fp16":
         warnings.append("Full fine-tuning with fp16 weights is numerically fragile; load in fp32 or bf16.")
@@ -252,6 +296,49 @@ def validate(plan: Plan) -> list[str]:
             "dtype in every layer; use attn_implementation flash_attention_2 on the GPU (no mask)."
         )
     return warnings
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _validate_rollouts(plan: Plan) -> None:
+    """What trl.GRPOConfig / GRPOTrainer would refuse, in the plan's words."""
+    if not _whole(plan.completion_len) or not 0 < plan.completion_len < plan.seq_len:
+        raise PlanError(
+            f"completion_len must be a whole number above zero and below seq_len {plan.seq_len} (seq_len is the "
+            f"prompt plus its completion), got {plan.completion_len!r}."
+        )
+    if not _whole(plan.num_generations) or plan.num_generations < 2:
+        raise PlanError(
+            f"num_generations must be at least 2 (got {plan.num_generations!r}): each completion is compared with "
+            "the others of its prompt's group."
+        )
+    if not _whole(plan.generation_batch) or plan.generation_batch < 0:
+        raise PlanError(
+            f"generation_batch must be zero (batch_size) or a whole number, got {plan.generation_batch!r}."
+        )
+    g = generation_batch(plan)
+    if g % plan.batch_size:
+        raise PlanError(
+            f"generation_batch {g} must be a multiple of batch_size {plan.batch_size}: the generated completions "
+            "are trained on batch_size at a time."
+        )
+    if (g * plan.gpus) % plan.num_generations:
+        raise PlanError(
+            f"The generation batch ({g * plan.gpus} completions) must divide by num_generations "
+            f"{plan.num_generations}: every prompt's group is generated whole."
+        )
+    if not (isinstance(plan.kl_beta, (int, float)) and math.isfinite(plan.kl_beta) and plan.kl_beta >= 0):
+        raise PlanError(f"kl_beta must be zero or a positive number, got {plan.kl_beta!r}.")
+    if plan.vllm not in VLLM_MODES:
+        raise PlanError(f"vllm '{plan.vllm}' is not one of {', '.join(VLLM_MODES)}.")
+    if plan.vllm != "off" and plan.device != "cuda":
+        raise PlanError(
+            "vllm needs a CUDA GPU: on a CPU the completions are generated by transformers (vllm off)."
+        )
+    if not (isinstance(plan.vllm_fraction, (int, float)) and 0 < plan.vllm_fraction <= 1):
+        raise PlanError(f"vllm_fraction must be in (0, 1], got {plan.vllm_fraction!r}.")
 
 
 def flat_batch(plan: Plan) -> bool:

@@ -132,7 +132,7 @@ def apply(sharding: Sharding, phase_components: dict) -> dict:
     out = {}
     for phase, moment in phase_components.items():
         extra = dict(sharding.persistent)
-        if phase in ("forward", "backward"):
+        if phase in ("forward", "backward", "generation"):  # generation: a forward, layer by layer
             for k, v in sharding.inflight.items():
                 extra[k] = extra.get(k, 0) + v
         out[phase] = {**moment, **{k: moment.get(k, 0) + v for k, v in extra.items()}}

@@ -19,6 +19,7 @@ On CUDA, torch's allocator statistics and NVML's used memory are reported next t
 
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
 from dataclasses import asdict, dataclass, field
@@ -30,6 +31,9 @@ from torch.utils._pytree import tree_leaves
 from core.monitor.gpu import NvmlSource
 
 PHASES = ("forward", "backward", "optimizer")
+# Phases during which a later step also holds the optimizer state the first step made at its end (generation:
+# an RL trainer's rollouts, GRPO's, marked with `held_phase`).
+STATE_PHASES = ("forward", "backward", "generation")
 STEP = "step"  # the phase name when nobody names phases (e.g. the mode around trainer.train())
 
 
@@ -135,7 +139,7 @@ class _Mode(TorchDispatchMode):
         kwargs = kwargs or {}
         # An op running inside an autograd node is backward (this includes checkpoint recomputation).
         if t.auto_phases and torch._C._current_autograd_node() is not None:
-            t._set_phase("backward")
+            t._auto_phase("backward")
         # torch.tensor(data) builds its tensor in C++ outside the dispatcher and hands it to lift_fresh:
         # that input is a new allocation, not an old one.
         kind = "new" if func in _LIFT_OPS else "adopted"
@@ -187,6 +191,7 @@ class LiveTensorTracker:
             int, _Entry
         ] = {}  # storage._cdata -> entry (the key lives as long as the storage)
         self._phase = STEP
+        self._held: str | None = None  # a phase named for a whole block: the auto phases leave it alone
         self.current_bytes = 0
         self.peak_bytes = 0
         self.peak_phase = STEP
@@ -263,6 +268,10 @@ class LiveTensorTracker:
             self._phase = name
             self._bump()  # what is held when a phase begins counts towards that phase's peak
 
+    def _auto_phase(self, name: str):
+        if self._held is None:
+            self._set_phase(name)
+
     def _pack(self, x):
         st = _storage(x)
         if st is not None:
@@ -279,6 +288,17 @@ class LiveTensorTracker:
         The phase stays until the next one is named."""
         self._set_phase(name)
         return _PhaseScope()
+
+    @contextlib.contextmanager
+    def held_phase(self, name: str):
+        """Name the phase for the whole block, whatever modules and optimizers run inside it (the auto phases
+        would call a no-grad forward inside it "forward"): e.g. GRPO's generation of its completions."""
+        outer, self._held = self._held, name
+        self._set_phase(name)
+        try:
+            yield self
+        finally:
+            self._held = outer
 
     def register(self, tensors, kind: str = "baseline"):
         """Count tensors that exist already (e.g. the batch); their storages are then known, never re-counted."""
@@ -301,7 +321,7 @@ class LiveTensorTracker:
         opt_state = self._opt_state_bytes if not self._active else self._state_made_in_optimizer()
         steady = dict(self.phase_peaks)
         for p in steady:  # a later step holds that state all along
-            if main_phase(p) in ("forward", "backward"):
+            if main_phase(p) in STATE_PHASES:
                 steady[p] += opt_state
         steady_phase = max(steady, key=steady.get) if steady else STEP
         return StepMemory(
@@ -353,10 +373,10 @@ class LiveTensorTracker:
 
             def forward_pre(_module, _args):
                 if torch._C._current_autograd_node() is None:  # recomputation in backward stays backward
-                    self._set_phase("forward")
+                    self._auto_phase("forward")
 
             self._hooks.append(register_module_forward_pre_hook(forward_pre))
-            self._hooks.append(register_optimizer_step_pre_hook(lambda *_: self._set_phase("optimizer")))
+            self._hooks.append(register_optimizer_step_pre_hook(lambda *_: self._auto_phase("optimizer")))
         self._mode = _Mode(self)
         self._mode.__enter__()
         self._saved = None

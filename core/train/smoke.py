@@ -13,8 +13,30 @@ from core.train import methods
 
 
 @contextlib.contextmanager
-def measure_peak(model):
-    """Yields a dict that gets peak_bytes / peak_phase / measured_by when the block (the training step) ends.
+def _marked(trainer, marks, tracker):
+    """The trainer's methods named in `marks` ((method name, phase) pairs) run as that phase of the measurement."""
+
+    def wrap(original, phase):
+        def marked(*args, **kwargs):
+            with tracker.held_phase(phase):
+                return original(*args, **kwargs)
+
+        return marked
+
+    for name, phase in marks:
+        setattr(trainer, name, wrap(getattr(trainer, name), phase))
+    try:
+        yield
+    finally:
+        for name, _ in marks:
+            delattr(trainer, name)  # the class's own method again
+
+
+@contextlib.contextmanager
+def measure_peak(trainer, marks=()):
+    """Yields a dict that gets peak_bytes / peak_phase / measured_by when the block (the training step of
+    `trainer`, its model on its device) ends. `marks`: (trainer method, phase) pairs whose calls are a phase of
+    their own (GRPO's generation: the method's `measure_phases`), so that the peak phase can be named.
 
     peak_bytes is comparable to the planner's tensor_peak_bytes: the most bytes live tensors hold at once in a
     *steady* step. The smoke step is the first one, where the optimizer makes its state (Adam's moments) only
@@ -25,20 +47,25 @@ def measure_peak(model):
     """
     import torch
 
+    model = trainer.model
     result: dict = {}
     cuda = torch.cuda.is_available()
     try:
-        from core.measure.tracker import track_live_tensors
+        from core.measure.tracker import main_phase_peaks, track_live_tensors
     except Exception:
         track_live_tensors = None
     if track_live_tensors is not None:
         # The model is on its device already (Trainer moved it): its tensors are the baseline.
-        with track_live_tensors(model=model, device="cuda" if cuda else "cpu", auto_phases=True) as tracker:
+        with (
+            track_live_tensors(model=model, device="cuda" if cuda else "cpu", auto_phases=True) as tracker,
+            _marked(trainer, marks, tracker),
+        ):
             yield result
         step = tracker.result()
         result.update(
             peak_bytes=int(step.steady_peak_bytes),
             peak_phase=step.steady_peak_phase,
+            phase_peaks=main_phase_peaks(step.steady_phase_peaks),
             first_step_peak_bytes=int(step.peak_bytes),
             baseline_bytes=int(step.baseline_bytes),
             optimizer_state_bytes=int(step.optimizer_state_bytes),
@@ -111,6 +138,7 @@ def finish_smoke(cfg: dict, prec: Precision, run_dir: Path, peak: dict, callback
         "time": time.time(),
         "peak_bytes": peak.get("peak_bytes"),
         "peak_phase": peak.get("peak_phase"),
+        "phase_peaks": peak.get("phase_peaks"),  # steady, per phase: the plan's `phases` beside them
         "measured_by": peak.get("measured_by"),
         "reserved_peak_bytes": peak.get("reserved_peak_bytes"),
         # how the steady peak came about: the first step's own peak, what was alive before it, and the
@@ -123,7 +151,8 @@ def finish_smoke(cfg: dict, prec: Precision, run_dir: Path, peak: dict, callback
         "device": prec.device.label,
         "estimate_bytes": plan.get("tensor_peak_bytes"),
         "estimate_reserved_bytes": plan.get("reserved_peak_bytes"),
-        "max_length": cfg["training"].get("max_length"),
+        # GRPO has no max_length: its rows are a prompt and its completion
+        "max_length": cfg["training"].get("max_length") or methods.get(cfg).sequence_length(cfg),
         "batch_size": methods.get(cfg).smoke_batch(cfg),
     }
     rundir.write_smoke(run_dir, result)

@@ -592,7 +592,7 @@ def _train(
             keep_new_hyperparameters(trainer)
         if hasattr(trainer.model, "print_trainable_parameters"):
             trainer.model.print_trainable_parameters()
-        with measure_peak(trainer.model) if smoke else contextlib.nullcontext({}) as peak:
+        with measure_peak(trainer, method.measure_phases) if smoke else contextlib.nullcontext({}) as peak:
             t0, cpu0 = time.perf_counter(), time.process_time()
             try:
                 trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)

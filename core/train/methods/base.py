@@ -24,6 +24,12 @@ class PlanTraits:
     flat_batches: bool = True  # padding-free / packing exist for this trainer (TRL 1.16: SFT only)
     # extra (tokens,) fp32 outputs the fused LM head returns for the method's metrics (mean_logits: DPO, KTO)
     head_outputs: int = 0
+    head_is_top1: bool = True  # the fused head's is_top1 output (SFT's token accuracy; GRPO asks for none)
+    # a generation phase before each training step (GRPO: completions generated, scored and their no-grad
+    # log-probs taken); the Plan's completion_len, num_generations, generation_batch, kl_beta, old_logps, vllm*
+    # fields describe it (`Method.plan_shape`)
+    generates: bool = False
+    kl_reference: bool = False  # a reference model only when the plan's kl_beta > 0 (GRPO's beta)
 
 
 @dataclass(frozen=True)
@@ -140,6 +146,17 @@ class Method:
         """The batch size of its smoke step (and of the plan that step is compared with)."""
         return self.smoke_batch_size
 
+    def plan_shape(self, cfg: dict, batch_size: int, world: int, smoke: bool) -> dict:
+        """The planner's fields (core.estimate Plan) that describe this method's own step, beyond the ones every
+        method has, read from the run config: nothing here; a generating method's rollouts (traits.generates).
+        `batch_size`: the per-device batch planned; `world`: processes; `smoke`: the smoke test's one step."""
+        return {}
+
+    def training_of_plan(self, get, training: dict) -> dict:
+        """The inverse of `plan_shape`: the training keys that give a plan's own fields (`get(name)`: the plan's
+        value or None), as they should stand in `training` (the run config's section, read, not changed)."""
+        return {}
+
     def check_columns(self, data_cfg: dict) -> str | None:
         """None when the data loads and has the columns this method needs; else one sentence."""
         raise NotImplementedError
@@ -186,6 +203,9 @@ class Method:
     # -- measuring a step (core.measure) -------------------------------------------------------------------------
     # one tiny row of its data, enough to build its trainer around a model whose step is then measured
     measure_rows: tuple[dict, ...] = ({"input_ids": [1, 2, 3], "labels": [1, 2, 3]},)
+    # (trainer method, phase): calls that are a phase of their own in a measured step, beside the forward,
+    # backward and optimizer phases the tracker names by itself (GRPO's rollouts: "generation")
+    measure_phases: tuple[tuple[str, str], ...] = ()
 
     def measure_batch(self, generator, vocab_size: int, batch_size: int, seq_len: int, precompute_ref: bool):
         """A full batch of random tokens as its trainer's collator gives it, or None for SFT's own rules

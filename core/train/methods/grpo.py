@@ -57,6 +57,71 @@ class GRPO(Method):
         t = cfg["training"]
         return t.get("max_prompt_length", DEFAULT_MAX_PROMPT_LENGTH) + t.get("max_completion_length", 256)
 
+    def plan_shape(self, cfg: dict, batch_size: int, world: int, smoke: bool) -> dict:
+        """The rollouts of a step as GRPOConfig.__post_init__ and GRPOTrainer resolve them (trl 1.16); the smoke
+        step (core.train.engine_args) generates one batch for one update."""
+        t = cfg["training"]
+        if smoke:
+            generation, accumulation, iterations = batch_size, 1, 1
+        else:
+            accumulation, iterations = t["gradient_accumulation_steps"], t.get("num_iterations", 1)
+            steps = t.get("steps_per_generation") or accumulation
+            generation = (
+                t["generation_batch_size"] // world if t.get("generation_batch_size") else batch_size * steps
+            )
+        vllm = (t.get("vllm_mode") or "colocate") if t.get("use_vllm") else "off"
+        correction = vllm != "off" and t.get("vllm_importance_sampling_correction", True)
+        return {
+            "completion_len": t.get("max_completion_length", 256),
+            "num_generations": t.get("num_generations", 8),
+            "generation_batch": generation,
+            "kl_beta": float(t.get("beta", 0.0)),
+            # _generate_and_score_completions takes the old policy's log-probs when an update falls between two
+            # generations, or to correct vLLM's sampling (importance sampling)
+            "old_logps": accumulation % (max(1, generation // batch_size) * iterations) != 0
+            or bool(correction),
+            "vllm": vllm,
+            "vllm_fraction": float(t.get("vllm_gpu_memory_utilization", 0.3)),
+            "vllm_sleep": bool(t.get("vllm_enable_sleep_mode")),
+        }
+
+    def training_of_plan(self, get, training: dict) -> dict:
+        """max_*_length, num_generations, beta, the vLLM keys; the generation batch as steps per generation
+        (None: the key goes, its default -- gradient_accumulation_steps -- gives it); the old log-probs by
+        num_iterations (a second update per generation is what makes TRL keep them)."""
+        out: dict = {}
+        completion, seq = get("completion_len"), get("seq_len")
+        if completion:
+            out["max_completion_length"] = int(completion)
+            if seq:
+                out["max_prompt_length"] = int(seq) - int(completion)
+        for name, key in (
+            ("num_generations", "num_generations"),
+            ("kl_beta", "beta"),
+            ("vllm_fraction", "vllm_gpu_memory_utilization"),
+            ("vllm_sleep", "vllm_enable_sleep_mode"),
+        ):
+            if get(name) is not None:
+                out[key] = get(name)
+        vllm = get("vllm") or ("colocate" if training.get("use_vllm") else "off")
+        out["use_vllm"] = vllm != "off"
+        if vllm != "off":
+            out["vllm_mode"] = vllm
+        batch = get("batch_size") or training.get("per_device_train_batch_size", 1)
+        accumulation = training.get("gradient_accumulation_steps", 1)
+        steps = max(1, (get("generation_batch") or batch) // batch)
+        out["generation_batch_size"] = None
+        out["steps_per_generation"] = None if steps == accumulation else steps
+        want = get("old_logps")
+        correction = vllm != "off" and training.get("vllm_importance_sampling_correction", True)
+        iterations = training.get("num_iterations", 1)
+        if want is not None and not correction and bool(accumulation % (steps * iterations)) != want:
+            iterations = 1 if not want else 2
+            while want and accumulation % (steps * iterations) == 0:
+                iterations += 1
+            out["num_iterations"] = iterations
+        return out
+
     def datasets(self, cfg: dict, tokenizer):
         return prepare_prompt_datasets(
             cfg, tokenizer
@@ -119,7 +184,15 @@ METHOD = GRPO(
         "num_completions_to_print": 2,  # stdout.log shows a sample; the Monitor reads them all from the files
     },
     own_training={"max_prompt_length": {"kinds": ["int"]}},
-    traits=PlanTraits(rows_per_example=1, reference=False, flat_batches=False, head_outputs=2),
+    # the fused head returns log-probs and entropy (no is_top1); beta > 0 asks for the reference's log-probs
+    traits=PlanTraits(
+        rows_per_example=1,
+        reference=False,
+        flat_batches=False,
+        head_is_top1=False,
+        generates=True,
+        kl_reference=True,
+    ),
     metrics=GRPO_METRICS,
     charts=(
         Chart(
@@ -230,4 +303,7 @@ METHOD = GRPO(
     eval_kind="rewards",
     best_metric=("eval_reward", True),
     measure_rows=({"prompt": "Uppercase: hello", "answer": "HELLO"},),
+    # the completions' generation, their rewards and the no-grad log-prob forwards (old policy, reference): the
+    # planner's "generation" phase
+    measure_phases=(("_generate_and_score_completions", "generation"),),
 )
