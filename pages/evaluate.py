@@ -1,13 +1,16 @@
 """Evaluate page: the base against the tuned model on held-out rows, as a background job (core.eval via
 core.jobs); stored evaluations are shown again without recomputing. UI only."""
 
+import contextlib
 from pathlib import Path
 
 import streamlit as st
 
 from core import jobs
-from core.eval.results import list_results, read_result
+from core.eval.results import SCORED, list_results, read_result
+from core.monitor.watch import run_method
 from core.runs.launcher import list_runs
+from core.train import methods
 from core.workspace import default_workspace
 from ui.eval_panels import progress, show_result
 from ui.jobs import follow
@@ -64,8 +67,8 @@ def start(ws: str, run_dir: str) -> None:
 
 st.title("Evaluate")
 st.caption(
-    "Greedy answers of the base (adapter off) and of the tuned model (adapter on) to held-out prompts, scored "
-    "against the reference answers: exact match, token F1, ROUGE-L, chrF and the answers' loss."
+    "Greedy answers of the base (adapter off) and of the tuned model (adapter on) to held-out prompts, scored as "
+    "the run's method asks."
 )
 workspace = st.session_state.get("workspace") or str(default_workspace())
 runs = list_runs(workspace)
@@ -79,6 +82,8 @@ run_dir = st.selectbox(
     "Run", paths, key="ev_run", format_func=lambda p: f"{by_path[p].name} · {by_path[p].state}"
 )
 st.session_state["eval_run"] = run_dir
+with contextlib.suppress(ValueError):  # a config naming no known method: the evaluation says what is wrong
+    st.caption(f"This run: {SCORED[methods.get(run_method(run_dir)).eval_kind]}")
 start(workspace, run_dir)
 stored = list_results(run_dir)
 if stored:
