@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from core.monitor.completions import COMPLETIONS
 from core.runs import rundir
 from tests.browser import CHROMIUM, CHROMIUM_ARGS, REPO, exceptions_on, streamlit_server, wait_idle
 from tests.test_e2e_flow import nav, wait_text
@@ -79,7 +80,7 @@ def test_grpo_on_the_demo_from_the_train_page_is_charted_with_its_completions(tm
         assert "method: grpo" in config and "type: match" in config
         metrics = [json.loads(line) for line in (run_dir / rundir.METRICS).read_text().splitlines() if line]
         assert [m["step"] for m in metrics if "reward" in m] == [5, 10]
-        assert sorted(p.name for p in (run_dir / rundir.COMPLETIONS).iterdir()) == [
+        assert sorted(p.name for p in (run_dir / COMPLETIONS).iterdir()) == [
             "completions_00005.parquet",
             "completions_00010.parquet",
         ]

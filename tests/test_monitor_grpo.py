@@ -9,7 +9,7 @@ import os
 import pandas as pd
 import pytest
 
-from core.monitor.completions import CompletionsReader
+from core.monitor.completions import COMPLETIONS, CompletionsReader
 from core.monitor.health import HealthChecker
 from core.monitor.summary import summarize_run
 from core.monitor.tail import RunSeries
@@ -75,7 +75,7 @@ def test_an_sft_or_dpo_line_is_not_searched_for_per_function_keys():
 
 
 def completions_file(run_dir, step: int, n: int = 4, **columns) -> None:
-    folder = run_dir / rundir.COMPLETIONS
+    folder = run_dir / COMPLETIONS
     folder.mkdir(parents=True, exist_ok=True)
     table = {
         "step": [step] * n,
@@ -121,7 +121,7 @@ def test_a_reward_that_gave_no_score_is_empty_not_nan(tmp_path):
 def test_a_half_written_a_fifo_and_a_huge_file_are_named_and_the_rest_still_shows(tmp_path):
     completions_file(tmp_path, 5)
     completions_file(tmp_path, 10)
-    folder = tmp_path / rundir.COMPLETIONS
+    folder = tmp_path / COMPLETIONS
     whole = (folder / "completions_00010.parquet").read_bytes()
     (folder / "completions_00015.parquet").write_bytes(whole[: len(whole) // 2])  # TRL mid-write
     os.mkfifo(folder / "completions_00020.parquet")  # never opened for reading: no hang

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from core.monitor.completions import COMPLETIONS
 from core.runs import rundir
 from core.runs.launcher import create_run
 from core.train.trainer import StopFlag, run_training
@@ -96,7 +97,7 @@ def test_a_grpo_run_shows_its_reward_curves_its_completions_and_its_health(grpo_
 def test_a_half_written_completions_file_is_named_and_the_table_still_shows(grpo_run, tmp_path):
     ws = tmp_path / "ws"
     run = shutil.copytree(grpo_run, ws / "runs" / grpo_run.name)
-    folder = run / rundir.COMPLETIONS
+    folder = run / COMPLETIONS
     newest = (folder / "completions_00006.parquet").read_bytes()
     (folder / "completions_00008.parquet").write_bytes(newest[:100])  # TRL writes in place: caught mid-write
     at = _page(ws, run)

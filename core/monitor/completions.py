@@ -20,6 +20,8 @@ from core.runs import rundir
 from core.train.data import user_text
 from core.train.rewards import completion_text
 
+# where TRL writes them: <its output_dir, the run's checkpoints/>/completions
+COMPLETIONS = f"{rundir.CHECKPOINTS}/completions"
 _NAME = re.compile(r"completions_(\d+)\.parquet")
 _NOT_REWARDS = frozenset(("step", "prompt", "completion", "advantage"))
 TEXT_WIDTH = 400  # characters of a prompt or a completion the table shows
@@ -41,7 +43,7 @@ class CompletionsReader:
     than that (on disk, or once decompressed) is skipped."""
 
     def __init__(self, run_dir: str | os.PathLike, files: int = 3, rows: int = 32, max_bytes: int = 16 << 20):
-        self.folder = Path(run_dir) / rundir.COMPLETIONS
+        self.folder = Path(run_dir) / COMPLETIONS
         self.files, self.rows, self.max_bytes = files, rows, max_bytes
         self._cache: dict[str, tuple[tuple, tuple[list[dict], list[str]] | str]] = {}
 

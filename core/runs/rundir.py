@@ -34,8 +34,6 @@ SAMPLES = (
 )
 # PID ("pid": the training process), LOCK ("lock": held by it), STDOUT and STDERR: see core.procs
 CHECKPOINTS = "checkpoints"
-# GRPO's sample completions with their rewards, one parquet file per logging step (TRL's log_completions)
-COMPLETIONS = f"{CHECKPOINTS}/completions"
 ADAPTER, MODEL = "adapter", "model"  # the final weights: a LoRA adapter, or a full fine-tune
 
 LIVE_STATES = ("starting", "running", "stopping")
