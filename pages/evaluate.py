@@ -27,7 +27,9 @@ def start(ws: str, run_dir: str) -> None:
     data = None
     if source == "A data file":
         data = st.text_input(
-            "Data file (alpaca, chat or question/answer: .jsonl, .json, .csv, .parquet)", key="ev_data"
+            "Data file (.jsonl, .json, .csv, .parquet: questions and answers, a DPO / KTO run's pairs or rated "
+            "answers, a GRPO run's prompts with their answer column)",
+            key="ev_data",
         ).strip()
     limit = c2.number_input("Rows (0: all)", min_value=0, value=0, step=10, key="ev_limit")
     new_tokens = c3.number_input("New tokens (0: auto)", min_value=0, value=0, step=8, key="ev_tokens")
