@@ -1,13 +1,16 @@
 """Evaluate page: the base against the tuned model on held-out rows, as a background job (core.eval via
 core.jobs); stored evaluations are shown again without recomputing. UI only."""
 
+import contextlib
 from pathlib import Path
 
 import streamlit as st
 
 from core import jobs
-from core.eval.results import list_results, read_result
+from core.eval.results import SCORED, list_results, read_result
+from core.monitor.watch import run_method
 from core.runs.launcher import list_runs
+from core.train import methods
 from core.workspace import default_workspace
 from ui.eval_panels import progress, show_result
 from ui.jobs import follow
@@ -24,7 +27,9 @@ def start(ws: str, run_dir: str) -> None:
     data = None
     if source == "A data file":
         data = st.text_input(
-            "Data file (alpaca, chat or question/answer: .jsonl, .json, .csv, .parquet)", key="ev_data"
+            "Data file (.jsonl, .json, .csv, .parquet: questions and answers, a DPO / KTO run's pairs or rated "
+            "answers, a GRPO run's prompts with their answer column)",
+            key="ev_data",
         ).strip()
     limit = c2.number_input("Rows (0: all)", min_value=0, value=0, step=10, key="ev_limit")
     new_tokens = c3.number_input("New tokens (0: auto)", min_value=0, value=0, step=8, key="ev_tokens")
@@ -64,8 +69,8 @@ def start(ws: str, run_dir: str) -> None:
 
 st.title("Evaluate")
 st.caption(
-    "Greedy answers of the base (adapter off) and of the tuned model (adapter on) to held-out prompts, scored "
-    "against the reference answers: exact match, token F1, ROUGE-L, chrF and the answers' loss."
+    "Greedy answers of the base (adapter off) and of the tuned model (adapter on) to held-out prompts, scored as "
+    "the run's method asks."
 )
 workspace = st.session_state.get("workspace") or str(default_workspace())
 runs = list_runs(workspace)
@@ -79,6 +84,8 @@ run_dir = st.selectbox(
     "Run", paths, key="ev_run", format_func=lambda p: f"{by_path[p].name} · {by_path[p].state}"
 )
 st.session_state["eval_run"] = run_dir
+with contextlib.suppress(ValueError):  # a config naming no known method: the evaluation says what is wrong
+    st.caption(f"This run: {SCORED[methods.get(run_method(run_dir)).eval_kind]}")
 start(workspace, run_dir)
 stored = list_results(run_dir)
 if stored:

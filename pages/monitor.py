@@ -17,7 +17,7 @@ from core.runs.launcher import RunError, launch, list_runs, stop_run
 from core.runs.rundir import LIVE_STATES, latest_checkpoint
 from core.train import methods
 from core.workspace import default_workspace
-from ui.eval_panels import samples_panel
+from ui.eval_panels import completions_panel, samples_panel
 from ui.routing import follow_choice, leave_legacy_mode
 
 leave_legacy_mode()
@@ -112,36 +112,51 @@ def _chart(
     st.altair_chart(chart, width="stretch")
 
 
+CHARTS_PER_ROW = 3
+
+
 def method_charts(snap) -> None:
     """The run's method's own figures under the loss (core.train.methods): a DPO run's rewards, preference
-    accuracy against a coin flip and log-probs; a KTO run's rewards, KL and log-probs."""
+    accuracy against a coin flip and log-probs; a GRPO run's reward, each reward function's, completion lengths
+    and learning signal (KL, entropy and clipped ratios once logged: KL only with beta > 0), three to a row."""
     try:
         spec = methods.get(snap.method)
     except ValueError:
         return
-    if not spec.charts:
-        return
-    for column, chart in zip(st.columns(len(spec.charts)), spec.charts, strict=True):
-        with column:
-            extra = {}
-            if chart.chance is not None:
-                extra = {
-                    "rule": {f"chance ({chart.chance:g})": chart.chance},
-                    "y_scale": alt.Scale(domain=[0, 1]),
-                }
-            _chart(
-                snap.charts.get(f"{spec.name}_{chart.key}"),
-                "step",
-                chart.title,
-                chart.y,
-                "not logged yet",
-                faint_raw=True,
-                **extra,
-            )
-            last = snap.latest
-            figures = [f"{label} {last[key]:{fmt}}" for key, label, fmt in chart.caption if key in last]
-            if figures:
-                st.caption("last " + " · ".join(figures))
+    frames = {c.key: snap.charts.get(f"{spec.name}_{c.key}") for c in spec.charts}
+    shown = [
+        c for c in spec.charts if not c.optional or (frames[c.key] is not None and not frames[c.key].empty)
+    ]
+    for start in range(0, len(shown), CHARTS_PER_ROW):
+        row = shown[start : start + CHARTS_PER_ROW]
+        for column, chart in zip(
+            st.columns(CHARTS_PER_ROW if len(shown) > CHARTS_PER_ROW else len(row)), row, strict=False
+        ):
+            method_chart(snap, chart, frames[chart.key], column)
+
+
+def method_chart(snap, chart, frame, column) -> None:
+    """One chart of the method's figures in `column`, with the last figures under it."""
+    with column:
+        extra = {}
+        if chart.chance is not None:
+            extra = {
+                "rule": {f"chance ({chart.chance:g})": chart.chance},
+                "y_scale": alt.Scale(domain=[0, 1]),
+            }
+        _chart(
+            frame,
+            "step",
+            chart.title,
+            chart.y,
+            "not logged yet",
+            faint_raw=True,
+            **extra,
+        )
+        last = snap.latest
+        figures = [f"{label} {last[key]:{fmt}}" for key, label, fmt in chart.caption if key in last]
+        if figures:
+            st.caption("last " + " · ".join(figures))
 
 
 def memory_chart(snap) -> None:
@@ -272,6 +287,7 @@ def show(run_dir: str, live: bool) -> None:
         health(snap)
         samples_panel(run_dir)  # the answers to held-out prompts, above the curves they explain
         charts(snap)
+        completions_panel(snap.completions)  # a GRPO run's own completions and what each reward gave them
         logs(snap)
         st.caption(
             f"{run_dir} · updated {time.strftime('%H:%M:%S')}"

@@ -1,5 +1,5 @@
 """Runs page: every run of the workspace at a glance, loss curves side by side (and a DPO run's preference
-accuracy and reward margin), the runs' evaluations side by side, open one in the Monitor or evaluate it, delete
+accuracy and reward margin, a GRPO run's reward), the runs' evaluations side by side, open one in the Monitor or evaluate it, delete
 finished ones. UI only: summaries come from core.monitor.watch, evaluations from core.eval.results, deleting
 from core.runs.admin."""
 
@@ -28,16 +28,17 @@ def _num(value, fmt: str, missing: str = "–") -> str:
     return missing if value is None else format(value, fmt)
 
 
-def _reward(value, fmt: str, s) -> str:
-    """A preference run's figure with where it comes from; blank for a run without one (an SFT run: nothing to
-    show, not missing)."""
-    if s.reward_source is None:
+def _figure(s, label: str) -> str:
+    """One of the run's headline figures (core.train.methods: a DPO run's reward accuracy, a GRPO run's reward)
+    with where it comes from; blank for a run without it (an SFT run: nothing to show, not missing)."""
+    found = next((f for f in s.headline if f["label"] == label), None)
+    if s.reward_source is None or found is None:
         return ""
-    return "–" if value is None else f"{value:{fmt}} ({s.reward_source})"
+    return "–" if found["value"] is None else f"{found['value']:{found['format']}} ({s.reward_source})"
 
 
 def table(summaries) -> None:
-    preference = any(s.reward_source is not None for s in summaries)
+    labels = list(dict.fromkeys(f["label"] for s in summaries for f in s.headline))
     rows = [
         {
             "run": s.name,
@@ -48,15 +49,8 @@ def table(summaries) -> None:
             "steps": f"{s.step if s.step is not None else 0}" + (f" / {s.max_steps}" if s.max_steps else ""),
             "best eval loss": _num(s.best_eval_loss, ".4f"),
             "final loss": _num(s.final_loss, ".4f", "– (no loss logged)" if s.state == "failed" else "–"),
-            # a preference run's last accuracy and reward margin (eval when it evaluated, else train)
-            **(
-                {
-                    "reward accuracy": _reward(s.reward_accuracy, ".2f", s),
-                    "reward margin": _reward(s.reward_margin, ".3g", s),
-                }
-                if preference
-                else {}
-            ),
+            # the method's own figures (eval when it evaluated, else train)
+            **{label: _figure(s, label) for label in labels},
             "peak GPU memory (GiB)": _num(s.peak_memory_gib, ".2f", "n/a (no GPU samples)"),
             "eval (base -> tuned)": headline(s.run_dir) or "–",
             "note": s.error or (f"{s.malformed} unreadable log line(s) skipped" if s.malformed else ""),
@@ -98,7 +92,8 @@ def compare(summaries) -> None:
         return
     missing = [n for n in chosen if n not in set(df["run"])]
     if missing and metric != "loss":
-        st.caption(f"Not drawn (no {metric} logged: not preference runs): {', '.join(missing)}")
+        owners = " or ".join(m.label for m in methods.REGISTRY.values() if metric in m.metrics)
+        st.caption(f"Not drawn (no {metric} logged: not {owners} runs): {', '.join(missing)}")
     chart = (
         alt.Chart(df)
         .mark_line(strokeWidth=1.5, point=len(df) <= 2 * df["run"].nunique())  # one point is still seen

@@ -215,8 +215,7 @@ def test_compare_offers_the_dpo_metrics_the_chosen_runs_have(workspace):
     assert set(frames[0]["run"]) == {evaluated.name, trained.name}  # the SFT run has no accuracy to draw
     assert frames[1]["value"].tolist() == [0.5]  # the chance line
     assert any(
-        c.value == f"Not drawn (no rewards/accuracies logged: not preference runs): {sft.name}"
-        for c in at.caption
+        c.value == f"Not drawn (no rewards/accuracies logged: not DPO runs): {sft.name}" for c in at.caption
     )
     at.toggle(key="runs_smoothed").set_value(False).run()
     frames = [

@@ -1,5 +1,5 @@
-"""The Evaluate page's result view and the Monitor's samples panel (UI only: the figures come from core.eval and
-core.runs.rundir)."""
+"""The Evaluate page's result view and the Monitor's samples and completions panels (UI only: the figures come from
+core.eval, core.runs.rundir and core.monitor.completions)."""
 
 import pandas as pd
 import streamlit as st
@@ -72,3 +72,23 @@ def samples_panel(run_dir: str) -> None:
         for s in samples
     ]
     st.table(pd.DataFrame(rows).set_index("prompt"))  # a few rows of text: a static table, read as it is
+
+
+def completions_panel(completions) -> None:
+    """A GRPO run's newest sample completions (core.monitor.completions) with each reward function's score and
+    the completion's advantage; nothing for a run that logs none."""
+    if completions is None:
+        return
+    st.markdown("##### Sample completions and their rewards")
+    for why in completions.skipped:
+        st.caption(f"Not shown: {why}")
+    if not completions.rows:
+        st.caption("No completions logged yet: the trainer writes them at each logging step.")
+        return
+    steps = list(dict.fromkeys(r["step"] for r in completions.rows))
+    st.caption(
+        f"The completions of the last {len(steps)} logging step(s) ({completions.files} logged so far), newest "
+        f"first: each reward function's score ({', '.join(completions.rewards) or 'none logged'}) and the "
+        "advantage (the completion's reward against its group's mean: what pushes it up or down)."
+    )
+    st.dataframe(pd.DataFrame(completions.rows), hide_index=True, width="stretch", height=320)

@@ -6,12 +6,13 @@ widget-key prefix), so a config survives the round trip and both pages edit the 
 from __future__ import annotations
 
 import copy
+import functools
 
 import streamlit as st
 
 from core.estimate.plan import PACKING_STRATEGIES
 from core.train import methods
-from core.train.config import default_config
+from core.train.config import default_config, section_schema
 from core.train.config_keys import ATTN, DTYPES, OPTIMIZERS, SCHEDULERS, STRATEGIES
 from core.train.methods.base import Field
 
@@ -201,8 +202,8 @@ def read(prefix: str, base: dict, names, method) -> dict:
         f = FIELDS[name]
         section = raw.setdefault(f.section, {})
         value = config_value(f, st.session_state.get(prefix + name))
-        if f.flat_only and not method.traits.flat_batches:
-            section.pop(f.key, None)  # the other methods' TRL configs do not know the key
+        if not applies(f, method):
+            section.pop(f.key, None)  # the method's TRL config does not know the key
             continue
         if name in OFF_BY_DEFAULT or name in ZERO_IS_OFF:
             if value and name in ZERO_IS_OFF:
@@ -223,6 +224,22 @@ def read(prefix: str, base: dict, names, method) -> dict:
     return raw
 
 
+@functools.cache
+def _training_keys(method: str) -> frozenset:
+    return frozenset(section_schema("training", method))
+
+
+def applies(f: Field, method) -> bool:
+    """Whether the method's run config has the field: padding-free and packing are SFTTrainer's; a training key its
+    TRL config does not know (GRPO has no max_length: its prompt and completion lengths are its own fields) is
+    left out, its widget greyed."""
+    if method is None:
+        return True
+    if f.flat_only and not method.traits.flat_batches:
+        return False
+    return f.section != "training" or f.key in _training_keys(method.name)
+
+
 def choices_of(f: Field, method) -> tuple:
     """A choice field's options; data.format offers the formats of the run's method."""
     return ("auto", *method.formats) if f.path == "data.format" and method is not None else f.choices
@@ -231,14 +248,16 @@ def choices_of(f: Field, method) -> tuple:
 def draw(prefix: str, f: Field, slot=st, method=None, disabled: bool = False, on_change=None) -> None:
     """One field's widget in `slot` (a column), keyed prefix + name."""
     key = prefix + f.name
-    off = disabled or (f.flat_only and method is not None and not method.traits.flat_batches)
+    off = disabled or not applies(f, method)
     kw = dict(key=key, help=f.help or None, disabled=off, on_change=on_change)
     if f.kind == "bool":
         slot.checkbox(f.label, **kw)
     elif f.kind == "choice":
         slot.selectbox(f.label, choices_of(f, method), format_func=_choice_label, **kw)
     elif f.kind in ("int", "float"):
-        slot.number_input(f.label, step=f.step, format=f.fmt, **kw)
+        # a whole-number field steps by 1 (without a step Streamlit reads the widget as a float: 8 came back 8.0)
+        step = f.step if f.step is not None or f.kind != "int" else 1
+        slot.number_input(f.label, step=step, format=f.fmt, **kw)
     else:
         slot.text_input(f.label, **kw)
 
@@ -255,7 +274,9 @@ def row(prefix: str, names, widths=None, method=None, disabled=(), on_change=Non
             draw(prefix, f, column, method, f.name in disabled, (on_change or {}).get(f.name))
 
 
-def method_row(prefix: str, method) -> None:
-    """The method's own settings (core.train.methods), one widget each, in a row."""
-    if method.fields:
-        row(prefix, method.fields, [3 if f.kind == "path" else 1 for f in method.fields], method)
+def method_row(prefix: str, method, per_row: int = 5) -> None:
+    """The method's own settings (core.train.methods), one widget each, `per_row` to a row."""
+    for start in range(0, len(method.fields), per_row):
+        part = method.fields[start : start + per_row]
+        part = part + (None,) * (per_row - len(part)) if len(method.fields) > per_row else part
+        row(prefix, part, [3 if f is not None and f.kind == "path" else 1 for f in part], method)

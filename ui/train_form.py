@@ -7,8 +7,9 @@ from pathlib import Path
 
 import streamlit as st
 
+from core import jobs
 from core.demo.build import demo_config, demo_dir, demo_ready
-from core.demo.prefs import PREFERENCE_DEMOS, preference_base
+from core.demo.methods import DEMOS
 from core.runs.admin import (
     check_fields,
     check_model_folder,
@@ -17,8 +18,9 @@ from core.runs.admin import (
 from core.train import methods
 from core.train.config import config_to_yaml, default_config, field_errors, migrate
 from core.train.config_keys import METHODS, SECTIONS
-from core.workspace import suggest_run_name
-from ui import fields
+from core.workspace import WorkspaceError, suggest_run_name
+from ui import fields, reward_editor
+from ui.jobs import follow
 
 P = "tr_"  # the Train page's widget keys: tr_ + the field's name (ui/fields.py)
 
@@ -111,6 +113,7 @@ def _fill_form(cfg: dict) -> None:
     st.session_state["tr_method"] = method if method in METHODS else "sft"
     method = methods.get(st.session_state["tr_method"])
     notes = fields.fill(P, cfg, TRAIN_FIELDS, method)
+    reward_editor.fill(cfg)
     if st.session_state.get("tr_format") not in ("auto", *method.formats):
         st.session_state["tr_format"] = "auto"
     st.session_state["tr_notes"] = notes
@@ -122,7 +125,14 @@ def _raw_config() -> dict:
     base = copy.deepcopy(st.session_state.get("tr_base") or default_config())
     for section in SECTIONS:
         base.setdefault(section, {})
-    return fields.read(P, base, TRAIN_FIELDS, methods.get(st.session_state.get("tr_method") or "sft"))
+    method = methods.get(st.session_state.get("tr_method") or "sft")
+    raw = fields.read(P, base, TRAIN_FIELDS, method)
+    if method.reward_functions:
+        reward_editor.read(raw)
+    else:  # another method's config has no reward functions (its TRL config no reward_weights)
+        raw.pop("rewards", None)
+        raw["training"].pop("reward_weights", None)
+    return raw
 
 
 def _labelled(path: str, message: str) -> str:
@@ -153,6 +163,10 @@ def config_form(workspace: str) -> tuple[dict, dict, str]:
     slots["data"] = st.empty()
     _training_fields(method)
     slots["training"] = st.empty()
+    if method.reward_functions:
+        reward_editor.ensure(st.session_state.get("tr_base") or {})
+        reward_editor.draw()
+        slots["rewards"] = st.empty()
     return _checked(workspace, name, slots)
 
 
@@ -179,6 +193,12 @@ def _prefill(workspace: str) -> None:
             f"{asked} asks for trust_remote_code: it was left off. Tick 'Run Python code shipped in the model "
             "folder' under Model only if you trust that folder's code."
         )
+    asked = st.session_state.get("tr_reward_trust_asked")
+    if asked and reward_editor.untrusted():
+        st.warning(
+            f"{asked} asks to run its own reward code: it was left off. Tick 'Run my reward code' under Rewards "
+            "only if you trust that file."
+        )
     for note in st.session_state.get("tr_notes") or []:
         st.warning(note)
     if "tr_name" not in st.session_state:
@@ -202,24 +222,50 @@ def _name_and_method(workspace: str):
         on_change=lambda: st.session_state.update(tr_format="auto"),
     )
     method = methods.get(st.session_state.get("tr_method"))
-    demo = PREFERENCE_DEMOS.get(method.name)
-    if (
-        demo is not None
-        and demo_ready(workspace)
-        and st.button(
-            f"Use the demo's {method.data_noun}",
-            key=f"tr_demo_{method.name}",
-            icon=":material/thumbs_up_down:",
-            help=f"{method.label} on the demo model: prefer 'HELLO!' over 'HELLO' (a style its data never showed)",
-        )
-    ):
-        folder = demo_dir(workspace).resolve()
-        model = preference_base(folder)  # what `core.demo --run-dpo/--run-kto` trains on, when it has run
-        st.session_state["tr_pending"] = demo(folder, model)
-        st.session_state["tr_pending_source"] = f"the demo's {method.label} settings, on {model.name}"
-        st.rerun()
-
+    if demo_ready(workspace) and method.name in DEMOS:
+        _demo_button(workspace, method)
     return name, method
+
+
+def _demo_button(workspace: str, method) -> None:
+    """ "Use the demo's <data>": the method's demo run (core.demo.methods) on its start model; a start model that
+    must be built first (GRPO's warm start) is built by a background job, and the form is filled once it is."""
+    demo, folder = DEMOS[method.name], demo_dir(workspace).resolve()
+    job = jobs.latest(workspace, demo.build_job, key=str(folder)) if demo.build_job else None
+    building = job is not None and not job.done
+    waiting = st.session_state.get("tr_demo_waiting") == method.name
+    clicked = st.button(
+        f"Use the demo's {method.data_noun}",
+        key=f"tr_demo_{method.name}",
+        icon=":material/thumbs_up_down:",
+        help=demo.help,
+        disabled=building,
+    )
+    if building:
+        follow(
+            lambda: jobs.read(job.path),
+            lambda view: st.info(f"{demo.building}: {view.progress.get('phase') or 'starting'}…"),
+        )
+        return
+    if waiting and job is not None and job.state == "failed":
+        st.session_state.pop("tr_demo_waiting", None)
+        st.error(f"Building the demo's start model failed: {job.error}")
+        return
+    if not (clicked or (waiting and job is not None and job.state == "finished")):
+        return
+    st.session_state.pop("tr_demo_waiting", None)
+    model = demo.start(folder)
+    if model is None:
+        try:
+            jobs.start(workspace, demo.build_job, {"out": str(folder)}, key=str(folder))
+        except (jobs.JobError, WorkspaceError, OSError) as exc:
+            st.error(str(exc))
+            return
+        st.session_state["tr_demo_waiting"] = method.name
+        st.rerun()
+    st.session_state["tr_pending"] = demo.config(folder, model)
+    st.session_state["tr_pending_source"] = f"the demo's {method.label} settings, on {model.name}"
+    st.rerun()
 
 
 def _model_fields() -> None:
@@ -273,5 +319,10 @@ def _checked(workspace: str, name: str, slots: dict) -> tuple[dict, dict, str]:
     for section in ("model", "quantization", "lora", "data", "training", "distributed"):
         slot = slots.get(section) or slots["training" if section == "distributed" else "lora"]
         _errors_below(slot, errors, *[k for k in errors if k.startswith(section + ".")])
-    _errors_below(slots["training"], errors, *[k for k in errors if "." not in k and k != "run_name"])
+    if "rewards" in slots:  # rewards, rewards[0].trust_code, ...: under the editor
+        _errors_below(slots["rewards"], errors, *[k for k in errors if k.startswith("rewards")])
+    other = [
+        k for k in errors if "." not in k and k != "run_name" and not ("rewards" in slots and k == "rewards")
+    ]
+    _errors_below(slots["training"], errors, *other)
     return raw, errors, name

@@ -22,6 +22,7 @@ from core.train.config import MAX_CONFIG_BYTES, ConfigError, config_to_yaml, par
 from core.train.data import DataError, preview_dataset
 from core.train.preflight import load_tokenizer_and_config, run_preflight
 from core.workspace import WorkspaceError
+from ui import reward_editor
 from ui.jobs import follow
 
 VERDICT = {"fits": st.success, "tight": st.warning, "does not fit": st.error}
@@ -105,27 +106,28 @@ def _data_batch_caption(cfg: dict, est) -> None:
 
 
 @st.cache_data(ttl=30, show_spinner="Reading the data…")
-def _method_preview(method: str, data_yaml: str) -> tuple[int, list[dict]] | None:
+def _method_preview(method: str, data_yaml: str, rewards_yaml: str) -> tuple[int, list[dict]] | None:
     import yaml
 
-    return methods.get(method).preview(yaml.safe_load(data_yaml), n=5)
+    return methods.get(method).preview(yaml.safe_load(data_yaml), n=5, specs=yaml.safe_load(rewards_yaml))
 
 
 def method_preview_panel(cfg: dict) -> bool:
-    """A preference run's data as its method reads it (DPO: prompt / chosen / rejected side by side; KTO: each
-    rated answer); False when the method has no view of its own (SFT's token preview follows)."""
+    """A run's data as its method reads it (DPO: prompt / chosen / rejected side by side; KTO: each rated answer;
+    GRPO: each prompt with the answer column its rewards read); False when the method has no view of its own
+    (SFT's token preview follows)."""
     method = methods.get(cfg)
     try:
-        shown = _method_preview(method.name, config_to_yaml(cfg["data"]))
+        rewards = cfg.get("rewards") if method.reward_functions else None
+        shown = _method_preview(method.name, config_to_yaml(cfg["data"]), config_to_yaml(rewards))
     except (DataError, OSError, ValueError) as exc:
         st.error(f"Cannot preview the {method.data_noun}: {exc}")
         return True
     if shown is None:
         return False
     total, rows = shown
-    st.caption(
-        f"{total:,} {method.row_noun}. {method.label}: {method.summary}, relative to the reference model."
-    )
+    reference = ", relative to the reference model" if method.traits.reference else ""
+    st.caption(f"{total:,} {method.row_noun}. {method.label}: {method.summary}{reference}.")
     frame = pd.DataFrame(rows)
     if "problem" in frame and not frame["problem"].fillna("").astype(bool).any():
         frame = frame.drop(columns="problem")
@@ -296,6 +298,8 @@ def yaml_panel(raw: dict, errors: dict) -> None:
                 # code from a model folder runs only when the user ticks the box, never because a file said so
                 cfg["model"]["trust_remote_code"] = False
                 st.session_state["tr_trust_asked"] = up.name
+            if reward_editor.clear_trust(cfg):  # the same for a reward's own Python file
+                st.session_state["tr_reward_trust_asked"] = up.name
             st.session_state["tr_upload_seen"] = up.file_id
             st.session_state["tr_pending"] = cfg  # filled in before the widgets are drawn on the rerun
             st.rerun()

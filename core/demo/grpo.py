@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from core.demo.task import task_rows
+from core.eval.rewards import heldout_scores  # noqa: F401 - the demo's before/after (core.demo.__main__)
 from core.train.config import validate_config
 
 TRAIN_FILE = "grpo_train.jsonl"
@@ -97,34 +98,3 @@ def grpo_demo_config(out: str | os.PathLike, model: str | os.PathLike) -> dict:
             },
         }
     )
-
-
-def heldout_scores(
-    model, tokenizer, rows: list[dict], specs: list, max_new_tokens: int = 8
-) -> tuple[float, float]:
-    """(mean reward, exact match) of greedy answers to the held-out prompts: the rewards' weighted mean on a 0-1
-    scale, and the share of answers equal to the row's answer."""
-    import torch
-
-    from core.train import rewards as reward_specs
-
-    functions = reward_specs.build(specs)
-    answers = []
-    model.eval()
-    for row in rows:
-        ids = tokenizer.apply_chat_template(
-            row["prompt"], add_generation_prompt=True, return_tensors="pt", return_dict=True
-        )
-        with torch.no_grad():
-            out = model.generate(
-                **ids, do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id
-            )
-        text = tokenizer.decode(out[0][ids["input_ids"].shape[1] :], skip_special_tokens=True)
-        answers.append([{"role": "assistant", "content": text}])
-    columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt"}
-    per_function = [f(prompts=[r["prompt"] for r in rows], completions=answers, **columns) for f in functions]
-    mean = sum(sum(scores) for scores in per_function) / (len(rows) * len(functions))
-    exact = sum(
-        reward_specs.completion_text(a).strip() == r["answer"] for a, r in zip(answers, rows, strict=True)
-    )
-    return mean, exact / len(rows)

@@ -22,14 +22,19 @@ def parse_args(argv: list[str] | None):
     )
     p.add_argument(
         "--data",
-        help="data file to evaluate on (alpaca, chat or question/answer; default: the run's own eval split)",
+        help="data file to evaluate on (alpaca, chat or question/answer; a DPO / KTO run's pairs or rated answers; a "
+        "GRPO run's prompts with their answer column; default: the run's own eval split)",
     )
     p.add_argument("--adapter", help="an adapter folder (default: the run's)")
     p.add_argument("--model", help="a merged export or full model folder, compared with its base")
     p.add_argument("--base", help="the base model folder (default: the run config's model.path)")
     p.add_argument("--name", help="result folder name under <run>/eval/ (default: from the data)")
     p.add_argument("--limit", type=int, help="evaluate the first N rows only")
-    p.add_argument("--max-new-tokens", type=int, help="answer length (default: longest reference + 8 tokens)")
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        help="answer length (default: longest reference + 8 tokens; a GRPO run: its max_completion_length)",
+    )
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--device", help="cpu or cuda (default: the GPU when there is one)")
     p.add_argument("--force", action="store_true", help="evaluate again even when stored with these settings")
@@ -91,12 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     for line in [*result.lines, *lm_lines]:
         print(line)
     if args.rows and result.rows:
-        from core.eval.scores import change
-
-        top = sorted(result.rows, key=lambda r: -abs(change(r) or 0))[: args.rows]
+        top = sorted(result.rows, key=lambda r: -abs(r.get("change") or 0))[: args.rows]
         for r in top:
             print(
-                f"row {r['row']}: {r['prompt']!r} ref {r['reference']!r} base {r.get('base_answer')!r} "
+                f"row {r['row']}: {r['prompt']!r} ref {r.get('reference')!r} base {r.get('base_answer')!r} "
                 f"tuned {r.get('tuned_answer')!r}"
             )
     return 0

@@ -10,6 +10,7 @@ trainer would have trained on (the reference with its end of turn), which the an
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 from core.train.data import (
@@ -161,3 +162,23 @@ def file_rows(
             "instruction/output, chat messages, or question/answer columns)."
         )
     return _rows_from(ds, range(len(ds)), fmt, run_fmt, tokenizer)
+
+
+def method_rows(cfg: dict, method, tokenizer, data: str | None = None) -> list[dict]:
+    """The held-out rows of a method with its own data (preference pairs, rated answers, prompts): its own eval
+    split, or every row of a data file, as its trainer takes them."""
+    c = copy.deepcopy(cfg)
+    if data:
+        c["data"].update(path=data, eval_split=0.0, format="auto", columns={})
+    elif not c["data"].get("eval_split"):
+        raise EvalError(
+            "The run holds out no rows (data.eval_split is 0): give a data file to evaluate on (--data FILE)."
+        )
+    try:
+        train, held = method.datasets(c, tokenizer)
+    except DataError as exc:
+        raise EvalError(str(exc).replace("data.path", "--data" if data else "data.path", 1)) from None
+    ds = train if data else held
+    if ds is None:
+        raise EvalError("The run's data has too few rows to hold any out: give --data FILE.")
+    return [{**r, "row": i + 1} for i, r in enumerate(ds)]

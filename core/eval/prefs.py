@@ -10,33 +10,11 @@ good minus bad answers, and the greedy answer's style against the prompt's good 
 
 from __future__ import annotations
 
-import copy
-
 from core.eval import generate, scores
-from core.eval.heldout import EvalError
-from core.train.data import DataError, user_text
+from core.train.data import user_text
 from core.train.prefdata import pair_token_ids
 
 DEFAULT_BETA = 0.1  # TRL's DPOConfig / KTOConfig default
-
-
-def pref_rows(cfg: dict, method, tokenizer, data: str | None = None) -> list[dict]:
-    """The method's held-out rows (its own eval split, or every row of a data file) as its trainer takes them."""
-    c = copy.deepcopy(cfg)
-    if data:
-        c["data"].update(path=data, eval_split=0.0, format="auto", columns={})
-    elif not c["data"].get("eval_split"):
-        raise EvalError(
-            "The run holds out no rows (data.eval_split is 0): give a data file to evaluate on (--data FILE)."
-        )
-    try:
-        train, held = method.datasets(c, tokenizer)
-    except DataError as exc:
-        raise EvalError(str(exc).replace("data.path", "--data" if data else "data.path", 1)) from None
-    ds = train if data else held
-    if ds is None:
-        raise EvalError("The run's data has too few rows to hold any out: give --data FILE.")
-    return [{**r, "row": i + 1} for i, r in enumerate(ds)]
 
 
 def _text(answer) -> str:

@@ -29,6 +29,20 @@ LEADING = (
 )
 
 
+# What an evaluation scores, by the run's method's eval_kind (the Evaluate page says it for the chosen run)
+SCORED = {
+    "answers": "Greedy answers to held-out questions, scored against their reference answers: exact match, token "
+    "F1, ROUGE-L, chrF and the answers' loss.",
+    "pairs": "Held-out preference pairs: does each model rank the chosen answer above the rejected one (preference "
+    "accuracy), the reward margins, and is its greedy answer in the preferred style.",
+    "rated": "Held-out rated answers: the reward's sign against each rating, the margin of good over bad answers, "
+    "and whether the greedy answer is in the good answers' style.",
+    "rewards": "Greedy answers to held-out prompts (a prompts file with its answer column, or the run's eval split), "
+    "scored by the run's own reward functions, weighted as it trained, and by exact match against the answer "
+    "column.",
+}
+
+
 @dataclass
 class Result:
     folder: Path
@@ -89,12 +103,14 @@ def figures(result: Result) -> list[dict]:
     out = []
     for key, fig in result.summary.items():
         if isinstance(fig, dict) and "base" in fig and "tuned" in fig:
-            kind = KINDS.get(key, "pct")
+            kind = fig.get("kind") or KINDS.get(
+                key, "pct"
+            )  # a figure may say how it reads (a reward: a number)
             b, a = fig.get("base"), fig.get("tuned")
             delta = None if a is None or b is None else a - b
             out.append(
                 {
-                    "metric": LABELS.get(key, key.replace("_", " ")),
+                    "metric": fig.get("label") or LABELS.get(key, key.replace("_", " ")),
                     "base": fmt_value(b, kind),
                     "tuned": fmt_value(a, kind),
                     "change": "–" if delta is None else ("+" if delta >= 0 else "") + fmt_value(delta, kind),

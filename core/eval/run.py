@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from core.eval import generate, scores
-from core.eval.heldout import EvalError, EvalRow, file_rows, run_format, split_rows
+from core.eval.heldout import EvalError, EvalRow, file_rows, method_rows, run_format, split_rows
 from core.eval.results import EVAL_DIR, ROWS, SETTINGS, SUMMARY, Result, read_result
 from core.eval.target import Target, resolve
 from core.files import atomic_write_text
@@ -34,7 +34,7 @@ class Settings:
     base: str
     tuned: str
     data: str  # "the run's eval split" or a file path
-    kind: str  # the method's eval_kind: answers, pairs, rated
+    kind: str  # the method's eval_kind: answers, pairs, rated, rewards
     limit: int | None = None
     max_new_tokens: int | None = None
     batch_size: int = DEFAULT_BATCH
@@ -103,9 +103,7 @@ def evaluate(
             else split_rows(target.cfg, tokenizer)
         )
     else:
-        from core.eval import prefs
-
-        rows = prefs.pref_rows(target.cfg, method, tokenizer, data)
+        rows = method_rows(target.cfg, method, tokenizer, data)
     if limit:
         rows = rows[:limit]
     if not rows:
@@ -119,6 +117,13 @@ def evaluate(
         out_rows = answer_rows(rows, model_obj, tuned_model, tokenizer, new_tokens, batch_size, report)
         summary = scores.summarize(out_rows)
         lines = scores.summary_lines(summary)
+    elif method.eval_kind == "rewards":
+        from core.eval import rewards
+
+        settings.max_new_tokens = _completion_tokens(rows, model_obj, max_new_tokens, target.cfg, tokenizer)
+        out_rows, summary, lines = rewards.evaluate_rewards(
+            rows, target.cfg, model_obj, tuned_model, tokenizer, settings.max_new_tokens, batch_size, report
+        )
     else:
         from core.eval import prefs
 
@@ -231,6 +236,23 @@ def _check_positions(rows: list[EvalRow], model, max_new_tokens: int | None, tok
         )
     room = limit - max(len(r.prompt_ids) for r in rows)
     return max(1, min(new, room))
+
+
+def _completion_tokens(rows: list[dict], model, max_new_tokens: int | None, cfg: dict, tokenizer) -> int:
+    """A reward run's answer length: the run's own training.max_completion_length unless asked, within the
+    positions the longest prompt leaves."""
+    from core.train.prompts import prompt_ids
+
+    new = max_new_tokens or cfg["training"].get("max_completion_length") or 256
+    limit = _positions(model)
+    if limit is None:
+        return new
+    longest = max(len(prompt_ids(r["prompt"], tokenizer)) for r in rows)
+    if longest + 1 > limit:
+        raise EvalError(
+            f"A prompt of {longest} tokens is longer than the model's {limit} positions: shorten it."
+        )
+    return max(1, min(new, limit - longest))
 
 
 def answer_rows(rows, model, tuned, tokenizer, max_new_tokens, batch_size, report) -> list[dict]:

@@ -1,5 +1,5 @@
-"""Long jobs (merge, demo build, full-dataset preflight, GGUF export, evaluation) as processes with their state
-in files.
+"""Long jobs (merge, demo build, full-dataset preflight, GGUF export, evaluation, the GRPO demo's warm start) as
+processes with their state in files.
 
 The same pattern as runs: <workspace>/jobs/<kind>-<time>-<n>/ holds job.json (what to do), progress.json (how
 far), result.json (the outcome) and the job's logs; the job process owns the folder (core.procs: its lock, pid and start time) for its whole life.
@@ -22,7 +22,7 @@ from core.workspace import inside, make_folder
 
 JOBS_DIR = "jobs"
 JOB, PROGRESS, RESULT = "job.json", "progress.json", "result.json"
-KINDS = ("merge", "demo", "preflight", "gguf", "eval")
+KINDS = ("merge", "demo", "preflight", "gguf", "eval", "warm_start")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 

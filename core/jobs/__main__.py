@@ -99,12 +99,21 @@ def run_eval(p: dict, report: Progress) -> dict:
     return {"folder": str(result.folder), "lines": result.lines, "reused": result.reused, "note": result.note}
 
 
+def run_warm_start(p: dict, report: Progress) -> dict:
+    """The GRPO demo's start model (core.demo.grpo.warm_base): a few steps of the demo run, merged; once."""
+    from core.demo.grpo import WARM_STEPS, warm_base
+
+    report(phase=f"training the demo run's first {WARM_STEPS} steps, then merging them into the demo model")
+    return {"model": str(warm_base(p["out"]))}
+
+
 RUNNERS = {
     "merge": run_merge,
     "demo": run_demo,
     "preflight": run_preflight_job,
     "gguf": run_gguf,
     "eval": run_eval,
+    "warm_start": run_warm_start,
 }
 
 

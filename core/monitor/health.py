@@ -7,48 +7,26 @@ stateful only where that saves work each tick: loss-spike detection looks at new
 A run whose method learns preferences (DPO, KTO: its core.train.methods module carries `health`, the rules' words
 for it) is also checked for not learning them: the preference accuracy stuck at a coin flip (DPO logs one), the
 reward margin not rising, and the preferred answers' log-probs collapsing while the margin grows. They judge only
-the points logged after a warm-up share of training.max_steps, and only once there are enough of them.
+the points logged after a warm-up share of training.max_steps, and only once there are enough of them. A run
+whose method learns from reward functions (GRPO: `reward_health`) is judged by its rewards instead of its loss
+(core.monitor.health_rewards).
 """
 
 from __future__ import annotations
 
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 
 from core.fmt import gib
+from core.monitor.advice import HealthWarning
+from core.monitor.health_rewards import reward_warnings
 from core.monitor.tail import RunSeries
 from core.train import methods
 from core.train.methods.base import Method
 
 GiB = 1024**3
-
-
-@dataclass
-class HealthWarning:
-    # stable id: stalled, low_utilization, memory_high, nonfinite_loss, loss_spike, loss_flat, plan_mismatch,
-    # preference_chance_accuracy, preference_margin_flat, preference_chosen_collapse
-    code: str
-    level: str  # "error" | "warning" | "info"
-    title: str
-    detail: str  # the figures
-    fix: str
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-def stall_warning(stall: str) -> HealthWarning:
-    """A live run that stopped stepping (core.runs.rundir.stall's sentence) as a health warning."""
-    return HealthWarning(
-        "stalled",
-        "error",
-        "The run stopped stepping",
-        stall,
-        "A stopped process continues with `kill -CONT PID` (or stop the run and resume it); a hung one is ended by "
-        "Stop, which saves a checkpoint if it can.",
-    )
 
 
 @dataclass
@@ -69,6 +47,12 @@ class HealthSettings:
     dpo_window: int = 20  # logged points judged (the last ones); fewer after the warm-up: no verdict yet
     dpo_chance_band: float = 0.1  # accuracy within 0.5 ± band over the window = a coin flip
     dpo_collapse_ratio: float = 0.5  # chosen reward fell by at least this share of the margin's rise
+    # GRPO (core.monitor.health_rewards): a reward 0 at this many logged points in a row, this far into the run,
+    # cannot be earned; a share at or above reward_share over the last reward_window points is "every group"
+    reward_zero_points: int = 3
+    reward_zero_steps: int = 20
+    reward_window: int = 3
+    reward_share: float = 0.95
 
 
 class HealthChecker:
@@ -96,6 +80,9 @@ class HealthChecker:
         live = state in (None, "starting", "running")
         m = methods.get(method) if method else methods.from_metrics(series.metrics)
         pref = m.health is not None
+        rewards = (
+            m.reward_health
+        )  # judged by its rewards: its loss is no learning curve (GRPO's hovers near 0)
         chance = self._dpo_chance(m, series, status, live) if pref else None
         out: list[HealthWarning] = []
         for w in (
@@ -106,14 +93,15 @@ class HealthChecker:
             ),
             self._memory(series, plan),
             self._utilization(series) if state in (None, "starting", "running") else None,
-            self._spikes_warning(series),
+            None if rewards else self._spikes_warning(series),
             # a preference loss starts at ln 2 and its own rules say whether it learns (with its advice, not SFT's)
-            None if pref else self._loss_flat(series),
+            None if pref or rewards else self._loss_flat(series),
             self._plan(series, plan),
             chance,
             # a margin that does not rise is what an accuracy at chance already says: one cause, one warning
             None if chance or not pref else self._dpo_margin_flat(m, series, status, live),
             self._dpo_collapse(m, series, status, live) if pref else None,
+            *(reward_warnings(series, rewards, self.s) if rewards else ()),
         ):
             if w is not None:
                 out.append(w)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +48,9 @@ class RunSummary:
     reward_accuracy: float | None = None
     reward_margin: float | None = None
     reward_source: str | None = None  # "eval" | "train"
+    # the method's headline figures (core.train.methods: DPO's accuracy and margin, GRPO's reward), from the same
+    # source: [{"key", "label", "value", "format"}]
+    headline: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -65,22 +68,30 @@ def _last(s: RunSeries, name: str) -> float | None:
     return float(v[-1]) if v.size else None
 
 
+def headline_summary(s: RunSeries, method: str | None) -> tuple[list[dict], str | None]:
+    """(the method's headline figures, "eval" | "train"): the last eval figures if the run evaluated, else the last
+    training figures; ([], None) for a method without them (SFT) or a run that has not logged them yet."""
+    try:
+        wanted = methods.get(method).headline
+    except ValueError:
+        wanted = ()
+    for prefix, source in (("eval_", "eval"), ("", "train")):
+        figures = [
+            {"key": key, "label": label, "value": _last(s, prefix + key), "format": fmt}
+            for key, label, fmt in wanted
+        ]
+        if any(f["value"] is not None for f in figures):
+            return figures, source
+    return [], None
+
+
 def preference_summary(s: RunSeries, method: str | None) -> tuple[float | None, float | None, str | None]:
     """(preference accuracy, reward margin, "eval" | "train") of a method whose headline figures are rewards
-    (core.train.methods: DPO's accuracy and margin, KTO's margin): the last eval figures if the run evaluated,
-    else the last training figures; (None, None, None) for a method without them (SFT)."""
-    try:
-        wanted = {name for name, _ in methods.get(method).headline}
-    except ValueError:
-        wanted = set()
-    if not wanted:
-        return None, None, None
-    for prefix, source in (("eval_", "eval"), ("", "train")):
-        acc = _last(s, f"{prefix}rewards/accuracies") if "rewards/accuracies" in wanted else None
-        margin = _last(s, f"{prefix}rewards/margins") if "rewards/margins" in wanted else None
-        if acc is not None or margin is not None:
-            return acc, margin, source
-    return None, None, None
+    (DPO's accuracy and margin, KTO's margin); (None, None, None) for a method without them."""
+    figures, source = headline_summary(s, method)
+    by_key = {f["key"]: f["value"] for f in figures}
+    acc, margin = by_key.get("rewards/accuracies"), by_key.get("rewards/margins")
+    return (acc, margin, source) if acc is not None or margin is not None else (None, None, None)
 
 
 def summarize_run(run_dir: str | os.PathLike, clock=time.time) -> RunSummary:
@@ -102,7 +113,8 @@ def summarize_run(run_dir: str | os.PathLike, clock=time.time) -> RunSummary:
     loss = s.metrics.get("loss")
     peak = run_peak_bytes(s)
     method = _method_for(run_dir, s)
-    accuracy, margin, source = preference_summary(s, method)
+    accuracy, margin, _ = preference_summary(s, method)
+    figures, source = headline_summary(s, method)
     return RunSummary(
         name=run_dir.name,
         run_dir=str(run_dir),
@@ -119,6 +131,7 @@ def summarize_run(run_dir: str | os.PathLike, clock=time.time) -> RunSummary:
         reward_accuracy=accuracy,
         reward_margin=margin,
         reward_source=source,
+        headline=figures,
     )
 
 
@@ -155,11 +168,12 @@ def summarize_runs(runs_dir: str | os.PathLike) -> list[RunSummary]:
     return sorted(out, key=lambda r: r.started or 0.0, reverse=True)
 
 
-# What the Runs page can put side by side: (metric, axis title). The DPO figures only for runs that logged them.
+# What the Runs page can put side by side: (metric, axis title). A method's figures only for runs that logged them.
 COMPARABLE = (
     ("loss", "loss"),
     ("rewards/accuracies", "preference accuracy (rewards/accuracies)"),
     ("rewards/margins", "reward margin (rewards/margins)"),
+    ("reward", "mean reward (reward)"),
 )
 
 

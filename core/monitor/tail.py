@@ -246,6 +246,21 @@ RANK_FIELDS = tuple(f"rank{k}_{name}" for k in range(1, MAX_RANKS) for name in R
 _RANKS_MARK = "rank1_rss_bytes"  # on every line of such a run
 _METHOD_KEYS = frozenset(METHOD_FIELDS + EVAL_METHOD_FIELDS)
 _SMOOTHED = frozenset(SMOOTHED_FIELDS)
+# Keys named at run time (GRPO: rewards/<function>/mean and /std, core.train.methods' metric_families), train and
+# eval: looked for only on a line that carries a figure no other method logs (GRPO's reward), so an SFT or DPO line
+# never walks its keys for them.
+_FAMILIES = tuple(dict.fromkeys(f for m in methods.REGISTRY.values() for f in m.metric_families))
+FAMILY_PREFIXES = tuple(dict.fromkeys(p for pre, _ in _FAMILIES for p in (pre, f"eval_{pre}")))
+FAMILY_SUFFIXES = tuple(dict.fromkeys(suffix for _, suffix in _FAMILIES))
+_FAMILY_MARKS = frozenset(
+    name
+    for m in methods.REGISTRY.values()
+    if m.metric_families
+    for own in m.metrics
+    if not any(own in o.metrics for o in methods.REGISTRY.values() if o is not m)
+    for name in (own, f"eval_{own}")
+)
+_FIXED = frozenset(_ALL_FIELDS)
 GPU_FIELDS = ("memory_used", "memory_total", "utilization", "temperature", "power_w", "process_memory")
 
 
@@ -272,6 +287,7 @@ class RunSeries:
         self.last_step: int | None = None
         self.n_metric_records = 0
         self.n_gpu_records = 0
+        self.family_names: list[str] = []  # the training keys of metric_families seen, first seen first
 
     @classmethod
     def from_records(cls, metrics: list[dict] = (), gpu: list[dict] = (), **kw) -> RunSeries:
@@ -299,8 +315,11 @@ class RunSeries:
                 self.first_time = t if self.first_time is None or t < self.first_time else self.first_time
                 self.last_time = t if self.last_time is None or t > self.last_time else self.last_time
             tt = math.nan if t is None else t
-            # a line without any method figure (every SFT line) skips their lookups
-            names = METRIC_FIELDS if _METHOD_KEYS.isdisjoint(rec) else _ALL_FIELDS
+            # a line without any method figure skips their lookups
+            names, smooth = (METRIC_FIELDS if _METHOD_KEYS.isdisjoint(rec) else _ALL_FIELDS), _SMOOTHED
+            if names is _ALL_FIELDS and not _FAMILY_MARKS.isdisjoint(rec):
+                found = self._family_keys(rec)
+                names, smooth = names + found, _SMOOTHED.union(k for k in found if not k.startswith("eval_"))
             for name in names + RANK_FIELDS if _RANKS_MARK in rec else names:
                 v = rec.get(name)
                 if v is None:
@@ -317,8 +336,20 @@ class RunSeries:
                 q = times[name]
                 q.x.append(step)
                 q.y.append(tt)
-                if name in _SMOOTHED:
+                if name in smooth:
                     self._update_ema(name, step, v)
+
+    def _family_keys(self, rec: dict) -> tuple[str, ...]:
+        """The run-time named keys of one line (rewards/<function>/mean ...), remembered for set_smoothing."""
+        found = tuple(
+            k
+            for k in rec
+            if k.startswith(FAMILY_PREFIXES) and k.endswith(FAMILY_SUFFIXES) and k not in _FIXED
+        )
+        for k in found:
+            if k not in self.family_names and not k.startswith("eval_"):
+                self.family_names.append(k)
+        return found
 
     def _update_ema(self, name: str, step: float, v: float):
         # Non-finite values would poison the average forever: they show up in health warnings instead.
@@ -346,7 +377,7 @@ class RunSeries:
         if window_steps == self.smoothing_steps:
             return False
         self.smoothing_steps, self._emas, self.smoothed = window_steps, {}, {}
-        for name in SMOOTHED_FIELDS:
+        for name in (*SMOOTHED_FIELDS, *self.family_names):
             for step, v in zip(*self.metric(name), strict=True):
                 self._update_ema(name, float(step), float(v))
         return True

@@ -25,8 +25,10 @@ import numpy as np
 import pandas as pd
 
 from core.files import read_json_object, read_yaml_mapping
+from core.monitor.advice import stall_warning
+from core.monitor.completions import Completions, CompletionsReader
 from core.monitor.diagnose import Diagnosis, diagnose, load_evidence
-from core.monitor.health import HealthChecker, HealthWarning, stall_warning
+from core.monitor.health import HealthChecker, HealthWarning
 from core.monitor.series import downsample_minmax, stride
 from core.monitor.tail import RunFiles, RunSeries, TextTail
 from core.runs import rundir
@@ -75,6 +77,7 @@ class Snapshot:
     method: str | None = None  # "sft", "dpo", ... (see resolve_method); None when no config or metrics tell
     stalled_s: float | None = None  # a live run that stopped stepping: seconds since its last step
     stall: str | None = None  # and why: "no step for 3 min (process stopped)" (core.runs.rundir.stall)
+    completions: Completions | None = None  # a GRPO run's newest sample completions and their rewards
 
     def chart_bytes(self) -> int:
         """Size of the chart data as Arrow IPC (what st.altair_chart ships per rerun)."""
@@ -199,6 +202,7 @@ class RunWatcher:
         self.config_method = _CachedMethod(self.run_dir / rundir.CONFIG)
         self.stderr = TextTail(self.run_dir / rundir.STDERR, n_lines=tail_lines)
         self.stdout = TextTail(self.run_dir / rundir.STDOUT, n_lines=tail_lines)
+        self.completions = CompletionsReader(self.run_dir)
         self.health = HealthChecker()
         self.clock = clock
         self._charts: dict[str, pd.DataFrame] | None = None
@@ -250,6 +254,7 @@ class RunWatcher:
         snap.stalled_s, snap.stall = stalled
         if snap.stall:  # the same stall the page and `core.runs show` report, in the watcher's own list
             snap.warnings = [stall_warning(snap.stall), *snap.warnings]
+        snap.completions = self.completions.read()
         return snap
 
     # --- pieces -------------------------------------------------------------------------------------------
@@ -398,9 +403,9 @@ def method_charts(
     s: RunSeries, method: str | None, budget: ChartBudget | None = None
 ) -> dict[str, pd.DataFrame]:
     """The charts of the run's method's own figures (core.train.methods: a DPO run's rewards, preference accuracy
-    and log-probs; a KTO run's rewards, KL and log-probs), keyed "<method>_<chart>", x column "step", each
-    smoothed as the loss is (the debiased EMA beside the raw points). A figure not logged (yet) is a series left
-    out, never an error; a frame with no series is empty."""
+    and log-probs; a GRPO run's reward, each reward function's, completion lengths), keyed "<method>_<chart>", x
+    column "step", each smoothed as the loss is (the debiased EMA beside the raw points). A figure not logged (yet)
+    is a series left out, never an error; a frame with no series is empty."""
     b = budget or ChartBudget()
     try:
         spec = methods.get(method)
@@ -421,7 +426,16 @@ def method_charts(
                 out.append((label, *downsample_minmax(*s.metric(name), b.sparse)))
         return _frame("step", out)
 
-    return {f"{spec.name}_{chart.key}": parts(chart.train, chart.eval) for chart in spec.charts}
+    def family(chart) -> tuple[tuple[str, str], ...]:
+        """The series named at run time: rewards/<function>/mean as "<function>"."""
+        return tuple(
+            (name, label.format(name[len(prefix) : -len(suffix)]))
+            for prefix, suffix, label in chart.families
+            for name in s.family_names
+            if name.startswith(prefix) and name.endswith(suffix)
+        )
+
+    return {f"{spec.name}_{c.key}": parts(c.train + family(c), c.eval) for c in spec.charts}
 
 
 def _rel(xy: tuple[np.ndarray, np.ndarray], t0: float) -> tuple[np.ndarray, np.ndarray]:

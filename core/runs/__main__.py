@@ -20,6 +20,7 @@ from core.fmt import first_sentence, mem, run_piped
 from core.runs import queue_cli, rundir
 from core.runs.admin import check_new_run_name, delete_run
 from core.runs.launcher import RunError, RunInfo, create_run, launch, list_runs, run_state, stop_run
+from core.train import methods
 from core.train.config import field_errors
 from core.workspace import WorkspaceError, default_workspace, existing_run_name, runs_dir
 
@@ -32,21 +33,29 @@ def run_object(info: RunInfo) -> dict:
     from core.monitor.watch import run_method
 
     tail = JsonlTail(info.path / rundir.METRICS)
-    loss = None
+    method = run_method(info.path)
+    wanted = methods.REGISTRY[method].headline if method in methods.REGISTRY else ()
+    last: dict[str, float] = {}
+    keys = ("loss", *(prefix + key for key, _, _ in wanted for prefix in ("", "eval_")))
     for rec in tail.read_new():
-        value = rec.get("loss")
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            loss = float(value)
+        for key in keys:
+            value = rec.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                last[key] = float(value)
+    # the method's own figures (a GRPO run's reward, a DPO run's reward accuracy): held-out ones when it evaluated
+    source = "eval_" if any("eval_" + key in last for key, _, _ in wanted) else ""
     return {
         "name": info.name,
-        "method": run_method(info.path),
+        "method": method,
         "path": str(info.path),
         "state": info.state,
         "alive": info.alive,
         "pid": info.pid,
         "step": info.step,
         "max_steps": info.max_steps,
-        "loss": loss,
+        "loss": last.get("loss"),
+        "headline": {label: last.get(source + key) for key, label, _ in wanted},
+        "headline_source": (source.rstrip("_") or "train") if wanted else None,
         "malformed": tail.malformed,
         "reason": info.reason,
         "stalled_s": info.stalled_s,  # a live run that stopped stepping: seconds since its last step, and why
@@ -96,8 +105,12 @@ def _print_run(obj: dict, as_json: bool) -> None:
     pid = obj["pid"] if obj["alive"] else "-"
     method = obj.get("method") or "-"
     stall = f"  stalled: {obj['stall']}" if obj.get("stall") else ""
+    figures = "".join(
+        f"  {label} {value:.4g}" for label, value in (obj.get("headline") or {}).items() if value is not None
+    )
     print(
-        f"{obj['name']:<32} {method:<4} {obj['state']:<9} step {obj['step']:>6}  loss {loss:<8} pid {pid}{stall}"
+        f"{obj['name']:<32} {method:<4} {obj['state']:<9} step {obj['step']:>6}  loss {loss:<8} pid {pid}"
+        f"{figures}{stall}"
     )
     if obj["reason"] and obj["state"] in ("failed", "stopped"):
         print(f"    {obj['reason'].splitlines()[0]}")

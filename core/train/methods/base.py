@@ -44,6 +44,10 @@ class Chart:
     chance: float | None = None  # a reference line (e.g. a coin flip's preference accuracy)
     # the last figures shown under it: (metric key, label, format)
     caption: tuple[tuple[str, str, str], ...] = ()
+    # series named at run time, one per logged key prefix + <name> + suffix (GRPO: rewards/<function>/mean), with
+    # a label format ("{} std"): (prefix, suffix, label)
+    families: tuple[tuple[str, str, str], ...] = ()
+    optional: bool = False  # drawn only once logged (KL: only with beta > 0)
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,20 @@ class PreferenceHealth:
     bad: str
     learning_rate: str  # the usual range, for the advice
     loss_types: str  # which training.loss_type is the standard one
+
+
+@dataclass(frozen=True)
+class RewardHealth:
+    """What the Monitor's reward rules (core.monitor.health_rewards) judge for a method that learns from reward
+    functions scored on its own completions (GRPO): the figures its trainer logs and the settings that fix them."""
+
+    reward: str  # the mean reward of a logging step's completions
+    per_function: tuple[str, str]  # (prefix, suffix) of each function's mean reward: rewards/<name>/mean
+    zero_spread: str  # the share of groups whose completions all scored alike (no learning signal)
+    clipped: str  # the share of completions cut at the length limit
+    mean_length: str
+    spread_settings: str  # what gives a group more varied completions
+    length_setting: str  # the completion length limit
 
 
 @dataclass(frozen=True)
@@ -104,15 +122,25 @@ class Method:
     # the figures its trainer logs beyond loss / learning rate / grad norm (their eval twins: eval_<name>)
     metrics: tuple[str, ...] = ()
     charts: tuple[Chart, ...] = ()
-    # the figure the Runs page and `runs list` summarise a run by (eval twin preferred), with its label
-    headline: tuple[tuple[str, str], ...] = ()
+    # keys its trainer logs under names only known at run time (GRPO: rewards/<function>/mean and /std, one per
+    # reward function): (prefix, suffix); the log readers keep every key that starts and ends so
+    metric_families: tuple[tuple[str, str], ...] = ()
+    # the figures the Runs page and `runs list` summarise a run by (eval twin preferred): (key, label, format)
+    headline: tuple[tuple[str, str, str], ...] = ()
     health: PreferenceHealth | None = None  # the Monitor's preference rules, in this method's words
+    # the Monitor's reward rules; a method that has them is judged by its rewards, not by its loss (GRPO's loss
+    # hovers near 0 by construction: neither a flat loss nor a "spike" says anything there)
+    reward_health: RewardHealth | None = None
+    reward_functions: bool = (
+        False  # its run config has a `rewards` list (core.train.rewards): the Train form edits it
+    )
     fields: tuple[Field, ...] = ()  # its own settings on the Train page
     data_noun: str = "rows"  # what its data is, for sentences: "preference pairs", "rated answers"
     row_noun: str = "rows"  # what one row is, counted: "512 pairs"
     choice: str = ""  # the method as the Train page offers it: "DPO (preference pairs)"
     # what core.eval scores on held-out rows: "answers" (greedy answers against reference answers), "pairs"
-    # (chosen against rejected answers: preference accuracy, reward margins), "rated" (answers rated good or bad)
+    # (chosen against rejected answers: preference accuracy, reward margins), "rated" (answers rated good or bad),
+    # "rewards" (greedy answers to held-out prompts scored by the run's own reward functions)
     eval_kind: str = "answers"
     # what early stopping and load_best_model_at_end judge checkpoints by: (its eval metric, greater is better)
     best_metric: tuple[str, bool] = ("eval_loss", False)
@@ -165,9 +193,10 @@ class Method:
         """The collator of the smoke step: rows filled to max_length, so it measures the longest step."""
         raise NotImplementedError
 
-    def preview(self, data_cfg: dict, n: int = 5) -> tuple[int, list[dict]] | None:
+    def preview(self, data_cfg: dict, n: int = 5, specs: list | None = None) -> tuple[int, list[dict]] | None:
         """(rows in the data, the first n as the page shows them), or None where the page has a richer view of
-        its own (SFT: tokens, masking and lengths)."""
+        its own (SFT: tokens, masking and lengths). specs: the run's reward functions, for a method that has them
+        (the preview shows the columns they read)."""
         return None
 
     def sample_prompts(self, data_cfg: dict, n: int = 3) -> list[str]:

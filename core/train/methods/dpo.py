@@ -84,7 +84,7 @@ class DPO(Method):
         pairs = normalize_pairs(rows.select(range(min(len(rows), 50))), data_cfg.get("format", "auto"))
         return [p["prompt"] for p in pairs]
 
-    def preview(self, data_cfg: dict, n: int = 5):
+    def preview(self, data_cfg: dict, n: int = 5, specs: list | None = None):
         rows = load_pref_rows(data_cfg)
         return len(rows), preview_pairs(rows, n=n, fmt=data_cfg.get("format", "auto"))
 
@@ -154,7 +154,7 @@ METHOD = DPO(
             (("logps/chosen", "chosen"), ("logps/rejected", "rejected")),
         ),
     ),
-    headline=(("rewards/accuracies", "reward accuracy"), ("rewards/margins", "reward margin")),
+    headline=(("rewards/accuracies", "reward accuracy", ".2f"), ("rewards/margins", "reward margin", ".3g")),
     health=PreferenceHealth(
         accuracy="rewards/accuracies",
         good="chosen",

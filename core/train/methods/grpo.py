@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from core.train import rewards as reward_specs
 from core.train.data import DataError, load_rows
-from core.train.methods.base import Chart, Field, Method, PlanTraits
+from core.train.methods.base import Chart, Field, Method, PlanTraits, RewardHealth
 from core.train.prompts import (
     DEFAULT_MAX_PROMPT_LENGTH,
     normalize_prompts,
@@ -194,6 +194,7 @@ METHOD = GRPO(
         kl_reference=True,
     ),
     metrics=GRPO_METRICS,
+    metric_families=(("rewards/", "/mean"), ("rewards/", "/std")),
     charts=(
         Chart(
             "reward",
@@ -201,12 +202,21 @@ METHOD = GRPO(
             "reward",
             (("reward", "reward"), ("reward_std", "std within a group")),
             (("eval_reward", "eval reward"),),
+            caption=(("reward", "reward", ".3f"), ("reward_std", "std", ".3f")),
+        ),
+        Chart(
+            "functions",
+            "Reward of each function (mean, std)",
+            "reward",
+            (),
+            families=(("rewards/", "/mean", "{}"), ("rewards/", "/std", "{} std")),
         ),
         Chart(
             "length",
             "Completion length (tokens)",
             "tokens",
             (("completions/mean_length", "mean"), ("completions/max_length", "longest")),
+            caption=(("completions/mean_length", "mean", ".1f"),),
         ),
         Chart(
             "signal",
@@ -216,11 +226,43 @@ METHOD = GRPO(
                 ("frac_reward_zero_std", "groups with no reward spread"),
                 ("completions/clipped_ratio", "completions cut at max length"),
             ),
+            caption=(
+                ("completions/clipped_ratio", "clipped", ".0%"),
+                ("frac_reward_zero_std", "no spread", ".0%"),
+            ),
         ),
-        Chart("kl", "KL to the reference (beta > 0)", "KL", (("kl", "train"),), (("eval_kl", "eval"),)),
-        Chart("entropy", "Entropy of the completions", "nats", (("entropy", "train"),)),
+        Chart(
+            "kl",
+            "KL to the reference (beta > 0)",
+            "KL",
+            (("kl", "train"),),
+            (("eval_kl", "eval"),),
+            optional=True,
+        ),
+        Chart("entropy", "Entropy of the completions", "nats", (("entropy", "train"),), optional=True),
+        Chart(
+            "clip",
+            "Clipped policy ratios",
+            "share",
+            (
+                ("clip_ratio/region_mean", "region"),
+                ("clip_ratio/low_mean", "low"),
+                ("clip_ratio/high_mean", "high"),
+            ),
+            optional=True,
+        ),
     ),
-    headline=(("reward", "reward"),),
+    headline=(("reward", "reward", ".3f"),),
+    reward_health=RewardHealth(
+        reward="reward",
+        per_function=("rewards/", "/mean"),
+        zero_spread="frac_reward_zero_std",
+        clipped="completions/clipped_ratio",
+        mean_length="completions/mean_length",
+        spread_settings="training.num_generations (more completions per prompt) or training.temperature",
+        length_setting="training.max_completion_length",
+    ),
+    reward_functions=True,
     fields=(
         Field(
             "num_generations",

@@ -47,7 +47,7 @@ class KTO(Method):
         out, _ = normalize_feedback(rows.select(range(min(len(rows), 50))), data_cfg.get("format", "auto"))
         return [r["prompt"] for r in out]
 
-    def preview(self, data_cfg: dict, n: int = 5):
+    def preview(self, data_cfg: dict, n: int = 5, specs: list | None = None):
         return preview_feedback(load_rows(data_cfg), n=n, fmt=data_cfg.get("format", "auto"))
 
     def smoke_collator(self, pad_token_id: int, max_length: int):
@@ -122,7 +122,7 @@ METHOD = KTO(
             (("logps/chosen", "desirable"), ("logps/rejected", "undesirable")),
         ),
     ),
-    headline=(("rewards/margins", "reward margin"),),
+    headline=(("rewards/margins", "reward margin", ".3g"),),
     health=PreferenceHealth(
         accuracy=None,  # KTOTrainer logs no preference accuracy: its rows are not pairs
         good="desirable",
