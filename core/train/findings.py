@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from core.hub import ids as hub_ids
+from core.hub.fetch import folder_for_checks, readable
 from core.plausible import ImplausibleConfig, check_model_config
 
 SHOW_ROWS = 20
@@ -44,7 +46,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer
 
 
 def check_model_folder(path, need_weights: bool = True) -> str | None:
-    """None when `path` is a usable local model folder (or a hub id in the local cache); else one sentence: what
+    """None when `path` is a usable local model folder (or a Hub id, cached or on the Hub); else one sentence: what
     is wrong, where, how to fix it. Checks config.json and each safetensors header without loading weights."""
     import json
 
@@ -52,13 +54,16 @@ def check_model_folder(path, need_weights: bool = True) -> str | None:
         return "model.path is empty: give the folder of a local model (config.json + weights)."
     folder = Path(path).expanduser()
     if not folder.is_dir():
-        cached = _cached_hub_folder(path)
-        if cached is None:
+        ref = hub_ids.parse(path)
+        if ref is None:
             return (
                 f"model.path: the folder {folder} does not exist. Nothing is downloaded here: give the folder of a "
                 "local model (config.json, weights and tokenizer files), e.g. one saved with save_pretrained."
             )
-        folder = cached
+        try:  # a Hub id: its cached snapshot, or (online) its config and tokenizer; the weights come at launch
+            folder, need_weights = folder_for_checks(ref, need_weights)
+        except hub_ids.HubError as exc:
+            return f"model.path: {exc}"
     config = folder / "config.json"
     if not config.is_file():
         return f"model.path: {folder} has no config.json, so it is not a transformers model folder."
@@ -101,16 +106,6 @@ def check_model_folder(path, need_weights: bool = True) -> str | None:
             if missing:
                 return f"model.path: {folder} lacks the shard(s) {', '.join(missing[:3])}: the download is incomplete."
     return None
-
-
-def _cached_hub_folder(repo_id: str):
-    try:
-        from huggingface_hub import try_to_load_from_cache
-
-        hit = try_to_load_from_cache(repo_id, "config.json")
-    except Exception:  # not a valid repo id, no cache
-        return None
-    return Path(hit).parent if isinstance(hit, str) else None
 
 
 EMBEDDINGS = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight")
@@ -180,9 +175,8 @@ def load_tokenizer_and_config(model_cfg: dict):
     from transformers import AutoConfig, AutoTokenizer
 
     kw = {"trust_remote_code": model_cfg.get("trust_remote_code", False)}
-    return AutoTokenizer.from_pretrained(model_cfg["path"], **kw), AutoConfig.from_pretrained(
-        model_cfg["path"], **kw
-    )
+    path = readable(model_cfg["path"])  # a Hub id: its config and tokenizer from the cache (no weights)
+    return AutoTokenizer.from_pretrained(path, **kw), AutoConfig.from_pretrained(path, **kw)
 
 
 def _text_config(model_config):

@@ -24,7 +24,7 @@ from core.monitor.gpu import GpuSampler
 from core.precision import Device, Precision, PrecisionError, resolve, torch_dtype
 from core.runs import rundir
 from core.runs.rundir import read_status, truncate_metrics, write_status
-from core.train import distributed, methods, ranks
+from core.train import distributed, methods, ranks, sources
 from core.train.callbacks import StopFlag, make_run_callback, samples_callbacks
 from core.train.config import ConfigError, load_config, validate_config
 from core.train.data import DataError
@@ -216,6 +216,10 @@ def run_training(
         if pinned and Device.local().kind == "cuda":  # asked only now: CUDA starts on the card just pinned
             print(f"training on {pinned}", flush=True)
         start = check_resume(run_dir, cfg, config_path) if resume and not smoke else (None, [], None)
+        if resume and not smoke:
+            sources.refuse_other_commits(
+                run_dir, cfg
+            )  # a Hub id resolving to another commit than it trained on
     except (ConfigError, rundir.RunRefused) as exc:
         if adopted is None:  # nothing was created or locked: say so and leave the folder as it was
             raise exc if isinstance(exc, rundir.RunRefused) else ConfigRefused(str(exc)) from None
@@ -270,6 +274,9 @@ def _run_training(cfg: dict, run_dir: Path, resume: bool, smoke: bool, stop: Sto
         stop = StopFlag().install() if threading.current_thread() is threading.main_thread() else StopFlag()
     identity = rundir.folder_identity(run_dir)  # a run folder deleted or replaced later is told by it
     prec, checkpoint, new_hyperparameters = _setup_run(cfg, run_dir, resume, smoke, start)
+    cfg = sources.for_training(
+        cfg, run_dir
+    )  # Hub ids: fetched (progress in the run folder), then local folders
     if distributed.world_size(cfg) > 1 and not smoke:  # a smoke test measures one process's step
         return _supervise(cfg, run_dir, prec, checkpoint, new_hyperparameters, stop)
     return _train_and_finish(cfg, prec, run_dir, checkpoint, smoke, stop, identity, new_hyperparameters)
@@ -422,7 +429,7 @@ def _run_rank(config_path, run_dir: Path, handed: dict, stop: StopFlag | None) -
 
     quiet_progress_bars()
     stop = stop or StopFlag().install()
-    cfg = load_config(config_path)
+    cfg = sources.pinned(load_config(config_path), run_dir)  # its supervisor fetched the Hub ids
     identity = rundir.folder_identity(run_dir)
     prec = choose_precision(cfg)
     if not prec.on_cpu:  # each rank its own GPU, before the model lands on one
