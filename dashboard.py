@@ -6,6 +6,7 @@ import streamlit as st
 
 from core.monitor import gpu
 from core.workspace import default_workspace
+from ui.hub_panels import endpoint_caption
 
 st.set_page_config(page_title="LoRA Cockpit", page_icon=":material/flight:", layout="wide")
 
@@ -33,6 +34,7 @@ def sidebar():
             help="Everything the app writes goes under this folder: run directories, demo assets, merges.",
         )
         st.session_state["workspace"] = str(Path(ws).expanduser())
+        endpoint_caption()
 
 
 PAGES = [
@@ -42,6 +44,7 @@ PAGES = [
     st.Page("pages/runs.py", title="Runs", icon=":material/folder_open:"),
     st.Page("pages/evaluate.py", title="Evaluate", icon=":material/fact_check:"),
     st.Page("pages/merge.py", title="Merge & Export", icon=":material/merge:"),
+    st.Page("pages/models.py", title="Models", icon=":material/download:"),
 ]
 
 page = st.navigation(PAGES)
