@@ -59,7 +59,9 @@ class HubServer:
                 path.write_bytes(content if isinstance(content, bytes) else content.encode())
         subprocess.run([*GIT, "add", "-A"], cwd=folder, check=True)
         subprocess.run([*GIT, "commit", "-q", "-m", "publish"], cwd=folder, check=True)
-        out = subprocess.run([*GIT, "rev-parse", "HEAD"], cwd=folder, check=True, capture_output=True, text=True)
+        out = subprocess.run(
+            [*GIT, "rev-parse", "HEAD"], cwd=folder, check=True, capture_output=True, text=True
+        )
         return out.stdout.strip()
 
     def publish_folder(self, repo_id: str, folder: Path, kind: str = "model", **extra) -> str:
@@ -93,7 +95,15 @@ class HubServer:
         env.update(HOME=str(self.root / "home"), PYTHONUNBUFFERED="1")  # its database: HOME/.olah
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "olah.server", "-c", str(config), "--log-path", str(self.root / "logs")],
+                [
+                    sys.executable,
+                    "-m",
+                    "olah.server",
+                    "-c",
+                    str(config),
+                    "--log-path",
+                    str(self.root / "logs"),
+                ],
                 cwd=self.root,
                 env=env,
                 stdout=out,
@@ -128,13 +138,19 @@ class HubServer:
     def gets(self, repo_id: str, name: str, kind: str = "model") -> int:
         """How many times the server sent `name` of the repo (the access log's GETs of its resolve URL)."""
         prefix = f'"GET /{"datasets/" if kind == "dataset" else ""}{repo_id}/resolve/'
-        return sum(1 for line in self.log.read_text().splitlines() if prefix in line and f"/{name} HTTP" in line)
+        return sum(
+            1 for line in self.log.read_text().splitlines() if prefix in line and f"/{name} HTTP" in line
+        )
 
     # ---- a client's environment -----------------------------------------------------------------------------
 
     def env(self, hf_home: Path, offline: bool = False, **extra) -> dict:
         """The environment of a CLI that uses this server (or, offline, only the cache at hf_home)."""
-        env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE")}
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("HF_TOKEN", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE")
+        }
         env.update(
             HF_ENDPOINT=self.endpoint,
             HF_HOME=str(hf_home),

@@ -268,10 +268,10 @@ def complete_folder(ref: HubRef, commit: str | None = None) -> Path | None:
     return folder
 
 
-def local_model(ref: HubRef, progress: Report | None = None) -> Path:
+def local_model(ref: HubRef, progress: Report | None = None, found: RepoFacts | None = None) -> Path:
     """The model's complete snapshot folder, downloaded first when the cache lacks any of it."""
     if not offline():
-        found = facts(ref)
+        found = found or facts(ref)
         folder = complete_folder(ref, found.commit)
         return folder if folder is not None else download(ref, progress, found=found)
     return download(ref, progress)
@@ -300,6 +300,13 @@ def folder_for_checks(ref: HubRef, need_weights: bool) -> tuple[Path, bool]:
             folder = light if light and (light / "config.json").is_file() else None
             need_weights = False
         if folder is None:
+            commit = cached_commit(ref)
+            if commit and need_weights:
+                raise HubError(
+                    f"{ref} ({ref.rev} @ {commit[:7]}) is only partly in the local Hugging Face cache and "
+                    "HF_HUB_OFFLINE=1 keeps the Hub out of reach: download it with HF_HUB_OFFLINE unset (python -m "
+                    f"core.hub download {ref}), or name a cached commit ({ref.repo_id}@COMMIT)."
+                )
             raise HubError(offline_sentence(ref))
         return folder, need_weights
     found = facts(ref)

@@ -73,9 +73,11 @@ def _subsets(ref: HubRef, commit: str) -> list[str]:
         return []
 
 
-def fetch(ref: HubRef, data_cfg: dict, progress: Report | None = None) -> tuple[Path, RepoFacts]:
+def fetch(
+    ref: HubRef, data_cfg: dict, progress: Report | None = None, found: RepoFacts | None = None
+) -> tuple[Path, RepoFacts]:
     """Download the chosen subset's split into the cache (only its files), recording it as fetched."""
-    found = facts(ref)
+    found = found or facts(ref)
     if offline():
         folder = cached_part(ref, data_cfg, found.commit)
         if folder is None:

@@ -25,6 +25,23 @@ DOWNLOAD = "download.json"  # the download in progress (or done) before training
 ROLES = {"model": ("model", "path"), "reference": ("model", "reference_path"), "data": ("data", "path")}
 
 
+class Fetched(dict):
+    """A run config with cached folders in place of its Hub ids; `.recorded` is the config as the run records it
+    (what its checkpoints say they were trained with, so that a resume compares ids, not cache paths)."""
+
+    recorded: dict
+
+
+def _fetched(local: dict, cfg: dict) -> Fetched:
+    out = Fetched(local)
+    out.recorded = recorded(cfg)
+    return out
+
+
+def recorded(cfg: dict) -> dict:
+    return getattr(cfg, "recorded", cfg)
+
+
 def hub_refs(cfg: dict) -> dict[str, HubRef]:
     """{role: HubRef} for each of the config's paths that is a Hub id (not a local path)."""
     out = {}
@@ -85,12 +102,12 @@ def fetch_for_run(cfg: dict, run_dir, log=None) -> dict:
         section, key = ROLES[role]
         log(f"hub: {section}.{key} {refs[role]} is {found.label()}")
         report = _reporter(run_dir, role, log)
-        if role == "data":
-            rows.fetch(found.ref.at(found.commit), cfg["data"], report)
+        if role == "data":  # the commit recorded above, whatever the branch says meanwhile
+            rows.fetch(found.ref, cfg["data"], report, found)
             local["data"]["path"] = f"{found.ref.repo_id}@{found.commit}"
         else:
-            local[section][key] = str(fetch.local_model(found.ref.at(found.commit), report))
-    return local
+            local[section][key] = str(fetch.local_model(found.ref, report, found))
+    return _fetched(local, cfg)
 
 
 def pinned(cfg: dict, run_dir) -> dict:
@@ -112,7 +129,7 @@ def pinned(cfg: dict, run_dir) -> dict:
                 f"{ref.repo_id} @ {commit[:7]} is no longer complete in the cache: run the run again."
             )
         local[section][key] = str(folder)
-    return local
+    return _fetched(local, cfg)
 
 
 def _reporter(run_dir: Path, role: str, log):

@@ -535,8 +535,14 @@ def _train(
         if smoke
         else t["per_device_train_batch_size"] * t["gradient_accumulation_steps"] * ranks.world()
     )
-    callback = make_run_callback(
-        run_dir, stop, smoke, prec.device.label, samples_per_step, identity=identity, config=cfg
+    callback = make_run_callback(  # checkpoints record the config with its Hub ids, not their cache folders
+        run_dir,
+        stop,
+        smoke,
+        prec.device.label,
+        samples_per_step,
+        identity=identity,
+        config=sources.recorded(cfg),
     )
     _one_card(prec)
     try:
