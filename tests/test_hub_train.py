@@ -31,7 +31,11 @@ def run_config(**training) -> dict:
     """A demo-size run: 4 steps of a rank-4 adapter on 32 rows, question/answer mapped to alpaca."""
     return {
         "model": {"path": "acme/tiny"},
-        "data": {"path": "acme/rows", "columns": {"instruction": "question", "output": "answer"}},
+        "data": {
+            "path": "acme/rows",
+            "columns": {"instruction": "question", "output": "answer"},
+            "eval_split": 0.125,  # 4 rows held out: what the evaluation reads back at the recorded commit
+        },
         "lora": {"r": 4, "lora_alpha": 8},
         "training": {
             "max_length": 64,
@@ -140,6 +144,26 @@ def test_the_pages_launch_a_run_on_the_ids_and_show_the_cache(hub, trained, tmp_
     assert all("main @ " in r for r in table["revisions"]) and not any(
         "partial" in r for r in table["revisions"]
     )
+
+
+def test_evaluate_merge_and_gguf_take_the_hub_id(hub, trained, tmp_path):
+    """Every CLI that takes a model path takes the id (offline here: the run's cache holds it)."""
+    home, _, run, _ = trained
+    proc = hub.run(
+        ["-m", "core.eval", "--run", str(run), "--limit", "4", "--max-new-tokens", "4"], home, True
+    )
+    assert proc.returncode == 0 and "eval: exact match" in proc.stdout, proc.stderr[-2000:]
+    out = tmp_path / "merged"
+    args = ["--base", "acme/tiny", "--adapter", str(run / "adapter"), "--out", str(out), "--verify", "quick"]
+    proc = hub.run(["-m", "core.merge", *args], home, True)
+    assert proc.returncode == 0 and (out / "config.json").is_file(), proc.stderr[-2000:]
+    gguf = tmp_path / "tiny.gguf"
+    proc = hub.run(
+        ["-m", "core.gguf", "--model", "acme/tiny", "--out", str(gguf), "--verify", "quick"], home, True
+    )
+    assert proc.returncode == 0 and gguf.is_file(), proc.stderr[-2000:]
+    proc = hub.run(["-m", "core.merge", "--base", "acme/other", *args[2:]], home, True)
+    assert proc.returncode == 2 and "acme/other is not in the local Hugging Face cache" in proc.stderr
 
 
 def test_resume_on_another_commit_is_refused_in_one_sentence(hub, trained):

@@ -277,6 +277,20 @@ def local_model(ref: HubRef, progress: Report | None = None, found: RepoFacts | 
     return download(ref, progress)
 
 
+def model_path(path, progress: Report | None = None) -> str:
+    """A model path as a folder with its weights: a Hub id becomes its complete cached snapshot (downloaded
+    first when the cache lacks any of it); a local path stays as it is. HubError with one sentence."""
+    from core.hub.ids import parse
+
+    ref = parse(str(path)) if path is not None else None
+    if ref is None:
+        return path
+    try:
+        return str(local_model(ref, progress))
+    except HubError as exc:  # it may have been meant as a folder: say both
+        raise HubError(f"{path} is not a folder here (relative to {Path.cwd()}), and {exc}") from None
+
+
 def light_folder(ref: HubRef) -> Path:
     """A snapshot folder holding the model's config, tokenizer and chat template (fetched when missing: kilobytes,
     no weights): what preflight, previews and plans read."""

@@ -174,3 +174,20 @@ def for_training(cfg: dict, run_dir) -> dict:
         raise ConfigError(str(exc)) from None
     write_status(run_dir, reason=None)
     return local
+
+
+def for_evaluation(cfg: dict, run_dir) -> dict:
+    """The run's config with its Hub ids at the commits it trained on (sources.json), fetched when the cache lacks
+    them: the base an evaluation loads and the held-out rows it reads are the run's own."""
+    recorded = read(run_dir)
+    local = copy.deepcopy(cfg)
+    for role, ref in hub_refs(cfg).items():
+        commit = (recorded.get(role) or {}).get("commit")
+        at = ref.at(commit) if commit else ref
+        section, key = ROLES[role]
+        if role == "data":
+            _, found = rows.fetch(at, cfg["data"])
+            local["data"]["path"] = f"{ref.repo_id}@{found.commit}"
+        else:
+            local[section][key] = str(fetch.local_model(at))
+    return _fetched(local, cfg)
