@@ -297,12 +297,16 @@ def test_rm_refuses_a_repo_a_live_run_uses_then_deletes_it(hub, tmp_path):
 
 PREVIEW = """
 import json, sys
-from transformers import AutoTokenizer
-from core.train.data import preview_dataset
+from core.train.data import DataError, load_rows, preview_dataset
 from core.train.findings import load_tokenizer_and_config
 tok, _ = load_tokenizer_and_config({"path": "acme/tiny"})
-pv = preview_dataset(json.loads(sys.argv[1]), tok, n=3)
-print(json.dumps({"sample": pv["sample"], "rows": pv["rows"], "total": pv["total_rows"]}))
+data = json.loads(sys.argv[1])
+pv = preview_dataset(data, tok, n=3)
+try:
+    load_rows({**data, "split": "validation"})
+except DataError as exc:
+    bad_split = str(exc)
+print(json.dumps({"sample": pv["sample"], "rows": pv["rows"], "total": pv["total_rows"], "bad_split": bad_split}))
 """
 
 
@@ -313,6 +317,9 @@ def test_a_hub_dataset_is_previewed_and_checked_from_a_streamed_sample(hub, tmp_
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["sample"].startswith("a streamed sample of the first 40 rows of acme/rows @ ")
     assert out["rows"][0]["completion"].startswith("W0") and out["total"] == 40
+    assert (
+        out["bad_split"] == "data.split 'validation' is not a split of the dataset acme/rows: it has train."
+    )
     assert "train.jsonl" not in snapshot_files(tmp_path, "datasets--acme--rows")  # streamed, not downloaded
     assert not [f for f in snapshot_files(tmp_path) if f.endswith(".safetensors")]  # the tokenizer alone
     # preflight on the same sample: columns that fit no format are named, with those needed
@@ -322,11 +329,3 @@ def test_a_hub_dataset_is_previewed_and_checked_from_a_streamed_sample(hub, tmp_
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     (line,) = [x for x in proc.stderr.splitlines() if x.startswith("ERROR")]
     assert "from the columns question, answer" in line and "'instruction' + 'output'" in line
-    cfg.write_text(json.dumps({"model": {"path": "acme/tiny"}, "data": data, "training": {"max_length": 64}}))
-    ok = hub.run(["-m", "core.preflight", str(cfg)], tmp_path)
-    assert ok.returncode == 0, ok.stderr
-    bad = {"path": "acme/rows", "split": "validation", "columns": data["columns"]}
-    cfg.write_text(json.dumps({"model": {"path": "acme/tiny"}, "data": bad, "training": {"max_length": 64}}))
-    proc = hub.run(["-m", "core.preflight", str(cfg)], tmp_path)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "data.split 'validation' is not a split of the dataset acme/rows: it has train." in proc.stderr

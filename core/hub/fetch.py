@@ -200,14 +200,16 @@ def fetch_files(found: RepoFacts, names: list[str], tracker: Tracker | None = No
             tracker.file_done(name)
 
     if todo:
-        with ThreadPoolExecutor(max_workers=min(WORKERS, len(todo))) as pool:
+        pool = ThreadPoolExecutor(max_workers=min(WORKERS, len(todo)))
+        try:
             futures = [pool.submit(one, n) for n in todo]
             wait(futures, return_when=FIRST_EXCEPTION)
             for f in futures:
-                f.cancel()  # a failure stops the files not started yet
-            for f in futures:
                 if f.done() and not f.cancelled() and f.exception():
                     raise f.exception()
+        finally:
+            # a failure or Ctrl+C stops the files not started yet, without waiting for the ones in flight
+            pool.shutdown(wait=False, cancel_futures=True)
     if not found.cached_only:
         _write_ref(found)
     return snapshot(found.ref, found.commit)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from core.files import atomic_write_text
 from core.hub.fetch import Report, complete_folder, download
-from core.hub.ids import HubError, HubRef, explain, offline, offline_sentence
+from core.hub.ids import HubError, HubRef, endpoint, explain, offline, offline_sentence
 from core.hub.remote import RepoFacts, cached_commit, facts, manifest_path, read_manifest
 
 SAMPLE_ROWS = 2000
@@ -122,11 +122,17 @@ def load(ref: HubRef, data_cfg: dict):
     return sample(ref.at(commit), data_cfg)
 
 
+_SAMPLES: dict[tuple, object] = {}  # a commit's rows never change: a page's redraws stream them once
+
+
 def sample(ref: HubRef, data_cfg: dict, n: int = SAMPLE_ROWS):
     """The first `n` rows, streamed (datasets' streaming: only what they take is read)."""
     import datasets
 
     found = facts(ref)
+    key = (endpoint(), ref.repo_id, found.commit, _subset(data_cfg), _split(data_cfg), n)
+    if key in _SAMPLES:
+        return _SAMPLES[key]
     data_files(found, data_cfg)  # a wrong subset or split, said in the run config's words
     try:
         with _quiet():
@@ -143,7 +149,10 @@ def sample(ref: HubRef, data_cfg: dict, n: int = SAMPLE_ROWS):
     if not rows:
         raise HubError(f"data.path: the dataset {found.label()} has no rows in {part(data_cfg)}.")
     info = datasets.DatasetInfo(description=f"{SAMPLE_NOTE} of the first {len(rows)} rows of {found.label()}")
-    return datasets.Dataset.from_list(rows, info=info)
+    if len(_SAMPLES) >= 8:
+        _SAMPLES.pop(next(iter(_SAMPLES)))
+    _SAMPLES[key] = datasets.Dataset.from_list(rows, info=info)
+    return _SAMPLES[key]
 
 
 def is_sample(ds) -> str | None:
