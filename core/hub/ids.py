@@ -107,6 +107,13 @@ def offline_sentence(ref: HubRef | str) -> str:
     )
 
 
+def revision_sentence(ref: HubRef) -> str:
+    return (
+        f"the Hub at {endpoint()} has no revision '{ref.rev}' of {ref.repo_id}: give a branch, tag or commit it "
+        "has (e.g. main)."
+    )
+
+
 def explain(exc: BaseException, ref: HubRef, filename: str | None = None) -> str:
     """One sentence for a huggingface_hub / datasets / network failure about `ref`: what, where, how to fix."""
     from huggingface_hub import errors as e
@@ -122,7 +129,7 @@ def explain(exc: BaseException, ref: HubRef, filename: str | None = None) -> str
             "HF_TOKEN to a token of that account (or log in with `hf auth login`)."
         )
     if isinstance(exc, e.RevisionNotFoundError):
-        return f"{where} has no revision '{ref.rev}' of {ref.repo_id}: give a branch, tag or commit it has (e.g. main)."
+        return revision_sentence(ref)
     if isinstance(exc, e.RepositoryNotFoundError) or name == "DatasetNotFoundError":
         return (
             f"{where} has no {ref.kind} {ref.repo_id}"

@@ -11,7 +11,17 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from core.hub.ids import COMMIT, HubError, HubRef, cache_dir, endpoint, explain, offline, offline_sentence
+from core.hub.ids import (
+    COMMIT,
+    HubError,
+    HubRef,
+    cache_dir,
+    endpoint,
+    explain,
+    offline,
+    offline_sentence,
+    revision_sentence,
+)
 
 # What a training run needs from a model repo: the top-level files (subfolders hold other formats: original/,
 # onnx/, gguf/ ...), safetensors weights when there are any, never GGUF or other frameworks' weights.
@@ -116,7 +126,7 @@ def _why(exc: BaseException, ref: HubRef) -> str:
             _api().repo_info(ref.repo_id, repo_type=ref.repo_type, revision="main")
         except Exception:
             return explain(exc, ref)
-        return explain(e.RevisionNotFoundError(str(exc), response=getattr(exc, "response", None)), ref)
+        return revision_sentence(ref)
     return explain(exc, ref)
 
 
