@@ -160,7 +160,8 @@ def _hub_source(model: str, ref) -> tuple[dict, str]:
         data, found = config_json(ref)
     except hub_ids.HubError as exc:
         raise SpecError(
-            f"Unknown model '{model}': it is not a bundled preset or a local folder, and {exc}"
+            f"Unknown model '{model}': it is not a bundled preset id (python -m core.estimate --list-models) or a "
+            f"local folder, and {exc}"
         ) from None
     return data, f"The config.json of {found.label()}"
 
