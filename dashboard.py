@@ -8,6 +8,7 @@ from core.monitor import gpu
 from core.runs.queue import QueueError
 from core.runs.supervisor import ensure_running
 from core.workspace import WorkspaceError, default_workspace
+from ui.hub_panels import endpoint_caption
 
 st.set_page_config(page_title="LoRA Cockpit", page_icon=":material/flight:", layout="wide")
 
@@ -35,6 +36,7 @@ def sidebar():
             help="Everything the app writes goes under this folder: run directories, demo assets, merges.",
         )
         st.session_state["workspace"] = str(Path(ws).expanduser())
+        endpoint_caption()
 
 
 def restart_queue():
@@ -57,6 +59,7 @@ PAGES = [
     st.Page("pages/runs.py", title="Runs", icon=":material/folder_open:"),
     st.Page("pages/evaluate.py", title="Evaluate", icon=":material/fact_check:"),
     st.Page("pages/merge.py", title="Merge & Export", icon=":material/merge:"),
+    st.Page("pages/models.py", title="Models", icon=":material/download:"),
 ]
 
 page = st.navigation(PAGES)

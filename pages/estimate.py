@@ -20,6 +20,7 @@ from core.estimate.levers import (
     with_every_lever,
 )
 from core.estimate.plan import FIT_LIMIT, TARGET_LOW, GiB, Plan, PlanError
+from core.estimate.source import source_line
 from core.estimate.specs import SpecError, load_spec, preset_ids
 from core.fmt import gib, nbytes
 from core.monitor import gpu
@@ -115,7 +116,11 @@ def _model_and_method() -> None:
     presets = preset_ids()
     st.selectbox("Model", presets + [LOCAL], key=P + "model")
     if st.session_state[P + "model"] == LOCAL:
-        st.text_input("Model folder (holds config.json)", key=P + "model_path")
+        st.text_input(
+            "Model folder (holds config.json)",
+            key=P + "model_path",
+            help="Or a Hub id ORG/NAME[@REVISION]: planned from its config.json and safetensors headers, no weights.",
+        )
     st.radio(
         "Training method",
         methods.NAMES,
@@ -274,6 +279,7 @@ def show(plan: Plan) -> None:
     with st.spinner("Counting the model's parameters on torch's meta device (once per model and version)…"):
         spec = load_spec(plan.model)
     est = estimate(plan, spec)
+    st.caption(source_line(plan.model))  # the preset, the local folder, or the Hub id @ commit
     for w in est.warnings:
         st.warning(w)
     per_gpu = f" per GPU ({plan.gpus} GPUs, {plan.strategy})" if plan.gpus > 1 else ""

@@ -13,6 +13,8 @@ import torch
 from core import jobs
 from core import merge as M
 from core.fmt import disk
+from core.hub import ids as hub_ids
+from core.hub.fetch import complete_folder
 from core.workspace import WorkspaceError, check_run_name, default_workspace, inside
 from ui.jobs import follow
 from ui.routing import leave_legacy_mode
@@ -57,11 +59,21 @@ def base_input(adapter_dir: str, suggested: str) -> str | None:
         "Base model folder",
         value=suggested,
         key=f"merge_base_{adapter_dir}",
-        help="The original (unquantized) model the adapter was trained on: config.json + safetensors or .bin.",
+        help="The original (unquantized) model the adapter was trained on: config.json + safetensors or .bin, or "
+        "its Hub id (complete in the cache).",
     )
     if not base.strip():
         st.info("Enter the base model folder to continue.")
         return None
+    ref = hub_ids.parse(base)
+    if ref is not None:  # a Hub id: its complete snapshot in the cache (the Models page downloads one)
+        folder = complete_folder(ref)
+        if folder is None:
+            st.error(
+                f"{ref} is not complete in the Hugging Face cache: download it on the Models page first."
+            )
+            return None
+        return str(folder)
     if not (Path(base).expanduser() / "config.json").is_file():
         st.error(f"{base} is not a model folder: it has no config.json.")
         return None

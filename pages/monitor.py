@@ -18,6 +18,7 @@ from core.runs.rundir import LIVE_STATES, latest_checkpoint
 from core.train import methods
 from core.workspace import default_workspace
 from ui.eval_panels import completions_panel, samples_panel
+from ui.hub_panels import run_download
 from ui.routing import follow_choice, leave_legacy_mode
 
 leave_legacy_mode()
@@ -283,6 +284,7 @@ def show(run_dir: str, live: bool) -> None:
         if live and snap.state in ENDED:
             st.rerun()  # the run just ended: redraw the whole page once, static, with Stop disabled
         header(snap)
+        run_download(run_dir, snap.state)  # a run fetching its Hub model or data before it trains
         failure(snap)
         health(snap)
         samples_panel(run_dir)  # the answers to held-out prompts, above the curves they explain

@@ -17,6 +17,7 @@ from core.monitor.summary import COMPARABLE, comparable_metrics, compare_frame, 
 from core.runs.admin import delete_run
 from core.runs.launcher import RunError
 from core.train import methods
+from core.train.sources import labels as hub_labels
 from core.workspace import default_workspace, runs_dir
 from ui.routing import leave_legacy_mode
 
@@ -44,6 +45,8 @@ def table(summaries) -> None:
             "run": s.name,
             "state": s.state,
             "method": s.method or "–",
+            # the Hub ids it trained on, each @ its short commit (sources.json): model, reference, data
+            "from the Hub": " · ".join(hub_labels(s.run_dir).values()),
             "started": datetime.fromtimestamp(s.started).strftime("%Y-%m-%d %H:%M") if s.started else "–",
             "duration": duration(s.duration_s) or "–",
             "steps": f"{s.step if s.step is not None else 0}" + (f" / {s.max_steps}" if s.max_steps else ""),

@@ -22,7 +22,8 @@ BF16_CHOICES = ("auto", True, False)
 FIELDS = {
     f.name: f
     for f in (
-        Field("model_path", "model.path", "Model folder", "path", help="A local transformers model (config.json + weights)."),
+        Field("model_path", "model.path", "Model folder", "path", help="A local transformers model (config.json + weights), or a Hub id ORG/NAME[@REVISION]: fetched "
+              "when the run starts (the Models page shows the cache)."),
         Field("dtype", "model.dtype", "Weights dtype", "choice", choices=DTYPES,
               help="auto: bfloat16 on a CUDA GPU that has it, float32 otherwise"),
         Field("attn", "model.attn_implementation", "Attention", "choice", choices=ATTN),
@@ -40,7 +41,8 @@ FIELDS = {
         Field("targets", "lora.target_modules", "Target modules", "targets",
               help="all-linear, or a list such as q_proj, v_proj"),
         Field("data_path", "data.path", "Dataset file", "path",
-              help=".jsonl/.json/.csv/.parquet or a save_to_disk folder"),
+              help=".jsonl/.json/.csv/.parquet, a save_to_disk folder, or a Hub dataset id ORG/NAME[@REVISION] "
+              "(previewed from a streamed sample; data.subset and data.split in the YAML)"),
         Field("format", "data.format", "Format", "choice", choices=FORMATS,
               help="auto: detected from the columns (chat if 'messages', alpaca if instruction+output; "
               "conversational if the answers are message lists, standard if they are texts)"),

@@ -16,6 +16,7 @@ from core.estimate.fit import fit_search
 from core.estimate.from_config import busy_gpus, card_for, plan_for_config
 from core.estimate.levers import lever_savings, modelled_note, what_would_fit, with_every_lever
 from core.estimate.plan import VLLM_MODES, Estimate, GiB, Plan, PlanError
+from core.estimate.source import source_line
 from core.estimate.specs import SpecError, preset_ids
 from core.fmt import gib
 from core.train import methods
@@ -113,7 +114,11 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m core.estimate", description="Estimate GPU memory of a fine-tune."
     )
     d = Plan()
-    p.add_argument("--model", default=None, help="preset hub id or local model folder")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="a preset, a local model folder, or a Hub id ORG/NAME[@REVISION] (no weights read)",
+    )
     p.add_argument("--list-models", action="store_true", help="print the bundled preset ids and exit")
     p.add_argument("--method", default=d.method, help="full | lora | qlora")
     p.add_argument(
@@ -348,9 +353,11 @@ def main(argv: list[str] | None = None) -> int:
         out["levers"] = lever_savings(plan)
         out["data_batch"] = data_batch
         out["modelled_not_measured"] = note
+        out["model_source"] = source_line(plan.model)
         print(json.dumps(out))
     else:
         print(format_table(est, fit, advice))
+        print(source_line(plan.model))
         if data_batch:
             print(
                 f"with the data's real lengths ({data_batch['rows']} rows): the largest batch holds "

@@ -1,9 +1,10 @@
 """Model specs for the memory planner: the shape facts of a causal LM, counted exactly from its real module tree.
 
 A spec comes from a bundled preset (hub id -> the public config.json fields, core/presets.json), a local model
-folder (its config.json), or a model id whose config sits in the local Hugging Face cache. Nothing is
-downloaded. Parameter counts come from building the model on the `meta` device (no memory, no weights) and
-counting; LoRA targets come from applying peft's own `get_peft_model` to that meta model.
+folder (its config.json), or any other Hub id: its config.json alone, fetched into the Hugging Face cache (a few
+KiB, no weights: core.hub), or the cached one offline. Parameter counts come from building the model on the
+`meta` device (no memory, no weights) and counting; LoRA targets come from applying peft's own `get_peft_model`
+to that meta model.
 
 Importing torch, transformers and peft for that costs seconds, so the specs and LoRA targets of presets and
 local folders are also kept on disk, per installed library version, in the user's cache folder (the same one as
@@ -25,6 +26,7 @@ from pathlib import Path
 
 from core.files import FileTooLarge, NotRegularFile, atomic_write_text, read_bounded
 from core.fmt import error_line
+from core.hub import ids as hub_ids
 from core.plausible import ImplausibleConfig, check_model_config
 
 PRESETS_FILE = Path(__file__).with_name("presets.json")
@@ -121,13 +123,15 @@ def _known_model_types() -> set[str]:
 
 
 def _config_source(model: str) -> tuple[dict, str] | None:
-    """The raw config fields of a preset or a local model folder, and where they came from, read without torch
-    or transformers; None for a name that only the local Hugging Face cache may know."""
+    """The raw config fields of a preset, a local model folder or a Hub id (its config.json alone, no weights),
+    and where they came from, read without torch or transformers; None for a name that only the local Hugging
+    Face cache may know."""
     if model in _presets():
         return _presets()[model], f"The preset '{model}'"
     path = Path(model).expanduser()
     if not path.exists():
-        return None
+        ref = hub_ids.parse(model)
+        return _hub_source(model, ref) if ref is not None else None
     if path.is_file() and path.name == "config.json":
         path = path.parent
     cfg_file = path / "config.json"
@@ -147,6 +151,19 @@ def _config_source(model: str) -> tuple[dict, str] | None:
     if not isinstance(data, dict):
         raise SpecError(f"{cfg_file} does not hold a JSON object; it is not a model config.")
     return data, str(cfg_file)
+
+
+def _hub_source(model: str, ref) -> tuple[dict, str]:
+    from core.hub.fetch import config_json
+
+    try:
+        data, found = config_json(ref)
+    except hub_ids.HubError as exc:
+        raise SpecError(
+            f"Unknown model '{model}': it is not a bundled preset id (python -m core.estimate --list-models) or a "
+            f"local folder, and {exc}"
+        ) from None
+    return data, f"The config.json of {found.label()}"
 
 
 def load_config(model: str):
@@ -181,8 +198,8 @@ def load_config(model: str):
             "config.json), or pick a bundled preset."
         )
     raise SpecError(
-        f"Unknown model '{model}': it is not a bundled preset, not a local folder, and not in the local "
-        f"Hugging Face cache (this tool never downloads). Use a preset id such as "
+        f"Unknown model '{model}': it is not a bundled preset, a local folder, a Hub id (ORG/NAME) or a model in "
+        f"the local Hugging Face cache. Use a preset id such as "
         f"{', '.join(preset_ids()[:3])} (full list: python -m core.estimate --list-models) "
         "or the path of a folder holding the model's config.json."
     )

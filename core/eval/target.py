@@ -9,7 +9,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from core.eval.heldout import EvalError
+from core.hub import fetch
+from core.hub.ids import HubError
 from core.runs import rundir
+from core.train import sources
 from core.train.config import ConfigError, load_config
 from core.workspace import default_workspace, runs_dir
 
@@ -83,6 +86,11 @@ def resolve(
             cfg = load_config(run_dir / rundir.CONFIG)
         except ConfigError as exc:
             raise EvalError(f"The run's config does not load: {exc}") from None
+    try:  # Hub ids: the run's at the commits it trained on; --base / --model ones at their branch
+        cfg = sources.for_evaluation(cfg, run_dir) if cfg is not None else None
+        base, model = fetch.model_path(base), fetch.model_path(model)
+    except HubError as exc:
+        raise EvalError(str(exc)) from None
     tuned: Path | None = Path(model or adapter).expanduser().resolve() if (model or adapter) else None
     what = ""
     if tuned is None:

@@ -25,7 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     ap = argparse.ArgumentParser(prog="python -m core.gguf", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", required=True, help="local HF model folder (safetensors)")
+    ap.add_argument(
+        "--model", required=True, help="local HF model folder (safetensors), or a Hub id ORG/NAME[@REV]"
+    )
     ap.add_argument("--out", required=True, help="the .gguf file to create (never overwritten)")
     ap.add_argument("--type", default="f16", help=f"one of {', '.join(ALL_TYPES)} (default f16)")
     ap.add_argument("--verify", default="auto", help=f"one of {', '.join(VERIFY_MODES)} (default auto)")

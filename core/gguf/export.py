@@ -28,6 +28,8 @@ from core.gguf.tensors import K_TYPES, TYPES, plan_tensors
 from core.gguf.verify import full_check_fits, verify
 from core.gguf.vocab import byte_rows, load_source_tokenizer, read_vocab
 from core.gguf.writer import ProgressFile, progress_path, write_gguf
+from core.hub.fetch import model_path
+from core.hub.ids import HubError
 
 ALL_TYPES = tuple(TYPES) + tuple(K_TYPES)
 VERIFY_MODES = ("auto", "full", "quick", "none")
@@ -171,6 +173,10 @@ def export_gguf(
         raise BadInput(f"Unknown --verify {verify_mode!r}; choose one of {', '.join(VERIFY_MODES)}.")
     _check_type(out_type)
     _check_out(out)
+    try:  # a Hub id: its cached snapshot, fetched first when missing
+        model_dir = model_path(model_dir, on_progress)
+    except HubError as exc:
+        raise BadInput(f"--model: {exc}") from None
     src = open_source(model_dir)
     tok = load_source_tokenizer(src.path)
     vocab = read_vocab(src.path, int(src.config["vocab_size"]), tok)

@@ -22,7 +22,7 @@ from core.workspace import inside, make_folder
 
 JOBS_DIR = "jobs"
 JOB, PROGRESS, RESULT = "job.json", "progress.json", "result.json"
-KINDS = ("merge", "demo", "preflight", "gguf", "eval", "warm_start")
+KINDS = ("merge", "demo", "preflight", "gguf", "eval", "warm_start", "hub")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -135,3 +135,19 @@ class Progress:
         if now - self._t >= 0.2 or fields.get("final"):
             self._t = now
             atomic_write_text(self.folder / PROGRESS, json.dumps({**fields, "time": now}, default=str))
+
+
+def running(workspace: str | os.PathLike, kind: str) -> list[JobView]:
+    """The jobs of `kind` still running, newest first (the Models page lists its downloads)."""
+    root = jobs_dir(workspace)
+    views = [read(f) for f in root.glob(f"{kind}-*")] if root.is_dir() else []
+    return sorted((v for v in views if not v.done), key=lambda v: v.started or 0.0, reverse=True)
+
+
+def cancel(folder: str | os.PathLike) -> None:
+    """Stop a running job (SIGTERM, then SIGKILL) and record it as cancelled; what it finished stays (a download
+    keeps its complete files, and the next one fetches the rest)."""
+    folder = Path(folder)
+    procs.stop(folder, grace_s=5.0)
+    if read_json_object(folder / RESULT) is None:
+        _write_result(folder, {"state": "failed", "error": "cancelled"})

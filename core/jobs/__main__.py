@@ -107,7 +107,28 @@ def run_warm_start(p: dict, report: Progress) -> dict:
     return {"model": str(warm_base(p["out"]))}
 
 
+def run_hub(p: dict, report: Progress) -> dict:
+    from core.hub import fetch, rows
+    from core.hub.ids import HubRef
+
+    last: dict = {}
+
+    def progress(d: dict) -> None:
+        last.update(d)
+        report(**d)
+
+    ref = HubRef(p["id"], p.get("revision"), p.get("type", "model"))
+    if ref.repo_type == "dataset":
+        folder, found = rows.fetch(ref, {"subset": p.get("subset"), "split": p.get("split")}, progress)
+        label = found.label()
+    else:
+        folder = fetch.download(ref, progress)
+        label = f"{ref.repo_id} @ {folder.name[:7]}"
+    return {"folder": str(folder), "label": label, "progress": last}  # the last report: bytes, files, rate
+
+
 RUNNERS = {
+    "hub": run_hub,
     "merge": run_merge,
     "demo": run_demo,
     "preflight": run_preflight_job,

@@ -9,6 +9,8 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from core.hub.fetch import model_path, progress_line
+from core.hub.ids import HubError
 from core.merge.common import MergeError, MergeProgress, gb
 from core.workspace import WorkspaceError
 
@@ -24,7 +26,11 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m core.merge",
         description="Merge a LoRA adapter into its base model, shard by shard, verified, written atomically.",
     )
-    ap.add_argument("--base", required=True, help="folder of the base model (safetensors or .bin)")
+    ap.add_argument(
+        "--base",
+        required=True,
+        help="folder of the base model (safetensors or .bin), or a Hub id ORG/NAME[@REV]",
+    )
     ap.add_argument("--adapter", required=True, help="peft adapter folder (adapter_config.json + weights)")
     ap.add_argument(
         "--out",
@@ -86,8 +92,14 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
 
     try:
+        # a Hub id: its cached snapshot, fetched first when missing (a line per finished file)
+        base = model_path(args.base, lambda p: print(f"download: {progress_line(p)}", flush=True))
+    except HubError as e:
+        print(f"error: --base: {e}", file=sys.stderr)
+        return 2
+    try:
         result = merge_at(
-            *(Path(p).expanduser().resolve() for p in (args.base, args.adapter, args.out)),
+            *(Path(p).expanduser().resolve() for p in (base, args.adapter, args.out)),
             args.dtype,
             args.shard_size,
             args.device,

@@ -5,7 +5,7 @@
     model:        {path, dtype, attn_implementation, trust_remote_code, reference_path (DPO, KTO)}
     quantization: the fields of transformers.BitsAndBytesConfig
     lora:         the fields of peft.LoraConfig (+ `enabled`: false for a full fine-tune)
-    data:         {path, format, columns, split, eval_split, mask_prompt}    the cockpit's data loader
+    data:         {path, subset, format, columns, split, eval_split, mask_prompt}    the cockpit's data loader
     training:     every field of trl.SFTConfig (TrainingArguments + SFT's own), e.g. max_length, packing;
                   of the method's own config class otherwise (trl.DPOConfig, trl.KTOConfig), e.g. beta
 
@@ -341,7 +341,7 @@ def _combination_problem(cfg: dict) -> tuple[str, str] | None:
     if cfg["data"]["path"] is None:
         return (
             "data.path",
-            "data.path is required: a .jsonl/.json/.csv/.parquet file or a save_to_disk folder.",
+            "data.path is required: a .jsonl/.json/.csv/.parquet file, a save_to_disk folder or a Hub dataset id.",
         )
     t, q = cfg["training"], cfg["quantization"]
     if t.get("bf16") is True and t.get("fp16"):

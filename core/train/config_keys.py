@@ -83,10 +83,12 @@ DEFAULTS: dict[str, Any] = {
         "use_rslora": False,
     },
     "data": {
-        "path": None,  # a .json/.jsonl/.csv/.parquet file, a list of them, or a save_to_disk folder (required)
+        "path": None,  # a .json/.jsonl/.csv/.parquet file, a list of them, a save_to_disk folder, or a Hub
+        # dataset id ORG/NAME[@REVISION] (required)
+        "subset": None,  # a Hub dataset's subset (its config name); None: its default
         "format": "auto",
         "columns": {},  # rename map, e.g. {"instruction": "question", "output": "answer"}
-        "split": "train",  # which split of a DatasetDict folder to train on
+        "split": "train",  # which split of a DatasetDict folder (or of a Hub dataset) to train on
         "eval_split": 0.0,  # fraction of rows held out for eval_loss (0 = no eval)
         "mask_prompt": True,  # train on the answer only, with any chat template
     },
@@ -245,6 +247,7 @@ OWN_SCHEMA = {
             ),
         },
         "columns": {"kinds": ["dict"]},
+        "subset": {"kinds": ["str", "none"]},
         "split": {"kinds": ["str"]},
         "eval_split": {"kinds": ["float"]},
         "mask_prompt": {"kinds": ["bool"]},

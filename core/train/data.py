@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from core.fmt import error_line
+from core.hub import ids as hub_ids
 
 IGNORE_INDEX = -100
 
@@ -59,7 +60,35 @@ def quiet_datasets():
 
 
 def load_rows(data_cfg: dict):
-    """The raw rows as a `datasets.Dataset`, with `data.columns` renamed to the expected names."""
+    """The raw rows as a `datasets.Dataset`, with `data.columns` renamed to the expected names. A Hub dataset id
+    (ORG/NAME[@REVISION], data.subset, data.split): the whole split when downloaded (a run fetches it first),
+    else a streamed sample of its first rows (core.hub.rows.is_sample tells)."""
+    ref = hub_ids.parse(data_cfg["path"], "dataset")
+    ds = _hub_rows(ref, data_cfg) if ref is not None else _file_rows(data_cfg)
+    renames = {user: expected for expected, user in (data_cfg.get("columns") or {}).items()}
+    for user, expected in renames.items():
+        if user in ds.column_names and user != expected:
+            if expected in ds.column_names:
+                ds = ds.remove_columns(expected)
+            ds = ds.rename_column(user, expected)
+    return ds
+
+
+def _hub_rows(ref, data_cfg: dict):
+    from core.hub import rows
+
+    try:
+        return rows.load(ref, data_cfg)
+    except hub_ids.HubError as exc:
+        text = str(exc)
+        if text.startswith("data."):
+            raise DataError(text) from None
+        raise DataError(
+            f"data.path: {ref} is not a file or folder here (relative to {Path.cwd()}), and {text}"
+        ) from None
+
+
+def _file_rows(data_cfg: dict):
     import datasets
 
     paths = _as_paths(data_cfg["path"])
@@ -111,12 +140,6 @@ def load_rows(data_cfg: dict):
                     _check_json_lines(path)  # names the line; the loader's own error does not
             first = error_line(_root_cause(exc))
             raise DataError(f"data.path: could not read {', '.join(map(str, paths))}: {first}") from None
-    renames = {user: expected for expected, user in (data_cfg.get("columns") or {}).items()}
-    for user, expected in renames.items():
-        if user in ds.column_names and user != expected:
-            if expected in ds.column_names:
-                ds = ds.remove_columns(expected)
-            ds = ds.rename_column(user, expected)
     return ds
 
 
@@ -393,6 +416,8 @@ def preview_dataset(
         )
     sample = ds.select(range(min(length_rows, len(ds))))
     lengths = [tokenize_row(r, fmt, tokenizer, max_length)["length"] for r in sample]
+    from core.hub.rows import is_sample
+
     return {
         "format": fmt,
         "rows": rows,
@@ -400,6 +425,9 @@ def preview_dataset(
         "max_length": max_length,
         "truncated": sum(n_tok > max_length for n_tok in lengths),
         "total_rows": len(ds),
+        "sample": is_sample(
+            ds
+        ),  # a Hub dataset not downloaded: 'a streamed sample of the first N rows of ...'
     }
 
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from core.files import read_bounded, read_json_object
+from core.hub import ids as hub_ids
+from core.hub.fetch import complete_folder, folder_for_checks, readable
 from core.plausible import ImplausibleConfig, check_model_config
 
 SHOW_ROWS = 20
@@ -47,17 +49,23 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer
 
 
 def check_model_folder(path, need_weights: bool = True) -> str | None:
-    """None when `path` is a usable local model folder (or a hub id in the local cache); else one sentence: what
+    """None when `path` is a usable local model folder (or a Hub id, cached or on the Hub); else one sentence: what
     is wrong, where, how to fix it. Checks config.json and each safetensors header without loading weights."""
 
     if not isinstance(path, str) or not path.strip():
         return "model.path is empty: give the folder of a local model (config.json + weights)."
-    folder = model_folder(path)
-    if folder is None:
-        return (
-            f"model.path: the folder {Path(path).expanduser()} does not exist. Nothing is downloaded here: give the "
-            "folder of a local model (config.json, weights and tokenizer files), e.g. one saved with save_pretrained."
-        )
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        ref = hub_ids.parse(path)
+        if ref is None:
+            return (
+                f"model.path: the folder {folder} does not exist. Nothing is downloaded here: give the folder of a "
+                "local model (config.json, weights and tokenizer files), e.g. one saved with save_pretrained."
+            )
+        try:  # a Hub id: its cached snapshot, or (online) its config and tokenizer; the weights come at launch
+            folder, need_weights = folder_for_checks(ref, need_weights)
+        except hub_ids.HubError as exc:
+            return f"model.path: {exc}"
     config = folder / "config.json"
     if not config.is_file():
         return f"model.path: {folder} has no config.json, so it is not a transformers model folder."
@@ -103,9 +111,16 @@ def check_model_folder(path, need_weights: bool = True) -> str | None:
 
 
 def model_folder(path: str) -> Path | None:
-    """The local folder `path` names: the folder itself, or a hub id's snapshot in the local cache; None if neither."""
+    """The local folder `path` names: the folder itself, or a Hub id's complete snapshot in the local cache (the
+    weights of one not downloaded yet come at launch); None if neither."""
     folder = Path(path).expanduser()
-    return folder if folder.is_dir() else _cached_hub_folder(path)
+    if folder.is_dir():
+        return folder
+    ref = hub_ids.parse(path)
+    try:
+        return complete_folder(ref) if ref is not None else None
+    except hub_ids.HubError:
+        return None
 
 
 def loaded_weight_files(folder: Path) -> list[Path]:
@@ -118,16 +133,6 @@ def loaded_weight_files(folder: Path) -> list[Path]:
         return sorted(folder / n for n in names if isinstance(n, str) and (folder / n).is_file())
     single = folder / "model.safetensors"
     return [single] if single.is_file() else []
-
-
-def _cached_hub_folder(repo_id: str):
-    try:
-        from huggingface_hub import try_to_load_from_cache
-
-        hit = try_to_load_from_cache(repo_id, "config.json")
-    except Exception:  # not a valid repo id, no cache
-        return None
-    return Path(hit).parent if isinstance(hit, str) else None
 
 
 MISMATCH_FIX = (
@@ -216,13 +221,14 @@ def load_tokenizer_and_config(model_cfg: dict):
     from transformers import AutoConfig, AutoTokenizer
 
     kw = {"trust_remote_code": model_cfg.get("trust_remote_code", False)}
+    path = readable(model_cfg["path"])  # a Hub id: its config and tokenizer from the cache (no weights)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_cfg["path"], **kw)
+        tokenizer = AutoTokenizer.from_pretrained(path, **kw)
     except (
         Exception
     ) as exc:  # the json, tokenizers or sentencepiece library's own error: a property of the folder
-        raise TokenizerError(tokenizer_problem(model_cfg["path"], exc)) from None
-    return tokenizer, AutoConfig.from_pretrained(model_cfg["path"], **kw)
+        raise TokenizerError(tokenizer_problem(path, exc)) from None
+    return tokenizer, AutoConfig.from_pretrained(path, **kw)
 
 
 def tokenizer_problem(path: str, exc: Exception) -> str:

@@ -25,7 +25,7 @@ from core.monitor.gpu import GpuSampler
 from core.precision import Device, Precision, PrecisionError, resolve, torch_dtype
 from core.runs import rundir
 from core.runs.rundir import read_status, truncate_metrics, write_status
-from core.train import distributed, methods, ranks
+from core.train import distributed, methods, ranks, sources
 from core.train.callbacks import (
     StopFlag,
     early_stop,
@@ -223,6 +223,8 @@ def run_training(
         if pinned and Device.local().kind == "cuda":  # asked only now: CUDA starts on the card just pinned
             print(f"training on {pinned}", flush=True)
         start = check_resume(run_dir, cfg, config_path) if resume and not smoke else (None, [], None)
+        if resume and not smoke:  # a Hub id resolving to another commit than it trained on
+            sources.refuse_other_commits(run_dir, cfg)
         if adopted is not None:  # the launcher's folder: say what it is doing (a terminal's run has none yet)
             rundir.write_phase(run_dir, "checking and preparing the data")
         # the data checked and tokenized here, before the folder (a supervisor's ranks tokenize their own)
@@ -287,6 +289,9 @@ def _run_training(
         stop = StopFlag().install() if threading.current_thread() is threading.main_thread() else StopFlag()
     identity = rundir.folder_identity(run_dir)  # a run folder deleted or replaced later is told by it
     prec, checkpoint, new_hyperparameters = _setup_run(cfg, run_dir, resume, smoke, start)
+    cfg = sources.for_training(
+        cfg, run_dir
+    )  # Hub ids: fetched (progress in the run folder), then local folders
     if distributed.world_size(cfg) > 1 and not smoke:  # a smoke test measures one process's step
         return _supervise(cfg, run_dir, prec, checkpoint, new_hyperparameters, stop)
     return _train_and_finish(cfg, prec, run_dir, checkpoint, smoke, stop, identity, new_hyperparameters, data)
@@ -476,7 +481,7 @@ def _run_rank(config_path, run_dir: Path, handed: dict, stop: StopFlag | None) -
 
     quiet_progress_bars()
     stop = stop or StopFlag().install()
-    cfg = load_config(config_path)
+    cfg = sources.pinned(load_config(config_path), run_dir)  # its supervisor fetched the Hub ids
     identity = rundir.folder_identity(run_dir)
     prec = choose_precision(cfg)
     if not prec.on_cpu:  # each rank its own GPU, before the model lands on one
@@ -557,8 +562,14 @@ def _train(
         if smoke
         else t["per_device_train_batch_size"] * t["gradient_accumulation_steps"] * ranks.world()
     )
-    callback = make_run_callback(
-        run_dir, stop, smoke, prec.device.label, samples_per_step, identity=identity, config=cfg
+    callback = make_run_callback(  # checkpoints record the config with its Hub ids, not their cache folders
+        run_dir,
+        stop,
+        smoke,
+        prec.device.label,
+        samples_per_step,
+        identity=identity,
+        config=sources.recorded(cfg),
     )
     _one_card(prec)
     try:
