@@ -207,17 +207,16 @@ def header(snap) -> None:
     c[2].metric("ETA", (duration(snap.eta_s) or "–") if snap.eta_s is not None else "–")
     c[3].metric("Tokens/s", f"{snap.tokens_per_s:,.0f}" if snap.tokens_per_s else "–")
     c[4].metric("Elapsed", (duration(snap.elapsed_s) or "–"))
+    phase, since = (snap.status or {}).get("phase"), (snap.status or {}).get("phase_started")
+    if phase and snap.state in ("starting", "running"):  # what a starting run is busy with, and for how long
+        took = f" for {duration(time.time() - since) or '0 s'}" if isinstance(since, (int, float)) else ""
+        st.caption(f"Now: {phase}{took}.")
     if snap.progress is not None:
         st.progress(snap.progress)
 
 
 def health(snap) -> None:
-    if snap.stall:
-        st.warning(
-            f"**Stalled**: {snap.stall}. Paused with Ctrl+Z or SIGSTOP? Continue it (`fg`, or `kill -CONT` its "
-            "pid). Hung (a stuck collective, a dead network mount)? Stop ends it."
-        )
-    for w in snap.warnings:
+    for w in snap.warnings:  # a stall among them (core.monitor.advice.stall_warning)
         LEVEL.get(w.level, st.warning)(f"**{w.title}**: {w.detail}\n\nFix: {w.fix}")
     if snap.other_processes:
         others = ", ".join(

@@ -25,9 +25,9 @@ def stall_warning(stall: str) -> HealthWarning:
     """A live run that stopped stepping (core.runs.rundir.stall's sentence) as a health warning."""
     return HealthWarning(
         "stalled",
-        "error",
-        "The run stopped stepping",
+        "warning",
+        "Stalled",
         stall,
-        "A stopped process continues with `kill -CONT PID` (or stop the run and resume it); a hung one is ended by "
-        "Stop, which saves a checkpoint if it can.",
+        "Paused with Ctrl+Z or SIGSTOP? Continue it (`fg`, or `kill -CONT` its pid). Hung (a stuck collective, a "
+        "dead network mount)? Stop ends it, saving a checkpoint if it can.",
     )
