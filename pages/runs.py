@@ -19,6 +19,7 @@ from core.runs.launcher import RunError
 from core.train import methods
 from core.train.sources import labels as hub_labels
 from core.workspace import default_workspace, runs_dir
+from ui.queue_panels import queue_section, sweep_view
 from ui.routing import leave_legacy_mode
 
 leave_legacy_mode()
@@ -170,6 +171,7 @@ workspace = st.session_state.get("workspace") or str(default_workspace())
 deleted = st.session_state.pop("runs_deleted", None)
 if deleted:
     st.success(f"Deleted run {deleted}.")
+queue_section(workspace)
 summaries = summarize_runs(runs_dir(workspace))
 if not summaries:
     st.info(
@@ -177,6 +179,7 @@ if not summaries:
     )
     st.stop()
 table(summaries)
+sweep_view(workspace, summaries)
 compare(summaries)
 compare_evals(summaries)
 open_and_delete(summaries)

@@ -8,6 +8,7 @@ from core.demo.build import demo_dir, demo_ready
 from core.train.config import ConfigError, validate_config
 from core.workspace import WorkspaceError, default_workspace
 from ui.jobs import follow
+from ui.queue_panels import queue_buttons
 from ui.routing import leave_legacy_mode
 from ui.train_form import config_form
 from ui.train_panels import (
@@ -98,5 +99,6 @@ st.subheader("Smoke test and launch")
 if cfg and not errors:
     smoke_panel(workspace, cfg, name)
 launch_button(workspace, cfg, name, blocked)
+queue_buttons(workspace, cfg, name, blocked)
 st.divider()
 yaml_panel(raw, errors)

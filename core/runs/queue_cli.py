@@ -52,36 +52,22 @@ def run(args, workspace: Path) -> int:
 
 
 def _add(args, workspace: Path) -> int:
-    from core.estimate.from_config import plan_json
-    from core.estimate.plan import PlanError
-    from core.estimate.specs import SpecError
-    from core.train.preflight import check_model
-
     try:
         raw = read_yaml(args.config)
     except YamlError as exc:
         raise ConfigError(str(exc)) from None
-    base, sweep = S.split(raw)
-    points = S.points(sweep) if sweep is not None else [{}]
     stem = args.name or suggest_run_name(Path(args.config).stem)
-    queued, refused = [], []
-    for i, point in enumerate(points, 1):
-        cfg = S.apply(base, point)
-        problem = check_model(cfg["model"]["path"])
-        if problem:
-            raise ConfigError(problem)
-        try:
-            plan = plan_json(cfg)
-        except (PlanError, SpecError) as exc:
-            raise ConfigError(str(exc)) from None
-        name = f"{stem}-{i}" if sweep is not None else stem
-        where = f" ({S.label(point)})" if point else ""
-        if plan.get("verdict") == "does not fit":
-            refused.append(f"{name}{where}: not queued, does not fit ({_fraction(plan)})")
-            continue
-        entry = Q.add(workspace, cfg, name, plan, sweep={"id": stem, "values": point} if point else None)
-        queued.append(f"{entry.id}  {entry.name}{where}: queued, {plan.get('verdict')} ({_fraction(plan)})")
-    print("\n".join(queued + refused))
+    lines, queued = [], 0
+    for p in S.enqueue(workspace, raw, stem):
+        where = f" ({S.label(p['point'])})" if p["point"] else ""
+        if p["entry"] is None:
+            lines.append(f"{p['name']}{where}: not queued, does not fit ({_fraction(p['plan'])})")
+        else:
+            queued += 1
+            lines.append(
+                f"{p['entry'].id}  {p['name']}{where}: queued, {p['plan'].get('verdict')} ({_fraction(p['plan'])})"
+            )
+    print("\n".join(sorted(lines, key=lambda line: "not queued" in line)))
     if not queued:
         print(f"error: nothing was queued from {args.config}: no point fits this machine.", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -107,6 +107,37 @@ def apply(base: dict, point: dict[str, Any]) -> dict:
     return validate_config(cfg)
 
 
+def enqueue(workspace, raw: dict, stem: str) -> list[dict]:
+    """Queue a run config, or each point of its `sweep:` section, under `stem` (a sweep's points: stem-1, stem-2,
+    ...): each validated, its model folder checked and planned for this machine; the points that do not fit are
+    not queued. One dict per point: {"name", "point", "plan", "entry" (None when not queued)}. ConfigError /
+    SweepError / QueueError for input that cannot be queued at all."""
+    from core.estimate.from_config import plan_json
+    from core.estimate.plan import PlanError
+    from core.estimate.specs import SpecError
+    from core.runs import queue as Q
+    from core.train.preflight import check_model
+
+    base, sweep = split(raw)
+    chosen = points(sweep) if sweep is not None else [{}]
+    out = []
+    for i, point in enumerate(chosen, 1):
+        cfg = apply(base, point)
+        problem = check_model(cfg["model"]["path"])
+        if problem:
+            raise ConfigError(problem)
+        try:
+            plan = plan_json(cfg)
+        except (PlanError, SpecError) as exc:
+            raise ConfigError(str(exc)) from None
+        name = f"{stem}-{i}" if sweep is not None else stem
+        entry = None
+        if plan.get("verdict") != "does not fit":
+            entry = Q.add(workspace, cfg, name, plan, sweep={"id": stem, "values": point} if point else None)
+        out.append({"name": name, "point": point, "plan": plan, "entry": entry})
+    return out
+
+
 def label(point: dict[str, Any]) -> str:
     """The point's values for a sentence: "learning_rate=0.0001, r=8"."""
     return ", ".join(f"{path.rpartition('.')[2]}={_short(v)}" for path, v in point.items())
