@@ -28,6 +28,10 @@ def pick_adapter(ws: Path) -> tuple[str | None, str | None, str]:
     """(adapter folder, run name or None, suggested base folder) from a run or a typed folder."""
     runs = M.list_adapters(ws)
     labels = [f"{c.run} ({c.state or 'no status'})" for c in runs] + [FOLDER]
+    wanted = st.session_state.pop("merge_run", None)  # a run chosen on the Monitor or the Runs page
+    match = next((label for c, label in zip(runs, labels, strict=False) if c.run == wanted), None)
+    if match:
+        st.session_state["merge_adapter_choice"] = match
     choice = st.selectbox(
         "Adapter",
         labels,

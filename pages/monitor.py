@@ -12,9 +12,10 @@ import streamlit as st
 from core.fmt import duration, first_sentence
 from core.monitor import gpu
 from core.monitor.series import DEFAULT_SMOOTHING_STEPS
+from core.monitor.summary import summarize_run
 from core.monitor.watch import RunWatcher, run_method
 from core.runs.launcher import RunError, launch, list_runs, stop_run
-from core.runs.rundir import LIVE_STATES, latest_checkpoint
+from core.runs.rundir import LIVE_STATES, latest_checkpoint, read_status
 from core.train import methods
 from core.workspace import default_workspace
 from ui.eval_panels import completions_panel, samples_panel
@@ -298,6 +299,36 @@ def show(run_dir: str, live: bool) -> None:
     panel()
 
 
+def finished_summary(run_dir: str) -> None:
+    """A finished run at a glance: where it ended and why, its final and best figures, the adapter, and what to do
+    next (Evaluate, Merge)."""
+    s = summarize_run(run_dir)
+    status = read_status(run_dir) or {}
+    adapter = Path(run_dir) / "adapter"
+    kept = adapter if adapter.is_dir() else Path(run_dir) / "model"
+    parts = [f"Finished at step {s.step:,}" + (f" in {duration(s.duration_s)}" if s.duration_s else "") + "."]
+    if s.final_loss is not None:
+        parts.append(f"Final loss {s.final_loss:.4f}.")
+    if s.best_eval_loss is not None:
+        parts.append(f"Best eval loss {s.best_eval_loss:.4f}.")
+    parts.extend(
+        f"{f['label'].capitalize()} {f['value']:{f['format']}}." for f in s.headline if f["value"] is not None
+    )
+    with st.container(border=True):
+        st.markdown("**" + " ".join(parts) + "**")
+        if status.get("early_stop"):
+            st.caption(first_sentence(status.get("reason")).capitalize())
+        if kept.is_dir():
+            st.caption(f"{'Adapter' if kept == adapter else 'Model'}: `{kept}`")
+        c1, c2, _ = st.columns([1, 1, 3])
+        if c1.button("Evaluate", key="mon_eval", icon=":material/fact_check:"):
+            st.session_state["eval_run"] = run_dir
+            st.switch_page("pages/evaluate.py")
+        if c2.button("Merge", key="mon_merge", icon=":material/merge:", disabled=kept != adapter):
+            st.session_state["merge_run"] = Path(run_dir).name
+            st.switch_page("pages/merge.py")
+
+
 # ---- page -------------------------------------------------------------------------------------------------------
 
 st.title("Monitor")
@@ -359,7 +390,9 @@ elif c2.button(
 flash = st.session_state.pop("mon_flash", None)
 if flash:
     st.success(flash)
-if info.state in ENDED and st.button("Evaluate this run", key="mon_eval", icon=":material/fact_check:"):
+if info.state == "finished":
+    finished_summary(run_dir)
+elif info.state in ENDED and st.button("Evaluate this run", key="mon_eval", icon=":material/fact_check:"):
     st.session_state["eval_run"] = run_dir
     st.switch_page("pages/evaluate.py")
 if info.state in ("stopped", "failed") and info.reason:

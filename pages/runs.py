@@ -151,6 +151,10 @@ def open_and_delete(summaries) -> None:
     if c2.button("Evaluate", key="runs_eval", icon=":material/fact_check:", disabled=run.state != "finished"):
         st.session_state["eval_run"] = run.run_dir
         st.switch_page("pages/evaluate.py")
+    adapter = (Path(run.run_dir) / "adapter").is_dir()
+    if c2.button("Merge", key="runs_merge", icon=":material/merge:", disabled=not adapter):
+        st.session_state["merge_run"] = run.name
+        st.switch_page("pages/merge.py")
     with st.expander(f"Delete {name}"):
         st.caption("Deletes the run folder with its checkpoints and adapter. Running runs cannot be deleted.")
         sure = st.checkbox(f"Yes, delete {name} and all its files", key=f"runs_sure_{name}")
