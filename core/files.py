@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -236,3 +237,21 @@ def read_yaml_mapping(path: str | os.PathLike) -> dict | None:
     except YamlError:
         return None
     return data if isinstance(data, dict) else None
+
+
+@contextlib.contextmanager
+def quiet_datasets():
+    """datasets' progress bars and its own error log ("Failed to load JSON ... in row 1") off while it reads: they
+    would precede, and contradict, the one sentence that names the bad line."""
+    import datasets
+    from datasets.utils import logging as datasets_logging
+
+    bars, level = datasets.is_progress_bar_enabled(), datasets_logging.get_verbosity()
+    datasets.disable_progress_bars()
+    datasets_logging.set_verbosity(datasets_logging.CRITICAL)
+    try:
+        yield
+    finally:
+        datasets_logging.set_verbosity(level)
+        if bars:
+            datasets.enable_progress_bars()

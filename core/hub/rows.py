@@ -9,7 +9,7 @@ import itertools
 import json
 from pathlib import Path
 
-from core.files import atomic_write_text
+from core.files import atomic_write_text, quiet_datasets
 from core.hub.fetch import Report, complete_folder, download
 from core.hub.ids import HubError, HubRef, endpoint, explain, offline, offline_sentence
 from core.hub.remote import RepoFacts, cached_commit, facts, manifest_path, read_manifest
@@ -38,7 +38,7 @@ def data_files(found: RepoFacts, data_cfg: dict) -> list[str]:
 
     ref, subset, split = found.ref, _subset(data_cfg), _split(data_cfg)
     try:
-        with _quiet():
+        with quiet_datasets():
             builder = datasets.load_dataset_builder(ref.repo_id, name=subset, revision=found.commit)
     except ValueError as exc:
         if "BuilderConfig" in str(exc) or "config name" in str(exc).lower():
@@ -67,7 +67,7 @@ def _subsets(ref: HubRef, commit: str) -> list[str]:
     import datasets
 
     try:
-        with _quiet():
+        with quiet_datasets():
             return list(datasets.get_dataset_config_names(ref.repo_id, revision=commit))
     except Exception:
         return []
@@ -111,7 +111,7 @@ def load(ref: HubRef, data_cfg: dict):
     folder = cached_part(ref, data_cfg, commit)
     if folder is not None:
         try:
-            with _quiet():
+            with quiet_datasets():
                 return datasets.load_dataset(str(folder), name=_subset(data_cfg), split=_split(data_cfg))
         except Exception as exc:
             raise HubError(
@@ -135,7 +135,7 @@ def sample(ref: HubRef, data_cfg: dict, n: int = SAMPLE_ROWS):
         return _SAMPLES[key]
     data_files(found, data_cfg)  # a wrong subset or split, said in the run config's words
     try:
-        with _quiet():
+        with quiet_datasets():
             stream = datasets.load_dataset(
                 ref.repo_id,
                 name=_subset(data_cfg),
@@ -159,24 +159,3 @@ def is_sample(ds) -> str | None:
     """'a streamed sample of the first N rows of ORG/NAME @ abc1234' for a sample, else None."""
     text = getattr(getattr(ds, "info", None), "description", None) or ""
     return text.removeprefix("lora-cockpit: ") if text.startswith(SAMPLE_NOTE) else None
-
-
-def _quiet():
-    from contextlib import contextmanager
-
-    @contextmanager
-    def quiet():
-        import datasets
-        from datasets.utils import logging as datasets_logging
-
-        bars, level = datasets.is_progress_bar_enabled(), datasets_logging.get_verbosity()
-        datasets.disable_progress_bars()
-        datasets_logging.set_verbosity(datasets_logging.CRITICAL)
-        try:
-            yield
-        finally:
-            datasets_logging.set_verbosity(level)
-            if bars:
-                datasets.enable_progress_bars()
-
-    return quiet()

@@ -6,12 +6,12 @@ concatenated, so the label mask follows the text exactly (prompt tokens get -100
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 from pathlib import Path
 from typing import Any
 
+from core.files import quiet_datasets
 from core.fmt import error_line
 from core.hub import ids as hub_ids
 
@@ -39,24 +39,6 @@ class DataError(ValueError):
 def _as_paths(path: str | list[str]) -> list[Path]:
     paths = [path] if isinstance(path, (str, os.PathLike)) else list(path)
     return [Path(p).expanduser() for p in paths]
-
-
-@contextlib.contextmanager
-def quiet_datasets():
-    """datasets' progress bars and its own error log ("Failed to load JSON ... in row 1") off while it reads: they
-    would precede, and contradict, the one sentence that names the bad line."""
-    import datasets
-    from datasets.utils import logging as datasets_logging
-
-    bars, level = datasets.is_progress_bar_enabled(), datasets_logging.get_verbosity()
-    datasets.disable_progress_bars()
-    datasets_logging.set_verbosity(datasets_logging.CRITICAL)
-    try:
-        yield
-    finally:
-        datasets_logging.set_verbosity(level)
-        if bars:
-            datasets.enable_progress_bars()
 
 
 def load_rows(data_cfg: dict):

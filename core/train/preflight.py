@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import sys
 
+from core.files import quiet_datasets
 from core.fmt import error_line
 from core.train import methods
 from core.train.config import ConfigError, check_with_libraries, load_config
-from core.train.data import DataError, quiet_datasets
+from core.train.data import DataError
 from core.train.findings import (  # noqa: F401  (the names callers take from here)
     Finding,
     TokenizerError,
