@@ -138,7 +138,7 @@ def _other_cards(change: dict) -> bool:
 
 def _sharding(plan: Plan, spec: ModelSpec) -> list[tuple[str, dict, str, bool]]:
     """FSDP on the GPUs the plan has (when it asks for DDP), and more GPUs with FSDP: the fewest of 2x, 4x, 8x
-    that fits, else 8x (what one card cannot hold, FSDP spreads: shared/design/multi-gpu.md)."""
+    that fits, else 8x (what one card cannot hold, FSDP spreads: docs/design/multi-gpu.md)."""
     if plan.device != "cuda" or plan.strategy == "deepspeed_zero3":
         return []
     out = []
