@@ -37,7 +37,7 @@ def _tree_digest(folder: Path) -> dict[str, str]:
 
 
 def _start_cli_trainer(workspace, tiny_llama, name, **training):
-    """A trainer started the README's way, from a terminal: no launcher, no pid file written for it."""
+    """A trainer started from a terminal, as docs/cli.md shows: no launcher; it records its own pid."""
     cfg_path = workspace / f"{name}.yaml"
     cfg_path.write_text(yaml.safe_dump(validate_config(run_config(workspace, tiny_llama, **training))))
     run_dir = workspace / "runs" / name
