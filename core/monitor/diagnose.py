@@ -116,7 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.readme:
         try:
             changed = update_doc(args.readme)
-        except (OSError, ValueError):  # no such file, or no block in it: say where the block lives
+        except OSError as exc:
+            print(f"error: cannot rewrite {args.readme} ({exc.strerror or exc}).", file=sys.stderr)
+            return 2
+        except ValueError:  # no block in it: say where the block lives
             print(
                 f"error: {args.readme} has no generated troubleshooting block ({TROUBLESHOOTING_DOC} holds it).",
                 file=sys.stderr,
