@@ -1,5 +1,5 @@
 """How right is the per-GPU planner? Its estimate against the published per-GPU memory of multi-GPU LoRA/QLoRA
-runs (shared/design/multi-gpu.md section 5), each planned with the settings its source states.
+runs (docs/design/multi-gpu.md, "The published figures"), each planned with the settings its source states.
 
 Nothing runs on a GPU here: the figures are the sources' own. Each point says which figure it reports and the
 planner's matching total is compared:

@@ -276,6 +276,12 @@ def find_owner(folder: str | os.PathLike, flag: str = OWNER_FLAG, mine: int | No
     return min(infos, key=lambda i: i["start_time"]) if infos else None
 
 
+def owner_info(folder: str | os.PathLike) -> dict | None:
+    """Who owns the folder, as every reader asks it: its pid record, or (that file deleted) the live process its
+    command line names (find_owner). A check that reads only the record misses an owner the others still see."""
+    return read_pid_info(folder) or find_owner(folder)
+
+
 def _parents(proc: psutil.Process) -> list[psutil.Process]:
     try:
         return proc.parents()
@@ -438,7 +444,7 @@ def stop(folder: str | os.PathLike, grace_s: float = 60.0) -> str | None:
     """Stop the folder's owner: SIGTERM to it alone (a stopped process is continued so it can act on it), wait
     until it is gone, then SIGKILL it with all its descendants. Returns "exited" (it ended within the grace
     period), "killed", or None when no recorded process of another pid owns the folder."""
-    info = read_pid_info(folder) or find_owner(folder)
+    info = owner_info(folder)
     if not info or info["pid"] == os.getpid() or not same_process(info):
         return None
     pid = info["pid"]

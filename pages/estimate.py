@@ -156,7 +156,7 @@ def _adapter_settings() -> None:
 
 
 def _lever_toggles(method) -> None:
-    """The memory levers (README 'Fitting more'), and the plain-Trainer paths to compare the engine with."""
+    """The memory levers (docs/planner.md, 'Fitting more'), and the plain-Trainer paths to compare the engine with."""
     fields.row(P, ("padding_free", "packing", "packing_strategy"), method=method)
     fields.row(P, ("offload", "liger", None), method=method)
     c1, c2, _ = st.columns(3)

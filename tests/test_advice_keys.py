@@ -1,4 +1,4 @@
-"""Every setting that the diagnosis, the health warnings and the README advise is a key the run config accepts,
+"""Every setting that the diagnosis, the health warnings and the troubleshooting page advise is a key the run config accepts,
 written under the name and section the config uses (issue: the advice said max_seq_length, the config did not)."""
 
 import ast
@@ -44,8 +44,8 @@ def _sentences(path: str) -> list[str]:
     ]
 
 
-def _readme_troubleshooting() -> list[str]:
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+def _troubleshooting_page() -> list[str]:
+    text = (ROOT / "docs" / "troubleshooting.md").read_text(encoding="utf-8")
     start = text.index("<!-- troubleshooting")
     return [text[start : text.index("<!-- end troubleshooting")]]
 
@@ -73,8 +73,8 @@ def test_advice_names_config_keys_by_their_path(source):
     assert _problems(_sentences(source)) == []
 
 
-def test_readme_troubleshooting_names_config_keys_by_their_path():
-    assert _problems(_readme_troubleshooting()) == []
+def test_the_troubleshooting_page_names_config_keys_by_their_path():
+    assert _problems(_troubleshooting_page()) == []
 
 
 def test_the_check_catches_a_key_the_config_does_not_have():

@@ -179,10 +179,31 @@ def test_unfaithful_templates_are_not_written(template, bos, family):
         assert "cannot be translated faithfully" in tr.problem and "Cutting Knowledge" in tr.problem
 
 
-def test_template_that_rejects_system_messages_says_so():
+# Where Mistral's own later template for v0.1 (and v0.2) puts a system prompt: the first [INST], a blank line after
+# it. Ollama's rendering of the v0.1 template, which refuses system messages, must keep it there (#38 item 7).
+V01_WITH_SYSTEM = {
+    "system + user": "[INST] You answer in French.\nBe brief.\n\nHello! [/INST]",
+    "system + three turns": "[INST] You answer in French.\nBe brief.\n\nName a colour. [/INST]Bleu.</s> "
+    "[INST] Encore. [/INST]",
+}
+
+
+def test_a_system_prompt_the_mistral_v01_template_refuses_goes_in_the_first_inst():
+    """The v0.1 template raises on a system message; Ollama rendered the translation without it, silently."""
+    tr = translate(MISTRAL_V01_TEMPLATE, "<s>", "</s>", True)
+    assert tr.faithful, tr
+    for name, want in V01_WITH_SYSTEM.items():
+        assert render_like_ollama(tr.family, tr.params, CONVERSATIONS[name]) == want
+    if shutil.which("go"):  # as Ollama executes it
+        cases = [(tr.template, CONVERSATIONS[name]) for name in V01_WITH_SYSTEM]
+        assert go_render(cases) == list(V01_WITH_SYSTEM.values())
+
+
+def test_template_that_rejects_system_messages_says_where_the_system_prompt_goes():
     text, tr = render_modelfile("m.gguf", MISTRAL_V01_TEMPLATE, 32768, "</s>", "<s>", True)
     assert tr.faithful and 'TEMPLATE """' in text
-    assert "# Note: The chat template rejects system messages; Ollama drops them" in text
+    note = next(line for line in text.splitlines() if line.startswith("# Note:"))
+    assert "rejects system messages" in note and "first [INST]" in note and "drops" not in note
     assert text.count('PARAMETER stop "</s>"') == 1 and 'PARAMETER stop "[INST]"' in text
 
 
@@ -191,19 +212,37 @@ def test_no_chat_template_is_a_completion_model():
     assert tr.template is None and "plain completion model" in text and "NO TEMPLATE" not in text
 
 
-def test_export_reports_a_template_it_could_not_translate(tmp_path):
-    """The export's result and summary carry the reason, so the Merge & Export page can show it."""
+def _export_with_template(tmp_path, chat_template):
     from core.demo.toy import build_tiny_model
-    from core.gguf import export_gguf, summary_lines
+    from core.gguf import export_gguf
     from core.gguf.vocab import load_source_tokenizer
 
     model = build_tiny_model(tmp_path / "m", "llama")
     tok = load_source_tokenizer(model)
-    tok.chat_template = MISTRAL_V7_LIKE
+    tok.chat_template = chat_template
     tok.save_pretrained(str(model))
-    result = export_gguf(model, tmp_path / "m.gguf", "f16", "none")
+    return export_gguf(model, tmp_path / "m.gguf", "f16", "none")
+
+
+def test_export_reports_a_template_it_could_not_translate(tmp_path):
+    """The export's result and summary carry the reason, so the Merge & Export page can show it."""
+    from core.gguf import summary_lines
+
+    result = _export_with_template(tmp_path, MISTRAL_V7_LIKE)
     assert result.template_family is None
     assert result.template_problem and "cannot be translated faithfully" in result.template_problem
     lines = summary_lines(result.to_dict())
     assert any(line.startswith("Modelfile has no TEMPLATE:") for line in lines), lines
     assert 'TEMPLATE """' not in result.modelfile.read_text()
+
+
+def test_export_says_where_a_refused_system_prompt_goes(tmp_path):
+    """#38 item 7: what the Modelfile's comment said about system prompts, the export itself says too (the CLI
+    prints these lines, the Merge & Export page shows them): not only a comment nobody opens."""
+    from core.gguf import summary_lines
+
+    result = _export_with_template(tmp_path, MISTRAL_V01_TEMPLATE)
+    assert result.template_family == "mistral" and not result.template_problem
+    lines = summary_lines(result.to_dict())
+    notes = [line for line in lines if line.startswith("Modelfile note:")]
+    assert len(notes) == 1 and "system" in notes[0] and "first [INST]" in notes[0], lines

@@ -1,6 +1,6 @@
 """The memory levers (issue #12): each changes the plan by the bytes its term says, the CPU ones move a measured
 step as much as the plan, the fit advice combines them, the CLI takes them as flags and a run config as --config,
-and the README's table is the planner's own."""
+and the table of docs/planner.md is the planner's own."""
 
 import json
 import subprocess
@@ -13,7 +13,7 @@ import pytest
 from core.demo.toy import tiny_config
 from core.estimate.activation_terms import layer_saved_tensors
 from core.estimate.bill import estimate
-from core.estimate.levers import LEVERS, lever_savings, modelled_note, readme_table, what_would_fit
+from core.estimate.levers import LEVERS, lever_savings, levers_markdown, modelled_note, what_would_fit
 from core.estimate.plan import OFFLOAD_STASH, Plan, batch_shape, largest_batch_tokens
 from core.estimate.specs import load_spec, lora_targets, normalize_targets
 from core.measure.plan import step_plan
@@ -227,7 +227,7 @@ def test_padding_free_moves_the_measurement_as_much_as_the_plan(tmp_path):
     assert abs((e1 - e0) - (m1 - m0)) <= GOAL * m0, (e1 - e0, m1 - m0)
 
 
-# -- the CLI and the README ----------------------------------------------------------------------------------
+# -- the CLI and the docs ------------------------------------------------------------------------------------
 
 
 def _cli(*args):
@@ -294,9 +294,9 @@ def test_cli_plans_a_run_config_through_the_engines_mapping(tmp_path):
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and bad.stderr.count("\n") == 1
 
 
-def test_readme_has_the_lever_table():
-    readme = (REPO / "README.md").read_text()
-    assert readme_table() in readme
+def test_the_planner_page_has_the_lever_table():
+    page = (REPO / "docs" / "planner.md").read_text()
+    assert levers_markdown() in page, "the lever table of docs/planner.md is not core.estimate.levers' own"
 
 
 # -- the engine runs them ---------------------------------------------------------------------------------------

@@ -428,3 +428,24 @@ def test_the_run_watcher_warns_of_a_stopped_trainer_and_says_deleted_when_its_fo
         procs.stop(run_dir, grace_s=60)
     shutil.rmtree(run_dir)
     assert watcher.refresh().state == "deleted"
+
+
+@pytest.mark.parametrize("deleted", [(procs.PID,), (procs.PID, procs.LOCK)])
+def test_a_stopped_owner_found_by_its_command_line_is_a_stall(tmp_path, owner_script, deleted):
+    """#38 item 7: a SIGSTOPped trainer whose pid file is gone (the lock file too) read plain `running`: the
+    listing found its pid by the `--run-dir` of its command line, the stopped-process rule read only the pid
+    file. Both now ask the same question (procs.owner_info)."""
+    run_dir = tmp_path / "bare"
+    pid = _spawn_owner(run_dir, owner_script, "term", "--run-dir", str(run_dir))
+    rundir.write_status(run_dir, state="running", step=4, step_s=1.0)
+    for name in deleted:
+        (run_dir / name).unlink()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        assert wait_until(lambda: procs.is_stopped(pid))
+        info = run_state(run_dir)
+        assert (info.state, info.alive, info.pid) == ("running", True, pid)
+        assert info.stall and info.stall.endswith("(process stopped)"), info
+    finally:
+        assert procs.stop(run_dir, grace_s=60) == "exited"  # found the same way, and continued to act on it
+    assert not procs.pid_alive(pid)

@@ -14,6 +14,7 @@ import pytest
 import yaml
 from test_runs import run_config, wait_until
 
+from core import procs
 from core.runs import rundir
 from core.runs.launcher import RunError, create_run, launch, run_state, stop_run
 from core.train.config import validate_config
@@ -36,7 +37,7 @@ def _tree_digest(folder: Path) -> dict[str, str]:
 
 
 def _start_cli_trainer(workspace, tiny_llama, name, **training):
-    """A trainer started the README's way, from a terminal: no launcher, no pid file written for it."""
+    """A trainer started from a terminal, as docs/cli.md shows: no launcher; it records its own pid."""
     cfg_path = workspace / f"{name}.yaml"
     cfg_path.write_text(yaml.safe_dump(validate_config(run_config(workspace, tiny_llama, **training))))
     run_dir = workspace / "runs" / name
@@ -78,9 +79,13 @@ def test_a_trainer_whose_lock_and_pid_files_were_deleted_keeps_its_run(workspace
     assert resumed.returncode == 2 and "already running" in resumed.stderr, resumed.stdout + resumed.stderr
     deleted = _runs_cli(workspace, "delete", "bare")
     assert deleted.returncode == 2 and run_dir.is_dir(), deleted.stdout + deleted.stderr
+    # hung, not dead (#38): the listing names the stall of the owner it found by its command line
+    os.kill(proc.pid, signal.SIGSTOP)
+    assert wait_until(lambda: procs.is_stopped(proc.pid), 30)
     listed = json.loads(_runs_cli(workspace, "list", "--json").stdout)
     assert [(r["name"], r["state"], r["pid"]) for r in listed] == [("bare", "running", proc.pid)]
-    out = _runs_cli(workspace, "stop", "bare")
+    assert (listed[0]["stall"] or "").endswith("(process stopped)"), listed
+    out = _runs_cli(workspace, "stop", "bare")  # continued, the stopped trainer checkpoints and exits
     assert out.returncode == 0 and out.stdout.strip() == "bare: stopped", out.stdout + out.stderr
     assert proc.poll() is not None
 

@@ -66,7 +66,7 @@ FIELDS = {
         Field("eval_samples", "training.eval_samples", "Sample answers at each eval", "int", 0, step=1,
               help="training.eval_samples: greedy answers to this many held-out prompts at each evaluation, shown on "
               "the Monitor (needs an eval split; 0: off)"),
-        # the memory levers (README "Fitting more"); padding-free and packing are SFTTrainer's only
+        # the memory levers (docs/planner.md, "Fitting more"); padding-free and packing are SFTTrainer's only
         Field("padding_free", "training.padding_free", "Padding-free batches", "bool", flat_only=True,
               help="training.padding_free: the batch's rows as one sequence, no padding (SFT; use flash attention "
               "on a GPU)"),

@@ -1,4 +1,4 @@
-"""The GPU memory planner: every term of shared/design/memory-model.md in bytes for one training step.
+"""The GPU memory planner: every term of docs/design/memory-model.md in bytes for one training step.
 
     python -m core.estimate --model meta-llama/Llama-2-7b-hf --method lora --batch-size 4 --seq-len 2048 --json
 

@@ -164,7 +164,7 @@ def _parser() -> argparse.ArgumentParser:
         default=d.fused_lm_head,
         help="TRL SFTTrainer's fused LM head (tiles); off: plain cross-entropy over the full logits",
     )
-    levers = p.add_argument_group("memory levers (see the README's 'Fitting more' table)")
+    levers = p.add_argument_group("memory levers (docs/planner.md, 'Fitting more on the same card')")
     for flag, text in (
         ("padding-free", "rows concatenated into one sequence (SFTConfig.padding_free)"),
         ("packing", "SFTConfig.packing"),

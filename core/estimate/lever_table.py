@@ -1,6 +1,6 @@
 """The table of the engine's memory levers: each one a Plan field with the value that turns it on, what it saves
 (which term of the bill), what it costs, where it runs, and the library code its planner term is derived from.
-core.estimate.levers reads it (per-lever savings, "What would make it fit", the README's "Fitting more" table).
+core.estimate.levers reads it (per-lever savings, "What would make it fit", the "Fitting more" table of docs/planner.md).
 
 `measured` says whether benchmarks/estimator_accuracy.py measures its term on the CPU; GPU-only levers are
 modelled from their code ("modelled, not yet measured").

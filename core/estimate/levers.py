@@ -1,6 +1,6 @@
 """Every memory lever the engine has: what it saves (which term of the bill), what it costs, where it runs, and the
 library code its planner term is derived from. The Estimate page's toggles, `python -m core.estimate`'s flags and
-per-lever savings, "What would make it fit" and the README's "Fitting more" table all read one list
+per-lever savings, "What would make it fit" and the "Fitting more" table of docs/planner.md all read one list
 (core.estimate.lever_table); a generating method's own changes (GRPO's) come from core.estimate.generation_levers.
 """
 
@@ -138,7 +138,7 @@ def _other_cards(change: dict) -> bool:
 
 def _sharding(plan: Plan, spec: ModelSpec) -> list[tuple[str, dict, str, bool]]:
     """FSDP on the GPUs the plan has (when it asks for DDP), and more GPUs with FSDP: the fewest of 2x, 4x, 8x
-    that fits, else 8x (what one card cannot hold, FSDP spreads: shared/design/multi-gpu.md)."""
+    that fits, else 8x (what one card cannot hold, FSDP spreads: docs/design/multi-gpu.md)."""
     if plan.device != "cuda" or plan.strategy == "deepspeed_zero3":
         return []
     out = []
@@ -317,8 +317,8 @@ def modelled_note(plan: Plan) -> str | None:
     return f"{', '.join(names)}: modelled from the library code, not yet measured on a GPU."
 
 
-def readme_table() -> str:
-    """The README's "Fitting more" table (tests/test_levers.py keeps the README in step with it)."""
+def levers_markdown() -> str:
+    """The "Fitting more" table of docs/planner.md (tests/test_levers.py keeps the page in step with it)."""
     rows = [
         "| lever | run config | saves | costs | runs on | planner term (modelled from) |",
         "|---|---|---|---|---|---|",
@@ -337,7 +337,7 @@ __all__ = [
     "Lever",
     "lever_savings",
     "modelled_note",
-    "readme_table",
+    "levers_markdown",
     "what_would_fit",
     "with_every_lever",
 ]

@@ -1,6 +1,6 @@
 """The planner's input and output: a `Plan` (one training configuration, serialisable, built from a run config by
 core.estimate.from_config), its validation, the shape of the batch it trains on, and the `Estimate` the bill
-returns. The constants of the memory model live here too (shared/design/memory-model.md).
+returns. The constants of the memory model live here too (docs/design/memory-model.md).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The per-GPU terms of a plan trained by several processes (shared/design/multi-gpu.md section 4): what each
-strategy divides by the number of processes N, what it adds, and the load-time peak.
+"""The per-GPU terms of a plan trained by several processes (docs/design/multi-gpu.md, "Per-GPU memory"): what
+each strategy divides by the number of processes N, what it adds, and the load-time peak.
 
 - DDP replicates everything; its gradient buckets are a second copy of the trainable gradients (accelerate's
   DistributedDataParallel keeps gradient_as_bucket_view off), alive for the whole run.
@@ -33,7 +33,7 @@ from core.estimate.specs import ModelSpec
 from core.estimate.static_terms import quantized_bytes
 
 # NCCL's per-process buffers and kernels (NCCL_BUFFSIZE 4 MiB per channel and peer, a few channels, plus the
-# communicator's own allocations). No source gives a number (shared/design/multi-gpu.md section 4): modelled,
+# communicator's own allocations). No source gives a number (docs/design/multi-gpu.md): modelled,
 # to be calibrated on a multi-GPU machine (benchmarks/gpu_truth.py).
 NCCL_CONTEXT_BYTES = 256 * 2**20
 # Terms the sharded strategies divide by N

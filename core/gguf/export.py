@@ -60,6 +60,8 @@ class ExportResult:
     # Why the Modelfile has no TEMPLATE although the tokenizer has a chat template (None: translated and
     # checked, or no chat template at all)
     template_problem: str | None = None
+    # What the translation could not check but did (a system prompt the template refuses, and where it goes)
+    template_notes: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -321,6 +323,7 @@ def _staged_modelfile(result: ExportResult, src, vocab, tok, tmp_dir: Path) -> N
     )
     result.template_family = tr.family if tr.faithful else None
     result.template_problem = tr.problem if vocab.chat_template else None
+    result.template_notes = list(tr.notes) if tr.faithful else []
 
 
 def llama_cpp_line(lc: dict) -> str:
@@ -388,6 +391,7 @@ def summary_lines(result) -> list[str]:
         else:
             fam = "none (a plain completion model)"
         lines.append(f"Modelfile: {result.modelfile} (chat template: {fam})")
+        lines += [f"Modelfile note: {note}" for note in getattr(result, "template_notes", None) or []]
         if problem:
             lines.append(f"Modelfile has no TEMPLATE: {problem} Write it by hand for Ollama.")
         lines.append(f"to use it in Ollama: {result.ollama_command}")

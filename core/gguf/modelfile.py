@@ -10,8 +10,10 @@ family of Llama 2 and Mistral, the demo's `<|role|>`); the variable parts (a def
 system prompt goes, the spacing around [INST], a BOS before later turns) are read off the Jinja template's own
 renderings of probe conversations. The translation is then checked: `render_like_ollama` (what the Go template
 gives, mirrored in Python; tests/gotemplate/render.go renders the real thing with Go in the tests) must equal
-the Jinja rendering, minus the BOS llama.cpp adds, on every probe conversation. A template that fails the
-check is not written: the Modelfile says why, and so does the export's result.
+the Jinja rendering, minus the BOS llama.cpp adds, on every probe conversation it renders. A template that fails
+the check is not written: the Modelfile says why, and so does the export's result. A conversation the Jinja
+template refuses (Mistral v0.1's refuses a system prompt: placed where Mistral's later template puts it) is a
+note in the Modelfile and in the export's result.
 """
 
 from __future__ import annotations
@@ -229,8 +231,11 @@ def _infer_inst(render, bos: str | None) -> dict:
     )
     try:
         r2, r4 = render(PROBES[1]), render(PROBES[3])
-    except Exception:  # a template that rejects system messages (raise_exception): Ollama's are dropped too
-        return p
+    except Exception:
+        # It refuses system messages (Mistral v0.1 as first published): left out, Ollama would render the prompt
+        # without one, silently. Mistral's own later template for v0.1 and v0.2 puts it first in the first [INST]
+        # with a blank line after it, so this one does too (translate says so).
+        return {**p, "system": "first", "sys_close": "\n\n"}
     if _S not in r2:
         return p
     if not r2.startswith(user_open) or _U1 not in r2.split(_S, 1)[1]:
@@ -286,11 +291,7 @@ def translate(
         try:
             want = jinja_render(chat_template, conv, bos, eos)
         except Exception:  # the Jinja template rejects this conversation (system messages, say)
-            t.notes.append(
-                "The chat template rejects system messages; Ollama drops them from the prompt."
-                if any(m["role"] == "system" for m in conv)
-                else "The chat template rejects a probe conversation."
-            )
+            t.notes.append(_rejected_note(family, params, conv))
             continue
         got = lead + render_like_ollama(family, params, conv)
         if got != want:
@@ -302,6 +303,18 @@ def translate(
     t.notes = sorted(set(t.notes))
     t.template = go_template(family, params)
     return t
+
+
+def _rejected_note(family: str, params: dict, conv: list[dict]) -> str:
+    """What a Modelfile and the export say of a probe conversation the Jinja template refuses to render."""
+    if not any(m["role"] == "system" for m in conv):
+        return "The chat template rejects a probe conversation."
+    if family == "mistral" and params.get("system") == "first":
+        return (
+            "The chat template rejects system messages; a system prompt goes first in the first [INST], a blank "
+            "line after it, where Mistral's later template for this model puts it."
+        )
+    return "The chat template rejects system messages; Ollama drops them from the prompt."
 
 
 # ---- the Modelfile -----------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ stays near one tensor plus the adapter whatever the model size. Every merged wei
 rounded once to the output dtype. The export is written into a temporary folder beside the target and renamed
 into place only when it is complete and verified: a merge killed midway leaves no target folder.
 
-Pitfalls handled (shared/design/merge.md): tied embeddings (lm_head written explicitly, tie flag cleared),
+Pitfalls handled (docs/design/merge.md): tied embeddings (lm_head written explicitly, tie flag cleared),
 GPT-2 Conv1D (layer kind from the model built on the meta device, never from shapes), embedding LoRA
 (transposed delta), modules_to_save (replace, not add), rsLoRA, rank/alpha patterns (r read from tensor shapes),
 key mapping (an adapter tensor that matches nothing fails loudly), DoRA on Linear/Conv1D, unknown adapter

@@ -1,5 +1,5 @@
 """The diagnosis rules, most specific first: each names the signs, the cause, the fix, and explains a run's own
-evidence (core/monitor/diagnose.py applies them; the README's troubleshooting section is generated from them)."""
+evidence (core/monitor/diagnose.py applies them; docs/troubleshooting.md is generated from them)."""
 
 from __future__ import annotations
 

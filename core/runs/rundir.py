@@ -305,7 +305,7 @@ def write_plan(run_dir: str | os.PathLike, plan: dict) -> None:
 
 def read_pid(run_dir: str | os.PathLike) -> int | None:
     """The owner's pid: recorded, or (its pid file deleted) found by its command line while it lives."""
-    info = procs.read_pid_info(run_dir) or procs.find_owner(run_dir)
+    info = procs.owner_info(run_dir)
     return info["pid"] if info else None
 
 
@@ -550,7 +550,7 @@ def stopped_process(run_dir: str | os.PathLike) -> str | None:
     if live:
         k = next((k for k, r in sorted(live.items()) if procs.is_stopped(r["pid"])), None)
         return None if k is None else f"rank {k} stopped"
-    info = procs.read_pid_info(run_dir)
+    info = procs.owner_info(run_dir)  # the owner the listing names, its pid file deleted or not
     return "process stopped" if info and procs.is_stopped(info["pid"]) and procs.same_process(info) else None
 
 

@@ -76,7 +76,7 @@ def dry_run(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m core.train", description=__doc__.splitlines()[0])
-    parser.add_argument("config", help="run config YAML (its keys: core/train/config.py and the README)")
+    parser.add_argument("config", help="run config YAML (its keys: docs/run-config.md)")
     parser.add_argument(
         "--run-dir",
         help="the run directory to write into (with --dry-run: only a config on several GPUs writes there, its "

@@ -92,7 +92,7 @@ def _suggest(section: str, key: str) -> str:
     for other in SECTIONS:
         if other != section and key in section_schema(other):
             return f" {key} belongs in the {other} section ({other}.{key})."
-    return f" See the {section} keys in the README's run-config section."
+    return f" See the {section} keys in docs/run-config.md."
 
 
 def _check_value(path: str, value: Any, spec: dict) -> tuple[Any, str | None]:

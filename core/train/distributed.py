@@ -12,9 +12,9 @@ accelerate config the engine launches them with (`<run>/accelerate.yaml`, writte
       main_process_port: null  # null: 29500 between machines; a free one on one machine
 
 accelerate is the only engine (TRL, PEFT's docs, LLaMA-Factory's FSDP path and axolotl all launch through it);
-the four configs follow shared/design/multi-gpu.md section 3. The known-bad combinations are refused here, each
-with its reason and its fix (`combination_problem`); what this machine lacks (`missing_here`: the deepspeed
-package) only where the run is planned for it; "more GPUs than the box has" needs the machine, so
+the four configs and why 4-bit weights take FSDP1: docs/design/multi-gpu.md. The known-bad combinations are
+refused here, each with its reason and its fix (`combination_problem`); what this machine lacks (`missing_here`:
+the deepspeed package) only where the run is planned for it; "more GPUs than the box has" needs the machine, so
 core.estimate.from_config checks it.
 """
 
