@@ -1,6 +1,6 @@
 """An idle app leaves the CPU to training (issue 40, item 1): the server's CPU while a browser tab sits on a page.
 
-The app is started exactly as the README says (`streamlit run dashboard.py` from the checkout's root, nothing but
+The app is started exactly as the README says (`lora-cockpit` from the checkout's root, nothing but
 a free port added) in a copy of this checkout that has a `.venv` inside it, as the README's set-up makes one:
 `python -m venv` plus a tree of as many package folders as a real environment with torch and transformers has
 (6,700 by default; Streamlit's watcher puts one inotify watch on each folder). The workspace is the default
@@ -75,11 +75,18 @@ def folders_under(path: Path) -> int:
 
 
 def start_server(checkout: Path, log: Path, *flags: str) -> tuple[subprocess.Popen, str]:
+    """The README's `lora-cockpit` (python -m lora_cockpit from the checkout), or with `flags` Streamlit's own
+    `streamlit run dashboard.py` and those flags (the app as it was started before the package)."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "LORA_COCKPIT_WORKSPACE"}  # the default ./workspace
     env.update(HF_HUB_OFFLINE="1")
+    argv = (
+        [sys.executable, "-m", "streamlit", "run", "dashboard.py", "--server.port", str(port), *flags]
+        if flags
+        else [sys.executable, "-m", "lora_cockpit", "--port", str(port)]
+    )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "streamlit", "run", "dashboard.py", "--server.port", str(port), *flags],
+        argv,
         cwd=checkout,
         env=env,
         stdout=log.open("wb"),

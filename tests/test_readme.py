@@ -44,7 +44,7 @@ def _pages() -> list:
 
 def test_readme_shows_the_two_setup_commands():
     lines = README.read_text().splitlines()
-    assert "pip install -r requirements.txt && streamlit run dashboard.py" in lines
+    assert "pip install -r requirements.txt && lora-cockpit" in lines
     assert "pip install -r requirements.txt && pytest -n 2" in lines
 
 
@@ -85,6 +85,9 @@ def test_every_tool_is_in_the_readme_and_every_flag_in_docs_cli(capsys):
     missing = []
     for tool, (module, subs) in CLIS.items():
         assert f"python -m {tool}" in readme, f"README does not name {tool}"
+        assert f"lora-cockpit {tool.removeprefix('core.')}" in readme, (
+            f"README does not name lora-cockpit's {tool}"
+        )
         assert f"python -m {tool}" in cli, f"docs/cli.md does not name {tool}"
         for sub in subs:
             flags = set(FLAG.findall(_help(module, sub, capsys))) - {"--help"}
