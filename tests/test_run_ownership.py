@@ -213,7 +213,8 @@ def test_rerun_without_resume_is_refused_and_touches_nothing(workspace, tiny_lla
     cfg = run_config(workspace, tiny_llama, max_steps=4, save_steps=2)
     run_dir = create_run(workspace, "done", cfg)
     launch(run_dir)
-    assert wait_until(lambda: run_state(run_dir).state == "finished")
+    # finished is written before the trainer lets go of the folder: until it exits it is "being trained"
+    assert wait_until(lambda: run_state(run_dir).state == "finished" and not run_state(run_dir).alive)
     before = _tree_digest(run_dir)
     out = subprocess.run(
         [sys.executable, "-m", "core.train", str(run_dir / "config.yaml"), "--run-dir", str(run_dir)],
