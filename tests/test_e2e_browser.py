@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.browser import CHROMIUM, CHROMIUM_ARGS, REPO, exceptions_on, streamlit_server, wait_idle
+from tests.browser import CHROMIUM, CHROMIUM_ARGS, REPO, Requests, exceptions_on, streamlit_server, wait_idle
 
 pytestmark = [
     pytest.mark.e2e,
@@ -40,6 +40,7 @@ def test_every_page_loads_without_an_exception_box(browser, server):
     url, _ = server
     SHOTS.mkdir(exist_ok=True)
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    requests = Requests(page, url)
     for path in PAGES:
         page.goto(f"{url}/{path}")
         wait_idle(page)
@@ -53,4 +54,8 @@ def test_every_page_loads_without_an_exception_box(browser, server):
         assert "no NVIDIA GPU found" in page.inner_text(
             '[data-testid="stSidebar"]'
         ) or "GiB" in page.inner_text('[data-testid="stSidebar"]')
+    # used offline: nothing is fetched from outside 127.0.0.1 (the tab icon was a Material Symbols SVG from
+    # fonts.gstatic.com), and nothing the pages ask for fails
+    assert requests.urls and requests.outside() == [], requests.outside()
+    assert requests.failed() == [], requests.failed()
     print(f"screenshots in {SHOTS}")
