@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import streamlit as st
 
+from core.estimate import cards
 from core.estimate.bill import OUTSIDE_TORCH, estimate, estimate_for_lengths
 from core.estimate.fit import fit_search, memory_curve
 from core.estimate.from_config import plan_for_draft
@@ -47,7 +48,7 @@ pd = _OnFirstUse("pandas")
 leave_legacy_mode()
 
 LOCAL = "Local model folder…"
-CARD_SIZES = [24, 32, 48, 80, 141]
+CUSTOM = "Custom size…"
 VERDICT_TEXT = {
     "fits": "Fits: at most 90% of the card, leaving room for estimate error and allocator spikes.",
     "tight": "Tight: between 90% and 100% of the card; fragmentation or a long batch can push it over.",
@@ -71,6 +72,7 @@ DEFAULT_MODEL = "meta-llama/Llama-2-7b-hf"
 # of evaluation, the allocator, the plain-Trainer paths for comparison).
 OPTIONS = {
     "gpu": None,
+    "gpu_custom_gib": 24.0,
     "eval_kv_tokens": 0,
     "expandable_segments": False,
     "fused_lm_head": True,
@@ -84,7 +86,8 @@ def _saved() -> tuple[dict, dict]:
     if not cfg:
         cfg = default_config()
         cfg["model"]["path"] = DEFAULT_MODEL
-    return copy.deepcopy(cfg), {**OPTIONS, **(st.session_state.get("estimate_options") or {})}
+    saved = st.session_state.get("estimate_options") or {}
+    return copy.deepcopy(cfg), {**OPTIONS, **{k: v for k, v in saved.items() if v is not None}}
 
 
 def _fill_once(cfg: dict, options: dict) -> None:
@@ -101,14 +104,22 @@ def _fill_once(cfg: dict, options: dict) -> None:
     for name, value in options.items():
         if name != "gpu" or value in _card_labels():
             st.session_state[P + name] = value
+    if options["gpu"] not in _card_labels():  # the card found here, else the one most users own
+        st.session_state[P + "gpu"] = next(iter(dict(_cards())), cards.default_label())
 
 
-ESTIMATE_FIELDS = tuple(n for n in fields.PLAN_FIELDS if n != "model_path") + ("packing_strategy",)
+ESTIMATE_FIELDS = fields.drawn(n for n in fields.PLAN_FIELDS if n != "model_path") + ("packing_strategy",)
 
 
-def _card_labels() -> dict[str, float]:
-    """The detected cards first, then the common sizes: label -> GiB."""
-    return {**dict(_cards()), **{f"{g} GiB": float(g) for g in CARD_SIZES}}
+def _card_labels() -> dict[str, float | None]:
+    """The detected cards first, then the cards people own by name (core.estimate.cards), then a size of your own
+    (None: the custom field says it): label -> GiB."""
+    return {**dict(_cards()), **cards.by_label(), CUSTOM: None}
+
+
+def _card_gib(options: dict) -> float:
+    gib = _card_labels().get(options["gpu"])
+    return float(options["gpu_custom_gib"] or 0) if gib is None else gib
 
 
 def _model_and_method() -> None:
@@ -131,7 +142,16 @@ def _model_and_method() -> None:
     )
     for f in methods.get(st.session_state[P + "method"]).fields:
         fields.draw(P, f)
-    st.selectbox("GPU", list(_card_labels()), key=P + "gpu", help="Defaults to the detected card.")
+    st.selectbox(
+        "GPU",
+        list(_card_labels()),
+        key=P + "gpu",
+        help="The card found here first, then cards by name with the memory nvidia-smi reports for them, or a "
+        "size of your own.",
+    )
+    if st.session_state[P + "gpu"] == CUSTOM:
+        st.session_state.setdefault(P + "gpu_custom_gib", OPTIONS["gpu_custom_gib"])  # Streamlit forgot it
+        st.number_input("Card memory (GiB)", min_value=1.0, step=1.0, format="%.2f", key=P + "gpu_custom_gib")
     fields.row(P, ("gpus", "strategy"))
     fields.draw(P, fields.FIELDS["cpu_offload"])
 
@@ -143,12 +163,12 @@ def _step_settings() -> None:
 
 
 def _adapter_settings() -> None:
-    """LoRA, 4-bit quantization, the KV cache of evaluation and the allocator."""
-    full = not st.session_state.get(P + "lora")
-    fields.row(P, ("lora", "4bit"))
+    """LoRA, QLoRA or full fine-tuning, the KV cache of evaluation and the allocator."""
+    fields.draw(P, fields.FIELDS["tuning"])
+    full = st.session_state.get(P + "tuning") == "full"
     for name in ("r", "alpha", "dropout", "targets"):
         fields.draw(P, fields.FIELDS[name], disabled=full)
-    qlora = st.session_state.get(P + "4bit") and not full
+    qlora = st.session_state.get(P + "tuning") == "qlora"
     for name in ("quant_type", "double_quant"):
         fields.draw(P, fields.FIELDS[name], disabled=not qlora)
     st.number_input("Eval/generation KV cache tokens", step=256, key=P + "eval_kv_tokens", min_value=0)
@@ -203,7 +223,7 @@ def plan_of(cfg: dict, options: dict) -> Plan:
             "Model folder is empty: enter a local folder that holds config.json, or pick a preset."
         )
     plan = plan_for_draft(
-        cfg, _card_labels()[options["gpu"]], "cuda", expandable_segments=bool(options["expandable_segments"])
+        cfg, _card_gib(options), "cuda", expandable_segments=bool(options["expandable_segments"])
     )
     return replace(
         plan,

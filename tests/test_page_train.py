@@ -288,12 +288,12 @@ def test_viewing_the_estimate_page_does_not_change_the_train_form(workspace):
     at.session_state["estimate_config"] = planned
     at.run()
     assert not at.exception, at.exception
-    assert not at.checkbox(key="tr_4bit").value and at.selectbox(key="tr_dtype").value == "auto"
+    assert at.radio(key="tr_tuning").value == "lora" and at.selectbox(key="tr_dtype").value == "auto"
     assert any("Prefilled from the demo model and dataset" in c.value for c in at.caption)
 
     at.session_state[HANDOVER] = at.session_state["estimate_config"]  # now the user clicked "Use this plan"
     at.run()
-    assert at.checkbox(key="tr_4bit").value and at.selectbox(key="tr_dtype").value == "bfloat16"
+    assert at.radio(key="tr_tuning").value == "qlora" and at.selectbox(key="tr_dtype").value == "bfloat16"
     caption = next(c.value for c in at.caption if c.value.startswith("Prefilled from"))
     assert (
         "quantization.load_in_4bit False → True" in caption and "model.dtype 'auto' → 'bfloat16'" in caption
@@ -309,7 +309,7 @@ def test_estimate_page_use_this_plan_hands_its_run_config_over():
     assert not at.exception, at.exception
     assert HANDOVER not in at.session_state  # viewing the landing Estimate page hands nothing over
     at.number_input(key="es_r").set_value(24).run()
-    at.checkbox(key="es_4bit").check().run()
+    at.radio(key="es_tuning").set_value("qlora").run()
     at.text_input(key="es_gpus").set_value("2").run()
     at.selectbox(key="es_strategy").set_value("ddp").run()
     at.button(key="est_use_plan").click().run()
@@ -317,7 +317,8 @@ def test_estimate_page_use_this_plan_hands_its_run_config_over():
     handed = at.session_state[HANDOVER]
     assert handed == at.session_state["estimate_config"]  # the page's own run config, not a translation
     assert (handed["lora"]["r"], handed["quantization"]["load_in_4bit"]) == (24, True)
-    assert at.number_input(key="tr_r").value == 24 and at.checkbox(key="tr_4bit").value  # on the Train page
+    # on the Train page
+    assert at.number_input(key="tr_r").value == 24 and at.radio(key="tr_tuning").value == "qlora"
     assert at.text_input(key="tr_gpus").value == "2" and at.selectbox(key="tr_strategy").value == "ddp"
     batch, accum = at.number_input(key="tr_batch").value, at.number_input(key="tr_accum").value
     assert any(

@@ -26,7 +26,7 @@ P = "tr_"  # the Train page's widget keys: tr_ + the field's name (ui/fields.py)
 
 # The run-config fields this form shows (ui/fields.py: the one field table); the method's own come with it.
 TRAIN_FIELDS = (
-    "model_path", "dtype", "attn", "trust", "lora", "4bit", "r", "alpha", "dropout", "targets", "data_path",
+    "model_path", "dtype", "attn", "trust", "tuning", "r", "alpha", "dropout", "targets", "data_path",
     "format", "max_length", "eval_split", "batch", "accum", "max_steps", "epochs", "lr", "sched", "warmup", "optim",
     "ckpt", "logging", "save", "eval_samples", "padding_free", "packing", "offload", "liger", "gpus", "strategy",
     "cpu_offload",
@@ -275,8 +275,8 @@ def _model_fields() -> None:
 
 
 def _lora_fields() -> None:
-    st.markdown("##### LoRA")
-    fields.row(P, ("lora", "4bit", "r", "alpha", "dropout", "targets"), [1, 1, 1, 1, 1, 2])
+    st.markdown("##### Fine-tuning")
+    fields.row(P, ("tuning", "r", "alpha", "dropout", "targets"), [3, 1, 1, 1, 2])
 
 
 def _data_fields(method) -> None:
