@@ -254,3 +254,19 @@ def test_qlora_is_a_fine_tuning_choice_beside_lora():
     cfg = at.session_state["estimate_config"]
     assert not cfg["lora"]["enabled"] and not cfg["quantization"]["load_in_4bit"]
     assert at.number_input(key="es_r").disabled
+
+
+def test_an_unreachable_hub_id_suggests_the_nearest_preset_by_name(monkeypatch):
+    """Issue #40 item 4: 'Qwen/Qwen2.5-7B-Instruct' offline and not in the cache suggested Llama-2 presets."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", "/nonexistent-hub-cache")  # nothing cached: the id cannot be reached
+    at = _app()
+    at.selectbox(key="es_model").set_value("Local model folder…").run()
+    at.text_input(key="es_model_path").set_value("Qwen/Qwen2.5-7B-Instruct").run()
+    assert not at.exception
+    error = next(e.value for e in at.error if "Unknown model" in e.value)
+    assert "The nearest bundled preset by name is Qwen/Qwen2.5-7B (the same architecture" in error, error
+    assert "Llama-2" not in error
+    at.text_input(key="es_model_path").set_value("nobody/unrelated-thing").run()
+    error = next(e.value for e in at.error if "Unknown model" in e.value)
+    assert "Pick a bundled preset such as" in error  # nothing near by name: a few to pick from
