@@ -287,6 +287,8 @@ def yaml_panel(raw: dict, errors: dict) -> None:
     with c2:
         up = st.file_uploader("Load a config YAML", type=["yaml", "yml"], key="tr_upload")
         if up is not None and st.session_state.get("tr_upload_seen") != up.file_id:
+            # read once: a file that is refused says so once, not again after every later, unrelated edit
+            st.session_state["tr_upload_seen"] = up.file_id
             try:
                 if up.size > MAX_CONFIG_BYTES:
                     raise ConfigError(f"it is {up.size:,} bytes; a run config is a few hundred")
@@ -300,7 +302,6 @@ def yaml_panel(raw: dict, errors: dict) -> None:
                 st.session_state["tr_trust_asked"] = up.name
             if reward_editor.clear_trust(cfg):  # the same for a reward's own Python file
                 st.session_state["tr_reward_trust_asked"] = up.name
-            st.session_state["tr_upload_seen"] = up.file_id
             st.session_state["tr_pending"] = cfg  # filled in before the widgets are drawn on the rerun
             st.rerun()
 
