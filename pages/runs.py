@@ -19,6 +19,7 @@ from core.runs.launcher import RunError
 from core.train import methods
 from core.train.sources import labels as hub_labels
 from core.workspace import default_workspace, runs_dir
+from ui import charts
 from ui.queue_panels import queue_section, sweep_view
 from ui.routing import leave_legacy_mode
 
@@ -83,9 +84,9 @@ def compare(summaries) -> None:
     smoothed = c1.toggle("Smoothed", value=True, key="runs_smoothed")
     window = c2.number_input(
         "Smoothing window (steps)",
-        min_value=1.0,
-        value=DEFAULT_SMOOTHING_STEPS,
-        step=5.0,
+        min_value=1,
+        value=int(DEFAULT_SMOOTHING_STEPS),  # a count of steps: "20", not "20.00"
+        step=5,
         key="runs_smoothing",
         disabled=not smoothed,
         help="A debiased moving average over this many training steps (the raw curve: switch Smoothed off).",
@@ -102,11 +103,12 @@ def compare(summaries) -> None:
         alt.Chart(df)
         .mark_line(strokeWidth=1.5, point=len(df) <= 2 * df["run"].nunique())  # one point is still seen
         .encode(
-            alt.X("step:Q", axis=alt.Axis(format="~g")),
+            alt.X("step:Q", axis=charts.axis(whole=True)),
             alt.Y(
                 "value:Q",
                 title=titles.get(metric, metric) + (" (smoothed)" if smoothed else ""),
                 scale=alt.Scale(zero=False),
+                axis=charts.axis(),
             ),
             # distinct hues: runs side by side must not come out in near-identical blues
             alt.Color(

@@ -85,3 +85,36 @@ def test_the_pages_demo_build_writes_run_yaml_as_the_cli_does(workspace):
     assert not at.exception, at.exception
     caption = next(c.value for c in at.caption if c.value.startswith("Prefilled from the demo"))
     assert f"python -m core.train {run_yaml.resolve()}" in caption
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="what a machine without a CUDA GPU shows")
+def test_on_a_cpu_the_plan_is_the_processs_ram_against_the_ram_free(workspace, tiny_llama, tmp_path):
+    """The plan read '65.4 MiB of 24 GiB (0%)' and '(0% of the card)' on a CPU: tensor bytes against all the RAM,
+    while the process holds ten times that."""
+    import json
+
+    import psutil
+
+    from core.estimate.ram import RUNTIME_BYTES
+    from core.fmt import mem
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"instruction": f"q{i}", "output": f"a{i}"}) + "\n" for i in range(8)))
+    at = AppTest.from_file(PAGE, default_timeout=180)
+    at.session_state["workspace"] = str(workspace)
+    at.session_state["train_config"] = {
+        "model": {"path": str(tiny_llama)},
+        "data": {"path": str(data)},
+        "training": {"max_length": 64, "max_steps": 5, "padding_free": True},
+    }
+    at.run()
+    assert not at.exception, at.exception
+    verdict = next(s.value for s in at.success if s.value.startswith("**Fits**"))
+    assert "in this machine's RAM (no CUDA GPU" in verdict, verdict
+    assert f"+ about {mem(RUNTIME_BYTES)} for Python, torch and the training libraries" in verdict
+    free = float(verdict.split(" of ")[-1].split(" free")[0].split()[0])  # "of 12.34 GiB free (…)"
+    assert free <= psutil.virtual_memory().total / 2**30
+    captions = [c.value for c in at.caption]
+    assert not any("of the card" in c for c in captions), captions
+    # the data's largest batch, said the same way
+    assert any("of the RAM free" in c for c in captions), captions
