@@ -3,7 +3,6 @@ accuracy and reward margin, a GRPO run's reward), the runs' evaluations side by 
 finished ones. UI only: summaries come from core.monitor.watch, evaluations from core.eval.results, deleting
 from core.runs.admin."""
 
-from datetime import datetime
 from pathlib import Path
 
 import altair as alt
@@ -40,29 +39,54 @@ def _figure(s, label: str) -> str:
     return "–" if found["value"] is None else f"{found['value']:{found['format']}} ({s.reward_source})"
 
 
+def _settings(s) -> dict:
+    """What a run trained with, short: the learning rate as written in a config ("0.0002"), r ("–": full), 4-bit."""
+    return {
+        "lr": "–" if s.learning_rate is None else f"{s.learning_rate:g}",
+        "r": "–" if s.lora_r is None else str(s.lora_r),
+        "4-bit": "–" if s.load_in_4bit is None else "yes" if s.load_in_4bit else "no",
+    }
+
+
+# Widths in px: the whole table fits the main column of a 1400 px window (the eval column was cut off there); a
+# longer text ends in "…" and shows whole on hover.
+WIDTHS = {"run": 190, "state": 70, "method": 55, "steps": 70, "time": 50, "final loss": 70, "best eval": 70,
+          "eval (base → tuned)": 200, "lr": 55, "r": 35, "4-bit": 45}  # fmt: skip
+
+
 def table(summaries) -> None:
+    """One row per run, as narrow as the figures allow. A column no run has anything in (the Hub ids, a method's
+    own figures, GPU peaks on a CPU, notes) is left out."""
     labels = list(dict.fromkeys(f["label"] for s in summaries for f in s.headline))
     rows = [
         {
             "run": s.name,
             "state": s.state,
             "method": s.method or "–",
-            # the Hub ids it trained on, each @ its short commit (sources.json): model, reference, data
-            "from the Hub": " · ".join(hub_labels(s.run_dir).values()),
-            "started": datetime.fromtimestamp(s.started).strftime("%Y-%m-%d %H:%M") if s.started else "–",
-            "duration": duration(s.duration_s) or "–",
-            "steps": f"{s.step if s.step is not None else 0}" + (f" / {s.max_steps}" if s.max_steps else ""),
-            "best eval loss": _num(s.best_eval_loss, ".4f"),
+            "steps": f"{s.step if s.step is not None else 0}" + (f"/{s.max_steps}" if s.max_steps else ""),
+            "time": duration(s.duration_s) or "–",
             "final loss": _num(s.final_loss, ".4f", "– (no loss logged)" if s.state == "failed" else "–"),
+            "best eval": _num(s.best_eval_loss, ".4f"),
+            # the newest evaluation's first figure ("exact match 0% -> 95%"); all of them under Compare evaluations
+            "eval (base → tuned)": (headline(s.run_dir) or "–").split(" · ")[0],
+            **_settings(s),
             # the method's own figures (eval when it evaluated, else train)
             **{label: _figure(s, label) for label in labels},
-            "peak GPU memory (GiB)": _num(s.peak_memory_gib, ".2f", "n/a (no GPU samples)"),
-            "eval (base -> tuned)": headline(s.run_dir) or "–",
+            "peak GPU GiB": _num(s.peak_memory_gib, ".2f"),
+            # the Hub ids it trained on, each @ its short commit (sources.json): model, reference, data
+            "from the Hub": " · ".join(hub_labels(s.run_dir).values()),
             "note": s.error or (f"{s.malformed} unreadable log line(s) skipped" if s.malformed else ""),
         }
         for s in summaries
     ]
-    st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch")
+    frame = pd.DataFrame(rows)
+    always = ("run", "state", "steps", "final loss", "eval (base → tuned)")  # where to look, even when blank
+    empty = [c for c in frame if c not in always and frame[c].isin(["", "–"]).all()]
+    config = {name: st.column_config.Column(width=px) for name, px in WIDTHS.items()}
+    config["run"] = st.column_config.Column(width=WIDTHS["run"], pinned=True)
+    st.dataframe(frame.drop(columns=empty), hide_index=True, width="stretch", column_config=config)
+    if "peak GPU GiB" in empty:
+        st.caption("No GPU samples in these runs (trained on a CPU): the Monitor charts their RAM instead.")
 
 
 def compare(summaries) -> None:
