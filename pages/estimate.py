@@ -20,7 +20,7 @@ from core.estimate.levers import (
     what_would_fit,
     with_every_lever,
 )
-from core.estimate.plan import FIT_LIMIT, TARGET_LOW, GiB, Plan, PlanError
+from core.estimate.plan import GiB, Plan, PlanError
 from core.estimate.source import source_line
 from core.estimate.specs import SpecError, load_spec, preset_ids
 from core.fmt import gib, nbytes
@@ -28,12 +28,13 @@ from core.monitor import gpu
 from core.train import methods
 from core.train.config import ConfigError, config_to_yaml, default_config
 from ui import fields
+from ui.estimate_charts import bill_chart, curve_chart
 from ui.routing import leave_legacy_mode
 
 
 class _OnFirstUse:
-    """A module imported on its first attribute: altair and pandas (0.5 s on a fresh server) load once the
-    verdict is sent, for the charts and tables below it."""
+    """A module imported on its first attribute: pandas (0.5 s with altair on a fresh server, which
+    ui.estimate_charts imports when it draws) loads once the verdict is sent, for the tables below it."""
 
     def __init__(self, name: str):
         self._name = name
@@ -42,7 +43,6 @@ class _OnFirstUse:
         return getattr(importlib.import_module(self._name), attr)
 
 
-alt = _OnFirstUse("altair")
 pd = _OnFirstUse("pandas")
 
 leave_legacy_mode()
@@ -231,66 +231,6 @@ def plan_of(cfg: dict, options: dict) -> Plan:
         fused_lm_head=bool(options["fused_lm_head"]),
         prepare_kbit=bool(options["prepare_kbit"]) and plan.method == "qlora",
     )
-
-
-# Segment colours: no greens and no reds, so the green target band and the red card line drawn over the bars
-# cannot be mistaken for (or hidden by) a segment. One colour per component the bill can hold.
-SEGMENT_COLOURS = [
-    "#1f77b4", "#aec7e8", "#ff7f0e", "#ffbb78", "#9467bd", "#c5b0d5", "#8c564b", "#c49c94",
-    "#e377c2", "#f7b6d2", "#7f7f7f", "#c7c7c7", "#17becf", "#9edae5", "#ffd16a",
-]  # fmt: skip
-BAND_COLOUR = "#2ca02c"  # the 85-90% target band (green)
-CARD_COLOUR = "#d62728"  # the card's capacity (red)
-
-
-def bill_chart(est) -> alt.LayerChart:
-    rows = [
-        {"component": k, "GiB": v / GiB, "order": i} for i, (k, v) in enumerate(est.components.items()) if v
-    ]
-    cap = est.gpu_bytes / GiB
-    bars = (
-        alt.Chart(pd.DataFrame(rows))
-        .mark_bar()
-        .encode(
-            x=alt.X(
-                "sum(GiB):Q",
-                title="GiB",
-                scale=alt.Scale(domain=[0, max(cap, est.device_total_bytes / GiB) * 1.05]),
-            ),
-            y=alt.Y("plan:N", title=None),
-            # Legend below the bar in columns: beside a 120 px bar it is cut after five entries.
-            color=alt.Color(
-                "component:N",
-                sort=[r["component"] for r in rows],
-                scale=alt.Scale(range=SEGMENT_COLOURS),
-                legend=alt.Legend(orient="bottom", columns=4, title=None, labelLimit=220),
-            ),
-            order=alt.Order("order:Q"),
-            tooltip=["component", alt.Tooltip("GiB:Q", format=".2f")],
-        )
-        .transform_calculate(plan="'this plan'")
-    )
-    # Drawn after the bars, see-through with a dashed outline: under them it was hidden by the segments.
-    band = (
-        alt.Chart(pd.DataFrame([{"lo": cap * TARGET_LOW, "hi": cap * FIT_LIMIT}]))
-        .mark_rect(fill=BAND_COLOUR, fillOpacity=0.35, stroke=BAND_COLOUR, strokeWidth=2, strokeDash=[4, 3])
-        .encode(x="lo:Q", x2="hi:Q")
-    )
-    line = (
-        alt.Chart(pd.DataFrame([{"cap": cap}])).mark_rule(color=CARD_COLOUR, strokeWidth=2).encode(x="cap:Q")
-    )
-    return alt.layer(bars, band, line).properties(height=230)
-
-
-def curve_chart(rows: list[dict], name: str, cap_gib: float) -> alt.LayerChart:
-    df = pd.DataFrame([{name: r[name], "GiB": r["device_total_bytes"] / GiB} for r in rows])
-    curve = (
-        alt.Chart(df)
-        .mark_line(point=True)
-        .encode(x=alt.X(f"{name}:Q"), y=alt.Y("GiB:Q", title="device total GiB"))
-    )
-    line = alt.Chart(pd.DataFrame([{"cap": cap_gib}])).mark_rule(color="red").encode(y="cap:Q")
-    return alt.layer(curve, line).properties(height=260)
 
 
 def show(plan: Plan) -> None:

@@ -64,6 +64,11 @@ def wait_idle(page, timeout_ms: int = 60_000):
     page.wait_for_selector('[data-test-script-state="notRunning"]', timeout=timeout_ms, state="attached")
 
 
+def errors_on(page) -> list[str]:
+    """The red st.error boxes on the page."""
+    return [e.inner_text() for e in page.query_selector_all('[data-testid="stAlertContentError"]')]
+
+
 def exceptions_on(page) -> list[str]:
     return [e.inner_text() for e in page.query_selector_all('[data-testid="stException"]')]
 

@@ -53,7 +53,7 @@ def _base_config(workspace: str) -> tuple[dict, str]:
     if run_yaml.is_file():  # the demo build wrote it: the same run from a shell
         return (
             base,
-            f"the demo model and dataset (as {run_yaml}: python -m core.train {run_yaml} --run-dir RUN)",
+            f"the demo model and dataset (from a shell: python -m core.train {run_yaml} --run-dir RUN)",
         )
     return base, "the demo model and dataset"
 
@@ -249,7 +249,7 @@ def _prefill(workspace: str) -> None:
             base, source = _from_estimate(handed, base)
         _fill_form(base)
         st.session_state["tr_handover_seen"] = handed_key
-    c1, c2 = st.columns([4, 1], vertical_alignment="center")
+    c1, c2 = st.columns([5, 2], vertical_alignment="center")
     c1.caption(f"Prefilled from {source}. Every value is also in the YAML (download below).")
     with c2:
         _reset_button(workspace)
@@ -342,7 +342,7 @@ def _model_fields() -> None:
 
 
 def _lora_fields() -> None:
-    st.markdown("##### Fine-tuning")
+    st.markdown("##### LoRA / QLoRA")
     fields.row(P, ("tuning", "r", "alpha", "dropout", "targets"), [3, 1, 1, 1, 2])
 
 
