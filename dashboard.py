@@ -10,7 +10,9 @@ from core.runs.supervisor import ensure_running
 from core.workspace import WorkspaceError, default_workspace
 from ui.hub_panels import endpoint_caption
 
-st.set_page_config(page_title="LoRA Cockpit", page_icon=":material/flight:", layout="wide")
+# An emoji, not ":material/flight:": Streamlit fetches a Material icon favicon from fonts.gstatic.com, and the app
+# is used offline (no request leaves 127.0.0.1); an emoji favicon is an inline SVG.
+st.set_page_config(page_title="LoRA Cockpit", page_icon="✈️", layout="wide")
 
 
 @st.cache_data(ttl=30, show_spinner=False)

@@ -18,6 +18,29 @@ BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 CUDA_ONLY = ("activation_offloading", "use_liger_kernel")
 
 
+# bitsandbytes' settings: made for a CUDA GPU. On a CPU they run (slowly), so a plan made for a card must not bring
+# them to a CPU run unasked: path -> what it does there, said where the Train page keeps them off.
+BNB_OPTIMIZERS = (
+    "adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "lion_8bit", "paged_lion_8bit",
+)  # fmt: skip
+ON_CPU = {
+    "quantization.load_in_4bit": "4-bit loading (QLoRA) runs bitsandbytes' CPU kernels there: many times slower "
+    "than the plain model, and bitsandbytes itself warns that they may give silently incorrect results",
+    "training.optim": "a paged or 8-bit optimizer (bitsandbytes) pages its states out of GPU memory, and a CPU has "
+    "none to save; its 8-bit states run slower CPU code",
+}
+
+
+def gpu_settings(cfg: dict) -> list[str]:
+    """The keys of `cfg` (ON_CPU) set to what only a CUDA GPU gains from: 4-bit loading, a bitsandbytes optimizer."""
+    found = []
+    if (cfg.get("quantization") or {}).get("load_in_4bit"):
+        found.append("quantization.load_in_4bit")
+    if (cfg.get("training") or {}).get("optim") in BNB_OPTIMIZERS:
+        found.append("training.optim")
+    return found
+
+
 class PrecisionError(ValueError):
     """The config asks for a precision the device cannot do; the message says what to set instead."""
 

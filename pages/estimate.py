@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import streamlit as st
 
+from core.estimate import cards
 from core.estimate.bill import OUTSIDE_TORCH, estimate, estimate_for_lengths
 from core.estimate.fit import fit_search, memory_curve
 from core.estimate.from_config import plan_for_draft
@@ -19,7 +20,7 @@ from core.estimate.levers import (
     what_would_fit,
     with_every_lever,
 )
-from core.estimate.plan import FIT_LIMIT, TARGET_LOW, GiB, Plan, PlanError
+from core.estimate.plan import GiB, Plan, PlanError
 from core.estimate.source import source_line
 from core.estimate.specs import SpecError, load_spec, preset_ids
 from core.fmt import gib, nbytes
@@ -27,12 +28,13 @@ from core.monitor import gpu
 from core.train import methods
 from core.train.config import ConfigError, config_to_yaml, default_config
 from ui import fields
+from ui.estimate_charts import bill_chart, curve_chart
 from ui.routing import leave_legacy_mode
 
 
 class _OnFirstUse:
-    """A module imported on its first attribute: altair and pandas (0.5 s on a fresh server) load once the
-    verdict is sent, for the charts and tables below it."""
+    """A module imported on its first attribute: pandas (0.5 s with altair on a fresh server, which
+    ui.estimate_charts imports when it draws) loads once the verdict is sent, for the tables below it."""
 
     def __init__(self, name: str):
         self._name = name
@@ -41,13 +43,12 @@ class _OnFirstUse:
         return getattr(importlib.import_module(self._name), attr)
 
 
-alt = _OnFirstUse("altair")
 pd = _OnFirstUse("pandas")
 
 leave_legacy_mode()
 
 LOCAL = "Local model folder…"
-CARD_SIZES = [24, 32, 48, 80, 141]
+CUSTOM = "Custom size…"
 VERDICT_TEXT = {
     "fits": "Fits: at most 90% of the card, leaving room for estimate error and allocator spikes.",
     "tight": "Tight: between 90% and 100% of the card; fragmentation or a long batch can push it over.",
@@ -71,6 +72,7 @@ DEFAULT_MODEL = "meta-llama/Llama-2-7b-hf"
 # of evaluation, the allocator, the plain-Trainer paths for comparison).
 OPTIONS = {
     "gpu": None,
+    "gpu_custom_gib": 24.0,
     "eval_kv_tokens": 0,
     "expandable_segments": False,
     "fused_lm_head": True,
@@ -84,7 +86,8 @@ def _saved() -> tuple[dict, dict]:
     if not cfg:
         cfg = default_config()
         cfg["model"]["path"] = DEFAULT_MODEL
-    return copy.deepcopy(cfg), {**OPTIONS, **(st.session_state.get("estimate_options") or {})}
+    saved = st.session_state.get("estimate_options") or {}
+    return copy.deepcopy(cfg), {**OPTIONS, **{k: v for k, v in saved.items() if v is not None}}
 
 
 def _fill_once(cfg: dict, options: dict) -> None:
@@ -101,14 +104,22 @@ def _fill_once(cfg: dict, options: dict) -> None:
     for name, value in options.items():
         if name != "gpu" or value in _card_labels():
             st.session_state[P + name] = value
+    if options["gpu"] not in _card_labels():  # the card found here, else the one most users own
+        st.session_state[P + "gpu"] = next(iter(dict(_cards())), cards.default_label())
 
 
-ESTIMATE_FIELDS = tuple(n for n in fields.PLAN_FIELDS if n != "model_path") + ("packing_strategy",)
+ESTIMATE_FIELDS = fields.drawn(n for n in fields.PLAN_FIELDS if n != "model_path") + ("packing_strategy",)
 
 
-def _card_labels() -> dict[str, float]:
-    """The detected cards first, then the common sizes: label -> GiB."""
-    return {**dict(_cards()), **{f"{g} GiB": float(g) for g in CARD_SIZES}}
+def _card_labels() -> dict[str, float | None]:
+    """The detected cards first, then the cards people own by name (core.estimate.cards), then a size of your own
+    (None: the custom field says it): label -> GiB."""
+    return {**dict(_cards()), **cards.by_label(), CUSTOM: None}
+
+
+def _card_gib(options: dict) -> float:
+    gib = _card_labels().get(options["gpu"])
+    return float(options["gpu_custom_gib"] or 0) if gib is None else gib
 
 
 def _model_and_method() -> None:
@@ -131,7 +142,16 @@ def _model_and_method() -> None:
     )
     for f in methods.get(st.session_state[P + "method"]).fields:
         fields.draw(P, f)
-    st.selectbox("GPU", list(_card_labels()), key=P + "gpu", help="Defaults to the detected card.")
+    st.selectbox(
+        "GPU",
+        list(_card_labels()),
+        key=P + "gpu",
+        help="The card found here first, then cards by name with the memory nvidia-smi reports for them, or a "
+        "size of your own.",
+    )
+    if st.session_state[P + "gpu"] == CUSTOM:
+        st.session_state.setdefault(P + "gpu_custom_gib", OPTIONS["gpu_custom_gib"])  # Streamlit forgot it
+        st.number_input("Card memory (GiB)", min_value=1.0, step=1.0, format="%.2f", key=P + "gpu_custom_gib")
     fields.row(P, ("gpus", "strategy"))
     fields.draw(P, fields.FIELDS["cpu_offload"])
 
@@ -143,12 +163,12 @@ def _step_settings() -> None:
 
 
 def _adapter_settings() -> None:
-    """LoRA, 4-bit quantization, the KV cache of evaluation and the allocator."""
-    full = not st.session_state.get(P + "lora")
-    fields.row(P, ("lora", "4bit"))
+    """LoRA, QLoRA or full fine-tuning, the KV cache of evaluation and the allocator."""
+    fields.draw(P, fields.FIELDS["tuning"])
+    full = st.session_state.get(P + "tuning") == "full"
     for name in ("r", "alpha", "dropout", "targets"):
         fields.draw(P, fields.FIELDS[name], disabled=full)
-    qlora = st.session_state.get(P + "4bit") and not full
+    qlora = st.session_state.get(P + "tuning") == "qlora"
     for name in ("quant_type", "double_quant"):
         fields.draw(P, fields.FIELDS[name], disabled=not qlora)
     st.number_input("Eval/generation KV cache tokens", step=256, key=P + "eval_kv_tokens", min_value=0)
@@ -203,7 +223,7 @@ def plan_of(cfg: dict, options: dict) -> Plan:
             "Model folder is empty: enter a local folder that holds config.json, or pick a preset."
         )
     plan = plan_for_draft(
-        cfg, _card_labels()[options["gpu"]], "cuda", expandable_segments=bool(options["expandable_segments"])
+        cfg, _card_gib(options), "cuda", expandable_segments=bool(options["expandable_segments"])
     )
     return replace(
         plan,
@@ -211,66 +231,6 @@ def plan_of(cfg: dict, options: dict) -> Plan:
         fused_lm_head=bool(options["fused_lm_head"]),
         prepare_kbit=bool(options["prepare_kbit"]) and plan.method == "qlora",
     )
-
-
-# Segment colours: no greens and no reds, so the green target band and the red card line drawn over the bars
-# cannot be mistaken for (or hidden by) a segment. One colour per component the bill can hold.
-SEGMENT_COLOURS = [
-    "#1f77b4", "#aec7e8", "#ff7f0e", "#ffbb78", "#9467bd", "#c5b0d5", "#8c564b", "#c49c94",
-    "#e377c2", "#f7b6d2", "#7f7f7f", "#c7c7c7", "#17becf", "#9edae5", "#ffd16a",
-]  # fmt: skip
-BAND_COLOUR = "#2ca02c"  # the 85-90% target band (green)
-CARD_COLOUR = "#d62728"  # the card's capacity (red)
-
-
-def bill_chart(est) -> alt.LayerChart:
-    rows = [
-        {"component": k, "GiB": v / GiB, "order": i} for i, (k, v) in enumerate(est.components.items()) if v
-    ]
-    cap = est.gpu_bytes / GiB
-    bars = (
-        alt.Chart(pd.DataFrame(rows))
-        .mark_bar()
-        .encode(
-            x=alt.X(
-                "sum(GiB):Q",
-                title="GiB",
-                scale=alt.Scale(domain=[0, max(cap, est.device_total_bytes / GiB) * 1.05]),
-            ),
-            y=alt.Y("plan:N", title=None),
-            # Legend below the bar in columns: beside a 120 px bar it is cut after five entries.
-            color=alt.Color(
-                "component:N",
-                sort=[r["component"] for r in rows],
-                scale=alt.Scale(range=SEGMENT_COLOURS),
-                legend=alt.Legend(orient="bottom", columns=4, title=None, labelLimit=220),
-            ),
-            order=alt.Order("order:Q"),
-            tooltip=["component", alt.Tooltip("GiB:Q", format=".2f")],
-        )
-        .transform_calculate(plan="'this plan'")
-    )
-    # Drawn after the bars, see-through with a dashed outline: under them it was hidden by the segments.
-    band = (
-        alt.Chart(pd.DataFrame([{"lo": cap * TARGET_LOW, "hi": cap * FIT_LIMIT}]))
-        .mark_rect(fill=BAND_COLOUR, fillOpacity=0.35, stroke=BAND_COLOUR, strokeWidth=2, strokeDash=[4, 3])
-        .encode(x="lo:Q", x2="hi:Q")
-    )
-    line = (
-        alt.Chart(pd.DataFrame([{"cap": cap}])).mark_rule(color=CARD_COLOUR, strokeWidth=2).encode(x="cap:Q")
-    )
-    return alt.layer(bars, band, line).properties(height=230)
-
-
-def curve_chart(rows: list[dict], name: str, cap_gib: float) -> alt.LayerChart:
-    df = pd.DataFrame([{name: r[name], "GiB": r["device_total_bytes"] / GiB} for r in rows])
-    curve = (
-        alt.Chart(df)
-        .mark_line(point=True)
-        .encode(x=alt.X(f"{name}:Q"), y=alt.Y("GiB:Q", title="device total GiB"))
-    )
-    line = alt.Chart(pd.DataFrame([{"cap": cap_gib}])).mark_rule(color="red").encode(y="cap:Q")
-    return alt.layer(curve, line).properties(height=260)
 
 
 def show(plan: Plan) -> None:

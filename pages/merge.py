@@ -3,7 +3,6 @@
 All logic lives in core.merge; this page only collects choices and shows what the engine reports.
 """
 
-import contextlib
 from pathlib import Path
 
 import pandas as pd
@@ -16,6 +15,7 @@ from core.fmt import disk
 from core.hub import ids as hub_ids
 from core.hub.fetch import complete_folder
 from core.workspace import WorkspaceError, check_run_name, default_workspace, inside
+from ui.gguf_panels import gguf_progress, gguf_tab, show_gguf, type_select
 from ui.jobs import follow
 from ui.routing import leave_legacy_mode
 
@@ -165,6 +165,14 @@ def show_result(r: M.MergeResult) -> None:
     )
 
 
+@st.cache_data(ttl=60, show_spinner="Checking that the adapter belongs to this base…")
+def _mismatches(base_dir: str, adapter_dir: str) -> list[str]:
+    try:
+        return M.mismatches(base_dir, adapter_dir)
+    except M.MergeError:
+        return []  # it cannot be merged at all: Check and Merge say why
+
+
 def merge_form(ws: Path, base_dir: str, adapter_dir: str, run: str | None) -> None:
     default_name = M.suggest_export_name(run or Path(adapter_dir).name, ws)
     c1, c2, c3, c4 = st.columns([3, 1, 1, 1])
@@ -186,14 +194,17 @@ def merge_form(ws: Path, base_dir: str, adapter_dir: str, run: str | None) -> No
     then_gguf = c1.checkbox(
         "Then convert to GGUF", key="merge_then_gguf", help="For llama.cpp, Ollama, LM Studio."
     )
-    gguf_type = c2.selectbox("GGUF type", GGUF_TYPES, key="merge_gguf_type", disabled=not then_gguf)
-    force = st.checkbox(
-        "Merge anyway",
-        key="merge_force",
-        help="Merge even when this base is not the model the adapter was trained on (other weights than the "
-        "ones it recorded, or another config) or its tokenizer's vocabulary does not match this base (the check "
-        "refuses by default: such a merge usually gives a broken model).",
-    )
+    gguf_type, gguf_missing = type_select(c2, "merge_gguf_type", disabled=not then_gguf)
+    force = False
+    mismatch = _mismatches(base_dir, adapter_dir)
+    if mismatch:  # the only case 'Merge anyway' is for: offered once there is one, with what it overrides
+        st.warning("This adapter may not belong to this base: " + "; ".join(mismatch) + ".")
+        force = st.checkbox(
+            "Merge anyway",
+            key="merge_force",
+            help="The check refuses by default: such a merge usually gives a broken model. Tick it only if you "
+            "are sure this is the base the adapter was trained on.",
+        )
 
     try:
         check_run_name(name)
@@ -218,6 +229,9 @@ def merge_form(ws: Path, base_dir: str, adapter_dir: str, run: str | None) -> No
     job = jobs.latest(ws, "merge", key=str(target)) or jobs.latest(ws, "merge", adapter=adapter_dir)
     running = job is not None and not job.done
     if b2.button("Merge and export", type="primary", key="merge_go", disabled=running):
+        if then_gguf and gguf_missing:
+            st.error(f"Not started: {gguf_missing}")
+            return
         params = {
             "base": base_dir,
             "adapter": adapter_dir,
@@ -253,14 +267,7 @@ def merge_job(job, pre_slot) -> None:
                 gguf_progress(p)
                 return
             total, done = p.get("total") or 0, p.get("done") or 0
-            label = {"merge": "Merging", "verify": "Verifying", "done": "Done"}.get(
-                p.get("phase"), "Preflight"
-            )
-            st.progress(
-                min(1.0, done / total) if total else 0.0,
-                text=f"{label}: {done}/{total} tensors, {disk(p.get('bytes_done') or 0)} of "
-                f"{disk(p.get('bytes_total') or 0)} written",
-            )
+            st.progress(min(1.0, done / total) if total else 0.0, text=M.progress_sentence(p))
             st.caption(
                 f"Running as a background job ({view.path.name}); reloading this page reattaches to it."
             )
@@ -277,103 +284,6 @@ def merge_job(job, pre_slot) -> None:
     if (job.result or {}).get("gguf"):
         st.markdown("##### GGUF")
         show_gguf(job.result["gguf"])
-
-
-# ---- GGUF ---------------------------------------------------------------------------------------------------------
-
-GGUF_TYPES = ["q8_0", "f16", "bf16", "q5_0", "q4_0", "q4_k_m", "q5_k_m", "q6_k"]
-
-
-def gguf_progress(p: dict) -> None:
-    total, done = p.get("tensors_total") or p.get("tensors") or 0, p.get("tensors_done") or 0
-    frac = min(1.0, done / total) if isinstance(total, int) and total else 0.0
-    st.progress(frac, text=f"GGUF: {p.get('phase', 'starting')} {done}/{total or '?'} tensors")
-
-
-def show_gguf(d: dict) -> None:
-    from core.gguf import summary_lines
-
-    st.success("\n\n".join(summary_lines(d)))
-    if d.get("template_problem"):
-        st.warning(
-            "The Modelfile has no chat TEMPLATE: "
-            + d["template_problem"]
-            + " Ollama would format conversations wrongly with a guessed one; write TEMPLATE by hand."
-        )
-    if d.get("modelfile"):
-        with contextlib.suppress(OSError):  # moved or deleted since: the summary above still names it
-            st.code(Path(d["modelfile"]).read_text(encoding="utf-8")[:4000], language=None)
-    if d.get("ollama_command"):
-        st.code(d["ollama_command"], language="bash")
-
-
-def free_path(path: Path) -> Path:
-    """`path`, or `<stem>-2<suffix>`, `-3`, ... the first that does not exist."""
-    n, out = 2, path
-    while out.exists():
-        out, n = path.with_name(f"{path.stem}-{n}{path.suffix}"), n + 1
-    return out
-
-
-def gguf_tab(ws: Path) -> None:
-    """Convert a merged export (any model folder in <workspace>/exports) to GGUF, as a background job."""
-    from core.gguf import BadInput, estimate_size
-
-    exports = sorted((p for p in (ws / "exports").glob("*") if (p / "config.json").is_file()), reverse=True)
-    if not exports:
-        st.info("Merge an adapter first (the Merge & export tab): its export folder is what GGUF converts.")
-        return
-    c1, c2, c3 = st.columns([3, 1, 1])
-    src = c1.selectbox("Model folder", exports, format_func=lambda p: p.name, key="gguf_src")
-    gtype = c2.selectbox(
-        "Type", GGUF_TYPES, key="gguf_type", help="q8_0: near-lossless; q4_k_m: Ollama's usual"
-    )
-    verify = c3.selectbox("Verification", ["auto", "quick", "full", "none"], key="gguf_verify")
-    first = src.with_name(f"{src.name}-{gtype}.gguf")
-    out = free_path(first)  # a GGUF file is never overwritten: a later export takes the next free name
-    try:
-        size = estimate_size(src, gtype)
-        again = (
-            f" ({first.name} exists already and is kept: this export writes the next name)"
-            if out != first
-            else ""
-        )
-        st.caption(f"Output: {out} · about {disk(size['bytes'])} ({size['tensors']} tensors){again}")
-    except BadInput as e:
-        st.error(str(e))
-        return
-    # the newest export of this model and type: the one running, or the last one that finished
-    job = jobs.latest(ws, "gguf", model=str(src), type=gtype)
-    running = job is not None and not job.done
-    if running:
-        st.caption("An export of this model and type is running: its progress is below.")
-    if st.button("Convert to GGUF", key="gguf_go", type="primary", disabled=running):
-        try:
-            jobs.start(
-                ws,
-                "gguf",
-                {"model": str(src), "out": str(out), "type": gtype, "verify": verify},
-                key=str(out),
-            )
-        except jobs.JobError as e:
-            st.error(str(e))
-            return
-        st.rerun()
-    if job is None:
-        return
-    if running:
-
-        def draw(view):
-            gguf_progress(view.progress)
-            st.caption(
-                f"Running as a background job ({view.path.name}); reloading this page reattaches to it."
-            )
-
-        follow(lambda: jobs.read(job.path), draw)
-    elif job.state == "failed":
-        st.error(job.error or "The GGUF export failed.")
-    else:
-        show_gguf(job.result or {})
 
 
 def _result_from_dict(d: dict):

@@ -9,7 +9,9 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
-from core.fmt import duration, first_sentence
+from core.estimate.plan import GiB
+from core.estimate.ram import RUNTIME_BYTES, process_bytes
+from core.fmt import duration, first_sentence, mem
 from core.monitor import gpu
 from core.monitor.series import DEFAULT_SMOOTHING_STEPS
 from core.monitor.summary import summarize_run
@@ -18,6 +20,7 @@ from core.runs.launcher import RunError, launch, list_runs, stop_run
 from core.runs.rundir import LIVE_STATES, latest_checkpoint, read_status
 from core.train import methods
 from core.workspace import default_workspace
+from ui.charts import axis
 from ui.eval_panels import completions_panel, samples_panel
 from ui.hub_panels import run_download
 from ui.routing import follow_choice, leave_legacy_mode
@@ -66,10 +69,8 @@ def _lines(
             interpolate="linear", strokeWidth=1.5, point=len(df) <= 2 * max(1, df["series"].nunique())
         )
         .encode(
-            alt.X(f"{x}:Q", title=x, axis=alt.Axis(format="~g")),  # "5", not "5.000000"
-            alt.Y(
-                "value:Q", title=y_title, scale=y_scale or alt.Scale(zero=False), axis=alt.Axis(format="~g")
-            ),
+            alt.X(f"{x}:Q", title=x, axis=axis(whole=x == "step")),  # "120", not "1.2e+2"
+            alt.Y("value:Q", title=y_title, scale=y_scale or alt.Scale(zero=False), axis=axis()),
             # distinct hues (train, smoothed, eval must not be three blues)
             alt.Color(
                 color,
@@ -164,7 +165,8 @@ def method_chart(snap, chart, frame, column) -> None:
 def memory_chart(snap) -> None:
     df = snap.charts.get("gpu_memory")
     rules = []
-    names = {"gpu_capacity_gib": "card capacity", "plan_peak_gib": "plan's predicted peak"}
+    # the plan's device total is what nvidia-smi shows for the process: the NVML line's like
+    names = {"gpu_capacity_gib": "card capacity", "plan_peak_gib": "plan's predicted peak (device total)"}
     for key, label in names.items():
         if key in snap.lines:
             rules.append({"value": snap.lines[key], "line": label})
@@ -179,12 +181,22 @@ def memory_chart(snap) -> None:
                 else "GPU memory: no samples yet in gpu.jsonl."
             )
             return
-        # No GPU: the run's CPU memory, against the same plan line (what this config needs on a card); the
-        # card's capacity would flatten it, so it is left out
+        # No GPU: the process's RSS (everything it holds) against what the plan expects the process to hold (its
+        # tensors + the runtime: core.estimate.ram), like with like; tensor bytes alone read as a 10x miss
         df, title = cpu, "CPU memory of the training process (GiB)"
-        rules = [r for r in rules if r["line"] != names["gpu_capacity_gib"]]
+        tensors = snap.lines.get("plan_tensor_peak_gib")
+        rules = []
+        if tensors:
+            rules = [{"value": process_bytes(tensors * GiB) / GiB, "line": "plan: tensors + runtime"}]
+        said = (
+            f" The dashed line is what the plan expects it to hold: its tensor peak ({mem(tensors * GiB)}) + "
+            f"about {mem(RUNTIME_BYTES)} for Python, torch and the training libraries."
+            if tensors
+            else ""
+        )
         st.caption(
-            f"No GPU samples ({reason or 'none in gpu.jsonl'}): charting the process's CPU memory instead."
+            f"No GPU samples ({reason or 'none in gpu.jsonl'}): charting the process's CPU memory instead. RSS is "
+            f"everything the training process holds: the runtime, the model, the data, the step's tensors.{said}"
         )
     chart = _lines(df, "minutes", title, "GiB", height=330)
     if rules:
@@ -399,9 +411,9 @@ if info.state in ("stopped", "failed") and info.reason:
     st.caption(f"Why it {info.state}: {first_sentence(info.reason)}")
 st.columns([1, 3])[0].number_input(
     "Loss smoothing window (steps)",
-    min_value=1.0,
-    value=DEFAULT_SMOOTHING_STEPS,
-    step=5.0,
+    min_value=1,
+    value=int(DEFAULT_SMOOTHING_STEPS),  # a count of steps: "20", not "20.00"
+    step=5,
     key="mon_smoothing",
     help="The smoothed curve is a debiased moving average over this many training steps.",
 )

@@ -3,7 +3,6 @@ accuracy and reward margin, a GRPO run's reward), the runs' evaluations side by 
 finished ones. UI only: summaries come from core.monitor.watch, evaluations from core.eval.results, deleting
 from core.runs.admin."""
 
-from datetime import datetime
 from pathlib import Path
 
 import altair as alt
@@ -19,6 +18,7 @@ from core.runs.launcher import RunError
 from core.train import methods
 from core.train.sources import labels as hub_labels
 from core.workspace import default_workspace, runs_dir
+from ui import charts
 from ui.queue_panels import queue_section, sweep_view
 from ui.routing import leave_legacy_mode
 
@@ -39,29 +39,54 @@ def _figure(s, label: str) -> str:
     return "–" if found["value"] is None else f"{found['value']:{found['format']}} ({s.reward_source})"
 
 
+def _settings(s) -> dict:
+    """What a run trained with, short: the learning rate as written in a config ("0.0002"), r ("–": full), 4-bit."""
+    return {
+        "lr": "–" if s.learning_rate is None else f"{s.learning_rate:g}",
+        "r": "–" if s.lora_r is None else str(s.lora_r),
+        "4-bit": "–" if s.load_in_4bit is None else "yes" if s.load_in_4bit else "no",
+    }
+
+
+# Widths in px: the whole table fits the main column of a 1400 px window (the eval column was cut off there); a
+# longer text ends in "…" and shows whole on hover.
+WIDTHS = {"run": 190, "state": 70, "method": 55, "steps": 70, "time": 50, "final loss": 70, "best eval": 70,
+          "eval (base → tuned)": 200, "lr": 55, "r": 35, "4-bit": 45}  # fmt: skip
+
+
 def table(summaries) -> None:
+    """One row per run, as narrow as the figures allow. A column no run has anything in (the Hub ids, a method's
+    own figures, GPU peaks on a CPU, notes) is left out."""
     labels = list(dict.fromkeys(f["label"] for s in summaries for f in s.headline))
     rows = [
         {
             "run": s.name,
             "state": s.state,
             "method": s.method or "–",
-            # the Hub ids it trained on, each @ its short commit (sources.json): model, reference, data
-            "from the Hub": " · ".join(hub_labels(s.run_dir).values()),
-            "started": datetime.fromtimestamp(s.started).strftime("%Y-%m-%d %H:%M") if s.started else "–",
-            "duration": duration(s.duration_s) or "–",
-            "steps": f"{s.step if s.step is not None else 0}" + (f" / {s.max_steps}" if s.max_steps else ""),
-            "best eval loss": _num(s.best_eval_loss, ".4f"),
+            "steps": f"{s.step if s.step is not None else 0}" + (f"/{s.max_steps}" if s.max_steps else ""),
+            "time": duration(s.duration_s) or "–",
             "final loss": _num(s.final_loss, ".4f", "– (no loss logged)" if s.state == "failed" else "–"),
+            "best eval": _num(s.best_eval_loss, ".4f"),
+            # the newest evaluation's first figure ("exact match 0% -> 95%"); all of them under Compare evaluations
+            "eval (base → tuned)": (headline(s.run_dir) or "–").split(" · ")[0],
+            **_settings(s),
             # the method's own figures (eval when it evaluated, else train)
             **{label: _figure(s, label) for label in labels},
-            "peak GPU memory (GiB)": _num(s.peak_memory_gib, ".2f", "n/a (no GPU samples)"),
-            "eval (base -> tuned)": headline(s.run_dir) or "–",
+            "peak GPU GiB": _num(s.peak_memory_gib, ".2f"),
+            # the Hub ids it trained on, each @ its short commit (sources.json): model, reference, data
+            "from the Hub": " · ".join(hub_labels(s.run_dir).values()),
             "note": s.error or (f"{s.malformed} unreadable log line(s) skipped" if s.malformed else ""),
         }
         for s in summaries
     ]
-    st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch")
+    frame = pd.DataFrame(rows)
+    always = ("run", "state", "steps", "final loss", "eval (base → tuned)")  # where to look, even when blank
+    empty = [c for c in frame if c not in always and frame[c].isin(["", "–"]).all()]
+    config = {name: st.column_config.Column(width=px) for name, px in WIDTHS.items()}
+    config["run"] = st.column_config.Column(width=WIDTHS["run"], pinned=True)
+    st.dataframe(frame.drop(columns=empty), hide_index=True, width="stretch", column_config=config)
+    if "peak GPU GiB" in empty:
+        st.caption("No GPU samples in these runs (trained on a CPU): the Monitor charts their RAM instead.")
 
 
 def compare(summaries) -> None:
@@ -83,9 +108,9 @@ def compare(summaries) -> None:
     smoothed = c1.toggle("Smoothed", value=True, key="runs_smoothed")
     window = c2.number_input(
         "Smoothing window (steps)",
-        min_value=1.0,
-        value=DEFAULT_SMOOTHING_STEPS,
-        step=5.0,
+        min_value=1,
+        value=int(DEFAULT_SMOOTHING_STEPS),  # a count of steps: "20", not "20.00"
+        step=5,
         key="runs_smoothing",
         disabled=not smoothed,
         help="A debiased moving average over this many training steps (the raw curve: switch Smoothed off).",
@@ -102,11 +127,12 @@ def compare(summaries) -> None:
         alt.Chart(df)
         .mark_line(strokeWidth=1.5, point=len(df) <= 2 * df["run"].nunique())  # one point is still seen
         .encode(
-            alt.X("step:Q", axis=alt.Axis(format="~g")),
+            alt.X("step:Q", axis=charts.axis(whole=True)),
             alt.Y(
                 "value:Q",
                 title=titles.get(metric, metric) + (" (smoothed)" if smoothed else ""),
                 scale=alt.Scale(zero=False),
+                axis=charts.axis(),
             ),
             # distinct hues: runs side by side must not come out in near-identical blues
             alt.Color(

@@ -10,7 +10,7 @@ from core.workspace import WorkspaceError, default_workspace
 from ui.jobs import follow
 from ui.queue_panels import queue_buttons
 from ui.routing import leave_legacy_mode
-from ui.train_form import config_form
+from ui.train_form import config_form, demo_waiting
 from ui.train_panels import (
     launch_button,
     preflight_panel,
@@ -35,8 +35,9 @@ if previous is not None and previous != workspace:
 st.session_state["tr_workspace"] = workspace
 if not demo_ready(workspace) and st.session_state.get("tr_model_path") in (None, demo_model):
     st.info(
-        "The default run uses the demo assets (a tiny pretrained model and an instruction dataset that it learns "
-        f"in about a minute on a CPU). They are not built yet in {demo_dir(workspace)}."
+        "**Start with the demo**: a tiny pretrained model and an instruction dataset it learns in a minute or two "
+        f"on a CPU, built into {demo_dir(workspace)} (they are not built yet). The form below is set up for it; "
+        "or point its Model folder and Dataset file at your own."
     )
     demo_job = jobs.latest(workspace, "demo", key=str(demo_dir(workspace).resolve()))
     if demo_job is not None and not demo_job.done:
@@ -47,7 +48,7 @@ if not demo_ready(workspace) and st.session_state.get("tr_model_path") in (None,
                 + (view.progress.get("log") or ["starting…"])[-1]
             ),
         )
-    elif st.button("Build the demo assets", icon=":material/build:"):
+    elif st.button("Build the demo assets", icon=":material/build:", type="primary"):
         try:
             jobs.start(
                 workspace,
@@ -74,6 +75,8 @@ elif st.session_state.pop("tr_demo_refill", None) is None and (
     st.session_state["tr_demo_refill"] = True
     st.rerun()
 raw, errors, name = config_form(workspace)
+# only the unbuilt demo's folder and file are missing: nothing for the user to fix, the demo to build
+waiting = bool(errors) and set(errors) <= demo_waiting(workspace, raw)
 cfg = None
 if not errors:
     try:
@@ -84,10 +87,16 @@ st.divider()
 st.subheader("Memory plan")
 if cfg:
     verdict_panel(cfg)
+elif waiting:
+    st.caption(
+        "Build the demo assets (above) to see the estimate, the data preview and the preflight report."
+    )
 else:
     st.caption("Fix the marked fields to see the estimate, the data preview and the preflight report.")
 blocked = None
-if errors:
+if waiting:
+    blocked = "Build the demo assets (above), or point Model folder and Dataset file at your own, to launch."
+elif errors:
     blocked = f"Fix the {len(errors)} problem(s) marked above to launch."
 if cfg:
     st.subheader("Dataset preview")

@@ -64,8 +64,33 @@ def wait_idle(page, timeout_ms: int = 60_000):
     page.wait_for_selector('[data-test-script-state="notRunning"]', timeout=timeout_ms, state="attached")
 
 
+def errors_on(page) -> list[str]:
+    """The red st.error boxes on the page."""
+    return [e.inner_text() for e in page.query_selector_all('[data-testid="stAlertContentError"]')]
+
+
 def exceptions_on(page) -> list[str]:
     return [e.inner_text() for e in page.query_selector_all('[data-testid="stException"]')]
+
+
+class Requests:
+    """Every request a page makes, and those that failed: the app is used offline, so none may leave the server
+    (a favicon or a font from a CDN fails there, and leaks that the app is open)."""
+
+    def __init__(self, page, base_url: str):
+        self.base, self.urls, self.failures = base_url, [], []
+        page.on("request", lambda r: self.urls.append(r.url))
+        page.on("requestfailed", lambda r: self.failures.append(f"{r.url} ({r.failure})"))
+
+    def outside(self) -> list[str]:
+        """Requests to anywhere but the app's own server (inline data: and blob: URLs are no requests)."""
+        local = (self.base + "/", "data:", "blob:")
+        return sorted({u for u in self.urls if not u.startswith(local) and u != self.base})
+
+    def failed(self) -> list[str]:
+        # a page left while its long-poll or a chart's data was in flight shows as net::ERR_ABORTED: that is the
+        # browser cancelling, not a request that could not be served
+        return [f for f in self.failures if "net::ERR_ABORTED" not in f]
 
 
 def open_app(playwright, url: str):

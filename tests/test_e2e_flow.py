@@ -8,7 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.browser import CHROMIUM, CHROMIUM_ARGS, REPO, exceptions_on, streamlit_server, wait_idle
+from tests.browser import (
+    CHROMIUM,
+    CHROMIUM_ARGS,
+    REPO,
+    Requests,
+    errors_on,
+    exceptions_on,
+    streamlit_server,
+    wait_idle,
+)
 
 pytestmark = [
     pytest.mark.e2e,
@@ -71,21 +80,31 @@ def test_new_user_flow_from_plan_to_verified_export(tmp_path):
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1400, "height": 1100})
         page.set_default_timeout(60_000)
+        requests = Requests(
+            page, url
+        )  # every request of the whole tour: none may leave the server (offline use)
         s = Steps(page)
 
-        # Estimate: a preset, its verdict in words.
+        # Estimate: a preset, its verdict in words; QLoRA a choice beside LoRA, the GPUs by name.
         page.goto(url + "/")
         wait_idle(page)
         verdict = wait_text(page, r"(FITS|TIGHT|DOES NOT FIT) — [\d.]+ GiB of [\d.]+ GiB", 60).group(0)
         assert metric(page, "Peak phase") in {"forward", "backward", "optimizer"}
+        assert page.get_by_role("radio", name="QLoRA (4-bit base)").count() == 1
+        gpu = page.get_by_role("combobox", name="GPU", exact=True).input_value()
+        if "no NVIDIA GPU found" in page.inner_text('[data-testid="stSidebar"]'):  # else the card found here
+            assert gpu == "RTX 4090 · 24 GB (23.99 GiB)", gpu
         s.shot("estimate")
 
-        # Train: build the demo assets, smoke-test one step, launch a run long enough to watch.
+        # Train: a first visit shows no error before the user acts (the demo's paths wait for Build), then build
+        # the demo assets, smoke-test one step, launch a run long enough to watch.
         nav(page, "Train")
+        assert errors_on(page) == [], errors_on(page)
+        wait_text(page, r"Start with the demo", 10)
         page.get_by_role("button", name="Build the demo assets").click()
         # a background job (core.jobs): the page follows it and refills the form when it is done
         wait_text(page, r"Building the demo assets as a background job", 60)
-        page.wait_for_selector("text=They are not built yet", state="detached", timeout=300_000)
+        page.wait_for_selector("text=Start with the demo", state="detached", timeout=300_000)
         wait_idle(page, 300_000)
         assert (ws / "demo" / "base" / "config.json").is_file()
         max_steps = page.get_by_label("Max steps (-1: epochs)")
@@ -161,10 +180,14 @@ def test_new_user_flow_from_plan_to_verified_export(tmp_path):
         assert "LORAX" in page.inner_text("body"), "the adapter did not learn the demo task"
         s.shot("merge-try")
         page.get_by_role("tab", name="Merge & export").click()
+        assert page.get_by_label("Merge anyway").count() == 0  # the run's own base: nothing to override
         page.get_by_role("button", name="Merge and export").click()
-        wait_text(page, r"verification \((full|quick)\): PASSED", 300, fail=r"FAILED|Error")
+        wait_text(page, r"verification \((full|quick)\): PASSED", 300, fail=r"FAILED|Error|0/0 tensors")
         exports = list((ws / "exports").iterdir())
         assert len(exports) == 1 and (exports[0] / "config.json").is_file()
         s.shot("merge-done")
         browser.close()
+    # used offline: nothing left 127.0.0.1 (the tab icon came from fonts.gstatic.com) and nothing failed
+    assert requests.urls and requests.outside() == [], requests.outside()
+    assert requests.failed() == [], requests.failed()
     print(f"\nscreenshots in {SHOTS} (verdict on the Estimate page: {verdict})")

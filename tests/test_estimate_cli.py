@@ -123,3 +123,14 @@ def test_a_folder_that_does_not_exist_is_said_so():
     out = run_cli("--model", "/nonexistent/model-folder", "--json")
     assert out.returncode == 2
     assert "The folder '/nonexistent/model-folder' does not exist" in out.stderr
+
+
+def test_gpu_gb_help_lists_the_cards_by_name_from_the_one_table():
+    """Issue #40 item 4: the Estimate page's GPU list and --gpu-gb's help read the same table of cards."""
+    from core.estimate.cards import CARDS
+
+    proc = run_cli("--help", timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.split())  # argparse wraps the help
+    for card in CARDS:
+        assert f"{card.name} {card.gib:.2f}" in text, card

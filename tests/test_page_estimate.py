@@ -5,7 +5,10 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from core.estimate.cards import CARDS
+
 PAGE = str(Path(__file__).resolve().parent.parent / "pages" / "estimate.py")
+CARD = {c.name: c.label for c in CARDS}  # the GPU list's entries by card name
 
 
 def _app() -> AppTest:
@@ -36,13 +39,13 @@ def test_changing_inputs_changes_the_verdict():
     at = _app()
     at.selectbox(key="es_model").set_value("Qwen/Qwen2.5-0.5B")
     at.number_input(key="es_max_length").set_value(512)
-    at.selectbox(key="es_gpu").set_value("141 GiB")
+    at.selectbox(key="es_gpu").set_value(CARD["H200"])
     at.run()
     assert not at.exception
     assert _verdict(at).startswith("**FITS**")
     at.selectbox(key="es_model").set_value("meta-llama/Llama-3.1-70B")
-    at.checkbox(key="es_lora").uncheck()
-    at.selectbox(key="es_gpu").set_value("24 GiB")
+    at.radio(key="es_tuning").set_value("full")
+    at.selectbox(key="es_gpu").set_value(CARD["RTX 4090"])
     at.run()
     assert not at.exception
     assert _verdict(at).startswith("**DOES NOT FIT**")
@@ -140,7 +143,7 @@ def test_levers_are_toggles_with_their_savings_costs_and_modelled_markers():
     at.selectbox(key="es_model").set_value("meta-llama/Llama-3.1-8B")
     at.number_input(key="es_batch").set_value(8)
     at.number_input(key="es_max_length").set_value(16384)
-    at.selectbox(key="es_gpu").set_value("24 GiB")
+    at.selectbox(key="es_gpu").set_value(CARD["RTX 4090"])
     at.run()
     assert not at.exception
     assert _verdict(at).startswith("**DOES NOT FIT**")
@@ -183,7 +186,7 @@ def test_a_plan_that_fits_is_told_it_needs_nothing():
     """Issue #21 item 21: 'What would make it fit' listed changes for a plan at 31% of the card."""
     at = _app()
     at.selectbox(key="es_model").set_value("Qwen/Qwen2.5-0.5B")
-    at.selectbox(key="es_gpu").set_value("141 GiB")
+    at.selectbox(key="es_gpu").set_value(CARD["H200"])
     at.run()
     assert not at.exception and _verdict(at).startswith("**FITS**")
     assert any(m.value.startswith("Nothing: it fits (") for m in at.markdown)
@@ -196,8 +199,8 @@ def test_several_gpus_give_a_verdict_per_gpu():
     """Issue #22: the number of GPUs and the strategy on the page; the verdict is per GPU."""
     at = _app()
     at.selectbox(key="es_model").set_value("meta-llama/Llama-2-70b-hf")
-    at.checkbox(key="es_4bit").check()
-    at.selectbox(key="es_gpu").set_value("24 GiB")
+    at.radio(key="es_tuning").set_value("qlora")
+    at.selectbox(key="es_gpu").set_value(CARD["RTX 4090"])
     at.run()
     assert _verdict(at).startswith("**DOES NOT FIT**")
     assert not [w for w in at.warning if "Per-GPU figures" in w.value]
@@ -208,10 +211,62 @@ def test_several_gpus_give_a_verdict_per_gpu():
     # every GPU first loads the whole 4-bit model (34 GiB): FSDP divides the step, not that moment
     assert _verdict(at).startswith("**DOES NOT FIT**")
     assert [w for w in at.warning if w.value.startswith("Every GPU first loads the whole 4-bit model")]
-    at.selectbox(key="es_gpu").set_value("48 GiB")
+    at.selectbox(key="es_gpu").set_value(CARD["RTX A6000 / RTX 6000 Ada"])
     at.run()
     verdict = _verdict(at)
     assert verdict.startswith("**FITS**") and "per GPU (4 GPUs, fsdp)" in verdict, verdict
     assert at.session_state["estimate_config"]["distributed"]["gpus"] == 4
     # the per-GPU model is checked against published figures only: the page says how far to trust it
     assert [w for w in at.warning if w.value.startswith("Per-GPU figures are checked against published")]
+
+
+def test_the_gpu_list_names_the_cards_users_own_and_takes_a_size_of_its_own():
+    """Issue #40 item 4: sizes only (24/32/48/80/141 GiB), no 12 or 16 GiB, no custom size."""
+    at = _app()
+    gpu = at.selectbox(key="es_gpu")
+    for name in ("RTX 3060", "RTX 4060 Ti", "RTX 3090", "RTX 4090", "RTX 5090", "L40S / L40", "A100 40GB"):
+        assert CARD[name] in gpu.options, gpu.options
+    assert {"A100 80GB", "H100 80GB", "H200", "RTX A6000 / RTX 6000 Ada"} <= set(CARD)
+    assert gpu.value == CARD["RTX 4090"]  # no GPU here: the card most users of the app own
+    assert "RTX 4090 · 24 GB (23.99 GiB)" in gpu.options  # the box's size and what nvidia-smi reports
+    gpu.set_value(CARD["RTX 3060"]).run()
+    assert " of 12.00 GiB (" in _verdict(at)
+    at.selectbox(key="es_gpu").set_value("Custom size…").run()
+    at.number_input(key="es_gpu_custom_gib").set_value(20.0).run()
+    assert not at.exception
+    assert " of 20.00 GiB (" in _verdict(at)
+
+
+def test_qlora_is_a_fine_tuning_choice_beside_lora():
+    """Issue #40 item 4: QLoRA was 'LoRA + 4-bit', two checkboxes; the CLI has --method qlora."""
+    at = _app()
+    tuning = at.radio(key="es_tuning")
+    assert tuning.options == ["LoRA", "QLoRA (4-bit base)", "Full fine-tune"] and tuning.value == "lora"
+    assert at.selectbox(key="es_quant_type").disabled  # the 4-bit settings wait for QLoRA
+    lora_total = at.metric[2].value
+    tuning.set_value("qlora").run()
+    assert not at.exception
+    cfg = at.session_state["estimate_config"]
+    assert cfg["lora"]["enabled"] and cfg["quantization"]["load_in_4bit"]
+    assert not at.selectbox(key="es_quant_type").disabled
+    assert at.metric[2].value != lora_total  # the 4-bit base plans less
+    at.radio(key="es_tuning").set_value("full").run()
+    cfg = at.session_state["estimate_config"]
+    assert not cfg["lora"]["enabled"] and not cfg["quantization"]["load_in_4bit"]
+    assert at.number_input(key="es_r").disabled
+
+
+def test_an_unreachable_hub_id_suggests_the_nearest_preset_by_name(monkeypatch):
+    """Issue #40 item 4: 'Qwen/Qwen2.5-7B-Instruct' offline and not in the cache suggested Llama-2 presets."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", "/nonexistent-hub-cache")  # nothing cached: the id cannot be reached
+    at = _app()
+    at.selectbox(key="es_model").set_value("Local model folder…").run()
+    at.text_input(key="es_model_path").set_value("Qwen/Qwen2.5-7B-Instruct").run()
+    assert not at.exception
+    error = next(e.value for e in at.error if "Unknown model" in e.value)
+    assert "The nearest bundled preset by name is Qwen/Qwen2.5-7B (the same architecture" in error, error
+    assert "Llama-2" not in error
+    at.text_input(key="es_model_path").set_value("nobody/unrelated-thing").run()
+    error = next(e.value for e in at.error if "Unknown model" in e.value)
+    assert "Pick a bundled preset such as" in error  # nothing near by name: a few to pick from

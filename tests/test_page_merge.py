@@ -112,3 +112,36 @@ def test_page_without_runs_asks_for_a_folder(workspace):
     at = _app(workspace).run()
     assert not at.exception
     assert at.selectbox(key="merge_adapter_choice").value == "Another adapter folder…"
+
+
+def test_merge_anyway_is_offered_only_once_the_base_does_not_match(
+    finished_run, tiny_llama, workspace, tmp_path
+):
+    """Issue #40 item 5: 'Merge anyway' was offered before there was any mismatch to override."""
+    from core.demo.toy import build_tiny_model
+
+    at = _app(workspace).run()
+    assert not at.exception, at.exception
+    assert "merge_force" not in [c.key for c in at.checkbox]  # the adapter's own base: nothing to override
+    assert not any("may not belong" in w.value for w in at.warning)
+    other = build_tiny_model(
+        tmp_path / "other", "llama", num_hidden_layers=3
+    )  # every adapter tensor still fits
+    at.text_input(key=f"merge_base_{finished_run / 'adapter'}").set_value(str(other)).run()
+    assert not at.exception, at.exception
+    warning = next(w.value for w in at.warning if "may not belong" in w.value)
+    assert "num_hidden_layers 2 vs 3" in warning
+    assert "merge_force" in [c.key for c in at.checkbox]
+
+
+def test_merge_progress_says_what_it_does_before_anything_is_counted():
+    """Issue #40 item 5: the progress bar started with 'Preflight: 0/0 tensors, 0 B of 0 B written'."""
+    from core.merge import progress_sentence
+
+    assert progress_sentence({}) == "Preflight: reading the adapter and the base, checking RAM and disk…"
+    assert progress_sentence({"phase": "preflight", "preflight": {}}) == "Preflight passed: the merge starts…"
+    assert progress_sentence({"phase": "merge", "done": 0, "total": 0}).startswith("Preflight: reading")
+    counted = progress_sentence(
+        {"phase": "merge", "done": 3, "total": 24, "bytes_done": 2 * 2**20, "bytes_total": 9 * 2**20}
+    )
+    assert counted == "Merging: 3/24 tensors, 2.0 MB of 9.0 MB written"

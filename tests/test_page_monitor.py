@@ -168,7 +168,7 @@ def test_a_chart_of_one_point_shows_it_with_plain_axis_labels(workspace):
     loss = next(json.loads(sp) for sp in specs if '"loss"' in sp)
     layer = loss.get("layer", [loss])[0]
     assert layer["mark"].get("point") is True
-    assert layer["encoding"]["x"]["axis"]["format"] == "~g"
+    assert layer["encoding"]["x"]["axis"]["format"] == ",~f"
     assert layer["encoding"]["color"]["scale"]["scheme"] == "tableau10"
 
 

@@ -70,14 +70,23 @@ def test_table_lists_every_run_with_its_figures(runs):
     losses = [m["loss"] for m in metrics if "loss" in m]
     evals = [m["eval_loss"] for m in metrics if "eval_loss" in m]
     assert table.loc[done.name, "final loss"] == f"{losses[-1]:.4f}"
-    assert table.loc[done.name, "best eval loss"] == f"{min(evals):.4f}"
+    assert table.loc[done.name, "best eval"] == f"{min(evals):.4f}"
     # no "None" anywhere: a failed run without a loss and a CPU run without GPU samples say so (issue #16)
     assert table.loc[broken.name, "final loss"] == "– (no loss logged)"
-    assert table.loc[done.name, "peak GPU memory (GiB)"] == "n/a (no GPU samples)"
+    assert "peak GPU GiB" not in table  # no run has GPU samples: said once under the table, not in each row
+    assert any(c.value.startswith("No GPU samples in these runs") for c in _page(ws).caption)
     assert "None" not in table.to_string()
     status = json.loads((done / "status.json").read_text())
-    assert table.loc[done.name, "steps"] == f"{status['step']} / {status['max_steps']}"
-    assert table.loc[done.name, "duration"]
+    assert table.loc[done.name, "steps"] == f"{status['step']}/{status['max_steps']}"
+    assert table.loc[done.name, "time"]
+    # what each trained with (issue #40 item 5): the config's learning rate, LoRA rank and 4-bit loading
+    assert (table.loc[done.name, "lr"], table.loc[done.name, "r"], table.loc[done.name, "4-bit"]) == (
+        "0.0002",
+        "16",
+        "no",
+    )
+    assert table.loc[done.name, "eval (base → tuned)"] == "–"  # not evaluated yet: the column is still there
+    assert "from the Hub" not in table and "note" not in table  # empty for every run
 
 
 @pytest.mark.slow

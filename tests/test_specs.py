@@ -306,3 +306,21 @@ def test_the_cache_folder_changes_with_the_library_versions(spec_cache, monkeypa
     monkeypatch.setattr(specs.metadata, "version", lambda pkg: "99.0" if pkg == "torch" else real(pkg))
     specs.cache_dir.cache_clear()
     assert specs.cache_dir() != first and specs.cache_dir().parent == first.parent
+
+
+@pytest.mark.parametrize(
+    ("model", "nearest"),
+    [
+        ("Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-7B"),  # a fine-tune: its base
+        ("unsloth/Qwen2.5-7B-Instruct-bnb-4bit", "Qwen/Qwen2.5-7B"),  # repackaged under another organisation
+        ("meta-llama/Llama-2-7b-chat-hf", "meta-llama/Llama-2-7b-hf"),
+        ("mistralai/Mistral-7B-Instruct-v0.3", "mistralai/Mistral-7B-v0.3"),
+        ("meta-llama/Llama-3.2-3B-Instruct", "meta-llama/Llama-3.2-1B"),  # the family's nearest size
+        ("nobody/unrelated-thing", None),
+    ],
+)
+def test_the_nearest_preset_is_found_by_family_then_size(model, nearest):
+    from core.estimate.nearest import nearest_preset
+    from core.estimate.specs import preset_ids
+
+    assert nearest_preset(model, preset_ids()) == nearest

@@ -10,6 +10,7 @@ import functools
 
 import streamlit as st
 
+from core.estimate.from_config import method_of, set_method
 from core.estimate.plan import PACKING_STRATEGIES
 from core.train import methods
 from core.train.config import default_config, section_schema
@@ -30,6 +31,10 @@ FIELDS = {
         Field("trust", "model.trust_remote_code", "Run Python code shipped in the model folder (trust_remote_code)",
               "bool", help="Only for architectures transformers does not have yet. The folder's .py files run with "
               "your rights: tick it only for a model you trust. A loaded YAML never ticks it for you."),
+        # what the pages draw for the two keys below: the choice by the name users know it by
+        Field("tuning", "lora.enabled", "Fine-tuning", "tuning", choices=("lora", "qlora", "full"),
+              help="LoRA: small adapters on a 16-bit base. QLoRA: the same on a 4-bit (NF4) base, about a third of "
+              "its memory; needs a CUDA GPU (bitsandbytes). Full: every weight trained."),
         Field("lora", "lora.enabled", "LoRA", "bool", help="Off: full fine-tuning."),
         Field("4bit", "quantization.load_in_4bit", "4-bit", "bool", help="QLoRA: NF4 base weights via bitsandbytes."),
         Field("quant_type", "quantization.bnb_4bit_quant_type", "4-bit type", "choice", choices=("nf4", "fp4")),
@@ -106,6 +111,18 @@ PLAN_FIELDS = (
 
 METHOD_FIELDS = {f.name: f for m in methods.REGISTRY.values() for f in m.fields}
 
+TUNING_LABELS = {"lora": "LoRA", "qlora": "QLoRA (4-bit base)", "full": "Full fine-tune"}
+
+
+def drawn(names) -> tuple:
+    """`names` as a page draws them: the LoRA and 4-bit switches as one Fine-tuning choice (LoRA, QLoRA, full)."""
+    out = []
+    for name in names:
+        name = "tuning" if name in ("lora", "4bit") else name
+        if name not in out:
+            out.append(name)
+    return tuple(out)
+
 
 def label_of(path: str, method=None) -> str | None:
     """The label a page shows for a config key path (a message names the field as the user sees it)."""
@@ -180,6 +197,9 @@ def fill(prefix: str, cfg: dict, names, method) -> list[str]:
     defaults, notes = default_config(), []
     for name in names:
         f = FIELDS[name]
+        if f.kind == "tuning":
+            st.session_state[prefix + name] = method_of(cfg)
+            continue
         value = _get(cfg, f)
         default = _get(defaults, f)
         default = f.default if default is None else default
@@ -202,6 +222,9 @@ def read(prefix: str, base: dict, names, method) -> dict:
     raw = copy.deepcopy(base)
     for name in names:
         f = FIELDS[name]
+        if f.kind == "tuning":
+            set_method(raw, st.session_state.get(prefix + name) or "lora")
+            continue
         section = raw.setdefault(f.section, {})
         value = config_value(f, st.session_state.get(prefix + name))
         if not applies(f, method):
@@ -252,7 +275,9 @@ def draw(prefix: str, f: Field, slot=st, method=None, disabled: bool = False, on
     key = prefix + f.name
     off = disabled or not applies(f, method)
     kw = dict(key=key, help=f.help or None, disabled=off, on_change=on_change)
-    if f.kind == "bool":
+    if f.kind == "tuning":
+        slot.radio(f.label, f.choices, format_func=TUNING_LABELS.get, horizontal=True, **kw)
+    elif f.kind == "bool":
         slot.checkbox(f.label, **kw)
     elif f.kind == "choice":
         slot.selectbox(f.label, choices_of(f, method), format_func=_choice_label, **kw)

@@ -17,6 +17,7 @@ from core.runs import sweep as S
 from core.runs.supervisor import ensure_running, supervisor_alive
 from core.train.config import ConfigError
 from core.workspace import WorkspaceError
+from ui import charts
 
 # The keys a sweep usually varies, offered first (any run-config key path can be typed)
 SWEEP_KEYS = (
@@ -185,11 +186,12 @@ def sweep_view(workspace: str, summaries) -> None:
             alt.Chart(curves)
             .mark_line(strokeWidth=1.5, point=True)
             .encode(
-                alt.X("step:Q", axis=alt.Axis(format="~g")),
+                alt.X("step:Q", axis=charts.axis(whole=True)),
                 alt.Y(
                     "value:Q",
                     title="eval loss" if metric == "best eval loss" else "loss (smoothed)",
                     scale=alt.Scale(zero=False),
+                    axis=charts.axis(),
                 ),
                 alt.Color("run:N", scale=alt.Scale(scheme="tableau10"), legend=alt.Legend(orient="top")),
                 tooltip=["run", "step", "value"],

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import streamlit as st
 
-from core import jobs
-from core.demo.build import demo_config, demo_dir, demo_ready
+from core import jobs, precision
+from core.demo.build import RUN_CONFIG, demo_config, demo_dir, demo_ready
 from core.demo.methods import DEMOS
+from core.estimate import from_config
 from core.runs.admin import (
     check_fields,
     check_model_folder,
@@ -26,7 +27,7 @@ P = "tr_"  # the Train page's widget keys: tr_ + the field's name (ui/fields.py)
 
 # The run-config fields this form shows (ui/fields.py: the one field table); the method's own come with it.
 TRAIN_FIELDS = (
-    "model_path", "dtype", "attn", "trust", "lora", "4bit", "r", "alpha", "dropout", "targets", "data_path",
+    "model_path", "dtype", "attn", "trust", "tuning", "r", "alpha", "dropout", "targets", "data_path",
     "format", "max_length", "eval_split", "batch", "accum", "max_steps", "epochs", "lr", "sched", "warmup", "optim",
     "ckpt", "logging", "save", "eval_samples", "padding_free", "packing", "offload", "liger", "gpus", "strategy",
     "cpu_offload",
@@ -48,6 +49,12 @@ def _base_config(workspace: str) -> tuple[dict, str]:
     if st.session_state.get("train_config"):
         return migrate(st.session_state["train_config"]), "your last edits"
     base = demo_config(workspace) if demo_ready(workspace) else _demo_paths(workspace)
+    run_yaml = demo_dir(workspace).resolve() / RUN_CONFIG
+    if run_yaml.is_file():  # the demo build wrote it: the same run from a shell
+        return (
+            base,
+            f"the demo model and dataset (from a shell: python -m core.train {run_yaml} --run-dir RUN)",
+        )
     return base, "the demo model and dataset"
 
 
@@ -75,11 +82,66 @@ def _from_estimate(handed: dict, base: dict) -> tuple[dict, str]:
             f"; its model is not a local folder, so the model, batch size and max length stay those of "
             f"{base['model']['path']}: point the model folder at your local copy to train it"
         )
+    _keep_off_cpu(cfg, base)
     taken = _changes(
         field_errors(base, here=False)[0], field_errors(cfg, here=False)[0]
     )  # defaults filled in
     source += ("; it set " + ", ".join(taken)) if taken else "; it matches the form's settings"
     return cfg, source
+
+
+def _keep_off_cpu(cfg: dict, base: dict) -> None:
+    """On a machine without a CUDA GPU, the plan's bitsandbytes settings (4-bit loading, a paged or 8-bit
+    optimizer: core.precision.ON_CPU) do not come across: `cfg` keeps base's, and the form says so with a button
+    to take them anyway (they made the demo 5x slower and bitsandbytes warned of silently wrong results)."""
+    kept = {}
+    if from_config.local_card().device == "cpu":
+        for path in precision.gpu_settings(cfg):
+            section, _, key = path.partition(".")
+            kept[path] = cfg[section][key]
+            if key in (base.get(section) or {}):
+                cfg[section][key] = base[section][key]
+            else:
+                cfg[section].pop(key, None)
+    st.session_state["tr_cpu_kept"] = kept
+
+
+def _cpu_kept_note() -> None:
+    """What _keep_off_cpu left out, why, and a button to take it anyway."""
+    kept = st.session_state.get("tr_cpu_kept")
+    if not kept:
+        return
+    said = "; ".join(f"{path} {value!r}: {precision.ON_CPU[path]}" for path, value in kept.items())
+    st.warning(
+        f"This machine has no CUDA GPU, so the plan's GPU settings were left out and the form keeps its own "
+        f"precision. {said}."
+    )
+    if st.button("Use the plan's GPU settings anyway", key="tr_cpu_insist", icon=":material/memory:"):
+        cfg = copy.deepcopy(st.session_state.get("train_config") or st.session_state.get("tr_base"))
+        for path, value in kept.items():
+            section, _, key = path.partition(".")
+            cfg.setdefault(section, {})[key] = value
+        st.session_state["tr_pending"] = cfg
+        st.session_state["tr_pending_source"] = "your form with the plan's GPU settings, as you asked"
+        st.session_state.pop("tr_cpu_kept")
+        st.rerun()
+
+
+def _reset_button(workspace: str) -> None:
+    """Back to the demo run as it comes: a plan or an upload can change many keys at once."""
+    if st.button(
+        "Reset to the demo defaults",
+        key="tr_reset",
+        icon=":material/restart_alt:",
+        help="The demo run's config (the demo model and dataset, LoRA, a minute or two on a CPU), in place of "
+        "every value on this form.",
+    ):
+        st.session_state.pop("tr_cpu_kept", None)
+        st.session_state["tr_pending"] = (
+            demo_config(workspace) if demo_ready(workspace) else _demo_paths(workspace)
+        )
+        st.session_state["tr_pending_source"] = "the demo defaults (reset)"
+        st.rerun()
 
 
 def _changes(before: dict, after: dict) -> list[str]:
@@ -180,13 +242,18 @@ def _prefill(workspace: str) -> None:
     pending = st.session_state.pop("tr_pending", None)
     if pending is not None:
         _fill_form(pending)
+        st.session_state.pop("tr_cpu_kept", None)  # what a plan left out: not this config's business
         source = st.session_state.pop("tr_pending_source", "the uploaded YAML")
     elif "tr_model_path" not in st.session_state or st.session_state.get("tr_handover_seen") != handed_key:
         if st.session_state.get("tr_handover_seen") != handed_key and handed:
             base, source = _from_estimate(handed, base)
         _fill_form(base)
         st.session_state["tr_handover_seen"] = handed_key
-    st.caption(f"Prefilled from {source}. Every value is also in the YAML (download below).")
+    c1, c2 = st.columns([5, 2], vertical_alignment="center")
+    c1.caption(f"Prefilled from {source}. Every value is also in the YAML (download below).")
+    with c2:
+        _reset_button(workspace)
+    _cpu_kept_note()
     asked = st.session_state.get("tr_trust_asked")
     if asked and not st.session_state.get("tr_trust"):
         st.warning(
@@ -275,8 +342,8 @@ def _model_fields() -> None:
 
 
 def _lora_fields() -> None:
-    st.markdown("##### LoRA")
-    fields.row(P, ("lora", "4bit", "r", "alpha", "dropout", "targets"), [1, 1, 1, 1, 1, 2])
+    st.markdown("##### LoRA / QLoRA")
+    fields.row(P, ("tuning", "r", "alpha", "dropout", "targets"), [3, 1, 1, 1, 2])
 
 
 def _data_fields(method) -> None:
@@ -307,6 +374,19 @@ def _training_fields(method) -> None:
             )
 
 
+def demo_waiting(workspace: str, raw: dict) -> set[str]:
+    """The fields that only wait for the demo to be built (its model folder and dataset, named as the form starts):
+    not a mistake of the user's, so no red error before they have done anything (issue #40)."""
+    if demo_ready(workspace):
+        return set()
+    demo = _demo_paths(workspace)
+    return {
+        f"{section}.path"
+        for section in ("model", "data")
+        if str((raw.get(section) or {}).get("path") or "") == demo[section]["path"]
+    }
+
+
 def _checked(workspace: str, name: str, slots: dict) -> tuple[dict, dict, str]:
     """The config the form says, its problems shown below the fields they concern."""
     raw = _raw_config()
@@ -316,13 +396,17 @@ def _checked(workspace: str, name: str, slots: dict) -> tuple[dict, dict, str]:
     if name_problem:
         errors = {**errors, "run_name": name_problem}
     _errors_below(slots["name"], errors, "run_name")
+    waiting = demo_waiting(workspace, raw)
+    shown = {
+        k: v for k, v in errors.items() if k not in waiting
+    }  # the page invites to build the demo instead
     for section in ("model", "quantization", "lora", "data", "training", "distributed"):
         slot = slots.get(section) or slots["training" if section == "distributed" else "lora"]
-        _errors_below(slot, errors, *[k for k in errors if k.startswith(section + ".")])
+        _errors_below(slot, shown, *[k for k in shown if k.startswith(section + ".")])
     if "rewards" in slots:  # rewards, rewards[0].trust_code, ...: under the editor
-        _errors_below(slots["rewards"], errors, *[k for k in errors if k.startswith("rewards")])
+        _errors_below(slots["rewards"], shown, *[k for k in shown if k.startswith("rewards")])
     other = [
-        k for k in errors if "." not in k and k != "run_name" and not ("rewards" in slots and k == "rewards")
+        k for k in shown if "." not in k and k != "run_name" and not ("rewards" in slots and k == "rewards")
     ]
-    _errors_below(slots["training"], errors, *other)
+    _errors_below(slots["training"], shown, *other)
     return raw, errors, name

@@ -9,6 +9,7 @@ from core import jobs
 from core.estimate import from_config
 from core.estimate.from_config import estimate_for_config
 from core.estimate.plan import GiB, PlanError
+from core.estimate.ram import RUNTIME_BYTES, ram_plan
 from core.estimate.specs import SpecError
 from core.fmt import mem
 from core.runs.admin import (
@@ -64,11 +65,20 @@ def verdict_panel(cfg: dict) -> None:
     except (PlanError, SpecError, ValueError) as exc:
         st.warning(f"No memory estimate for this config: {exc}")
         return
-    VERDICT.get(est.verdict, st.info)(
-        f"**{est.verdict.capitalize()}** on {card.label}: {mem(est.device_total_bytes)} of "
-        f"{est.gpu_bytes / GiB:.0f} GiB ({est.fraction:.0%}); tensor peak {mem(est.tensor_peak_bytes)} "
-        f"in the {est.peak_phase} phase."
-    )
+    if card.device == "cpu":  # the process's RAM against the RAM free, not tensor bytes against it
+        ram = ram_plan(est.tensor_peak_bytes)
+        VERDICT.get(ram.verdict, st.info)(
+            f"**{ram.verdict.capitalize()}** in this machine's RAM (no CUDA GPU: it trains on the CPU): the "
+            f"training process will hold about {mem(ram.process)} (tensors {mem(ram.tensors)} at the peak, in the "
+            f"{est.peak_phase} phase, + about {mem(RUNTIME_BYTES)} for Python, torch and the training libraries) "
+            f"of {mem(ram.free)} free ({ram.fraction:.0%}; {mem(ram.total)} in all)."
+        )
+    else:
+        VERDICT.get(est.verdict, st.info)(
+            f"**{est.verdict.capitalize()}** on {card.label}: {mem(est.device_total_bytes)} of "
+            f"{est.gpu_bytes / GiB:.0f} GiB ({est.fraction:.0%}); tensor peak {mem(est.tensor_peak_bytes)} "
+            f"in the {est.peak_phase} phase."
+        )
     if card.device == "cuda":
         for busy in from_config.busy_gpus(cfg, est.device_total_bytes):
             st.warning(busy)
@@ -80,10 +90,10 @@ def verdict_panel(cfg: dict) -> None:
         )
     for w in est.warnings:
         st.caption(f"planner: {w}")
-    _data_batch_caption(cfg, est)
+    _data_batch_caption(cfg, est, card.device)
 
 
-def _data_batch_caption(cfg: dict, est) -> None:
+def _data_batch_caption(cfg: dict, est, device: str) -> None:
     """The peak for the largest batch the data's real rows can form, next to the max_length bound above."""
     from core.estimate.bill import estimate_for_lengths
     from core.estimate.plan import Plan
@@ -98,10 +108,14 @@ def _data_batch_caption(cfg: dict, est) -> None:
             return
     except (DataError, OSError, ValueError, PlanError, SpecError):
         return  # the preview below says what is wrong with the data
+    if device == "cpu":
+        ram = ram_plan(real.tensor_peak_bytes)
+        peak = f"the process about {mem(ram.process)} ({ram.fraction:.0%} of the RAM free)"
+    else:
+        peak = f"{mem(real.device_total_bytes)} ({real.fraction:.0%} of the card)"
     st.caption(
         f"With your data ({len(lengths):,} rows measured) the largest batch holds {tokens:,} tokens, not "
-        f"{plan.batch_size * plan.seq_len:,}: {mem(real.device_total_bytes)} ({real.fraction:.0%} of the card). "
-        "The verdict above is for the bound (every row max length)."
+        f"{plan.batch_size * plan.seq_len:,}: {peak}. The verdict above is for the bound (every row max length)."
     )
 
 
@@ -287,6 +301,8 @@ def yaml_panel(raw: dict, errors: dict) -> None:
     with c2:
         up = st.file_uploader("Load a config YAML", type=["yaml", "yml"], key="tr_upload")
         if up is not None and st.session_state.get("tr_upload_seen") != up.file_id:
+            # read once: a file that is refused says so once, not again after every later, unrelated edit
+            st.session_state["tr_upload_seen"] = up.file_id
             try:
                 if up.size > MAX_CONFIG_BYTES:
                     raise ConfigError(f"it is {up.size:,} bytes; a run config is a few hundred")
@@ -300,7 +316,6 @@ def yaml_panel(raw: dict, errors: dict) -> None:
                 st.session_state["tr_trust_asked"] = up.name
             if reward_editor.clear_trust(cfg):  # the same for a reward's own Python file
                 st.session_state["tr_reward_trust_asked"] = up.name
-            st.session_state["tr_upload_seen"] = up.file_id
             st.session_state["tr_pending"] = cfg  # filled in before the widgets are drawn on the rerun
             st.rerun()
 

@@ -13,6 +13,7 @@ from core.demo.build import (
     demo_dir,
     heldout_accuracy,
     train_demo_run,
+    write_run_config,
 )
 from core.demo.prefs import (
     PREFERENCE_DEMOS,
@@ -132,9 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         build_demo(out, pretrain_steps=args.pretrain_steps)
-        from core.train.config import dump_config
-
-        run_yaml = dump_config(demo_config(out=out), out / "run.yaml")
+        run_yaml = write_run_config(out)
         print(f"demo run config: {run_yaml} (python -m core.train {run_yaml} --run-dir RUN_DIR)", flush=True)
         before = heldout_accuracy(out)
         print(f"held-out accuracy before training: {before:.0%}", flush=True)

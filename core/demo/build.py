@@ -214,6 +214,17 @@ def build_demo(
     return out
 
 
+RUN_CONFIG = "run.yaml"
+
+
+def write_run_config(out: str | os.PathLike) -> Path:
+    """The demo run's config beside its assets (`python -m core.train OUT/run.yaml`): written by every build, the
+    CLI's and the Train page's."""
+    from core.train.config import dump_config
+
+    return dump_config(demo_config(out=out), Path(out) / RUN_CONFIG)
+
+
 def read_manifest(out: str | os.PathLike) -> dict | None:
     try:
         return json.loads((Path(out) / "demo.json").read_text(encoding="utf-8"))

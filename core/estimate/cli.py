@@ -11,6 +11,7 @@ import json
 import sys
 from dataclasses import replace
 
+from core.estimate import cards
 from core.estimate.bill import OUTSIDE_TORCH, estimate, estimate_for_lengths
 from core.estimate.fit import fit_search
 from core.estimate.from_config import busy_gpus, card_for, plan_for_config
@@ -200,7 +201,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--gpu-gb",
         type=float,
-        help=f"card capacity in GiB (default {d.gpu_gb:g}; with --config: this machine's card, as the trainer plans)",
+        help=f"card capacity in GiB (default {d.gpu_gb:g}; with --config: this machine's card, as the trainer plans). "
+        f"Cards as nvidia-smi reports them: {cards.help_line()}",
     )
     p.add_argument(
         "--expandable-segments", action=argparse.BooleanOptionalAction, default=d.expandable_segments

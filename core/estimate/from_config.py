@@ -25,9 +25,17 @@ PLAN_ATTN = {"flash_attention_2": "flash", "flash_attention_3": "flash", "flex_a
 
 
 def method_of(cfg: dict) -> str:
-    if not cfg["lora"]["enabled"]:
+    """How a run config trains, as the planner and the user name it: "full", "lora" or "qlora"."""
+    lora, quant = cfg.get("lora") or {}, cfg.get("quantization") or {}
+    if not lora.get("enabled", True):
         return "full"
-    return "qlora" if cfg["quantization"]["load_in_4bit"] else "lora"
+    return "qlora" if quant.get("load_in_4bit") else "lora"
+
+
+def set_method(cfg: dict, method: str) -> None:
+    """Write "full", "lora" or "qlora" as the two keys a run config holds (the inverse of method_of)."""
+    cfg.setdefault("lora", {})["enabled"] = method != "full"
+    cfg.setdefault("quantization", {})["load_in_4bit"] = method == "qlora"
 
 
 def plan_dtypes(cfg: dict, device: str) -> tuple[str, str, bool]:
@@ -302,12 +310,8 @@ def plan_to_config(plan: Any, base: dict | None = None) -> dict:
     if objective and methods.get(objective).traits.reference and _get(plan, "precompute_ref"):
         cfg["training"]["precompute_ref_log_probs"] = True
     method = str(_get(plan, "method") or "").lower()
-    if method == "full":
-        cfg["lora"]["enabled"] = False
-        cfg["quantization"]["load_in_4bit"] = False
-    elif method in ("lora", "qlora"):
-        cfg["lora"]["enabled"] = True
-        cfg["quantization"]["load_in_4bit"] = method == "qlora"
+    if method in ("full", "lora", "qlora"):
+        set_method(cfg, method)
 
     lora = _get(plan, "lora") if isinstance(_get(plan, "lora"), dict) else {}
     put("lora", "r", _get(plan, "lora_r", lora.get("r")), int)

@@ -24,6 +24,7 @@ from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
 
+from core.estimate.nearest import suggestion
 from core.files import FileTooLarge, NotRegularFile, atomic_write_text, read_bounded
 from core.fmt import error_line
 from core.hub import ids as hub_ids
@@ -160,8 +161,8 @@ def _hub_source(model: str, ref) -> tuple[dict, str]:
         data, found = config_json(ref)
     except hub_ids.HubError as exc:
         raise SpecError(
-            f"Unknown model '{model}': it is not a bundled preset id (python -m core.estimate --list-models) or a "
-            f"local folder, and {exc}"
+            f"Unknown model '{model}': it is not a bundled preset id or a local folder, and {exc} "
+            + suggestion(model, preset_ids())
         ) from None
     return data, f"The config.json of {found.label()}"
 
@@ -199,9 +200,8 @@ def load_config(model: str):
         )
     raise SpecError(
         f"Unknown model '{model}': it is not a bundled preset, a local folder, a Hub id (ORG/NAME) or a model in "
-        f"the local Hugging Face cache. Use a preset id such as "
-        f"{', '.join(preset_ids()[:3])} (full list: python -m core.estimate --list-models) "
-        "or the path of a folder holding the model's config.json."
+        f"the local Hugging Face cache; give the path of a folder holding its config.json. "
+        + suggestion(model, preset_ids())
     )
 
 

@@ -75,20 +75,26 @@ def report_path(out: Path) -> Path:
     return out.with_name(out.name + ".verify.json")
 
 
-def _check_type(out_type: str) -> None:
-    if out_type in TYPES:
-        return
-    if out_type in K_TYPES:
-        from core.gguf import llamacpp
+def quantizer_missing(out_type: str) -> str | None:
+    """Why `out_type` cannot be written on this machine (a K-quant, and llama.cpp's quantizer is not here), as the
+    sentence that says how to get it; None when it can be. A page says it before Convert, the CLI refuses with it."""
+    from core.gguf import llamacpp
 
-        if not llamacpp.available() and shutil.which("llama-quantize") is None:
-            raise BadInput(
-                f"--type {out_type} needs llama.cpp's quantizer: `pip install llama-cpp-python` (it builds llama.cpp, "
-                "10-30 minutes) or llama.cpp's llama-quantize on PATH (build llama.cpp with cmake and add build/bin "
-                "to PATH); or use f16, bf16, q8_0, q5_0 or q4_0, which need nothing."
-            )
-        return
-    raise BadInput(f"Unknown --type {out_type!r}; choose one of {', '.join(ALL_TYPES)}.")
+    if out_type not in K_TYPES or llamacpp.available() or shutil.which("llama-quantize") is not None:
+        return None
+    return (
+        f"{out_type} needs llama.cpp's quantizer, which is not installed here: `pip install llama-cpp-python` (it "
+        "builds llama.cpp, 10-30 minutes) or llama.cpp's llama-quantize on PATH (build llama.cpp with cmake and add "
+        f"build/bin to PATH); or use {', '.join(TYPES)}, which need nothing."
+    )
+
+
+def _check_type(out_type: str) -> None:
+    if out_type not in ALL_TYPES:
+        raise BadInput(f"Unknown --type {out_type!r}; choose one of {', '.join(ALL_TYPES)}.")
+    missing = quantizer_missing(out_type)
+    if missing:
+        raise BadInput(f"--type {missing}")
 
 
 def _check_out(out: Path) -> None:
@@ -380,6 +386,10 @@ def summary_lines(result) -> list[str]:
         lc = r.get("llama_cpp")
         if lc:
             lines.append(llama_cpp_line(lc))
+        else:  # the check that llama.cpp itself loads and runs the file: say it did not run, and how to have it
+            from core.gguf import llamacpp
+
+            lines.append(f"llama.cpp read-back: skipped ({llamacpp.why_unavailable()})")
         for note in tk.get("notes", []) + (lg or {}).get("notes", []):
             lines.append(f"note: {note}")
     if result.modelfile:

@@ -45,6 +45,18 @@ def available() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
+def why_unavailable() -> str:
+    """Why the llama.cpp check does not run here, and how to have it (for a report that says it was skipped)."""
+    if os.environ.get(DISABLE_ENV) == "1":
+        return f"{DISABLE_ENV}=1 turns it off: unset it to check the file with llama.cpp itself"
+    if not available():
+        return (
+            "llama-cpp-python is not installed: `pip install llama-cpp-python` (it builds llama.cpp, 10-30 minutes) "
+            "and export again to have llama.cpp load, tokenize and run the file"
+        )
+    return "it runs"
+
+
 def _run(request: dict, timeout: float = TIMEOUT_S) -> tuple[dict | None, int, list[str]]:
     """Run one request in a child; (its JSON reply or None, exit code, llama.cpp's warning lines)."""
     try:

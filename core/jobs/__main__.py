@@ -13,7 +13,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from core import procs
-from core.demo.build import DemoError, build_demo, read_manifest
+from core.demo.build import PRETRAIN_STEPS, DemoError, build_demo, read_manifest, write_run_config
 from core.files import read_json_object
 from core.gguf import BadInput, ExportError, export_gguf
 from core.jobs import JOB, Progress, _write_result
@@ -67,8 +67,10 @@ def run_demo(p: dict, report: Progress) -> dict:
         lines.append(" ".join(str(x) for x in parts))
         report(phase="build", log=lines[-20:])
 
-    out = build_demo(p["out"], log=log)
-    return {"out": str(out), "manifest": read_manifest(out)}
+    out = build_demo(p["out"], pretrain_steps=p.get("pretrain_steps", PRETRAIN_STEPS), log=log)
+    run_yaml = write_run_config(out)  # as the CLI's build: the run is one command away
+    log(f"demo run config: {run_yaml}")
+    return {"out": str(out), "manifest": read_manifest(out), "run_config": str(run_yaml)}
 
 
 def run_preflight_job(p: dict, report: Progress) -> dict:

@@ -39,6 +39,7 @@ _EXPORTS = {
         "MergeError",
         "MergeProgress",
         "ProgressFn",
+        "progress_sentence",
     ),
     "core.merge.shards": (
         "COPY_BLOCK",
@@ -55,7 +56,14 @@ _EXPORTS = {
     "core.merge.plan": ("TensorPlan", "MergePlan", "parse_size", "plan_merge"),
     "core.merge.delta": ("CHUNK_BYTES", "merged_blocks"),
     "core.merge.fingerprint": ("FINGERPRINT_FILE", "Fingerprint", "fingerprint", "record_base"),
-    "core.merge.precheck": ("RUNTIME_OVERHEAD", "Preflight", "preflight", "preflight_at", "workspace_target"),
+    "core.merge.precheck": (
+        "RUNTIME_OVERHEAD",
+        "Preflight",
+        "mismatches",
+        "preflight",
+        "preflight_at",
+        "workspace_target",
+    ),
     "core.merge.verify": ("TOLERANCES", "DEFAULT_PROMPTS", "Verification", "verify_export"),
     "core.merge.export": (
         "TEMP_MARKER",

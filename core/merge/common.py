@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from core.files import FileTooLarge, NotRegularFile, read_bounded
+from core.fmt import disk
 
 GB = 1024**3
 MB = 1024**2
@@ -42,6 +43,21 @@ class MergeProgress:
 
 
 ProgressFn = Callable[[MergeProgress], None]
+
+
+def progress_sentence(progress: dict) -> str:
+    """A merge job's progress (core.jobs' run_merge report) in words; before anything is counted it says what it
+    is doing, never '0/0 tensors, 0 B of 0 B written'."""
+    total, done = progress.get("total") or 0, progress.get("done") or 0
+    label = {"merge": "Merging", "verify": "Verifying", "done": "Done"}.get(progress.get("phase"))
+    if progress.get("phase") == "preflight":
+        return "Preflight passed: the merge starts…"
+    if label is None or not total:
+        return "Preflight: reading the adapter and the base, checking RAM and disk…"
+    return (
+        f"{label}: {done}/{total} tensors, {disk(progress.get('bytes_done') or 0)} of "
+        f"{disk(progress.get('bytes_total') or 0)} written"
+    )
 
 
 def read_json_object(path: Path, fix: str) -> dict:

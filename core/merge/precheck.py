@@ -180,14 +180,29 @@ def preflight_at(
     return pf, plan
 
 
-def _belonging_notes(plan: MergePlan, base_dir: Path, adapter_dir: Path, force: bool) -> list[str]:
-    """Does the adapter belong to this base (its recorded base, its vocabulary)? A mismatch is a MergeError
-    with the fix, unless `force`: then it is kept as a note, with any note the checks made."""
+def mismatches(base_dir: str | os.PathLike, adapter_dir: str | os.PathLike) -> list[str]:
+    """Why the adapter may not belong to this base (the base it recorded, its vocabulary), one sentence each: what
+    force ('Merge anyway') overrides, so a page offers that only when there is one. MergeError for an adapter or
+    a base that cannot be merged at all (preflight says why)."""
+    base_dir = _folder(base_dir, "Base model folder", "--base", "the base model's config.json and weights")
+    adapter_dir = _folder(adapter_dir, "Adapter folder", "--adapter", "adapter_config.json")
+    plan = plan_merge(base_dir, load_adapter(adapter_dir), None, "5GB")
+    return _mismatches(plan, base_dir, adapter_dir)[0]
+
+
+def _mismatches(plan: MergePlan, base_dir: Path, adapter_dir: Path) -> tuple[list[str], list[str]]:
+    """(mismatches, notes) of the adapter against this base: its recorded base, its vocabulary."""
     # plan_merge has read and checked it; the recorded-base check needs it as on disk, before any resize
     base_config = read_json_object(base_dir / "config.json", "restore it.")
     mismatch, notes = check_recorded_base(plan.adapter, plan.base, base_config)
     vocab = check_vocabulary(adapter_dir, base_dir, signature(plan.config).get("vocab_size"))
-    mismatches = [m for m in (mismatch, vocab) if m]
+    return [m for m in (mismatch, vocab) if m], notes
+
+
+def _belonging_notes(plan: MergePlan, base_dir: Path, adapter_dir: Path, force: bool) -> list[str]:
+    """Does the adapter belong to this base (its recorded base, its vocabulary)? A mismatch is a MergeError
+    with the fix, unless `force`: then it is kept as a note, with any note the checks made."""
+    mismatches, notes = _mismatches(plan, base_dir, adapter_dir)
     if mismatches and not force:
         raise MergeError("; ".join(mismatches) + ": " + FORCE_FIX)
     return [f"Merging anyway (forced): {m}." for m in mismatches] + notes

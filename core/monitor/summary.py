@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from core.files import read_json_object
+from core.files import read_json_object, read_yaml_mapping
 from core.monitor.series import DEFAULT_SMOOTHING_STEPS, downsample_minmax, stride
 from core.monitor.tail import RunSeries
 from core.monitor.watch import (
@@ -25,6 +25,7 @@ from core.monitor.watch import (
 )
 from core.runs import rundir
 from core.train import methods
+from core.train.config_keys import DEFAULTS
 
 
 @dataclass
@@ -51,6 +52,11 @@ class RunSummary:
     # the method's headline figures (core.train.methods: DPO's accuracy and margin, GRPO's reward), from the same
     # source: [{"key", "label", "value", "format"}]
     headline: list[dict] = field(default_factory=list)
+    # what it was trained with (config.yaml; the library's default where the config leaves a key out): None when
+    # the config cannot be read, lora_r None for a full fine-tune
+    learning_rate: float | None = None
+    lora_r: int | None = None
+    load_in_4bit: bool | None = None
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -132,7 +138,36 @@ def summarize_run(run_dir: str | os.PathLike, clock=time.time) -> RunSummary:
         reward_margin=margin,
         reward_source=source,
         headline=figures,
+        **run_settings(run_dir),
     )
+
+
+def run_settings(run_dir: str | os.PathLike) -> dict:
+    """The learning rate, LoRA rank and 4-bit loading a run's config.yaml trains with ({} when it cannot be read):
+    read as a plain mapping, so a config from another version still shows what it can."""
+    data = read_yaml_mapping(Path(run_dir) / rundir.CONFIG)
+    if data is None:
+        return {}
+
+    def get(section: str, key: str):
+        value = (data.get(section) or {}).get(key) if isinstance(data.get(section), dict) else None
+        return DEFAULTS[section][key] if value is None else value
+
+    lora = get("lora", "enabled") is not False
+    lr = get("training", "learning_rate")
+    return {
+        "learning_rate": float(lr) if isinstance(lr, (int, float, str)) and _is_number(lr) else None,
+        "lora_r": get("lora", "r") if lora else None,
+        "load_in_4bit": bool(get("quantization", "load_in_4bit")),
+    }
+
+
+def _is_number(value) -> bool:
+    try:
+        float(value)  # YAML reads 2e-4 without a dot as a string
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def _summary_or_error(run_dir: Path) -> RunSummary:

@@ -65,7 +65,7 @@ class Snapshot:
     # loss, learning_rate, grad_norm (x column "step"); gpu_memory (GiB), gpu_util, gpu_temperature (x "minutes");
     # a DPO run also dpo_rewards, dpo_accuracy, dpo_logps (x "step")
     charts: dict[str, pd.DataFrame]
-    lines: dict[str, float]  # horizontal rules in GiB: gpu_capacity_gib, plan_peak_gib
+    lines: dict[str, float]  # horizontal rules in GiB: gpu_capacity_gib, plan_peak_gib, plan_tensor_peak_gib
     peak_memory_gib: float | None
     warnings: list[HealthWarning]
     diagnosis: Diagnosis | None  # when the run failed
@@ -371,6 +371,9 @@ class RunWatcher:
         peak_plan = plan_peak_bytes(plan)
         if peak_plan:
             lines["plan_peak_gib"] = peak_plan / GiB
+        tensors = (plan or {}).get("tensor_peak_bytes")
+        if isinstance(tensors, (int, float)) and tensors > 0:  # a CPU run's memory line is drawn from it
+            lines["plan_tensor_peak_gib"] = tensors / GiB
         peak = run_peak_bytes(s)
         return Snapshot(
             run_dir=str(self.run_dir),
