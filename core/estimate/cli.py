@@ -15,6 +15,7 @@ from core.estimate.bill import OUTSIDE_TORCH, estimate, estimate_for_lengths
 from core.estimate.fit import fit_search
 from core.estimate.from_config import busy_gpus, card_for, plan_for_config
 from core.estimate.levers import lever_savings, modelled_note, what_would_fit, with_every_lever
+from core.estimate.moe_terms import moe_lines
 from core.estimate.plan import VLLM_MODES, Estimate, GiB, Plan, PlanError
 from core.estimate.source import source_line
 from core.estimate.specs import SpecError, preset_ids
@@ -66,6 +67,7 @@ def format_table(est: Estimate, fit: dict | None = None, advice: list[dict] | No
     lines.append(f"verdict{per}: {est.verdict} ({est.fraction:.0%} of the card; aim for 85-90%)")
     if est.reference:
         lines.append(f"Reference model: {est.reference}")
+    lines += moe_lines(est)
     if fit and "max_completion_len" in fit:
         lines.append(
             f"largest batch size at this length: {fit['max_batch_size']}; "

@@ -144,9 +144,10 @@ def _facts(model, layers, cfg) -> MoeFacts | None:
 def _router(block, experts: int, hidden: int):
     """(name inside the MoE block, module) of the router: the child whose weight scores every expert."""
     for name, mod in block.named_children():
-        w = getattr(mod, "weight", None)
-        if w is not None and tuple(w.shape) == (experts, hidden):
-            return name, mod
+        for inner in mod.modules():  # the weight may sit in a Linear inside the router (AFMoE)
+            w = getattr(inner, "weight", None)
+            if w is not None and tuple(w.shape) == (experts, hidden):
+                return name, mod
     return "", None
 
 

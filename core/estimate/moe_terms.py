@@ -32,7 +32,7 @@ from core.estimate.activation_terms import (
 from core.estimate.moe import MoeFacts, moe_of
 from core.estimate.plan import DTYPE_BYTES, Plan
 from core.estimate.specs import ModelSpec
-from core.estimate.static_terms import adapter_bytes
+from core.estimate.static_terms import adapter_bytes, trainable_tensors
 
 # The dense layer's MLP entries of layer_saved_tensors (the MoE block replaces them)
 _MLP_NAMES = ("mlp_norm_out", "gate", "up", "gate_up", "act_gate", "gated_product")
@@ -216,7 +216,72 @@ def moe_moments(t, forward_moment, backward_moment) -> dict[str, dict]:
     spec = replace(t.spec, intermediate_size=facts.dense_width if facts.dense_layers else 0)
     base = replace(t, spec=spec, targets=linear_targets(t.targets))
     forward, backward = forward_moment(base), backward_moment(base)
+    plan, h = t.plan, t.spec.hidden_size
+    layer = moe_layer(t.spec, facts, plan, t.targets, t.tokens)
+    hidden = step_dtypes(plan).hidden
+    routed = sum(
+        v for k, v in layer.saved.items() if k.startswith("experts.") and k != "experts.merged_weights"
+    )
+    grads = expert_backward_peak(t.spec, facts, plan, t.targets, t.tokens)
+    # by then the routing weights' backward has run: the down output it kept is freed
+    freed = layer.saved["experts.down_out"] + layer.saved["experts.routing_weights"]
+    # ... and this layer's own expert adapters have no gradient yet
+    own = sum(trainable_tensors(t.spec, plan, [s for s in t.targets if s.experts])) // max(
+        facts.moe_layers, 1
+    )
+    static = t.static
+    # Inside an experts block in forward: both merged copies (peft caches each for the whole block) and the
+    # routed pairs' tensors next to everything saved so far; with checkpointing none of them is kept after it.
+    inside = {
+        **static,
+        "autocast_weight_copies": t.autocast_fwd,
+        "activations": t.saved + (layer.merged + routed if checkpointing_on(plan) else 0),
+    }
+    # Backward through an experts block: the gradient of a merged copy (as large as the copy) and the routed
+    # gradients next to the layer's saved tensors -- first in the last layer (everything else still saved),
+    # last in the first layer (all other gradients made, the recomputed layer alone held).
+    first = {
+        **static,
+        "autocast_weight_copies": t.autocast_bwd,
+        "activations": t.saved + t.recompute - freed,
+        "logits_loss": t.tokens * h * hidden + grads,  # the flowing gradients, as the dense moments name them
+        "gradients": 0,
+    }
+    kinds = layer_kinds(t.spec, facts, plan, t.targets, t.tokens)
+    last = {
+        **static,
+        "autocast_weight_copies": 0,
+        "activations": (t.recompute or kinds["moe"]) - freed,
+        "logits_loss": 2 * t.tokens * h * hidden + grads,
+        "gradients": t.grads - own * t.param_bytes,
+    }
+    for moment in (inside,):
+        if sum(moment.values()) > sum(forward.values()):
+            forward = moment
+    for moment in (first, last):
+        if sum(moment.values()) > sum(backward.values()):
+            backward = moment
     return {"forward": forward, "backward": backward}
+
+
+def expert_backward_peak(spec: ModelSpec, facts: MoeFacts, plan: Plan, targets, tokens: int) -> int:
+    """Bytes alive beyond the saved tensors while backward goes through one experts block: for each adapted
+    expert parameter the gradient of its merged copy (grouped_mm's weight gradient, as large as the stack) with
+    the routed gradient in and out; down_proj's comes first, while gate_up's merged copy is still saved, and
+    gate_up's after down_proj's copy is freed."""
+    lora = expert_targets(targets, facts)
+    p = DTYPE_BYTES[plan.load_dtype]
+    h, width, e, pairs = spec.hidden_size, facts.width, facts.experts, tokens * facts.top_k
+    up = (2 if facts.gated else 1) * width
+    flows = {"down_proj": pairs * (h + width) * p, "gate_up_proj": pairs * (up + h) * p}
+    stacks = {"down_proj": e * h * width * p, "gate_up_proj": e * h * up * p}
+    peak = max(flows.values())  # a frozen block: the routed gradients alone
+    if "down_proj" in lora:
+        peak = max(peak, stacks["down_proj"] + flows["down_proj"])
+    if "gate_up_proj" in lora:
+        freed = stacks["down_proj"] if "down_proj" in lora else 0
+        peak = max(peak, stacks["gate_up_proj"] + flows["gate_up_proj"] - freed)
+    return peak
 
 
 def with_moe(est, t):
@@ -228,7 +293,7 @@ def with_moe(est, t):
     kinds = layer_kinds(spec, facts, plan, t.targets, t.tokens)
     dtype, why = expert_dtype(plan)
     lora = expert_targets(t.targets, facts)
-    from core.estimate.static_terms import expert_weight_bytes, trainable_tensors
+    from core.estimate.static_terms import expert_weight_bytes
 
     weights, constants = expert_weight_bytes(spec, plan)
     expert_trainable = sum(trainable_tensors(spec, plan, [s for s in t.targets if s.experts]))
@@ -255,3 +320,43 @@ def with_moe(est, t):
         "aux_loss": facts.aux_loss,
     }
     return est
+
+
+def moe_lines(est) -> list[str]:
+    """What a terminal (and the Estimate page) says of a MoE estimate: the experts, their dtype and why, the
+    expert terms of the bill."""
+    m = est.moe
+    if not m:
+        return []
+    from core.fmt import gib
+
+    shared = f", shared experts {m['shared_width']} wide" if m["shared_width"] else ""
+    dense = f" (+{m['dense_layers']} dense)" if m["dense_layers"] else ""
+    lines = [
+        f"mixture of experts: {m['experts']} experts, {m['top_k']} per token, each {m['expert_width']} wide"
+        f"{shared}; {m['moe_layers']} MoE layers{dense}; router {m['router']}",
+        f"expert weights: {gib(m['expert_weight_bytes'])} in {m['expert_dtype']}: {m['expert_dtype_reason']}",
+    ]
+    if m["mxfp4_note"]:
+        lines.append(m["mxfp4_note"])
+    if m["lora_on"]:
+        lines.append(
+            f"LoRA on the experts ({', '.join(m['lora_on'])}): {m['expert_trainable_params']:,} trainable; peft "
+            f"folds the adapter into a merged copy of each layer's experts every forward: "
+            f"{gib(m['merged_expert_copy_bytes'])} per layer, saved for backward, and a gradient as large"
+        )
+    else:
+        lines.append(
+            f"LoRA leaves the experts as they are (target them with lora.target_parameters: "
+            f"{m['experts_path']}.gate_up_proj, {m['experts_path']}.down_proj)"
+        )
+    aux = (
+        f"; router logits kept for the load-balancing loss: {gib(m['router_logits_bytes'])}"
+        if m["aux_loss"]
+        else ""
+    )
+    lines.append(
+        f"routed tokens: {m['routed_pairs']:,} token-expert pairs per step; one MoE layer saves "
+        f"{gib(m['moe_layer_activation_bytes'])}{aux}"
+    )
+    return lines

@@ -11,6 +11,7 @@ import os
 import tempfile
 from pathlib import Path
 
+from core.files import read_json_object
 from core.precision import CUDA_ONLY, Precision, torch_dtype
 from core.runs import rundir
 from core.train import distributed, methods
@@ -38,6 +39,22 @@ def bnb_config(cfg: dict, load_dtype: str | None = None):
     if isinstance(q.get("bnb_4bit_quant_storage"), str):
         q["bnb_4bit_quant_storage"] = torch_dtype(q["bnb_4bit_quant_storage"])
     return BitsAndBytesConfig(**q)
+
+
+def model_kwargs(cfg: dict, path: str) -> dict:
+    """from_pretrained's attention and (MXFP4 checkpoints) quantization arguments. sdpa is asked as transformers'
+    default (None): sdpa where the model has it, eager where it does not (gpt-oss: attention sinks). gpt-oss
+    ships its experts in MXFP4, which transformers keeps only for inference (with Triton and the kernels package
+    on a GPU; its quantizer is not trainable): a run loads them dequantized to bf16, on any machine."""
+    attn = cfg["model"]["attn_implementation"]
+    kwargs = {"attn_implementation": None if attn == "sdpa" else attn}
+    config = read_json_object(Path(path) / "config.json") if Path(path).is_dir() else None
+    quant = (config or {}).get("quantization_config")
+    if isinstance(quant, dict) and str(quant.get("quant_method", "")).lower() == "mxfp4":
+        from transformers import Mxfp4Config
+
+        kwargs["quantization_config"] = Mxfp4Config(dequantize=True)
+    return kwargs
 
 
 def lora_config(cfg: dict):
