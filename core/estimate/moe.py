@@ -72,8 +72,13 @@ def moe_json(model, layers, text_cfg) -> str:
 
 
 def _experts_in(layer):
-    """(path, module) of the layer's experts: the module holding 3-D parameters of its own."""
+    """(path, module) of the layer's experts: the module holding 3-D parameters of its own (not a convolution's
+    kernel: hybrid models' Mamba layers have those)."""
+    import torch.nn as nn
+
     for name, mod in layer.named_modules():
+        if isinstance(mod, nn.modules.conv._ConvNd):
+            continue
         if any(p.ndim == 3 for p in mod.parameters(recurse=False)):
             return name, mod
     return None, None
@@ -105,12 +110,22 @@ def _facts(model, layers, cfg) -> MoeFacts | None:
     decorated = hasattr(experts, "has_gate")
     implementation = getattr(getattr(experts, "config", cfg), "_experts_implementation", None) or "grouped_mm"
     unsupported = ""
-    if not decorated or not width or router is None or not top_k:
+    if not decorated:
         unsupported = (
             f"{cfg.model_type}: its experts ({type(experts).__name__}) run a forward of their own, not "
             "transformers' shared experts implementation, so this planner cannot model their activations yet; "
             "it plans the MoE families whose experts use it (Qwen2/3-MoE, Mixtral, gpt-oss, OLMoE, DeepSeek-V2/V3, "
             "GLM-4 MoE and most others)."
+        )
+    elif not top_k:
+        unsupported = (
+            f"{cfg.model_type}: config.json does not say how many experts each token goes through "
+            "(num_experts_per_tok); set it as the model card gives it."
+        )
+    elif not width or router is None:
+        unsupported = (
+            f"{cfg.model_type}: its experts ({type(experts).__name__}) have no down_proj or no router scoring "
+            "them that this planner can find, so it cannot model them yet."
         )
     router_src = _source(type(router)) if router is not None else ""
     coef = getattr(cfg, "router_aux_loss_coef", 0.0) or 0.0

@@ -18,22 +18,15 @@ import json
 import warnings
 from dataclasses import asdict, dataclass, fields
 from functools import lru_cache
-from pathlib import Path
 
+from core.estimate.model_config import SpecError as SpecError
+from core.estimate.model_config import _config_from_dict, _config_source, load_config
+from core.estimate.model_config import preset_ids as preset_ids
 from core.estimate.moe import moe_json
 from core.estimate.spec_cache import _cache_path, _int, _read_entry, _typed, _write_entry
 from core.estimate.spec_cache import cache_dir as cache_dir  # the tests clear and inspect it here
 from core.estimate.spec_cache import metadata as metadata
-from core.files import FileTooLarge, NotRegularFile, read_bounded
 from core.fmt import error_line
-from core.hub import ids as hub_ids
-from core.plausible import ImplausibleConfig, check_model_config
-
-PRESETS_FILE = Path(__file__).with_name("presets.json")
-
-
-class SpecError(ValueError):
-    """A model that cannot be planned for; the message says what is wrong and how to fix it."""
 
 
 @dataclass(frozen=True)
@@ -94,130 +87,6 @@ class ModelSpec:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
 
 
-def preset_ids() -> list[str]:
-    return list(_presets())
-
-
-@lru_cache(maxsize=1)
-def _presets() -> dict[str, dict]:
-    return json.loads(PRESETS_FILE.read_text())
-
-
-def _config_from_dict(fields: dict, where: str):
-    from transformers import AutoConfig
-
-    try:  # before transformers builds anything from it: a lying config.json would allocate gigabytes
-        check_model_config(fields, where)
-    except ImplausibleConfig as exc:
-        raise SpecError(str(exc)) from None
-    fields = dict(fields)
-    model_type = fields.pop("model_type", None)
-    if not model_type:
-        raise SpecError(f"{where} has no 'model_type', so transformers cannot tell which architecture it is.")
-    try:
-        return AutoConfig.for_model(model_type, **fields)
-    except (
-        Exception
-    ) as exc:  # ValueError / KeyError, and huggingface_hub's strict dataclass checks' own types
-        if model_type not in _known_model_types():
-            raise SpecError(
-                f"{where} has model_type '{model_type}', which this transformers version does not know; point at "
-                "a model folder of an architecture transformers supports (or upgrade transformers)."
-            ) from None
-        raise SpecError(
-            f"{where} is not a valid {model_type} config ({error_line(exc, 200)}); fix that file."
-        ) from None
-
-
-def _known_model_types() -> set[str]:
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-
-    return set(CONFIG_MAPPING_NAMES)
-
-
-def _config_source(model: str) -> tuple[dict, str] | None:
-    """The raw config fields of a preset, a local model folder or a Hub id (its config.json alone, no weights),
-    and where they came from, read without torch or transformers; None for a name that only the local Hugging
-    Face cache may know."""
-    if model in _presets():
-        return _presets()[model], f"The preset '{model}'"
-    path = Path(model).expanduser()
-    if not path.exists():
-        ref = hub_ids.parse(model)
-        return _hub_source(model, ref) if ref is not None else None
-    if path.is_file() and path.name == "config.json":
-        path = path.parent
-    cfg_file = path / "config.json"
-    if not path.is_dir() or not cfg_file.is_file():
-        raise SpecError(
-            f"The folder '{path}' has no config.json; point at a Hugging Face model folder "
-            "(the one that holds config.json and the weights)."
-        )
-    try:
-        data = json.loads(read_bounded(cfg_file))  # a regular file of sane size: a model config is < 1 MiB
-    except (NotRegularFile, FileTooLarge) as exc:
-        raise SpecError(f"{exc}: a model's config.json is a small JSON file; fix or replace it.") from None
-    except (OSError, ValueError) as exc:
-        raise SpecError(f"{cfg_file} is not valid JSON ({exc}); fix or replace that file.") from None
-    except RecursionError:
-        raise SpecError(f"{cfg_file} is nested too deeply to be a model config; fix or replace it.") from None
-    if not isinstance(data, dict):
-        raise SpecError(f"{cfg_file} does not hold a JSON object; it is not a model config.")
-    return data, str(cfg_file)
-
-
-def _hub_source(model: str, ref) -> tuple[dict, str]:
-    from core.hub.fetch import config_json
-
-    try:
-        data, found = config_json(ref)
-    except hub_ids.HubError as exc:
-        raise SpecError(
-            f"Unknown model '{model}': it is not a bundled preset id (python -m core.estimate --list-models) or a "
-            f"local folder, and {exc}"
-        ) from None
-    return data, f"The config.json of {found.label()}"
-
-
-def load_config(model: str):
-    """The transformers config for a preset id, a local folder, or a model id in the local HF cache."""
-    model = str(model).strip()
-    if not model:
-        raise SpecError(
-            "No model given: pick a preset (e.g. meta-llama/Llama-2-7b-hf) or a local model folder."
-        )
-    source = _config_source(model)
-    if source is not None:
-        return _config_from_dict(*source)
-    # Last resort: a config the user already has in the local Hugging Face cache. Never touch the network.
-    try:
-        from transformers import AutoConfig
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            cfg = AutoConfig.from_pretrained(model, local_files_only=True)
-    except Exception:
-        cfg = None
-    if cfg is not None:
-        try:
-            check_model_config(cfg.to_dict(), f"The cached config of {model}")
-        except ImplausibleConfig as exc:
-            raise SpecError(str(exc)) from None
-        return cfg
-    path = Path(model).expanduser()
-    if model.startswith(("/", "./", "../", "~")) or model.count("/") > 1:  # meant as a folder, not a hub id
-        raise SpecError(
-            f"The folder '{path}' does not exist: give the path of a local model folder (the one that holds "
-            "config.json), or pick a bundled preset."
-        )
-    raise SpecError(
-        f"Unknown model '{model}': it is not a bundled preset, a local folder, a Hub id (ORG/NAME) or a model in "
-        f"the local Hugging Face cache. Use a preset id such as "
-        f"{', '.join(preset_ids()[:3])} (full list: python -m core.estimate --list-models) "
-        "or the path of a folder holding the model's config.json."
-    )
-
-
 def _build_meta_model(cfg):
     import torch
     from transformers import AutoModelForCausalLM
@@ -230,6 +99,13 @@ def _build_meta_model(cfg):
         raise SpecError(
             f"The config (model_type '{cfg.model_type}') is not a causal language model that transformers can "
             f"build with AutoModelForCausalLM ({str(exc).splitlines()[0]}); this planner handles decoder LLMs only."
+        ) from None
+    except (
+        Exception
+    ) as exc:  # the model's own code fails on this config (a field it needs is missing or None)
+        raise SpecError(
+            f"transformers cannot build a '{cfg.model_type}' model from this config.json ({error_line(exc, 160)}); "
+            "fix the config (the model card's config.json has every field it needs)."
         ) from None
 
 
@@ -271,6 +147,20 @@ def load_spec(model: str) -> ModelSpec:
 def _spec_for(model: str, source_json: str | None, where: str) -> ModelSpec:
     if source_json is None:
         return _build_spec(model, load_config(model))
+    try:
+        return _cached_spec(model, source_json, where)
+    except SpecError:
+        raise
+    except (
+        Exception
+    ) as exc:  # e.g. a per-layer (heterogeneous) config whose globals transformers refuses to give
+        raise SpecError(
+            f"{where} describes a model this planner cannot count ({error_line(exc, 160)}); it plans decoder "
+            "LLMs whose layers share one shape."
+        ) from None
+
+
+def _cached_spec(model: str, source_json: str, where: str) -> ModelSpec:
     path = _cache_path("spec", [model, source_json])
     spec = _read_entry(path, ["spec", model, source_json], _spec_from_json)
     if spec is None:
@@ -377,6 +267,11 @@ def lora_targets(
         raise SpecError(
             f"LoRA target modules '{wanted}' match no layer of {model} ({str(exc).splitlines()[0][:120]}); "
             f"this model's Linear layers are: {', '.join(available)} (or use all-linear)."
+        ) from None
+    except Exception as exc:  # peft's own code fails on this architecture
+        raise SpecError(
+            f"peft cannot put LoRA on {model} ({error_line(exc, 160)}); try explicit target_modules such as "
+            "q_proj,v_proj."
         ) from None
 
 
