@@ -148,6 +148,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-dropout", type=float, default=d.lora_dropout)
     p.add_argument("--target-modules", default=d.target_modules, help="all-linear or e.g. q_proj,v_proj")
     p.add_argument(
+        "--target-parameters",
+        default=d.target_parameters,
+        help="parameters LoRA wraps (peft target_parameters), e.g. a MoE's mlp.experts.gate_up_proj,mlp.experts.down_proj",
+    )
+    p.add_argument(
+        "--quantize-experts",
+        action=argparse.BooleanOptionalAction,
+        default=d.quantize_experts,
+        help="QLoRA of a MoE: its experts quantized on load too (a plan only: the engine cannot yet)",
+    )
+    p.add_argument(
         "--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=d.gradient_checkpointing
     )
     p.add_argument("--optim", default=d.optim, help="TrainingArguments optim name")

@@ -395,8 +395,9 @@ def check_against_spec(spec: ModelSpec, plan: Plan, targets) -> list[str]:
             f"seq_len {plan.seq_len} is longer than the model's max_position_embeddings "
             f"({spec.max_position_embeddings}); quality degrades beyond it unless you extend RoPE."
         )
-    # a router's weight (a wrapped 2-D parameter) scores few experts: peft adapts it at any rank
-    layers = [s for s in targets if s.experts != 1]
+    # a router's weight (a wrapped 2-D parameter) and a one-output gate (Qwen2-MoE's shared_expert_gate) score
+    # few values: peft adapts them at any rank
+    layers = [s for s in targets if s.experts != 1 and s.out_features > 1]
     if plan.method != "full" and layers:
         smallest = min(layers, key=lambda s: min(s.in_features, s.out_features))
         if plan.lora_r > min(smallest.in_features, smallest.out_features):
