@@ -298,6 +298,11 @@ def with_moe(est, t):
     weights, constants = expert_weight_bytes(spec, plan)
     expert_trainable = sum(trainable_tensors(spec, plan, [s for s in t.targets if s.experts]))
     est.activation_bytes_per_token_per_layer = kinds["moe"] / max(t.tokens, 1)
+    if plan.lora_dropout and any(s.experts for s in t.targets):
+        est.warnings = est.warnings + [
+            "LoRA wraps parameters of this model (its experts, through peft's target_parameters): peft refuses "
+            "lora_dropout other than 0 there, so the run needs lora_dropout 0 (planned as asked)."
+        ]
     est.moe = {
         "experts": facts.experts,
         "top_k": facts.top_k,
