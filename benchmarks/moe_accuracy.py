@@ -69,7 +69,11 @@ def run_config(model: Path, data: Path, checkpointing: bool) -> dict:
                 "target_parameters": EXPERTS,
             },
             "data": {"path": str(data), "max_length": 64},
-            "training": {"per_device_train_batch_size": 1, "max_steps": 5, "gradient_checkpointing": checkpointing},
+            "training": {
+                "per_device_train_batch_size": 1,
+                "max_steps": 5,
+                "gradient_checkpointing": checkpointing,
+            },
         }
     )
 
@@ -97,7 +101,9 @@ def main(argv=None) -> int:
         workspace.mkdir()
         os.environ["LORA_COCKPIT_WORKSPACE"] = str(workspace)
         data = data_file(root)
-        print(f"{'family':<10} {'checkpointing':<14} {'planned MiB':>12} {'measured MiB':>13} {'ratio':>7}  phase")
+        print(
+            f"{'family':<10} {'checkpointing':<14} {'planned MiB':>12} {'measured MiB':>13} {'ratio':>7}  phase"
+        )
         for arch in archs:
             model = build(arch, root)
             for checkpointing in (True, False):

@@ -60,7 +60,10 @@ def expert_weight_bytes(spec: ModelSpec, plan: Plan) -> tuple[int, int]:
     facts = moe_of(spec)
     load = DTYPE_BYTES[plan.load_dtype]
     if not (plan.method == "qlora" and plan.quantize_experts):
-        return facts.expert_params * load, 0
+        upcast = (
+            plan.method == "qlora" and plan.prepare_kbit
+        )  # peft's kbit preparation: non-4-bit weights to fp32
+        return facts.expert_params * (4 if upcast else load), 0
     per_matrix = spec.hidden_size * facts.width
     matrices = facts.moe_layers * facts.experts * (3 if facts.gated else 2)
     packed, constants = quantized_bytes(per_matrix, plan.double_quant)
