@@ -31,7 +31,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 GOAL = 0.05
-MiB = 2**20
 # widths per family: every one with 8 experts of width 512 on a 256-wide stream
 WIDTHS = {
     "qwen3_moe": dict(moe_intermediate_size=512, num_experts=8),
@@ -102,7 +101,7 @@ def main(argv=None) -> int:
         os.environ["LORA_COCKPIT_WORKSPACE"] = str(workspace)
         data = data_file(root)
         print(
-            f"{'family':<10} {'checkpointing':<14} {'planned MiB':>12} {'measured MiB':>13} {'ratio':>7}  phase"
+            f"{'family':<10} {'checkpointing':<14} {'planned bytes':>14} {'measured bytes':>14} {'ratio':>7}  phase"
         )
         for arch in archs:
             model = build(arch, root)
@@ -112,8 +111,8 @@ def main(argv=None) -> int:
                 ratio = measured / planned
                 rows.append((arch, checkpointing, planned, measured, ratio, r["peak_phase"]))
                 print(
-                    f"{arch:<10} {'on' if checkpointing else 'off':<14} {planned / MiB:>12.2f} "
-                    f"{measured / MiB:>13.2f} {ratio:>7.4f}  {r['peak_phase']}",
+                    f"{arch:<10} {'on' if checkpointing else 'off':<14} {planned:>14,} {measured:>14,} "
+                    f"{ratio:>7.4f}  {r['peak_phase']}",
                     flush=True,
                 )
     worst = max(abs(r[4] - 1) for r in rows)

@@ -278,3 +278,28 @@ def test_lora_dropout_on_the_experts_is_refused_before_loading(tmp_path):
     assert (
         lora_dropout_problem({"lora": {**cfg["lora"], "lora_dropout": 0.0}}, tiny_config("qwen3_moe")) is None
     )
+
+
+def test_gguf_export_of_a_moe_model_says_it_cannot_yet_in_one_sentence(tmp_path):
+    """core.gguf writes dense Llama, Mistral and Qwen2: a MoE folder is refused before a byte is written, with the
+    way that does exist (llama.cpp's own converter)."""
+    import subprocess
+    import sys
+
+    from core.demo.toy import build_tiny_model
+    from tests.conftest import REPO
+
+    model = build_tiny_model(tmp_path / "m", "qwen3_moe")
+    out = tmp_path / "m.gguf"
+    done = subprocess.run(
+        [sys.executable, "-m", "core.gguf", "--model", str(model), "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2 and not out.exists()
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert (
+        len(errors) == 1 and "mixture-of-experts model" in errors[0] and "convert_hf_to_gguf.py" in errors[0]
+    )
