@@ -100,6 +100,47 @@ def test_a_moe_layer_saves_what_autograd_saves(tmp_path, arch, dtype, mode):
     assert planned == measured
 
 
+# shared experts (Qwen2-MoE: with its sigmoid gate), sigmoid routing over expert groups (GLM-4 MoE); GLM's fp32
+# attention keeps one more copy of its output than LLaMA-style attention (a dense-attention term, not planned yet)
+SHARED = {
+    "qwen2_moe": dict(
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=96
+    ),
+    "glm4_moe": dict(
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        first_k_dense_replace=0,
+        n_group=1,
+        topk_group=1,
+        head_dim=16,
+    ),
+}
+
+
+@pytest.mark.parametrize("mode", list(LORA))
+@pytest.mark.parametrize("arch,dtype", [("qwen2_moe", "fp32"), ("qwen2_moe", "bf16"), ("glm4_moe", "bf16")])
+def test_shared_experts_and_group_routing_save_what_autograd_saves(tmp_path, arch, dtype, mode):
+    from transformers import AutoConfig
+
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    fields = dict(
+        vocab_size=102, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2
+    )
+    cfgs = {n: AutoConfig.for_model(arch, **fields, num_hidden_layers=n, **SHARED[arch]) for n in (2, 3)}
+    measured = _saved_bytes(cfgs[3], torch_dtype, LORA[mode]) - _saved_bytes(cfgs[2], torch_dtype, LORA[mode])
+    cfgs[2].save_pretrained(tmp_path)
+    spec, plan = load_spec(str(tmp_path)), _plan(tmp_path, LORA[mode], dtype)
+    targets = lora_targets(str(tmp_path), normalize_targets(plan.target_modules), plan.target_parameters)
+    facts = moe_of(spec)
+    assert facts.shared_width and (facts.router == "sigmoid_group") == (arch == "glm4_moe")
+    planned = (
+        layer_kinds(spec, facts, plan, targets, 64)["moe"] + moe_layer(spec, facts, plan, targets, 64).outside
+    )
+    assert planned == measured
+
+
 @pytest.mark.parametrize(
     "arch,mode",
     [

@@ -45,6 +45,8 @@ class MoeFacts:
     renormalise: bool  # norm_topk_prob: the top-k weights divided by their sum
     routing_fp32: bool  # the routing weights stay fp32 (not cast back to the logits' dtype)
     router_fp32_weight: bool  # the router multiplies in fp32 (`self.weight.type(torch.float32)`)
+    groups: int  # sigmoid_group: expert groups (n_group) and how many the top-k picks from (topk_group)
+    topk_groups: int
     expert_params: int  # every expert parameter of every layer (weights and biases)
     aux_loss: bool  # the config declares a load-balancing loss (router_aux_loss_coef != 0): TRL adds it
     implementation: str  # the experts implementation transformers picks (grouped_mm unless asked otherwise)
@@ -149,6 +151,8 @@ def _facts(model, layers, cfg) -> MoeFacts | None:
         renormalise=_renormalises(router, router_src),
         routing_fp32=_fp32_routing(router_src),
         router_fp32_weight=FP32_ROUTER in router_src,
+        groups=int(getattr(router, "num_group", 0) or 0),
+        topk_groups=int(getattr(router, "topk_group", 0) or 0),
         expert_params=sum(p.numel() for _, _, mod in sparse for p in mod.parameters(recurse=False)),
         aux_loss=hasattr(cfg, "output_router_logits") and coef != 0,
         implementation=implementation,

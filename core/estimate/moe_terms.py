@@ -124,11 +124,18 @@ def moe_layer(spec: ModelSpec, facts: MoeFacts, plan: Plan, targets, tokens: int
         if facts.renormalise:  # the in-place division keeps its result and the divisor
             saved["router.renormalised"] = tokens * k * 4
             saved["router.sum"] = tokens * 4
-    if facts.router_fp32_weight and plan.load_dtype != "fp32":
-        saved["router.fp32_weight"] = e * h * 4  # `self.weight.type(torch.float32)`: a copy the matmul keeps
+    if facts.router == "sigmoid_group" and facts.groups:
+        # the group scores' top-2 and the groups' top-k indices, and the mask of the experts left out
+        saved["router.group_indices"] = tokens * (facts.groups * 2 + facts.topk_groups) * 8
+        saved["router.group_mask"] = tokens * e
     if "router" in lora:  # peft folds the adapter into the router weight; the matmul keeps it and its input
-        saved["router.merged_weight"] = e * h * logit
-        saved["mlp_norm_out"] = tokens * h * d.hidden
+        saved["router.merged_weight"] = e * h * logit  # (cast to fp32 by an fp32 router: that copy)
+        if facts.router_fp32_weight and d.hidden != 4:
+            saved["router.fp32_input"] = tokens * h * 4  # `hidden_states.type(torch.float32)`, its own copy
+        else:
+            saved["mlp_norm_out"] = tokens * h * d.hidden
+    elif facts.router_fp32_weight and plan.load_dtype != "fp32":
+        saved["router.fp32_weight"] = e * h * 4  # `self.weight.type(torch.float32)`: a copy the matmul keeps
     # the routed pairs (grouped_mm_experts_forward)
     saved["experts.indices"] = 3 * pairs * 8  # the gather, the routing weights' and the un-permute's
     saved["experts.offsets"] = e * 4
@@ -163,12 +170,19 @@ def moe_layer(spec: ModelSpec, facts: MoeFacts, plan: Plan, targets, tokens: int
 def _shared_experts(spec: ModelSpec, facts: MoeFacts, plan: Plan, targets, tokens: int) -> dict[str, int]:
     if not facts.shared_width:
         return {}
-    dense = _mlp_part(layer_saved_tensors(replace(spec, intermediate_size=facts.shared_width), plan, targets))
+    shared = replace(spec, intermediate_size=facts.shared_width)  # a dense SwiGLU MLP of the shared width
+    dense = _mlp_part(layer_saved_tensors(shared, plan, linear_targets(targets)))
     out = {f"shared.{k}" if k != "mlp_norm_out" else k: int(v * tokens) for k, v in dense.items()}
     if facts.shared_gate:  # sigmoid(gate(x)) * shared: the product keeps both
         d = step_dtypes(plan)
         out["shared.gate_sigmoid"] = tokens * d.proj
         out["shared.output"] = tokens * spec.hidden_size * d.proj
+        if any(s.name.endswith("shared_expert_gate") for s in linear_targets(targets)):
+            # its LoRA (a 1-output Linear "all-linear" takes): lora_A's output, and peft's cast of the input
+            ad, compute = adapter_bytes(plan), DTYPE_BYTES[plan.compute_dtype]
+            out["shared.gate.lora_A_out"] = tokens * plan.lora_r * (compute if d.autocast else ad)
+            if d.hidden != ad or d.autocast:
+                out["shared.gate.lora_input_copy"] = tokens * spec.hidden_size * (compute if d.autocast else ad)
     return out
 
 
