@@ -52,10 +52,6 @@ class MoeFacts:
     implementation: str  # the experts implementation transformers picks (grouped_mm unless asked otherwise)
     unsupported: str  # "" or the sentence saying why this family's experts are not modelled
 
-    @property
-    def routed(self) -> int:
-        return self.top_k
-
 
 def moe_of(spec) -> MoeFacts | None:
     """The MoE facts of a ModelSpec, or None for a dense model."""

@@ -182,7 +182,9 @@ def _shared_experts(spec: ModelSpec, facts: MoeFacts, plan: Plan, targets, token
             ad, compute = adapter_bytes(plan), DTYPE_BYTES[plan.compute_dtype]
             out["shared.gate.lora_A_out"] = tokens * plan.lora_r * (compute if d.autocast else ad)
             if d.hidden != ad or d.autocast:
-                out["shared.gate.lora_input_copy"] = tokens * spec.hidden_size * (compute if d.autocast else ad)
+                out["shared.gate.lora_input_copy"] = (
+                    tokens * spec.hidden_size * (compute if d.autocast else ad)
+                )
     return out
 
 
