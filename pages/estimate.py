@@ -20,6 +20,7 @@ from core.estimate.levers import (
     what_would_fit,
     with_every_lever,
 )
+from core.estimate.moe_terms import moe_lines
 from core.estimate.plan import GiB, Plan, PlanError
 from core.estimate.source import source_line
 from core.estimate.specs import SpecError, load_spec, preset_ids
@@ -294,6 +295,8 @@ def show(plan: Plan) -> None:
         )
     if est.reference:
         st.info(f"Reference model: {est.reference}.")
+    if est.moe:  # a mixture of experts: its experts' dtype and why, and their terms of the bill
+        st.info("  \n".join(moe_lines(est)))
     fit_panel(plan, spec, est)
     advice_panel(plan, spec, est)
 

@@ -42,8 +42,18 @@ def build_tokenizer(out_dir: str | os.PathLike | None = None, chat_template: boo
     return fast
 
 
+# Mixture-of-experts families (transformers 5 stores their experts as fused 3-D parameters): a few small experts,
+# two of them per token, and every layer sparse
+MOE = {
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, head_dim=16),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16),
+}
+
+
 def tiny_config(arch: str = "llama", vocab_size: int = 102, **overrides):
-    """A small config of a real architecture. `arch`: llama, qwen2, mistral, gemma2, phi3, gpt2."""
+    """A small config of a real architecture. `arch`: llama, qwen2, mistral, gemma2, phi3, gpt2, or one of the
+    mixture-of-experts families in MOE (qwen3_moe, mixtral, gpt_oss)."""
     from transformers import AutoConfig
 
     if arch == "gpt2":
@@ -71,6 +81,14 @@ def tiny_config(arch: str = "llama", vocab_size: int = 102, **overrides):
         )
         if arch == "gemma2":
             base["head_dim"] = 16
+        base.update(MOE.get(arch, {}))
+        if arch == "gpt_oss":  # full attention in every layer (its default alternates with a sliding window)
+            layers = overrides.get("num_hidden_layers", base["num_hidden_layers"])
+            base["layer_types"] = ["full_attention"] * layers
+            base["rope_parameters"] = {
+                "rope_type": "default",
+                "rope_theta": 150000.0,
+            }  # no YaRN at 256 tokens
     base.update(overrides)
     return AutoConfig.for_model(arch, **base)
 

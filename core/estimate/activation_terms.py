@@ -118,6 +118,9 @@ def layer_saved_tensors(spec: ModelSpec, plan: Plan, targets=()) -> dict[str, fl
     norm("input_layernorm")
     for m in ("qkv_proj",) if fused_qkv else ("q_proj", "k_proj", "v_proj"):
         linear_input(m, h, d.hidden, "attn_norm_out")
+    if spec.head_norms:  # Qwen3: RMSNorm per query / key head, upcast to fp32, one rstd per head
+        saved["q_norm.fp32_input"], saved["q_norm.rstd"] = 4 * q_width, 4 * spec.num_heads
+        saved["k_norm.fp32_input"], saved["k_norm.rstd"] = 4 * kv_width, 4 * spec.num_kv_heads
     p = d.attn
     if plan.attn == "sdpa" and packed_sequences(plan) and kv_width < q_width:
         # With a mask transformers does grouped-query attention by repeat_kv (use_gqa_in_sdpa is False):
@@ -141,8 +144,12 @@ def layer_saved_tensors(spec: ModelSpec, plan: Plan, targets=()) -> dict[str, fl
         saved["q_rotary"] = q_width * p
         saved["k_repeated"] = q_width * p
         saved["v_repeated"] = q_width * p
-        saved["attn_probs_fp32"] = spec.num_heads * s * 4
-        if p != 4:
+        if spec.attention_sinks:  # gpt-oss: softmax over scores + sink in their dtype, the max's indices
+            saved["attn_probs_sinks"] = spec.num_heads * (s + 1) * p
+            saved["attn_max_indices"] = spec.num_heads * 8
+        else:
+            saved["attn_probs_fp32"] = spec.num_heads * s * 4
+        if p != 4 and not spec.attention_sinks:
             saved["attn_probs_cast"] = spec.num_heads * s * p
         o_key = "attn_out_contiguous"
     linear_input("o_proj", q_width, p, o_key)

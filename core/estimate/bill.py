@@ -35,6 +35,8 @@ from core.estimate.activation_terms import (
     step_dtypes,
 )
 from core.estimate.generation_terms import ROLLOUT_COMPONENTS, Rollouts, rollout_terms, with_rollouts
+from core.estimate.moe import moe_of
+from core.estimate.moe_terms import moe_activation_bytes, moe_moments, with_moe
 from core.estimate.plan import (
     CUDA_CONTEXT_BYTES,
     FIT_LIMIT,
@@ -51,6 +53,7 @@ from core.estimate.plan import (
 from core.estimate.shard_terms import ACCURACY_NOTE, DISTRIBUTED_COMPONENTS, LOAD_NOTE, Sharding, apply, shard
 from core.estimate.specs import ModelSpec, load_spec, lora_targets, normalize_targets
 from core.estimate.static_terms import (
+    linear_trainable,
     optimizer_state_bytes,
     optimizer_step_temporaries,
     trainable_param_bytes,
@@ -105,8 +108,14 @@ def estimate(plan: Plan, spec: ModelSpec | None = None) -> Estimate:
     PlanError / SpecError on bad input."""
     warnings = validate(plan)
     spec = spec or load_spec(plan.model)
+    if (
+        plan.attn == "sdpa" and not spec.sdpa
+    ):  # transformers loads it with eager attention (the engine asks so)
+        plan = replace(plan, attn="eager")
     targets = (
-        lora_targets(spec.model_id, normalize_targets(plan.target_modules)) if plan.method != "full" else ()
+        lora_targets(spec.model_id, normalize_targets(plan.target_modules), plan.target_parameters)
+        if plan.method != "full"
+        else ()
     )
     warnings += check_against_spec(spec, plan, targets)
     if plan.gpus > 1 and plan.strategy == "auto":
@@ -129,6 +138,8 @@ def _estimate(plan: Plan, asked: Plan, spec: ModelSpec, targets, warnings: list[
         "optimizer": {**t.static, "gradients": t.grads, "optimizer_temporaries": t.opt_temp},
         "backward": backward_moment(t),
     }
+    if moe_of(spec):
+        phase_components.update(moe_moments(t, forward_moment, backward_moment))
     if t.kv_cache:
         phase_components["eval"] = {**t.static, "kv_cache": t.kv_cache}
     rollouts = rollout_terms(spec, plan, targets, t.static) if generates(plan) else None
@@ -139,7 +150,8 @@ def _estimate(plan: Plan, asked: Plan, spec: ModelSpec, targets, warnings: list[
     notes = (
         list(warnings) + ([ACCURACY_NOTE] if sharding else []) + list(rollouts.warnings if rollouts else ())
     )
-    return _bill(asked, t, phase_components, notes, sharding, rollouts)
+    est = _bill(asked, t, phase_components, notes, sharding, rollouts)
+    return with_moe(est, t) if moe_of(spec) else est
 
 
 def step_terms(plan: Plan, spec: ModelSpec, targets) -> StepTerms:
@@ -155,7 +167,8 @@ def step_terms(plan: Plan, spec: ModelSpec, targets) -> StepTerms:
     opt_inside, opt_paged = optimizer_state_bytes(
         tensors, plan, spec.embedding_params if plan.method == "full" else 0
     )
-    saved, recompute = activation_bytes(spec, plan, targets, tokens)
+    moe = moe_of(spec)  # a mixture of experts: its layers' terms are core.estimate.moe_terms'
+    saved, recompute = (moe_activation_bytes if moe else activation_bytes)(spec, plan, targets, tokens)
     mask_held, mask_per_layer = attention_mask_bytes(spec, plan, tokens)
     if checkpointing_on(plan):
         recompute += mask_per_layer  # the recomputed layer converts the mask again
@@ -166,7 +179,9 @@ def step_terms(plan: Plan, spec: ModelSpec, targets) -> StepTerms:
     if offloading_on(plan):
         saved, recompute, pinned = offloaded_activations(spec, plan, targets, tokens, saved, recompute)
     logits_fwd, logits_bwd = logits_bytes(spec, plan, tokens)
-    autocast_fwd, autocast_bwd = autocast_weight_copies(spec, plan, trainable)
+    autocast_fwd, autocast_bwd = autocast_weight_copies(
+        spec, plan, trainable if plan.method == "full" else linear_trainable(targets, plan)
+    )
     kv_per_token = kv_cache_bytes_per_token(spec, plan)
     reference, reference_text = _reference(plan, weights + quant_constants)
     static = {

@@ -16,6 +16,7 @@ from core.estimate.bill import OUTSIDE_TORCH, estimate, estimate_for_lengths
 from core.estimate.fit import fit_search
 from core.estimate.from_config import busy_gpus, card_for, plan_for_config
 from core.estimate.levers import lever_savings, modelled_note, what_would_fit, with_every_lever
+from core.estimate.moe_terms import moe_lines
 from core.estimate.plan import VLLM_MODES, Estimate, GiB, Plan, PlanError
 from core.estimate.source import source_line
 from core.estimate.specs import SpecError, preset_ids
@@ -67,6 +68,7 @@ def format_table(est: Estimate, fit: dict | None = None, advice: list[dict] | No
     lines.append(f"verdict{per}: {est.verdict} ({est.fraction:.0%} of the card; aim for 85-90%)")
     if est.reference:
         lines.append(f"Reference model: {est.reference}")
+    lines += moe_lines(est)
     if fit and "max_completion_len" in fit:
         lines.append(
             f"largest batch size at this length: {fit['max_batch_size']}; "
@@ -146,6 +148,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-alpha", type=int, default=d.lora_alpha)
     p.add_argument("--lora-dropout", type=float, default=d.lora_dropout)
     p.add_argument("--target-modules", default=d.target_modules, help="all-linear or e.g. q_proj,v_proj")
+    p.add_argument(
+        "--target-parameters",
+        default=d.target_parameters,
+        help="parameters LoRA wraps (peft target_parameters), e.g. a MoE's mlp.experts.gate_up_proj,mlp.experts.down_proj",
+    )
+    p.add_argument(
+        "--quantize-experts",
+        action=argparse.BooleanOptionalAction,
+        default=d.quantize_experts,
+        help="QLoRA of a MoE: its experts quantized on load too (a plan only: the engine cannot yet)",
+    )
     p.add_argument(
         "--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=d.gradient_checkpointing
     )

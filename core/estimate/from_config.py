@@ -84,6 +84,7 @@ def plan_for_config(
         # DPO/KTOConfig.disable_dropout (default on) sets every nn.Dropout to p=0, LoRA's too: an identity then
         lora_dropout=0.0 if preference and t.get("disable_dropout", True) else lo["lora_dropout"],
         target_modules=targets if isinstance(targets, str) else ",".join(targets),
+        target_parameters=",".join(lo.get("target_parameters") or ()),
         batch_size=batch,
         seq_len=method.sequence_length(cfg),
         gradient_checkpointing=checkpointing(cfg),
@@ -322,6 +323,10 @@ def plan_to_config(plan: Any, base: dict | None = None) -> dict:
         if isinstance(targets, str) and targets != "all-linear":
             targets = [t.strip() for t in targets.split(",") if t.strip()]
         put("lora", "target_modules", targets if isinstance(targets, str) else list(targets))
+    params = _get(plan, "target_parameters", lora.get("target_parameters"))
+    if params or cfg["lora"].get("target_parameters"):
+        params = [t.strip() for t in params.split(",") if t.strip()] if isinstance(params, str) else params
+        cfg["lora"]["target_parameters"] = list(params or []) or None
 
     put(
         "training",

@@ -12,6 +12,7 @@ from core.estimate.bill import estimate
 from core.estimate.fit import largest
 from core.estimate.generation_levers import rollout_candidates, shrink
 from core.estimate.lever_table import BOUND_LEVERS, BY_FIELD, LEVERS, Lever
+from core.estimate.moe_levers import moe_candidates, moe_lever_rows
 from core.estimate.plan import Plan, PlanError, generates
 from core.estimate.specs import ModelSpec, SpecError, load_spec
 
@@ -54,7 +55,7 @@ def lever_savings(plan: Plan, spec: ModelSpec | None = None) -> list[dict]:
                 "source": lever.source,
             }
         )
-    return out
+    return out + moe_lever_rows(plan, spec, estimate)
 
 
 def _candidates(plan: Plan, spec: ModelSpec) -> list[tuple[str, dict, str, bool]]:
@@ -93,7 +94,7 @@ def _candidates(plan: Plan, spec: ModelSpec) -> list[tuple[str, dict, str, bool]
                 True,
             )
         )
-    out += _sharding(plan, spec)
+    out += _sharding(plan, spec) + moe_candidates(plan, spec)
     if generates(plan):  # GRPO: its batch keeps the generation batch, its length is the completion's
         return out + rollout_candidates(plan, spec)
     if plan.batch_size > 1:

@@ -87,6 +87,12 @@ class Plan:
     lora_alpha: int = 32
     lora_dropout: float = 0.05
     target_modules: str = "all-linear"
+    # peft's target_parameters (the run config's lora.target_parameters): parameters LoRA wraps directly, e.g. a
+    # mixture-of-experts model's fused experts "mlp.experts.gate_up_proj,mlp.experts.down_proj"
+    target_parameters: str = ""
+    # QLoRA of a mixture-of-experts model: its fused experts quantized to 4-bit on load too (bitsandbytes alone
+    # leaves them in the load dtype). A plan only: the engine cannot do it yet (core.estimate.moe_terms).
+    quantize_experts: bool = False
     batch_size: int = 1
     seq_len: int = 2048
     gradient_checkpointing: bool = True  # the engine's default (TRL's): what makes long sequences fit
@@ -143,7 +149,7 @@ class Plan:
     def to_dict(self) -> dict:
         d = asdict(self)
         # a one-GPU plan's record stays what it was before multi-GPU planning (plan.json, --json, the snapshots)
-        trimmed = {**(ONE_GPU if self.gpus == 1 else {}), **({} if generates(self) else NO_ROLLOUTS)}
+        trimmed = {**(ONE_GPU if self.gpus == 1 else {}), **({} if generates(self) else NO_ROLLOUTS), **DENSE}
         for name, default in trimmed.items():
             if d[name] == default:
                 del d[name]
@@ -167,6 +173,8 @@ NO_ROLLOUTS = {
     "vllm_sleep": False,
 }
 VLLM_MODES = ("off", "colocate", "server")
+# ... and a plan without LoRA on parameters or expert quantization keeps the record it had before MoE planning
+DENSE = {"target_parameters": "", "quantize_experts": False}
 
 
 def generates(plan: Plan) -> bool:
@@ -208,6 +216,9 @@ class Estimate:
     # A generating method (GRPO): its generation phase, whatever the peak phase is -- {bytes, components,
     # sequences, tokens, moment (the largest: "generate", "prefill", "logprob forward", "vllm")}
     generation: dict | None = None
+    # A mixture-of-experts model: its experts, their dtype and why, and the bill's expert terms (core.estimate.
+    # moe_terms.moe_record)
+    moe: dict | None = None
 
     @property
     def fraction(self) -> float:
@@ -215,7 +226,7 @@ class Estimate:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        for name in ("distributed", "generation"):
+        for name in ("distributed", "generation", "moe"):
             if d[name] is None:
                 del d[
                     name
@@ -384,8 +395,11 @@ def check_against_spec(spec: ModelSpec, plan: Plan, targets) -> list[str]:
             f"seq_len {plan.seq_len} is longer than the model's max_position_embeddings "
             f"({spec.max_position_embeddings}); quality degrades beyond it unless you extend RoPE."
         )
-    if plan.method != "full":
-        smallest = min(targets, key=lambda s: min(s.in_features, s.out_features))
+    # a router's weight (a wrapped 2-D parameter) and a one-output gate (Qwen2-MoE's shared_expert_gate) score
+    # few values: peft adapts them at any rank
+    layers = [s for s in targets if s.experts != 1 and s.out_features > 1]
+    if plan.method != "full" and layers:
+        smallest = min(layers, key=lambda s: min(s.in_features, s.out_features))
         if plan.lora_r > min(smallest.in_features, smallest.out_features):
             raise PlanError(
                 f"LoRA rank {plan.lora_r} is larger than the layer {smallest.name} "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from core.estimate.specs import _presets
+from core.estimate.model_config import _presets
 from core.hub import ids as hub_ids
 
 

@@ -14,37 +14,34 @@ fields change. A cache entry that cannot be read is rebuilt; a cache folder that
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
-import os
 import warnings
 from dataclasses import asdict, dataclass, fields
 from functools import lru_cache
-from importlib import metadata
-from pathlib import Path
 
-from core.estimate.nearest import suggestion
-from core.files import FileTooLarge, NotRegularFile, atomic_write_text, read_bounded
+from core.estimate.model_config import SpecError as SpecError
+from core.estimate.model_config import _config_from_dict, _config_source, load_config
+from core.estimate.model_config import preset_ids as preset_ids
+from core.estimate.moe import moe_json
+from core.estimate.spec_cache import _cache_path, _int, _read_entry, _typed, _write_entry
+from core.estimate.spec_cache import cache_dir as cache_dir  # the tests clear and inspect it here
+from core.estimate.spec_cache import metadata as metadata
 from core.fmt import error_line
-from core.hub import ids as hub_ids
-from core.plausible import ImplausibleConfig, check_model_config
-
-PRESETS_FILE = Path(__file__).with_name("presets.json")
-CACHE_FORMAT = 1  # bump when the cached files' shape changes
-CACHE_PACKAGES = ("torch", "transformers", "peft")  # what the counts come from
-
-
-class SpecError(ValueError):
-    """A model that cannot be planned for; the message says what is wrong and how to fix it."""
 
 
 @dataclass(frozen=True)
 class LinearShape:
-    name: str  # module path, e.g. model.layers.0.self_attn.q_proj
+    """One LoRA target as peft adapts it: an nn.Linear, or (experts > 0) a parameter peft's target_parameters
+    wraps (a fused 3-D expert stack, or a 2-D router weight: experts 1). Per expert, in -> out."""
+
+    name: str  # module path, e.g. model.layers.0.self_attn.q_proj; a parameter's: ...mlp.experts.gate_up_proj
     in_features: int
     out_features: int
     bias: bool
+    experts: int = 0  # 0: an nn.Linear; else the experts peft's ParamWrapper gives one rank-r adapter each
+    rank: int = (
+        1  # the rank per unit of r (peft doubles it for a fused gate_up converted from gate/up targets)
+    )
 
 
 @dataclass(frozen=True)
@@ -71,6 +68,14 @@ class ModelSpec:
     param_numels: tuple[int, ...]  # every parameter tensor's element count (optimizers treat tensors by size)
     norms_per_layer: int
     config_json: str  # the config as JSON, so the spec can be rebuilt (and cached) from a hashable value
+    moe_json: str = ""  # core.estimate.moe's facts of a mixture-of-experts model ("" for a dense one)
+    head_norms: bool = (
+        False  # RMSNorms on each query and key head (Qwen3's q_norm / k_norm), not in norms_per_layer
+    )
+    attention_sinks: bool = False  # gpt-oss: a learned sink logit per head, softmaxed with the scores (eager)
+    sdpa: bool = (
+        True  # the model class runs sdpa attention (gpt-oss does not: transformers falls back to eager)
+    )
 
     @property
     def linear_params(self) -> int:
@@ -80,129 +85,6 @@ class ModelSpec:
     def kv_cache_bytes_per_token_per_byte(self) -> int:
         """K and V for every layer, per token, per byte of element size."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
-
-
-def preset_ids() -> list[str]:
-    return list(_presets())
-
-
-@lru_cache(maxsize=1)
-def _presets() -> dict[str, dict]:
-    return json.loads(PRESETS_FILE.read_text())
-
-
-def _config_from_dict(fields: dict, where: str):
-    from transformers import AutoConfig
-
-    try:  # before transformers builds anything from it: a lying config.json would allocate gigabytes
-        check_model_config(fields, where)
-    except ImplausibleConfig as exc:
-        raise SpecError(str(exc)) from None
-    fields = dict(fields)
-    model_type = fields.pop("model_type", None)
-    if not model_type:
-        raise SpecError(f"{where} has no 'model_type', so transformers cannot tell which architecture it is.")
-    try:
-        return AutoConfig.for_model(model_type, **fields)
-    except (
-        Exception
-    ) as exc:  # ValueError / KeyError, and huggingface_hub's strict dataclass checks' own types
-        if model_type not in _known_model_types():
-            raise SpecError(
-                f"{where} has model_type '{model_type}', which this transformers version does not know; point at "
-                "a model folder of an architecture transformers supports (or upgrade transformers)."
-            ) from None
-        raise SpecError(
-            f"{where} is not a valid {model_type} config ({error_line(exc, 200)}); fix that file."
-        ) from None
-
-
-def _known_model_types() -> set[str]:
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-
-    return set(CONFIG_MAPPING_NAMES)
-
-
-def _config_source(model: str) -> tuple[dict, str] | None:
-    """The raw config fields of a preset, a local model folder or a Hub id (its config.json alone, no weights),
-    and where they came from, read without torch or transformers; None for a name that only the local Hugging
-    Face cache may know."""
-    if model in _presets():
-        return _presets()[model], f"The preset '{model}'"
-    path = Path(model).expanduser()
-    if not path.exists():
-        ref = hub_ids.parse(model)
-        return _hub_source(model, ref) if ref is not None else None
-    if path.is_file() and path.name == "config.json":
-        path = path.parent
-    cfg_file = path / "config.json"
-    if not path.is_dir() or not cfg_file.is_file():
-        raise SpecError(
-            f"The folder '{path}' has no config.json; point at a Hugging Face model folder "
-            "(the one that holds config.json and the weights)."
-        )
-    try:
-        data = json.loads(read_bounded(cfg_file))  # a regular file of sane size: a model config is < 1 MiB
-    except (NotRegularFile, FileTooLarge) as exc:
-        raise SpecError(f"{exc}: a model's config.json is a small JSON file; fix or replace it.") from None
-    except (OSError, ValueError) as exc:
-        raise SpecError(f"{cfg_file} is not valid JSON ({exc}); fix or replace that file.") from None
-    except RecursionError:
-        raise SpecError(f"{cfg_file} is nested too deeply to be a model config; fix or replace it.") from None
-    if not isinstance(data, dict):
-        raise SpecError(f"{cfg_file} does not hold a JSON object; it is not a model config.")
-    return data, str(cfg_file)
-
-
-def _hub_source(model: str, ref) -> tuple[dict, str]:
-    from core.hub.fetch import config_json
-
-    try:
-        data, found = config_json(ref)
-    except hub_ids.HubError as exc:
-        raise SpecError(
-            f"Unknown model '{model}': it is not a bundled preset id or a local folder, and {exc} "
-            + suggestion(model, preset_ids())
-        ) from None
-    return data, f"The config.json of {found.label()}"
-
-
-def load_config(model: str):
-    """The transformers config for a preset id, a local folder, or a model id in the local HF cache."""
-    model = str(model).strip()
-    if not model:
-        raise SpecError(
-            "No model given: pick a preset (e.g. meta-llama/Llama-2-7b-hf) or a local model folder."
-        )
-    source = _config_source(model)
-    if source is not None:
-        return _config_from_dict(*source)
-    # Last resort: a config the user already has in the local Hugging Face cache. Never touch the network.
-    try:
-        from transformers import AutoConfig
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            cfg = AutoConfig.from_pretrained(model, local_files_only=True)
-    except Exception:
-        cfg = None
-    if cfg is not None:
-        try:
-            check_model_config(cfg.to_dict(), f"The cached config of {model}")
-        except ImplausibleConfig as exc:
-            raise SpecError(str(exc)) from None
-        return cfg
-    path = Path(model).expanduser()
-    if model.startswith(("/", "./", "../", "~")) or model.count("/") > 1:  # meant as a folder, not a hub id
-        raise SpecError(
-            f"The folder '{path}' does not exist: give the path of a local model folder (the one that holds "
-            "config.json), or pick a bundled preset."
-        )
-    raise SpecError(
-        f"Unknown model '{model}': it is not a bundled preset, a local folder, a Hub id (ORG/NAME) or a model in "
-        f"the local Hugging Face cache; give the path of a folder holding its config.json. "
-        + suggestion(model, preset_ids())
-    )
 
 
 def _build_meta_model(cfg):
@@ -217,6 +99,13 @@ def _build_meta_model(cfg):
         raise SpecError(
             f"The config (model_type '{cfg.model_type}') is not a causal language model that transformers can "
             f"build with AutoModelForCausalLM ({str(exc).splitlines()[0]}); this planner handles decoder LLMs only."
+        ) from None
+    except (
+        Exception
+    ) as exc:  # the model's own code fails on this config (a field it needs is missing or None)
+        raise SpecError(
+            f"transformers cannot build a '{cfg.model_type}' model from this config.json ({error_line(exc, 160)}); "
+            "fix the config (the model card's config.json has every field it needs)."
         ) from None
 
 
@@ -258,6 +147,20 @@ def load_spec(model: str) -> ModelSpec:
 def _spec_for(model: str, source_json: str | None, where: str) -> ModelSpec:
     if source_json is None:
         return _build_spec(model, load_config(model))
+    try:
+        return _cached_spec(model, source_json, where)
+    except SpecError:
+        raise
+    except (
+        Exception
+    ) as exc:  # e.g. a per-layer (heterogeneous) config whose globals transformers refuses to give
+        raise SpecError(
+            f"{where} describes a model this planner cannot count ({error_line(exc, 160)}); it plans decoder "
+            "LLMs whose layers share one shape."
+        ) from None
+
+
+def _cached_spec(model: str, source_json: str, where: str) -> ModelSpec:
     path = _cache_path("spec", [model, source_json])
     spec = _read_entry(path, ["spec", model, source_json], _spec_from_json)
     if spec is None:
@@ -286,9 +189,14 @@ def _build_spec(model: str, cfg) -> ModelSpec:
         for name, mod in meta.named_modules()
         if isinstance(mod, nn.Linear) and name.startswith(layers_prefix + ".")
     )
-    norms = sum(1 for m in layers[0].modules() if "norm" in type(m).__name__.lower())
+    norms = [n for n, m in layers[0].named_modules() if "norm" in type(m).__name__.lower()]
+    head_norms = any(n.endswith(("q_norm", "k_norm")) for n in norms)
 
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    moe = moe_json(meta, layers, text)
+    unsupported = json.loads(moe)["unsupported"] if moe else ""
+    if unsupported:
+        raise SpecError(unsupported)
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     return ModelSpec(
@@ -308,8 +216,12 @@ def _build_spec(model: str, cfg) -> ModelSpec:
         lm_head_params=0 if (head is None or tied) else head.weight.numel(),
         decoder_linears=linears,
         param_numels=tuple(p.numel() for p in params.values()),
-        norms_per_layer=norms,
+        norms_per_layer=len([n for n in norms if not n.endswith(("q_norm", "k_norm"))]),
         config_json=config_json,
+        moe_json=moe,
+        head_norms=head_norms,
+        attention_sinks=any(n.rsplit(".", 1)[-1] == "sinks" for n, _ in layers[0].named_parameters()),
+        sdpa=bool(getattr(meta, "_supports_sdpa", True)),
     )
 
 
@@ -333,15 +245,20 @@ def normalize_targets(target_modules: str | list | tuple) -> tuple[str, ...] | s
     return names
 
 
-def lora_targets(model: str, target_modules: str | tuple[str, ...]) -> tuple[LinearShape, ...]:
-    """The Linear layers peft adapts for `target_modules`, found by peft itself on the meta model.
+def lora_targets(
+    model: str, target_modules: str | tuple[str, ...], target_parameters: str | tuple[str, ...] = ()
+) -> tuple[LinearShape, ...]:
+    """The layers and parameters peft adapts for `target_modules` (and `target_parameters`: MoE experts), found by
+    peft itself on the meta model -- with its own conversion of targets for transformers 5's fused experts.
 
-    Trainable LoRA params for rank r are then sum(r * (in + out)) over these shapes, which is what peft counts.
+    Trainable LoRA params for rank r are then sum(r * rank * max(experts, 1) * (in + out)) over these shapes, which
+    is what peft counts.
     """
     spec = load_spec(model)
     targets = normalize_targets(target_modules)
+    params = normalize_parameters(target_parameters)
     try:
-        return _targets_for(spec.config_json, targets)
+        return _targets_for(spec.config_json, targets, params)
     except SpecError:
         raise
     except ValueError as exc:  # peft's "Target modules ... not found in the base model"
@@ -351,21 +268,37 @@ def lora_targets(model: str, target_modules: str | tuple[str, ...]) -> tuple[Lin
             f"LoRA target modules '{wanted}' match no layer of {model} ({str(exc).splitlines()[0][:120]}); "
             f"this model's Linear layers are: {', '.join(available)} (or use all-linear)."
         ) from None
+    except Exception as exc:  # peft's own code fails on this architecture
+        raise SpecError(
+            f"peft cannot put LoRA on {model} ({error_line(exc, 160)}); try explicit target_modules such as "
+            "q_proj,v_proj."
+        ) from None
+
+
+def normalize_parameters(target_parameters: str | list | tuple) -> tuple[str, ...]:
+    """'mlp.experts.gate_up_proj, mlp.experts.down_proj' (or a list) as a sorted tuple; () for none."""
+    if isinstance(target_parameters, str):
+        target_parameters = target_parameters.split(",")
+    return tuple(sorted({t.strip() for t in target_parameters or () if t and t.strip()}))
 
 
 @lru_cache(maxsize=128)
-def _targets_for(config_json: str, targets: str | tuple[str, ...]) -> tuple[LinearShape, ...]:
+def _targets_for(
+    config_json: str, targets: str | tuple[str, ...], params: tuple[str, ...] = ()
+) -> tuple[LinearShape, ...]:
     """The meta model is built from `config_json` alone, so its LoRA targets are cached under it."""
-    key = ["targets", config_json, targets]
+    key = ["targets", config_json, targets] + ([list(params)] if params else [])
     path = _cache_path("targets", key)
     shapes = _read_entry(path, key, _linears_from_json)
     if shapes is None:
-        shapes = _build_targets(config_json, targets)
+        shapes = _build_targets(config_json, targets, params)
         _write_entry(path, key, [asdict(s) for s in shapes])
     return shapes
 
 
-def _build_targets(config_json: str, targets: str | tuple[str, ...]) -> tuple[LinearShape, ...]:
+def _build_targets(
+    config_json: str, targets: str | tuple[str, ...], params: tuple[str, ...] = ()
+) -> tuple[LinearShape, ...]:
     """Apply peft's get_peft_model to a copy of the meta model (imports peft); ValueError when nothing matches."""
     import copy
 
@@ -374,14 +307,19 @@ def _build_targets(config_json: str, targets: str | tuple[str, ...]) -> tuple[Li
     meta = copy.deepcopy(_meta_model_for(config_json))  # peft edits the tree in place
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        peft_model = get_peft_model(
-            meta, LoraConfig(r=1, target_modules=list(targets) if targets != "all-linear" else targets)
+        config = LoraConfig(
+            r=1,
+            target_modules=list(targets) if targets != "all-linear" else targets,
+            target_parameters=list(params) or None,
         )
-    from peft.tuners.lora import LoraLayer
+        peft_model = get_peft_model(meta, config)
+    from peft.tuners.lora import LoraLayer, ParamWrapper
 
     out = []
     for name, mod in peft_model.base_model.model.named_modules():
-        if isinstance(mod, LoraLayer):
+        if isinstance(mod, ParamWrapper):
+            out.append(_parameter_target(name, mod))
+        elif isinstance(mod, LoraLayer):
             base = mod.get_base_layer()
             if hasattr(base, "in_features"):
                 fan_in, fan_out = base.in_features, base.out_features
@@ -391,6 +329,18 @@ def _build_targets(config_json: str, targets: str | tuple[str, ...]) -> tuple[Li
     return tuple(out)
 
 
+def _parameter_target(name: str, mod) -> LinearShape:
+    """A parameter peft's target_parameters wraps (ParamWrapper; nested ones wrap each other): named by its
+    module's path and the parameter, with peft's own in/out (swapped for experts x out x in storage) and rank."""
+    while name.endswith(".base_layer"):
+        name = name[: -len(".base_layer")]
+    experts = int(mod.num_experts)
+    rank = int(next(iter(mod.lora_A.values())).weight.shape[0]) // experts  # r=1 times peft's rank_pattern
+    return LinearShape(
+        f"{name}.{mod.parameter_name}", int(mod.in_features), int(mod.out_features), False, experts, rank
+    )
+
+
 def describe(spec: ModelSpec) -> str:
     return (
         f"{spec.model_id}: {spec.model_type}, {spec.total_params / 1e9:.2f} B params, {spec.num_layers} layers, "
@@ -398,78 +348,12 @@ def describe(spec: ModelSpec) -> str:
     )
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The disk cache: one small JSON file per spec or target list, named by a hash of what it was computed from.
-
-
-@lru_cache(maxsize=1)
-def cache_dir() -> Path | None:
-    """The cache folder for the installed library versions and this file's code; None without a home folder."""
-    versions = {}
-    for pkg in CACHE_PACKAGES:
-        try:
-            versions[pkg] = metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            versions[pkg] = "missing"
-    try:
-        code = hashlib.sha1(Path(__file__).read_bytes()).hexdigest()
-        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lora-cockpit"
-    except (OSError, RuntimeError):  # no readable source or no home folder: nothing is cached on disk
-        return None
-    key = hashlib.sha1(json.dumps([CACHE_FORMAT, versions, code], sort_keys=True).encode()).hexdigest()[:16]
-    return root / f"model-specs-{key}"
-
-
-def _cache_path(kind: str, key: list) -> Path | None:
-    root = cache_dir()
-    if root is None:
-        return None
-    return root / f"{kind}-{hashlib.sha1(json.dumps(key).encode()).hexdigest()[:24]}.json"
-
-
-def _read_entry(path: Path | None, key: list, decode):
-    """The decoded value of a cache entry written for exactly `key`; None when missing or unusable."""
-    if path is None:
-        return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        if not isinstance(data, dict) or data.get("key") != json.loads(json.dumps(key)):
-            return None
-        return decode(data["value"])
-    # unreadable, truncated, hand-edited or of another shape: the entry is rebuilt, never a traceback
-    except Exception:
-        return None
-
-
-def _write_entry(path: Path | None, key: list, value) -> None:
-    if path is None:
-        return
-    with contextlib.suppress(
-        OSError
-    ):  # a read-only or full cache folder: the spec is rebuilt next time, nothing else changes
-        atomic_write_text(path, json.dumps({"key": key, "value": value}))
-
-
-def _int(value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"not an int: {value!r}")
-    return value
-
-
-def _typed(value, kind: type):
-    if kind is int:
-        return _int(value)
-    if not isinstance(value, kind):
-        raise TypeError(f"not a {kind.__name__}: {value!r}")
-    return value
-
-
 def _linears_from_json(rows) -> tuple[LinearShape, ...]:
     if not isinstance(rows, list):
         raise TypeError("not a list of layers")
     out = []
     for row in rows:
-        if set(row) != {"name", "in_features", "out_features", "bias"}:
+        if set(row) != {"name", "in_features", "out_features", "bias", "experts", "rank"}:
             raise ValueError(f"not a layer: {row!r}")
         out.append(
             LinearShape(
@@ -477,6 +361,8 @@ def _linears_from_json(rows) -> tuple[LinearShape, ...]:
                 _int(row["in_features"]),
                 _int(row["out_features"]),
                 _typed(row["bias"], bool),
+                _int(row["experts"]),
+                _int(row["rank"]),
             )
         )
     return tuple(out)

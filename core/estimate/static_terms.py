@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+from core.estimate.moe import moe_of
 from core.estimate.plan import (
     BNB8_BLOCK,
     BNB8_MIN_SIZE,
@@ -42,17 +43,50 @@ def weight_bytes(spec: ModelSpec, plan: Plan) -> tuple[int, int]:
         p, c = quantized_bytes(lin.in_features * lin.out_features, plan.double_quant)
         packed += p
         constants += c
-    # Everything else (embeddings, lm_head, norms, biases) stays in the load dtype;
-    # prepare_model_for_kbit_training casts it to fp32.
+    # Everything else (embeddings, lm_head, norms, biases, a MoE model's fused experts: not nn.Linear) stays in
+    # the load dtype; prepare_model_for_kbit_training casts it to fp32.
     rest = spec.total_params - spec.linear_params
+    facts = moe_of(spec)
+    if facts and plan.quantize_experts:  # quantized on load (a plan: core.estimate.moe_terms.expert_dtype)
+        rest -= facts.expert_params
+        experts, expert_constants = expert_weight_bytes(spec, plan)
+        packed, constants = packed + experts, constants + expert_constants
     return packed + rest * (4 if plan.prepare_kbit else load), constants
+
+
+def expert_weight_bytes(spec: ModelSpec, plan: Plan) -> tuple[int, int]:
+    """(bytes, quantization-constant bytes) of a MoE model's experts as loaded: the load dtype, or each expert's
+    matrices quantized to 4-bit one by one when the plan quantizes them on load (QLoRA)."""
+    facts = moe_of(spec)
+    load = DTYPE_BYTES[plan.load_dtype]
+    if not (plan.method == "qlora" and plan.quantize_experts):
+        upcast = (
+            plan.method == "qlora" and plan.prepare_kbit
+        )  # peft's kbit preparation: non-4-bit weights to fp32
+        return facts.expert_params * (4 if upcast else load), 0
+    per_matrix = spec.hidden_size * facts.width
+    matrices = facts.moe_layers * facts.experts * (3 if facts.gated else 2)
+    packed, constants = quantized_bytes(per_matrix, plan.double_quant)
+    biases = facts.expert_params - matrices * per_matrix
+    return matrices * packed + biases * load, matrices * constants
 
 
 def trainable_tensors(spec: ModelSpec, plan: Plan, targets) -> list[int]:
     if plan.method == "full":
         return list(spec.param_numels)
-    r = plan.lora_r
-    return [n for s in targets for n in (r * s.in_features, r * s.out_features)]
+    # peft's ParamWrapper gives each expert its own rank-r pair (lora_A: r*experts x in, lora_B: out x r*experts)
+    return [n for s in targets for n in _pair(s, plan.lora_r)]
+
+
+def _pair(s, r: int) -> tuple[int, int]:
+    units = r * s.rank * max(s.experts, 1)
+    return units * s.in_features, units * s.out_features
+
+
+def linear_trainable(targets, plan: Plan) -> int:
+    """Trainable LoRA parameters on nn.Linear layers (what autocast copies; peft casts a wrapped parameter's
+    factors itself)."""
+    return sum(sum(_pair(s, plan.lora_r)) for s in targets if not s.experts)
 
 
 def _trl_qlora(plan: Plan) -> bool:

@@ -24,6 +24,8 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": ("qwen2", False),
 }
 SUPPORTED_ROPE = {None, "default", "linear", "llama3"}
+# config.json fields that make a model a mixture of experts (Qwen-MoE, Mixtral / gpt-oss, DeepSeek / GLM)
+MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 ST_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2}
 
 
@@ -163,6 +165,12 @@ def open_source(model_dir: str | Path) -> Source:
     hf_arch = next((a for a in archs if a in ARCHITECTURES), None)
     if hf_arch is None:
         shown = ", ".join(archs) or config.get("model_type", "unknown")
+        if any(config.get(k) for k in MOE_KEYS):
+            raise BadInput(
+                f"{shown} is a mixture-of-experts model, which this exporter cannot write to GGUF yet (it writes "
+                "dense Llama, Mistral and Qwen2 models); llama.cpp's own convert_hf_to_gguf.py converts the Qwen-MoE, "
+                "Mixtral and gpt-oss families from the merged folder."
+            )
         raise BadInput(
             f"Architecture {shown} is not supported for GGUF export (supported: Llama, Mistral, Qwen2)."
         )

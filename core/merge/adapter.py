@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -18,7 +18,6 @@ RESAVE = "re-save the adapter with peft's save_pretrained, or copy its folder ag
 
 # adapter_config fields whose adapters cannot be folded into plain weights exactly.
 UNSUPPORTED_FEATURES = {
-    "target_parameters": "LoRA on raw parameters (target_parameters, e.g. MoE experts)",
     "trainable_token_indices": "trainable tokens (trainable_token_indices)",
     "use_qalora": "QA-LoRA",
     "layer_replication": "layer replication",
@@ -56,6 +55,9 @@ class Adapter:
         str, torch.Tensor
     ]  # param key (model naming) -> full tensor (modules_to_save, base_layer)
     nbytes: int
+    # LoRA on parameters (target_parameters: a MoE model's experts, a router's weight): peft's ParamWrapper pairs by
+    # module name, attached to the checkpoint's tensors by core.merge.experts
+    params: dict[str, LoraModule] = field(default_factory=dict)
 
     @property
     def use_dora(self) -> bool:
@@ -264,6 +266,11 @@ def _set_scales(modules: dict[str, LoraModule], cfg: dict) -> None:
         if mod.B.shape[-1] != r:
             raise MergeError(f"Adapter module {name}: lora_A has rank {r} but lora_B has {mod.B.shape[-1]}.")
         expected_r = _pattern_value(rank_pattern, name, cfg.get("r", r))
+        if cfg.get("target_parameters") and (".base_layer" in name or expected_r != r):
+            mod.scale = (
+                None  # a wrapped parameter's pair (its rank counts experts): core.merge.experts decides
+            )
+            continue
         if expected_r != r:
             raise MergeError(
                 f"Adapter module {name}: tensors have rank {r} but adapter_config.json says r={expected_r} "

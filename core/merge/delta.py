@@ -24,6 +24,8 @@ CHUNK_BYTES = 256 * MB
 def _add_delta_(w: torch.Tensor, mod: LoraModule, start: int, stop: int) -> torch.Tensor:
     """Add rows [start, stop) of the scaled LoRA delta to `w` (fp32, stored orientation), in place: one fused
     matmul-add, no full-size temporary."""
+    if mod.kind == "param":  # a wrapped parameter's rows (core.merge.experts)
+        return w.add_(mod.rows(start, stop).to(w.device))
     A, B = mod.A.to(w.device), mod.B.to(w.device)
     if mod.kind == "linear":
         return w.addmm_(B[start:stop], A, alpha=mod.scale)  # W (out, in) += s * B A
@@ -84,7 +86,9 @@ def recompute_rows(t: TensorPlan, base: BaseCheckpoint, start: int, stop: int) -
         w = (t.replacement[start:stop] if t.shape else t.replacement).float()
     else:
         w = base.read_rows(t.src_key, start, stop).float()
-    if t.lora is not None:
+    if t.lora is not None and t.lora.kind == "param":
+        w = w.clone() + t.lora.rows(start, stop)
+    elif t.lora is not None:
         w = (
             w.clone()
             + (

@@ -13,6 +13,7 @@ import torch
 
 from core.merge.adapter import Adapter, LoraModule
 from core.merge.common import MergeError, read_json_object
+from core.merge.experts import attach_parameters, split_parameter_modules
 from core.merge.shards import (
     DTYPE_ARGS,
     DTYPE_NAMES,
@@ -142,7 +143,9 @@ def plan_merge(
     max_shard = parse_size(shard_size)
     _check_architecture(adapter, config, base_dir)
     targets = _Targets(base_dir, config, base, out_code)
+    adapter.params = split_parameter_modules(adapter, targets.modules)
     targets.attach(adapter)
+    attach_parameters(targets, adapter, adapter.params)
     targets.check_lora_shapes()
     if adapter.config.get("ensure_weight_tying") and targets.tied and targets.touches_embeddings:
         raise MergeError(
@@ -318,7 +321,9 @@ class _Targets:
     def check_lora_shapes(self) -> None:
         """Shapes of LoRA pieces against the base tensor they modify."""
         for plan in [*self.by_key.values(), *([self.extra_lm_head] if self.extra_lm_head else [])]:
-            if plan.lora is not None:
+            if (
+                plan.lora is not None and plan.lora.kind != "param"
+            ):  # a parameter's pair: checked when attached
                 _check_lora_fits(plan.lora, plan.shape)
 
     def output_tensors(self) -> tuple[list[TensorPlan], bool, list[str]]:

@@ -11,6 +11,7 @@ import os
 import tempfile
 from pathlib import Path
 
+from core.files import read_json_object
 from core.precision import CUDA_ONLY, Precision, torch_dtype
 from core.runs import rundir
 from core.train import distributed, methods
@@ -38,6 +39,60 @@ def bnb_config(cfg: dict, load_dtype: str | None = None):
     if isinstance(q.get("bnb_4bit_quant_storage"), str):
         q["bnb_4bit_quant_storage"] = torch_dtype(q["bnb_4bit_quant_storage"])
     return BitsAndBytesConfig(**q)
+
+
+def model_kwargs(cfg: dict, path: str) -> dict:
+    """from_pretrained's attention and (MXFP4 checkpoints) quantization arguments. sdpa is asked as transformers'
+    default (None): sdpa where the model has it, eager where it does not (gpt-oss: attention sinks). gpt-oss
+    ships its experts in MXFP4, which transformers keeps only for inference (with Triton and the kernels package
+    on a GPU; its quantizer is not trainable): a run loads them dequantized to bf16, on any machine."""
+    attn = cfg["model"]["attn_implementation"]
+    kwargs = {"attn_implementation": None if attn == "sdpa" else attn}
+    config = read_json_object(Path(path) / "config.json") if Path(path).is_dir() else None
+    quant = (config or {}).get("quantization_config")
+    if isinstance(quant, dict) and str(quant.get("quant_method", "")).lower() == "mxfp4":
+        from transformers import Mxfp4Config
+
+        kwargs["quantization_config"] = Mxfp4Config(dequantize=True)
+    return kwargs
+
+
+def lora_dropout_problem(cfg: dict, model_config) -> str | None:
+    """One sentence when the lora section asks for dropout on LoRA that wraps parameters -- a mixture-of-experts
+    model's experts, asked by lora.target_parameters or added by peft 0.21 itself when target_modules names the
+    experts' old Linear names ("all-linear" among them) on the Qwen-MoE and Mixtral families: peft's ParamWrapper
+    refuses any dropout, and would say so only after the model has loaded."""
+    lora = cfg["lora"]
+    if not lora["enabled"] or not lora.get("lora_dropout"):
+        return None
+    asked = bool(lora.get("target_parameters"))
+    if not (asked or _peft_adds_experts(lora.get("target_modules"), model_config)):
+        return None
+    why = "" if asked else f", which target_modules brings in for {model_config.model_type}"
+    return (
+        f"lora.lora_dropout must be 0 for this model: LoRA on its experts (peft's target_parameters{why}) cannot "
+        "apply dropout; set lora.lora_dropout: 0, or leave the experts out with explicit target_modules such as "
+        "[q_proj, k_proj, v_proj, o_proj]."
+    )
+
+
+def _peft_adds_experts(targets, model_config) -> bool:
+    """Does peft's transformers-5 conversion turn these target_modules into expert parameters for this model?"""
+    try:
+        from peft.utils.transformers_weight_conversion import (
+            _MODEL_TO_CONVERSION_PATTERN,
+            _MOE_TARGET_MODULE_MAPPING,
+        )
+    except ImportError:  # another peft: it converts nothing, or says so itself
+        return False
+    mapping = _MOE_TARGET_MODULE_MAPPING.get(
+        _MODEL_TO_CONVERSION_PATTERN.get(getattr(model_config, "model_type", ""))
+    )
+    if not mapping or not targets:
+        return False
+    names = [targets] if isinstance(targets, str) else list(targets)
+    experts = [old for old, new in mapping.items() if new != "gate.weight"]
+    return any(t == "all-linear" or t.rsplit(".", 1)[-1] in experts for t in names)
 
 
 def lora_config(cfg: dict):

@@ -17,6 +17,7 @@ from core.fmt import error_line
 from core.train import methods
 from core.train.config import ConfigError, check_with_libraries, load_config
 from core.train.data import DataError
+from core.train.engine_args import lora_dropout_problem
 from core.train.findings import (  # noqa: F401  (the names callers take from here)
     Finding,
     TokenizerError,
@@ -78,6 +79,9 @@ def prepare_run(
         raise ConfigError(
             f"model.path: the tokenizer or config.json in {m['path']} does not load ({error_line(exc)})."
         ) from None
+    problem = lora_dropout_problem(cfg, model_config)
+    if problem:
+        raise ConfigError(problem)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token  # padding is masked out of the loss anyway
     refuse_on_errors(run_preflight(cfg, tokenizer, model_config, in_trainer), file)

@@ -36,7 +36,7 @@ from core.train.callbacks import (
 )
 from core.train.config import ConfigError, load_config, validate_config
 from core.train.data import DataError
-from core.train.engine_args import bnb_config, lora_config, training_args
+from core.train.engine_args import bnb_config, lora_config, model_kwargs, training_args
 from core.train.preflight import check_model, prepare_run
 from core.train.resume import check_resume, keep_new_hyperparameters, record_config
 from core.train.rewards import RewardError
@@ -77,7 +77,7 @@ def load_model(cfg: dict, prec: Precision, path: str | None = None):
     m = cfg["model"]
     kwargs = {
         "dtype": torch_dtype(prec.dtype),
-        "attn_implementation": m["attn_implementation"],
+        **model_kwargs(cfg, path or m["path"]),
         "trust_remote_code": m["trust_remote_code"],
     }
     quant = bnb_config(cfg, prec.dtype)

@@ -25,7 +25,7 @@ from core.train.findings import (
     model_limits,
     token_findings,
 )
-from core.train.methods.base import Method, PlanTraits, fill_to
+from core.train.methods.base import Chart, Method, PlanTraits, fill_to
 
 
 class SFT(Method):
@@ -238,5 +238,18 @@ METHOD = SFT(
     summary="instructions or chat: the model learns to give the answers in the data",
     choice="SFT (instructions / chat)",
     traits=PlanTraits(rows_per_example=1, reference=False, flat_batches=True, head_outputs=0),
-    metrics=("mean_token_accuracy", "entropy"),
+    # trl 1.16 SFTTrainer logs a mixture-of-experts model's load-balancing loss (outputs.aux_loss) whenever its
+    # config has a router_aux_loss_coef other than 0 (it is added to the loss with that weight)
+    metrics=("mean_token_accuracy", "entropy", "aux_loss"),
+    charts=(
+        Chart(
+            "aux_loss",
+            "Router load-balancing loss (mixture of experts)",
+            "aux loss",
+            (("aux_loss", "train"),),
+            (("eval_aux_loss", "eval"),),
+            caption=(("aux_loss", "aux loss", ".4f"),),
+            optional=True,
+        ),
+    ),
 )

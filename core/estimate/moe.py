@@ -1,0 +1,220 @@
+"""Mixture-of-experts facts of a model, read from its meta model (core.estimate.specs builds it from config.json).
+
+transformers 5 stores the experts of every MoE family as one module per layer holding fused 3-D parameters
+(`mlp.experts.gate_up_proj`: experts x 2*width x hidden, `down_proj`: experts x hidden x width; gpt-oss stores
+them transposed, with biases); the router is a module of its own (`mlp.gate`, gpt-oss `mlp.router`) and some
+families add shared experts (a dense MLP every token goes through) or keep the first layers dense. The experts'
+forward is transformers' `use_experts_implementation` (integrations/moe.py; `grouped_mm` by default): every routed
+token-expert pair (tokens x top-k) goes through gate_up, the gate and down as one grouped matmul each. A family
+whose experts run a forward of their own is not modelled: `MoeFacts.unsupported` says so in one sentence.
+
+The facts are plain JSON (ModelSpec.moe_json) so that the spec's disk cache keeps them; `moe_of(spec)` reads them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+
+# Router forwards, as their code computes the routing weights (each saves different tensors for backward):
+# softmax_topk: softmax over every expert (fp32), top-k, optionally renormalised (Qwen2/3-MoE, Mixtral, OLMoE);
+# topk_softmax: top-k of the logits, softmax over those k (gpt-oss);
+# sigmoid_group: sigmoid scores, group-limited top-k, gathered and renormalised (DeepSeek-V3, GLM-4 MoE).
+ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_group")
+
+
+@dataclass(frozen=True)
+class MoeFacts:
+    experts_class: str  # e.g. Qwen3MoeExperts
+    experts_path: str  # the experts module inside a layer, e.g. mlp.experts
+    router_path: str  # the router inside a layer, e.g. mlp.gate
+    experts: int  # routed experts per layer
+    top_k: int  # experts each token goes through
+    width: int  # one expert's intermediate size
+    moe_layers: int  # layers with routed experts
+    dense_layers: int  # layers with a dense MLP (first_k_dense_replace, mlp_only_layers, decoder_sparse_step)
+    dense_width: int  # their MLP's intermediate size
+    shared_width: int  # the shared experts' intermediate size (all of them together), 0 without
+    shared_gate: bool  # Qwen2-MoE's sigmoid gate on the shared expert's output
+    gated: bool  # gate_up_proj (SwiGLU) rather than up_proj alone
+    clamped_gate: bool  # gpt-oss's clamped SwiGLU with sigmoid(alpha * gate) and (up + 1)
+    bias: bool  # gate_up_proj_bias / down_proj_bias (gpt-oss)
+    transposed: bool  # stored experts x in x out (gpt-oss) rather than experts x out x in
+    router: str  # one of ROUTERS
+    renormalise: bool  # norm_topk_prob: the top-k weights divided by their sum
+    routing_fp32: bool  # the routing weights stay fp32 (not cast back to the logits' dtype)
+    router_fp32_weight: bool  # the router multiplies in fp32 (`self.weight.type(torch.float32)`)
+    groups: int  # sigmoid_group: expert groups (n_group) and how many the top-k picks from (topk_group)
+    topk_groups: int
+    expert_params: int  # every expert parameter of every layer (weights and biases)
+    aux_loss: bool  # the config declares a load-balancing loss (router_aux_loss_coef != 0): TRL adds it
+    implementation: str  # the experts implementation transformers picks (grouped_mm unless asked otherwise)
+    unsupported: str  # "" or the sentence saying why this family's experts are not modelled
+
+
+def moe_of(spec) -> MoeFacts | None:
+    """The MoE facts of a ModelSpec, or None for a dense model."""
+    return _parse(spec.moe_json) if spec.moe_json else None
+
+
+@lru_cache(maxsize=64)
+def _parse(text: str) -> MoeFacts:
+    return MoeFacts(**json.loads(text))
+
+
+def moe_json(model, layers, text_cfg) -> str:
+    """The MoE facts of a meta `model` (its decoder `layers`) as JSON, or "" for a dense model."""
+    facts = _facts(model, layers, text_cfg)
+    return json.dumps(asdict(facts), sort_keys=True) if facts else ""
+
+
+def _experts_in(layer):
+    """(path, module) of the layer's experts: the module holding 3-D parameters of its own (not a convolution's
+    kernel: hybrid models' Mamba layers have those)."""
+    import torch.nn as nn
+
+    for name, mod in layer.named_modules():
+        if isinstance(mod, nn.modules.conv._ConvNd):
+            continue
+        if any(p.ndim == 3 for p in mod.parameters(recurse=False)):
+            return name, mod
+    return None, None
+
+
+def _facts(model, layers, cfg) -> MoeFacts | None:
+    found = [(i, *_experts_in(layer)) for i, layer in enumerate(layers)]
+    sparse = [(i, path, mod) for i, path, mod in found if mod is not None]
+    if not sparse:
+        return None
+    _, path, experts = sparse[0]
+    parent_path = path.rsplit(".", 1)[0] if "." in path else ""
+    block = layers[sparse[0][0]].get_submodule(parent_path) if parent_path else layers[sparse[0][0]]
+    hidden = cfg.hidden_size
+    n = int(
+        getattr(experts, "num_experts", 0) or next(p.shape[0] for p in experts.parameters() if p.ndim == 3)
+    )
+    router_path, router = _router(block, n, hidden)
+    top_k = int(
+        getattr(router, "top_k", 0) or getattr(cfg, "num_experts_per_tok", 0) or getattr(block, "top_k", 0)
+    )
+    transposed = bool(getattr(experts, "is_transposed", False))
+    down = getattr(experts, "down_proj", None)
+    width = int(
+        (down.shape[1] if transposed else down.shape[2]) if down is not None and down.ndim == 3 else 0
+    )
+    dense = [layers[i] for i, _, mod in found if mod is None]
+    shared_width, shared_gate = _shared(block, path)
+    decorated = hasattr(experts, "has_gate")
+    implementation = getattr(getattr(experts, "config", cfg), "_experts_implementation", None) or "grouped_mm"
+    unsupported = ""
+    if not decorated:
+        unsupported = (
+            f"{cfg.model_type}: its experts ({type(experts).__name__}) run a forward of their own, not "
+            "transformers' shared experts implementation, so this planner cannot model their activations yet; "
+            "it plans the MoE families whose experts use it (Qwen2/3-MoE, Mixtral, gpt-oss, OLMoE, DeepSeek-V2/V3, "
+            "GLM-4 MoE and most others)."
+        )
+    elif not top_k:
+        unsupported = (
+            f"{cfg.model_type}: config.json does not say how many experts each token goes through "
+            "(num_experts_per_tok); set it as the model card gives it."
+        )
+    elif not width or router is None:
+        unsupported = (
+            f"{cfg.model_type}: its experts ({type(experts).__name__}) have no down_proj or no router scoring "
+            "them that this planner can find, so it cannot model them yet."
+        )
+    router_src = _source(type(router)) if router is not None else ""
+    coef = getattr(cfg, "router_aux_loss_coef", 0.0) or 0.0
+    return MoeFacts(
+        experts_class=type(experts).__name__,
+        experts_path=path,
+        router_path=f"{parent_path}.{router_path}".strip(".") if router_path else "",
+        experts=n,
+        top_k=top_k,
+        width=width,
+        moe_layers=len(sparse),
+        dense_layers=len(dense),
+        dense_width=_dense_width(dense[0]) if dense else 0,
+        shared_width=shared_width,
+        shared_gate=shared_gate,
+        gated=bool(getattr(experts, "has_gate", True)),
+        clamped_gate="clamp(" in _source(type(experts)),
+        bias=bool(getattr(experts, "has_bias", False)),
+        transposed=transposed,
+        router=_router_kind(router_src),
+        renormalise=_renormalises(router, router_src),
+        routing_fp32=_fp32_routing(router_src),
+        router_fp32_weight=FP32_ROUTER in router_src,
+        groups=int(getattr(router, "num_group", 0) or 0),
+        topk_groups=int(getattr(router, "topk_group", 0) or 0),
+        expert_params=sum(p.numel() for _, _, mod in sparse for p in mod.parameters(recurse=False)),
+        aux_loss=hasattr(cfg, "output_router_logits") and coef != 0,
+        implementation=implementation,
+        unsupported=unsupported,
+    )
+
+
+def _router(block, experts: int, hidden: int):
+    """(name inside the MoE block, module) of the router: the child whose weight scores every expert."""
+    for name, mod in block.named_children():
+        for inner in mod.modules():  # the weight may sit in a Linear inside the router (AFMoE)
+            w = getattr(inner, "weight", None)
+            if w is not None and tuple(w.shape) == (experts, hidden):
+                return name, mod
+    return "", None
+
+
+def _shared(block, experts_path: str) -> tuple[int, bool]:
+    """(intermediate size of the shared experts, whether a sigmoid gate scales them) of a MoE block."""
+    width, gate = 0, False
+    for name, mod in block.named_children():
+        if "shared" not in name:
+            continue
+        down = getattr(mod, "down_proj", None)
+        if down is not None and hasattr(down, "in_features"):
+            width += down.in_features
+        elif getattr(mod, "out_features", None) == 1:
+            gate = True
+    return width, gate
+
+
+def _dense_width(layer) -> int:
+    mlp = getattr(layer, "mlp", None)
+    down = getattr(mlp, "down_proj", None)
+    return int(getattr(down, "in_features", 0) or 0)
+
+
+def _source(cls) -> str:
+    import inspect
+
+    try:
+        return inspect.getsource(cls)
+    except (OSError, TypeError):
+        return ""
+
+
+FP32_ROUTER = "self.weight.type(torch.float32)"  # DeepSeek-V2/V3, GLM-4 MoE: logits and weights in fp32
+
+
+def _renormalises(router, src: str) -> bool:
+    """Are the top-k weights divided by their sum (Mixtral always; others when norm_topk_prob)?"""
+    divides = "/= router_top_value.sum" in src or "/= denominator" in src
+    return divides and ("norm_topk_prob" not in src or bool(getattr(router, "norm_topk_prob", False)))
+
+
+def _fp32_routing(src: str) -> bool:
+    """Do the routing weights stay fp32? They do when the router computes in fp32, and after an fp32 softmax
+    that is not cast back to the logits' dtype (Mixtral); gpt-oss's softmax keeps the logits' dtype."""
+    if FP32_ROUTER in src:
+        return True
+    return _router_kind(src) == "softmax_topk" and ".to(router_logits.dtype)" not in src
+
+
+def _router_kind(src: str) -> str:
+    if "sigmoid" in src:
+        return "sigmoid_group"
+    if "softmax(router_top_value" in src:
+        return "topk_softmax"
+    return "softmax_topk"
