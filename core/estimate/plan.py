@@ -93,6 +93,11 @@ class Plan:
     attn: str = "sdpa"
     optim: str = "adamw_torch"
     eval_kv_tokens: int = 0  # tokens held in a KV cache during eval/generation (batch x (prompt + new))
+    # The evaluation phase (core.estimate.eval_terms): per_device_eval_batch_size when the run evaluates (0: it
+    # does not), GRPO's num_generations_eval (0: num_generations), the samples callback's prompts (eval_samples)
+    eval_batch_size: int = 0
+    eval_generations: int = 0
+    eval_samples: int = 0
     gpu_gb: float = 24.0  # card capacity in GiB
     expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
     device: str = "cuda"  # cuda | cpu (cpu: no context/allocator terms, float dropout masks)
@@ -143,7 +148,11 @@ class Plan:
     def to_dict(self) -> dict:
         d = asdict(self)
         # a one-GPU plan's record stays what it was before multi-GPU planning (plan.json, --json, the snapshots)
-        trimmed = {**(ONE_GPU if self.gpus == 1 else {}), **({} if generates(self) else NO_ROLLOUTS)}
+        trimmed = {
+            **(ONE_GPU if self.gpus == 1 else {}),
+            **({} if generates(self) else NO_ROLLOUTS),
+            **NO_EVAL,
+        }
         for name, default in trimmed.items():
             if d[name] == default:
                 del d[name]
@@ -167,11 +176,18 @@ NO_ROLLOUTS = {
     "vllm_sleep": False,
 }
 VLLM_MODES = ("off", "colocate", "server")
+# ... and a plan's without an evaluation phase as it was before that phase
+NO_EVAL = {"eval_batch_size": 0, "eval_generations": 0, "eval_samples": 0}
 
 
 def generates(plan: Plan) -> bool:
     """Does the plan's method generate its own completions before each step (GRPO)?"""
     return methods.get(plan.objective).traits.generates
+
+
+def eval_generations(plan: Plan) -> int:
+    """Completions per prompt a generating method's evaluation asks for."""
+    return plan.eval_generations or plan.num_generations
 
 
 def generation_batch(plan: Plan) -> int:
@@ -208,6 +224,9 @@ class Estimate:
     # A generating method (GRPO): its generation phase, whatever the peak phase is -- {bytes, components,
     # sequences, tokens, moment (the largest: "generate", "prefill", "logprob forward", "vllm")}
     generation: dict | None = None
+    # A run that evaluates: its evaluation phase, whatever the peak phase is -- {bytes, components, moments,
+    # moment (the largest: "forward", GRPO's "prefill" / "generate" / ..., "samples generate", "kv cache"), rows}
+    evaluation: dict | None = None
 
     @property
     def fraction(self) -> float:
@@ -215,7 +234,7 @@ class Estimate:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        for name in ("distributed", "generation"):
+        for name in ("distributed", "generation", "evaluation"):
             if d[name] is None:
                 del d[
                     name
@@ -265,6 +284,10 @@ def validate(plan: Plan) -> list[str]:
         raise PlanError(
             f"eval_kv_tokens must be zero or a positive whole number, got {plan.eval_kv_tokens!r}."
         )
+    for name in NO_EVAL:
+        value = getattr(plan, name)
+        if not _whole(value) or value < 0:
+            raise PlanError(f"{name} must be zero (none) or a whole number, got {value!r}.")
     if not (isinstance(plan.gpu_gb, (int, float)) and plan.gpu_gb > 0 and math.isfinite(plan.gpu_gb)):
         raise PlanError(f"gpu_gb must be a positive number of GiB, got {plan.gpu_gb!r}.")
     if not isinstance(plan.gpus, int) or isinstance(plan.gpus, bool) or plan.gpus < 1:
@@ -339,6 +362,12 @@ def _validate_rollouts(plan: Plan) -> None:
         )
     if not (isinstance(plan.vllm_fraction, (int, float)) and 0 < plan.vllm_fraction <= 1):
         raise PlanError(f"vllm_fraction must be in (0, 1], got {plan.vllm_fraction!r}.")
+    groups = eval_generations(plan)
+    if plan.eval_batch_size and (plan.eval_batch_size * plan.gpus) % groups:
+        raise PlanError(
+            f"The eval batch ({plan.eval_batch_size * plan.gpus} completions) must divide by the completions per "
+            f"prompt in an evaluation ({groups}: num_generations_eval, else num_generations)."
+        )
 
 
 def flat_batch(plan: Plan) -> bool:
