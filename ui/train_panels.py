@@ -80,7 +80,49 @@ def verdict_panel(cfg: dict) -> None:
         )
     for w in est.warnings:
         st.caption(f"planner: {w}")
+    _eval_caption(cfg, est)
     _data_batch_caption(cfg, est)
+
+
+@st.cache_data(ttl=60, show_spinner=False)
+def _eval_batch_that_fits(cfg_yaml: str, gpu_gb: float, device: str) -> int | None:
+    import yaml
+
+    from core.estimate.fit import eval_batch_for_config
+
+    try:
+        return eval_batch_for_config(yaml.safe_load(cfg_yaml), gpu_gb, device)
+    except (PlanError, SpecError, ValueError, KeyError):
+        return None
+
+
+def eval_batch_that_fits(cfg: dict) -> int | None:
+    """The largest per_device_eval_batch_size a run of `cfg` (validated) evaluates with on this machine's card
+    (None: it does not evaluate, or cannot be planned)."""
+    card = _card().of(cfg)
+    return _eval_batch_that_fits(config_to_yaml(cfg), card.gpu_gb, card.device)
+
+
+def _eval_caption(cfg: dict, est) -> None:
+    """The evaluation phase next to the verdict: what an eval batch holds, and the largest that fits."""
+    ev = est.evaluation
+    if not ev:
+        return
+    fits = eval_batch_that_fits(cfg)
+    asked = ev["rows"]
+    where = f"its {ev['moment']}" if ev["moment"] != "forward" else "its no-grad forward"
+    text = (
+        f"Evaluation (eval batch {asked}): {mem(ev['bytes'])} of tensors at {where}"
+        + (", the run's peak" if est.peak_phase == "eval" else "")
+        + (f"; the largest eval batch that fits is {fits}." if fits else ".")
+    )
+    if fits is not None and asked > fits:
+        st.warning(
+            f"Eval batch size {asked} runs out of memory at the first evaluation: {fits} is the largest that "
+            f"fits ({text})"
+        )
+    else:
+        st.caption(text)
 
 
 def _data_batch_caption(cfg: dict, est) -> None:

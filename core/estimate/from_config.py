@@ -356,6 +356,11 @@ def plan_to_config(plan: Any, base: dict | None = None) -> dict:
                 cfg["training"][key] = value
     else:
         put("training", "max_length", _get(plan, "seq_len", _get(plan, "max_length")), int)
+    # a plan that evaluates: its eval batch and the samples callback's prompts (0: the config keeps its own)
+    if _get(plan, "eval_batch_size"):
+        put("training", "per_device_eval_batch_size", _get(plan, "eval_batch_size"), int)
+    if _get(plan, "eval_samples"):
+        put("training", "eval_samples", _get(plan, "eval_samples"), int)
     put("training", "gradient_checkpointing", _get(plan, "gradient_checkpointing"), bool)
     put("training", "optim", _get(plan, "optim"))
     # the memory levers a run config carries (core.estimate.levers); the others are always on in the engine

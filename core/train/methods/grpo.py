@@ -118,6 +118,8 @@ class GRPO(Method):
         ):
             if get(name) is not None:
                 out[key] = get(name)
+        if get("eval_generations"):  # 0: an evaluation asks for num_generations
+            out["num_generations_eval"] = get("eval_generations")
         vllm = get("vllm") or ("colocate" if training.get("use_vllm") else "off")
         out["use_vllm"] = vllm != "off"
         if vllm != "off":
