@@ -273,7 +273,8 @@ def preflight_panel(workspace: str, cfg: dict) -> bool:
 
 def smoke_panel(workspace: str, cfg: dict, name: str) -> None:
     st.caption(
-        "One real training step at batch size 1 on this machine: measured peak memory and time per step."
+        "One real training step at batch size 1 on this machine (and one evaluation, with held-out rows): "
+        "measured peak memory and time per step."
     )
     running = latest_smoke(workspace, name)
     live = running is not None and smoke_result(running) is None
@@ -313,7 +314,20 @@ def smoke_panel(workspace: str, cfg: dict, name: str) -> None:
     sps = smoke.get("seconds_per_step")
     c[2].metric("Seconds per step", f"{sps:.2f}" if sps else "n/a")
     c[3].metric("Device", smoke.get("device") or "n/a")
-    st.caption(f"Batch size 1, padded to max length {smoke.get('max_length')}; results in {res['dir']}.")
+    evaluated = smoke.get("eval_peak_bytes")
+    if evaluated:  # one evaluation of held-out rows after the step: its peak beside the step's
+        c = st.columns(4)
+        c[0].metric(
+            "Measured eval peak", mem(evaluated), help="Live tensors at the evaluation's largest moment."
+        )
+        planned = smoke.get("estimate_eval_bytes")
+        delta = f"{evaluated / planned - 1:+.0%} vs estimate" if planned else None
+        c[1].metric("Estimated eval peak", mem(planned) if planned else "n/a", delta=delta, delta_color="off")
+    st.caption(
+        f"Batch size {smoke.get('batch_size') or 1}, padded to max length {smoke.get('max_length')}"
+        + (f"; one evaluation at eval batch size {smoke.get('eval_batch_size')}" if evaluated else "")
+        + f"; results in {res['dir']}."
+    )
 
 
 def yaml_panel(raw: dict, errors: dict) -> None:

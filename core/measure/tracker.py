@@ -291,9 +291,8 @@ class LiveTensorTracker:
 
     @contextlib.contextmanager
     def held_phase(self, name: str):
-        """Name the phase for the whole block, whatever modules and optimizers run inside it (the auto phases
-        would call a no-grad forward inside it "forward"): e.g. GRPO's generation of its completions. Inside
-        another held block it is a sub-phase of that one ("eval:generation": GRPO's evaluation generates too)."""
+        """Name the phase for the whole block, whatever runs inside it (e.g. GRPO's generation: the auto phases
+        would call its forwards "forward"); inside another held block, a sub-phase of it ("eval:generation")."""
         outer = self._held
         self._held = f"{outer}:{name}" if outer else name
         self._set_phase(self._held)

@@ -348,10 +348,7 @@ def samples_callbacks(cfg: dict, run_dir: Path, tokenizer, eval_ds, smoke: bool)
     if not rows:
         return []
     if smoke:
-        t = cfg["training"]
-        prompt = method.sequence_length(cfg) - (
-            t.get("max_completion_length", 256) if method.traits.generates else 0
-        )
+        prompt = method.prompt_length(cfg)
         ids = rows[0]["prompt_ids"][-prompt:]
         filled = {**rows[0], "prompt_ids": [pad_id(tokenizer)] * (prompt - len(ids)) + list(ids)}
         callback = _samples_class()(None, [filled] * min(n, GREEDY_BATCH), tokenizer, SAMPLES_MAX_TOKENS)

@@ -40,17 +40,9 @@ def _marked(trainer, marks, tracker):
             delattr(*owner(name))  # the class's own method again
 
 
-# Trainer.evaluate: the eval batches, then the callbacks' work at each evaluation (the samples callback's greedy
-# answers: its sub-phase "eval:samples"; GRPO's generation inside an evaluation is "eval:generation")
-EVAL_MARKS = (("evaluate", "eval"), ("callback_handler.on_evaluate", "samples"))
-
-
-def one_eval_batch(cfg: dict, eval_ds):
-    """The held-out rows of the smoke test's one eval step (one batch of them), or None without held-out rows."""
-    if eval_ds is None:
-        return None
-    method = methods.get(cfg)
-    return eval_ds.select(range(min(len(eval_ds), method.eval_rows(cfg, method.smoke_eval_batch(cfg)))))
+# Trainer.evaluate: the eval batches, then the callbacks' work at each evaluation (sub-phase "eval:callbacks": the
+# samples callback's greedy answers, when it has any); GRPO's generation inside an evaluation is "eval:generation"
+EVAL_MARKS = (("evaluate", "eval"), ("callback_handler.on_evaluate", "callbacks"))
 
 
 @contextlib.contextmanager

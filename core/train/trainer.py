@@ -40,7 +40,7 @@ from core.train.engine_args import bnb_config, lora_config, training_args
 from core.train.preflight import check_model, prepare_run
 from core.train.resume import check_resume, keep_new_hyperparameters, record_config
 from core.train.rewards import RewardError
-from core.train.smoke import finish_smoke, measure_peak, one_eval_batch
+from core.train.smoke import finish_smoke, measure_peak
 
 EXIT_BAD_INPUT, EXIT_FAILED, EXIT_STOPPED = 2, 1, 0
 
@@ -308,7 +308,6 @@ def _train_and_finish(
     transformers.set_seed(cfg["training"]["seed"])  # the model and its LoRA weights start from the seed
     if eval_ds is not None and not smoke and ranks.is_main():
         _record_split(cfg, run_dir, train_ds, eval_ds)
-    eval_ds = one_eval_batch(cfg, eval_ds) if smoke else eval_ds
     trainer, callback, peak, seconds = _train(
         cfg,
         prec,

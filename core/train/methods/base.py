@@ -175,6 +175,10 @@ class Method:
         """The longest row its trainer's forward sees, in tokens (what the planner plans per row)."""
         return cfg["training"]["max_length"]
 
+    def prompt_length(self, cfg: dict) -> int:
+        """The longest prompt its rows can have, in tokens (a smoke test's sample answers start from one)."""
+        return self.sequence_length(cfg)
+
     def smoke_batch(self, cfg: dict) -> int:
         """The batch size of its smoke step (and of the plan that step is compared with)."""
         return self.smoke_batch_size

@@ -9,6 +9,7 @@ from core.train.data import DataError, load_rows, user_text
 from core.train.methods.base import Chart, Field, Method, PlanTraits, RewardHealth
 from core.train.prompts import (
     DEFAULT_MAX_PROMPT_LENGTH,
+    max_prompt_length,
     normalize_prompts,
     prepare_prompt_datasets,
     preview_prompts,
@@ -66,6 +67,9 @@ class GRPO(Method):
     def eval_rows(self, cfg: dict, eval_batch: int) -> int:
         """Prompts: GRPOTrainer's eval sampler asks each num_generations_eval times."""
         return max(1, eval_batch // eval_generations(cfg))
+
+    def prompt_length(self, cfg: dict) -> int:
+        return max_prompt_length(cfg)
 
     def sequence_length(self, cfg: dict) -> int:
         """A prompt and its completion: the policy's forward runs over both."""
