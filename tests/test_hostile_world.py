@@ -480,7 +480,11 @@ def read_only_workspace(tmp_path, tiny_llama):
     ws = mnt / "ws"
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"instruction": f"Say {w}", "output": w}) + "\n" for w in WORDS))
-    cfg = {"model": {"path": str(tiny_llama)}, "data": {"path": str(data)}, "training": {"max_steps": 2, "max_length": 128}}
+    cfg = {
+        "model": {"path": str(tiny_llama)},
+        "data": {"path": str(data)},
+        "training": {"max_steps": 2, "max_length": 128},
+    }
     config = tmp_path / "run.yaml"
     config.write_text(json.dumps(cfg))  # JSON is YAML
     now = time.time()

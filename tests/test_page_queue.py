@@ -105,9 +105,8 @@ def test_sweep_these_queues_a_2x2_grid_that_runs_and_is_ranked(workspace, tiny_l
     cfg["data"]["eval_split"] = 0.2
     at = AppTest.from_file(str(ROOT / "pages" / "train.py"), default_timeout=240)
     at.session_state["workspace"] = str(workspace)
-    at.session_state["tr_pending"] = validate_config(
-        cfg
-    )  # the form filled from this config, as a YAML upload is
+    # the form filled from this config, as a YAML upload is
+    at.session_state["tr_pending"] = validate_config(cfg)
     at.run()
     assert not at.exception, at.exception
     at.text_input(key="tr_name").set_value("grid").run()

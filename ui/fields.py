@@ -68,6 +68,10 @@ FIELDS = {
         Field("ckpt", "training.gradient_checkpointing", "Gradient checkpointing", "bool"),
         Field("logging", "training.logging_steps", "Log every (steps)", "int", step=1),
         Field("save", "training.save_steps", "Checkpoint every (steps)", "int", step=10),
+        Field("eval_batch", "training.per_device_eval_batch_size", "Eval batch size (per device)", "int", step=1,
+              help="training.per_device_eval_batch_size: rows per evaluation step. Unless you set it, the form "
+              "proposes the largest the card holds (TrainingArguments' 8 can run out of memory at the first "
+              "evaluation)"),
         Field("eval_samples", "training.eval_samples", "Sample answers at each eval", "int", 0, step=1,
               help="training.eval_samples: greedy answers to this many held-out prompts at each evaluation, shown on "
               "the Monitor (needs an eval split; 0: off)"),
@@ -99,6 +103,7 @@ HANDOVER = "train_from_estimate"  # the run config the Estimate page's "Use this
 # Off is the libraries' default for these: a form leaves them out of the YAML rather than writing false.
 OFF_BY_DEFAULT = {"padding_free", "packing", "offload", "liger"}
 ZERO_IS_OFF = {"eval_samples"}  # 0 (off) is left out of the YAML too
+UNSET_IS_LEFT_OUT = {"eval_batch"}  # empty (a run that does not evaluate): the library's default, unwritten
 
 WHOLE_WHEN_WHOLE = {"alpha", "warmup"}
 
@@ -229,6 +234,9 @@ def read(prefix: str, base: dict, names, method) -> dict:
         value = config_value(f, st.session_state.get(prefix + name))
         if not applies(f, method):
             section.pop(f.key, None)  # the method's TRL config does not know the key
+            continue
+        if name in UNSET_IS_LEFT_OUT and value is None:
+            section.pop(f.key, None)
             continue
         if name in OFF_BY_DEFAULT or name in ZERO_IS_OFF:
             if value and name in ZERO_IS_OFF:

@@ -17,10 +17,17 @@ from core.runs.admin import (
     check_new_run_name,
 )
 from core.train import methods
-from core.train.config import config_to_yaml, default_config, field_errors, migrate
+from core.train.config import (
+    ConfigError,
+    config_to_yaml,
+    default_config,
+    field_errors,
+    migrate,
+    validate_config,
+)
 from core.train.config_keys import METHODS, SECTIONS
 from core.workspace import WorkspaceError, suggest_run_name
-from ui import fields, reward_editor
+from ui import fields, reward_editor, train_panels
 from ui.jobs import follow
 
 P = "tr_"  # the Train page's widget keys: tr_ + the field's name (ui/fields.py)
@@ -29,9 +36,12 @@ P = "tr_"  # the Train page's widget keys: tr_ + the field's name (ui/fields.py)
 TRAIN_FIELDS = (
     "model_path", "dtype", "attn", "trust", "tuning", "r", "alpha", "dropout", "targets", "data_path",
     "format", "max_length", "eval_split", "batch", "accum", "max_steps", "epochs", "lr", "sched", "warmup", "optim",
-    "ckpt", "logging", "save", "eval_samples", "padding_free", "packing", "offload", "liger", "gpus", "strategy",
-    "cpu_offload",
+    "ckpt", "logging", "save", "eval_batch", "eval_samples", "padding_free", "packing", "offload", "liger", "gpus",
+    "strategy", "cpu_offload",
 )  # fmt: skip
+# Set while the form chooses the eval batch (the largest that fits); off once the user sets one, or a config does
+EVAL_AUTO = "tr_eval_batch_auto"
+LAST_EDITS = "your last edits"
 
 
 METHOD_LABELS = {m.name: m.choice for m in methods.REGISTRY.values()}
@@ -47,7 +57,7 @@ def _field_errors(raw_yaml: str) -> dict[str, str]:
 def _base_config(workspace: str) -> tuple[dict, str]:
     """The config the form starts from, and where it came from (the Estimate page's goes over it in _prefill)."""
     if st.session_state.get("train_config"):
-        return migrate(st.session_state["train_config"]), "your last edits"
+        return migrate(st.session_state["train_config"]), LAST_EDITS
     base = demo_config(workspace) if demo_ready(workspace) else _demo_paths(workspace)
     run_yaml = demo_dir(workspace).resolve() / RUN_CONFIG
     if run_yaml.is_file():  # the demo build wrote it: the same run from a shell
@@ -169,8 +179,11 @@ def _demo_paths(workspace: str) -> dict:
     return cfg
 
 
-def _fill_form(cfg: dict) -> None:
-    """Put a config's values into the form's widgets (before they are drawn)."""
+def _fill_form(cfg: dict, keep_auto: bool = False) -> None:
+    """Put a config's values into the form's widgets (before they are drawn). A config without an eval batch
+    lets the form choose it (unless `keep_auto`: the form's own last edits, which hold the one it chose)."""
+    if not (keep_auto and EVAL_AUTO in st.session_state):
+        st.session_state[EVAL_AUTO] = "per_device_eval_batch_size" not in (cfg.get("training") or {})
     method = cfg.get("method", "sft")
     st.session_state["tr_method"] = method if method in METHODS else "sft"
     method = methods.get(st.session_state["tr_method"])
@@ -247,7 +260,7 @@ def _prefill(workspace: str) -> None:
     elif "tr_model_path" not in st.session_state or st.session_state.get("tr_handover_seen") != handed_key:
         if st.session_state.get("tr_handover_seen") != handed_key and handed:
             base, source = _from_estimate(handed, base)
-        _fill_form(base)
+        _fill_form(base, keep_auto=source == LAST_EDITS)
         st.session_state["tr_handover_seen"] = handed_key
     c1, c2 = st.columns([5, 2], vertical_alignment="center")
     c1.caption(f"Prefilled from {source}. Every value is also in the YAML (download below).")
@@ -360,7 +373,15 @@ def _training_fields(method) -> None:
     fields.row(P, ("batch", "accum", "max_steps", "epochs"))
     fields.row(P, ("lr", "sched", "warmup", "optim"))
     fields.row(P, ("padding_free", "packing", "offload", "liger"), method=method)
-    fields.row(P, ("ckpt", "logging", "save", "eval_samples"))
+    evaluates = (st.session_state.get(P + "eval_split") or 0) > 0
+    if evaluates:
+        _propose_eval_batch()
+    fields.row(
+        P,
+        ("ckpt", "logging", "save", "eval_batch", "eval_samples"),
+        disabled=() if evaluates else ("eval_batch",),
+        on_change={"eval_batch": lambda: st.session_state.update({EVAL_AUTO: False})},
+    )
     fields.method_row(P, method)
     fields.row(P, ("gpus", "strategy", "cpu_offload"))
     gpus = fields.gpu_count(st.session_state.get(P + "gpus"))
@@ -385,6 +406,20 @@ def demo_waiting(workspace: str, raw: dict) -> set[str]:
         for section in ("model", "data")
         if str((raw.get(section) or {}).get("path") or "") == demo[section]["path"]
     }
+
+
+def _propose_eval_batch() -> None:
+    """Unless the user (or the config) set one, the eval batch is the largest that fits the card for the config
+    as the form says it now: never TrainingArguments' 8 where 8 runs out of memory at the first evaluation."""
+    if not st.session_state.get(EVAL_AUTO, True):
+        return
+    try:
+        cfg = validate_config(_raw_config())
+    except ConfigError:
+        return  # the form's checks say what is wrong; the field keeps its value
+    fits = train_panels.eval_batch_that_fits(cfg)
+    if fits:
+        st.session_state[P + "eval_batch"] = fits
 
 
 def _checked(workspace: str, name: str, slots: dict) -> tuple[dict, dict, str]:

@@ -90,7 +90,49 @@ def verdict_panel(cfg: dict) -> None:
         )
     for w in est.warnings:
         st.caption(f"planner: {w}")
+    _eval_caption(cfg, est)
     _data_batch_caption(cfg, est, card.device)
+
+
+@st.cache_data(ttl=60, show_spinner=False)
+def _eval_batch_that_fits(cfg_yaml: str, gpu_gb: float, device: str) -> int | None:
+    import yaml
+
+    from core.estimate.fit import eval_batch_for_config
+
+    try:
+        return eval_batch_for_config(yaml.safe_load(cfg_yaml), gpu_gb, device)
+    except (PlanError, SpecError, ValueError, KeyError):
+        return None
+
+
+def eval_batch_that_fits(cfg: dict) -> int | None:
+    """The largest per_device_eval_batch_size a run of `cfg` (validated) evaluates with on this machine's card
+    (None: it does not evaluate, or cannot be planned)."""
+    card = _card().of(cfg)
+    return _eval_batch_that_fits(config_to_yaml(cfg), card.gpu_gb, card.device)
+
+
+def _eval_caption(cfg: dict, est) -> None:
+    """The evaluation phase next to the verdict: what an eval batch holds, and the largest that fits."""
+    ev = est.evaluation
+    if not ev:
+        return
+    fits = eval_batch_that_fits(cfg)
+    asked = ev["rows"]
+    where = f"its {ev['moment']}" if ev["moment"] != "forward" else "its no-grad forward"
+    text = (
+        f"Evaluation (eval batch {asked}): {mem(ev['bytes'])} of tensors at {where}"
+        + (", the run's peak" if est.peak_phase == "eval" else "")
+        + (f"; the largest eval batch that fits is {fits}." if fits else ".")
+    )
+    if fits is not None and asked > fits:
+        st.warning(
+            f"Eval batch size {asked} runs out of memory at the first evaluation: {fits} is the largest that "
+            f"fits ({text})"
+        )
+    else:
+        st.caption(text)
 
 
 def _data_batch_caption(cfg: dict, est, device: str) -> None:
@@ -245,7 +287,8 @@ def preflight_panel(workspace: str, cfg: dict) -> bool:
 
 def smoke_panel(workspace: str, cfg: dict, name: str) -> None:
     st.caption(
-        "One real training step at batch size 1 on this machine: measured peak memory and time per step."
+        "One real training step at batch size 1 on this machine (and one evaluation, with held-out rows): "
+        "measured peak memory and time per step."
     )
     running = latest_smoke(workspace, name)
     live = running is not None and smoke_result(running) is None
@@ -285,7 +328,20 @@ def smoke_panel(workspace: str, cfg: dict, name: str) -> None:
     sps = smoke.get("seconds_per_step")
     c[2].metric("Seconds per step", f"{sps:.2f}" if sps else "n/a")
     c[3].metric("Device", smoke.get("device") or "n/a")
-    st.caption(f"Batch size 1, padded to max length {smoke.get('max_length')}; results in {res['dir']}.")
+    evaluated = smoke.get("eval_peak_bytes")
+    if evaluated:  # one evaluation of held-out rows after the step: its peak beside the step's
+        c = st.columns(4)
+        c[0].metric(
+            "Measured eval peak", mem(evaluated), help="Live tensors at the evaluation's largest moment."
+        )
+        planned = smoke.get("estimate_eval_bytes")
+        delta = f"{evaluated / planned - 1:+.0%} vs estimate" if planned else None
+        c[1].metric("Estimated eval peak", mem(planned) if planned else "n/a", delta=delta, delta_color="off")
+    st.caption(
+        f"Batch size {smoke.get('batch_size') or 1}, padded to max length {smoke.get('max_length')}"
+        + (f"; one evaluation at eval batch size {smoke.get('eval_batch_size')}" if evaluated else "")
+        + f"; results in {res['dir']}."
+    )
 
 
 def yaml_panel(raw: dict, errors: dict) -> None:

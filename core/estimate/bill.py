@@ -34,6 +34,7 @@ from core.estimate.activation_terms import (
     outside_layers_saved_bytes,
     step_dtypes,
 )
+from core.estimate.eval_terms import EVAL_COMPONENTS, Evaluation, eval_terms
 from core.estimate.generation_terms import ROLLOUT_COMPONENTS, Rollouts, rollout_terms, with_rollouts
 from core.estimate.moe import moe_of
 from core.estimate.moe_terms import moe_activation_bytes, moe_moments, with_moe
@@ -98,7 +99,6 @@ class StepTerms:
     autocast_fwd: int
     autocast_bwd: int
     kv_per_token: int
-    kv_cache: int
     fused: FusedHead | None  # TRL's fused LM head, or None for the plain logits path
     reference_text: str | None
 
@@ -140,8 +140,9 @@ def _estimate(plan: Plan, asked: Plan, spec: ModelSpec, targets, warnings: list[
     }
     if moe_of(spec):
         phase_components.update(moe_moments(t, forward_moment, backward_moment))
-    if t.kv_cache:
-        phase_components["eval"] = {**t.static, "kv_cache": t.kv_cache}
+    evaluation = eval_terms(spec, plan, targets, t.static, t.kv_per_token)
+    if evaluation:
+        phase_components["eval"] = dict(evaluation.phase)
     rollouts = rollout_terms(spec, plan, targets, t.static) if generates(plan) else None
     if rollouts:
         phase_components = with_rollouts(phase_components, rollouts)
@@ -150,7 +151,7 @@ def _estimate(plan: Plan, asked: Plan, spec: ModelSpec, targets, warnings: list[
     notes = (
         list(warnings) + ([ACCURACY_NOTE] if sharding else []) + list(rollouts.warnings if rollouts else ())
     )
-    est = _bill(asked, t, phase_components, notes, sharding, rollouts)
+    est = _bill(asked, t, phase_components, notes, sharding, rollouts, evaluation)
     return with_moe(est, t) if moe_of(spec) else est
 
 
@@ -211,7 +212,6 @@ def step_terms(plan: Plan, spec: ModelSpec, targets) -> StepTerms:
         autocast_fwd=autocast_fwd,
         autocast_bwd=autocast_bwd,
         kv_per_token=kv_per_token,
-        kv_cache=plan.eval_kv_tokens * kv_per_token,
         # the loss: full logits and cross-entropy (plain Trainer) or TRL's fused head (tiles, never the logits)
         fused=fused_head_bytes(spec, plan, batch) if plan.fused_lm_head else None,
         reference_text=reference_text,
@@ -356,9 +356,11 @@ def _bill(
     warnings: list[str],
     sharding: Sharding | None = None,
     rollouts: Rollouts | None = None,
+    evaluation: Evaluation | None = None,
 ) -> Estimate:
     """The Estimate: the peak phase, the allocator's overhead and the CUDA context on top, the verdict (per GPU
-    when `sharding` spreads the plan over several; with the generation phase of a method's `rollouts`)."""
+    when `sharding` spreads the plan over several; with the generation phase of a method's `rollouts`, and the
+    `evaluation` phase of a run that evaluates)."""
     plan, spec = t.plan, t.spec
     phases = {name: sum(c.values()) for name, c in phase_components.items()}
     context = 0 if plan.device == "cpu" else CUDA_CONTEXT_BYTES
@@ -400,6 +402,7 @@ def _bill(
             ]
     order = COMPONENT_ORDER + (DISTRIBUTED_COMPONENTS if sharding else ())
     order += tuple(c for c in ROLLOUT_COMPONENTS if c not in order) if rollouts else ()
+    order += tuple(c for c in EVAL_COMPONENTS if c not in order) if evaluation else ()
     components = dict.fromkeys(order, 0)
     components.update(phase_components[peak_phase])
     components.update(
@@ -440,6 +443,20 @@ def _bill(
                 "components": {k: int(v) for k, v in phase_components["generation"].items() if v},
             }
             if rollouts
+            else None
+        ),
+        evaluation=(
+            {
+                **evaluation.record(),
+                # every moment with what the whole phase holds beside it (GRPO's rollouts, sharded terms)
+                "moments": {
+                    k: int(v + phases["eval"] - sum(evaluation.phase.values()))
+                    for k, v in evaluation.moments.items()
+                },
+                "bytes": int(phases["eval"]),
+                "components": {k: int(v) for k, v in phase_components["eval"].items() if v},
+            }
+            if evaluation
             else None
         ),
     )

@@ -61,6 +61,8 @@ def format_table(est: Estimate, fit: dict | None = None, advice: list[dict] | No
     lines.append(f"peak phase: {est.peak_phase};  KV cache per token: {est.kv_cache_bytes_per_token:,} bytes")
     if est.generation:
         lines += _generation_lines(est)
+    if est.evaluation:
+        lines += _evaluation_lines(est)
     if d:
         load = f"; load peak {gib(d['load_peak_bytes'])}" if d["load_peak_bytes"] else ""
         lines.append(f"{d['gpus']} GPUs, strategy {d['strategy']}: every figure above is per GPU{load}")
@@ -78,6 +80,10 @@ def format_table(est: Estimate, fit: dict | None = None, advice: list[dict] | No
         lines.append(
             f"largest batch size at this seq len: {fit['max_batch_size']}; "
             f"largest seq len at this batch size: {fit['max_seq_len']}"
+        )
+    if fit and "max_eval_batch_size" in fit:
+        lines.append(
+            f"largest eval batch (per_device_eval_batch_size) that fits: {fit['max_eval_batch_size']}"
         )
     for a in advice or []:
         combined = "combined: " if a.get("combined") else ""
@@ -109,6 +115,27 @@ def _generation_lines(est: Estimate) -> list[str]:
         if name not in static:
             lines.append(f"  {name:<24}{b:>16,}  {gib(b, width=7)}")
     lines.append("phases (tensors): " + ", ".join(f"{name} {gib(b)}" for name, b in est.phases.items()))
+    return lines
+
+
+def _evaluation_lines(est: Estimate) -> list[str]:
+    """The evaluation phase (Trainer.evaluate: one eval batch without autograd, GRPO's generation of it, the
+    samples callback's answers), whatever the peak phase is; said outright when it is the peak."""
+    ev = est.evaluation
+    others = ", ".join(f"{name} {gib(b)}" for name, b in ev["moments"].items() if name != ev["moment"])
+    peak = est.peak_phase == "eval"
+    lines = [
+        f"evaluation phase: {gib(ev['bytes'])} at its {ev['moment']} (eval batch {ev['rows']})"
+        + (f"; its {others}" if others else "")
+        + ("; the run's peak: an evaluation holds more than a training step" if peak else "")
+    ]
+    static = ("weights", "quant_constants", "reference_model", "lora_params", "optimizer_states")
+    if not peak:  # at the peak the table above lists its terms
+        lines += [
+            f"  {n:<24}{b:>16,}  {gib(b, width=7)}" for n, b in ev["components"].items() if n not in static
+        ]
+    if not est.generation:  # the generation lines list every phase already
+        lines.append("phases (tensors): " + ", ".join(f"{name} {gib(b)}" for name, b in est.phases.items()))
     return lines
 
 
@@ -228,10 +255,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     _multi_gpu_flags(p, d)
     _rollout_flags(p)
+    ev = p.add_argument_group("the evaluation (default: none; with --config: the config's)")
+    ev.add_argument("--eval-batch-size", type=int, help="per_device_eval_batch_size of a run that evaluates")
+    ev.add_argument(
+        "--eval-samples", type=int, help="training.eval_samples: greedy answers at each evaluation"
+    )
+    ev.add_argument(
+        "--eval-generations", type=int, help="GRPO's num_generations_eval (default num_generations)"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
 
+EVAL_FIELDS = ("eval_batch_size", "eval_samples", "eval_generations")
 ROLLOUT_FIELDS = (
     "completion_len",
     "num_generations",
@@ -334,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.config:
         args.gpu_gb = Plan.gpu_gb if args.gpu_gb is None else args.gpu_gb
         args.device = args.device or Plan.device
-        for name in ("gpus", "strategy", "cpu_offload"):
+        for name in ("gpus", "strategy", "cpu_offload", *EVAL_FIELDS):
             if getattr(args, name) is None:
                 setattr(args, name, getattr(Plan, name))
     skip = ("list_models", "json", "config", "data_lengths", *ROLLOUT_FIELDS)
@@ -439,7 +475,11 @@ def _plan_from_config(cfg: dict, args) -> Plan:
         expandable_segments=args.expandable_segments,
         model=args.model,
     )
-    given = {k: getattr(args, k) for k in ("gpus", "strategy", "cpu_offload") if getattr(args, k) is not None}
+    given = {
+        k: getattr(args, k)
+        for k in ("gpus", "strategy", "cpu_offload", *EVAL_FIELDS)
+        if getattr(args, k) is not None
+    }
     given |= _rollout_values(args)
     if args.batch_tokens:
         given["batch_tokens"] = args.batch_tokens

@@ -6,7 +6,7 @@ import math
 from dataclasses import replace
 
 from core.estimate.bill import estimate
-from core.estimate.plan import FIT_LIMIT, Plan, generates, generation_batch, validate
+from core.estimate.plan import FIT_LIMIT, Plan, eval_generations, generates, generation_batch, validate
 from core.estimate.specs import ModelSpec, load_spec
 
 
@@ -33,6 +33,23 @@ def batch_unit(plan: Plan) -> int:
         return 1
     steps = generation_batch(plan) // plan.batch_size * plan.gpus
     return plan.num_generations // math.gcd(plan.num_generations, steps)
+
+
+def eval_unit(plan: Plan) -> int:
+    """Eval batch sizes are multiples of this: a generating plan's eval batch (x GPUs) must divide by the
+    completions per prompt an evaluation asks for."""
+    if not generates(plan):
+        return 1
+    groups = eval_generations(plan)
+    return groups // math.gcd(groups, plan.gpus)
+
+
+def largest_eval_batch(plan: Plan, spec: ModelSpec | None = None, limit: float = FIT_LIMIT) -> int:
+    """The largest per-device eval batch (<= 4096) whose evaluation keeps the plan within `limit` of the card;
+    0 when even the smallest does not (or the training step alone does not)."""
+    spec = spec or load_spec(plan.model)
+    unit = eval_unit(plan)
+    return largest(plan, spec, "eval_batch_size", 4096 // unit * unit, step=unit, limit=limit)
 
 
 def largest(plan: Plan, spec: ModelSpec, name: str, hi: int, step: int = 1, limit: float = FIT_LIMIT) -> int:
@@ -79,6 +96,8 @@ def fit_search(plan: Plan, spec: ModelSpec | None = None, limit: float = FIT_LIM
         out["max_completion_len"] = length[1]
     for key, (name, value) in (("batch_fraction", ("batch_size", batch)), ("seq_fraction", length)):
         out[key] = estimate(resized(plan, name, value), spec).fraction if value else None
+    if plan.eval_batch_size:  # a run that evaluates: the largest eval batch next to this training step
+        out["max_eval_batch_size"] = largest_eval_batch(plan, spec, limit)
     return out
 
 
@@ -92,3 +111,16 @@ def memory_curve(plan: Plan, name: str, values: list[int], spec: ModelSpec | Non
             {name: v, "device_total_bytes": e.device_total_bytes, "tensor_peak_bytes": e.tensor_peak_bytes}
         )
     return rows
+
+
+def eval_batch_for_config(cfg: dict, gpu_gb: float, device: str) -> int | None:
+    """The largest per_device_eval_batch_size a run of `cfg` (a validated run config) can evaluate with on this
+    card without running out of memory at its first evaluation (at least 1: where nothing fits, the verdict says
+    so); None for a run that does not evaluate. What the Train form proposes where the config leaves it unset
+    (TrainingArguments' 8 is what runs out of memory: Unsloth PR #5168)."""
+    from core.estimate.from_config import evaluates, plan_for_config
+
+    if not evaluates(cfg):
+        return None
+    plan = plan_for_config(cfg, gpu_gb, device)
+    return max(largest_eval_batch(plan), eval_unit(plan))

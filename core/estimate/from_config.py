@@ -108,8 +108,29 @@ def plan_for_config(
         cpu_offload=bool(cfg["distributed"]["cpu_offload"]) and distributed.world_size(cfg) > 1,
         # the method's own step (GRPO: its rollouts), read from the config by the method
         **method.plan_shape(cfg, batch, world, smoke),
+        **eval_fields(cfg, smoke),
     )
     return Plan(**fields)
+
+
+def evaluates(cfg: dict) -> bool:
+    """Does a run of `cfg` evaluate? Held-out rows (data.eval_split) and an eval strategy other than "no"."""
+    return cfg["data"].get("eval_split", 0) > 0 and cfg["training"].get("eval_strategy", "steps") != "no"
+
+
+def eval_fields(cfg: dict, smoke: bool = False) -> dict:
+    """The plan's evaluation phase as a run of `cfg` has it: per_device_eval_batch_size (TrainingArguments'
+    default 8 when unset; the method's smallest in a smoke test, which evaluates one batch), GRPO's
+    num_generations_eval, the samples callback's prompts (none on sharded weights: core.train.callbacks)."""
+    if not evaluates(cfg):
+        return {}
+    t, method = cfg["training"], methods.get(cfg)
+    sharded = distributed.world_size(cfg) > 1 and cfg["distributed"]["strategy"] in distributed.SHARDED
+    return {
+        "eval_batch_size": method.smoke_eval_batch(cfg) if smoke else t.get("per_device_eval_batch_size", 8),
+        "eval_generations": int(t.get("num_generations_eval") or 0) if method.traits.generates else 0,
+        "eval_samples": 0 if sharded and not smoke else int(t.get("eval_samples") or 0),
+    }
 
 
 def plan_for_draft(cfg: dict, gpu_gb: float = 24.0, device: str = "cuda", **kw) -> Plan:
@@ -344,6 +365,11 @@ def plan_to_config(plan: Any, base: dict | None = None) -> dict:
                 cfg["training"][key] = value
     else:
         put("training", "max_length", _get(plan, "seq_len", _get(plan, "max_length")), int)
+    # a plan that evaluates: its eval batch and the samples callback's prompts (0: the config keeps its own)
+    if _get(plan, "eval_batch_size"):
+        put("training", "per_device_eval_batch_size", _get(plan, "eval_batch_size"), int)
+    if _get(plan, "eval_samples"):
+        put("training", "eval_samples", _get(plan, "eval_samples"), int)
     put("training", "gradient_checkpointing", _get(plan, "gradient_checkpointing"), bool)
     put("training", "optim", _get(plan, "optim"))
     # the memory levers a run config carries (core.estimate.levers); the others are always on in the engine

@@ -84,16 +84,17 @@ def nograd_layer_bytes(spec: ModelSpec, plan: Plan, targets, proj: int) -> float
     return 4 * spec.hidden_size * hidden + mlp * spec.intermediate_size * proj + 2 * spec.head_dim * hidden
 
 
-def nograd_head_bytes(spec: ModelSpec, plan: Plan, rows: int) -> int:
+def nograd_head_bytes(spec: ModelSpec, plan: Plan, rows: int, top1: bool = False) -> int:
     """TRL's fused LM head without autograd (a log-prob forward): the norm output and its reshaped or gathered
     copy, the per-token targets, mask and seven fp32 statistics, the (4096 x 32768) projection buffer and, on the
-    CPU, the tile's three fp32 temporaries (z, exp, and e*z or z - max) and three per-token reductions. On CUDA
-    (Triton) only the completion's positions are gathered and the fold runs in place."""
+    CPU, the tile's three fp32 temporaries (z, exp, and e*z or z - max), with `top1` (SFT, DPO) its bool top-1
+    mask, and three per-token reductions. On CUDA (Triton) only the labelled positions are gathered (a generating
+    method's completion; planned as every position otherwise) and the fold runs in place."""
     d = step_dtypes(plan)
     h, hd = spec.hidden_size, d.hidden
     triton = plan.device == "cuda"
     positions = rows * (plan.seq_len - 1)
-    scored = rows * plan.completion_len if triton else positions
+    scored = rows * plan.completion_len if (triton and plan.completion_len) else positions
     n = min(scored, FUSED_TOKEN_CHUNK)
     cols = min(spec.vocab_size, FUSED_VOCAB_CHUNK)
     cd = DTYPE_BYTES[plan.compute_dtype] if d.autocast else hd
@@ -102,7 +103,7 @@ def nograd_head_bytes(spec: ModelSpec, plan: Plan, rows: int) -> int:
     held = rows * plan.seq_len * h * hd + (scored * h * hd if (triton or rows > 1) else 0)
     per_token = scored * (8 + 7 * 4) + positions + (0 if triton else scored * (8 + 3 * 4))
     buffers = n * FUSED_VOCAB_CHUNK * cd + (n * h * cd if hd != cd else 0)
-    fold = weight_chunk if triton else max(12 * n * cols, weight_chunk)
+    fold = weight_chunk if triton else max((13 if top1 else 12) * n * cols, weight_chunk)
     return int(held + per_token + buffers + fold)
 
 
@@ -138,32 +139,53 @@ def _vllm_warning(spec: ModelSpec, plan: Plan) -> tuple[str, ...]:
     )
 
 
-def rollout_terms(spec: ModelSpec, plan: Plan, targets, static: dict) -> Rollouts:
-    """The generation phase of `plan` (a generating method's) and its rollouts' bytes in the training phases."""
+SAMPLING_COPIES = 3  # (sequences x vocab) fp32 tensors a sampling decoding step holds
+
+
+def decoding_moments(
+    spec: ModelSpec,
+    plan: Plan,
+    targets,
+    g: int,
+    p: int,
+    length: int,
+    copies: int,
+    batch: str = "rollout_batch",
+) -> dict[str, dict]:
+    """transformers `generate` of `g` sequences of `p` prompt tokens up to `length`: the prefill and the last
+    decoding step (their components, without the static terms). `copies`: the (g x vocab) fp32 tensors the
+    decoding step turns the last logits into; `batch`: the component the ids and masks are counted under."""
+    gd = _generation_dtype(plan)
+    kv = spec.kv_cache_bytes_per_token_per_byte * gd
+    layer = nograd_layer_bytes(spec, plan, targets, gd)
+    q_width, kv_width = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    decode = g * ((3 * spec.hidden_size + q_width + 2 * kv_width) * gd + 2 * spec.head_dim * gd)
+    return {
+        "prefill": {
+            "kv_cache": g * p * kv,
+            "generation_activations": int(g * p * layer),
+            batch: 32 * g * p,  # prompt ids, attention mask and their padded copies
+        },
+        "generate": {
+            # the last step's cache, and one layer's K or V while torch.cat makes it one token longer
+            "kv_cache": g * (length - 1) * kv + g * (length - 2) * kv // (2 * spec.num_layers),
+            "generation_activations": decode + copies * g * spec.vocab_size * 4,
+            batch: 8 * g * (3 * p + 2 * (length - 1)),  # the prompts, the growing ids and mask
+        },
+    }
+
+
+def rollout_moments(spec: ModelSpec, plan: Plan, targets) -> dict[str, dict]:
+    """Each moment of `plan`'s generation (its components, without the static terms): generation_batch
+    completions generated at once, their no-grad log-prob forwards batch_size rows at a time."""
     d = step_dtypes(plan)
     g, b = generation_batch(plan), plan.batch_size
     p, c, length = plan.seq_len - plan.completion_len, plan.completion_len, plan.seq_len
-    gd = _generation_dtype(plan)
-    kv = spec.kv_cache_bytes_per_token_per_byte * gd
     ref = plan.kl_beta > 0
     pool = int(plan.vllm_fraction * plan.gpu_bytes) if plan.vllm == "colocate" else 0
     moments: dict[str, dict] = {}
     if plan.vllm == "off":
-        layer = nograd_layer_bytes(spec, plan, targets, gd)
-        moments["prefill"] = {
-            "kv_cache": g * p * kv,
-            "generation_activations": int(g * p * layer),
-            "rollout_batch": 32 * g * p,  # prompt ids, attention mask and their padded copies
-        }
-        q_width, kv_width = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        decode = g * ((3 * spec.hidden_size + q_width + 2 * kv_width) * gd + 2 * spec.head_dim * gd)
-        sampling = 3 * g * spec.vocab_size * 4  # the last logits' fp32 copy, its scaled copy, the softmax
-        moments["generate"] = {
-            # the last step's cache, and one layer's K or V while torch.cat makes it one token longer
-            "kv_cache": g * (length - 1) * kv + g * (length - 2) * kv // (2 * spec.num_layers),
-            "generation_activations": decode + sampling,
-            "rollout_batch": 8 * g * (3 * p + 2 * (length - 1)),  # the prompts, the growing ids and mask
-        }
+        moments.update(decoding_moments(spec, plan, targets, g, p, length, SAMPLING_COPIES))
     else:
         moments["vllm"] = {"vllm_pool": pool, "vllm_weight_sync": vllm_sync_bytes(spec, plan)}
     if plan.old_logps or ref:
@@ -177,16 +199,29 @@ def rollout_terms(spec: ModelSpec, plan: Plan, targets, static: dict) -> Rollout
             "rollout_batch": 32 * g * length + 8 * b * length + (g * c * 4 if plan.vllm != "off" else 0),
             "vllm_pool": 0 if plan.vllm_sleep else pool,
         }
+    return moments
+
+
+def rollout_held(plan: Plan, g: int) -> int:
+    """What a generation of `g` completions keeps for the steps that train on it: prompt and completion ids and
+    masks, advantages, the old / reference log-probs."""
+    length, c = plan.seq_len, plan.completion_len
+    return 16 * g * length + 4 * g + 8 + 4 * g * c * (int(plan.old_logps) + int(plan.kl_beta > 0))
+
+
+def rollout_terms(spec: ModelSpec, plan: Plan, targets, static: dict) -> Rollouts:
+    """The generation phase of `plan` (a generating method's) and its rollouts' bytes in the training phases."""
+    g, b, length = generation_batch(plan), plan.batch_size, plan.seq_len
+    pool = int(plan.vllm_fraction * plan.gpu_bytes) if plan.vllm == "colocate" else 0
+    moments = rollout_moments(spec, plan, targets)
     totals = {k: int(sum(static.values()) + sum(m.values())) for k, m in moments.items()}
     name = max(totals, key=totals.get)
     phase = {**static, **dict.fromkeys(ROLLOUT_COMPONENTS, 0), **moments[name]}
-    # kept for the training steps: prompt and completion ids and masks, advantages, the old / reference log-probs
-    held = 16 * g * length + 4 * g + 8 + 4 * g * c * (int(plan.old_logps) + int(ref))
     return Rollouts(
         moment=name,
         phase=phase,
         moments=totals,
-        held=held,
+        held=rollout_held(plan, g),
         step_inputs=8 * b * length,  # _compute_loss's attention mask (its ids and labels: activation_terms)
         pool=0 if plan.vllm_sleep else pool,
         sequences=g,
@@ -199,7 +234,8 @@ def with_rollouts(phase_components: dict, rollouts: Rollouts) -> dict:
     """The training phases with the rollouts they hold (and an awake vLLM pool), and the generation phase."""
     out = {}
     for name, moment in phase_components.items():
-        extra = {"rollout_batch": rollouts.held, "vllm_pool": rollouts.pool}
+        # an evaluation's own generation wakes vLLM (its pool is then in that moment already)
+        extra = {"rollout_batch": rollouts.held, "vllm_pool": max(rollouts.pool, moment.get("vllm_pool", 0))}
         if name in ("forward", "backward"):
             extra["rollout_batch"] += rollouts.step_inputs
         out[name] = {**moment, **extra}

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from core.estimate.bill import estimate
-from core.estimate.fit import largest
+from core.estimate.fit import eval_unit, largest, largest_eval_batch
 from core.estimate.generation_levers import rollout_candidates, shrink
 from core.estimate.lever_table import BOUND_LEVERS, BY_FIELD, LEVERS, Lever
 from core.estimate.moe_levers import moe_candidates, moe_lever_rows
@@ -58,6 +58,33 @@ def lever_savings(plan: Plan, spec: ModelSpec | None = None) -> list[dict]:
     return out + moe_lever_rows(plan, spec, estimate)
 
 
+def _evaluation(plan: Plan, spec: ModelSpec) -> list[tuple[str, dict, str, bool]]:
+    """A smaller eval batch (the largest that fits) and fewer sample answers: they lower only an evaluation, so they
+    save bytes only where it is the peak (the first evaluation is where such a run runs out of memory)."""
+    out = []
+    unit = eval_unit(plan)
+    if plan.eval_batch_size > unit:
+        e = min(largest_eval_batch(plan, spec) or unit, plan.eval_batch_size - unit)
+        out.append(
+            (
+                f"per_device_eval_batch_size {e}",
+                {"eval_batch_size": e},
+                "more, smaller evaluation steps (a slower evaluation; the same eval loss)",
+                True,
+            )
+        )
+    if plan.eval_samples:
+        out.append(
+            (
+                "no sample answers at each evaluation (training.eval_samples 0)",
+                {"eval_samples": 0},
+                "the Monitor shows no greedy answers to held-out prompts",
+                True,
+            )
+        )
+    return out
+
+
 def _candidates(plan: Plan, spec: ModelSpec) -> list[tuple[str, dict, str, bool]]:
     """(label, plan change, cost, keeps what is trained) for every single change that could lower the bill. A
     smaller batch or length is the largest that fits (not a halving that gives away what would fit)."""
@@ -95,6 +122,7 @@ def _candidates(plan: Plan, spec: ModelSpec) -> list[tuple[str, dict, str, bool]
             )
         )
     out += _sharding(plan, spec) + moe_candidates(plan, spec)
+    out += _evaluation(plan, spec)
     if generates(plan):  # GRPO: its batch keeps the generation batch, its length is the completion's
         return out + rollout_candidates(plan, spec)
     if plan.batch_size > 1:

@@ -99,6 +99,11 @@ class Plan:
     attn: str = "sdpa"
     optim: str = "adamw_torch"
     eval_kv_tokens: int = 0  # tokens held in a KV cache during eval/generation (batch x (prompt + new))
+    # The evaluation phase (core.estimate.eval_terms): per_device_eval_batch_size when the run evaluates (0: it
+    # does not), GRPO's num_generations_eval (0: num_generations), the samples callback's prompts (eval_samples)
+    eval_batch_size: int = 0
+    eval_generations: int = 0
+    eval_samples: int = 0
     gpu_gb: float = 24.0  # card capacity in GiB
     expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
     device: str = "cuda"  # cuda | cpu (cpu: no context/allocator terms, float dropout masks)
@@ -149,7 +154,12 @@ class Plan:
     def to_dict(self) -> dict:
         d = asdict(self)
         # a one-GPU plan's record stays what it was before multi-GPU planning (plan.json, --json, the snapshots)
-        trimmed = {**(ONE_GPU if self.gpus == 1 else {}), **({} if generates(self) else NO_ROLLOUTS), **DENSE}
+        trimmed = {
+            **(ONE_GPU if self.gpus == 1 else {}),
+            **({} if generates(self) else NO_ROLLOUTS),
+            **DENSE,
+            **NO_EVAL,
+        }
         for name, default in trimmed.items():
             if d[name] == default:
                 del d[name]
@@ -175,11 +185,18 @@ NO_ROLLOUTS = {
 VLLM_MODES = ("off", "colocate", "server")
 # ... and a plan without LoRA on parameters or expert quantization keeps the record it had before MoE planning
 DENSE = {"target_parameters": "", "quantize_experts": False}
+# ... and a plan's without an evaluation phase as it was before that phase
+NO_EVAL = {"eval_batch_size": 0, "eval_generations": 0, "eval_samples": 0}
 
 
 def generates(plan: Plan) -> bool:
     """Does the plan's method generate its own completions before each step (GRPO)?"""
     return methods.get(plan.objective).traits.generates
+
+
+def eval_generations(plan: Plan) -> int:
+    """Completions per prompt a generating method's evaluation asks for."""
+    return plan.eval_generations or plan.num_generations
 
 
 def generation_batch(plan: Plan) -> int:
@@ -219,6 +236,9 @@ class Estimate:
     # A mixture-of-experts model: its experts, their dtype and why, and the bill's expert terms (core.estimate.
     # moe_terms.moe_record)
     moe: dict | None = None
+    # A run that evaluates: its evaluation phase, whatever the peak phase is -- {bytes, components, moments,
+    # moment (the largest: "forward", GRPO's "prefill" / "generate" / ..., "samples generate", "kv cache"), rows}
+    evaluation: dict | None = None
 
     @property
     def fraction(self) -> float:
@@ -226,7 +246,7 @@ class Estimate:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        for name in ("distributed", "generation", "moe"):
+        for name in ("distributed", "generation", "moe", "evaluation"):
             if d[name] is None:
                 del d[
                     name
@@ -276,6 +296,10 @@ def validate(plan: Plan) -> list[str]:
         raise PlanError(
             f"eval_kv_tokens must be zero or a positive whole number, got {plan.eval_kv_tokens!r}."
         )
+    for name in NO_EVAL:
+        value = getattr(plan, name)
+        if not _whole(value) or value < 0:
+            raise PlanError(f"{name} must be zero (none) or a whole number, got {value!r}.")
     if not (isinstance(plan.gpu_gb, (int, float)) and plan.gpu_gb > 0 and math.isfinite(plan.gpu_gb)):
         raise PlanError(f"gpu_gb must be a positive number of GiB, got {plan.gpu_gb!r}.")
     if not isinstance(plan.gpus, int) or isinstance(plan.gpus, bool) or plan.gpus < 1:
@@ -350,6 +374,12 @@ def _validate_rollouts(plan: Plan) -> None:
         )
     if not (isinstance(plan.vllm_fraction, (int, float)) and 0 < plan.vllm_fraction <= 1):
         raise PlanError(f"vllm_fraction must be in (0, 1], got {plan.vllm_fraction!r}.")
+    groups = eval_generations(plan)
+    if plan.eval_batch_size and (plan.eval_batch_size * plan.gpus) % groups:
+        raise PlanError(
+            f"The eval batch ({plan.eval_batch_size * plan.gpus} completions) must divide by the completions per "
+            f"prompt in an evaluation ({groups}: num_generations_eval, else num_generations)."
+        )
 
 
 def flat_batch(plan: Plan) -> bool:

@@ -132,7 +132,8 @@ def apply(sharding: Sharding, phase_components: dict) -> dict:
     out = {}
     for phase, moment in phase_components.items():
         extra = dict(sharding.persistent)
-        if phase in ("forward", "backward", "generation"):  # generation: a forward, layer by layer
+        # generation and eval: forwards too, layer by layer
+        if phase in ("forward", "backward", "generation", "eval"):
             for k, v in sharding.inflight.items():
                 extra[k] = extra.get(k, 0) + v
         out[phase] = {**moment, **{k: moment.get(k, 0) + v for k, v in extra.items()}}

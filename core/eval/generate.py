@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+GREEDY_BATCH = 32  # prompts answered at once (the samples callback's, and the planner's eval phase)
+
 
 def model_device(model):
     import torch
@@ -80,12 +82,14 @@ def greedy(
     tokenizer,
     prompts: list[list[int]],
     max_new_tokens: int,
-    batch_size: int = 32,
+    batch_size: int = GREEDY_BATCH,
     on_batch: Callable[[int], None] | None = None,
+    min_new_tokens: int = 0,
 ) -> list[str]:
     """The greedy answer to each prompt (decoded, special tokens dropped, stripped), stopping at EOS.
 
-    `on_batch(n_done)` is called after each batch (progress)."""
+    `on_batch(n_done)` is called after each batch (progress); `min_new_tokens`: no stop before (a smoke test's
+    answers are as long as a run's can be)."""
 
     out: list[str] = [""] * len(prompts)
     device, pad = model_device(model), pad_id(tokenizer)
@@ -96,6 +100,7 @@ def greedy(
             input_ids=ids.to(device),
             attention_mask=mask.to(device),
             max_new_tokens=max_new_tokens,
+            min_new_tokens=min_new_tokens or None,
             do_sample=False,
             num_beams=1,
             use_cache=True,

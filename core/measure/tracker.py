@@ -291,14 +291,17 @@ class LiveTensorTracker:
 
     @contextlib.contextmanager
     def held_phase(self, name: str):
-        """Name the phase for the whole block, whatever modules and optimizers run inside it (the auto phases
-        would call a no-grad forward inside it "forward"): e.g. GRPO's generation of its completions."""
-        outer, self._held = self._held, name
-        self._set_phase(name)
+        """Name the phase for the whole block, whatever runs inside it (e.g. GRPO's generation: the auto phases
+        would call its forwards "forward"); inside another held block, a sub-phase of it ("eval:generation")."""
+        outer = self._held
+        self._held = f"{outer}:{name}" if outer else name
+        self._set_phase(self._held)
         try:
             yield self
         finally:
             self._held = outer
+            if outer:
+                self._set_phase(outer)
 
     def register(self, tensors, kind: str = "baseline"):
         """Count tensors that exist already (e.g. the batch); their storages are then known, never re-counted."""

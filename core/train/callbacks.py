@@ -17,6 +17,7 @@ from core.runs import rundir
 from core.runs.rundir import RANK_MEMORY, write_status
 from core.train import distributed, ranks
 from core.train.config import config_to_yaml
+from core.train.config_keys import SAMPLES_EXTRA_TOKENS, SAMPLES_MAX_TOKENS
 
 METRIC_KEYS = ("loss", "eval_loss", "learning_rate", "grad_norm")
 
@@ -329,22 +330,30 @@ def early_stop_sentence(early: dict) -> str:
     )
 
 
-SAMPLES_EXTRA_TOKENS, SAMPLES_MAX_TOKENS = 8, 128  # an answer: its reference's length and a little more
-
-
 def samples_callbacks(cfg: dict, run_dir: Path, tokenizer, eval_ds, smoke: bool) -> list:
     """[the samples callback] when training.eval_samples asks for it and the run holds rows out, else []: at each
     evaluation, greedy answers to the first eval_samples held-out prompts go to <run>/samples.jsonl, one line
-    each {"step", "time", "i", "prompt", "reference", "answer"}."""
+    each {"step", "time", "i", "prompt", "reference", "answer"}. A smoke test's asks the longest a run can: as
+    many prompts at once as a run's, each as long as a prompt can be, answered with SAMPLES_MAX_TOKENS tokens
+    (what the plan's evaluation phase holds), and writes nothing."""
     n = int(cfg["training"].get("eval_samples") or 0)
     handed = ranks.spec() or {}
-    if smoke or n <= 0 or eval_ds is None or handed.get("strategy") in distributed.SHARDED:
+    if n <= 0 or eval_ds is None or handed.get("strategy") in distributed.SHARDED:
         return []  # sharded weights: rank 0 alone cannot generate (every rank takes part in each forward)
+    from core.eval.generate import GREEDY_BATCH, pad_id
     from core.train import methods
 
-    rows = methods.get(cfg).sample_rows(eval_ds, tokenizer, n)
+    method = methods.get(cfg)
+    rows = method.sample_rows(eval_ds, tokenizer, n)
     if not rows:
         return []
+    if smoke:
+        prompt = method.prompt_length(cfg)
+        ids = rows[0]["prompt_ids"][-prompt:]
+        filled = {**rows[0], "prompt_ids": [pad_id(tokenizer)] * (prompt - len(ids)) + list(ids)}
+        callback = _samples_class()(None, [filled] * min(n, GREEDY_BATCH), tokenizer, SAMPLES_MAX_TOKENS)
+        callback.min_new_tokens = SAMPLES_MAX_TOKENS
+        return [callback]
     longest = max(len(tokenizer(r["reference"], add_special_tokens=False)["input_ids"]) for r in rows)
     new_tokens = min(SAMPLES_MAX_TOKENS, longest + SAMPLES_EXTRA_TOKENS)
     return [_samples_class()(run_dir / rundir.SAMPLES, rows, tokenizer, new_tokens)]
@@ -356,15 +365,21 @@ def _samples_class():
     class SamplesCallback(TrainerCallback):
         """Greedy answers to fixed held-out prompts at each evaluation (core.eval.generate, batched)."""
 
-        def __init__(self, path: Path, rows: list[dict], tokenizer, max_new_tokens: int):
+        def __init__(self, path: Path | None, rows: list[dict], tokenizer, max_new_tokens: int):
             self.path, self.rows, self.tokenizer, self.max_new_tokens = path, rows, tokenizer, max_new_tokens
+            self.min_new_tokens = 0
 
         def on_evaluate(self, args, state, control, model=None, **kw):
             if model is None or not state.is_world_process_zero:
                 return
             from core.eval.generate import greedy
 
-            said = greedy(model, self.tokenizer, [r["prompt_ids"] for r in self.rows], self.max_new_tokens)
+            prompts = [r["prompt_ids"] for r in self.rows]
+            said = greedy(
+                model, self.tokenizer, prompts, self.max_new_tokens, min_new_tokens=self.min_new_tokens
+            )
+            if self.path is None:  # a smoke test's: measured, not kept
+                return
             now = time.time()
             lines = [
                 json.dumps(

@@ -70,8 +70,22 @@ def dry_run(
     except (OSError, ValueError) as exc:  # the model folder's config.json could not be read
         print(f"error: model.path: {exc}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
+    if plan.get("peak_phase") == "eval":  # the first evaluation is where such a run runs out of memory
+        print(eval_peak_note(cfg, plan), file=sys.stderr, flush=True)
     print(json.dumps(plan, indent=1, default=str), flush=True)
     return 0
+
+
+def eval_peak_note(cfg: dict, plan: dict) -> str:
+    """One sentence when the evaluation phase is the plan's peak: its moment and the largest eval batch that fits."""
+    from core.estimate.fit import eval_batch_for_config
+
+    ev = plan["evaluation"]
+    fits = eval_batch_for_config(cfg, plan["gpu_bytes"] / 2**30, plan["plan"].get("device", "cuda"))
+    return (
+        f"plan: the peak is the evaluation phase ({ev['moment']} of an eval batch of {ev['rows']}: "
+        f"{ev['bytes'] / 2**30:.2f} GiB of tensors); the largest per_device_eval_batch_size that fits is {fits}."
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -270,6 +270,7 @@ OWN_SCHEMA = {
 # (core.train.callbacks); 0 (the default) is off.
 # early_stopping_patience / _threshold: transformers' EarlyStoppingCallback (stop once the method's eval metric has
 # not improved by more than the threshold for this many evaluations); the best checkpoint becomes the adapter.
+SAMPLES_EXTRA_TOKENS, SAMPLES_MAX_TOKENS = 8, 128  # an answer: its reference's length and a little more
 OWN_TRAINING = {
     "eval_samples": {"kinds": ["int"]},
     "early_stopping_patience": {"kinds": ["int", "none"]},

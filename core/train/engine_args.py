@@ -191,13 +191,16 @@ def training_args(
             t.update(generation_batch_size=None, steps_per_generation=None, num_iterations=1)
         t.update(
             per_device_train_batch_size=method.smoke_batch(cfg),
-            per_device_eval_batch_size=method.smoke_batch(cfg),
+            per_device_eval_batch_size=method.smoke_eval_batch(cfg),
             gradient_accumulation_steps=1,
             max_steps=1,
             logging_steps=1,
-            eval_strategy="no",
+            # held-out rows: one evaluation after the step (one batch of them: core.train.smoke), measured too
+            eval_strategy="no" if t["eval_strategy"] == "no" else "steps",
+            eval_steps=1,
             save_strategy="no",
             report_to="none",
+            load_best_model_at_end=False,
         )
     out = (
         Path(run_dir) / rundir.CHECKPOINTS

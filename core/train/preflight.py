@@ -92,6 +92,11 @@ def prepare_run(
     # without the datasets, a held-out split is what the config asks for (split_eval needs 4 rows, ranks have them)
     has_eval = eval_ds is not None if datasets else cfg["data"]["eval_split"] > 0
     check_with_libraries(cfg, has_eval=has_eval, smoke=smoke, prec=prec)
+    if smoke and eval_ds is not None:  # a smoke test evaluates one eval batch of them (the plan's)
+        method = methods.get(cfg)
+        eval_ds = eval_ds.select(
+            range(min(len(eval_ds), method.eval_rows(cfg, method.smoke_eval_batch(cfg))))
+        )
     return tokenizer, train_ds, eval_ds
 
 

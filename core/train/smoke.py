@@ -14,7 +14,8 @@ from core.train import methods
 
 @contextlib.contextmanager
 def _marked(trainer, marks, tracker):
-    """The trainer's methods named in `marks` ((method name, phase) pairs) run as that phase of the measurement."""
+    """The trainer's methods named in `marks` ((method name, phase) pairs; "a.b": method b of its attribute a)
+    run as that phase of the measurement."""
 
     def wrap(original, phase):
         def marked(*args, **kwargs):
@@ -23,13 +24,25 @@ def _marked(trainer, marks, tracker):
 
         return marked
 
+    def owner(name: str):
+        obj = trainer
+        for part in name.split(".")[:-1]:
+            obj = getattr(obj, part)
+        return obj, name.rsplit(".", 1)[-1]
+
     for name, phase in marks:
-        setattr(trainer, name, wrap(getattr(trainer, name), phase))
+        obj, attr = owner(name)
+        setattr(obj, attr, wrap(getattr(obj, attr), phase))
     try:
         yield
     finally:
         for name, _ in marks:
-            delattr(trainer, name)  # the class's own method again
+            delattr(*owner(name))  # the class's own method again
+
+
+# Trainer.evaluate: the eval batches, then the callbacks' work at each evaluation (sub-phase "eval:callbacks": the
+# samples callback's greedy answers, when it has any); GRPO's generation inside an evaluation is "eval:generation"
+EVAL_MARKS = (("evaluate", "eval"), ("callback_handler.on_evaluate", "callbacks"))
 
 
 @contextlib.contextmanager
@@ -58,14 +71,21 @@ def measure_peak(trainer, marks=()):
         # The model is on its device already (Trainer moved it): its tensors are the baseline.
         with (
             track_live_tensors(model=model, device="cuda" if cuda else "cpu", auto_phases=True) as tracker,
-            _marked(trainer, marks, tracker),
+            _marked(trainer, (*marks, *EVAL_MARKS), tracker),
         ):
             yield result
         step = tracker.result()
+        peaks = main_phase_peaks(step.steady_phase_peaks)
+        training = {k: v for k, v in peaks.items() if k != "eval"} or {"step": step.steady_peak_bytes}
+        phase = max(training, key=training.get)
         result.update(
-            peak_bytes=int(step.steady_peak_bytes),
-            peak_phase=step.steady_peak_phase,
-            phase_peaks=main_phase_peaks(step.steady_phase_peaks),
+            # the training step's peak; the evaluation's beside it (its own phase)
+            peak_bytes=int(training[phase]),
+            peak_phase=phase,
+            eval_peak_bytes=peaks.get("eval"),
+            phase_peaks=peaks,
+            # the evaluation's own moments: its generation (GRPO), the samples callback's answers
+            eval_moments={k: int(v) for k, v in step.steady_phase_peaks.items() if k.startswith("eval:")},
             first_step_peak_bytes=int(step.peak_bytes),
             baseline_bytes=int(step.baseline_bytes),
             optimizer_state_bytes=int(step.optimizer_state_bytes),
@@ -115,23 +135,33 @@ def smoke_line(smoke: dict) -> str:
     def mib(n) -> str:
         return f"{n / 2**20:,.1f} MiB" if isinstance(n, (int, float)) else "n/a"
 
-    peak, est, sps = smoke.get("peak_bytes"), smoke.get("estimate_bytes"), smoke.get("seconds_per_step")
-    vs = (
-        f" ({peak / est - 1:+.1%} vs the estimate {mib(est)})"
-        if peak and est
-        else " (no plan.json to compare)"
-    )
+    def versus(peak, est) -> str:
+        return (
+            f" ({peak / est - 1:+.1%} vs the estimate {mib(est)})"
+            if peak and est
+            else " (no plan.json to compare)"
+        )
+
+    peak, sps = smoke.get("peak_bytes"), smoke.get("seconds_per_step")
     step = f"{sps:.2f} s per step" if isinstance(sps, (int, float)) else "n/a s per step"
+    evaluated = (
+        f"; eval step peak {mib(smoke['eval_peak_bytes'])}"
+        f"{versus(smoke['eval_peak_bytes'], smoke.get('estimate_eval_bytes'))} at eval batch size "
+        f"{smoke.get('eval_batch_size')}"
+        if smoke.get("eval_peak_bytes")
+        else ""
+    )
     return (
-        f"smoke test: measured peak {mib(peak)}{vs}, {step} on {smoke.get('device')}, batch size "
-        f"{smoke.get('batch_size') or 1} at "
-        f"max_length {smoke.get('max_length')} (measured by {smoke.get('measured_by')})"
+        f"smoke test: measured peak {mib(peak)}{versus(peak, smoke.get('estimate_bytes'))}{evaluated}, {step} on "
+        f"{smoke.get('device')}, batch size {smoke.get('batch_size') or 1} at max_length {smoke.get('max_length')} "
+        f"(measured by {smoke.get('measured_by')})"
     )
 
 
 def finish_smoke(cfg: dict, prec: Precision, run_dir: Path, peak: dict, callback, step: int) -> dict:
     """smoke.json: the measured peak of the one step next to the plan's (plan.json, written for this step)."""
     plan = rundir.read_plan(run_dir) or {}
+    planned = {k: v for k, v in (plan.get("phases") or {}).items() if k != "eval"}
     result = {
         "state": "finished",
         "reason": None,
@@ -149,8 +179,14 @@ def finish_smoke(cfg: dict, prec: Precision, run_dir: Path, peak: dict, callback
         "cuda_peak_bytes": peak.get("cuda_peak_bytes"),
         "seconds_per_step": callback.step_seconds[-1] if callback.step_seconds else None,
         "device": prec.device.label,
-        "estimate_bytes": plan.get("tensor_peak_bytes"),
+        # the plan's training step (its evaluation is compared on its own)
+        "estimate_bytes": max(planned.values()) if planned else plan.get("tensor_peak_bytes"),
         "estimate_reserved_bytes": plan.get("reserved_peak_bytes"),
+        # one eval step after the training step (held-out rows only): measured and planned
+        "eval_peak_bytes": peak.get("eval_peak_bytes"),
+        "eval_moments": peak.get("eval_moments") or None,
+        "estimate_eval_bytes": (plan.get("phases") or {}).get("eval"),
+        "eval_batch_size": methods.get(cfg).smoke_eval_batch(cfg) if peak.get("eval_peak_bytes") else None,
         # GRPO has no max_length: its rows are a prompt and its completion
         "max_length": cfg["training"].get("max_length") or methods.get(cfg).sequence_length(cfg),
         "batch_size": methods.get(cfg).smoke_batch(cfg),

@@ -30,6 +30,11 @@ class PlanTraits:
     # fields describe it (`Method.plan_shape`)
     generates: bool = False
     kl_reference: bool = False  # a reference model only when the plan's kl_beta > 0 (GRPO's beta)
+    # (rows x length) int64 tensors its collator gives a batch (ids, attention mask, labels or completion mask;
+    # KTO's KL twins double them), and the labels its trainer derives from them at each step (DPO 1, KTO 2): what
+    # an evaluation holds of the last training batch and of its own (GRPO's rollouts are planned as such)
+    batch_tensors: int = 3
+    label_tensors: int = 0
 
 
 @dataclass(frozen=True)
@@ -170,9 +175,21 @@ class Method:
         """The longest row its trainer's forward sees, in tokens (what the planner plans per row)."""
         return cfg["training"]["max_length"]
 
+    def prompt_length(self, cfg: dict) -> int:
+        """The longest prompt its rows can have, in tokens (a smoke test's sample answers start from one)."""
+        return self.sequence_length(cfg)
+
     def smoke_batch(self, cfg: dict) -> int:
         """The batch size of its smoke step (and of the plan that step is compared with)."""
         return self.smoke_batch_size
+
+    def smoke_eval_batch(self, cfg: dict) -> int:
+        """The eval batch of its smoke test's one eval step (and of the plan that step is compared with)."""
+        return self.smoke_batch(cfg)
+
+    def eval_rows(self, cfg: dict, eval_batch: int) -> int:
+        """Held-out rows one eval batch of `eval_batch` is made of (GRPO: prompts, each asked several times)."""
+        return eval_batch
 
     def plan_shape(self, cfg: dict, batch_size: int, world: int, smoke: bool) -> dict:
         """The planner's fields (core.estimate Plan) that describe this method's own step, beyond the ones every

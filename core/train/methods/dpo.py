@@ -124,7 +124,9 @@ METHOD = DPO(
     # DPO trains a preference on top of a model that can already answer: a LoRA-sized DPO rate (the
     # alignment-handbook's QLoRA DPO recipe), not SFT's 2e-4
     defaults={"learning_rate": 5e-6},
-    traits=PlanTraits(rows_per_example=2, reference=True, flat_batches=False, head_outputs=1),
+    traits=PlanTraits(
+        rows_per_example=2, reference=True, flat_batches=False, head_outputs=1, label_tensors=1
+    ),
     metrics=PREFERENCE_METRICS,
     charts=(
         Chart(

@@ -5,13 +5,15 @@ each completion is pushed towards the ones its group scored above their mean."""
 from __future__ import annotations
 
 from core.train import rewards as reward_specs
-from core.train.data import DataError, load_rows
+from core.train.data import DataError, load_rows, user_text
 from core.train.methods.base import Chart, Field, Method, PlanTraits, RewardHealth
 from core.train.prompts import (
     DEFAULT_MAX_PROMPT_LENGTH,
+    max_prompt_length,
     normalize_prompts,
     prepare_prompt_datasets,
     preview_prompts,
+    prompt_ids,
     row_finder,
     run_prompt_preflight,
 )
@@ -37,6 +39,12 @@ LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vesp
 SCALE_REWARDS = ("group", "batch", "none")
 
 
+def eval_generations(cfg: dict) -> int:
+    """Completions per prompt in an evaluation (GRPOConfig.num_generations_eval, else num_generations)."""
+    t = cfg["training"]
+    return t.get("num_generations_eval") or t.get("num_generations", 8)
+
+
 class GRPO(Method):
     def config_class(self):
         from trl import GRPOConfig
@@ -51,6 +59,17 @@ class GRPO(Method):
     def smoke_batch(self, cfg: dict) -> int:
         """One prompt's group: the smallest batch whose generation batch divides by num_generations."""
         return cfg["training"].get("num_generations", 8)
+
+    def smoke_eval_batch(self, cfg: dict) -> int:
+        """One prompt's evaluation group (GRPOConfig: the eval batch divides by num_generations_eval)."""
+        return eval_generations(cfg)
+
+    def eval_rows(self, cfg: dict, eval_batch: int) -> int:
+        """Prompts: GRPOTrainer's eval sampler asks each num_generations_eval times."""
+        return max(1, eval_batch // eval_generations(cfg))
+
+    def prompt_length(self, cfg: dict) -> int:
+        return max_prompt_length(cfg)
 
     def sequence_length(self, cfg: dict) -> int:
         """A prompt and its completion: the policy's forward runs over both."""
@@ -103,6 +122,8 @@ class GRPO(Method):
         ):
             if get(name) is not None:
                 out[key] = get(name)
+        if get("eval_generations"):  # 0: an evaluation asks for num_generations
+            out["num_generations_eval"] = get("eval_generations")
         vllm = get("vllm") or ("colocate" if training.get("use_vllm") else "off")
         out["use_vllm"] = vllm != "off"
         if vllm != "off":
@@ -120,6 +141,18 @@ class GRPO(Method):
             while want and accumulation % (steps * iterations) == 0:
                 iterations += 1
             out["num_iterations"] = iterations
+        return out
+
+    def sample_rows(self, rows, tokenizer, n: int) -> list[dict]:
+        """Held-out prompts tokenized as GRPOTrainer does; the reference is the row's first other text column
+        (what a reward function checks against, e.g. its answer), or empty."""
+        out = []
+        for row in rows.select(range(min(n, len(rows)))):
+            others = [v for k, v in row.items() if k != "prompt" and isinstance(v, str)]
+            ids = prompt_ids(row["prompt"], tokenizer)
+            out.append(
+                {"prompt": user_text(row["prompt"]), "prompt_ids": ids, "reference": (others or [""])[0]}
+            )
         return out
 
     def datasets(self, cfg: dict, tokenizer):
@@ -192,6 +225,7 @@ METHOD = GRPO(
         head_is_top1=False,
         generates=True,
         kl_reference=True,
+        batch_tensors=0,
     ),
     metrics=GRPO_METRICS,
     metric_families=(("rewards/", "/mean"), ("rewards/", "/std")),

@@ -100,7 +100,16 @@ METHOD = KTO(
     # term from the other rows of a batch, so it needs at least two per device
     defaults={"learning_rate": 5e-6},
     smoke_batch_size=2,
-    traits=PlanTraits(rows_per_example=1, reference=True, flat_batches=False, head_outputs=1),
+    # KTOTrainer's fused head returns log_probs, entropy and mean_logits (no is_top1); its batch has KL twins
+    traits=PlanTraits(
+        rows_per_example=1,
+        reference=True,
+        flat_batches=False,
+        head_outputs=1,
+        head_is_top1=False,
+        batch_tensors=6,
+        label_tensors=2,
+    ),
     metrics=("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected", "kl"),
     charts=(
         Chart(
