@@ -1,7 +1,14 @@
-"""Shared fixtures: tiny real models built locally (no hub), offline mode, few threads (CI has 2 cores)."""
+"""Shared fixtures: tiny real models built locally (no hub), offline mode, few threads (CI has 2 cores), and
+the trained demo built once per test session and shared by every test and both xdist workers (`demo_trained`)."""
 
+import contextlib
+import fcntl
+import json
 import os
+import shutil
+import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -52,3 +59,96 @@ def workspace(tmp_path, monkeypatch) -> Path:
     ws.mkdir()
     monkeypatch.setenv("LORA_COCKPIT_WORKSPACE", str(ws))
     return ws
+
+
+# ---- the trained demo, once per session -----------------------------------------------------------------------
+
+
+def shared_dir(tmp_path_factory) -> Path:
+    """A folder every worker of this pytest session sees: with -n N (xdist) each worker's basetemp is
+    <session>/popen-gwK, so their parent; in one process the session's own basetemp."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@contextlib.contextmanager
+def _exclusive(lock: Path):
+    """Hold an exclusive lock on `lock` (fcntl.flock: the other worker waits here until the holder is done)."""
+    with open(lock, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def cached(tmp_path_factory, name: str, build) -> Path:
+    """`build(folder)` run once per session across workers, its folder shared (read-only by convention: a test
+    that changes it takes a copy). A failed build is recorded, so the other worker fails at once with the same
+    error instead of building again."""
+    root = shared_dir(tmp_path_factory) / "shared-fixtures"
+    root.mkdir(exist_ok=True)
+    folder, done, failed = root / name, root / f"{name}.done", root / f"{name}.failed"
+    with _exclusive(root / f"{name}.lock"):
+        if failed.exists():
+            pytest.fail(
+                f"the shared fixture {name} failed to build (in another worker): {failed.read_text()}"
+            )
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            try:
+                build(folder)
+            except BaseException as exc:
+                failed.write_text(f"{type(exc).__name__}: {exc}"[-4000:])
+                raise
+            done.write_text("ok")
+    return folder
+
+
+@dataclass(frozen=True)
+class TrainedDemo:
+    """`python -m core.demo --out FOLDER --run`: the demo built (default pretraining) and its SFT run trained.
+    Shared by the whole session: read it, never write into it; `copy(dest)` gives a folder of your own."""
+
+    folder: Path
+    stdout: str
+
+    @property
+    def run_dir(self) -> Path:
+        return self.folder / "example-run"
+
+    @property
+    def adapter(self) -> Path:
+        return self.run_dir / "adapter"
+
+    def copy(self, dest: Path) -> Path:
+        """A copy of the demo's assets (base, data, manifest) at `dest`, without its trained run; its run.yaml
+        written again for `dest`, as a build there would have (its paths are absolute)."""
+        from core.demo.build import write_run_config
+
+        shutil.copytree(self.folder, dest, ignore=shutil.ignore_patterns("example-run*"))
+        write_run_config(dest)
+        return dest
+
+
+def _train_demo(folder: Path) -> None:
+    folder.mkdir(parents=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "core.demo", "--out", str(folder / "demo"), "--run"],
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},  # a tiny model: one thread is fastest on 2 shared cores
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (folder / "stdout.txt").write_text(proc.stdout)
+    (folder / "result.json").write_text(json.dumps({"returncode": proc.returncode}))
+
+
+@pytest.fixture(scope="session")
+def demo_trained(tmp_path_factory) -> TrainedDemo:
+    """The demo, built and its SFT run trained by the demo's own CLI, once for the whole session (both workers):
+    what test_demo, test_eval, the DPO/KTO/GRPO demo tests and the browser tests on the demo start from."""
+    folder = cached(tmp_path_factory, "demo-trained", _train_demo)
+    return TrainedDemo(folder / "demo", (folder / "stdout.txt").read_text())

@@ -46,13 +46,28 @@ def test_build_is_deterministic_and_never_clobbers_other_folders(tmp_path):
 
 
 @pytest.mark.slow
-def test_demo_run_learns_the_heldout_task(workspace, monkeypatch):
+def test_demo_cli_builds_the_base_and_its_run_learns_the_heldout_task(demo_trained):
+    """`python -m core.demo --out DIR --run` (the session's shared demo, conftest.py): the pretrained base has its
+    skills, the demo's own SFT run finished, and the CLI's held-out figures say it learned what the base could
+    not do, the same figures heldout_accuracy gives on its adapter."""
+    import re
+
+    demo = demo_trained.folder
+    skills = read_manifest(demo)["base_skills"]
+    assert skills["repeat"] > 0.9 and skills["shout"] > 0.9  # the pretrained base really has its skills
+    before = int(re.search(r"held-out accuracy before training: (\d+)%", demo_trained.stdout).group(1))
+    after = int(re.search(r"held-out accuracy after training: (\d+)%", demo_trained.stdout).group(1))
+    assert before < 10 and after > 80, demo_trained.stdout
+    assert round(100 * heldout_accuracy(demo, demo_trained.adapter)) == after
+    assert (demo / "run.yaml").is_file() and (demo_trained.run_dir / "metrics.jsonl").is_file()
+
+
+@pytest.mark.slow
+def test_demo_run_learns_the_heldout_task(workspace, monkeypatch, demo_trained):
     monkeypatch.setenv(
         "OMP_NUM_THREADS", "1"
     )  # the launched trainer: tiny model, 1 thread is fastest on 2 shared cores
-    demo = build_demo(workspace / "demo", pretrain_steps=200, log=lambda _m: None)
-    skills = read_manifest(demo)["base_skills"]
-    assert skills["repeat"] > 0.9 and skills["shout"] > 0.9  # the pretrained base really has its skills
+    demo = demo_trained.copy(workspace / "demo")  # the session's demo build (conftest.py), a copy of our own
     cfg = demo_config(workspace)
     assert cfg["model"]["path"] == str((workspace / "demo" / "base").resolve())
     cfg["training"].update(max_steps=40, eval_steps=20, save_steps=20)

@@ -168,11 +168,22 @@ def test_dpo_run_through_core_train_learns_the_preference_on_heldout_pairs(tmp_p
 
 
 @pytest.mark.slow
-def test_demo_run_dpo_prints_its_preference_accuracy(tmp_path):
+def test_demo_run_dpo_prints_its_preference_accuracy(tmp_path, demo_trained):
     """python -m core.demo --run-dpo: the demo SFT run, merged, then DPO on top; the last line says how often the
-    model prefers the chosen answer of a held-out pair (absolute likelihood), before and after."""
+    model prefers the chosen answer of a held-out pair (absolute likelihood), before and after. On a copy of the
+    session's trained demo (conftest.py), building on its SFT adapter with --adapter, as a user who ran --run."""
+    demo = demo_trained.copy(tmp_path / "demo")
     proc = subprocess.run(
-        [sys.executable, "-m", "core.demo", "--out", str(tmp_path / "demo"), "--run-dpo"],
+        [
+            sys.executable,
+            "-m",
+            "core.demo",
+            "--out",
+            str(demo),
+            "--run-dpo",
+            "--adapter",
+            str(demo_trained.adapter),
+        ],
         cwd=REPO,
         capture_output=True,
         text=True,

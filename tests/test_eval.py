@@ -1,5 +1,5 @@
 """core.eval (issue #24): the base against the tuned model on held-out rows, on one small trained demo run shared
-by the module (built once: a 200-step demo base, a 40-step run with samples at each evaluation)."""
+by the module (the session's demo build, conftest.py, and a 40-step run with samples at each evaluation)."""
 
 import json
 import subprocess
@@ -24,6 +24,15 @@ def eval_cli(*args, timeout: float = 600, env=None) -> subprocess.CompletedProce
         timeout=timeout,
         env=env,
     )
+
+
+def eval_main(*args) -> subprocess.CompletedProcess:
+    """core.eval's main(argv) in this process (tests/cli.py: in_process), for error paths: no new interpreter.
+    test_missing_run_is_one_sentence keeps the real `python -m core.eval` for its exit status and sentence."""
+    from core.eval.cli import main
+    from tests.cli import in_process
+
+    return in_process(main, *args)
 
 
 def lines_of(out: str) -> dict[str, str]:
@@ -88,12 +97,13 @@ def test_summary_lines_read_base_then_tuned():
 
 
 @pytest.fixture(scope="module")
-def demo_run(tmp_path_factory):
-    """(demo folder, a finished 40-step demo run with training.eval_samples: 3, evaluated every 20 steps)."""
-    from core.demo.build import build_demo, demo_config
+def demo_run(tmp_path_factory, demo_trained):
+    """(demo folder, a finished 40-step demo run with training.eval_samples: 3, evaluated every 20 steps), on a
+    copy of the session's demo build (conftest.py)."""
+    from core.demo.build import demo_config
 
     root = tmp_path_factory.mktemp("eval_demo")
-    demo = build_demo(root / "demo", pretrain_steps=200, log=lambda _m: None)
+    demo = demo_trained.copy(root / "demo")
     cfg = demo_config(out=demo)
     cfg["training"].update(max_steps=40, eval_steps=20, save_steps=20, eval_samples=3)
     run_dir = root / "runs" / "demo-eval"
@@ -208,16 +218,18 @@ def test_bad_inputs_are_one_sentence(demo_run, tmp_path, tiny_llama):
     demo, run_dir = demo_run
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    assert "empty.jsonl" in _one_sentence(eval_cli("--run", run_dir, "--data", empty))
-    missing = _one_sentence(eval_cli("--run", run_dir, "--data", tmp_path / "missing.jsonl"))
+    assert "empty.jsonl" in _one_sentence(eval_main("--run", run_dir, "--data", empty))
+    missing = _one_sentence(eval_main("--run", run_dir, "--data", tmp_path / "missing.jsonl"))
     assert "does not exist" in missing
     text = tmp_path / "text.jsonl"
     text.write_text(json.dumps({"text": "just words"}) + "\n")
-    assert "questions with reference answers" in _one_sentence(eval_cli("--run", run_dir, "--data", text))
+    assert "questions with reference answers" in _one_sentence(eval_main("--run", run_dir, "--data", text))
     long = tmp_path / "long.jsonl"
     long.write_text(json.dumps({"question": "Uppercase: " + "abcde " * 20, "answer": "X"}) + "\n")
-    assert "longer than the model's 64 positions" in _one_sentence(eval_cli("--run", run_dir, "--data", long))
-    other = _one_sentence(eval_cli("--run", run_dir, "--base", tiny_llama, "--data", demo / "heldout.jsonl"))
+    assert "longer than the model's 64 positions" in _one_sentence(
+        eval_main("--run", run_dir, "--data", long)
+    )
+    other = _one_sentence(eval_main("--run", run_dir, "--base", tiny_llama, "--data", demo / "heldout.jsonl"))
     assert "base it was trained on" in other, other
 
 

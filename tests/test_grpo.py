@@ -291,19 +291,12 @@ def test_a_reward_that_raises_mid_run_fails_the_run_naming_it(tiny_llama, tmp_pa
 
 
 @pytest.mark.slow
-def test_the_grpo_demo_learns_from_its_reward(tmp_path):
-    """#34's bar: `core.demo --run-grpo` prints a held-out mean reward gain of at least 0.3 on a 0-1 reward."""
+def test_the_grpo_demo_learns_from_its_reward(tmp_path, demo_trained):
+    """#34's bar: `core.demo --run-grpo` prints a held-out mean reward gain of at least 0.3 on a 0-1 reward. On a
+    copy of the session's demo build (conftest.py: 300 pretraining steps, the default), which it reuses."""
+    demo = demo_trained.copy(tmp_path / "demo")
     out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "core.demo",
-            "--out",
-            str(tmp_path / "demo"),
-            "--run-grpo",
-            "--pretrain-steps",
-            "300",
-        ],
+        [sys.executable, "-m", "core.demo", "--out", str(demo), "--run-grpo", "--pretrain-steps", "300"],
         cwd=ROOT,
         capture_output=True,
         text=True,

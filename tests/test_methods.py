@@ -215,10 +215,21 @@ def test_kto_smoke_test_measures_its_smallest_batch(workspace, tiny_llama, feedb
 
 
 @pytest.mark.slow
-def test_demo_run_kto_prints_its_heldout_figure(tmp_path):
-    """The issue's goal: `core.demo --run-kto` prints a held-out figure before -> after, A >= 80 and A >= B + 20."""
+def test_demo_run_kto_prints_its_heldout_figure(tmp_path, demo_trained):
+    """The issue's goal: `core.demo --run-kto` prints a held-out figure before -> after, A >= 80 and A >= B + 20.
+    On a copy of the session's trained demo (conftest.py), building on its SFT adapter with --adapter."""
+    demo = demo_trained.copy(tmp_path / "demo")
     proc = subprocess.run(
-        [sys.executable, "-m", "core.demo", "--out", str(tmp_path / "demo"), "--run-kto"],
+        [
+            sys.executable,
+            "-m",
+            "core.demo",
+            "--out",
+            str(demo),
+            "--run-kto",
+            "--adapter",
+            str(demo_trained.adapter),
+        ],
         cwd=REPO,
         capture_output=True,
         text=True,
