@@ -23,6 +23,41 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 
+# ---- the order files are handed to the two workers ----------------------------------------------------------
+
+# Rough seconds per test, by mark: what orders the files heaviest first (below).
+SECONDS_E2E, SECONDS_SLOW, SECONDS_QUICK = 120, 15, 0.5
+
+
+def pytest_collection_modifyitems(config, items):
+    """Heaviest files first. With -n 2 (--dist loadfile, --no-loadscope-reorder: pyproject.toml) xdist hands each
+    worker whole files in this order, two ahead; xdist's own order (most tests first) left the browser tests and
+    the package test, one or two tests of minutes each, to the end, where one worker ran them while the other was
+    idle. Heaviest first is the longest-processing-time rule: the tail is made of quick files, which balance. A
+    file's weight is its tests' marks (e2e, slow, neither); a file that uses the shared trained demo is not put
+    second when the first uses it too, so the second worker does not start by waiting for the first to build it."""
+
+    def weight(item) -> float:
+        if item.get_closest_marker("e2e"):
+            return SECONDS_E2E
+        return SECONDS_SLOW if item.get_closest_marker("slow") else SECONDS_QUICK
+
+    files: dict[str, list] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::")[0], []).append(item)
+    order = sorted(files, key=lambda f: -sum(weight(i) for i in files[f]))  # stable: ties keep their order
+
+    def demo(f):
+        return any("demo_trained" in getattr(i, "fixturenames", ()) for i in files[f])
+
+    if len(order) > 2 and demo(order[0]) and demo(order[1]):
+        other = next((f for f in order[2:] if not demo(f)), None)
+        if other is not None:
+            order.remove(other)
+            order.insert(1, other)
+    items[:] = [item for f in order for item in files[f]]
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _few_threads():
     import torch
