@@ -177,6 +177,7 @@ def feedback(tmp_path_factory):
     return write_feedback_data(out)
 
 
+@pytest.mark.slow  # a real KTO run in its own process
 def test_kto_run_through_core_train_charts_and_merges(tmp_path, tiny_llama, feedback):
     """python -m core.train on a `method: kto` config, as a process: KTOTrainer's figures (rewards of desirable and
     undesirable answers, KL) land in metrics.jsonl, the Monitor charts them, the adapter merges and verifies."""
@@ -204,6 +205,7 @@ def test_kto_run_through_core_train_charts_and_merges(tmp_path, tiny_llama, feed
     assert merged.verification.passed
 
 
+@pytest.mark.slow  # a real KTO run in its own process
 def test_kto_smoke_test_measures_its_smallest_batch(workspace, tiny_llama, feedback):
     from core.runs.admin import start_smoke_test
     from core.runs.launcher import wait_for_smoke

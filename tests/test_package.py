@@ -123,6 +123,7 @@ def _handshake(port: int, host: str) -> bytes:
         return s.recv(200).split(b"\r\n")[0]
 
 
+@pytest.mark.e2e  # the installed app in headless Chromium
 @pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="needs Chromium at /usr/bin/chromium")
 def test_the_installed_app_serves_its_pages_locally_and_refuses_a_foreign_host(installed, tmp_path):
     from playwright.sync_api import sync_playwright
