@@ -1,4 +1,5 @@
-"""Merge safety and broken input (issue 11), on real files: tiny models built here, real CLI subprocesses.
+"""Merge safety and broken input (issue 11), on real files: tiny models built here, the CLI's main in this process
+for its refusals (merge_main) and real `python -m core.merge` subprocesses for paths, exit status and kills.
 
 A wrong base (another config, or the same config with other weights than the adapter recorded) or vocabulary
 is refused unless forced; broken adapters, shards and configs get one sentence on
@@ -62,6 +63,15 @@ def run_cli(*args: str, cwd: Path = REPO, env_extra: dict | None = None) -> subp
     )
 
 
+def merge_main(*args: str) -> subprocess.CompletedProcess:
+    """The merge CLI's main(argv) in this process (tests/cli.py: in_process): the same checks without a new
+    interpreter; run_cli keeps the real `python -m core.merge` for the path and exit-status tests."""
+    from core.merge.__main__ import main
+    from tests.cli import in_process
+
+    return in_process(main, *args)
+
+
 def assert_refused(r: subprocess.CompletedProcess, out: Path, *phrases: str) -> None:
     """Exit 2, exactly one 'error: ...' line on stderr naming `phrases`, no traceback, nothing at `out`."""
     lines = [line for line in r.stderr.splitlines() if line.strip()]
@@ -97,10 +107,10 @@ def test_cli_refuses_a_base_other_than_the_recorded_one_unless_forced(
     # Same hidden size, so every adapter tensor fits: today this merges silently into the wrong model.
     other = build_tiny_model(tmp_path / "other", "llama", **overrides)
     out = workspace / "exports" / "m"
-    r = run_cli("--base", str(other), "--adapter", str(adapter), "--out", str(out))
+    r = merge_main("--base", str(other), "--adapter", str(adapter), "--out", str(out))
     assert_refused(r, out, str(tiny_llama), str(other), differs, "--force")
 
-    forced = run_cli("--base", str(other), "--adapter", str(adapter), "--out", str(out), "--force")
+    forced = merge_main("--base", str(other), "--adapter", str(adapter), "--out", str(out), "--force")
     assert forced.returncode == 0, forced.stderr[-3000:]
     assert (out / "config.json").is_file() and "force" in forced.stdout
 
@@ -162,18 +172,20 @@ def test_cli_refuses_another_finetune_of_the_base_the_adapter_was_trained_on(
 ):
     adapter = trained_adapter(tiny_llama, tmp_path / "run")
     out = workspace / "exports" / "m"
-    r = run_cli("--base", str(finetune), "--adapter", str(adapter), "--out", str(out))
+    r = merge_main("--base", str(finetune), "--adapter", str(adapter), "--out", str(out))
     assert_refused(
         r, out, f"trained on {tiny_llama}", str(finetune), "other values", "--force", "Merge anyway"
     )
     assert json.loads((adapter / "base_fingerprint.json").read_text())["base"] == str(tiny_llama)
 
-    same = run_cli("--base", str(tiny_llama), "--adapter", str(adapter), "--out", str(out))
+    same = merge_main("--base", str(tiny_llama), "--adapter", str(adapter), "--out", str(out))
     assert same.returncode == 0, same.stderr[-3000:]
     assert "verification (full): PASSED" in same.stdout and "note:" not in same.stdout, same.stdout
 
     forced_out = workspace / "exports" / "forced"
-    forced = run_cli("--base", str(finetune), "--adapter", str(adapter), "--out", str(forced_out), "--force")
+    forced = merge_main(
+        "--base", str(finetune), "--adapter", str(adapter), "--out", str(forced_out), "--force"
+    )
     assert forced.returncode == 0, forced.stderr[-3000:]
     assert (forced_out / "config.json").is_file()
     notes = [line for line in forced.stdout.splitlines() if line.strip().startswith("note:")]
@@ -378,7 +390,7 @@ def test_cli_broken_input_is_one_sentence_exit_2_nothing_written(
     base = copy_model(tiny_llama, tmp_path / "base")
     base_arg, adapter_arg, phrases = broken(adapter, base)
     out = workspace / "exports" / "broken"
-    r = run_cli("--base", str(base_arg), "--adapter", str(adapter_arg), "--out", str(out))
+    r = merge_main("--base", str(base_arg), "--adapter", str(adapter_arg), "--out", str(out))
     assert_refused(r, out, *phrases)
 
 
