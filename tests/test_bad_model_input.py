@@ -48,6 +48,17 @@ def _config(tmp: Path, model: Path, rows: list[dict]) -> Path:
 ROWS = [{"instruction": "Say hi", "output": "hi"}] * 4
 
 
+def _main(module: str, *args) -> subprocess.CompletedProcess:
+    """`python -m MODULE ARGS` (core.train, core.preflight) as its main(argv) in this process (tests/cli.py:
+    in_process): the refusals without a new interpreter each; test_empty_conversation_is_a_preflight_row_not_a_crash
+    and test_preflight_and_demo_clis_say_one_sentence keep the real commands (exit status, stderr)."""
+    from core.train.cli import main as train_main
+    from core.train.preflight import main as preflight_main
+    from tests.cli import in_process
+
+    return in_process({"core.train": train_main, "core.preflight": preflight_main}[module], *args)
+
+
 @pytest.mark.parametrize(
     ("kind", "message"),
     [
@@ -62,13 +73,7 @@ def test_broken_model_folder_is_one_sentence(tmp_path, tiny_llama, kind, message
 
     cfg = _config(tmp_path, _break(kind, tiny_llama, tmp_path), ROWS)
     for extra in (["--dry-run"], ["--run-dir", str(tmp_path / "run")]):
-        out = subprocess.run(
-            [sys.executable, "-m", "core.train", str(cfg), *extra],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        out = _main("core.train", str(cfg), *extra)
         errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
         assert out.returncode == 2 and len(errors) == 1 and message in errors[0], out.stderr[-2000:]
         assert "Traceback" not in out.stderr
@@ -255,9 +260,7 @@ def test_a_bad_model_folder_is_refused_by_preflight_and_dry_run_in_one_sentence(
     if kind == "wrong-shape":  # the trainer refuses it too, before loading
         commands.append(["core.train", str(cfg), "--run-dir", str(tmp_path / "run")])
     for command in commands:
-        out = subprocess.run(
-            [sys.executable, "-m", *command], cwd=ROOT, capture_output=True, text=True, timeout=300
-        )
+        out = _main(*command)
         errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
         assert out.returncode == 2 and len(errors) == 1, (command, out.stderr[-2000:])
         assert str(model) in errors[0] and all(s in errors[0] for s in says), (command, errors[0])
