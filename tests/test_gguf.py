@@ -306,6 +306,7 @@ def test_wrong_qk_mapping_is_caught(families, tmp_path, mode):
     assert read_progress(out)["phase"] == "failed"
 
 
+@pytest.mark.slow  # an export in its own process
 def test_wrong_mapping_via_cli_exits_1(families, tmp_path):
     out = tmp_path / "broken.gguf"
     env = dict(os.environ, LORA_COCKPIT_TEST_GGUF_SKIP_QK_PERMUTE="1")
@@ -325,7 +326,16 @@ def _cli(args: list[str], env: dict | None = None) -> subprocess.CompletedProces
     )
 
 
-def test_bad_inputs_exit_2_with_one_line(families, tmp_gpt2_model, tmp_path):
+def _main(args: list[str]) -> subprocess.CompletedProcess:
+    """core.gguf's main(argv) in this process (tests/cli.py: in_process), for the bad-input checks;
+    test_wrong_mapping_via_cli_exits_1 and the kill tests keep the real `python -m core.gguf`."""
+    from core.gguf.__main__ import main
+    from tests.cli import in_process
+
+    return in_process(main, *args)
+
+
+def test_bad_inputs_exit_2_with_one_line(families, tmp_gpt2_model, tmp_path, monkeypatch):
     no_cfg = tmp_path / "no_config"
     no_cfg.mkdir()
     existing = tmp_path / "exists.gguf"
@@ -355,9 +365,10 @@ def test_bad_inputs_exit_2_with_one_line(families, tmp_gpt2_model, tmp_path):
             "q3",
         ],
     }
-    env = dict(os.environ, PATH="/usr/bin:/bin", LORA_COCKPIT_NO_LLAMA_CPP="1")  # no K-quantizer at all
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # no K-quantizer at all
+    monkeypatch.setenv("LORA_COCKPIT_NO_LLAMA_CPP", "1")
     for phrase, args in cases.items():
-        p = _cli(args, env)
+        p = _main(args)
         lines = p.stderr.strip().splitlines()
         assert p.returncode == 2, (phrase, p.stderr)
         assert len(lines) == 1 and phrase in lines[0] and "Traceback" not in p.stderr, (phrase, p.stderr)
@@ -372,6 +383,7 @@ def tmp_gpt2_model(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("gpt2"), "gpt2")
 
 
+@pytest.mark.slow  # exports in their own processes, one killed midway
 def test_killed_export_leaves_nothing_and_next_run_cleans_up(families, tmp_path):
     out = tmp_path / "k.gguf"
     env = dict(os.environ, LORA_COCKPIT_TEST_GGUF_PAUSE_AFTER_FIRST_TENSOR="60")
@@ -398,6 +410,7 @@ def test_killed_export_leaves_nothing_and_next_run_cleans_up(families, tmp_path)
     assert not list(tmp_path.glob(".k.gguf.*.partial"))
 
 
+@pytest.mark.slow  # an export in its own process, stopped midway
 def test_sigterm_removes_the_temporary(families, tmp_path):
     out = tmp_path / "t.gguf"
     env = dict(os.environ, LORA_COCKPIT_TEST_GGUF_PAUSE_AFTER_FIRST_TENSOR="60")
@@ -422,6 +435,7 @@ def test_bad_input_api_raises_before_writing(families, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow  # two exports in their own processes
 def test_two_exports_to_one_path_leave_the_winners_sidecars(families, tmp_path):
     """Issue #21 item 10: the first export to finish keeps the file (right), but its .verify.json described the
     loser's export and progress.json said failed. The sidecars belong to the export whose file is there."""
@@ -486,7 +500,7 @@ def test_a_lying_safetensors_header_is_one_sentence_and_nothing_is_written(famil
     model = _lie(families["demo"], tmp_path / "model", LIES[lie])
     out = tmp_path / "out"
     out.mkdir()
-    p = _cli(["--model", str(model), "--out", str(out / "m.gguf")], dict(os.environ))
+    p = _main(["--model", str(model), "--out", str(out / "m.gguf")])
     lines = p.stderr.strip().splitlines()
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert len(lines) == 1 and "is not a valid safetensors file" in lines[0], p.stderr
