@@ -23,6 +23,16 @@ def run_cli(*args, timeout=180):
     )
 
 
+def estimate_main(*args) -> subprocess.CompletedProcess:
+    """core.estimate's main(argv) in this process (tests/cli.py: in_process), for the error paths; the real
+    `python -m core.estimate` keeps its exit-status test (test_a_folder_that_does_not_exist_is_said_so) and the
+    JSON and table tests."""
+    from core.estimate.cli import main
+    from tests.cli import in_process
+
+    return in_process(main, *args)
+
+
 @pytest.mark.slow
 def test_json_for_llama2_7b_lora_offline():
     proc = run_cli(
@@ -94,7 +104,7 @@ def test_human_table_and_long_sequence_warning(tiny_llama):
     ],
 )
 def test_bad_input_one_sentence_non_zero_exit(args, needle):
-    proc = run_cli(*args)
+    proc = estimate_main(*args)
     assert proc.returncode != 0
     assert needle in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -103,17 +113,17 @@ def test_bad_input_one_sentence_non_zero_exit(args, needle):
 
 @pytest.mark.slow
 def test_folder_problems(tmp_path):
-    proc = run_cli("--model", str(tmp_path))
+    proc = estimate_main("--model", str(tmp_path))
     assert proc.returncode != 0 and "no config.json" in proc.stderr and "Traceback" not in proc.stderr
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "vit", "hidden_size": 32}))
-    proc = run_cli("--model", str(tmp_path))
+    proc = estimate_main("--model", str(tmp_path))
     assert proc.returncode != 0 and "not a causal language model" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
 @pytest.mark.slow
 def test_rank_larger_than_the_layer(tiny_llama):
-    proc = run_cli("--model", str(tiny_llama), "--lora-r", "4096")
+    proc = estimate_main("--model", str(tiny_llama), "--lora-r", "4096")
     assert proc.returncode != 0
     assert "larger than the layer" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -129,7 +139,7 @@ def test_gpu_gb_help_lists_the_cards_by_name_from_the_one_table():
     """Issue #40 item 4: the Estimate page's GPU list and --gpu-gb's help read the same table of cards."""
     from core.estimate.cards import CARDS
 
-    proc = run_cli("--help", timeout=60)
+    proc = estimate_main("--help")
     assert proc.returncode == 0, proc.stderr
     text = " ".join(proc.stdout.split())  # argparse wraps the help
     for card in CARDS:

@@ -236,6 +236,15 @@ def _cli(*args):
     )
 
 
+def _main(*args) -> subprocess.CompletedProcess:
+    """core.estimate's main(argv) in this process (tests/cli.py: in_process), for the refusals beside each
+    real `python -m core.estimate` run (_cli)."""
+    from core.estimate.cli import main
+    from tests.cli import in_process
+
+    return in_process(main, *args)
+
+
 def test_cli_takes_levers_as_flags_and_lists_per_lever_savings():
     out = _cli(
         "--model",
@@ -268,7 +277,7 @@ def test_cli_takes_levers_as_flags_and_lists_per_lever_savings():
     assert data["cpu_pinned_bytes"] > 0 and "not yet measured" in data["modelled_not_measured"]
     levers = {r["lever"]: r for r in data["levers"]}
     assert levers["activation_offloading"]["on"] and levers["activation_offloading"]["saves_bytes"] > 0
-    bad = _cli("--model", LLAMA8B, "--packing-strategy", "zigzag")
+    bad = _main("--model", LLAMA8B, "--packing-strategy", "zigzag")
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and "packing_strategy" in bad.stderr
 
 
@@ -290,7 +299,7 @@ def test_cli_plans_a_run_config_through_the_engines_mapping(tmp_path):
     assert json.loads(out.stdout)["plan"] == plan_for_config(cfg, 48.0, "cuda").to_dict()
     assert json.loads(out.stdout)["plan"]["padding_free"] is True
     (tmp_path / "broken.yaml").write_text("training: {per_device_train_batch_size: -3}\n")
-    bad = _cli("--config", str(tmp_path / "broken.yaml"))
+    bad = _main("--config", str(tmp_path / "broken.yaml"))
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and bad.stderr.count("\n") == 1
 
 
@@ -398,7 +407,7 @@ def test_cli_plans_the_largest_batch_of_a_configs_real_rows(tmp_path, tiny_llama
     batch = data["data_batch"]
     assert batch["rows"] == 48 and 0 < batch["batch_tokens"] < 4 * 200
     assert batch["device_total_bytes"] < data["device_total_bytes"]
-    bad = _cli("--model", LLAMA8B, "--data-lengths")
+    bad = _main("--model", LLAMA8B, "--data-lengths")
     assert bad.returncode == 2 and "--config" in bad.stderr and "Traceback" not in bad.stderr
 
 
