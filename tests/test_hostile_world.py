@@ -66,6 +66,21 @@ def tmpfs(tmp_path):
     subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
+def _main(module: str, *args) -> subprocess.CompletedProcess:
+    """`python -m MODULE ARGS` as its main(argv) in this process (tests/cli.py: in_process), for refusals that need
+    no process of their own; the hang, memory-cap and read-only-mount checks keep real subprocesses (_cli)."""
+    import importlib
+
+    from tests.cli import in_process
+
+    mains = {
+        "core.gguf": "core.gguf.__main__",
+        "core.train": "core.train.cli",
+        "core.runs": "core.runs.__main__",
+    }
+    return in_process(importlib.import_module(mains[module]).main, *args)
+
+
 def _cli(*args, env=None, timeout=120):
     return subprocess.run(
         [sys.executable, "-m", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env
@@ -441,7 +456,7 @@ def test_gguf_on_a_bad_safetensors_header_is_one_sentence(tmp_path, tiny_llama, 
     (model / "config.json").write_text(json.dumps({**cfg, "architectures": ["LlamaForCausalLM"]}))
     (model / "model.safetensors").write_bytes(content)
     out = tmp_path / "x.gguf"
-    proc = _cli("core.gguf", "--model", str(model), "--out", str(out))
+    proc = _main("core.gguf", "--model", str(model), "--out", str(out))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-1500:]
     assert says in proc.stderr and "model.safetensors" in proc.stderr, proc.stderr
     assert not out.exists()
@@ -450,13 +465,13 @@ def test_gguf_on_a_bad_safetensors_header_is_one_sentence(tmp_path, tiny_llama, 
 def test_a_run_dir_too_long_or_a_dangling_link_is_refused_and_nothing_is_created(tmp_path, tiny_llama):
     config = _train_config(tmp_path, tiny_llama)
     long_dir = tmp_path / ("r" * 300)
-    proc = _cli("core.train", str(config), "--run-dir", str(long_dir))
+    proc = _main("core.train", str(config), "--run-dir", str(long_dir))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-1500:]
     assert "300 bytes long" in proc.stderr and "at most 255" in proc.stderr, proc.stderr
     target = tmp_path / "nonexistent" / "target"
     link = tmp_path / "link"
     link.symlink_to(target)
-    proc = _cli("core.train", str(config), "--run-dir", str(link))
+    proc = _main("core.train", str(config), "--run-dir", str(link))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-1500:]
     assert "symbolic link" in proc.stderr and "does not exist" in proc.stderr, proc.stderr
     assert not target.exists() and not target.parent.exists()  # it made /nonexistent/target before
@@ -514,18 +529,20 @@ def read_only_workspace(tmp_path, tiny_llama):
             folder.chmod(0o755)
 
 
-def test_launch_resume_and_delete_on_a_read_only_workspace_are_one_sentence_each(read_only_workspace):
+def test_launch_resume_and_delete_on_a_read_only_workspace_are_one_sentence_each(
+    read_only_workspace, monkeypatch
+):
     """Issue #42 item 3: each ended in an `OSError: [Errno 30]` traceback (reading worked)."""
     ws, config = read_only_workspace
     runs = ws / "runs"
     before = sorted(p.name for p in runs.iterdir())
-    env = dict(os.environ, LORA_COCKPIT_WORKSPACE=str(ws))
+    monkeypatch.setenv("LORA_COCKPIT_WORKSPACE", str(ws))
     for args, folder, fix in (
         (("launch", str(config), "--name", "new"), runs, "choose a workspace you can write to"),
         (("resume", "stopped"), runs / "stopped", "and resume again"),
         (("delete", "ended"), runs, "so nothing was deleted"),
     ):
-        proc = _cli("core.runs", *args, env=env)
+        proc = _main("core.runs", *args)
         lines = [line for line in proc.stderr.splitlines() if line.strip()]
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, (args, proc.stderr[-2000:])
         assert len(lines) == 1 and lines[0].startswith("error: Cannot "), (args, proc.stderr)
