@@ -497,8 +497,13 @@ def test_cli_bad_inputs_exit_nonzero_without_traceback(tiny_llama, tmp_path, wor
             "not a folder",
         ),
     ]
+    from core.merge.__main__ import main
+    from tests.cli import in_process  # main(argv) here: an exception (a traceback) fails the test
+
     for args, message in bad:
-        r = run_cli(*args)
+        r = in_process(main, *args)
         assert r.returncode != 0 and message in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
-    r = run_cli("--base", str(tiny_llama), "--adapter", str(adapter), "--out", out, "--dtype", "int3")
+    r = in_process(
+        main, "--base", str(tiny_llama), "--adapter", str(adapter), "--out", out, "--dtype", "int3"
+    )
     assert r.returncode != 0 and "invalid choice" in r.stderr
