@@ -1,5 +1,6 @@
 """Shared fixtures: tiny real models built locally (no hub), offline mode, few threads (CI has 2 cores), and
-the trained demo built once per test session and shared by every test and both xdist workers (`demo_trained`)."""
+the demo built (`demo_built`) and trained (`demo_trained`) once per test session, shared by every test and both
+xdist workers."""
 
 import contextlib
 import fcntl
@@ -61,7 +62,7 @@ def pytest_collection_modifyitems(config, items):
     order = sorted(files, key=lambda f: -sum(weight(i) for i in files[f]))  # stable: ties keep their order
 
     def demo(f):
-        return any("demo_trained" in getattr(i, "fixturenames", ()) for i in files[f])
+        return any({"demo_trained", "demo_built"} & set(getattr(i, "fixturenames", ())) for i in files[f])
 
     if len(order) > 2 and demo(order[0]) and demo(order[1]):
         other = next((f for f in order[2:] if not demo(f)), None)
@@ -155,8 +156,9 @@ def cached(tmp_path_factory, name: str, build) -> Path:
 
 @dataclass(frozen=True)
 class TrainedDemo:
-    """`python -m core.demo --out FOLDER --run`: the demo built (default pretraining) and its SFT run trained.
-    Shared by the whole session: read it, never write into it; `copy(dest)` gives a folder of your own."""
+    """A demo folder shared by the whole session: `python -m core.demo --out FOLDER --run` (demo_trained: the
+    default pretraining and its SFT run trained) or the assets alone (demo_built). Read it, never write into it;
+    `copy(dest)` gives a folder of your own."""
 
     folder: Path
     stdout: str
@@ -170,12 +172,13 @@ class TrainedDemo:
         return self.run_dir / "adapter"
 
     def copy(self, dest: Path) -> Path:
-        """A copy of the demo's assets (base, data, manifest) at `dest`, without its trained run; its run.yaml
-        written again for `dest`, as a build there would have (its paths are absolute)."""
-        from core.demo.build import write_run_config
+        """A copy of the demo's assets (base, data, manifest) at `dest`, without a trained run; a run.yaml (the
+        CLI writes one) written again for `dest`, as the CLI there would have (its paths are absolute)."""
+        from core.demo.build import RUN_CONFIG, write_run_config
 
         shutil.copytree(self.folder, dest, ignore=shutil.ignore_patterns("example-run*"))
-        write_run_config(dest)
+        if (dest / RUN_CONFIG).exists():
+            write_run_config(dest)
         return dest
 
 
@@ -194,9 +197,24 @@ def _train_demo(folder: Path) -> None:
     (folder / "result.json").write_text(json.dumps({"returncode": proc.returncode}))
 
 
+def _build_demo_200(folder: Path) -> None:
+    from core.demo.build import build_demo
+
+    build_demo(folder / "demo", pretrain_steps=200, log=lambda _m: None)
+
+
+@pytest.fixture(scope="session")
+def demo_built(tmp_path_factory) -> TrainedDemo:
+    """The demo's assets with a 200-step pretrained base, built once for the session (both workers), no run: what
+    the tests calibrated on that base start from (test_eval's 40-step run, the launched run of test_demo, the
+    browser tests whose runs must still be learning at their evaluations). `copy(dest)` for a folder of your own."""
+    folder = cached(tmp_path_factory, "demo-200", _build_demo_200)
+    return TrainedDemo(folder / "demo", "")
+
+
 @pytest.fixture(scope="session")
 def demo_trained(tmp_path_factory) -> TrainedDemo:
     """The demo, built and its SFT run trained by the demo's own CLI, once for the whole session (both workers):
-    what test_demo, test_eval, the DPO/KTO/GRPO demo tests and the browser tests on the demo start from."""
+    what the CLI's own test (test_demo) and the DPO/KTO/GRPO demo tests start from."""
     folder = cached(tmp_path_factory, "demo-trained", _train_demo)
     return TrainedDemo(folder / "demo", (folder / "stdout.txt").read_text())

@@ -63,11 +63,13 @@ def test_demo_cli_builds_the_base_and_its_run_learns_the_heldout_task(demo_train
 
 
 @pytest.mark.slow
-def test_demo_run_learns_the_heldout_task(workspace, monkeypatch, demo_trained):
+def test_demo_run_learns_the_heldout_task(workspace, monkeypatch, demo_built):
     monkeypatch.setenv(
         "OMP_NUM_THREADS", "1"
     )  # the launched trainer: tiny model, 1 thread is fastest on 2 shared cores
-    demo = demo_trained.copy(workspace / "demo")  # the session's demo build (conftest.py), a copy of our own
+    demo = demo_built.copy(
+        workspace / "demo"
+    )  # the session's 200-step demo build (conftest.py), our own copy
     cfg = demo_config(workspace)
     assert cfg["model"]["path"] == str((workspace / "demo" / "base").resolve())
     cfg["training"].update(max_steps=40, eval_steps=20, save_steps=20)

@@ -20,14 +20,14 @@ pytestmark = [
 SHOTS = REPO / "e2e-screenshots"
 
 
-def test_dpo_run_from_the_train_page_is_charted_on_the_monitor(tmp_path, demo_trained):
+def test_dpo_run_from_the_train_page_is_charted_on_the_monitor(tmp_path, demo_built):
     from playwright.sync_api import sync_playwright
 
     SHOTS.mkdir(exist_ok=True)
     ws = tmp_path / "ws"
     ws.mkdir()
-    # the session's demo build (conftest.py), a copy of our own; the page's Build is e2e_flow's test
-    demo_trained.copy(ws / "demo")
+    # the session's 200-step demo build (conftest.py), a copy of our own; the page's Build is e2e_flow's test
+    demo_built.copy(ws / "demo")
     with streamlit_server(ws, tmp_path / "logs") as url, sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1400, "height": 1100})

@@ -19,7 +19,7 @@ pytestmark = [
 SHOTS = REPO / "e2e-screenshots"
 
 
-def test_finished_demo_run_is_evaluated_from_the_page(tmp_path, monkeypatch, demo_trained):
+def test_finished_demo_run_is_evaluated_from_the_page(tmp_path, monkeypatch, demo_built):
     from playwright.sync_api import sync_playwright
 
     from core.demo.build import demo_config
@@ -29,7 +29,7 @@ def test_finished_demo_run_is_evaluated_from_the_page(tmp_path, monkeypatch, dem
     ws = tmp_path / "ws"
     ws.mkdir()
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the launched trainer: a tiny model, one thread is fastest
-    demo = demo_trained.copy(ws / "demo")  # the session's demo build (conftest.py)
+    demo = demo_built.copy(ws / "demo")  # the session's 200-step demo build (conftest.py)
     cfg = demo_config(out=demo)
     # evaluations at steps 5 and 10: early enough that the answers are still changing between the two
     cfg["training"].update(max_steps=10, eval_steps=5, save_steps=10, eval_samples=3)

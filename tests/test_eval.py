@@ -97,13 +97,13 @@ def test_summary_lines_read_base_then_tuned():
 
 
 @pytest.fixture(scope="module")
-def demo_run(tmp_path_factory, demo_trained):
+def demo_run(tmp_path_factory, demo_built):
     """(demo folder, a finished 40-step demo run with training.eval_samples: 3, evaluated every 20 steps), on a
-    copy of the session's demo build (conftest.py)."""
+    copy of the session's 200-step demo build (conftest.py: demo_built)."""
     from core.demo.build import demo_config
 
     root = tmp_path_factory.mktemp("eval_demo")
-    demo = demo_trained.copy(root / "demo")
+    demo = demo_built.copy(root / "demo")
     cfg = demo_config(out=demo)
     cfg["training"].update(max_steps=40, eval_steps=20, save_steps=20, eval_samples=3)
     run_dir = root / "runs" / "demo-eval"
