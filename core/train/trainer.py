@@ -291,7 +291,8 @@ def _run_training(
     prec, checkpoint, new_hyperparameters = _setup_run(cfg, run_dir, resume, smoke, start)
     if sources.hub_refs(cfg).get("data") is not None:
         data = None  # prepared from a streamed sample before the download: the run trains on the whole split
-    cfg = sources.for_training(cfg, run_dir)  # Hub ids: fetched (progress in the run folder), then local folders
+    # Hub ids: fetched (progress in the run folder), then local folders
+    cfg = sources.for_training(cfg, run_dir)
     if distributed.world_size(cfg) > 1 and not smoke:  # a smoke test measures one process's step
         return _supervise(cfg, run_dir, prec, checkpoint, new_hyperparameters, stop)
     return _train_and_finish(cfg, prec, run_dir, checkpoint, smoke, stop, identity, new_hyperparameters, data)
