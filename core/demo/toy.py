@@ -17,13 +17,18 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer(out_dir: str | os.PathLike | None = None, chat_template: bool = True):
-    """A character-level fast tokenizer (99 tokens + role markers); saved to `out_dir` when given."""
+def build_tokenizer(
+    out_dir: str | os.PathLike | None = None, chat_template: bool = True, extra_specials: tuple[str, ...] = ()
+):
+    """A character-level fast tokenizer (99 tokens + role markers, then `extra_specials`: an image token); saved to
+    `out_dir` when given."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     roles = ["<|system|>", "<|user|>", "<|assistant|>"]
-    vocab = {t: i for i, t in enumerate(SPECIALS + roles + list(string.printable[:95]))}
+    vocab = {
+        t: i for i, t in enumerate(SPECIALS + roles + list(string.printable[:95]) + list(extra_specials))
+    }
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     tok.decoder = decoders.Fuse()
@@ -33,7 +38,7 @@ def build_tokenizer(out_dir: str | os.PathLike | None = None, chat_template: boo
         eos_token="</s>",
         pad_token="<pad>",
         unk_token="<unk>",
-        additional_special_tokens=roles,
+        additional_special_tokens=roles + list(extra_specials),
     )
     if chat_template:
         fast.chat_template = CHAT_TEMPLATE
@@ -116,3 +121,94 @@ def build_tiny_model(
     if tokenizer:
         build_tokenizer(out)
     return out
+
+
+# ---- vision-language models -----------------------------------------------------------------------------------
+
+IMAGE_TOKEN = "<image>"
+VLM_TEMPLATE = (  # the chat template above, with an image entry written as the processor's placeholder
+    "{% for m in messages %}<|{{ m['role'] }}|>"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+    "{% if c['type'] == 'image' %}" + IMAGE_TOKEN + "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}</s>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+VLM_FAMILIES = ("llava",)
+
+
+def build_tiny_vlm(
+    out_dir: str | os.PathLike, family: str = "llava", seed: int = 0, image_size: int = 28
+) -> Path:
+    """Save a randomly initialised tiny vision-language model with its processor (an image processor, the char
+    tokenizer with an image token, a chat template that writes it) to `out_dir`. `family`: llava (a CLIP vision
+    tower, a projector, a Llama language model; (image_size/7)^2 image tokens per image)."""
+    import torch
+    from transformers import AutoConfig, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    if family not in VLM_FAMILIES:
+        raise ValueError(f"family must be one of {', '.join(VLM_FAMILIES)} (got {family!r}).")
+    out = Path(out_dir)
+    tok = build_tokenizer(extra_specials=(IMAGE_TOKEN,))
+    tok.chat_template = VLM_TEMPLATE
+    patch = 7
+    images = CLIPImageProcessorPil(
+        size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}
+    )
+    processor = LlavaProcessor(
+        image_processor=images,
+        tokenizer=tok,
+        patch_size=patch,
+        vision_feature_select_strategy="default",  # the CLS feature dropped: one token per patch
+        num_additional_image_tokens=1,
+        chat_template=VLM_TEMPLATE,
+    )
+    text = tiny_config("llama", vocab_size=len(tok))
+    vision = AutoConfig.for_model(
+        "clip_vision_model",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=image_size,
+        patch_size=patch,
+        projection_dim=32,
+    )
+    config = LlavaConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_index=tok.convert_tokens_to_ids(IMAGE_TOKEN),
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-1,
+    )
+    torch.manual_seed(seed)
+    LlavaForConditionalGeneration(config).save_pretrained(str(out))
+    processor.save_pretrained(str(out))
+    return out
+
+
+COLOURS = {"red": (220, 30, 30), "green": (30, 180, 60), "blue": (40, 60, 220), "yellow": (230, 210, 40)}
+
+
+def build_image_dataset(out_dir: str | os.PathLike, rows: int = 16, seed: int = 0) -> Path:
+    """A tiny image conversation dataset: PNG squares of four colours in <out_dir>/imgs/, and data.jsonl whose rows
+    ask "What colour is this?" about one of them (the path relative to the file) and answer its colour name.
+    Returns the data file."""
+    import json
+    import random
+
+    from PIL import Image
+
+    out = Path(out_dir)
+    (out / "imgs").mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    lines = []
+    for i in range(rows):
+        name = list(COLOURS)[i % len(COLOURS)]
+        size = (rng.randint(20, 48), rng.randint(20, 48))  # sizes vary; the processor resizes them
+        Image.new("RGB", size, COLOURS[name]).save(out / "imgs" / f"{i}.png")
+        user = [{"type": "image", "image": f"imgs/{i}.png"}, {"type": "text", "text": "What colour is this?"}]
+        messages = [{"role": "user", "content": user}, {"role": "assistant", "content": name}]
+        lines.append(json.dumps({"messages": messages}))
+    data = out / "data.jsonl"
+    data.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return data

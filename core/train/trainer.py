@@ -25,7 +25,7 @@ from core.monitor.gpu import GpuSampler
 from core.precision import Device, Precision, PrecisionError, resolve, torch_dtype
 from core.runs import rundir
 from core.runs.rundir import read_status, truncate_metrics, write_status
-from core.train import distributed, methods, ranks, sources
+from core.train import distributed, methods, ranks, sources, vision
 from core.train.callbacks import (
     StopFlag,
     early_stop,
@@ -85,7 +85,8 @@ def load_model(cfg: dict, prec: Precision, path: str | None = None):
         kwargs["quantization_config"] = quant
         # 4-bit weights are quantized where they land: on the GPU choose_precision named (torch's current one)
         kwargs["device_map"] = {"": "cpu"} if prec.on_cpu else {"": torch.cuda.current_device()}
-    model = AutoModelForCausalLM.from_pretrained(path or m["path"], **kwargs)
+    auto = vision.model_class() if vision.folder_is_vlm(path or m["path"]) else AutoModelForCausalLM
+    model = auto.from_pretrained(path or m["path"], **kwargs)
     model.config.use_cache = False  # the KV cache only costs memory in training
     return model
 
@@ -116,7 +117,7 @@ def make_trainer(
         train_dataset=train_ds,
         eval_dataset=eval_ds,
         processing_class=tokenizer,
-        peft_config=lora_config(cfg),
+        peft_config=lora_config(cfg, vision_model=vision.is_processor(tokenizer)),
         callbacks=list(callbacks),
     )
     if collator is not None:  # GRPOTrainer batches its own generations and takes no collator
@@ -556,7 +557,9 @@ def _train(
     method, t = methods.get(cfg), cfg["training"]
     # one process samples its GPU; the ranks of a run on several are sampled by their supervisor
     sampler = _gpu_sampler(run_dir) if ranks.spec() is None else None
-    collator = method.smoke_collator(tokenizer.pad_token_id, t.get("max_length")) if smoke else None
+    collator = vision.collator(tokenizer, cfg) or (
+        method.smoke_collator(tokenizer.pad_token_id, t.get("max_length")) if smoke else None
+    )
     samples_per_step = (
         method.smoke_batch(cfg)
         if smoke
