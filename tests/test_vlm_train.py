@@ -1,0 +1,173 @@
+"""Vision-language SFT on the CPU as a user runs it (issue #36 item 4): a tiny random LLaVA (CLIP vision tower,
+projector, Llama language model) saved with its processor, a generated dataset of coloured PNG squares asked about
+in image conversations, `python -m core.train` with LoRA, `python -m core.preflight` naming a broken image by its
+row, and the merge of the adapter leaving the vision tower as it was."""
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.cli import REPO, train
+
+slow = pytest.mark.slow
+VISION = ("vision_tower", "multi_modal_projector")
+
+
+def _config(model: Path, data: Path, **training) -> dict:
+    from core.train.config import validate_config
+
+    return validate_config(
+        {
+            "model": {"path": str(model), "dtype": "float32"},
+            "lora": {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": "all-linear"},
+            "data": {"path": str(data), "eval_split": 0.25},
+            "training": {
+                "per_device_train_batch_size": 4,
+                "learning_rate": 5e-3,
+                "max_length": 128,
+                **training,
+            },
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    """(root, base model folder, data file): a tiny LLaVA and 16 image conversations."""
+    from core.demo.toy import build_image_dataset, build_tiny_vlm
+
+    root = tmp_path_factory.mktemp("vlm")
+    return root, build_tiny_vlm(root / "base"), build_image_dataset(root / "data", rows=16)
+
+
+@pytest.fixture(scope="module")
+def vlm_run(vlm):
+    root, base, data = vlm
+    run_dir = root / "runs" / "vlm"
+    done = train(_config(base, data, max_steps=8, logging_steps=1), run_dir)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return run_dir
+
+
+def _copy_data(vlm, tmp_path: Path) -> Path:
+    _, _, data = vlm
+    shutil.copytree(data.parent, tmp_path / "data")
+    return tmp_path / "data" / data.name
+
+
+def _preflight(cfg: dict, tmp_path: Path) -> subprocess.CompletedProcess:
+    from core.train.config import dump_config
+
+    path = dump_config(cfg, tmp_path / "run.yaml")
+    return subprocess.run(
+        [sys.executable, "-m", "core.preflight", str(path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_a_conversation_trains_on_its_answer_alone_not_on_the_prompt_or_the_image_tokens(vlm):
+    from core.train import vision
+    from core.train.data import IGNORE_INDEX, load_rows
+
+    _, base, data = vlm
+    processor = vision.load_processor(base)
+    fmt = vision.ImageChat({"path": str(data)})
+    messages = fmt.messages(load_rows({"path": str(data)})[0])
+    row = vision.encode(messages, processor, max_length=128)
+    ids, labels = row["input_ids"].tolist(), row["labels"].tolist()
+    images = [i for i, t in enumerate(ids) if t == processor.image_token_id]
+    assert len(images) == 16  # (28 / 7)^2 patches: the processor expanded the one placeholder
+    assert all(labels[i] == IGNORE_INDEX for i in images)
+    trained = [t for t in labels if t != IGNORE_INDEX]
+    assert processor.tokenizer.decode(trained) == "red</s>"  # row 0 asks about a red square
+    assert row["pixel_values"].shape == (1, 3, 28, 28)
+
+
+def test_the_token_lengths_count_each_image_as_the_processor_expands_it(vlm):
+    from core.train import vision
+
+    _, base, data = vlm
+    processor = vision.load_processor(base)
+    preview = vision.preview({"path": str(data)}, processor, n=3, length_rows=16, max_length=128)
+    assert preview["total_rows"] == 16 and len(preview["lengths"]) == 16
+    fmt = vision.ImageChat({"path": str(data)})
+    from core.train.data import load_rows
+
+    rows = load_rows({"path": str(data)})
+    for i in range(3):  # the header-only rule against the processor really run on the image
+        assert preview["lengths"][i] == len(vision.encode(fmt.messages(rows[i]), processor)["input_ids"])
+        shown = preview["rows"][i]
+        assert [Path(p).name for p in shown["images"]] == [f"{i}.png"] and Path(shown["images"][0]).is_file()
+        assert shown["image_tokens"] == 16
+
+
+def test_preflight_names_a_missing_image_by_its_row(vlm, tmp_path):
+    _, base, _ = vlm
+    data = _copy_data(vlm, tmp_path)
+    (data.parent / "imgs" / "2.png").unlink()
+    out = _preflight(_config(base, data), tmp_path)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "Traceback" not in out.stderr
+    lines = [line for line in out.stderr.splitlines() if "[images]" in line]
+    assert (
+        len(lines) == 1 and "Row 3:" in lines[0] and "imgs/2.png" in lines[0] and "does not exist" in lines[0]
+    )
+
+
+def test_preflight_names_a_truncated_and_a_garbage_image_by_their_rows(vlm, tmp_path):
+    _, base, _ = vlm
+    data = _copy_data(vlm, tmp_path)
+    png = data.parent / "imgs" / "1.png"
+    png.write_bytes(png.read_bytes()[: png.stat().st_size // 2])  # a download cut short
+    (data.parent / "imgs" / "4.png").write_bytes(b"this is not a PNG")
+    out = _preflight(_config(base, data), tmp_path)
+    assert out.returncode == 2, out.stdout + out.stderr
+    lines = [line for line in out.stderr.splitlines() if "[images]" in line]
+    assert len(lines) == 2, out.stderr
+    assert "Row 2:" in lines[0] and "imgs/1.png" in lines[0] and "cannot be read as an image" in lines[0]
+    assert "Row 5:" in lines[1] and "imgs/4.png" in lines[1] and "cannot be read as an image" in lines[1]
+
+
+@slow
+def test_a_tiny_vlm_trains_lora_on_its_language_model_with_the_vision_tower_frozen(vlm_run):
+    logged = [json.loads(line) for line in (vlm_run / "metrics.jsonl").read_text().splitlines()]
+    losses = [m["loss"] for m in logged if "loss" in m]
+    assert len(losses) == 8 and all(math.isfinite(x) for x in losses)
+    assert losses[-1] < losses[0]  # it learns the colours' names
+    assert any("eval_loss" in m for m in logged)  # the held-out image rows were evaluated
+    assert json.loads((vlm_run / "status.json").read_text())["state"] == "finished"
+    adapter = vlm_run / "adapter"
+    keys = load_file(str(adapter / "adapter_model.safetensors"))
+    assert keys and all("language_model" in k for k in keys)
+    assert not any(part in k for k in keys for part in VISION)
+    assert (adapter / "processor_config.json").is_file()  # the processor travels with the adapter
+    assert any((vlm_run / "checkpoints").glob("checkpoint-*"))
+
+
+@slow
+def test_the_merge_folds_the_adapter_and_leaves_the_vision_tower_byte_identical(vlm, vlm_run, tmp_path):
+    from core import merge as M
+
+    _, base, _ = vlm
+    out = tmp_path / "merged"
+    result = M.merge_at(str(base), str(vlm_run / "adapter"), str(out), dtype="fp32")
+    assert result.verification.passed, result.verification.lines()
+    before, after = load_file(str(base / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert set(before) == set(after)
+    vision = [k for k in before if any(part in k for part in VISION)]
+    assert vision and all(
+        before[k].numpy().tobytes() == after[k].numpy().tobytes() for k in vision
+    )  # the vision tower and projector as they were
+    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    assert changed and all("language_model" in k for k in changed)
+    assert (out / "processor_config.json").is_file()
