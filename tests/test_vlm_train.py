@@ -171,3 +171,27 @@ def test_the_merge_folds_the_adapter_and_leaves_the_vision_tower_byte_identical(
     changed = [k for k in before if not torch.equal(before[k], after[k])]
     assert changed and all("language_model" in k for k in changed)
     assert (out / "processor_config.json").is_file()
+
+
+def test_the_train_page_previews_image_rows_with_thumbnails_and_passes_preflight(vlm, workspace):
+    from streamlit.testing.v1 import AppTest
+
+    _, base, data = vlm
+    at = AppTest.from_file(str(REPO / "pages" / "train.py"), default_timeout=180)
+    at.session_state["workspace"] = str(workspace)
+    at.session_state["train_config"] = {
+        "model": {"path": str(base)},
+        "data": {"path": str(data), "max_length": 128},
+        "training": {"per_device_train_batch_size": 2, "max_steps": 4},
+    }
+    at.run()
+    assert not at.exception, at.exception
+    assert not at.error, [e.value for e in at.error]
+    assert any(s.value.startswith("Preflight: no problems") for s in at.success)
+    preview = at.dataframe[0].value
+    assert len(preview) == 5 and preview["completion"].iloc[0].startswith("red")
+    images = at.get("image")
+    assert len(images) == 5  # one thumbnail per shown row's image
+    assert [c for i in images for c in i.captions] == [f"row {n}: 16 image tokens" for n in range(1, 6)]
+    assert any(c.value.startswith("Images of the first rows") for c in at.caption)
+    assert at.get("vega_lite_chart"), "token length histogram"

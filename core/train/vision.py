@@ -455,3 +455,15 @@ def preview(data_cfg: dict, processor, n: int = 5, length_rows: int = 5000, max_
         "sample": is_sample(ds),
         "images": True,
     }
+
+
+def run_preview(cfg: dict, tokenizer, model_config, n: int = 5, length_rows: int = 5000) -> dict:
+    """The Train page's preview of an SFT run's data: its image conversations for a VLM (`preview`: image paths
+    for thumbnails, lengths with the image tokens), else core.train.data.preview_dataset."""
+    from core.train.data import preview_dataset
+
+    max_length = cfg["training"]["max_length"]
+    if is_vlm(model_config):
+        processor = processor_for(cfg["model"], tokenizer)
+        return preview(cfg["data"], processor, n=n, length_rows=length_rows, max_length=max_length)
+    return preview_dataset(cfg["data"], tokenizer, n=n, length_rows=length_rows, max_length=max_length)
