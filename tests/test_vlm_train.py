@@ -195,3 +195,34 @@ def test_the_train_page_previews_image_rows_with_thumbnails_and_passes_preflight
     assert [c for i in images for c in i.captions] == [f"row {n}: 16 image tokens" for n in range(1, 6)]
     assert any(c.value.startswith("Images of the first rows") for c in at.caption)
     assert at.get("vega_lite_chart"), "token length histogram"
+
+
+def test_qlora_quantizes_the_language_model_and_keeps_the_vision_tower_in_its_dtype(vlm):
+    import bitsandbytes as bnb
+
+    from core.precision import Device, resolve
+    from core.train.trainer import load_model
+
+    _, base, data = vlm
+    cfg = _config(base, data)
+    cfg["quantization"] = {**cfg["quantization"], "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}
+    model = load_model(cfg, resolve(cfg, Device.local()))
+    linears = {n: type(m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    vision = {n: t for n, t in linears.items() if any(part in n for part in VISION)}
+    language = {n: t for n, t in linears.items() if "language_model.layers" in n}
+    assert vision and all(t is torch.nn.Linear for t in vision.values())
+    assert language and all(t is bnb.nn.Linear4bit for t in language.values())
+
+
+@slow
+def test_a_tiny_vlm_trains_with_qlora_on_the_cpu(vlm, tmp_path):
+    root, base, data = vlm
+    cfg = _config(base, data, max_steps=2, logging_steps=1)
+    cfg["quantization"] = {**cfg["quantization"], "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}
+    done = train(cfg, tmp_path / "qlora")
+    assert done.returncode == 0, done.stderr[-3000:]
+    logged = [json.loads(line) for line in (tmp_path / "qlora" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["loss"] for m in logged if "loss" in m] and all(
+        math.isfinite(m["loss"]) for m in logged if "loss" in m
+    )
+    assert (tmp_path / "qlora" / "adapter" / "adapter_model.safetensors").is_file()

@@ -81,6 +81,7 @@ def load_model(cfg: dict, prec: Precision, path: str | None = None):
         "trust_remote_code": m["trust_remote_code"],
     }
     quant = bnb_config(cfg, prec.dtype)
+    vision.quantization(quant, path or m["path"])
     if quant is not None:
         kwargs["quantization_config"] = quant
         # 4-bit weights are quantized where they land: on the GPU choose_precision named (torch's current one)

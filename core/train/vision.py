@@ -81,6 +81,17 @@ def lora_targets(lora: dict) -> dict:
     return {**lora, "exclude_modules": rf".*({VISION_MODULES}).*"}
 
 
+def quantization(quant, path) -> None:
+    """QLoRA on a VLM quantizes its language model only: the frozen vision tower and projector stay in the load
+    dtype (4-bit image features lose detail, and bitsandbytes' CPU kernels refuse layers narrower than a block)."""
+    if quant is not None and folder_is_vlm(path):
+        keep = [
+            rf"(?:.*\.)?(?:{VISION_MODULES})",
+            "lm_head",
+        ]  # transformers matches these from the name's start
+        quant.llm_int8_skip_modules = list(dict.fromkeys([*(quant.llm_int8_skip_modules or []), *keep]))
+
+
 # ---- the data ------------------------------------------------------------------------------------------------
 
 
