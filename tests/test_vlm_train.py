@@ -226,3 +226,21 @@ def test_a_tiny_vlm_trains_with_qlora_on_the_cpu(vlm, tmp_path):
         math.isfinite(m["loss"]) for m in logged if "loss" in m
     )
     assert (tmp_path / "qlora" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_a_full_fine_tune_of_a_vlm_trains_the_language_model_with_the_vision_tower_frozen(vlm):
+    from core.precision import Device, resolve
+    from core.train import vision
+    from core.train.data import load_rows
+    from core.train.trainer import load_model, make_trainer
+
+    _, base, data = vlm
+    cfg = _config(base, data, max_steps=1)
+    cfg["lora"] = {**cfg["lora"], "enabled": False}
+    prec = resolve(cfg, Device.local())
+    processor = vision.load_processor(base)
+    train_ds, _ = vision.datasets(cfg, load_rows(cfg["data"]))
+    trainer = make_trainer(cfg, prec, load_model(cfg, prec), processor, train_ds)
+    grads = {n: p.requires_grad for n, p in trainer.model.named_parameters()}
+    assert not any(g for n, g in grads.items() if any(part in n for part in VISION))
+    assert all(g for n, g in grads.items() if "language_model.layers" in n)

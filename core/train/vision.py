@@ -14,6 +14,7 @@ LoRA trains the language model only: the vision tower and its projector stay fro
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from core.train.data import IGNORE_INDEX, DataError, _as_paths, _chat_segments
@@ -79,6 +80,14 @@ def lora_targets(lora: dict) -> dict:
     """The lora section with the image side kept out: peft's exclude_modules names the vision tower and projector,
     whatever target_modules says ("all-linear" would otherwise wrap the vision tower's layers too)."""
     return {**lora, "exclude_modules": rf".*({VISION_MODULES}).*"}
+
+
+def freeze_tower(model) -> None:
+    """The vision tower and projector frozen (a full fine-tune trains the language model only)."""
+    pattern = re.compile(rf"(?:^|\.)(?:{VISION_MODULES})\.")
+    for name, param in model.named_parameters():
+        if pattern.search(name):
+            param.requires_grad_(False)
 
 
 def quantization(quant, path) -> None:
