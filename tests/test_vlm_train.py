@@ -244,3 +244,30 @@ def test_a_full_fine_tune_of_a_vlm_trains_the_language_model_with_the_vision_tow
     grads = {n: p.requires_grad for n, p in trainer.model.named_parameters()}
     assert not any(g for n, g in grads.items() if any(part in n for part in VISION))
     assert all(g for n, g in grads.items() if "language_model.layers" in n)
+
+
+@slow
+def test_the_tuned_vlm_is_evaluated_against_its_base_on_the_held_out_image_rows(vlm_run):
+    out = subprocess.run(
+        [sys.executable, "-m", "core.eval", "--run", str(vlm_run), "--max-new-tokens", "4"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "eval: chrF" in out.stdout and "Traceback" not in out.stderr
+    summary = json.loads((vlm_run / "eval" / "eval-split" / "summary.json").read_text())["summary"]
+    rows = [
+        json.loads(line) for line in (vlm_run / "eval" / "eval-split" / "rows.jsonl").read_text().splitlines()
+    ]
+    assert summary["rows"] == 4 and all(Path(r["images"][0]).is_file() for r in rows)
+    assert all(r["reference"] in {"red", "green", "blue", "yellow"} for r in rows)
+    # the answer loss over the held-out answers is the trainer's own last eval_loss: the same rows, the same labels
+    logged = [json.loads(line) for line in (vlm_run / "metrics.jsonl").read_text().splitlines()]
+    last_eval = [m["eval_loss"] for m in logged if "eval_loss" in m][-1]
+    tokens = sum(r["n_answer_tokens"] for r in rows)
+    tuned = sum(r["tuned_loss_sum"] for r in rows) / tokens
+    base = sum(r["base_loss_sum"] for r in rows) / tokens
+    assert abs(tuned - last_eval) < 1e-3, (tuned, last_eval)
+    assert tuned < base

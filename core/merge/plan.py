@@ -242,6 +242,7 @@ class _Targets:
         self.base_dir, self.config, self.base, self.out_code = base_dir, config, base, out_code
         model, hf_cfg = _meta_model(config)
         self.modules = dict(model.named_modules())
+        self.aliases = _checkpoint_names(model, base.tensors)  # base_key reads it from here on
         names = {id(m): n for n, m in self.modules.items()}
         self.in_emb = names.get(id(model.get_input_embeddings()))
         out_emb_mod = model.get_output_embeddings()
@@ -255,7 +256,6 @@ class _Targets:
         self.out_emb_key = f"{self.out_emb}.weight" if self.out_emb else None
         # lm_head.weight not on disk: it is the embedding
         self.tied_missing = self.tied and self.base_key(self.out_emb_key) is None
-        self.aliases = _checkpoint_names(model, base.tensors)
         self.by_key: dict[str, TensorPlan] = {}
         for key, info in base.tensors.items():
             code = out_code if info.code in FLOAT_CODES else info.code
