@@ -94,11 +94,11 @@ def test_a_conversation_trains_on_its_answer_alone_not_on_the_prompt_or_the_imag
 
 
 def test_the_token_lengths_count_each_image_as_the_processor_expands_it(vlm):
-    from core.train import vision
+    from core.train import vision, vision_checks
 
     _, base, data = vlm
     processor = vision.load_processor(base)
-    preview = vision.preview({"path": str(data)}, processor, n=3, length_rows=16, max_length=128)
+    preview = vision_checks.preview({"path": str(data)}, processor, n=3, length_rows=16, max_length=128)
     assert preview["total_rows"] == 16 and len(preview["lengths"]) == 16
     fmt = vision.ImageChat({"path": str(data)})
     from core.train.data import load_rows

@@ -18,7 +18,7 @@ from core.runs.admin import (
     start_smoke_test,
 )
 from core.runs.launcher import RunError, create_run, launch
-from core.train import methods, vision
+from core.train import methods, vision_checks
 from core.train.config import MAX_CONFIG_BYTES, ConfigError, config_to_yaml, parse_yaml, validate_config
 from core.train.data import DataError
 from core.train.preflight import load_tokenizer_and_config, run_preflight
@@ -40,7 +40,7 @@ def _preview(cfg_yaml: str) -> dict:
 
     cfg = yaml.safe_load(cfg_yaml)
     tok, conf = _tokenizer_and_config(cfg["model"]["path"], cfg["model"]["trust_remote_code"])
-    return vision.run_preview(cfg, tok, conf, n=5, length_rows=5000)
+    return vision_checks.run_preview(cfg, tok, conf, n=5, length_rows=5000)
 
 
 @st.cache_data(ttl=30, show_spinner="Running preflight…")

@@ -3,7 +3,7 @@ loss (core.train.data)."""
 
 from __future__ import annotations
 
-from core.train import vision
+from core.train import vision, vision_checks
 from core.train.data import (
     FORMAT_COLUMNS,
     IGNORE_INDEX,
@@ -180,7 +180,7 @@ def sft_findings(cfg: dict, tokenizer=None, model_config=None) -> list[Finding]:
             processor = vision.processor_for(cfg["model"], tokenizer)
         except DataError as exc:
             return [Finding("error", "processor", str(exc), "")]
-        return vision.findings(cfg, ds, processor)
+        return vision_checks.findings(cfg, ds, processor)
     if fmt == "chat" and not getattr(tokenizer, "chat_template", None):
         findings.append(
             Finding(
