@@ -3,6 +3,7 @@ projector, Llama language model) saved with its processor, a generated dataset o
 in image conversations, `python -m core.train` with LoRA, `python -m core.preflight` naming a broken image by its
 row, and the merge of the adapter leaving the vision tower as it was."""
 
+import contextlib
 import json
 import math
 import shutil
@@ -271,3 +272,39 @@ def test_the_tuned_vlm_is_evaluated_against_its_base_on_the_held_out_image_rows(
     base = sum(r["base_loss_sum"] for r in rows) / tokens
     assert abs(tuned - last_eval) < 1e-3, (tuned, last_eval)
     assert tuned < base
+
+
+@slow
+def test_launch_on_the_train_page_trains_a_vlm_to_its_adapter(vlm, workspace, request):
+    import time
+
+    from streamlit.testing.v1 import AppTest
+
+    from core.runs.launcher import stop_run
+
+    _, base, data = vlm
+    at = AppTest.from_file(str(REPO / "dashboard.py"), default_timeout=180)  # Launch switches to the Monitor
+    at.session_state["workspace"] = str(workspace)
+    at.session_state["train_config"] = {
+        "model": {"path": str(base), "dtype": "float32"},
+        "data": {"path": str(data), "max_length": 128},
+        "training": {"per_device_train_batch_size": 2, "max_steps": 3, "logging_steps": 1},
+    }
+    at.run()
+    at.switch_page("pages/train.py").run()
+    assert not at.exception, at.exception
+    launch = at.button(key="tr_launch")
+    assert not launch.disabled, [e.value for e in at.error]
+    launch.click().run()
+    assert not at.exception, at.exception
+    run_dir = Path(at.session_state["monitor_run"])
+    request.addfinalizer(lambda: stop_run(run_dir, grace_s=10))  # never leave a trainer behind on failure
+    deadline = time.time() + 300
+    status = {}
+    while time.time() < deadline and status.get("state") not in ("finished", "failed"):
+        time.sleep(1)
+        with contextlib.suppress(OSError, ValueError):  # not written yet, or mid-write
+            status = json.loads((run_dir / "status.json").read_text())
+    assert status.get("state") == "finished", (run_dir / "stderr.log").read_text()[-2000:]
+    assert (run_dir / "adapter" / "adapter_model.safetensors").is_file()
+    assert (run_dir / "adapter" / "processor_config.json").is_file()
