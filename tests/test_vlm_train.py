@@ -308,3 +308,40 @@ def test_launch_on_the_train_page_trains_a_vlm_to_its_adapter(vlm, workspace, re
     assert status.get("state") == "finished", (run_dir / "stderr.log").read_text()[-2000:]
     assert (run_dir / "adapter" / "adapter_model.safetensors").is_file()
     assert (run_dir / "adapter" / "processor_config.json").is_file()
+
+
+def test_a_smoke_batch_of_image_rows_is_filled_to_max_length_and_trains_the_same_tokens(vlm):
+    from core.train import vision
+    from core.train.data import IGNORE_INDEX, load_rows
+
+    _, base, data = vlm
+    processor = vision.load_processor(base)
+    fmt = vision.ImageChat({"path": str(data)})
+    rows = [fmt.text_row(fmt.messages(r)) for r in load_rows({"path": str(data)}).select(range(2))]
+    real = vision.ImageCollator(processor, 128)([dict(r) for r in rows])
+    filled = vision.ImageCollator(processor, 128, fill=True)([dict(r) for r in rows])
+    assert filled["input_ids"].shape == (2, 128) and real["input_ids"].shape[1] < 128
+    assert bool(filled["attention_mask"].all())  # the filler is attended to, as a max_length row would be
+    width = real["labels"].shape[1]
+    assert torch.equal(filled["labels"][:, :width], real["labels"])
+    assert bool((filled["labels"][:, width:] == IGNORE_INDEX).all())
+    assert torch.equal(filled["pixel_values"], real["pixel_values"])
+
+
+@slow
+def test_the_smoke_test_of_a_vlm_measures_a_step_at_max_length(vlm, tmp_path):
+    from core.train.config import dump_config
+
+    _, base, data = vlm
+    path = dump_config(_config(base, data), tmp_path / "run.yaml")
+    out = subprocess.run(
+        [sys.executable, "-m", "core.train", str(path), "--run-dir", str(tmp_path / "smoke"), "--smoke"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    smoke = json.loads((tmp_path / "smoke" / "smoke.json").read_text())
+    assert smoke["state"] == "finished" and smoke["peak_bytes"] > 0 and smoke["max_length"] == 128
+    assert "plan.json: not written" in out.stdout  # the planner has no VLM yet: one line, not a failure

@@ -560,7 +560,7 @@ def _train(
     method, t = methods.get(cfg), cfg["training"]
     # one process samples its GPU; the ranks of a run on several are sampled by their supervisor
     sampler = _gpu_sampler(run_dir) if ranks.spec() is None else None
-    collator = vision.collator(tokenizer, cfg) or (
+    collator = vision.collator(tokenizer, cfg, smoke) or (
         method.smoke_collator(tokenizer.pad_token_id, t.get("max_length")) if smoke else None
     )
     samples_per_step = (

@@ -271,10 +271,13 @@ def _image_tokens(processor, sizes: list[tuple[int, int]]) -> list[int]:
 
 class ImageCollator:
     """Batches of image conversations, processed on the fly (TRL's vision path): right-padded input_ids, labels
-    with the prompt and image tokens at -100, the processor's image tensors concatenated."""
+    with the prompt and image tokens at -100, the processor's image tensors concatenated. fill (a smoke test):
+    every row filled to max_length, attended to but not trained on, as core.train.methods.sft.SmokeCollator does,
+    so that the step measured is the longest a run can meet."""
 
-    def __init__(self, processor, max_length: int | None, mask_prompt: bool = True):
+    def __init__(self, processor, max_length: int | None, mask_prompt: bool = True, fill: bool = False):
         self.processor, self.max_length, self.mask_prompt = processor, max_length, mask_prompt
+        self.fill = fill and max_length is not None
         self.pad_token_id = processor.tokenizer.pad_token_id
         self.tokens_seen = 0
         self.samples_seen = 0
@@ -286,17 +289,18 @@ class ImageCollator:
             encode(json.loads(f["messages"]), self.processor, self.max_length, self.mask_prompt)
             for f in features
         ]
-        width = max(len(r["input_ids"]) for r in rows)
+        width = self.max_length if self.fill else max(len(r["input_ids"]) for r in rows)
         batch: dict = {}
         for key in (*[k for k in SEQUENCE_KEYS if k in rows[0]], "labels"):
             fill = self.pad_token_id if key == "input_ids" else IGNORE_INDEX if key == "labels" else 0
+            fill = 1 if key == "attention_mask" and self.fill else fill
             batch[key] = torch.full((len(rows), width), fill, dtype=rows[0][key].dtype)
             for i, r in enumerate(rows):
                 batch[key][i, : len(r[key])] = r[key]
         for key in rows[0]:
             if key not in batch and key != "length":
                 batch[key] = torch.cat([r[key] for r in rows if key in r])
-        self.tokens_seen += int(batch["attention_mask"].sum()) if "attention_mask" in batch else 0
+        self.tokens_seen += sum(len(r["input_ids"]) for r in rows)
         self.samples_seen += len(rows)
         return batch
 
@@ -317,11 +321,13 @@ def processor_for(model_cfg: dict, processing_class=None):
     )
 
 
-def collator(processing_class, cfg: dict):
-    """The batches of a VLM run (ImageCollator), None for a text model's (its method's own)."""
+def collator(processing_class, cfg: dict, smoke: bool = False):
+    """The batches of a VLM run (ImageCollator; a smoke test's filled to max_length), None for a text model's."""
     if not is_processor(processing_class):
         return None
-    return ImageCollator(processing_class, cfg["training"]["max_length"], cfg["data"]["mask_prompt"])
+    return ImageCollator(
+        processing_class, cfg["training"]["max_length"], cfg["data"]["mask_prompt"], fill=smoke
+    )
 
 
 def datasets(cfg: dict, ds):
