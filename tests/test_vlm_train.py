@@ -345,3 +345,33 @@ def test_the_smoke_test_of_a_vlm_measures_a_step_at_max_length(vlm, tmp_path):
     smoke = json.loads((tmp_path / "smoke" / "smoke.json").read_text())
     assert smoke["state"] == "finished" and smoke["peak_bytes"] > 0 and smoke["max_length"] == 128
     assert "plan.json: not written" in out.stdout  # the planner has no VLM yet: one line, not a failure
+
+
+@slow
+def test_a_tiny_qwen2_5_vl_trains_lora_with_its_vision_tower_frozen(tmp_path):
+    # transformers builds a Qwen2.5-VL processor only with torchvision (its video processor); not installed on
+    # every machine this suite runs on
+    pytest.importorskip("torchvision")
+    from core.demo.toy import build_image_dataset, build_tiny_vlm
+
+    base = build_tiny_vlm(tmp_path / "qwen", "qwen2_5_vl")
+    data = build_image_dataset(tmp_path / "data", rows=8)
+    run_dir = tmp_path / "run"
+    done = train(_config(base, data, max_steps=3, logging_steps=1), run_dir)
+    assert done.returncode == 0, done.stderr[-3000:]
+    losses = [json.loads(line).get("loss") for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [x for x in losses if x is not None] and all(math.isfinite(x) for x in losses if x is not None)
+    keys = load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+    assert keys and all("language_model" in k for k in keys) and not any("visual" in k for k in keys)
+
+
+def test_the_qwen2_5_vl_builder_says_what_it_needs_without_torchvision(tmp_path):
+    import importlib.util
+
+    from core.demo.toy import build_tiny_vlm
+
+    if importlib.util.find_spec("torchvision") is not None:
+        pytest.skip("torchvision is installed: the builder works (the training test above)")
+    with pytest.raises(ValueError, match="needs torchvision"):
+        build_tiny_vlm(tmp_path / "qwen", "qwen2_5_vl")
+    assert not (tmp_path / "qwen").exists()  # nothing half-written

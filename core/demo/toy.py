@@ -126,64 +126,135 @@ def build_tiny_model(
 # ---- vision-language models -----------------------------------------------------------------------------------
 
 IMAGE_TOKEN = "<image>"
-VLM_TEMPLATE = (  # the chat template above, with an image entry written as the processor's placeholder
-    "{% for m in messages %}<|{{ m['role'] }}|>"
-    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
-    "{% if c['type'] == 'image' %}" + IMAGE_TOKEN + "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}</s>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+QWEN_IMAGE = (
+    "<|vision_start|><|image_pad|><|vision_end|>"  # Qwen2-VL's image entry; <|image_pad|> is expanded
 )
-VLM_FAMILIES = ("llava",)
 
 
-def build_tiny_vlm(
-    out_dir: str | os.PathLike, family: str = "llava", seed: int = 0, image_size: int = 28
-) -> Path:
+def vlm_template(image: str) -> str:
+    """The chat template above, with an image entry written as the family's placeholder."""
+    return (
+        "{% for m in messages %}<|{{ m['role'] }}|>"
+        "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+        "{% if c['type'] == 'image' %}" + image + "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}"
+        "{% endfor %}{% endif %}</s>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+
+
+VLM_FAMILIES = ("llava", "qwen2_5_vl")
+
+
+def build_tiny_vlm(out_dir: str | os.PathLike, family: str = "llava", seed: int = 0) -> Path:
     """Save a randomly initialised tiny vision-language model with its processor (an image processor, the char
-    tokenizer with an image token, a chat template that writes it) to `out_dir`. `family`: llava (a CLIP vision
-    tower, a projector, a Llama language model; (image_size/7)^2 image tokens per image)."""
+    tokenizer with the family's image tokens, a chat template that writes them) to `out_dir`. `family`: llava (a
+    CLIP vision tower, a projector, a Llama language model; 16 image tokens per image) or qwen2_5_vl (a 2-block
+    Qwen2.5-VL vision tower with its patch merger; (H/14 * W/14) / 4 image tokens, the image resized within
+    [56^2, 112^2] pixels). transformers builds Qwen2.5-VL's processor only with torchvision installed (it holds a
+    video processor)."""
     import torch
-    from transformers import AutoConfig, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
-    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
     if family not in VLM_FAMILIES:
         raise ValueError(f"family must be one of {', '.join(VLM_FAMILIES)} (got {family!r}).")
     out = Path(out_dir)
+    torch.manual_seed(seed)
+    model, processor = _tiny_llava() if family == "llava" else _tiny_qwen2_5_vl()
+    model.save_pretrained(str(out))
+    processor.save_pretrained(str(out))
+    return out
+
+
+def _tiny_llava():
+    from transformers import AutoConfig, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
     tok = build_tokenizer(extra_specials=(IMAGE_TOKEN,))
-    tok.chat_template = VLM_TEMPLATE
-    patch = 7
-    images = CLIPImageProcessorPil(
-        size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}
-    )
+    tok.chat_template = vlm_template(IMAGE_TOKEN)
+    size, patch = 28, 7
+    images = CLIPImageProcessorPil(size={"shortest_edge": size}, crop_size={"height": size, "width": size})
     processor = LlavaProcessor(
         image_processor=images,
         tokenizer=tok,
         patch_size=patch,
         vision_feature_select_strategy="default",  # the CLS feature dropped: one token per patch
         num_additional_image_tokens=1,
-        chat_template=VLM_TEMPLATE,
+        chat_template=tok.chat_template,
     )
-    text = tiny_config("llama", vocab_size=len(tok))
     vision = AutoConfig.for_model(
         "clip_vision_model",
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
         num_attention_heads=2,
-        image_size=image_size,
+        image_size=size,
         patch_size=patch,
         projection_dim=32,
     )
     config = LlavaConfig(
-        text_config=text,
+        text_config=tiny_config("llama", vocab_size=len(tok)),
         vision_config=vision,
         image_token_index=tok.convert_tokens_to_ids(IMAGE_TOKEN),
         vision_feature_select_strategy="default",
         vision_feature_layer=-1,
     )
-    torch.manual_seed(seed)
-    LlavaForConditionalGeneration(config).save_pretrained(str(out))
-    processor.save_pretrained(str(out))
-    return out
+    return LlavaForConditionalGeneration(config), processor
+
+
+def _tiny_qwen2_5_vl():
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    try:
+        from transformers import Qwen2VLVideoProcessor
+
+        video = Qwen2VLVideoProcessor()
+    except (ImportError, AttributeError, ValueError):
+        raise ValueError(
+            "a Qwen2.5-VL processor needs torchvision (it holds a video processor): install torchvision, or "
+            "build the llava family."
+        ) from None
+    specials = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+    tok = build_tokenizer(extra_specials=specials)
+    tok.chat_template = vlm_template(QWEN_IMAGE)
+    images = Qwen2VLImageProcessorPil(size={"shortest_edge": 56 * 56, "longest_edge": 112 * 112})
+    processor = Qwen2_5_VLProcessor(
+        image_processor=images, tokenizer=tok, video_processor=video, chat_template=tok.chat_template
+    )
+    ids = {t: tok.convert_tokens_to_ids(t) for t in specials}
+    text = dict(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        # multimodal RoPE: its sections (temporal, height, width) add up to head_dim / 2
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    vision = dict(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=64,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        window_size=56,
+        fullatt_block_indexes=[1],
+    )
+    config = Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
+    return Qwen2_5_VLForConditionalGeneration(config), processor
 
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 180, 60), "blue": (40, 60, 220), "yellow": (230, 210, 40)}
