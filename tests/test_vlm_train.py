@@ -375,3 +375,20 @@ def test_the_qwen2_5_vl_builder_says_what_it_needs_without_torchvision(tmp_path)
     with pytest.raises(ValueError, match="needs torchvision"):
         build_tiny_vlm(tmp_path / "qwen", "qwen2_5_vl")
     assert not (tmp_path / "qwen").exists()  # nothing half-written
+
+
+def test_an_image_entry_without_a_file_is_named_and_a_path_key_is_read(vlm, tmp_path):
+    from core.train import vision, vision_checks
+    from core.train.data import load_rows
+
+    _, base, _ = vlm
+    data = _copy_data(vlm, tmp_path)
+    rows = [json.loads(line) for line in data.read_text().splitlines()][:4]
+    rows[1]["messages"][0]["content"][0] = {"type": "image"}  # as a Hub dataset with an images column has it
+    rows[2]["messages"][0]["content"][0] = {"type": "image", "path": "imgs/2.png"}  # transformers' key
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = _config(base, data)
+    found = vision_checks.findings(cfg, load_rows(cfg["data"]), vision.load_processor(base))
+    errors = [f for f in found if f.level == "error"]
+    assert len(errors) == 1 and errors[0].rows == [2], [str(f) for f in found]
+    assert errors[0].message.startswith("Row 2: an image entry names no file")

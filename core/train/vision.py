@@ -129,7 +129,7 @@ class ImageChat:
                         return None
                     c = {k: v for k, v in c.items() if v is not None}
                     if c.get("type") == "image" or "image" in c:
-                        c = {"type": "image", "image": str(self.resolve(c.get("image")))}
+                        c = {"type": "image", "image": str(self.resolve(image_path(c)))}
                     entries.append(c)
                 content = entries
             elif not isinstance(content, str):
@@ -159,12 +159,21 @@ class ImageChat:
             content = m.get("content") if isinstance(m, dict) else None
             for c in content if isinstance(content, list) else []:
                 if isinstance(c, dict) and (c.get("type") == "image" or c.get("image") is not None):
-                    out.append(str(c.get("image")))
+                    out.append(image_path(c))
         return out
 
     def text_row(self, messages: list[dict]) -> dict:
         """The row as the trainer holds it (TRL's vision dataset: `messages` and `images`)."""
         return {"messages": json.dumps(messages), "images": self.images(messages)}
+
+
+def image_path(entry: dict) -> str:
+    """The file an image entry names: "image" (TRL's and this project's key), or "path" / "url" (transformers'
+    chat-template keys) for a local file; "" when it names none."""
+    for key in ("image", "path", "url"):
+        if isinstance(entry.get(key), str) and entry[key].strip():
+            return entry[key]
+    return ""
 
 
 def open_image(path):

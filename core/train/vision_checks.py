@@ -52,7 +52,7 @@ def findings(cfg: dict, ds, processor) -> list:
             continue
         broken = False
         for written, path in zip(fmt.raw_images(row), fmt.images(msgs), strict=True):
-            problem = image_problem(path)
+            problem = image_problem(path) if written else "names no file"
             if problem:
                 broken, bad_images = True, bad_images + 1
                 if bad_images <= SHOW_IMAGE_FINDINGS:
@@ -60,8 +60,7 @@ def findings(cfg: dict, ds, processor) -> list:
                         Finding(
                             "error",
                             "images",
-                            f"Row {i + 1}: the image {written} ({path}) {problem}; fix the path (relative to the "
-                            "data file) or replace the file.",
+                            _image_sentence(i + 1, written, path, problem),
                             "",
                             rows=[i + 1],
                         )
@@ -112,6 +111,15 @@ def findings(cfg: dict, ds, processor) -> list:
             )
         )
     return out
+
+
+def _image_sentence(row: int, written: str, path, problem: str) -> str:
+    if not written:  # {"type": "image"} alone: the image would be in a dataset column, which is not read yet
+        return (
+            f'Row {row}: an image entry names no file; give its path as {{"type": "image", "image": "imgs/0.png"}} '
+            "(relative to the data file); images held in a dataset column are not read yet."
+        )
+    return f"Row {row}: the image {written} ({path}) {problem}; fix the path (relative to the data file) or replace the file."
 
 
 def _has_text(content) -> bool:
