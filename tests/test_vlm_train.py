@@ -392,3 +392,18 @@ def test_an_image_entry_without_a_file_is_named_and_a_path_key_is_read(vlm, tmp_
     errors = [f for f in found if f.level == "error"]
     assert len(errors) == 1 and errors[0].rows == [2], [str(f) for f in found]
     assert errors[0].message.startswith("Row 2: an image entry names no file")
+
+
+@slow
+def test_try_it_asks_the_base_and_the_adapter_about_an_image(vlm, vlm_run):
+    from core import merge as M
+
+    _, base, data = vlm
+    picture = data.parent / "imgs" / "1.png"  # a green square
+    res = M.try_adapter(base, vlm_run / "adapter", "What colour is this?", max_new_tokens=4, image=picture)
+    assert "<image>" in res.prompt and "What colour is this?" in res.prompt
+    assert isinstance(res.base_text, str) and isinstance(res.adapter_text, str)
+    text_only = M.try_adapter(base, vlm_run / "adapter", "What colour is this?", max_new_tokens=4)
+    assert "<image>" not in text_only.prompt  # a VLM answers a text prompt too
+    with pytest.raises(M.MergeError, match="cannot be read"):
+        M.try_adapter(base, vlm_run / "adapter", "What colour?", image=data.parent / "imgs" / "missing.png")

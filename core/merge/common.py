@@ -93,6 +93,16 @@ def auto_model_class(config: dict):
     return transformers.AutoModelForImageTextToText if vlm else transformers.AutoModelForCausalLM
 
 
+def is_vision_model(folder) -> bool:
+    """The model folder's config.json has a vision_config (a VLM: Try it can ask about an image)."""
+    try:
+        return isinstance(
+            json.loads((Path(folder) / "config.json").read_text(encoding="utf-8")).get("vision_config"), dict
+        )
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def gb(n: int) -> str:
     return f"{n / GB:.2f} GB" if n >= 0.1 * GB else f"{n / MB:.1f} MB"
 
