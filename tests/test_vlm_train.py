@@ -407,3 +407,30 @@ def test_try_it_asks_the_base_and_the_adapter_about_an_image(vlm, vlm_run):
     assert "<image>" not in text_only.prompt  # a VLM answers a text prompt too
     with pytest.raises(M.MergeError, match="cannot be read"):
         M.try_adapter(base, vlm_run / "adapter", "What colour?", image=data.parent / "imgs" / "missing.png")
+
+
+@slow
+def test_the_merge_page_tries_a_vlm_adapter_on_an_image(vlm, vlm_run, workspace):
+    from streamlit.testing.v1 import AppTest
+
+    _, base, data = vlm
+    run = workspace / "runs" / "vlm-1"
+    run.mkdir(parents=True)
+    for name in ("config.yaml", "status.json"):
+        shutil.copy(vlm_run / name, run / name)
+    shutil.copytree(vlm_run / "adapter", run / "adapter")
+    at = AppTest.from_file(str(REPO / "pages" / "merge.py"), default_timeout=180)
+    at.session_state["workspace"] = str(workspace)
+    at.run()
+    assert not at.exception, at.exception
+    assert at.text_input(key=f"merge_base_{run / 'adapter'}").value == str(base)
+    at.text_input(key="merge_image").set_value(str(data.parent / "imgs" / "2.png")).run()
+    at.text_area(key="merge_prompt").set_value("What colour is this?")
+    at.slider(key="merge_max_new").set_value(8)
+    at.button(key="merge_try").click().run()
+    assert not at.exception and not at.error, [e.value for e in at.error]
+    assert len(at.get("image")) == 1  # the picture asked about
+    assert [m.value for m in at.markdown if m.value.startswith("**Base")] == [
+        "**Base**",
+        "**Base + adapter**",
+    ]
