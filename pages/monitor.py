@@ -127,9 +127,7 @@ def method_charts(snap) -> None:
     except ValueError:
         return
     frames = {c.key: snap.charts.get(f"{spec.name}_{c.key}") for c in spec.charts}
-    shown = [
-        c for c in spec.charts if not c.optional or (frames[c.key] is not None and not frames[c.key].empty)
-    ]
+    shown = [c for c in spec.charts if frames[c.key] is not None]  # an optional chart: once logged
     for start in range(0, len(shown), CHARTS_PER_ROW):
         row = shown[start : start + CHARTS_PER_ROW]
         for column, chart in zip(
