@@ -41,9 +41,8 @@ class SFT(Method):
         return SFTTrainer
 
     def datasets(self, cfg: dict, tokenizer):
-        if vision.is_processor(
-            tokenizer
-        ):  # image conversations: processed batch by batch (core.train.vision)
+        # image conversations: messages + image paths, processed batch by batch (core.train.vision)
+        if vision.is_processor(tokenizer):
             return vision.datasets(cfg, load_rows(cfg["data"]))
         train, evaluation = prepare_datasets(cfg, tokenizer)
         # pre-tokenized with the prompt masked (labels -100): SFTTrainer uses input_ids/labels as they are
@@ -76,9 +75,7 @@ class SFT(Method):
 
     def sample_rows(self, rows, tokenizer, n: int) -> list[dict]:
         """Tokenized rows (input_ids, labels): the prompt is what comes before the last answer."""
-        if (
-            "labels" not in rows.column_names
-        ):  # image conversations: no samples yet (they would need the images)
+        if "labels" not in rows.column_names:  # image conversations: no samples yet (they need the images)
             return []
         out = []
         for row in rows.select(range(min(n, len(rows)))):
