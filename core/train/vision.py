@@ -51,9 +51,8 @@ def load_processor(path, trust_remote_code: bool = False):
 
     try:
         processor = AutoProcessor.from_pretrained(str(path), trust_remote_code=trust_remote_code)
-    except (
-        Exception
-    ) as exc:  # the library's own error: a property of the folder (or of a missing torchvision)
+    # the library's own error: a property of the folder (or of a missing torchvision: Qwen-VL's video processor)
+    except Exception as exc:
         raise DataError(
             f"model.path: {path} is a vision-language model but its processor does not load ({error_line(exc, 200)}): "
             "save the processor next to the weights (processor.save_pretrained)."
@@ -94,10 +93,8 @@ def quantization(quant, path) -> None:
     """QLoRA on a VLM quantizes its language model only: the frozen vision tower and projector stay in the load
     dtype (4-bit image features lose detail, and bitsandbytes' CPU kernels refuse layers narrower than a block)."""
     if quant is not None and folder_is_vlm(path):
-        keep = [
-            rf"(?:.*\.)?(?:{VISION_MODULES})",
-            "lm_head",
-        ]  # transformers matches these from the name's start
+        # transformers matches these from the module name's start
+        keep = [rf"(?:.*\.)?(?:{VISION_MODULES})", "lm_head"]
         quant.llm_int8_skip_modules = list(dict.fromkeys([*(quant.llm_int8_skip_modules or []), *keep]))
 
 
