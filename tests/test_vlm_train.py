@@ -125,6 +125,7 @@ def test_preflight_names_a_missing_image_by_its_row(vlm, tmp_path):
     )
 
 
+@slow  # ~20 s: a preflight subprocess
 def test_preflight_names_a_truncated_and_a_garbage_image_by_their_rows(vlm, tmp_path):
     _, base, _ = vlm
     data = _copy_data(vlm, tmp_path)
