@@ -1,0 +1,177 @@
+"""The bill's vision-language terms: the images' pixels, the vision tower's activations, the image tokens in the
+language model's sequence -- from the code of transformers 5.24 (each family's vision tower and processor), peft
+0.21 and trl 1.16 (SFTTrainer), measured against real steps of tiny models (tests/test_vlm.py,
+benchmarks/vlm_accuracy.py).
+
+What a step of a VLM holds beyond its language model's terms:
+- the vision tower's and projector's weights (in the spec's parameters; 4-bit under QLoRA: bitsandbytes quantizes
+  every nn.Linear but the head) and, trained, their gradients and optimizer states;
+- the batch's pixels (pixel_values: every patch, or every tile, in the load dtype), alive for the whole step;
+- the image tokens: they sit in the language model's sequence, so the max_length bound (TRL truncates the
+  processed ids, placeholders included) holds them: the language model's terms do not change, the text gets what
+  is left of seq_len;
+- the vision tower's activations. A frozen tower keeps none by itself (its input, the pixels, needs no grad), but
+  SFTTrainer turns on enable_input_require_grads for LoRA with gradient checkpointing, and transformers hooks the
+  input embeddings of every PreTrainedModel in the tree -- the vision tower's patch embedding too: the frozen tower
+  then runs with grad and, checkpointed like the decoder, keeps each block's input until backward reaches it (the
+  very end of backward), recomputing one block there. A trained tower (LoRA on it, or a full fine-tune) keeps its
+  block inputs with checkpointing, every block's saved tensors without.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from core.estimate.activation_terms import checkpointing_on, step_dtypes
+from core.estimate.plan import DTYPE_BYTES, Plan, PlanError
+from core.estimate.vlm import ImageTokens, VlmFacts, image_tokens, vlm_of
+
+
+@dataclass(frozen=True)
+class VisionTerms:
+    images: int  # images in the batch
+    per_image: ImageTokens
+    pixels: int  # pixel_values (and Idefics3's pixel mask) bytes, alive for the whole step
+    saved: int  # the vision tower's activations kept until backward reaches it
+    recompute: int  # one checkpointed vision block recomputed in backward (next to every gradient)
+    grad: bool  # does the vision tower run with grad (keep a graph)?
+    why: str
+
+
+def vision_runs_with_grad(facts: VlmFacts, plan: Plan) -> tuple[bool, str]:
+    """(whether the vision tower builds a graph, why) for this plan."""
+    if not plan.vision_frozen:
+        return (
+            True,
+            "the vision tower is trained (vision_frozen off): its activations are kept for its gradients",
+        )
+    if plan.method != "full" and checkpointing_on(plan) and facts.input_grads:
+        return True, (
+            "frozen, yet it runs with grad: SFTTrainer's enable_input_require_grads (LoRA with gradient "
+            "checkpointing) hooks the vision tower's patch embedding too, so its checkpointed blocks keep their "
+            "inputs until the end of backward"
+        )
+    return False, "frozen and fed pixels that need no grad: it keeps no activations"
+
+
+def pixel_bytes(facts: VlmFacts, tokens: ImageTokens, plan: Plan) -> int:
+    """One image's pixel_values as its processor returns them (cast to the load dtype by the collator's model)."""
+    d = DTYPE_BYTES[plan.load_dtype]
+    if facts.rule == "qwen":  # one row per patch: channels x temporal patch (2) x patch x patch
+        return tokens.patches * 3 * 2 * facts.patch_size**2 * d
+    side = facts.image_size
+    b = tokens.units * 3 * side * side * d
+    if facts.rule == "tiles":
+        b += tokens.units * side * side  # pixel_attention_mask, bool
+    return b
+
+
+def _block_saved(facts: VlmFacts, plan: Plan) -> float:
+    """Per patch: what one vision block saves for backward when it is not checkpointed (a pre-norm block: two
+    norms, the q/k/v projections, the attention output, the MLP's hidden and activation)."""
+    d = step_dtypes(plan)
+    h, inter = facts.vision_hidden, facts.vision_intermediate
+    norms = 2 * (h * d.hidden + 4 + (h * 4 if facts.rule == "qwen" else 0))
+    attention = (
+        4 * h * d.proj + h * d.proj + 4 * 4
+    )  # q, k, v, output (and its lse), the out-projection's input
+    mlp = (3 if facts.rule == "qwen" else 2) * inter * d.proj + inter * d.proj
+    return norms + attention + mlp + h * d.hidden  # and the residual
+
+
+def vision_terms(spec, plan: Plan, batch: int) -> VisionTerms | None:
+    """The vision terms of a step of `batch` rows (None for a language model)."""
+    facts = vlm_of(spec)
+    if facts is None:
+        return None
+    per = image_tokens(facts, plan)
+    images = batch * plan.images_per_row
+    grad, why = vision_runs_with_grad(facts, plan)
+    d = step_dtypes(plan)
+    patches = images * per.patches
+    saved = recompute = 0
+    if grad and images:
+        block = _block_saved(facts, plan)
+        if checkpointing_on(plan):
+            saved = facts.vision_layers * patches * facts.vision_hidden * d.hidden
+            recompute = int(patches * block)
+        else:
+            saved = int(facts.vision_layers * patches * block)
+        # outside the blocks: the embedded patches and the projector's input, kept for its backward
+        saved += patches * facts.vision_hidden * (d.hidden + 4)
+    return VisionTerms(
+        images=images,
+        per_image=per,
+        pixels=images * pixel_bytes(facts, per, plan),
+        saved=int(saved),
+        recompute=int(recompute),
+        grad=grad,
+        why=why,
+    )
+
+
+def check_images(spec, plan: Plan) -> None:
+    """PlanError when one row's images alone are longer than seq_len (TRL truncates the placeholders, and the model
+    then refuses: "Image features and image tokens do not match")."""
+    facts = vlm_of(spec)
+    if facts is None or not plan.images_per_row:
+        return
+    per = image_tokens(facts, plan)
+    need = per.tokens * plan.images_per_row
+    if need >= plan.seq_len:
+        fix = "lower max_pixels or the image size" if facts.rule == "qwen" else "use fewer images per row"
+        raise PlanError(
+            f"{plan.images_per_row} image(s) of {plan.image_width}x{plan.image_height} take {need:,} tokens "
+            f"({per.tokens:,} each), not less than seq_len {plan.seq_len}: TRL would truncate their placeholders and "
+            f"the model refuse the batch; raise seq_len (max_length) or {fix}."
+        )
+
+
+def vlm_record(facts: VlmFacts, v: VisionTerms, plan: Plan) -> dict:
+    """The estimate's `vlm` record: the images, their tokens and where the numbers come from, the vision terms."""
+    d = DTYPE_BYTES[plan.load_dtype]
+    return {
+        "family": facts.family,
+        "image_size": f"{plan.image_width}x{plan.image_height}",
+        "max_pixels": plan.max_pixels,
+        "images_per_row": plan.images_per_row,
+        "image_tokens_per_image": v.per_image.tokens,
+        "image_tokens_per_row": v.per_image.tokens * plan.images_per_row,
+        "text_tokens_per_row": max(0, plan.seq_len - v.per_image.tokens * plan.images_per_row),
+        "vision_patches_per_image": v.per_image.patches,
+        "tokens_source": v.per_image.source,
+        "vision_params": facts.vision_params,
+        "projector_params": facts.projector_params,
+        "vision_weight_bytes": (facts.vision_params + facts.projector_params) * d,
+        "vision_frozen": plan.vision_frozen,
+        "vision_grad": v.grad,
+        "vision_grad_reason": v.why,
+        "pixel_bytes": v.pixels,
+        "vision_activation_bytes": v.saved,
+        "vision_recompute_bytes": v.recompute,
+    }
+
+
+def vlm_lines(est) -> list[str]:
+    """What a terminal (and the Estimate page) says of a VLM estimate."""
+    m = getattr(est, "vlm", None)
+    if not m:
+        return []
+    from core.fmt import gib
+
+    frozen = "frozen" if m["vision_frozen"] else "trained"
+    return [
+        f"vision-language model ({m['family']}): {m['images_per_row']} image(s) per row of {m['image_size']} px "
+        f"-> {m['image_tokens_per_image']:,} image tokens each ({m['image_tokens_per_row']:,} of the row's "
+        f"{m['image_tokens_per_row'] + m['text_tokens_per_row']:,}; {m['text_tokens_per_row']:,} left for text)",
+        f"  image tokens from: {m['tokens_source']}",
+        f"  vision tower {m['vision_params']:,} params + projector {m['projector_params']:,} "
+        f"({gib(m['vision_weight_bytes'])} in the load dtype), {frozen}; pixels {gib(m['pixel_bytes'])}",
+        f"  vision activations {gib(m['vision_activation_bytes'])}"
+        + (
+            f", one block recomputed {gib(m['vision_recompute_bytes'])}"
+            if m["vision_recompute_bytes"]
+            else ""
+        )
+        + f": {m['vision_grad_reason']}",
+    ]
