@@ -122,8 +122,7 @@ def estimate(plan: Plan, spec: ModelSpec | None = None) -> Estimate:
         if plan.method != "full"
         else ()
     )
-    warnings += check_against_spec(spec, plan, targets)
-    check_images(spec, plan)
+    warnings += check_against_spec(spec, plan, targets) + check_images(spec, plan)
     if plan.gpus > 1 and plan.strategy == "auto":
         # DDP when the plan fits one card (fastest: nothing gathered), else FSDP full shard
         ddp = _estimate(replace(plan, strategy="ddp"), plan, spec, targets, warnings)

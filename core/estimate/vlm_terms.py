@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from core.estimate.activation_terms import checkpointing_on, step_dtypes
-from core.estimate.plan import DTYPE_BYTES, Plan, PlanError
+from core.estimate.plan import DTYPE_BYTES, Plan
 from core.estimate.vlm import ImageTokens, VlmFacts, image_tokens, vlm_of
 
 
@@ -110,21 +110,23 @@ def vision_terms(spec, plan: Plan, batch: int) -> VisionTerms | None:
     )
 
 
-def check_images(spec, plan: Plan) -> None:
-    """PlanError when one row's images alone are longer than seq_len (TRL truncates the placeholders, and the model
-    then refuses: "Image features and image tokens do not match")."""
+def check_images(spec, plan: Plan) -> list[str]:
+    """A warning when one row's images alone are longer than seq_len: TRL truncates the placeholders, and the model
+    then refuses the batch ("Image features and image tokens do not match"). The memory is still planned at the
+    bound (the sequence the language model would see, the images the vision tower would)."""
     facts = vlm_of(spec)
     if facts is None or not plan.images_per_row:
-        return
+        return []
     per = image_tokens(facts, plan)
     need = per.tokens * plan.images_per_row
     if need >= plan.seq_len:
         fix = "lower max_pixels or the image size" if facts.rule == "qwen" else "use fewer images per row"
-        raise PlanError(
+        return [
             f"{plan.images_per_row} image(s) of {plan.image_width}x{plan.image_height} take {need:,} tokens "
             f"({per.tokens:,} each), not less than seq_len {plan.seq_len}: TRL would truncate their placeholders and "
             f"the model refuse the batch; raise seq_len (max_length) or {fix}."
-        )
+        ]
+    return []
 
 
 def vlm_record(facts: VlmFacts, v: VisionTerms, plan: Plan) -> dict:
