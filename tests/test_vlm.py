@@ -177,3 +177,27 @@ def test_what_would_fit_offers_fewer_pixels_and_images(tmp_path):
     assert fewer < estimate(plan).vlm["image_tokens_per_image"]
     images = next(a for a in advice if "image(s) per row" in a["change"])
     assert images["saves_bytes"] > 0 and images["settings"]["images_per_row"] < 2
+
+
+@pytest.mark.slow  # the page's first render imports transformers and peft
+def test_the_estimate_page_shows_image_inputs_and_the_vlm_lines():
+    from pathlib import Path
+
+    from streamlit.testing.v1 import AppTest
+
+    at = AppTest.from_file(
+        str(Path(__file__).resolve().parent.parent / "pages" / "estimate.py"), default_timeout=180
+    )
+    at.run()
+    assert not at.exception
+    assert not [
+        n for n in at.number_input if n.key == "es_images_per_row"
+    ]  # a language model: no image inputs
+    at.selectbox(key="es_model").set_value("Qwen/Qwen2.5-VL-7B-Instruct")
+    at.run()
+    at.number_input(key="es_max_pixels").set_value(1_003_520)
+    at.number_input(key="es_image_width").set_value(2048)
+    at.run()
+    assert not at.exception, at.exception
+    lines = "\n".join(i.value for i in at.info)
+    assert "image tokens each" in lines and "max_pixels 1,003,520" in lines
