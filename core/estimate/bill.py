@@ -183,7 +183,7 @@ def step_terms(plan: Plan, spec: ModelSpec, targets) -> StepTerms:
         saved += mask_held
     else:
         saved += mask_held + spec.num_layers * mask_per_layer
-    vision = vision_terms(spec, plan, batch)
+    vision = vision_terms(spec, plan, batch, targets)
     if vision:  # the vision tower's activations wait for the very end of backward
         saved += vision.saved
     pinned = 0

@@ -58,6 +58,10 @@ class VlmFacts:
     vision_layers: int
     vision_hidden: int
     vision_intermediate: int
+    vision_heads: int
+    vision_gated: bool  # a SwiGLU MLP (gate_proj, up_proj, down_proj; Qwen2.5-VL), else fc1 -> act -> fc2
+    vision_rms: bool  # RMSNorm (its fp32 upcast saved), else LayerNorm
+    vision_fused_qkv: bool  # one qkv Linear (Qwen-VL: its output, then the rotated q and k, are kept)
     patch_size: int
     merge_size: int  # qwen: spatial merge; 1 elsewhere
     image_size: int  # the encoder's input side (tiles, fixed, llava); 0 for qwen
@@ -150,6 +154,10 @@ def facts_of(meta, cfg) -> VlmFacts:
         vision_layers=len(blocks) if blocks is not None else 0,
         vision_hidden=_int(getattr(vc, "hidden_size", 0) or getattr(vc, "embed_dim", 0)),
         vision_intermediate=_int(getattr(vc, "intermediate_size", 0) or 4 * getattr(vc, "embed_dim", 0)),
+        vision_heads=_int(getattr(vc, "num_heads", 0) or getattr(vc, "num_attention_heads", 0)),
+        vision_gated=_has(blocks, "gate_proj"),
+        vision_rms=any("rms" in type(m).__name__.lower() for m in (blocks[0].modules() if blocks else ())),
+        vision_fused_qkv=_has(blocks, "qkv"),
         patch_size=patch,
         merge_size=_int(getattr(vc, "spatial_merge_size", 1) or 1),
         image_size=image_size,
@@ -172,6 +180,10 @@ def _first(cfg, *names):
         if v is not None:
             return int(v)
     return None
+
+
+def _has(blocks, name: str) -> bool:
+    return bool(blocks) and any(n.rsplit(".", 1)[-1] == name for n, _ in blocks[0].named_modules())
 
 
 def _find(meta, names):

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from core.estimate.activation_terms import checkpointing_on, step_dtypes
 from core.estimate.plan import DTYPE_BYTES, Plan
+from core.estimate.static_terms import adapter_bytes
 from core.estimate.vlm import ImageTokens, VlmFacts, image_tokens, vlm_of
 
 
@@ -67,20 +68,45 @@ def pixel_bytes(facts: VlmFacts, tokens: ImageTokens, plan: Plan) -> int:
 
 
 def _block_saved(facts: VlmFacts, plan: Plan) -> float:
-    """Per patch: what one vision block saves for backward when it is not checkpointed (a pre-norm block: two
-    norms, the q/k/v projections, the attention output, the MLP's hidden and activation)."""
+    """Per patch: what one vision block saves for backward besides its Linears' inputs, when it is not checkpointed
+    (measured per op on tiny Qwen2.5-VL and Idefics3 towers): the norms (RMSNorm: its fp32 upcast and rstd;
+    LayerNorm: its input, mean and rstd), the attention's q, k, v (Qwen-VL: the fused qkv output and the rotated q
+    and k), sdpa's output and log-sum-exp, and the MLP's hidden (SwiGLU: gate, up and the activation; else fc1's
+    output)."""
     d = step_dtypes(plan)
     h, inter = facts.vision_hidden, facts.vision_intermediate
-    norms = 2 * (h * d.hidden + 4 + (h * 4 if facts.rule == "qwen" else 0))
-    attention = (
-        4 * h * d.proj + h * d.proj + 4 * 4
-    )  # q, k, v, output (and its lse), the out-projection's input
-    mlp = (3 if facts.rule == "qwen" else 2) * inter * d.proj + inter * d.proj
-    return norms + attention + mlp + h * d.hidden  # and the residual
+    norms = 2 * ((h * 4 + 4) if facts.vision_rms else (h * d.hidden + 2 * d.hidden))
+    qkv = 5 * h * d.proj if facts.vision_fused_qkv else 3 * h * d.proj
+    attention = h * d.proj + facts.vision_heads * 4
+    mlp = (3 if facts.vision_gated else 1) * inter * d.proj
+    return norms + qkv + attention + mlp
 
 
-def vision_terms(spec, plan: Plan, batch: int) -> VisionTerms | None:
-    """The vision terms of a step of `batch` rows (None for a language model)."""
+def _linear_inputs(facts: VlmFacts, plan: Plan) -> float:
+    """Per patch: a fully trained block's Linears keep their inputs (the q/k/v, out, and MLP projections)."""
+    d = step_dtypes(plan)
+    h, inter = facts.vision_hidden, facts.vision_intermediate
+    ins = (2 if facts.vision_fused_qkv else 4) * h + (2 * h + inter if facts.vision_gated else h + inter)
+    return ins * d.proj
+
+
+def _adapter_saved(facts: VlmFacts, plan: Plan, targets, patches: int, tokens: int) -> tuple[int, int]:
+    """(in the projector, in the vision blocks) what peft's LoRA on the vision side saves: each adapted Linear's
+    input cast to the adapter's dtype (fp32 adapters over a 16-bit base: a copy lora_A keeps) and lora_A's output
+    (lora_B keeps it). The projector runs on the merged image tokens, the blocks on every patch."""
+    ad, load = adapter_bytes(plan), DTYPE_BYTES[plan.load_dtype]
+    projector = blocks = 0
+    for s in targets:
+        per_row = (s.in_features * ad if ad != load else 0) + plan.lora_r * ad
+        if facts.projector_path and s.name.startswith(facts.projector_path + "."):
+            projector += tokens * per_row
+        elif facts.vision_path and s.name.startswith(facts.vision_path + "."):
+            blocks += patches * per_row
+    return projector, blocks
+
+
+def vision_terms(spec, plan: Plan, batch: int, targets=()) -> VisionTerms | None:
+    """The vision terms of a step of `batch` rows (None for a language model); `targets`: peft's LoRA targets."""
     facts = vlm_of(spec)
     if facts is None:
         return None
@@ -91,14 +117,16 @@ def vision_terms(spec, plan: Plan, batch: int) -> VisionTerms | None:
     patches = images * per.patches
     saved = recompute = 0
     if grad and images:
-        block = _block_saved(facts, plan)
-        if checkpointing_on(plan):
+        projector, adapters = _adapter_saved(facts, plan, targets, patches, images * per.tokens)
+        block = _block_saved(facts, plan) + (_linear_inputs(facts, plan) if plan.method == "full" else 0)
+        layers = max(facts.vision_layers, 1)
+        if checkpointing_on(plan):  # the block inputs; one block recomputed in backward
             saved = facts.vision_layers * patches * facts.vision_hidden * d.hidden
-            recompute = int(patches * block)
+            recompute = int(patches * block) + adapters // layers
         else:
-            saved = int(facts.vision_layers * patches * block)
+            saved = int(facts.vision_layers * patches * block) + adapters
         # outside the blocks: the embedded patches and the projector's input, kept for its backward
-        saved += patches * facts.vision_hidden * (d.hidden + 4)
+        saved += patches * facts.vision_hidden * (d.hidden + 4) + projector
     return VisionTerms(
         images=images,
         per_image=per,
