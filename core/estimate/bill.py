@@ -62,7 +62,7 @@ from core.estimate.static_terms import (
     weight_bytes,
 )
 from core.estimate.vlm import vlm_of
-from core.estimate.vlm_terms import check_images, vision_terms, vlm_record
+from core.estimate.vlm_terms import check_images, vision_terms, vlm_record, with_images
 from core.fmt import gib
 from core.train import methods
 
@@ -184,8 +184,7 @@ def step_terms(plan: Plan, spec: ModelSpec, targets) -> StepTerms:
     else:
         saved += mask_held + spec.num_layers * mask_per_layer
     vision = vision_terms(spec, plan, batch, targets)
-    if vision:  # the vision tower's activations wait for the very end of backward
-        saved += vision.saved
+    saved += vision.saved if vision else 0  # a VLM's vision tower: kept until the end of backward
     pinned = 0
     if offloading_on(plan):
         saved, recompute, pinned = offloaded_activations(spec, plan, targets, tokens, saved, recompute)
@@ -417,6 +416,7 @@ def _bill(
     order = COMPONENT_ORDER + (DISTRIBUTED_COMPONENTS if sharding else ())
     order += tuple(c for c in ROLLOUT_COMPONENTS if c not in order) if rollouts else ()
     order += tuple(c for c in EVAL_COMPONENTS if c not in order) if evaluation else ()
+    order = with_images(order) if t.vision else order  # a language model's record stays as it was
     components = dict.fromkeys(order, 0)
     components.update(phase_components[peak_phase])
     components.update(
@@ -483,7 +483,6 @@ COMPONENT_ORDER = (
     "lora_params",
     "gradients",
     "optimizer_states",
-    "images",  # a VLM's pixel_values
     "optimizer_temporaries",
     "autocast_weight_copies",
     "activations",

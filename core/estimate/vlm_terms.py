@@ -157,6 +157,12 @@ def check_images(spec, plan: Plan) -> list[str]:
     return []
 
 
+def with_images(order: tuple) -> tuple:
+    """The bill's component order with a VLM's pixel_values ("images") beside the static terms."""
+    at = order.index("optimizer_states") + 1
+    return order[:at] + ("images",) + order[at:]
+
+
 def vlm_record(facts: VlmFacts, v: VisionTerms, plan: Plan) -> dict:
     """The estimate's `vlm` record: the images, their tokens and where the numbers come from, the vision terms."""
     d = DTYPE_BYTES[plan.load_dtype]
