@@ -63,7 +63,7 @@ def pixel_bytes(facts: VlmFacts, tokens: ImageTokens, plan: Plan) -> int:
     side = facts.image_size
     b = tokens.units * 3 * side * side * d
     if facts.rule == "tiles":
-        b += tokens.units * side * side  # pixel_attention_mask, bool
+        b += tokens.units * side * side * 8  # pixel_attention_mask: int64, as the processor returns it
     return b
 
 
@@ -80,6 +80,20 @@ def _block_saved(facts: VlmFacts, plan: Plan) -> float:
     attention = h * d.proj + facts.vision_heads * 4
     mlp = (3 if facts.vision_gated else 1) * inter * d.proj
     return norms + qkv + attention + mlp
+
+
+def _outside_blocks(facts: VlmFacts, plan: Plan) -> float:
+    """Per patch: what the tower keeps outside its blocks until backward reaches it (measured per op). Qwen-VL: the
+    patch embedding's output, the rotary cos and sin (fp32, the checkpointed blocks' inputs), the merger's norm
+    (RMSNorm: its fp32 upcast) and its first Linear's output (for the GELU's backward). The others: the final
+    norm's (or the projector's) input."""
+    d = step_dtypes(plan)
+    h = facts.vision_hidden
+    if facts.rule != "qwen":
+        return h * d.hidden
+    norm = h * 4 if facts.vision_rms else h * d.hidden
+    rotary = 2 * (h // max(facts.vision_heads, 1)) * 4
+    return norm + 2 * h * d.hidden + rotary
 
 
 def _linear_inputs(facts: VlmFacts, plan: Plan) -> float:
@@ -125,8 +139,7 @@ def vision_terms(spec, plan: Plan, batch: int, targets=()) -> VisionTerms | None
             recompute = int(patches * block) + adapters // layers
         else:
             saved = int(facts.vision_layers * patches * block) + adapters
-        # outside the blocks: the embedded patches and the projector's input, kept for its backward
-        saved += patches * facts.vision_hidden * (d.hidden + 4) + projector
+        saved += int(patches * _outside_blocks(facts, plan)) + projector
     return VisionTerms(
         images=images,
         per_image=per,
