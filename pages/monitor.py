@@ -2,6 +2,8 @@
 its files gained since the last tick, so a reload or a server restart reattaches to a live run with no lost point.
 The live part is a fragment re-run by the browser every ~2 s while the run is live; static otherwise."""
 
+import copy
+import functools
 import time
 from pathlib import Path
 
@@ -88,12 +90,31 @@ def _lines(
     )
 
 
+@functools.lru_cache(maxsize=64)
+def _line_spec(
+    x: str, title: str, y_title: str, points: bool, height: int = 330, faint_raw: bool = False
+) -> dict:
+    """_lines' Vega-Lite spec without its data. Altair validates a chart against its schema as it writes the spec
+    (~10-20 ms a chart); a live run's page redraws every chart every tick, so it is written once per shape."""
+    shape = pd.DataFrame({x: [0.0] * (1 if points else 3), "value": 0.0, "series": ""})
+    spec = _lines(shape, x, title, y_title, height=height, faint_raw=faint_raw).to_dict()
+    spec.pop("datasets", None)
+    spec.pop("data", None)
+    return spec
+
+
 def _chart(
     df: pd.DataFrame, x: str, title: str, y_title: str, empty: str, rule: dict | None = None, **kw
 ) -> None:
     """A line chart, or a caption when there is nothing to draw; `rule`: {label: y} dashed horizontal lines."""
     if df is None or df.empty:
         st.caption(f"{title}: {empty}")
+        return
+    if (
+        not rule and "y_scale" not in kw
+    ):  # the common chart: its spec built once, only the data sent each tick
+        points = len(df) <= 2 * max(1, df["series"].nunique())
+        st.vega_lite_chart(df, copy.deepcopy(_line_spec(x, title, y_title, points, **kw)), width="stretch")
         return
     chart = _lines(df, x, title, y_title, **kw)
     if rule:
@@ -127,9 +148,7 @@ def method_charts(snap) -> None:
     except ValueError:
         return
     frames = {c.key: snap.charts.get(f"{spec.name}_{c.key}") for c in spec.charts}
-    shown = [
-        c for c in spec.charts if not c.optional or (frames[c.key] is not None and not frames[c.key].empty)
-    ]
+    shown = [c for c in spec.charts if frames[c.key] is not None]  # an optional chart: once logged
     for start in range(0, len(shown), CHARTS_PER_ROW):
         row = shown[start : start + CHARTS_PER_ROW]
         for column, chart in zip(

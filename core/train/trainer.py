@@ -289,9 +289,10 @@ def _run_training(
         stop = StopFlag().install() if threading.current_thread() is threading.main_thread() else StopFlag()
     identity = rundir.folder_identity(run_dir)  # a run folder deleted or replaced later is told by it
     prec, checkpoint, new_hyperparameters = _setup_run(cfg, run_dir, resume, smoke, start)
-    cfg = sources.for_training(
-        cfg, run_dir
-    )  # Hub ids: fetched (progress in the run folder), then local folders
+    if sources.hub_refs(cfg).get("data") is not None:
+        data = None  # prepared from a streamed sample before the download: the run trains on the whole split
+    # Hub ids: fetched (progress in the run folder), then local folders
+    cfg = sources.for_training(cfg, run_dir)
     if distributed.world_size(cfg) > 1 and not smoke:  # a smoke test measures one process's step
         return _supervise(cfg, run_dir, prec, checkpoint, new_hyperparameters, stop)
     return _train_and_finish(cfg, prec, run_dir, checkpoint, smoke, stop, identity, new_hyperparameters, data)
