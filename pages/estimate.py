@@ -86,6 +86,7 @@ OPTIONS = {
     "max_pixels": Plan.max_pixels,
     "images_per_row": Plan.images_per_row,
     "vision_frozen": Plan.vision_frozen,
+    "pan_and_scan": Plan.pan_and_scan,
 }
 
 
@@ -218,6 +219,10 @@ def _image_settings() -> None:
         key=P + "vision_frozen",
         help="LoRA on the language model only (ms-swift's freeze_vit / freeze_aligner); off: trained too.",
     )
+    if facts.rule == "fixed":  # Gemma 3
+        c[4].checkbox(
+            "Pan and scan", key=P + "pan_and_scan", help="Crops of a wide or tall image, 256 tokens each."
+        )
 
 
 def _lever_toggles(method) -> None:
@@ -281,6 +286,7 @@ def plan_of(cfg: dict, options: dict) -> Plan:
         max_pixels=int(options["max_pixels"] or 0),
         images_per_row=int(options["images_per_row"] if options["images_per_row"] is not None else 1),
         vision_frozen=options["vision_frozen"] is not False,  # not drawn for a language model: None
+        pan_and_scan=bool(options["pan_and_scan"]),
     )
 
 

@@ -98,6 +98,20 @@ def test_a_vlm_step_peaks_where_the_plan_says(tmp_path, family, checkpointing, f
     assert abs(measured / est.tensor_peak_bytes - 1) <= 0.05, (measured, est.tensor_peak_bytes)
 
 
+@pytest.mark.parametrize("size", [(1024, 400), (300, 1200), (1024, 1000)])
+def test_gemma3_pan_and_scan_crops_as_its_processor_does(tmp_path, size):
+    from core.measure.vlm_step import _image, _processor, _tokens_per_image
+
+    folder = _default_folder(tmp_path, "gemma3")
+    facts = vlm_of(load_spec(str(folder)))
+    plan = Plan(model=str(folder), image_width=size[0], image_height=size[1], pan_and_scan=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = _processor(facts, plan)(images=[_image(*size, 0)], return_tensors="pt")
+    assert image_tokens(facts, plan).tokens == _tokens_per_image(facts, dict(out), 1)
+    assert image_tokens(facts, replace(plan, pan_and_scan=False)).tokens == facts.fixed_tokens
+
+
 def test_the_vision_terms_are_in_the_bill(tmp_path):
     """Pixels and the frozen tower's checkpointed inputs appear with LoRA + checkpointing, not without it; a trained
     tower adds LoRA on its Linears."""

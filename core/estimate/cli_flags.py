@@ -98,6 +98,12 @@ def vlm_flags(p: argparse.ArgumentParser, d: Plan) -> None:
     )
     g.add_argument("--images-per-row", type=int, help=f"images in each row (default {d.images_per_row})")
     g.add_argument(
+        "--pan-and-scan",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Gemma 3: the processor also crops a wide or tall image (do_pan_and_scan; default off)",
+    )
+    g.add_argument(
         "--vision-frozen",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -116,10 +122,10 @@ def vlm_values(args) -> dict:
                 f"--image-size '{args.image_size}' is not WxH in pixels, e.g. 1024x768."
             ) from None
         out.update(image_width=w, image_height=h)
-    for name in ("max_pixels", "images_per_row", "vision_frozen"):
+    for name in ("max_pixels", "images_per_row", "vision_frozen", "pan_and_scan"):
         if getattr(args, name) is not None:
             out[name] = getattr(args, name)
     return out
 
 
-VLM_FIELDS = ("image_size", "max_pixels", "images_per_row", "vision_frozen")
+VLM_FIELDS = ("image_size", "max_pixels", "images_per_row", "vision_frozen", "pan_and_scan")

@@ -116,7 +116,8 @@ def plan_for_config(
 
 def image_fields(cfg: dict) -> dict:
     """A VLM run's images as its config gives them (data.image_size "WxH", data.max_pixels, data.images_per_row,
-    model.freeze_vision); the planner's defaults for keys it does not carry (a language model's plan ignores them)."""
+    data.pan_and_scan, model.freeze_vision); the planner's defaults for keys it does not carry (a language model's
+    plan ignores them)."""
     data, model = cfg.get("data") or {}, cfg.get("model") or {}
     out = {}
     size = data.get("image_size")
@@ -129,6 +130,8 @@ def image_fields(cfg: dict) -> dict:
             out[key] = data[key]
     if isinstance(model.get("freeze_vision"), bool):
         out["vision_frozen"] = model["freeze_vision"]
+    if isinstance(data.get("pan_and_scan"), bool):
+        out["pan_and_scan"] = data["pan_and_scan"]
     return out
 
 

@@ -148,6 +148,7 @@ class Plan:
     max_pixels: int = 0
     images_per_row: int = 1
     vision_frozen: bool = True
+    pan_and_scan: bool = False  # Gemma 3's processor crops a wide or tall image too (do_pan_and_scan)
 
     @classmethod
     def from_dict(cls, data: dict) -> Plan:

@@ -44,6 +44,10 @@ QWEN_PIXELS = {
     "qwen3_vl": (65_536, 16_777_216),
 }
 DEFAULT_IMAGE = (1024, 1024)  # width x height of the planned images when the plan names none
+# Gemma 3's pan-and-scan settings (the published checkpoints' preprocessor_config.json)
+PAN_AND_SCAN = dict(
+    pan_and_scan_min_crop_size=256, pan_and_scan_max_num_crops=4, pan_and_scan_min_ratio_to_activate=1.2
+)
 
 
 @dataclass(frozen=True)
@@ -314,11 +318,20 @@ def image_tokens(facts: VlmFacts, plan) -> ImageTokens:
             n * facts.tile_tokens, n * per_unit, n, (cols * facts.image_size, rows * facts.image_size), source
         )
     if facts.rule == "fixed":
-        source = (
-            f"every image resized to {facts.image_size}x{facts.image_size} and pooled to {facts.fixed_tokens} tokens "
-            "(mm_tokens_per_image; pan-and-scan crops, off by default, would add as many per crop)"
+        crops = pan_and_scan_crops(width, height) if plan.pan_and_scan else 0
+        scan = (
+            f"; pan-and-scan: {crops} crop(s) of it, as many tokens each"
+            if plan.pan_and_scan
+            else " (mm_tokens_per_image; pan-and-scan, off, would add as many per crop of a wide or tall image)"
         )
-        return ImageTokens(facts.fixed_tokens, per_unit, 1, (facts.image_size,) * 2, source)
+        source = (
+            f"every image resized to {facts.image_size}x{facts.image_size} and pooled to {facts.fixed_tokens} tokens"
+            + scan
+        )
+        units = crops + 1
+        return ImageTokens(
+            units * facts.fixed_tokens, units * per_unit, units, (facts.image_size,) * 2, source
+        )
     source = (
         f"every image resized and cropped to {facts.image_size}x{facts.image_size}: "
         f"({facts.image_size}/{facts.patch_size})^2 = {per_unit} patch features"
@@ -329,6 +342,20 @@ def image_tokens(facts: VlmFacts, plan) -> ImageTokens:
         )
     )
     return ImageTokens(facts.fixed_tokens, per_unit + 1, 1, (facts.image_size,) * 2, source)
+
+
+def pan_and_scan_crops(width: int, height: int) -> int:
+    """Gemma3ImageProcessor.pan_and_scan (5.24): the crops of an image whose aspect ratio is at least 1.2, 2 to 4
+    of them, none smaller than 256 px; 0 otherwise."""
+    ps = PAN_AND_SCAN
+    long, short = max(width, height), min(width, height)
+    if long / short < ps["pan_and_scan_min_ratio_to_activate"]:
+        return 0
+    n = min(math.floor(long / ps["pan_and_scan_min_crop_size"]), math.floor(long / short + 0.5))
+    n = min(ps["pan_and_scan_max_num_crops"], max(2, n))
+    if min(math.ceil(long / n), short) < ps["pan_and_scan_min_crop_size"]:
+        return 0
+    return n
 
 
 def image_processor_kwargs(facts: VlmFacts, plan) -> dict:
@@ -349,4 +376,4 @@ def image_processor_kwargs(facts: VlmFacts, plan) -> dict:
     side = {"height": facts.image_size, "width": facts.image_size}
     if facts.rule == "llava":
         return dict(size={"shortest_edge": facts.image_size}, crop_size=side)
-    return dict(size=side)
+    return dict(size=side, do_pan_and_scan=bool(plan.pan_and_scan), **PAN_AND_SCAN)

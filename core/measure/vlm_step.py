@@ -121,6 +121,8 @@ def _tokens_per_image(facts, out: dict, images: int) -> int:
         return int(out["image_grid_thw"][0].prod()) // facts.merge_size**2
     if facts.rule == "tiles":
         return int(out["pixel_values"].shape[1]) * facts.tile_tokens
+    if facts.rule == "fixed":  # Gemma 3: the image and its pan-and-scan crops, each pooled alike
+        return int(out["pixel_values"].shape[0]) // images * facts.fixed_tokens
     return facts.fixed_tokens
 
 
