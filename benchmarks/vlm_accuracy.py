@@ -1,12 +1,14 @@
 """Vision-language plans against real training steps (issue 36 item 3): the planner's tensor peak next to the peak
 the live-tensor tracker measures in one real step, for tiny random-weight Qwen2.5-VL, SmolVLM and LLaVA models
-built from their configs.
+built from their configs (and Qwen3-VL, whose deepstack mergers feed intermediate vision features to the
+language model).
 
 Measured: core.measure.vlm_step.measure_vlm -- the model built as the engine trains a VLM (transformers'
 image-text-to-text class, bf16 weights, sdpa; peft LoRA r 4 on the language model's Linears with the vision tower
 and projector frozen, or on every Linear with them trained; gradient checkpointing with SFTTrainer's input
 gradients; TRL's fused LM head; Trainer's AdamW), fed what the family's real image processor makes of random
-images (448 px for Qwen2.5-VL: 1,024 patches, 256 tokens; 512 px for SmolVLM: 17 tiles; 224 px for LLaVA), one
+images (448 px for Qwen2.5-VL: 1,024 patches, 256 tokens; 512 px for Qwen3-VL: 1,024 patches of 16 px; 512 px for
+SmolVLM: 17 tiles; 224 px for LLaVA), one
 image per row, 320-token rows, one step under core.measure.tracker (the steady peak: the optimizer state alive).
 Planned: core.estimate for the same plan, on the CPU. The vision towers are 256 wide and 4 blocks deep on a 64-wide
 language model, so that the image terms (pixels, the vision tower's activations) are a large share of the step.
@@ -36,12 +38,15 @@ VISION = {
     "qwen2_5_vl": dict(
         hidden_size=256, intermediate_size=512, depth=4, num_heads=4, fullatt_block_indexes=[3]
     ),
+    "qwen3_vl": dict(
+        hidden_size=256, intermediate_size=512, depth=4, num_heads=4, deepstack_visual_indexes=[1, 2]
+    ),
     "smolvlm": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4),
     "llava": dict(
         hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, image_size=224
     ),
 }
-IMAGE = {"qwen2_5_vl": 448, "smolvlm": 512, "llava": 224}
+IMAGE = {"qwen2_5_vl": 448, "qwen3_vl": 512, "smolvlm": 512, "llava": 224}
 CASES = [(True, True), (False, True), (True, False), (False, False)]  # (checkpointing, vision frozen)
 
 

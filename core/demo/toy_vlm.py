@@ -15,7 +15,7 @@ TEXT = dict(
     eos_token_id=2,
     pad_token_id=0,
 )
-FAMILIES = ("qwen2_5_vl", "smolvlm", "llava")
+FAMILIES = ("qwen2_5_vl", "qwen3_vl", "smolvlm", "llava")
 
 
 def tiny_vlm_config(family: str, text: dict | None = None, vision: dict | None = None):
@@ -40,6 +40,34 @@ def tiny_vlm_config(family: str, text: dict | None = None, vision: dict | None =
             out_hidden_size=t["hidden_size"],
             fullatt_block_indexes=[1],
             window_size=112,
+        )
+        return AutoConfig.for_model(
+            family,
+            text_config=t,
+            vision_config={**v, **(vision or {})},
+            image_token_id=151,
+            video_token_id=152,
+            vision_start_token_id=153,
+            vision_end_token_id=154,
+        )
+    if family == "qwen3_vl":
+        head = t["hidden_size"] // t["num_attention_heads"]
+        t.setdefault(
+            "rope_parameters",
+            {
+                "rope_type": "default",
+                "mrope_section": [head // 8, head // 8 * 3 // 2, head // 8 * 3 // 2][:3],
+            },
+        )
+        t.setdefault("head_dim", head)
+        v = dict(
+            depth=2,
+            hidden_size=64,
+            intermediate_size=128,
+            num_heads=2,
+            out_hidden_size=t["hidden_size"],
+            deepstack_visual_indexes=[0],
+            num_position_embeddings=256,
         )
         return AutoConfig.for_model(
             family,

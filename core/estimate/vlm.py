@@ -66,6 +66,7 @@ class VlmFacts:
     vision_gated: bool  # a SwiGLU MLP (gate_proj, up_proj, down_proj; Qwen2.5-VL), else fc1 -> act -> fc2
     vision_rms: bool  # RMSNorm (its fp32 upcast saved), else LayerNorm
     vision_fused_qkv: bool  # one qkv Linear (Qwen-VL: its output, then the rotated q and k, are kept)
+    vision_deepstack: int  # Qwen3-VL: mergers of intermediate blocks' features (deepstack_visual_indexes)
     patch_size: int
     merge_size: int  # qwen: spatial merge; 1 elsewhere
     image_size: int  # the encoder's input side (tiles, fixed, llava); 0 for qwen
@@ -162,6 +163,7 @@ def facts_of(meta, cfg) -> VlmFacts:
         vision_gated=_has(blocks, "gate_proj"),
         vision_rms=any("rms" in type(m).__name__.lower() for m in (blocks[0].modules() if blocks else ())),
         vision_fused_qkv=_has(blocks, "qkv"),
+        vision_deepstack=len(getattr(vc, "deepstack_visual_indexes", None) or ()),
         patch_size=patch,
         merge_size=_int(getattr(vc, "spatial_merge_size", 1) or 1),
         image_size=image_size,

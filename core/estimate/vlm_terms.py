@@ -85,15 +85,16 @@ def _block_saved(facts: VlmFacts, plan: Plan) -> float:
 def _outside_blocks(facts: VlmFacts, plan: Plan) -> float:
     """Per patch: what the tower keeps outside its blocks until backward reaches it (measured per op). Qwen-VL: the
     patch embedding's output, the rotary cos and sin (fp32, the checkpointed blocks' inputs), the merger's norm
-    (RMSNorm: its fp32 upcast) and its first Linear's output (for the GELU's backward). The others: the final
-    norm's (or the projector's) input."""
+    (RMSNorm: its fp32 upcast) and its first Linear's output (for the GELU's backward), and Qwen3-VL's deepstack
+    mergers alike. The others: the final norm's (or the projector's) input."""
     d = step_dtypes(plan)
     h = facts.vision_hidden
     if facts.rule != "qwen":
         return h * d.hidden
     norm = h * 4 if facts.vision_rms else h * d.hidden
     rotary = 2 * (h // max(facts.vision_heads, 1)) * 4
-    return norm + 2 * h * d.hidden + rotary
+    # Qwen3-VL's deepstack mergers: each one's norm input and first Linear's output, as wide as the patches
+    return norm + 2 * h * d.hidden + rotary + facts.vision_deepstack * 2 * h * d.hidden
 
 
 def _linear_inputs(facts: VlmFacts, plan: Plan) -> float:
@@ -112,7 +113,9 @@ def _adapter_saved(facts: VlmFacts, plan: Plan, targets, patches: int, tokens: i
     projector = blocks = 0
     for s in targets:
         per_row = (s.in_features * ad if ad != load else 0) + plan.lora_r * ad
-        if facts.projector_path and s.name.startswith(facts.projector_path + "."):
+        if (
+            facts.projector_path and s.name.startswith(facts.projector_path + ".")
+        ) or ".deepstack_merger" in s.name:
             projector += tokens * per_row
         elif facts.vision_path and s.name.startswith(facts.vision_path + "."):
             blocks += patches * per_row
