@@ -24,6 +24,8 @@ from core.estimate.moe_terms import moe_lines
 from core.estimate.plan import GiB, Plan, PlanError
 from core.estimate.source import source_line
 from core.estimate.specs import SpecError, load_spec, preset_ids
+from core.estimate.vlm import vlm_of
+from core.estimate.vlm_terms import vlm_lines
 from core.fmt import gib, nbytes
 from core.monitor import gpu
 from core.train import methods
@@ -78,6 +80,13 @@ OPTIONS = {
     "expandable_segments": False,
     "fused_lm_head": True,
     "prepare_kbit": False,
+    # a vision-language model's images (shown only for one; core.estimate.vlm)
+    "image_width": Plan.image_width,
+    "image_height": Plan.image_height,
+    "max_pixels": Plan.max_pixels,
+    "images_per_row": Plan.images_per_row,
+    "vision_frozen": Plan.vision_frozen,
+    "pan_and_scan": Plan.pan_and_scan,
 }
 
 
@@ -176,6 +185,46 @@ def _adapter_settings() -> None:
     st.checkbox("expandable_segments allocator", key=P + "expandable_segments")
 
 
+def _vlm_facts():
+    """The chosen model's VLM facts, or None (a language model, or a model that cannot be read yet: the bill
+    below says why)."""
+    model = st.session_state[P + "model"]
+    path = (st.session_state.get(P + "model_path") or "").strip() if model == LOCAL else model
+    try:
+        return vlm_of(load_spec(path)) if path else None
+    except (SpecError, PlanError):
+        return None
+
+
+def _image_settings() -> None:
+    """A vision-language model's images: their size, Qwen-VL's max_pixels, how many per row, the vision tower."""
+    facts = _vlm_facts()
+    if facts is None:
+        return
+    st.markdown("**Images** — a vision-language model: its image tokens share max_length with the text.")
+    c = st.columns(5)
+    c[0].number_input("Image width (px)", min_value=1, step=64, key=P + "image_width")
+    c[1].number_input("Image height (px)", min_value=1, step=64, key=P + "image_height")
+    c[2].number_input(
+        "max_pixels (0: processor default)",
+        min_value=0,
+        step=28 * 28 * 64,
+        key=P + "max_pixels",
+        disabled=facts.rule != "qwen",
+        help="Qwen-VL resizes each image into this many pixels: fewer image tokens, less detail.",
+    )
+    c[3].number_input("Images per row", min_value=0, step=1, key=P + "images_per_row")
+    c[4].checkbox(
+        "Vision tower frozen",
+        key=P + "vision_frozen",
+        help="LoRA on the language model only (ms-swift's freeze_vit / freeze_aligner); off: trained too.",
+    )
+    if facts.rule == "fixed":  # Gemma 3
+        c[4].checkbox(
+            "Pan and scan", key=P + "pan_and_scan", help="Crops of a wide or tall image, 256 tokens each."
+        )
+
+
 def _lever_toggles(method) -> None:
     """The memory levers (docs/planner.md, 'Fitting more'), and the plain-Trainer paths to compare the engine with."""
     fields.row(P, ("padding_free", "packing", "packing_strategy"), method=method)
@@ -205,6 +254,7 @@ def config_form() -> tuple[dict, dict]:
         _step_settings()
     with c3:
         _adapter_settings()
+    _image_settings()
     method = methods.get(st.session_state[P + "method"])
     st.markdown("**Memory levers** — what each saves and costs is listed under the bill.")
     _lever_toggles(method)
@@ -231,6 +281,12 @@ def plan_of(cfg: dict, options: dict) -> Plan:
         eval_kv_tokens=int(options["eval_kv_tokens"] or 0),
         fused_lm_head=bool(options["fused_lm_head"]),
         prepare_kbit=bool(options["prepare_kbit"]) and plan.method == "qlora",
+        image_width=int(options["image_width"] or Plan.image_width),
+        image_height=int(options["image_height"] or Plan.image_height),
+        max_pixels=int(options["max_pixels"] or 0),
+        images_per_row=int(options["images_per_row"] if options["images_per_row"] is not None else 1),
+        vision_frozen=options["vision_frozen"] is not False,  # not drawn for a language model: None
+        pan_and_scan=bool(options["pan_and_scan"]),
     )
 
 
@@ -297,6 +353,8 @@ def show(plan: Plan) -> None:
         st.info(f"Reference model: {est.reference}.")
     if est.moe:  # a mixture of experts: its experts' dtype and why, and their terms of the bill
         st.info("  \n".join(moe_lines(est)))
+    if est.vlm:  # a vision-language model: image tokens per image and where they come from, the vision terms
+        st.info("  \n".join(vlm_lines(est)))
     fit_panel(plan, spec, est)
     advice_panel(plan, spec, est)
 

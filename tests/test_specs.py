@@ -196,9 +196,13 @@ def test_every_preset_and_folder_spec_round_trips_through_the_disk_cache(
     targets = {}
     for m in models:
         assert load_spec(m) == fresh[m]  # built and written
-        every = targets[m, "all-linear"] = specs._build_targets(fresh[m].config_json, "all-linear")
+        # a VLM's LoRA stays off its (frozen by default) vision tower: peft's exclude_modules
+        exclude = specs.VISION_EXCLUDE if fresh[m].vlm_json else ""
+        every = targets[m, "all-linear"] = specs._build_targets(
+            fresh[m].config_json, "all-linear", (), exclude
+        )
         first = (every[0].name.rsplit(".", 1)[-1],)  # q_proj; Phi-3's qkv_proj; GPT-2's c_attn
-        targets[m, first] = specs._build_targets(fresh[m].config_json, first)
+        targets[m, first] = specs._build_targets(fresh[m].config_json, first, (), exclude)
         assert lora_targets(m, "all-linear") == every and lora_targets(m, first) == targets[m, first]
     assert len(list(specs.cache_dir().glob("spec-*.json"))) == len(models)
 

@@ -61,6 +61,8 @@ from core.estimate.static_terms import (
     trainable_tensors,
     weight_bytes,
 )
+from core.estimate.vlm import vlm_of
+from core.estimate.vlm_terms import check_images, vision_terms, vlm_record, with_images
 from core.fmt import gib
 from core.train import methods
 
@@ -101,6 +103,7 @@ class StepTerms:
     kv_per_token: int
     fused: FusedHead | None  # TRL's fused LM head, or None for the plain logits path
     reference_text: str | None
+    vision: object = None  # a VLM's core.estimate.vlm_terms.VisionTerms
 
 
 def estimate(plan: Plan, spec: ModelSpec | None = None) -> Estimate:
@@ -113,11 +116,13 @@ def estimate(plan: Plan, spec: ModelSpec | None = None) -> Estimate:
     ):  # transformers loads it with eager attention (the engine asks so)
         plan = replace(plan, attn="eager")
     targets = (
-        lora_targets(spec.model_id, normalize_targets(plan.target_modules), plan.target_parameters)
+        lora_targets(
+            spec.model_id, normalize_targets(plan.target_modules), plan.target_parameters, plan.vision_frozen
+        )
         if plan.method != "full"
         else ()
     )
-    warnings += check_against_spec(spec, plan, targets)
+    warnings += check_against_spec(spec, plan, targets) + check_images(spec, plan)
     if plan.gpus > 1 and plan.strategy == "auto":
         # DDP when the plan fits one card (fastest: nothing gathered), else FSDP full shard
         ddp = _estimate(replace(plan, strategy="ddp"), plan, spec, targets, warnings)
@@ -152,6 +157,8 @@ def _estimate(plan: Plan, asked: Plan, spec: ModelSpec, targets, warnings: list[
         list(warnings) + ([ACCURACY_NOTE] if sharding else []) + list(rollouts.warnings if rollouts else ())
     )
     est = _bill(asked, t, phase_components, notes, sharding, rollouts, evaluation)
+    if t.vision:
+        est.vlm = vlm_record(vlm_of(spec), t.vision, plan)
     return with_moe(est, t) if moe_of(spec) else est
 
 
@@ -176,6 +183,8 @@ def step_terms(plan: Plan, spec: ModelSpec, targets) -> StepTerms:
         saved += mask_held
     else:
         saved += mask_held + spec.num_layers * mask_per_layer
+    vision = vision_terms(spec, plan, batch, targets)
+    saved += vision.saved if vision else 0  # a VLM's vision tower: kept until the end of backward
     pinned = 0
     if offloading_on(plan):
         saved, recompute, pinned = offloaded_activations(spec, plan, targets, tokens, saved, recompute)
@@ -192,6 +201,8 @@ def step_terms(plan: Plan, spec: ModelSpec, targets) -> StepTerms:
         "lora_params": trainable * param_bytes if plan.method != "full" else 0,
         "optimizer_states": opt_inside,
     }
+    if vision:
+        static["images"] = vision.pixels  # the batch's pixel_values, alive for the whole step
     return StepTerms(
         plan=plan,
         spec=spec,
@@ -215,6 +226,7 @@ def step_terms(plan: Plan, spec: ModelSpec, targets) -> StepTerms:
         # the loss: full logits and cross-entropy (plain Trainer) or TRL's fused head (tiles, never the logits)
         fused=fused_head_bytes(spec, plan, batch) if plan.fused_lm_head else None,
         reference_text=reference_text,
+        vision=vision,
     )
 
 
@@ -314,7 +326,8 @@ def backward_moment(t: StepTerms) -> dict:
     tail = {
         **static,
         "autocast_weight_copies": 0,
-        "activations": 0,
+        # a VLM's vision tower comes last: its saved tensors (one block recomputed with checkpointing)
+        "activations": (t.vision.recompute or t.vision.saved) if t.vision else 0,
         "gradients": t.grads + (2 * spec.embedding_params * t.param_bytes if tied else 0),
         "logits_loss": tokens * spec.hidden_size * d.hidden,
     }
@@ -403,6 +416,7 @@ def _bill(
     order = COMPONENT_ORDER + (DISTRIBUTED_COMPONENTS if sharding else ())
     order += tuple(c for c in ROLLOUT_COMPONENTS if c not in order) if rollouts else ()
     order += tuple(c for c in EVAL_COMPONENTS if c not in order) if evaluation else ()
+    order = with_images(order) if t.vision else order  # a language model's record stays as it was
     components = dict.fromkeys(order, 0)
     components.update(phase_components[peak_phase])
     components.update(

@@ -13,17 +13,27 @@ from dataclasses import replace
 
 from core.estimate import cards
 from core.estimate.bill import OUTSIDE_TORCH, estimate, estimate_for_lengths
+from core.estimate.cli_flags import (
+    EVAL_FIELDS,
+    ROLLOUT_FIELDS,
+    VLM_FIELDS,
+    _multi_gpu_flags,
+    _rollout_flags,
+    _rollout_values,
+    vlm_flags,
+    vlm_values,
+)
 from core.estimate.fit import fit_search
 from core.estimate.from_config import busy_gpus, card_for, plan_for_config
 from core.estimate.levers import lever_savings, modelled_note, what_would_fit, with_every_lever
 from core.estimate.moe_terms import moe_lines
-from core.estimate.plan import VLLM_MODES, Estimate, GiB, Plan, PlanError
+from core.estimate.plan import Estimate, GiB, Plan, PlanError
 from core.estimate.source import source_line
 from core.estimate.specs import SpecError, preset_ids
+from core.estimate.vlm_terms import vlm_lines
 from core.fmt import gib
 from core.train import methods
 from core.train.config import ConfigError, load_config
-from core.train.config_keys import STRATEGIES
 from core.train.data import DataError, preview_dataset
 from core.train.findings import load_tokenizer_and_config
 
@@ -70,7 +80,7 @@ def format_table(est: Estimate, fit: dict | None = None, advice: list[dict] | No
     lines.append(f"verdict{per}: {est.verdict} ({est.fraction:.0%} of the card; aim for 85-90%)")
     if est.reference:
         lines.append(f"Reference model: {est.reference}")
-    lines += moe_lines(est)
+    lines += moe_lines(est) + vlm_lines(est)
     if fit and "max_completion_len" in fit:
         lines.append(
             f"largest batch size at this length: {fit['max_batch_size']}; "
@@ -255,6 +265,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     _multi_gpu_flags(p, d)
     _rollout_flags(p)
+    vlm_flags(p, d)
     ev = p.add_argument_group("the evaluation (default: none; with --config: the config's)")
     ev.add_argument("--eval-batch-size", type=int, help="per_device_eval_batch_size of a run that evaluates")
     ev.add_argument(
@@ -265,79 +276,6 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
-
-
-EVAL_FIELDS = ("eval_batch_size", "eval_samples", "eval_generations")
-ROLLOUT_FIELDS = (
-    "completion_len",
-    "num_generations",
-    "generation_batch",
-    "kl_beta",
-    "old_logps",
-    "vllm",
-    "vllm_fraction",
-    "vllm_sleep",
-)
-
-
-def _rollout_flags(p: argparse.ArgumentParser) -> None:
-    """A generating method's rollouts (GRPO): None unless given (the method's defaults, or the config's)."""
-    g = p.add_argument_group(
-        "a generating method's rollouts (--objective grpo: --seq-len is prompt + completion)"
-    )
-    g.add_argument("--completion-len", type=int, help="max_completion_length (default: the method's, 256)")
-    g.add_argument("--num-generations", type=int, help="completions per prompt (default 8)")
-    g.add_argument(
-        "--generation-batch", type=int, help="completions generated at once per GPU (default: --batch-size)"
-    )
-    g.add_argument(
-        "--kl-beta", type=float, help="beta; above 0 the reference's log-probs are taken (default 0)"
-    )
-    g.add_argument(
-        "--old-logps",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="the old policy's log-probs (an update between two generations, or vLLM)",
-    )
-    g.add_argument("--vllm", choices=VLLM_MODES, help="off (transformers generate), colocate or server")
-    g.add_argument("--vllm-fraction", type=float, help="vllm_gpu_memory_utilization (default 0.3)")
-    g.add_argument(
-        "--vllm-sleep", action=argparse.BooleanOptionalAction, default=None, help="vllm_enable_sleep_mode"
-    )
-
-
-def _rollout_values(args) -> dict:
-    """The rollout fields given on the command line, over the method's defaults (its run-config defaults through
-    its own mapping) for a generating objective."""
-    given = {k: getattr(args, k) for k in ROLLOUT_FIELDS if getattr(args, k) is not None}
-    method = methods.get(args.objective)
-    if not method.traits.generates or args.config:
-        return given
-    training = {"gradient_accumulation_steps": 1, **method.defaults}
-    return {**method.plan_shape({"training": training}, args.batch_size, 1, False), **given}
-
-
-def _multi_gpu_flags(p: argparse.ArgumentParser, d: Plan) -> None:
-    """--gpus, --strategy, --cpu-offload: None unless given, so that --config keeps its distributed section."""
-    multi = p.add_argument_group("several GPUs (the run config's distributed section)")
-    multi.add_argument(
-        "--gpus",
-        type=int,
-        help=f"processes (GPUs) over every machine; the figures are then per GPU (default {d.gpus}; with "
-        "--config: the config's)",
-    )
-    multi.add_argument(
-        "--strategy",
-        choices=STRATEGIES,
-        help=f"how they share the model: auto (DDP when one card holds the plan, else FSDP), ddp, fsdp, "
-        f"deepspeed_zero3 (default {d.strategy}; with --config: the config's)",
-    )
-    multi.add_argument(
-        "--cpu-offload",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="fsdp / deepspeed_zero3: parameters, gradients and optimizer states in CPU RAM",
-    )
 
 
 class _ArgError(Exception):
@@ -373,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("gpus", "strategy", "cpu_offload", *EVAL_FIELDS):
             if getattr(args, name) is None:
                 setattr(args, name, getattr(Plan, name))
-    skip = ("list_models", "json", "config", "data_lengths", *ROLLOUT_FIELDS)
+    skip = ("list_models", "json", "config", "data_lengths", *ROLLOUT_FIELDS, *VLM_FIELDS)
     values = {k: v for k, v in vars(args).items() if k not in skip} | _rollout_values(args)
     if args.data_lengths and not args.config:
         print("error: --data-lengths reads a run config's data: give --config run.yaml too.", file=sys.stderr)
@@ -381,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = _load_run_config(args.config) if args.config else None
         here = cfg is not None and args.gpu_gb is None  # planned on this machine's own card(s)
-        plan = _plan_from_config(cfg, args) if cfg else Plan.from_dict(values)
+        plan = _plan_from_config(cfg, args) if cfg else Plan.from_dict(values | vlm_values(args))
         est = estimate(plan)
         data_batch = _data_batch(cfg, plan) if args.data_lengths else None
         fit = fit_search(plan)
@@ -480,7 +418,7 @@ def _plan_from_config(cfg: dict, args) -> Plan:
         for k in ("gpus", "strategy", "cpu_offload", *EVAL_FIELDS)
         if getattr(args, k) is not None
     }
-    given |= _rollout_values(args)
+    given |= _rollout_values(args) | vlm_values(args)
     if args.batch_tokens:
         given["batch_tokens"] = args.batch_tokens
     return replace(plan, **given) if given else plan

@@ -8,6 +8,13 @@ from dataclasses import replace
 from core.estimate.bill import estimate
 from core.estimate.plan import FIT_LIMIT, Plan, eval_generations, generates, generation_batch, validate
 from core.estimate.specs import ModelSpec, load_spec
+from core.estimate.vlm import image_tokens, vlm_of
+
+
+def image_tokens_per_row(plan: Plan, spec: ModelSpec) -> int:
+    """The tokens a VLM row's images take (0 for a language model)."""
+    facts = vlm_of(spec)
+    return image_tokens(facts, plan).tokens * plan.images_per_row if facts else 0
 
 
 def resized(plan: Plan, name: str, value: int) -> Plan:
@@ -54,16 +61,17 @@ def largest_eval_batch(plan: Plan, spec: ModelSpec | None = None, limit: float =
 
 def largest(plan: Plan, spec: ModelSpec, name: str, hi: int, step: int = 1, limit: float = FIT_LIMIT) -> int:
     """The largest value of `name` (a multiple of `step`, <= hi) whose device total stays within `limit` of the
-    card; 0 if none."""
+    card; 0 if none. A VLM's sequence is searched from the first length its images leave text room in."""
 
     def ok(v: int) -> bool:
         e = estimate(resized(plan, name, v), spec)
         return e.device_total_bytes <= limit * e.gpu_bytes
 
+    first = max(1, -(-(image_tokens_per_row(plan, spec) + 1) // step)) if name == "seq_len" else 1
     lo_units, hi_units = 0, hi // step  # invariant: lo fits (0 = nothing), hi+1 does not
-    if not ok(step):
+    if first > hi_units or not ok(first * step):
         return 0
-    lo_units = 1
+    lo_units = first
     while lo_units < hi_units:
         mid = (lo_units + hi_units + 1) // 2
         if ok(mid * step):

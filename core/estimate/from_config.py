@@ -109,8 +109,30 @@ def plan_for_config(
         # the method's own step (GRPO: its rollouts), read from the config by the method
         **method.plan_shape(cfg, batch, world, smoke),
         **eval_fields(cfg, smoke),
+        **image_fields(cfg),
     )
     return Plan(**fields)
+
+
+def image_fields(cfg: dict) -> dict:
+    """A VLM run's images as its config gives them (data.image_size "WxH", data.max_pixels, data.images_per_row,
+    data.pan_and_scan, model.freeze_vision); the planner's defaults for keys it does not carry (a language model's
+    plan ignores them)."""
+    data, model = cfg.get("data") or {}, cfg.get("model") or {}
+    out = {}
+    size = data.get("image_size")
+    if isinstance(size, str) and "x" in size.lower():
+        w, _, h = size.lower().partition("x")
+        if w.strip().isdigit() and h.strip().isdigit():
+            out.update(image_width=int(w), image_height=int(h))
+    for key in ("max_pixels", "images_per_row"):
+        if isinstance(data.get(key), int) and not isinstance(data.get(key), bool):
+            out[key] = data[key]
+    if isinstance(model.get("freeze_vision"), bool):
+        out["vision_frozen"] = model["freeze_vision"]
+    if isinstance(data.get("pan_and_scan"), bool):
+        out["pan_and_scan"] = data["pan_and_scan"]
+    return out
 
 
 def evaluates(cfg: dict) -> bool:

@@ -15,6 +15,7 @@ from core.estimate.lever_table import BOUND_LEVERS, BY_FIELD, LEVERS, Lever
 from core.estimate.moe_levers import moe_candidates, moe_lever_rows
 from core.estimate.plan import Plan, PlanError, generates
 from core.estimate.specs import ModelSpec, SpecError, load_spec
+from core.estimate.vlm_levers import vlm_candidates
 
 
 def with_every_lever(plan: Plan) -> Plan:
@@ -121,7 +122,7 @@ def _candidates(plan: Plan, spec: ModelSpec) -> list[tuple[str, dict, str, bool]
                 True,
             )
         )
-    out += _sharding(plan, spec) + moe_candidates(plan, spec)
+    out += _sharding(plan, spec) + moe_candidates(plan, spec) + vlm_candidates(plan, spec, estimate)
     out += _evaluation(plan, spec)
     if generates(plan):  # GRPO: its batch keeps the generation batch, its length is the completion's
         return out + rollout_candidates(plan, spec)

@@ -30,7 +30,9 @@ FROZEN_EXPERTS_COST = (
 
 
 def _targets(plan: Plan, spec: ModelSpec):
-    return lora_targets(spec.model_id, normalize_targets(plan.target_modules), plan.target_parameters)
+    return lora_targets(
+        spec.model_id, normalize_targets(plan.target_modules), plan.target_parameters, plan.vision_frozen
+    )
 
 
 def without_experts(plan: Plan, spec: ModelSpec) -> dict | None:

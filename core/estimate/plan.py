@@ -140,6 +140,15 @@ class Plan:
     vllm: str = "off"
     vllm_fraction: float = 0.3
     vllm_sleep: bool = False
+    # A vision-language model (core.estimate.vlm): each row's images, of image_width x image_height pixels, resized
+    # by the family's processor (Qwen-VL: into max_pixels, 0 = the processor's default); the vision tower and its
+    # projector frozen (LoRA on the language model only; a full fine-tune leaves them as they are) or trained.
+    image_width: int = 1024
+    image_height: int = 1024
+    max_pixels: int = 0
+    images_per_row: int = 1
+    vision_frozen: bool = True
+    pan_and_scan: bool = False  # Gemma 3's processor crops a wide or tall image too (do_pan_and_scan)
 
     @classmethod
     def from_dict(cls, data: dict) -> Plan:
@@ -159,6 +168,7 @@ class Plan:
             **({} if generates(self) else NO_ROLLOUTS),
             **DENSE,
             **NO_EVAL,
+            **TEXT_ONLY,
         }
         for name, default in trimmed.items():
             if d[name] == default:
@@ -187,6 +197,14 @@ VLLM_MODES = ("off", "colocate", "server")
 DENSE = {"target_parameters": "", "quantize_experts": False}
 # ... and a plan's without an evaluation phase as it was before that phase
 NO_EVAL = {"eval_batch_size": 0, "eval_generations": 0, "eval_samples": 0}
+# ... and a plan's image settings at their defaults (a language model has none: its record stays as it was)
+TEXT_ONLY = {
+    "image_width": 1024,
+    "image_height": 1024,
+    "max_pixels": 0,
+    "images_per_row": 1,
+    "vision_frozen": True,
+}
 
 
 def generates(plan: Plan) -> bool:
@@ -239,6 +257,9 @@ class Estimate:
     # A run that evaluates: its evaluation phase, whatever the peak phase is -- {bytes, components, moments,
     # moment (the largest: "forward", GRPO's "prefill" / "generate" / ..., "samples generate", "kv cache"), rows}
     evaluation: dict | None = None
+    # A vision-language model: its images, their tokens and where that number comes from, the vision terms
+    # (core.estimate.vlm_terms.vlm_record)
+    vlm: dict | None = None
 
     @property
     def fraction(self) -> float:
@@ -246,7 +267,7 @@ class Estimate:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        for name in ("distributed", "generation", "moe", "evaluation"):
+        for name in ("distributed", "generation", "moe", "evaluation", "vlm"):
             if d[name] is None:
                 del d[
                     name
@@ -296,6 +317,12 @@ def validate(plan: Plan) -> list[str]:
         raise PlanError(
             f"eval_kv_tokens must be zero or a positive whole number, got {plan.eval_kv_tokens!r}."
         )
+    for name in ("image_width", "image_height", "max_pixels", "images_per_row"):
+        value = getattr(plan, name)
+        if not _whole(value) or value < (0 if name in ("max_pixels", "images_per_row") else 1):
+            raise PlanError(
+                f"{name} must be a whole number{' above zero' if name.startswith('image_') else ''}, got {value!r}."
+            )
     for name in NO_EVAL:
         value = getattr(plan, name)
         if not _whole(value) or value < 0:

@@ -15,8 +15,8 @@ from core.files import atomic_write_text
 
 CACHE_FORMAT = 2  # bump when the cached files' shape changes (2: LoRA on parameters, MoE facts)
 CACHE_PACKAGES = ("torch", "transformers", "peft")  # what the counts come from
-# the code the counts come from: a change to either rebuilds every entry
-CODE_FILES = ("specs.py", "moe.py")
+# the code the counts come from: a change to any of them rebuilds every entry
+CODE_FILES = ("specs.py", "moe.py", "vlm.py")
 
 
 @lru_cache(maxsize=1)

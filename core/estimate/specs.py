@@ -26,6 +26,7 @@ from core.estimate.moe import moe_json
 from core.estimate.spec_cache import _cache_path, _int, _read_entry, _typed, _write_entry
 from core.estimate.spec_cache import cache_dir as cache_dir  # the tests clear and inspect it here
 from core.estimate.spec_cache import metadata as metadata
+from core.estimate.vlm import VISION_MODULES, is_vlm_config, language_model, vlm_json
 from core.fmt import error_line
 
 
@@ -76,6 +77,7 @@ class ModelSpec:
     sdpa: bool = (
         True  # the model class runs sdpa attention (gpt-oss does not: transformers falls back to eager)
     )
+    vlm_json: str = ""  # core.estimate.vlm's facts of a vision-language model ("" for a language model)
 
     @property
     def linear_params(self) -> int:
@@ -89,16 +91,19 @@ class ModelSpec:
 
 def _build_meta_model(cfg):
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    # a vision-language model: the class a VLM run trains (transformers' image-text-to-text one), vision included
+    auto = AutoModelForImageTextToText if is_vlm_config(cfg) else AutoModelForCausalLM
     try:
         with torch.device("meta"), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return AutoModelForCausalLM.from_config(cfg)
+            return auto.from_config(cfg)
     except ValueError as exc:
         raise SpecError(
             f"The config (model_type '{cfg.model_type}') is not a causal language model that transformers can "
-            f"build with AutoModelForCausalLM ({str(exc).splitlines()[0]}); this planner handles decoder LLMs only."
+            f"build with {auto.__name__} ({str(exc).splitlines()[0][:160]}); this planner handles decoder LLMs "
+            "and the vision-language families it names (Qwen2/2.5/3-VL, Gemma 3, Idefics3, SmolVLM, LLaVA) only."
         ) from None
     except (
         Exception
@@ -175,7 +180,11 @@ def _build_spec(model: str, cfg) -> ModelSpec:
 
     config_json = json.dumps(_config_fields(cfg), sort_keys=True)
     meta = _meta_model_for(config_json)
-    layers = _decoder_layers(meta)
+    vlm = vlm_json(meta, cfg)
+    if vlm and json.loads(vlm)["unsupported"]:
+        raise SpecError(json.loads(vlm)["unsupported"])
+    # a VLM's vision tower may have more blocks than its language model: count the language model's layers
+    layers = _decoder_layers(language_model(meta) if vlm else meta)
     if layers is None or len(layers) == 0:
         raise SpecError(f"'{model}' has no repeated decoder layers; this planner handles decoder LLMs only.")
     layers_prefix = next(name for name, mod in meta.named_modules() if mod is layers)
@@ -222,12 +231,17 @@ def _build_spec(model: str, cfg) -> ModelSpec:
         head_norms=head_norms,
         attention_sinks=any(n.rsplit(".", 1)[-1] == "sinks" for n, _ in layers[0].named_parameters()),
         sdpa=bool(getattr(meta, "_supports_sdpa", True)),
+        vlm_json=vlm,
     )
 
 
 def _config_fields(cfg) -> dict:
     fields = cfg.to_dict()
     fields["model_type"] = cfg.model_type
+    for sub in ("text_config", "vision_config"):  # a VLM's sub-configs carry their own bookkeeping keys
+        if isinstance(fields.get(sub), dict):
+            for key in ("transformers_version", "_name_or_path", "architectures", "dtype", "torch_dtype"):
+                fields[sub].pop(key, None)
     for key in ("transformers_version", "_name_or_path", "architectures", "dtype", "torch_dtype"):
         fields.pop(key, None)
     return fields
@@ -246,7 +260,10 @@ def normalize_targets(target_modules: str | list | tuple) -> tuple[str, ...] | s
 
 
 def lora_targets(
-    model: str, target_modules: str | tuple[str, ...], target_parameters: str | tuple[str, ...] = ()
+    model: str,
+    target_modules: str | tuple[str, ...],
+    target_parameters: str | tuple[str, ...] = (),
+    vision_frozen: bool = True,
 ) -> tuple[LinearShape, ...]:
     """The layers and parameters peft adapts for `target_modules` (and `target_parameters`: MoE experts), found by
     peft itself on the meta model -- with its own conversion of targets for transformers 5's fused experts.
@@ -258,6 +275,8 @@ def lora_targets(
     targets = normalize_targets(target_modules)
     params = normalize_parameters(target_parameters)
     try:
+        if spec.vlm_json and vision_frozen:  # peft's exclude_modules keeps LoRA off the vision tower
+            return _targets_for(spec.config_json, targets, params, VISION_EXCLUDE)
         return _targets_for(spec.config_json, targets, params)
     except SpecError:
         raise
@@ -282,22 +301,30 @@ def normalize_parameters(target_parameters: str | list | tuple) -> tuple[str, ..
     return tuple(sorted({t.strip() for t in target_parameters or () if t and t.strip()}))
 
 
+# peft's exclude_modules for a frozen vision tower and projector (a regex, matched in full against module names)
+VISION_EXCLUDE = rf".*\.({'|'.join(VISION_MODULES)})\..*"
+
+
 @lru_cache(maxsize=128)
 def _targets_for(
-    config_json: str, targets: str | tuple[str, ...], params: tuple[str, ...] = ()
+    config_json: str, targets: str | tuple[str, ...], params: tuple[str, ...] = (), exclude: str = ""
 ) -> tuple[LinearShape, ...]:
     """The meta model is built from `config_json` alone, so its LoRA targets are cached under it."""
-    key = ["targets", config_json, targets] + ([list(params)] if params else [])
+    key = (
+        ["targets", config_json, targets]
+        + ([list(params)] if params else [])
+        + ([exclude] if exclude else [])
+    )
     path = _cache_path("targets", key)
     shapes = _read_entry(path, key, _linears_from_json)
     if shapes is None:
-        shapes = _build_targets(config_json, targets, params)
+        shapes = _build_targets(config_json, targets, params, exclude)
         _write_entry(path, key, [asdict(s) for s in shapes])
     return shapes
 
 
 def _build_targets(
-    config_json: str, targets: str | tuple[str, ...], params: tuple[str, ...] = ()
+    config_json: str, targets: str | tuple[str, ...], params: tuple[str, ...] = (), exclude: str = ""
 ) -> tuple[LinearShape, ...]:
     """Apply peft's get_peft_model to a copy of the meta model (imports peft); ValueError when nothing matches."""
     import copy
@@ -311,6 +338,7 @@ def _build_targets(
             r=1,
             target_modules=list(targets) if targets != "all-linear" else targets,
             target_parameters=list(params) or None,
+            exclude_modules=exclude or None,
         )
         peft_model = get_peft_model(meta, config)
     from peft.tuners.lora import LoraLayer, ParamWrapper

@@ -25,6 +25,10 @@ TOKENIZER_FILES = (
     "added_tokens.json",
     "chat_template.jinja",
     "chat_template.json",
+    # a vision-language model's processor (image processor settings, image token): a merged VLM needs it to see
+    "processor_config.json",
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",
 )
 
 
@@ -78,6 +82,25 @@ def read_json_object(path: Path, fix: str) -> dict:
         kind = kinds.get(type(data), "a number")
         raise MergeError(f"{path} does not hold a JSON object (it holds {kind}): {fix}")
     return data
+
+
+def auto_model_class(config: dict):
+    """The transformers auto class of a model's config.json: a vision-language model (a vision_config beside its
+    language model) is built whole, vision tower and all, with AutoModelForImageTextToText; the rest are causal LMs."""
+    import transformers  # seconds to import: only when a model is built
+
+    vlm = isinstance(config.get("vision_config"), dict)
+    return transformers.AutoModelForImageTextToText if vlm else transformers.AutoModelForCausalLM
+
+
+def is_vision_model(folder) -> bool:
+    """The model folder's config.json has a vision_config (a VLM: Try it can ask about an image)."""
+    try:
+        return isinstance(
+            json.loads((Path(folder) / "config.json").read_text(encoding="utf-8")).get("vision_config"), dict
+        )
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def gb(n: int) -> str:

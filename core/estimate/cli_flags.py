@@ -1,0 +1,131 @@
+"""The flag groups of `python -m core.estimate` (core.estimate.cli) that need more than one line: a generating
+method's rollouts, several GPUs, a vision-language model's images."""
+
+from __future__ import annotations
+
+import argparse
+
+from core.estimate.plan import VLLM_MODES, Plan, PlanError
+from core.train import methods
+from core.train.config_keys import STRATEGIES
+
+EVAL_FIELDS = ("eval_batch_size", "eval_samples", "eval_generations")
+ROLLOUT_FIELDS = (
+    "completion_len",
+    "num_generations",
+    "generation_batch",
+    "kl_beta",
+    "old_logps",
+    "vllm",
+    "vllm_fraction",
+    "vllm_sleep",
+)
+
+
+def _rollout_flags(p: argparse.ArgumentParser) -> None:
+    """A generating method's rollouts (GRPO): None unless given (the method's defaults, or the config's)."""
+    g = p.add_argument_group(
+        "a generating method's rollouts (--objective grpo: --seq-len is prompt + completion)"
+    )
+    g.add_argument("--completion-len", type=int, help="max_completion_length (default: the method's, 256)")
+    g.add_argument("--num-generations", type=int, help="completions per prompt (default 8)")
+    g.add_argument(
+        "--generation-batch", type=int, help="completions generated at once per GPU (default: --batch-size)"
+    )
+    g.add_argument(
+        "--kl-beta", type=float, help="beta; above 0 the reference's log-probs are taken (default 0)"
+    )
+    g.add_argument(
+        "--old-logps",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the old policy's log-probs (an update between two generations, or vLLM)",
+    )
+    g.add_argument("--vllm", choices=VLLM_MODES, help="off (transformers generate), colocate or server")
+    g.add_argument("--vllm-fraction", type=float, help="vllm_gpu_memory_utilization (default 0.3)")
+    g.add_argument(
+        "--vllm-sleep", action=argparse.BooleanOptionalAction, default=None, help="vllm_enable_sleep_mode"
+    )
+
+
+def _rollout_values(args) -> dict:
+    """The rollout fields given on the command line, over the method's defaults (its run-config defaults through
+    its own mapping) for a generating objective."""
+    given = {k: getattr(args, k) for k in ROLLOUT_FIELDS if getattr(args, k) is not None}
+    method = methods.get(args.objective)
+    if not method.traits.generates or args.config:
+        return given
+    training = {"gradient_accumulation_steps": 1, **method.defaults}
+    return {**method.plan_shape({"training": training}, args.batch_size, 1, False), **given}
+
+
+def _multi_gpu_flags(p: argparse.ArgumentParser, d: Plan) -> None:
+    """--gpus, --strategy, --cpu-offload: None unless given, so that --config keeps its distributed section."""
+    multi = p.add_argument_group("several GPUs (the run config's distributed section)")
+    multi.add_argument(
+        "--gpus",
+        type=int,
+        help=f"processes (GPUs) over every machine; the figures are then per GPU (default {d.gpus}; with "
+        "--config: the config's)",
+    )
+    multi.add_argument(
+        "--strategy",
+        choices=STRATEGIES,
+        help=f"how they share the model: auto (DDP when one card holds the plan, else FSDP), ddp, fsdp, "
+        f"deepspeed_zero3 (default {d.strategy}; with --config: the config's)",
+    )
+    multi.add_argument(
+        "--cpu-offload",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="fsdp / deepspeed_zero3: parameters, gradients and optimizer states in CPU RAM",
+    )
+
+
+def vlm_flags(p: argparse.ArgumentParser, d: Plan) -> None:
+    """A vision-language model's images (ignored for a language model)."""
+    g = p.add_argument_group(
+        "a vision-language model's images (Qwen2/2.5/3-VL, Gemma 3, Idefics3, SmolVLM, LLaVA)"
+    )
+    g.add_argument(
+        "--image-size",
+        help=f"WxH pixels of each image before the processor resizes it (default {d.image_width}x{d.image_height})",
+    )
+    g.add_argument(
+        "--max-pixels",
+        type=int,
+        help="Qwen-VL: the processor's max_pixels (default: the processor's own, 12,845,056 for Qwen2/2.5-VL)",
+    )
+    g.add_argument("--images-per-row", type=int, help=f"images in each row (default {d.images_per_row})")
+    g.add_argument(
+        "--pan-and-scan",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Gemma 3: the processor also crops a wide or tall image (do_pan_and_scan; default off)",
+    )
+    g.add_argument(
+        "--vision-frozen",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the vision tower and projector frozen (default; LoRA on the language model only) or trained",
+    )
+
+
+def vlm_values(args) -> dict:
+    """The image fields given on the command line; PlanError for a size that is not WxH."""
+    out = {}
+    if args.image_size:
+        try:
+            w, h = (int(x) for x in args.image_size.lower().split("x"))
+        except ValueError:
+            raise PlanError(
+                f"--image-size '{args.image_size}' is not WxH in pixels, e.g. 1024x768."
+            ) from None
+        out.update(image_width=w, image_height=h)
+    for name in ("max_pixels", "images_per_row", "vision_frozen", "pan_and_scan"):
+        if getattr(args, name) is not None:
+            out[name] = getattr(args, name)
+    return out
+
+
+VLM_FIELDS = ("image_size", "max_pixels", "images_per_row", "vision_frozen", "pan_and_scan")
