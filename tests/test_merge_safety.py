@@ -382,7 +382,6 @@ BROKEN = [
 ]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("broken", BROKEN, ids=[c.__name__.strip("_") for c in BROKEN])
 def test_cli_broken_input_is_one_sentence_exit_2_nothing_written(
     broken, tiny_llama, adapter, tmp_path, workspace
