@@ -15,7 +15,7 @@ from core.estimate.bill import estimate
 from core.estimate.plan import Plan, PlanError
 from core.monitor import gpu
 from core.precision import SHORT, Device, resolve
-from core.train import distributed, methods
+from core.train import distributed, methods, vision
 from core.train.config import checkpointing, default_config, validate_config
 from core.train.config_keys import DTYPES, SECTIONS
 
@@ -116,15 +116,20 @@ def plan_for_config(
 
 def image_fields(cfg: dict) -> dict:
     """A VLM run's images as its config gives them (data.image_size "WxH", data.max_pixels, data.images_per_row,
-    data.pan_and_scan, model.freeze_vision); the planner's defaults for keys it does not carry (a language model's
-    plan ignores them)."""
+    data.pan_and_scan, model.freeze_vision). Without image_size / images_per_row, a VLM's local data says them (its
+    largest image, its most images in a row: core.train.vision.data_images); else the planner's defaults (a
+    language model's plan ignores them)."""
     data, model = cfg.get("data") or {}, cfg.get("model") or {}
     out = {}
-    size = data.get("image_size")
-    if isinstance(size, str) and "x" in size.lower():
-        w, _, h = size.lower().partition("x")
-        if w.strip().isdigit() and h.strip().isdigit():
-            out.update(image_width=int(w), image_height=int(h))
+    size = vision.image_size(data.get("image_size"))
+    if size:
+        out.update(image_width=size[0], image_height=size[1])
+    if (not size or not data.get("images_per_row")) and vision.folder_is_vlm(model.get("path") or ""):
+        found = vision.data_images(data)
+        if found and not size:
+            out.update(image_width=found[0], image_height=found[1])
+        if found and found[2]:
+            out["images_per_row"] = found[2]
     for key in ("max_pixels", "images_per_row"):
         if isinstance(data.get(key), int) and not isinstance(data.get(key), bool):
             out[key] = data[key]
