@@ -566,3 +566,46 @@ def test_the_merge_page_tries_a_vlm_adapter_on_an_image(vlm, vlm_run, workspace)
         "**Base**",
         "**Base + adapter**",
     ]
+
+
+@slow  # both pages' first renders import transformers and peft
+def test_use_this_plan_carries_the_image_settings_to_the_train_form(vlm, workspace):
+    """The Estimate page writes a VLM's image settings as the run config's own keys, and "Use this plan" (the
+    handover the Train page reads) brings them into the Train form's config; none for a language model."""
+    from streamlit.testing.v1 import AppTest
+
+    from ui.fields import HANDOVER
+
+    est = AppTest.from_file(str(REPO / "pages" / "estimate.py"), default_timeout=180)
+    est.run()
+    assert not est.exception, est.exception
+    assert not any(
+        k in est.session_state["estimate_config"]["data"] for k in ("image_size", "images_per_row")
+    )
+    est.selectbox(key="es_model").set_value("Qwen/Qwen2.5-VL-7B-Instruct")
+    est.run()
+    est.number_input(key="es_image_width").set_value(2048)
+    est.number_input(key="es_max_pixels").set_value(1_003_520)
+    est.number_input(key="es_images_per_row").set_value(2)
+    est.checkbox(key="es_vision_frozen").uncheck()
+    est.run()
+    assert not est.exception, est.exception
+    handed = est.session_state["estimate_config"]
+    assert handed["data"]["image_size"] == "2048x1024" and handed["data"]["max_pixels"] == 1_003_520
+    assert handed["data"]["images_per_row"] == 2 and handed["model"]["freeze_vision"] is False
+    lines = "\n".join(i.value for i in est.info)
+    assert "2 image(s) per row of 2048x1024 px" in lines and "trained" in lines  # the plan read those keys
+
+    _, base, data = vlm
+    train = AppTest.from_file(str(REPO / "pages" / "train.py"), default_timeout=180)
+    train.session_state["workspace"] = str(workspace)
+    train.session_state["train_config"] = _config(base, data)
+    train.session_state[HANDOVER] = handed
+    train.run()
+    assert not train.exception, train.exception
+    cfg = train.session_state["train_config"]
+    assert cfg["data"]["image_size"] == "2048x1024" and cfg["data"]["images_per_row"] == 2
+    assert cfg["data"]["max_pixels"] == 1_003_520 and cfg["model"]["freeze_vision"] is False
+    assert cfg["model"]["path"] == str(base)  # the preset is not a local folder: the form keeps its model
+    caption = next(c.value for c in train.caption if c.value.startswith("Prefilled from"))
+    assert "data.image_size" in caption
