@@ -359,6 +359,7 @@ WIDE = dict(
         ("wide", {}, {}),
         ("wide", {"freeze_vision": False}, {}),  # LoRA on the tower and projector too
         ("wide", {"freeze_vision": False}, {"gradient_checkpointing": False}),  # every block's tensors kept
+        ("wide", {"qlora": True}, {}),  # the language model in 4-bit, the tower kept in its dtype
     ],
 )
 def test_the_smoke_peak_of_a_vlm_is_within_five_percent_of_its_plan(vlm, tmp_path, tower, model, training):
@@ -373,7 +374,8 @@ def test_the_smoke_peak_of_a_vlm_is_within_five_percent_of_its_plan(vlm, tmp_pat
     if tower == "wide":
         base = build_tiny_vlm(tmp_path / "wide", vision=WIDE)
     cfg = _config(base, data)
-    cfg["model"].update(model)
+    cfg["quantization"]["load_in_4bit"] = bool(model.get("qlora"))
+    cfg["model"].update({k: v for k, v in model.items() if k != "qlora"})
     cfg["training"].update(training)
     out = _core_train(
         dump_config(cfg, tmp_path / "run.yaml"), "--run-dir", str(tmp_path / "smoke"), "--smoke"
