@@ -611,3 +611,23 @@ def test_use_this_plan_carries_the_image_settings_to_the_train_form(vlm, workspa
     assert cfg["model"]["path"] == str(base)  # the preset is not a local folder: the form keeps its model
     caption = next(c.value for c in train.caption if c.value.startswith("Prefilled from"))
     assert "data.image_size" in caption
+
+
+def test_plan_to_config_writes_a_vlm_plans_images_back_as_the_run_configs_keys(vlm):
+    from dataclasses import asdict, replace
+
+    from core.estimate.from_config import plan_for_config, plan_to_config
+
+    _, base, data = vlm
+    cfg = _config(base, data)
+    plan = replace(
+        plan_for_config(cfg, 24, "cuda"),
+        image_width=640,
+        image_height=480,
+        images_per_row=2,
+        max_pixels=200_704,
+        vision_frozen=False,
+    )
+    back = plan_to_config(asdict(plan), cfg)
+    assert back["data"]["image_size"] == "640x480" and back["model"]["freeze_vision"] is False
+    assert plan_for_config(back, 24, "cuda") == plan  # the inverse of the one mapping

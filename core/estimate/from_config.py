@@ -334,6 +334,32 @@ def _get(plan: Any, key: str, default=None):
     return getattr(plan, key, default)
 
 
+def _put_images(plan: Any, cfg: dict) -> None:
+    """A VLM plan's images as the run config's keys (image_fields' inverse): for a VLM model folder, or where the
+    plan's images differ from the planner's defaults; a language model's config gets none."""
+    values = {
+        ("data", "image_size"): f"{_get(plan, 'image_width')}x{_get(plan, 'image_height')}",
+        ("data", "max_pixels"): _get(plan, "max_pixels") or None,
+        ("data", "images_per_row"): _get(plan, "images_per_row") or None,
+        ("data", "pan_and_scan"): _get(plan, "pan_and_scan") or None,
+        ("model", "freeze_vision"): None if _get(plan, "vision_frozen", True) else False,
+    }
+    defaults = {
+        ("data", "image_size"): f"{Plan.image_width}x{Plan.image_height}",
+        ("data", "images_per_row"): 1,
+    }
+    if _get(plan, "image_width") is None or not (
+        vision.folder_is_vlm(cfg["model"].get("path") or "")
+        or any(v is not None and v != defaults.get(k) for k, v in values.items())
+    ):
+        return
+    for (section, key), value in values.items():
+        if value is None:
+            cfg[section].pop(key, None)
+        else:
+            cfg[section][key] = value
+
+
 def plan_to_config(plan: Any, base: dict | None = None) -> dict:
     """A Plan (or its dict) as a run config, on top of `base`: the inverse of plan_for_config for the settings a
     run config carries. A measured step of a Plan builds its model through the engine, which reads run configs
@@ -450,6 +476,7 @@ def plan_to_config(plan: Any, base: dict | None = None) -> dict:
             cfg["distributed"]["gpus"] = per_machine
     put("distributed", "strategy", _get(plan, "strategy"), str)
     put("distributed", "cpu_offload", _get(plan, "cpu_offload"), bool)
+    _put_images(plan, cfg)
 
     if cfg["model"].get("path") and cfg["data"].get("path"):
         return validate_config(cfg)
