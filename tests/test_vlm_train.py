@@ -631,3 +631,26 @@ def test_plan_to_config_writes_a_vlm_plans_images_back_as_the_run_configs_keys(v
     back = plan_to_config(asdict(plan), cfg)
     assert back["data"]["image_size"] == "640x480" and back["model"]["freeze_vision"] is False
     assert plan_for_config(back, 24, "cuda") == plan  # the inverse of the one mapping
+
+
+@slow
+def test_freeze_vision_false_trains_lora_on_the_tower_and_the_merge_folds_it_there(vlm, tmp_path):
+    from core import merge as M
+
+    _, base, data = vlm
+    cfg = _config(base, data, max_steps=3, logging_steps=1)
+    cfg["model"]["freeze_vision"] = False
+    run_dir = tmp_path / "run"
+    done = train(cfg, run_dir)
+    assert done.returncode == 0, done.stderr[-3000:]
+    keys = load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+    for part in (*VISION, "language_model"):
+        assert any(part in k for k in keys), (
+            part
+        )  # LoRA on the tower and projector, and on the language model
+    result = M.merge_at(str(base), str(run_dir / "adapter"), str(tmp_path / "merged"), dtype="fp32")
+    assert result.verification.passed, result.verification.lines()
+    before = load_file(str(base / "model.safetensors"))
+    after = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    assert any("vision_tower" in k for k in changed) and any("language_model" in k for k in changed)
