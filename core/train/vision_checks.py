@@ -107,7 +107,7 @@ def findings(cfg: dict, ds, processor) -> list:
                 "image_truncation",
                 f"{len(cut)} row(s) have image tokens beyond training.max_length {max_length} (an image cannot be "
                 f"cut): rows {format_rows(cut)}.",
-                "Raise training.max_length, or use smaller images (the processor's max_pixels).",
+                "Raise training.max_length, or use smaller images (Qwen-VL: data.max_pixels).",
                 rows=cut,
             )
         )
