@@ -228,9 +228,7 @@ def field_errors(raw: Any, here: bool = True) -> tuple[dict, dict[str, str]]:
     cfg["training"].update(methods.get(method).defaults)
     known = section_schema("training", method)
     for key in [k for k in cfg["training"] if k not in known]:
-        del cfg["training"][
-            key
-        ]  # a cockpit default this method's TRL config has no key for (GRPO: max_length)
+        del cfg["training"][key]  # a cockpit default this method's config has no key for (GRPO: max_length)
     if methods.get(method).name == "grpo":
         cfg["rewards"] = copy.deepcopy(raw.get("rewards"))
         errors.update(reward_specs.problems(cfg["rewards"]))
