@@ -4,8 +4,8 @@ language model's sequence -- from the code of transformers 5.24 (each family's v
 benchmarks/vlm_accuracy.py).
 
 What a step of a VLM holds beyond its language model's terms:
-- the vision tower's and projector's weights (in the spec's parameters; 4-bit under QLoRA: bitsandbytes quantizes
-  every nn.Linear but the head) and, trained, their gradients and optimizer states;
+- the vision tower's and projector's weights (in the spec's parameters; in the load dtype under QLoRA too: the
+  engine keeps them out of bitsandbytes) and, trained, their gradients and optimizer states;
 - the batch's pixels (pixel_values: every patch, or every tile, in the load dtype), alive for the whole step;
 - the image tokens: they sit in the language model's sequence, so the max_length bound (TRL truncates the
   processed ids, placeholders included) holds them: the language model's terms do not change, the text gets what
