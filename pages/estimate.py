@@ -30,6 +30,7 @@ from core.fmt import gib, nbytes
 from core.monitor import gpu
 from core.train import methods
 from core.train.config import ConfigError, config_to_yaml, default_config
+from core.train.vision import IMAGE_KEYS
 from ui import fields
 from ui.estimate_charts import bill_chart, curve_chart
 from ui.routing import leave_legacy_mode
@@ -196,11 +197,12 @@ def _vlm_facts():
         return None
 
 
-def _image_settings() -> None:
-    """A vision-language model's images: their size, Qwen-VL's max_pixels, how many per row, the vision tower."""
+def _image_settings():
+    """A vision-language model's images: their size, Qwen-VL's max_pixels, how many per row, the vision tower.
+    Returns the model's VLM facts (None for a language model)."""
     facts = _vlm_facts()
     if facts is None:
-        return
+        return None
     st.markdown("**Images** — a vision-language model: its image tokens share max_length with the text.")
     c = st.columns(5)
     c[0].number_input("Image width (px)", min_value=1, step=64, key=P + "image_width")
@@ -213,7 +215,8 @@ def _image_settings() -> None:
         disabled=facts.rule != "qwen",
         help="Qwen-VL resizes each image into this many pixels: fewer image tokens, less detail.",
     )
-    c[3].number_input("Images per row", min_value=0, step=1, key=P + "images_per_row")
+    st.session_state[P + "images_per_row"] = max(1, int(st.session_state.get(P + "images_per_row") or 1))
+    c[3].number_input("Images per row", min_value=1, step=1, key=P + "images_per_row")
     c[4].checkbox(
         "Vision tower frozen",
         key=P + "vision_frozen",
@@ -223,6 +226,27 @@ def _image_settings() -> None:
         c[4].checkbox(
             "Pan and scan", key=P + "pan_and_scan", help="Crops of a wide or tall image, 256 tokens each."
         )
+    return facts
+
+
+def _image_keys(cfg: dict, options: dict, facts) -> None:
+    """The image settings as the run config's own keys (data.image_size, data.max_pixels, data.images_per_row,
+    data.pan_and_scan, model.freeze_vision) for a VLM, so that the plan reads them through the one mapping and
+    "Use this plan" hands them to the Train form; none for a language model."""
+    for path in IMAGE_KEYS:
+        section, _, key = path.partition(".")
+        cfg[section].pop(key, None)
+    if facts is None:
+        return
+    w, h = int(options["image_width"] or Plan.image_width), int(options["image_height"] or Plan.image_height)
+    cfg["data"]["image_size"] = f"{w}x{h}"
+    cfg["data"]["images_per_row"] = max(1, int(options["images_per_row"] or 1))
+    if facts.rule == "qwen" and options["max_pixels"]:
+        cfg["data"]["max_pixels"] = int(options["max_pixels"])
+    if facts.rule == "fixed" and options["pan_and_scan"]:
+        cfg["data"]["pan_and_scan"] = True
+    if options["vision_frozen"] is False:
+        cfg["model"]["freeze_vision"] = False
 
 
 def _lever_toggles(method) -> None:
@@ -254,7 +278,7 @@ def config_form() -> tuple[dict, dict]:
         _step_settings()
     with c3:
         _adapter_settings()
-    _image_settings()
+    facts = _image_settings()
     method = methods.get(st.session_state[P + "method"])
     st.markdown("**Memory levers** — what each saves and costs is listed under the bill.")
     _lever_toggles(method)
@@ -262,6 +286,7 @@ def config_form() -> tuple[dict, dict]:
     model = st.session_state[P + "model"]
     cfg["model"]["path"] = (st.session_state.get(P + "model_path") or "").strip() if model == LOCAL else model
     options = {name: st.session_state.get(P + name) for name in OPTIONS}
+    _image_keys(cfg, options, facts)
     st.session_state["estimate_config"], st.session_state["estimate_options"] = cfg, options
     return cfg, options
 
@@ -281,12 +306,6 @@ def plan_of(cfg: dict, options: dict) -> Plan:
         eval_kv_tokens=int(options["eval_kv_tokens"] or 0),
         fused_lm_head=bool(options["fused_lm_head"]),
         prepare_kbit=bool(options["prepare_kbit"]) and plan.method == "qlora",
-        image_width=int(options["image_width"] or Plan.image_width),
-        image_height=int(options["image_height"] or Plan.image_height),
-        max_pixels=int(options["max_pixels"] or 0),
-        images_per_row=int(options["images_per_row"] if options["images_per_row"] is not None else 1),
-        vision_frozen=options["vision_frozen"] is not False,  # not drawn for a language model: None
-        pan_and_scan=bool(options["pan_and_scan"]),
     )
 
 

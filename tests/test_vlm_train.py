@@ -6,6 +6,7 @@ row, and the merge of the adapter leaving the vision tower as it was."""
 import contextlib
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -329,23 +330,155 @@ def test_a_smoke_batch_of_image_rows_is_filled_to_max_length_and_trains_the_same
     assert torch.equal(filled["pixel_values"], real["pixel_values"])
 
 
-@slow
-def test_the_smoke_test_of_a_vlm_measures_a_step_at_max_length(vlm, tmp_path):
-    from core.train.config import dump_config
-
-    _, base, data = vlm
-    path = dump_config(_config(base, data), tmp_path / "run.yaml")
-    out = subprocess.run(
-        [sys.executable, "-m", "core.train", str(path), "--run-dir", str(tmp_path / "smoke"), "--smoke"],
+def _core_train(config: Path, *args) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "core.train", str(config), *args],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=600,
     )
+
+
+# a LLaVA tower 256 wide and 4 blocks deep on 56 px images (64 image tokens): its weights, activations and (trained)
+# LoRA are a third of the step, not a rounding error next to the language model's
+WIDE = dict(
+    image_size=56, hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4
+)
+
+
+@slow
+@pytest.mark.parametrize(
+    "tower,model,training",
+    [
+        (
+            "tiny",
+            {},
+            {},
+        ),  # LoRA on the language model, the tower frozen (it still runs with grad: checkpointing)
+        ("wide", {}, {}),
+        ("wide", {"freeze_vision": False}, {}),  # LoRA on the tower and projector too
+        ("wide", {"freeze_vision": False}, {"gradient_checkpointing": False}),  # every block's tensors kept
+        ("wide", {"qlora": True}, {}),  # the language model in 4-bit, the tower kept in its dtype
+    ],
+)
+def test_the_smoke_peak_of_a_vlm_is_within_five_percent_of_its_plan(vlm, tmp_path, tower, model, training):
+    """`python -m core.train run.yaml --smoke` on a tiny LLaVA: one real step at max_length measured by the tracker
+    (smoke.json) against the plan.json the trainer wrote for that step, as for text and MoE models
+    (benchmarks/RESULTS.md, the VLM section); and peft's trainable count is the plan's (the tower's LoRA included
+    when model.freeze_vision is false)."""
+    from core.demo.toy import build_tiny_vlm
+    from core.train.config import dump_config
+
+    _, base, data = vlm
+    if tower == "wide":
+        base = build_tiny_vlm(tmp_path / "wide", vision=WIDE)
+    cfg = _config(base, data)
+    cfg["quantization"]["load_in_4bit"] = bool(model.get("qlora"))
+    cfg["model"].update({k: v for k, v in model.items() if k != "qlora"})
+    cfg["training"].update(training)
+    out = _core_train(
+        dump_config(cfg, tmp_path / "run.yaml"), "--run-dir", str(tmp_path / "smoke"), "--smoke"
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     smoke = json.loads((tmp_path / "smoke" / "smoke.json").read_text())
-    assert smoke["state"] == "finished" and smoke["peak_bytes"] > 0 and smoke["max_length"] == 128
-    assert "plan.json: not written" in out.stdout  # the planner has no VLM yet: one line, not a failure
+    plan = json.loads((tmp_path / "smoke" / "plan.json").read_text())
+    assert smoke["state"] == "finished" and smoke["max_length"] == 128 and smoke["measured_by"] == "tracker"
+    assert plan["vlm"]["vision_frozen"] is model.get("freeze_vision", True)
+    peak, est = smoke["peak_bytes"], smoke["estimate_bytes"]
+    assert est == max(v for k, v in plan["phases"].items() if k != "eval") > 0
+    assert abs(peak / est - 1) <= 0.05, f"measured {peak} vs planned {est}: {peak / est - 1:+.1%}"
+    assert f"trainable params: {plan['trainable_params']:,} " in out.stdout
+
+
+@slow
+def test_the_dry_run_of_a_vlm_prints_its_plan_with_the_datas_largest_image(vlm, tmp_path):
+    from PIL import Image
+
+    from core.train.config import dump_config
+
+    _, base, data = vlm
+    sizes = [Image.open(p).size for p in sorted((data.parent / "imgs").glob("*.png"))]
+    w, h = max(sizes, key=lambda s: s[0] * s[1])
+    path = dump_config(_config(base, data), tmp_path / "run.yaml")
+    out = _core_train(path, "--dry-run")
+    assert out.returncode == 0, out.stderr[-3000:]
+    plan = json.loads(out.stdout[out.stdout.index("{") :])
+    assert plan["vlm"]["image_size"] == f"{w}x{h}" and plan["vlm"]["images_per_row"] == 1
+    assert plan["vlm"]["image_tokens_per_image"] == 16 and plan["tensor_peak_bytes"] > 0
+    # the config's own image settings win over the data's
+    cfg = _config(base, data)
+    cfg["data"].update(image_size="640x480", images_per_row=2)
+    out = _core_train(dump_config(cfg, tmp_path / "set.yaml"), "--dry-run")
+    assert out.returncode == 0, out.stderr[-3000:]
+    vlm_record = json.loads(out.stdout[out.stdout.index("{") :])["vlm"]
+    assert vlm_record["image_size"] == "640x480" and vlm_record["images_per_row"] == 2
+
+
+def test_the_run_config_takes_the_image_settings_and_refuses_bad_ones(tmp_path):
+    from core.train.config import ConfigError, validate_config
+
+    base = {"model": {"path": "m"}, "data": {"path": "d"}}
+    cfg = validate_config(
+        {
+            "model": {"path": "m", "freeze_vision": False},
+            "data": {"path": "d", "image_size": "1024x768", "max_pixels": 1_003_520, "images_per_row": 2},
+        },
+        here=False,
+    )
+    assert cfg["data"]["image_size"] == "1024x768" and cfg["model"]["freeze_vision"] is False
+    assert "image_size" not in validate_config(base, here=False)["data"]  # absent: read from the data
+    bad = {
+        ("data", "image_size", "1024*768"): "must be WIDTHxHEIGHT",
+        ("data", "image_size", "0x768"): "must be WIDTHxHEIGHT",
+        ("data", "max_pixels", 0): "must be at least 1",
+        ("data", "images_per_row", -1): "must be in [1, 1024]",
+        ("data", "image_sizes", "1x1"): "Did you mean data.image_size?",
+        ("model", "freeze_vison", False): "Did you mean model.freeze_vision?",
+    }
+    for (section, key, value), words in bad.items():
+        raw = {**base, section: {**base[section], key: value}}
+        with pytest.raises(ConfigError, match=re.escape(words)):
+            validate_config(raw, here=False)
+    path = tmp_path / "bad.yaml"
+    path.write_text("model: {path: m}\ndata: {path: d, image_size: big}\n")
+    out = _core_train(path, "--dry-run")
+    assert out.returncode == 2 and "data.image_size must be WIDTHxHEIGHT" in out.stderr
+    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_max_pixels_bounds_a_qwen_image_processor_and_is_ignored_elsewhere(vlm, tmp_path):
+    from PIL import Image
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from core.train import vision
+
+    qwen = Qwen2VLImageProcessorPil(size={"shortest_edge": 56 * 56, "longest_edge": 112 * 112})
+    grid = lambda: qwen(images=[Image.new("RGB", (200, 200))], return_tensors="pt")["image_grid_thw"].tolist()  # noqa: E731
+    assert grid() == [[1, 8, 8]]
+    vision.set_max_pixels(qwen, 56 * 56 * 2)
+    assert grid() == [[1, 4, 4]]  # 200 px squeezed into 6,272 pixels: 56 x 56, 4 x 4 patches of 14
+    _, base, data = vlm
+    processor = vision.load_processor(base, max_pixels=1000)
+    assert not vision.takes_max_pixels(processor.image_processor)  # LLaVA resizes to a fixed size
+    cfg = _config(base, data)
+    cfg["data"]["max_pixels"] = 1000
+    done = _preflight(cfg, tmp_path)
+    assert done.returncode == 0 and "data.max_pixels is ignored" in done.stdout
+
+
+def test_image_settings_on_a_text_model_are_ignored_with_a_warning(tiny_llama, tmp_path):
+    (tmp_path / "d.jsonl").write_text('{"instruction": "Say hi", "output": "hi"}\n' * 8)
+    cfg = {
+        "model": {"path": str(tiny_llama), "freeze_vision": False},
+        "data": {"path": str(tmp_path / "d.jsonl"), "image_size": "640x480"},
+        "training": {"max_length": 64},
+    }
+    from core.train.config import validate_config
+
+    done = _preflight(validate_config(cfg), tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "data.image_size, model.freeze_vision are ignored" in done.stdout and "text model" in done.stdout
 
 
 @slow
@@ -435,3 +568,89 @@ def test_the_merge_page_tries_a_vlm_adapter_on_an_image(vlm, vlm_run, workspace)
         "**Base**",
         "**Base + adapter**",
     ]
+
+
+@slow  # both pages' first renders import transformers and peft
+def test_use_this_plan_carries_the_image_settings_to_the_train_form(vlm, workspace):
+    """The Estimate page writes a VLM's image settings as the run config's own keys, and "Use this plan" (the
+    handover the Train page reads) brings them into the Train form's config; none for a language model."""
+    from streamlit.testing.v1 import AppTest
+
+    from ui.fields import HANDOVER
+
+    est = AppTest.from_file(str(REPO / "pages" / "estimate.py"), default_timeout=180)
+    est.run()
+    assert not est.exception, est.exception
+    assert not any(
+        k in est.session_state["estimate_config"]["data"] for k in ("image_size", "images_per_row")
+    )
+    est.selectbox(key="es_model").set_value("Qwen/Qwen2.5-VL-7B-Instruct")
+    est.run()
+    est.number_input(key="es_image_width").set_value(2048)
+    est.number_input(key="es_max_pixels").set_value(1_003_520)
+    est.number_input(key="es_images_per_row").set_value(2)
+    est.checkbox(key="es_vision_frozen").uncheck()
+    est.run()
+    assert not est.exception, est.exception
+    handed = est.session_state["estimate_config"]
+    assert handed["data"]["image_size"] == "2048x1024" and handed["data"]["max_pixels"] == 1_003_520
+    assert handed["data"]["images_per_row"] == 2 and handed["model"]["freeze_vision"] is False
+    lines = "\n".join(i.value for i in est.info)
+    assert "2 image(s) per row of 2048x1024 px" in lines and "trained" in lines  # the plan read those keys
+
+    _, base, data = vlm
+    train = AppTest.from_file(str(REPO / "pages" / "train.py"), default_timeout=180)
+    train.session_state["workspace"] = str(workspace)
+    train.session_state["train_config"] = _config(base, data)
+    train.session_state[HANDOVER] = handed
+    train.run()
+    assert not train.exception, train.exception
+    cfg = train.session_state["train_config"]
+    assert cfg["data"]["image_size"] == "2048x1024" and cfg["data"]["images_per_row"] == 2
+    assert cfg["data"]["max_pixels"] == 1_003_520 and cfg["model"]["freeze_vision"] is False
+    assert cfg["model"]["path"] == str(base)  # the preset is not a local folder: the form keeps its model
+    caption = next(c.value for c in train.caption if c.value.startswith("Prefilled from"))
+    assert "data.image_size" in caption
+
+
+def test_plan_to_config_writes_a_vlm_plans_images_back_as_the_run_configs_keys(vlm):
+    from dataclasses import asdict, replace
+
+    from core.estimate.from_config import plan_for_config, plan_to_config
+
+    _, base, data = vlm
+    cfg = _config(base, data)
+    plan = replace(
+        plan_for_config(cfg, 24, "cuda"),
+        image_width=640,
+        image_height=480,
+        images_per_row=2,
+        max_pixels=200_704,
+        vision_frozen=False,
+    )
+    back = plan_to_config(asdict(plan), cfg)
+    assert back["data"]["image_size"] == "640x480" and back["model"]["freeze_vision"] is False
+    assert plan_for_config(back, 24, "cuda") == plan  # the inverse of the one mapping
+
+
+@slow
+def test_freeze_vision_false_trains_lora_on_the_tower_and_the_merge_folds_it_there(vlm, tmp_path):
+    from core import merge as M
+
+    _, base, data = vlm
+    cfg = _config(base, data, max_steps=3, logging_steps=1)
+    cfg["model"]["freeze_vision"] = False
+    run_dir = tmp_path / "run"
+    done = train(cfg, run_dir)
+    assert done.returncode == 0, done.stderr[-3000:]
+    keys = load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+    for part in (*VISION, "language_model"):
+        assert any(part in k for k in keys), (
+            part
+        )  # LoRA on the tower and projector, and on the language model
+    result = M.merge_at(str(base), str(run_dir / "adapter"), str(tmp_path / "merged"), dtype="fp32")
+    assert result.verification.passed, result.verification.lines()
+    before = load_file(str(base / "model.safetensors"))
+    after = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    assert any("vision_tower" in k for k in changed) and any("language_model" in k for k in changed)

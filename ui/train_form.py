@@ -26,6 +26,7 @@ from core.train.config import (
     validate_config,
 )
 from core.train.config_keys import METHODS, SECTIONS
+from core.train.vision import IMAGE_KEYS
 from core.workspace import WorkspaceError, suggest_run_name
 from ui import fields, reward_editor, train_panels
 from ui.jobs import follow
@@ -73,12 +74,16 @@ def _from_estimate(handed: dict, base: dict) -> tuple[dict, str]:
     taken from the config it handed over, key for key: one run config, no translation. A hub id as the model is
     not a folder here (nothing is downloaded): the form keeps base's local model and says so."""
     cfg = copy.deepcopy(base)
-    for f in [fields.FIELDS[n] for n in fields.PLAN_FIELDS] + list(methods.get(handed).fields):
-        value = (handed.get(f.section) or {}).get(f.key)
-        if value is None and f.key not in (handed.get(f.section) or {}):
-            cfg.setdefault(f.section, {}).pop(f.key, None)
+    planned = [(f.section, f.key) for f in [fields.FIELDS[n] for n in fields.PLAN_FIELDS]]
+    planned += [(f.section, f.key) for f in methods.get(handed).fields]
+    # a VLM's image settings (core.train.vision.IMAGE_KEYS): not drawn here, carried in the config as planned
+    planned += [tuple(path.split(".")) for path in IMAGE_KEYS]
+    for section, key in planned:
+        value = (handed.get(section) or {}).get(key)
+        if value is None and key not in (handed.get(section) or {}):
+            cfg.setdefault(section, {}).pop(key, None)
         else:
-            cfg.setdefault(f.section, {})[f.key] = value
+            cfg.setdefault(section, {})[key] = value
     cfg["method"] = handed.get("method", "sft")
     model = handed["model"].get("path")
     source = f"the Estimate page's plan ({model})"

@@ -144,32 +144,35 @@ def vlm_template(image: str) -> str:
 VLM_FAMILIES = ("llava", "qwen2_5_vl")
 
 
-def build_tiny_vlm(out_dir: str | os.PathLike, family: str = "llava", seed: int = 0) -> Path:
+def build_tiny_vlm(
+    out_dir: str | os.PathLike, family: str = "llava", seed: int = 0, vision: dict | None = None
+) -> Path:
     """Save a randomly initialised tiny vision-language model with its processor (an image processor, the char
     tokenizer with the family's image tokens, a chat template that writes them) to `out_dir`. `family`: llava (a
     CLIP vision tower, a projector, a Llama language model; 16 image tokens per image) or qwen2_5_vl (a 2-block
     Qwen2.5-VL vision tower with its patch merger; (H/14 * W/14) / 4 image tokens, the image resized within
     [56^2, 112^2] pixels). transformers builds Qwen2.5-VL's processor only with torchvision installed (it holds a
-    video processor)."""
+    video processor). `vision` (llava): overrides of its CLIP vision config (image_size and patch_size set the
+    processor's too), e.g. a wider tower whose terms weigh in a step."""
     import torch
 
     if family not in VLM_FAMILIES:
         raise ValueError(f"family must be one of {', '.join(VLM_FAMILIES)} (got {family!r}).")
     out = Path(out_dir)
     torch.manual_seed(seed)
-    model, processor = _tiny_llava() if family == "llava" else _tiny_qwen2_5_vl()
+    model, processor = _tiny_llava(vision or {}) if family == "llava" else _tiny_qwen2_5_vl()
     model.save_pretrained(str(out))
     processor.save_pretrained(str(out))
     return out
 
 
-def _tiny_llava():
+def _tiny_llava(overrides: dict):
     from transformers import AutoConfig, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
     tok = build_tokenizer(extra_specials=(IMAGE_TOKEN,))
     tok.chat_template = vlm_template(IMAGE_TOKEN)
-    size, patch = 28, 7
+    size, patch = overrides.get("image_size", 28), overrides.get("patch_size", 7)
     images = CLIPImageProcessorPil(size={"shortest_edge": size}, crop_size={"height": size, "width": size})
     processor = LlavaProcessor(
         image_processor=images,
@@ -179,15 +182,11 @@ def _tiny_llava():
         num_additional_image_tokens=1,
         chat_template=tok.chat_template,
     )
+    tower = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, projection_dim=32
+    )
     vision = AutoConfig.for_model(
-        "clip_vision_model",
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        image_size=size,
-        patch_size=patch,
-        projection_dim=32,
+        "clip_vision_model", **{**tower, **overrides, "image_size": size, "patch_size": patch}
     )
     config = LlavaConfig(
         text_config=tiny_config("llama", vocab_size=len(tok)),

@@ -15,7 +15,7 @@ from core.estimate.bill import estimate
 from core.estimate.plan import Plan, PlanError
 from core.monitor import gpu
 from core.precision import SHORT, Device, resolve
-from core.train import distributed, methods
+from core.train import distributed, methods, vision
 from core.train.config import checkpointing, default_config, validate_config
 from core.train.config_keys import DTYPES, SECTIONS
 
@@ -116,15 +116,20 @@ def plan_for_config(
 
 def image_fields(cfg: dict) -> dict:
     """A VLM run's images as its config gives them (data.image_size "WxH", data.max_pixels, data.images_per_row,
-    data.pan_and_scan, model.freeze_vision); the planner's defaults for keys it does not carry (a language model's
-    plan ignores them)."""
+    data.pan_and_scan, model.freeze_vision). Without image_size / images_per_row, a VLM's local data says them (its
+    largest image, its most images in a row: core.train.vision.data_images); else the planner's defaults (a
+    language model's plan ignores them)."""
     data, model = cfg.get("data") or {}, cfg.get("model") or {}
     out = {}
-    size = data.get("image_size")
-    if isinstance(size, str) and "x" in size.lower():
-        w, _, h = size.lower().partition("x")
-        if w.strip().isdigit() and h.strip().isdigit():
-            out.update(image_width=int(w), image_height=int(h))
+    size = vision.image_size(data.get("image_size"))
+    if size:
+        out.update(image_width=size[0], image_height=size[1])
+    if (not size or not data.get("images_per_row")) and vision.folder_is_vlm(model.get("path") or ""):
+        found = vision.data_images(data)
+        if found and not size:
+            out.update(image_width=found[0], image_height=found[1])
+        if found and found[2]:
+            out["images_per_row"] = found[2]
     for key in ("max_pixels", "images_per_row"):
         if isinstance(data.get(key), int) and not isinstance(data.get(key), bool):
             out[key] = data[key]
@@ -329,6 +334,32 @@ def _get(plan: Any, key: str, default=None):
     return getattr(plan, key, default)
 
 
+def _put_images(plan: Any, cfg: dict) -> None:
+    """A VLM plan's images as the run config's keys (image_fields' inverse): for a VLM model folder, or where the
+    plan's images differ from the planner's defaults; a language model's config gets none."""
+    values = {
+        ("data", "image_size"): f"{_get(plan, 'image_width')}x{_get(plan, 'image_height')}",
+        ("data", "max_pixels"): _get(plan, "max_pixels") or None,
+        ("data", "images_per_row"): _get(plan, "images_per_row") or None,
+        ("data", "pan_and_scan"): _get(plan, "pan_and_scan") or None,
+        ("model", "freeze_vision"): None if _get(plan, "vision_frozen", True) else False,
+    }
+    defaults = {
+        ("data", "image_size"): f"{Plan.image_width}x{Plan.image_height}",
+        ("data", "images_per_row"): 1,
+    }
+    if _get(plan, "image_width") is None or not (
+        vision.folder_is_vlm(cfg["model"].get("path") or "")
+        or any(v is not None and v != defaults.get(k) for k, v in values.items())
+    ):
+        return
+    for (section, key), value in values.items():
+        if value is None:
+            cfg[section].pop(key, None)
+        else:
+            cfg[section][key] = value
+
+
 def plan_to_config(plan: Any, base: dict | None = None) -> dict:
     """A Plan (or its dict) as a run config, on top of `base`: the inverse of plan_for_config for the settings a
     run config carries. A measured step of a Plan builds its model through the engine, which reads run configs
@@ -445,6 +476,7 @@ def plan_to_config(plan: Any, base: dict | None = None) -> dict:
             cfg["distributed"]["gpus"] = per_machine
     put("distributed", "strategy", _get(plan, "strategy"), str)
     put("distributed", "cpu_offload", _get(plan, "cpu_offload"), bool)
+    _put_images(plan, cfg)
 
     if cfg["model"].get("path") and cfg["data"].get("path"):
         return validate_config(cfg)

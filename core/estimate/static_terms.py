@@ -17,7 +17,6 @@ from core.estimate.plan import (
     Plan,
 )
 from core.estimate.specs import ModelSpec
-from core.estimate.vlm import vlm_of
 
 # ----------------------------------------------------------------------------------------------------------
 # static terms: weights, quantization constants, LoRA parameters, gradients, optimizer states
@@ -47,10 +46,8 @@ def weight_bytes(spec: ModelSpec, plan: Plan) -> tuple[int, int]:
     # Everything else (embeddings, lm_head, norms, biases, a MoE model's fused experts: not nn.Linear) stays in
     # the load dtype; prepare_model_for_kbit_training casts it to fp32.
     rest = spec.total_params - spec.linear_params
-    vision = vlm_of(spec)
-    if vision:  # bitsandbytes quantizes a VLM's vision tower and projector Linears too (all but the head)
-        p, c = quantized_bytes(vision.vision_linear_params, plan.double_quant)
-        packed, constants, rest = packed + p, constants + c, rest - vision.vision_linear_params
+    # A VLM's vision tower and projector stay in `rest`: the engine keeps them out of bitsandbytes
+    # (core.train.vision.quantization: llm_int8_skip_modules), so they load in the load dtype.
     facts = moe_of(spec)
     if facts and plan.quantize_experts:  # quantized on load (a plan: core.estimate.moe_terms.expert_dtype)
         rest -= facts.expert_params

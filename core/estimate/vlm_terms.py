@@ -4,8 +4,8 @@ language model's sequence -- from the code of transformers 5.24 (each family's v
 benchmarks/vlm_accuracy.py).
 
 What a step of a VLM holds beyond its language model's terms:
-- the vision tower's and projector's weights (in the spec's parameters; 4-bit under QLoRA: bitsandbytes quantizes
-  every nn.Linear but the head) and, trained, their gradients and optimizer states;
+- the vision tower's and projector's weights (in the spec's parameters; in the load dtype under QLoRA too: the
+  engine keeps them out of bitsandbytes) and, trained, their gradients and optimizer states;
 - the batch's pixels (pixel_values: every patch, or every tile, in the load dtype), alive for the whole step;
 - the image tokens: they sit in the language model's sequence, so the max_length bound (TRL truncates the
   processed ids, placeholders included) holds them: the language model's terms do not change, the text gets what
@@ -105,14 +105,26 @@ def _linear_inputs(facts: VlmFacts, plan: Plan) -> float:
     return ins * d.proj
 
 
+# Linears of one block that read the same input tensor (the attention's, the MLP's)
+SHARED_INPUT = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "gate_proj": "mlp", "up_proj": "mlp"}
+
+
 def _adapter_saved(facts: VlmFacts, plan: Plan, targets, patches: int, tokens: int) -> tuple[int, int]:
     """(in the projector, in the vision blocks) what peft's LoRA on the vision side saves: each adapted Linear's
-    input cast to the adapter's dtype (fp32 adapters over a 16-bit base: a copy lora_A keeps) and lora_A's output
-    (lora_B keeps it). The projector runs on the merged image tokens, the blocks on every patch."""
+    input cast to the adapter's dtype (fp32 adapters over a 16-bit base: a copy lora_A keeps; adapters in the load
+    dtype keep the input itself, which a frozen Linear alone would not) and lora_A's output (lora_B keeps it). The projector runs on the merged image tokens, the blocks on every patch."""
     ad, load = adapter_bytes(plan), DTYPE_BYTES[plan.load_dtype]
     projector = blocks = 0
+    seen = set()
     for s in targets:
-        per_row = (s.in_features * ad if ad != load else 0) + plan.lora_r * ad
+        parent, _, leaf = s.name.rpartition(".")
+        if ad != load:
+            copy = s.in_features * ad
+        else:  # no copy: lora_A keeps the input itself, once for the Linears that read the same tensor
+            key = (parent.rpartition(".")[0], SHARED_INPUT[leaf]) if leaf in SHARED_INPUT else s.name
+            copy = 0 if key in seen else s.in_features * ad
+            seen.add(key)
+        per_row = copy + plan.lora_r * ad
         if (
             facts.projector_path and s.name.startswith(facts.projector_path + ".")
         ) or ".deepstack_merger" in s.name:

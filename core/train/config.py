@@ -31,7 +31,7 @@ from typing import Any
 from core import files
 from core.files import YamlError, atomic_write_text, read_yaml
 from core.fmt import error_line
-from core.train import distributed, methods, schema
+from core.train import distributed, methods, schema, vision
 from core.train import rewards as reward_specs
 from core.train.config_keys import (
     ALIASES,
@@ -177,6 +177,8 @@ def _check_range(path: str, value: Any) -> str | None:
 def _special_checks(path: str, value: Any) -> str | None:
     if path in ("model.path", "data.split") and not (isinstance(value, str) and value.strip()):
         return "must be a non-empty string"
+    if path == "data.image_size" and vision.image_size(value) is None:
+        return "must be WIDTHxHEIGHT in pixels, two whole numbers above 0 such as 1024x768"
     if path == "data.path":
         ok = (isinstance(value, str) and value.strip()) or (
             isinstance(value, list) and value and all(isinstance(p, str) and p.strip() for p in value)
@@ -226,9 +228,7 @@ def field_errors(raw: Any, here: bool = True) -> tuple[dict, dict[str, str]]:
     cfg["training"].update(methods.get(method).defaults)
     known = section_schema("training", method)
     for key in [k for k in cfg["training"] if k not in known]:
-        del cfg["training"][
-            key
-        ]  # a cockpit default this method's TRL config has no key for (GRPO: max_length)
+        del cfg["training"][key]  # a cockpit default this method's config has no key for (GRPO: max_length)
     if methods.get(method).name == "grpo":
         cfg["rewards"] = copy.deepcopy(raw.get("rewards"))
         errors.update(reward_specs.problems(cfg["rewards"]))

@@ -223,9 +223,23 @@ RANGES: dict[str, tuple] = {
     "distributed.machine_rank": (0, 4095),
     "distributed.main_process_port": (1, 65535),
     "data.eval_split": (0, 0.5, "right-open"),
+    "data.max_pixels": (1, None),
+    "data.images_per_row": (1, 1024),
     "training.eval_samples": (0, 1000),
     "training.early_stopping_patience": (1, 100_000),
     "training.early_stopping_threshold": (0, None),
+}
+
+
+# A vision-language model's image settings (core.train.vision). Absent is the default: the tower frozen, the
+# processor's own max_pixels, no pan-and-scan, and image_size / images_per_row read from the data (its largest image,
+# its most images in a row; core.train.vision.data_images) -- they are planning inputs: the engine trains on the
+# images as they are. On a text model they are ignored with a preflight warning.
+IMAGE_SCHEMA = {
+    "image_size": {"kinds": ["str", "none"]},  # "WxH" of the planned images, e.g. 1024x768
+    "max_pixels": {"kinds": ["int", "none"]},  # Qwen-VL: each image resized into this many pixels
+    "images_per_row": {"kinds": ["int", "none"]},
+    "pan_and_scan": {"kinds": ["bool"]},  # Gemma 3: crops of a wide or tall image too
 }
 
 
@@ -237,6 +251,7 @@ OWN_SCHEMA = {
         "attn_implementation": {"kinds": ["str"], "choices": list(ATTN)},
         "trust_remote_code": {"kinds": ["bool"]},
         "reference_path": {"kinds": ["str", "none"]},
+        "freeze_vision": {"kinds": ["bool"]},
     },
     "data": {
         "path": {"kinds": ["str", "list"]},
@@ -251,6 +266,7 @@ OWN_SCHEMA = {
         "split": {"kinds": ["str"]},
         "eval_split": {"kinds": ["float"]},
         "mask_prompt": {"kinds": ["bool"]},
+        **IMAGE_SCHEMA,
     },
     "distributed": {
         "gpus": {"kinds": ["int", "list"]},

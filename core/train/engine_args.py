@@ -97,14 +97,15 @@ def _peft_adds_experts(targets, model_config) -> bool:
 
 def lora_config(cfg: dict, vision_model: bool = False):
     """peft.LoraConfig from the lora section, or None for a full fine-tune. vision_model: a VLM, whose vision tower
-    and projector LoRA leaves frozen (core.train.vision.lora_targets)."""
+    and projector LoRA leaves frozen unless model.freeze_vision is false (core.train.vision.lora_targets)."""
     lora = {k: v for k, v in cfg["lora"].items() if k != "enabled"}
     if not cfg["lora"]["enabled"]:
         return None
     from peft import LoraConfig
 
     lora = {**LORA_ENGINE, **lora}
-    return LoraConfig(**(vision.lora_targets(lora) if vision_model else lora))
+    freeze = cfg["model"].get("freeze_vision", True)
+    return LoraConfig(**(vision.lora_targets(lora, freeze) if vision_model else lora))
 
 
 def _best_checkpoint_args(t: dict, given: dict, method) -> None:

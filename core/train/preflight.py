@@ -87,7 +87,9 @@ def prepare_run(
         tokenizer.pad_token = tokenizer.eos_token  # padding is masked out of the loss anyway
     if vision.is_vlm(model_config):  # a VLM's processing class is its processor (images + text)
         try:
-            tokenizer = vision.load_processor(readable(m["path"]), m["trust_remote_code"])
+            tokenizer = vision.load_processor(
+                readable(m["path"]), m["trust_remote_code"], cfg["data"].get("max_pixels")
+            )
         except DataError as exc:
             raise ConfigError(str(exc)) from None
     refuse_on_errors(run_preflight(cfg, tokenizer, model_config, in_trainer), file)

@@ -125,7 +125,11 @@ def make_trainer(
         kwargs["data_collator"] = collator
     method = methods.get(cfg)
     kwargs.update(method.trainer_kwargs(cfg, lambda path: load_model(cfg, prec, path=path), train_ds))
-    if vision.is_processor(tokenizer) and not cfg["lora"]["enabled"]:
+    if (
+        vision.is_processor(tokenizer)
+        and not cfg["lora"]["enabled"]
+        and cfg["model"].get("freeze_vision", True)
+    ):
         vision.freeze_tower(model)  # a full fine-tune of a VLM trains its language model, as LoRA does
     trainer = method.trainer_class()(**kwargs)
     _fp32_trainable(trainer.model, prec)

@@ -8,13 +8,16 @@ messages + image paths (`images`), and the processor renders, tokenizes and turn
 masked out of the loss (the conversation is tokenized segment by segment, as core.train.data does for text) and so
 are the image tokens: the model learns the answers, not to predict image placeholders.
 
-LoRA trains the language model only: the vision tower and its projector stay frozen (lora_targets).
+LoRA trains the language model only: the vision tower and its projector stay frozen (lora_targets), unless
+model.freeze_vision is false (LoRA then wraps the tower's Linears too, as peft's target_modules match them; a full
+fine-tune trains the tower). data.max_pixels sets a Qwen-VL processor's max_pixels (load_processor).
 """
 
 from __future__ import annotations
 
 import json
 import re
+from functools import lru_cache
 from pathlib import Path
 
 from core.train.data import IGNORE_INDEX, DataError, _as_paths, _chat_segments
@@ -25,6 +28,16 @@ SEQUENCE_KEYS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type
 # module names of a VLM's image side, in the families transformers 5 ships: LoRA leaves them alone
 VISION_MODULES = (
     r"vision_tower|visual|vision_model|multi_modal_projector|mm_projector|connector|merger|embed_vision"
+)
+
+
+# a VLM run's own settings (core.train.config_keys.IMAGE_SCHEMA): ignored, with a preflight warning, on a text model
+IMAGE_KEYS = (
+    "data.image_size",
+    "data.max_pixels",
+    "data.images_per_row",
+    "data.pan_and_scan",
+    "model.freeze_vision",
 )
 
 
@@ -43,8 +56,10 @@ def folder_is_vlm(path) -> bool:
         return False
 
 
-def load_processor(path, trust_remote_code: bool = False):
-    """The model's processor (image processor + tokenizer + chat template), or DataError in one sentence."""
+def load_processor(path, trust_remote_code: bool = False, max_pixels: int | None = None):
+    """The model's processor (image processor + tokenizer + chat template), or DataError in one sentence.
+    max_pixels (data.max_pixels): the image processor resizes each image into that many pixels, for the families
+    whose processor has the bound (Qwen-VL); the others resize to a fixed size and ignore it."""
     from transformers import AutoProcessor
 
     from core.fmt import error_line
@@ -65,7 +80,38 @@ def load_processor(path, trust_remote_code: bool = False):
     tok = processor.tokenizer
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token  # padding is masked out of the loss anyway
+    if max_pixels:
+        set_max_pixels(processor.image_processor, max_pixels)
     return processor
+
+
+def takes_max_pixels(image_processor) -> bool:
+    """Qwen-VL's image processors: size {shortest_edge: min_pixels, longest_edge: max_pixels} and a patch merge."""
+    size = getattr(image_processor, "size", None)
+    return hasattr(image_processor, "merge_size") and size is not None and "longest_edge" in dict(size)
+
+
+def set_max_pixels(image_processor, max_pixels: int) -> None:
+    """The image processor's max_pixels (its size's longest_edge: an area, in Qwen-VL's processors), kept above its
+    min_pixels; nothing for a processor without the bound."""
+    if not takes_max_pixels(image_processor):
+        return
+    size = dict(image_processor.size)
+    size["longest_edge"] = max(int(max_pixels), int(size.get("shortest_edge") or 0))
+    image_processor.size = type(image_processor.size)(**size)
+    if hasattr(image_processor, "max_pixels"):  # older processors also keep the bound as an attribute
+        image_processor.max_pixels = size["longest_edge"]
+
+
+def image_size(value) -> tuple[int, int] | None:
+    """(width, height) of data.image_size "WxH" (e.g. "1024x768"), or None when it is not one."""
+    if not isinstance(value, str):
+        return None
+    w, sep, h = value.strip().lower().partition("x")
+    if not (sep and w.strip().isdigit() and h.strip().isdigit()):
+        return None
+    w, h = int(w), int(h)
+    return (w, h) if w > 0 and h > 0 else None
 
 
 def model_class():
@@ -75,10 +121,11 @@ def model_class():
     return AutoModelForImageTextToText
 
 
-def lora_targets(lora: dict) -> dict:
+def lora_targets(lora: dict, freeze_vision: bool = True) -> dict:
     """The lora section with the image side kept out: peft's exclude_modules names the vision tower and projector,
-    whatever target_modules says ("all-linear" would otherwise wrap the vision tower's layers too)."""
-    return {**lora, "exclude_modules": rf".*({VISION_MODULES}).*"}
+    whatever target_modules says ("all-linear" would otherwise wrap the vision tower's layers too). freeze_vision
+    false: as it is, so that target_modules reaches the tower's Linears as well (what the planner counts)."""
+    return {**lora, "exclude_modules": rf".*({VISION_MODULES}).*"} if freeze_vision else lora
 
 
 def freeze_tower(model) -> None:
@@ -319,12 +366,56 @@ def is_processor(processing_class) -> bool:
     return hasattr(processing_class, "image_processor")
 
 
-def processor_for(model_cfg: dict, processing_class=None):
+def processor_for(model_cfg: dict, processing_class=None, max_pixels: int | None = None):
     return (
         processing_class
         if is_processor(processing_class)
-        else load_processor(model_cfg["path"], model_cfg.get("trust_remote_code", False))
+        else load_processor(model_cfg["path"], model_cfg.get("trust_remote_code", False), max_pixels)
     )
+
+
+def data_images(data_cfg: dict) -> tuple[int, int, int] | None:
+    """(width, height, images) of a local image conversation dataset: its largest image by area and the most
+    images one row has, read from the files' headers (no pixels decoded); None when the data is not local or has
+    no readable image. What the planner assumes when data.image_size / data.images_per_row are not set."""
+    paths = _as_paths(data_cfg.get("path") or [])
+    try:
+        stamp = tuple((str(p), p.stat().st_mtime_ns, p.stat().st_size) for p in paths)
+    except OSError:
+        return None  # not a local file (a Hub id, a placeholder): the planner's defaults
+    key = json.dumps(
+        [stamp, data_cfg.get("columns") or {}, data_cfg.get("split")], sort_keys=True, default=str
+    )
+    return _data_images(key, json.dumps(data_cfg, sort_keys=True, default=str))
+
+
+@lru_cache(maxsize=16)
+def _data_images(_key: str, data_json: str) -> tuple[int, int, int] | None:
+    from PIL import Image
+
+    from core.files import quiet_datasets
+    from core.train.data import load_rows
+
+    data_cfg = json.loads(data_json)
+    try:
+        with quiet_datasets():
+            ds = load_rows(data_cfg)
+    except Exception:  # unreadable data: preflight says why, the plan keeps its defaults
+        return None
+    fmt, largest, most = ImageChat(data_cfg), None, 0
+    for row in ds:
+        msgs = fmt.messages(row)
+        paths = fmt.images(msgs) if msgs else []
+        most = max(most, len(paths))
+        for path in paths:
+            try:
+                with Image.open(path) as im:
+                    size = im.size
+            except Exception:  # a missing or broken image: preflight names it
+                continue
+            if largest is None or size[0] * size[1] > largest[0] * largest[1]:
+                largest = size
+    return (largest[0], largest[1], most) if largest else None
 
 
 def collator(processing_class, cfg: dict, smoke: bool = False):

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from core.train.data import _chat_segments
 from core.train.vision import (
+    IMAGE_KEYS,
     ImageChat,
     image_problem,
     is_vlm,
     processor_for,
+    takes_max_pixels,
     token_count,
 )
 
@@ -24,6 +26,16 @@ def findings(cfg: dict, ds, processor) -> list:
     fmt, t = ImageChat(cfg["data"]), cfg["training"]
     max_length = t["max_length"]
     out: list[Finding] = []
+    if cfg["data"].get("max_pixels") and not takes_max_pixels(processor.image_processor):
+        out.append(
+            Finding(
+                "warning",
+                "max_pixels",
+                f"data.max_pixels is ignored: the processor of {cfg['model']['path']} resizes every image to a "
+                "fixed size (Qwen-VL's processors take max_pixels).",
+                "Drop data.max_pixels.",
+            )
+        )
     for key in ("padding_free", "packing"):
         if t.get(key):
             out.append(
@@ -95,7 +107,7 @@ def findings(cfg: dict, ds, processor) -> list:
                 "image_truncation",
                 f"{len(cut)} row(s) have image tokens beyond training.max_length {max_length} (an image cannot be "
                 f"cut): rows {format_rows(cut)}.",
-                "Raise training.max_length, or use smaller images (the processor's max_pixels).",
+                "Raise training.max_length, or use smaller images (Qwen-VL: data.max_pixels).",
                 rows=cut,
             )
         )
@@ -111,6 +123,27 @@ def findings(cfg: dict, ds, processor) -> list:
             )
         )
     return out
+
+
+def ignored_image_keys(cfg: dict, model_config) -> list:
+    """A warning naming the image settings (config_keys.IMAGE_KEYS) set for a text model: they are ignored (the
+    same config may be tried on a VLM and on a text model; a typo'd key is still an error of the validator)."""
+    from core.train.findings import Finding
+
+    if is_vlm(model_config):
+        return []
+    keys = [k for k in IMAGE_KEYS if k.partition(".")[2] in (cfg.get(k.partition(".")[0]) or {})]
+    if not keys:
+        return []
+    return [
+        Finding(
+            "warning",
+            "image_keys",
+            f"{', '.join(keys)} {'is' if len(keys) == 1 else 'are'} ignored: {cfg['model']['path']} is a text model "
+            "(its config.json has no vision_config).",
+            "Drop them, or point model.path at a vision-language model.",
+        )
+    ]
 
 
 def _image_sentence(row: int, written: str, path, problem: str) -> str:
@@ -179,6 +212,6 @@ def run_preview(cfg: dict, tokenizer, model_config, n: int = 5, length_rows: int
 
     max_length = cfg["training"]["max_length"]
     if is_vlm(model_config):
-        processor = processor_for(cfg["model"], tokenizer)
+        processor = processor_for(cfg["model"], tokenizer, cfg["data"].get("max_pixels"))
         return preview(cfg["data"], processor, n=n, length_rows=length_rows, max_length=max_length)
     return preview_dataset(cfg["data"], tokenizer, n=n, length_rows=length_rows, max_length=max_length)

@@ -161,7 +161,7 @@ def sft_findings(cfg: dict, tokenizer=None, model_config=None) -> list[Finding]:
     if tokenizer is None or model_config is None:
         tok, conf = load_tokenizer_and_config(cfg["model"])
         tokenizer, model_config = tokenizer or tok, model_config or conf
-    findings: list[Finding] = []
+    findings: list[Finding] = vision_checks.ignored_image_keys(cfg, model_config)
     if vision.is_vlm(model_config):
         if fmt != "chat":
             return [
@@ -174,7 +174,7 @@ def sft_findings(cfg: dict, tokenizer=None, model_config=None) -> list[Finding]:
                 )
             ]
         try:
-            processor = vision.processor_for(cfg["model"], tokenizer)
+            processor = vision.processor_for(cfg["model"], tokenizer, cfg["data"].get("max_pixels"))
         except DataError as exc:
             return [Finding("error", "processor", str(exc), "")]
         return vision_checks.findings(cfg, ds, processor)
