@@ -43,6 +43,7 @@ APP_FLAGS = (
     "--server.headless=true",
     "--server.fileWatcherType=none",
     "--server.enableXsrfProtection=true",
+    "--runner.postScriptGC=false",
     "--browser.gatherUsageStats=false",
 )
 

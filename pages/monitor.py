@@ -2,11 +2,9 @@
 its files gained since the last tick, so a reload or a server restart reattaches to a live run with no lost point.
 The live part is a fragment re-run by the browser every ~2 s while the run is live; static otherwise."""
 
-import copy
 import time
 from pathlib import Path
 
-import altair as alt
 import pandas as pd
 import streamlit as st
 
@@ -21,7 +19,7 @@ from core.runs.launcher import RunError, launch, list_runs, stop_run
 from core.runs.rundir import LIVE_STATES, latest_checkpoint, read_status
 from core.train import methods
 from core.workspace import default_workspace
-from ui.charts import line_spec, lines_chart
+from ui.charts import draw_lines
 from ui.eval_panels import completions_panel, samples_panel
 from ui.hub_panels import run_download
 from ui.routing import follow_choice, leave_legacy_mode
@@ -53,30 +51,8 @@ def _chart(
     if df is None or df.empty:
         st.caption(f"{title}: {empty}")
         return
-    if (
-        not rule and "y_scale" not in kw
-    ):  # the common chart: its spec built once, only the data sent each tick
-        points = len(df) <= 2 * max(1, df["series"].nunique())
-        st.vega_lite_chart(df, copy.deepcopy(line_spec(x, title, y_title, points, **kw)), width="stretch")
-        return
-    chart = lines_chart(df, x, title, y_title, **kw)
-    if rule:
-        lines = pd.DataFrame({"line": list(rule), "value": list(rule.values())})
-        chart = alt.layer(
-            chart,
-            alt.Chart(lines)
-            .mark_rule(strokeDash=[6, 4])
-            .encode(
-                y="value:Q",
-                color=alt.Color(
-                    "line:N",
-                    title=None,
-                    scale=alt.Scale(range=["#7f7f7f"]),
-                    legend=alt.Legend(orient="bottom", direction="horizontal"),
-                ),
-            ),
-        ).resolve_scale(color="independent")
-    st.altair_chart(chart, width="stretch")
+    rules = [{"line": label, "value": y} for label, y in (rule or {}).items()]
+    draw_lines(df, x, title, y_title, rules=rules, rule_legend_bottom=True, **kw)
 
 
 CHARTS_PER_ROW = 3
@@ -107,7 +83,7 @@ def method_chart(snap, chart, frame, column) -> None:
         if chart.chance is not None:
             extra = {
                 "rule": {f"chance ({chart.chance:g})": chart.chance},
-                "y_scale": alt.Scale(domain=[0, 1]),
+                "y_domain": (0.0, 1.0),
             }
         _chart(
             frame,
@@ -160,18 +136,7 @@ def memory_chart(snap) -> None:
             f"No GPU samples ({reason or 'none in gpu.jsonl'}): charting the process's CPU memory instead. RSS is "
             f"everything the training process holds: the runtime, the model, the data, the step's tensors.{said}"
         )
-    chart = lines_chart(df, "minutes", title, "GiB", height=330)
-    if rules:
-        rule = (
-            alt.Chart(pd.DataFrame(rules))
-            .mark_rule(strokeDash=[6, 4])
-            .encode(
-                y="value:Q",
-                color=alt.Color("line:N", title=None, scale=alt.Scale(range=["#d62728", "#7f7f7f"])),
-            )
-        )
-        chart = alt.layer(chart, rule).resolve_scale(color="independent")
-    st.altair_chart(chart, width="stretch")
+    draw_lines(df, "minutes", title, "GiB", rules=rules, rule_colors=("#d62728", "#7f7f7f"))
 
 
 def header(snap) -> None:

@@ -5,6 +5,7 @@ import json
 import shutil
 from pathlib import Path
 
+import pandas as pd
 import pytest
 from streamlit.testing.v1 import AppTest
 
@@ -229,6 +230,12 @@ def _titled_charts(at) -> dict[str, tuple[dict, list]]:
         frames = [
             pa.ipc.open_stream(b).read_all().to_pandas()
             for b in own + [d.data.data for d in chart.proto.datasets]
+        ]
+        # a layer's own small data (the dashed lines) rides inline in the spec
+        frames += [
+            pd.DataFrame(lay["data"]["values"])
+            for lay in spec.get("layer", [])
+            if "values" in lay.get("data", {})
         ]
         out[title] = (spec, frames)
     return out

@@ -90,7 +90,10 @@ def test_a_cpu_runs_rss_is_drawn_against_what_the_plan_expects_the_process_to_ho
     memory = next(s for s in _specs(at) if "CPU memory of the training process" in json.dumps(s))
     rules = [
         row
-        for data in memory.get("datasets", {}).values()
+        for data in [
+            *memory.get("datasets", {}).values(),
+            *(lay.get("data", {}).get("values", []) for lay in memory.get("layer", [])),
+        ]
         for row in data
         if isinstance(row, dict) and "line" in row
     ]

@@ -5,10 +5,12 @@ and 120 as "1e+2" and "1.2e+2", minutes as "1e+1". "~f" counts decimals instead:
 And the Monitor's line charts, whose specs are written once per shape (line_spec).
 """
 
+import copy
 import functools
 
 import altair as alt
 import pandas as pd
+import streamlit as st
 
 PLAIN = ",~f"
 
@@ -62,13 +64,59 @@ def lines_chart(
 
 
 @functools.lru_cache(maxsize=64)
-def line_spec(
-    x: str, title: str, y_title: str, points: bool, height: int = 330, faint_raw: bool = False
+def _line_spec(
+    x: str,
+    title: str,
+    y_title: str,
+    points: bool,
+    height: int,
+    faint_raw: bool,
+    y_domain: tuple[float, float] | None,
+    rule: tuple[tuple[str, ...], bool] | None,
 ) -> dict:
-    """_lines' Vega-Lite spec without its data. Altair validates a chart against its schema as it writes the spec
-    (~10-20 ms a chart); a live run's page redraws every chart every tick, so it is written once per shape."""
+    """lines_chart's Vega-Lite spec without its data; `rule`: (the dashed lines' colours, legend at the bottom).
+    Altair validates a chart against its schema as it writes the spec (10-20 ms a chart); a live run's page redraws
+    every chart every tick, so each shape is written once and only the data goes out with it."""
     shape = pd.DataFrame({x: [0.0] * (1 if points else 3), "value": 0.0, "series": ""})
-    spec = lines_chart(shape, x, title, y_title, height=height, faint_raw=faint_raw).to_dict()
+    scale = alt.Scale(domain=list(y_domain)) if y_domain else None
+    chart = lines_chart(shape, x, title, y_title, height=height, faint_raw=faint_raw, y_scale=scale)
+    if rule is not None:
+        colors, bottom = rule
+        legend = {"legend": alt.Legend(orient="bottom", direction="horizontal")} if bottom else {}
+        lines = (
+            alt.Chart(pd.DataFrame({"line": [""], "value": [0.0]}))
+            .mark_rule(strokeDash=[6, 4])
+            .encode(
+                y="value:Q",
+                color=alt.Color("line:N", title=None, scale=alt.Scale(range=list(colors)), **legend),
+            )
+        )
+        chart = alt.layer(chart, lines).resolve_scale(color="independent")
+    spec = chart.to_dict()
     spec.pop("datasets", None)
     spec.pop("data", None)
+    for layer in spec.get("layer", []):
+        layer.pop("data", None)  # the lines take the chart's data; the dashed lines get theirs at each draw
     return spec
+
+
+def draw_lines(
+    df: pd.DataFrame,
+    x: str,
+    title: str,
+    y_title: str,
+    *,
+    height: int = 330,
+    faint_raw: bool = False,
+    y_domain: tuple[float, float] | None = None,
+    rules: list[dict] | None = None,
+    rule_colors: tuple[str, ...] = ("#7f7f7f",),
+    rule_legend_bottom: bool = False,
+) -> None:
+    """lines_chart drawn from its cached spec; `rules`: [{"line": label, "value": y}] dashed horizontal lines."""
+    points = len(df) <= 2 * max(1, df["series"].nunique())
+    rule = (tuple(rule_colors), rule_legend_bottom) if rules else None
+    spec = copy.deepcopy(_line_spec(x, title, y_title, points, height, faint_raw, y_domain, rule))
+    if rules:
+        spec["layer"][1]["data"] = {"values": rules}
+    st.vega_lite_chart(df, spec, width="stretch")
