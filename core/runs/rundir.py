@@ -34,6 +34,8 @@ SAMPLES = (
 )
 # PID ("pid": the training process), LOCK ("lock": held by it), STDOUT and STDERR: see core.procs
 CHECKPOINTS = "checkpoints"
+TENSORBOARD = "tensorboard"  # training.report_to tensorboard: its event files (core.train.trackers)
+TRACKIO = "trackio"  # training.report_to trackio: its local database (core.train.trackers)
 ADAPTER, MODEL = "adapter", "model"  # the final weights: a LoRA adapter, or a full fine-tune
 
 LIVE_STATES = ("starting", "running", "stopping")

@@ -25,7 +25,7 @@ from core.monitor.gpu import GpuSampler
 from core.precision import Device, Precision, PrecisionError, resolve, torch_dtype
 from core.runs import rundir
 from core.runs.rundir import read_status, truncate_metrics, write_status
-from core.train import distributed, methods, ranks, sources
+from core.train import distributed, methods, ranks, sources, trackers
 from core.train.callbacks import (
     StopFlag,
     early_stop,
@@ -154,18 +154,6 @@ def _write_plan(cfg: dict, run_dir: Path, prec: Precision, smoke: bool) -> None:
         rundir.write_plan(run_dir, plan_json(cfg, device=prec.device.kind, smoke=smoke))
     except (PlanError, SpecError) as exc:
         print(f"plan.json: not written: {exc}", flush=True)
-
-
-def _report_to(cfg: dict, run_dir: Path, smoke: bool):
-    """TensorBoard next to the run's own files when it is installed, unless the config says report_to."""
-    if smoke or "report_to" in cfg["training"]:
-        return None
-    try:
-        import tensorboard  # noqa: F401
-    except ImportError:
-        return "none"
-    os.environ.setdefault("TENSORBOARD_LOGGING_DIR", str(run_dir / "tensorboard"))
-    return "tensorboard"
 
 
 def quiet_progress_bars():
@@ -597,7 +585,7 @@ def _train(
                 *early_stopping_callbacks(cfg, eval_ds, smoke),
                 callback,
             ],
-            report_to=_report_to(cfg, run_dir, smoke),
+            report_to=trackers.route(cfg, run_dir, smoke),
         )
         if checkpoint and new_hyperparameters:
             keep_new_hyperparameters(trainer)
