@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shlex
+import threading
 from pathlib import Path
 
 from core.runs import rundir
@@ -45,6 +46,18 @@ def missing(report_to) -> str | None:
     return None
 
 
+def _quiet_writer_thread(args) -> None:
+    """TensorBoard's writer thread keeps its error for the trainer's next flush, which raises it where the engine
+    says why (a run folder deleted under the run: core.train.trainer); printed here as well it would be a second,
+    raw traceback."""
+    if type(args.thread).__module__.startswith("tensorboard.") and isinstance(args.exc_value, OSError):
+        return
+    _PREVIOUS_HOOK(args)
+
+
+_PREVIOUS_HOOK = threading.excepthook
+
+
 def route(cfg: dict, run_dir: str | os.PathLike, smoke: bool) -> str | None:
     """Point the trackers at the run folder (before the trainer is built: transformers reads
     TENSORBOARD_LOGGING_DIR, Trackio TRACKIO_DIR at import); returns the report_to the engine adds when the config
@@ -55,6 +68,7 @@ def route(cfg: dict, run_dir: str | os.PathLike, smoke: bool) -> str | None:
     # set, not setdefault: a folder inherited from another run's environment would mix the two runs' curves
     os.environ["TENSORBOARD_LOGGING_DIR"] = str(run_dir / rundir.TENSORBOARD)
     os.environ["TRACKIO_DIR"] = str(run_dir / rundir.TRACKIO)
+    threading.excepthook = _quiet_writer_thread
     if "report_to" in cfg["training"]:
         return None
     return "tensorboard" if installed("tensorboard") else "none"

@@ -597,6 +597,12 @@ def _train(
                 trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
             except RewardError as exc:  # a GRPO reward function failed: its name, the row and the error
                 raise TrainError(str(exc)) from None
+            except OSError:
+                # a writer into the folder (TensorBoard's, on its own thread) met it deleted before the callback's
+                # next look: the folder's fate is the reason, not the writer's FileNotFoundError
+                if callback._check_folder(None):
+                    raise rundir.RunGone(callback.gone) from None
+                raise
             seconds = (time.perf_counter() - t0, time.process_time() - cpu0)
     finally:
         if sampler is not None:
