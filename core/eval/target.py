@@ -151,11 +151,12 @@ def _check_belongs(adapter_dir: Path, base_dir: Path) -> None:
     base weights, else the recorded base's config.json)."""
     from core.merge import MergeError
     from core.merge.adapter import load_adapter
+    from core.merge.common import load_json
     from core.merge.compat import check_recorded_base
     from core.merge.shards import BaseCheckpoint
 
     try:
-        base_config = json.loads((base_dir / "config.json").read_text())
+        base_config = load_json(base_dir / "config.json", "restore it from the base model's original files.")
         mismatch, _ = check_recorded_base(load_adapter(adapter_dir), BaseCheckpoint(base_dir), base_config)
     except (MergeError, OSError, ValueError) as exc:
         raise EvalError(f"The adapter {adapter_dir} cannot be checked against {base_dir}: {exc}") from None
