@@ -121,7 +121,7 @@ def parameter_shapes(fields: dict) -> tuple[str, dict[str, tuple[int, ...]]]:
     return meta.base_model_prefix, {k: tuple(t.shape) for k, t in meta.state_dict().items()}
 
 
-def _decoder_layers(model):
+def decoder_layers(model):
     """The repeated decoder blocks: the largest nn.ModuleList in the model."""
     import torch.nn as nn
 
@@ -175,7 +175,7 @@ def _build_spec(model: str, cfg) -> ModelSpec:
 
     config_json = json.dumps(_config_fields(cfg), sort_keys=True)
     meta = _meta_model_for(config_json)
-    layers = _decoder_layers(meta)
+    layers = decoder_layers(meta)
     if layers is None or len(layers) == 0:
         raise SpecError(f"'{model}' has no repeated decoder layers; this planner handles decoder LLMs only.")
     layers_prefix = next(name for name, mod in meta.named_modules() if mod is layers)

@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from core.merge.common import gb, load_tokenizer
+from core.fmt import disk
+from core.merge.common import load_tokenizer
 from core.merge.delta import recompute_rows
 from core.merge.plan import MergePlan
 from core.merge.shards import DTYPE_NAMES, read_safetensors_header
@@ -248,7 +249,7 @@ def _logits_device(plan: MergePlan, device: str, v: Verification) -> str:
     if need * 1.2 < free:  # activations and the allocator's rounding on top of the weights
         return device
     v.messages.append(
-        f"The logits check needs ~{gb(need)} of GPU memory in float32 but {gb(free)} is free: it ran on the CPU."
+        f"The logits check needs ~{disk(need)} of GPU memory in float32 but {disk(free)} is free: it ran on the CPU."
     )
     return "cpu"
 
