@@ -3,12 +3,12 @@ run's config, and which checkpoint when the run has not finished. Every refusal 
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from core.eval.heldout import EvalError
+from core.files import read_json_object
 from core.hub import fetch
 from core.hub.ids import HubError
 from core.runs import rundir
@@ -111,7 +111,7 @@ def resolve(
         cfg = _config_beside(tuned)
     base_dir = Path(base).expanduser() if base else (Path(cfg["model"]["path"]) if cfg else None)
     if base_dir is None and is_adapter:
-        recorded = (json.loads((tuned / ADAPTER_CONFIG).read_text()) or {}).get("base_model_name_or_path")
+        recorded = (read_json_object(tuned / ADAPTER_CONFIG) or {}).get("base_model_name_or_path")
         base_dir = Path(recorded) if isinstance(recorded, str) and recorded else None
     if base_dir is None or not (base_dir / "config.json").is_file():
         raise EvalError(

@@ -262,8 +262,8 @@ def complete_folder(ref: HubRef, commit: str | None = None) -> Path | None:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         try:
-            shards = set(json.loads(index.read_text())["weight_map"].values())
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            shards = set(load_json_object(index)["weight_map"].values())
+        except (BadFile, KeyError, TypeError, AttributeError):
             return None
         if not all((folder / s).is_file() for s in shards):
             return None
