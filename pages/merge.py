@@ -112,11 +112,16 @@ def try_it(base_dir: str, adapter_dir: str) -> None:
     c1, c2 = st.columns(2)
     max_new = c1.slider("New tokens", 8, 256, 48, key="merge_max_new")
     chat = c2.checkbox("Use the chat template", value=True, key="merge_chat")
+    image = None
+    if M.is_vision_model(base_dir):  # a vision-language model: the prompt may ask about a picture
+        image = st.text_input("Image file (optional)", key="merge_image").strip() or None
+        if image and Path(image).expanduser().is_file():
+            st.image(str(Path(image).expanduser()), width=128)
     if st.button("Generate with base and adapter", key="merge_try"):
         try:
             with st.spinner("Loading the model and generating twice…"):
                 st.session_state["merge_try_result"] = M.try_adapter(
-                    base_dir, adapter_dir, prompt, max_new_tokens=max_new, chat=chat
+                    base_dir, adapter_dir, prompt, max_new_tokens=max_new, chat=chat, image=image
                 )
         except (M.MergeError, OSError, ValueError) as e:
             st.error(str(e))

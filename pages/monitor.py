@@ -2,6 +2,7 @@
 its files gained since the last tick, so a reload or a server restart reattaches to a live run with no lost point.
 The live part is a fragment re-run by the browser every ~2 s while the run is live; static otherwise."""
 
+import copy
 import time
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from core.runs.launcher import RunError, launch, list_runs, stop_run
 from core.runs.rundir import LIVE_STATES, latest_checkpoint, read_status
 from core.train import methods, trackers
 from core.workspace import default_workspace
-from ui.charts import axis
+from ui.charts import line_spec, lines_chart
 from ui.eval_panels import completions_panel, samples_panel
 from ui.hub_panels import run_download
 from ui.routing import follow_choice, leave_legacy_mode
@@ -45,49 +46,6 @@ def _watcher(run_dir: str) -> RunWatcher:
     return watchers[run_dir]
 
 
-def _lines(
-    df: pd.DataFrame,
-    x: str,
-    title: str,
-    y_title: str,
-    height: int = 330,
-    faint_raw: bool = False,
-    y_scale=None,
-) -> alt.Chart:
-    """`faint_raw`: each figure in one hue, its raw training points see-through under its "(smoothed)" curve
-    (the legend names the figures, not every curve: a third of the page has no room for seven names)."""
-    chart, color, extra, legend = alt.Chart(df), "series:N", {}, {}
-    if faint_raw:
-        chart = chart.transform_calculate(figure="replace(datum.series, ' (smoothed)', '')")
-        color, extra["detail"] = "figure:N", "series:N"
-        legend["columns"] = 2
-        smoothed_or_eval = "indexof(datum.series, '(smoothed)') >= 0 || indexof(datum.series, 'eval') == 0"
-        extra["opacity"] = alt.condition(smoothed_or_eval, alt.value(1.0), alt.value(0.3))
-    return (
-        # a series of one or two points draws its points (a line of one point shows nothing)
-        chart.mark_line(
-            interpolate="linear", strokeWidth=1.5, point=len(df) <= 2 * max(1, df["series"].nunique())
-        )
-        .encode(
-            alt.X(f"{x}:Q", title=x, axis=axis(whole=x == "step")),  # "120", not "1.2e+2"
-            alt.Y("value:Q", title=y_title, scale=y_scale or alt.Scale(zero=False), axis=axis()),
-            # distinct hues (train, smoothed, eval must not be three blues)
-            alt.Color(
-                color,
-                title=None,
-                scale=alt.Scale(scheme="tableau10"),
-                legend=alt.Legend(orient="top", direction="horizontal", **legend),
-                # in the frame's order (chosen, rejected, margin, eval), not alphabetical: the eval margin's hue
-                # then stands apart from the margin's
-                **({"sort": None} if faint_raw else {}),
-            ),
-            tooltip=[x, "value", "series"],
-            **extra,
-        )
-        .properties(title=title, height=height)
-    )
-
-
 def _chart(
     df: pd.DataFrame, x: str, title: str, y_title: str, empty: str, rule: dict | None = None, **kw
 ) -> None:
@@ -95,7 +53,13 @@ def _chart(
     if df is None or df.empty:
         st.caption(f"{title}: {empty}")
         return
-    chart = _lines(df, x, title, y_title, **kw)
+    if (
+        not rule and "y_scale" not in kw
+    ):  # the common chart: its spec built once, only the data sent each tick
+        points = len(df) <= 2 * max(1, df["series"].nunique())
+        st.vega_lite_chart(df, copy.deepcopy(line_spec(x, title, y_title, points, **kw)), width="stretch")
+        return
+    chart = lines_chart(df, x, title, y_title, **kw)
     if rule:
         lines = pd.DataFrame({"line": list(rule), "value": list(rule.values())})
         chart = alt.layer(
@@ -127,9 +91,7 @@ def method_charts(snap) -> None:
     except ValueError:
         return
     frames = {c.key: snap.charts.get(f"{spec.name}_{c.key}") for c in spec.charts}
-    shown = [
-        c for c in spec.charts if not c.optional or (frames[c.key] is not None and not frames[c.key].empty)
-    ]
+    shown = [c for c in spec.charts if frames[c.key] is not None]  # an optional chart: once logged
     for start in range(0, len(shown), CHARTS_PER_ROW):
         row = shown[start : start + CHARTS_PER_ROW]
         for column, chart in zip(
@@ -198,7 +160,7 @@ def memory_chart(snap) -> None:
             f"No GPU samples ({reason or 'none in gpu.jsonl'}): charting the process's CPU memory instead. RSS is "
             f"everything the training process holds: the runtime, the model, the data, the step's tensors.{said}"
         )
-    chart = _lines(df, "minutes", title, "GiB", height=330)
+    chart = lines_chart(df, "minutes", title, "GiB", height=330)
     if rules:
         rule = (
             alt.Chart(pd.DataFrame(rules))

@@ -49,7 +49,7 @@ def test_finished_demo_run_is_evaluated_from_the_page(tmp_path, monkeypatch):
         assert re.search(r"\b5 yes\b", table), table  # an answer that changed between steps 5 and 10
         page.screenshot(path=str(SHOTS / "eval-01-monitor-samples.png"), full_page=True)
 
-        page.get_by_role("button", name="Evaluate this run").click()
+        page.get_by_role("button", name="Evaluate", exact=True).click()  # the finished run's summary
         wait_idle(page)
         wait_text(page, r"Held-out rows", 60)
         page.get_by_role("button", name="Evaluate", exact=True).click()

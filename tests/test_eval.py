@@ -314,7 +314,7 @@ def test_pages_show_stored_evaluations_without_recomputing(demo_run):
 
     runs = _page("pages/runs.py", ws)
     table = runs.dataframe[0].value.set_index("run")
-    assert table.loc[run_dir.name, "eval (base -> tuned)"].startswith("exact match ")
+    assert table.loc[run_dir.name, "eval (base → tuned)"].startswith("exact match ")
     compared = runs.dataframe[1].value
     assert set(compared["run"]) == {run_dir.name} and "exact match" in set(compared["metric"])
 

@@ -101,7 +101,9 @@ def test_a_run_on_hub_ids_fetches_them_records_their_commits_and_trains(hub, tra
     status = json.loads((run / "status.json").read_text())
     assert status["state"] == "finished" and status["step"] == 4
     assert (run / "adapter" / "adapter_model.safetensors").is_file()
-    assert hub.gets("acme/rows", "train.jsonl", "dataset") == 1  # the whole split, fetched once
+    # the fail-fast preflight's streamed sample (datasets reads a file this small whole, twice: its features, then
+    # its rows), then the download of the whole split: once
+    assert hub.gets("acme/rows", "train.jsonl", "dataset") == 3
     monkeypatch.setenv("HF_HOME", str(home))  # the cache the run filled: complete, never half-written
     assert complete_folder(HubRef("acme/tiny", None)) is not None
     assert complete_folder(HubRef("acme/rows", None, "dataset")) is not None

@@ -17,7 +17,7 @@ from test_runs import run_config, wait_until
 
 from core.monitor.watch import RunWatcher
 from core.runs import rundir
-from core.runs.launcher import RunError, create_run, launch, run_state, stop_run, wait_for
+from core.runs.launcher import RunError, create_run, launch, run_state, stop_run
 from core.train import ranks
 from core.train.config import validate_config
 from tests.browser import free_port
@@ -187,7 +187,8 @@ def test_stop_checkpoints_every_rank_resume_continues_and_a_killed_rank_fails_th
     reason = run_state(run_dir).reason
     assert f"rank 1 (pid {recs[1]['pid']}) ended without a word" in reason and "ranks/rank-1.log" in reason
     assert "core.train: pid" in reason  # the rank's own last lines
-    assert wait_for(run_dir, timeout=60).alive is False
+    # failed is written at once; the supervisor then ends the launcher and its ranks and exits
+    assert wait_until(lambda: not run_state(run_dir).alive, 60)
     assert _processes_of(run_dir) == [], "a rank outlived the run"
     assert time.time() - killed < 60
     steps = [r["step"] for r in _metrics(run_dir)]

@@ -224,7 +224,12 @@ def _titled_charts(at) -> dict[str, tuple[dict, list]]:
         title = spec.get("title") or next(
             lay.get("title") for lay in spec.get("layer", []) if lay.get("title")
         )
-        frames = [pa.ipc.open_stream(d.data.data).read_all().to_pandas() for d in chart.proto.datasets]
+        # a chart drawn from a cached spec carries its data as the chart's own; an Altair chart as named datasets
+        own = [chart.proto.data.data] if chart.proto.HasField("data") and chart.proto.data.data else []
+        frames = [
+            pa.ipc.open_stream(b).read_all().to_pandas()
+            for b in own + [d.data.data for d in chart.proto.datasets]
+        ]
         out[title] = (spec, frames)
     return out
 

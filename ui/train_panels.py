@@ -18,9 +18,9 @@ from core.runs.admin import (
     start_smoke_test,
 )
 from core.runs.launcher import RunError, create_run, launch
-from core.train import methods
+from core.train import methods, vision_checks
 from core.train.config import MAX_CONFIG_BYTES, ConfigError, config_to_yaml, parse_yaml, validate_config
-from core.train.data import DataError, preview_dataset
+from core.train.data import DataError
 from core.train.preflight import load_tokenizer_and_config, run_preflight
 from core.workspace import WorkspaceError
 from ui import reward_editor
@@ -39,8 +39,8 @@ def _preview(cfg_yaml: str) -> dict:
     import yaml
 
     cfg = yaml.safe_load(cfg_yaml)
-    tok, _ = _tokenizer_and_config(cfg["model"]["path"], cfg["model"]["trust_remote_code"])
-    return preview_dataset(cfg["data"], tok, n=5, length_rows=5000, max_length=cfg["training"]["max_length"])
+    tok, conf = _tokenizer_and_config(cfg["model"]["path"], cfg["model"]["trust_remote_code"])
+    return vision_checks.run_preview(cfg, tok, conf, n=5, length_rows=5000)
 
 
 @st.cache_data(ttl=30, show_spinner="Running preflight…")
@@ -205,6 +205,8 @@ def preview_panel(cfg: dict) -> None:
         f"max length {pv['max_length']}."
     )
     st.dataframe(pd.DataFrame(pv["rows"]), hide_index=True, width="stretch")
+    if pv.get("images"):  # image conversations: each row's images, as the model will see them
+        _thumbnails(pv["rows"])
     # the Estimate page plans the largest batch these rows can form (padding-free / real lengths)
     st.session_state["data_lengths"] = list(pv["lengths"])
     lengths = pd.DataFrame({"tokens": pv["lengths"]})
@@ -220,6 +222,13 @@ def preview_panel(cfg: dict) -> None:
         alt.Chart(pd.DataFrame({"tokens": [pv["max_length"]]})).mark_rule(color="red").encode(x="tokens:Q")
     )
     st.altair_chart((bars + limit).properties(height=300), width="stretch")
+
+
+def _thumbnails(rows: list[dict]) -> None:
+    st.caption("Images of the first rows (the token counts above include each image's tokens):")
+    for row, col in zip(rows, st.columns(max(1, len(rows))), strict=False):
+        for path in row["images"]:
+            col.image(path, width=96, caption=f"row {row['row']}: {row['image_tokens']} image tokens")
 
 
 IN_PAGE_ROWS = 5000  # up to this many rows preflight runs here (seconds); more run as a background job

@@ -17,12 +17,12 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from core.eval import generate, scores
+from core.eval import generate, images, scores
 from core.eval.heldout import EvalError, EvalRow, file_rows, method_rows, run_format, split_rows
 from core.eval.results import EVAL_DIR, ROWS, SETTINGS, SUMMARY, Result, read_result
 from core.eval.target import Target, resolve
 from core.files import atomic_write_text
-from core.train import methods
+from core.train import methods, vision
 
 DEFAULT_BATCH = 32
 Progress = Callable[..., None]
@@ -95,8 +95,11 @@ def evaluate(
             old.reused, old.note = True, target.note
             return old
         folder = _free_name(folder)
-    tokenizer = _tokenizer(target)
-    if method.eval_kind == "answers":
+    vlm = vision.folder_is_vlm(target.base)  # image conversations: core.eval.images
+    tokenizer = _processor(target) if vlm else _tokenizer(target)
+    if vlm:
+        rows = images.rows(target.cfg, data)
+    elif method.eval_kind == "answers":
         rows = (
             file_rows(data, run_format(target.cfg, tokenizer), tokenizer)
             if data
@@ -111,7 +114,11 @@ def evaluate(
         raise EvalError(f"{where} has no rows to evaluate (each needs a question and a reference answer).")
     model_obj, tuned_model, settings.dtype = _load(target, dev)
     t0 = time.time()
-    if method.eval_kind == "answers":
+    if vlm:
+        out_rows = images.answer_rows(rows, model_obj, tuned_model, tokenizer, max_new_tokens, report)
+        summary = scores.summarize(out_rows)
+        lines = scores.summary_lines(summary)
+    elif method.eval_kind == "answers":
         new_tokens = _check_positions(rows, model_obj, max_new_tokens, tokenizer)
         settings.max_new_tokens = new_tokens
         out_rows = answer_rows(rows, model_obj, tuned_model, tokenizer, new_tokens, batch_size, report)
@@ -182,6 +189,17 @@ def _tokenizer(target: Target):
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def _processor(target: Target):
+    """A VLM's processor: the adapter's (saved with it), else the base's."""
+    has_own = target.adapter and (Path(target.adapter) / "processor_config.json").is_file()
+    try:
+        return vision.load_processor(
+            target.adapter if has_own else target.base, target.cfg["model"]["trust_remote_code"]
+        )
+    except vision.DataError as exc:
+        raise EvalError(str(exc)) from None
 
 
 def _load(target: Target, dev: str):

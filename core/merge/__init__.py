@@ -40,6 +40,7 @@ _EXPORTS = {
         "MergeProgress",
         "ProgressFn",
         "progress_sentence",
+        "is_vision_model",
     ),
     "core.merge.shards": (
         "COPY_BLOCK",

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.files import BadFile, load_json_object
+from core.files import BadFile, load_json_object, read_json_object
 from core.fmt import disk
 
 GB = 1024**3
@@ -24,6 +24,10 @@ TOKENIZER_FILES = (
     "added_tokens.json",
     "chat_template.jinja",
     "chat_template.json",
+    # a vision-language model's processor (image processor settings, image token): a merged VLM needs it to see
+    "processor_config.json",
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",
 )
 
 
@@ -66,6 +70,21 @@ def load_json(path: Path, fix: str) -> dict:
         return load_json_object(path)
     except BadFile as e:
         raise MergeError(f"{path} {e.why}: {fix}") from None
+
+
+def auto_model_class(config: dict):
+    """The transformers auto class of a model's config.json: a vision-language model (a vision_config beside its
+    language model) is built whole, vision tower and all, with AutoModelForImageTextToText; the rest are causal LMs."""
+    import transformers  # seconds to import: only when a model is built
+
+    vlm = isinstance(config.get("vision_config"), dict)
+    return transformers.AutoModelForImageTextToText if vlm else transformers.AutoModelForCausalLM
+
+
+def is_vision_model(folder) -> bool:
+    """The model folder's config.json has a vision_config (a VLM: Try it can ask about an image)."""
+    config = read_json_object(Path(folder) / "config.json")  # bounded, never a FIFO
+    return isinstance((config or {}).get("vision_config"), dict)
 
 
 def tokenizer_source(adapter_dir: Path, base_dir: Path) -> Path:

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from core.merge.adapter import Adapter, LoraModule
-from core.merge.common import MergeError, load_json
+from core.merge.common import MergeError, auto_model_class, load_json
 from core.merge.experts import attach_parameters, split_parameter_modules
 from core.merge.shards import (
     DTYPE_ARGS,
@@ -85,7 +85,7 @@ def parse_size(text: str | int) -> int:
 def _meta_model(config: dict):
     """The model built on the meta device: module types (Linear / Conv1D / Embedding) without any memory."""
     # transformers takes seconds to import: only when a plan is built (not for the MergePlan type alone)
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     cfg = dict(config)
     cfg.pop("quantization_config", None)
@@ -95,11 +95,11 @@ def _meta_model(config: dict):
     try:
         hf_cfg = AutoConfig.for_model(model_type, **cfg)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(hf_cfg)
+            model = auto_model_class(config).from_config(hf_cfg)
     except Exception as e:  # unknown architecture, remote code, ...
         raise MergeError(
             f"Cannot build the base architecture {model_type!r} from its config.json ({type(e).__name__}: {e}). "
-            "Only causal LMs that transformers knows without remote code can be merged."
+            "Only causal LMs (and vision-language models) that transformers knows without remote code can be merged."
         ) from e
     return model, hf_cfg
 
@@ -209,6 +209,28 @@ def _check_architecture(adapter: Adapter, config: dict, base_dir: Path) -> None:
         )
 
 
+def _checkpoint_names(model, tensors: dict) -> dict[str, str]:
+    """{model parameter name: checkpoint key} for a checkpoint saved in an older layout that transformers renames
+    as it loads (LLaVA's and Qwen2-VL's language_model.model.* become model.language_model.*): its own renamings,
+    applied to each key. The merged checkpoint keeps the keys it had."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+        renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+    except (ImportError, AttributeError, TypeError):  # another transformers: the names as they are
+        return {}
+    if not renamings:
+        return {}
+    meta = model.state_dict()
+    out = {}
+    for key in tensors:
+        name = rename_source_key(key, renamings, [], model.base_model_prefix, meta)[0]
+        if name != key:
+            out[name] = key
+    return out
+
+
 class _Targets:
     """The base tensors an adapter can change, one TensorPlan each, and the adapter pieces attached to them.
 
@@ -220,6 +242,7 @@ class _Targets:
         self.base_dir, self.config, self.base, self.out_code = base_dir, config, base, out_code
         model, hf_cfg = _meta_model(config)
         self.modules = dict(model.named_modules())
+        self.aliases = _checkpoint_names(model, base.tensors)  # base_key reads it from here on
         names = {id(m): n for n, m in self.modules.items()}
         self.in_emb = names.get(id(model.get_input_embeddings()))
         out_emb_mod = model.get_output_embeddings()
@@ -245,7 +268,7 @@ class _Targets:
         for cand in (param_key, param_key.removeprefix(self.prefix), self.prefix + param_key):
             if cand in self.base.tensors:
                 return cand
-        return None
+        return self.aliases.get(param_key)
 
     def _lm_head_from_embedding(self) -> TensorPlan:
         src = self.base_key(f"{self.in_emb}.weight")

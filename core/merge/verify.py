@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 from core.fmt import disk
-from core.merge.common import load_tokenizer
+from core.merge.common import auto_model_class, load_json, load_tokenizer
 from core.merge.delta import recompute_rows
 from core.merge.plan import MergePlan
 from core.merge.shards import DTYPE_NAMES, read_safetensors_header
@@ -201,10 +201,9 @@ def _reference_logits(
     """(base+adapter logits, base logits) from peft on the fp32 base; None (and a failure) when it cannot run."""
     # peft and transformers take seconds to import: only for the full check
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
 
     try:
-        base_model = AutoModelForCausalLM.from_pretrained(str(plan.base_dir), dtype=torch.float32).to(device)
+        base_model = _auto(plan.base_dir).from_pretrained(str(plan.base_dir), dtype=torch.float32).to(device)
         if plan.new_vocab_size:  # as in training: resized first, the adapter then brings the trained rows
             base_model.resize_token_embeddings(plan.new_vocab_size, mean_resizing=False)
         peft_model = PeftModel.from_pretrained(base_model, str(plan.adapter.dir)).to(device).eval()
@@ -220,18 +219,21 @@ def _reference_logits(
 
 def _merged_logits(out_dir: Path, prompts, device: str, v: Verification) -> list[torch.Tensor] | None:
     """The export's logits, loaded as any user loads it; None (and a failure) when it does not load."""
-    from transformers import AutoModelForCausalLM  # seconds to import: only for the full check
-
     try:
-        merged = AutoModelForCausalLM.from_pretrained(str(out_dir), dtype=torch.float32).to(device).eval()
+        merged = _auto(out_dir).from_pretrained(str(out_dir), dtype=torch.float32).to(device).eval()
         v.model_loads = True
         got = _logits(merged, prompts, device)
         del merged
     except Exception as e:
         v.model_loads = False
-        _fail(v, f"The export does not load with AutoModelForCausalLM: {type(e).__name__}: {e}")
+        _fail(v, f"The export does not load with transformers: {type(e).__name__}: {e}")
         return None
     return got
+
+
+def _auto(folder: Path):
+    """The auto class the model in `folder` loads with (a VLM's, or a causal LM's: core.merge.common)."""
+    return auto_model_class(load_json(Path(folder) / "config.json", "export the model again."))
 
 
 def _logits_device(plan: MergePlan, device: str, v: Verification) -> str:

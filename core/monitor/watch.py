@@ -408,7 +408,7 @@ def method_charts(
     """The charts of the run's method's own figures (core.train.methods: a DPO run's rewards, preference accuracy
     and log-probs; a GRPO run's reward, each reward function's, completion lengths), keyed "<method>_<chart>", x
     column "step", each smoothed as the loss is (the debiased EMA beside the raw points). A figure not logged (yet)
-    is a series left out, never an error; a frame with no series is empty."""
+    is a series left out, never an error; a frame with no series is empty (an optional chart's: left out)."""
     b = budget or ChartBudget()
     try:
         spec = methods.get(method)
@@ -438,7 +438,9 @@ def method_charts(
             if name.startswith(prefix) and name.endswith(suffix)
         )
 
-    return {f"{spec.name}_{c.key}": parts(c.train + family(c), c.eval) for c in spec.charts}
+    frames = {f"{spec.name}_{c.key}": (c, parts(c.train + family(c), c.eval)) for c in spec.charts}
+    # an optional chart (a MoE's aux loss, GRPO's KL) exists once the run logs one of its figures
+    return {key: frame for key, (c, frame) in frames.items() if not (c.optional and frame.empty)}
 
 
 def _rel(xy: tuple[np.ndarray, np.ndarray], t0: float) -> tuple[np.ndarray, np.ndarray]:

@@ -430,6 +430,8 @@ def sample_prompts(data_cfg: dict, n: int = 3) -> list[str]:
             text = next(
                 (m.get("content") for m in messages if isinstance(m, dict) and m.get("role") == "user"), ""
             )
+            if isinstance(text, list):  # an image conversation's entries: its text ones
+                text = " ".join(str(c.get("text") or "") for c in text if isinstance(c, dict))
         else:
             text = str(row.get("text") or "")[:60]
         if add_unique(out, text, n):

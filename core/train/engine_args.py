@@ -14,7 +14,7 @@ from pathlib import Path
 from core.files import read_json_object
 from core.precision import CUDA_ONLY, Precision, torch_dtype
 from core.runs import rundir
-from core.train import distributed, methods, trackers
+from core.train import distributed, methods, trackers, vision
 from core.train.config_keys import OWN_TRAINING
 
 # Library defaults the engine fills in where the run config leaves them unset
@@ -95,14 +95,16 @@ def _peft_adds_experts(targets, model_config) -> bool:
     return any(t == "all-linear" or t.rsplit(".", 1)[-1] in experts for t in names)
 
 
-def lora_config(cfg: dict):
-    """peft.LoraConfig from the lora section, or None for a full fine-tune."""
+def lora_config(cfg: dict, vision_model: bool = False):
+    """peft.LoraConfig from the lora section, or None for a full fine-tune. vision_model: a VLM, whose vision tower
+    and projector LoRA leaves frozen (core.train.vision.lora_targets)."""
     lora = {k: v for k, v in cfg["lora"].items() if k != "enabled"}
     if not cfg["lora"]["enabled"]:
         return None
     from peft import LoraConfig
 
-    return LoraConfig(**{**LORA_ENGINE, **lora})
+    lora = {**LORA_ENGINE, **lora}
+    return LoraConfig(**(vision.lora_targets(lora) if vision_model else lora))
 
 
 def _best_checkpoint_args(t: dict, given: dict, method) -> None:

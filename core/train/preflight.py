@@ -14,7 +14,8 @@ import sys
 
 from core.files import quiet_datasets
 from core.fmt import error_line
-from core.train import methods
+from core.hub.fetch import readable
+from core.train import methods, vision
 from core.train.config import ConfigError, check_with_libraries, load_config
 from core.train.data import DataError
 from core.train.engine_args import lora_dropout_problem
@@ -84,6 +85,11 @@ def prepare_run(
         raise ConfigError(problem)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token  # padding is masked out of the loss anyway
+    if vision.is_vlm(model_config):  # a VLM's processing class is its processor (images + text)
+        try:
+            tokenizer = vision.load_processor(readable(m["path"]), m["trust_remote_code"])
+        except DataError as exc:
+            raise ConfigError(str(exc)) from None
     refuse_on_errors(run_preflight(cfg, tokenizer, model_config, in_trainer), file)
     train_ds = eval_ds = None
     if datasets:

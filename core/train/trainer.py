@@ -25,7 +25,7 @@ from core.monitor.gpu import GpuSampler
 from core.precision import Device, Precision, PrecisionError, resolve, torch_dtype
 from core.runs import rundir
 from core.runs.rundir import read_status, truncate_metrics, write_status
-from core.train import distributed, methods, ranks, sources, trackers
+from core.train import distributed, methods, ranks, sources, trackers, vision
 from core.train.callbacks import (
     StopFlag,
     early_stop,
@@ -81,11 +81,13 @@ def load_model(cfg: dict, prec: Precision, path: str | None = None):
         "trust_remote_code": m["trust_remote_code"],
     }
     quant = bnb_config(cfg, prec.dtype)
+    vision.quantization(quant, path or m["path"])
     if quant is not None:
         kwargs["quantization_config"] = quant
         # 4-bit weights are quantized where they land: on the GPU choose_precision named (torch's current one)
         kwargs["device_map"] = {"": "cpu"} if prec.on_cpu else {"": torch.cuda.current_device()}
-    model = AutoModelForCausalLM.from_pretrained(path or m["path"], **kwargs)
+    auto = vision.model_class() if vision.folder_is_vlm(path or m["path"]) else AutoModelForCausalLM
+    model = auto.from_pretrained(path or m["path"], **kwargs)
     model.config.use_cache = False  # the KV cache only costs memory in training
     return model
 
@@ -116,13 +118,15 @@ def make_trainer(
         train_dataset=train_ds,
         eval_dataset=eval_ds,
         processing_class=tokenizer,
-        peft_config=lora_config(cfg),
+        peft_config=lora_config(cfg, vision_model=vision.is_processor(tokenizer)),
         callbacks=list(callbacks),
     )
     if collator is not None:  # GRPOTrainer batches its own generations and takes no collator
         kwargs["data_collator"] = collator
     method = methods.get(cfg)
     kwargs.update(method.trainer_kwargs(cfg, lambda path: load_model(cfg, prec, path=path), train_ds))
+    if vision.is_processor(tokenizer) and not cfg["lora"]["enabled"]:
+        vision.freeze_tower(model)  # a full fine-tune of a VLM trains its language model, as LoRA does
     trainer = method.trainer_class()(**kwargs)
     _fp32_trainable(trainer.model, prec)
     return trainer
@@ -277,9 +281,10 @@ def _run_training(
         stop = StopFlag().install() if threading.current_thread() is threading.main_thread() else StopFlag()
     identity = rundir.folder_identity(run_dir)  # a run folder deleted or replaced later is told by it
     prec, checkpoint, new_hyperparameters = _setup_run(cfg, run_dir, resume, smoke, start)
-    cfg = sources.for_training(
-        cfg, run_dir
-    )  # Hub ids: fetched (progress in the run folder), then local folders
+    if sources.hub_refs(cfg).get("data") is not None:
+        data = None  # prepared from a streamed sample before the download: the run trains on the whole split
+    # Hub ids: fetched (progress in the run folder), then local folders
+    cfg = sources.for_training(cfg, run_dir)
     if distributed.world_size(cfg) > 1 and not smoke:  # a smoke test measures one process's step
         return _supervise(cfg, run_dir, prec, checkpoint, new_hyperparameters, stop)
     return _train_and_finish(cfg, prec, run_dir, checkpoint, smoke, stop, identity, new_hyperparameters, data)
@@ -544,7 +549,9 @@ def _train(
     method, t = methods.get(cfg), cfg["training"]
     # one process samples its GPU; the ranks of a run on several are sampled by their supervisor
     sampler = _gpu_sampler(run_dir) if ranks.spec() is None else None
-    collator = method.smoke_collator(tokenizer.pad_token_id, t.get("max_length")) if smoke else None
+    collator = vision.collator(tokenizer, cfg, smoke) or (
+        method.smoke_collator(tokenizer.pad_token_id, t.get("max_length")) if smoke else None
+    )
     samples_per_step = (
         method.smoke_batch(cfg)
         if smoke

@@ -3,6 +3,7 @@ loss (core.train.data)."""
 
 from __future__ import annotations
 
+from core.train import vision, vision_checks
 from core.train.data import (
     FORMAT_COLUMNS,
     IGNORE_INDEX,
@@ -40,6 +41,9 @@ class SFT(Method):
         return SFTTrainer
 
     def datasets(self, cfg: dict, tokenizer):
+        # image conversations: messages + image paths, processed batch by batch (core.train.vision)
+        if vision.is_processor(tokenizer):
+            return vision.datasets(cfg, load_rows(cfg["data"]))
         train, evaluation = prepare_datasets(cfg, tokenizer)
         # pre-tokenized with the prompt masked (labels -100): SFTTrainer uses input_ids/labels as they are
         return train.remove_columns("length"), (
@@ -71,6 +75,8 @@ class SFT(Method):
 
     def sample_rows(self, rows, tokenizer, n: int) -> list[dict]:
         """Tokenized rows (input_ids, labels): the prompt is what comes before the last answer."""
+        if "labels" not in rows.column_names:  # image conversations: no samples yet (they need the images)
+            return []
         out = []
         for row in rows.select(range(min(n, len(rows)))):
             span = last_answer_span(row["labels"])
@@ -156,6 +162,22 @@ def sft_findings(cfg: dict, tokenizer=None, model_config=None) -> list[Finding]:
         tok, conf = load_tokenizer_and_config(cfg["model"])
         tokenizer, model_config = tokenizer or tok, model_config or conf
     findings: list[Finding] = []
+    if vision.is_vlm(model_config):
+        if fmt != "chat":
+            return [
+                Finding(
+                    "error",
+                    "format",
+                    f"{cfg['model']['path']} is a vision-language model, which trains on image conversations "
+                    f"(messages), but the data is in {fmt} format.",
+                    "Give rows with `messages` (docs/data.md: image conversations), or a text model.",
+                )
+            ]
+        try:
+            processor = vision.processor_for(cfg["model"], tokenizer)
+        except DataError as exc:
+            return [Finding("error", "processor", str(exc), "")]
+        return vision_checks.findings(cfg, ds, processor)
     if fmt == "chat" and not getattr(tokenizer, "chat_template", None):
         findings.append(
             Finding(

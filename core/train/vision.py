@@ -1,0 +1,345 @@
+"""Vision-language models (image + text conversations): the one place that knows a run's model sees images.
+
+A model is a VLM when its config.json has a `vision_config` (LLaVA, Qwen2/2.5-VL, Gemma 3, Idefics3 ...). Its data
+is the chat format whose message contents are lists of entries, `{"type": "image", "image": "imgs/0.png"}` (a path
+relative to the data file) or `{"type": "text", "text": "..."}`. TRL's vision path is followed: the rows stay
+messages + image paths (`images`), and the processor renders, tokenizes and turns images into pixels batch by batch
+(ImageCollator), since pixels for a whole dataset would not fit anywhere. Unlike TRL's own collator, the prompt is
+masked out of the loss (the conversation is tokenized segment by segment, as core.train.data does for text) and so
+are the image tokens: the model learns the answers, not to predict image placeholders.
+
+LoRA trains the language model only: the vision tower and its projector stay frozen (lora_targets).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from core.files import read_json_object
+from core.train.data import IGNORE_INDEX, DataError, _as_paths, _chat_segments
+
+# the processor outputs that run along the token sequence (padded with the rows); the rest are the images' own
+# tensors (pixel_values, image_grid_thw, image_sizes ...), concatenated image after image
+SEQUENCE_KEYS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
+# module names of a VLM's image side, in the families transformers 5 ships: LoRA leaves them alone
+VISION_MODULES = (
+    r"vision_tower|visual|vision_model|multi_modal_projector|mm_projector|connector|merger|embed_vision"
+)
+
+
+def is_vlm(model_config) -> bool:
+    """A model config (object or config.json's dict) that describes an image encoder beside its language model."""
+    if isinstance(model_config, dict):
+        return isinstance(model_config.get("vision_config"), dict)
+    return getattr(model_config, "vision_config", None) is not None
+
+
+def folder_is_vlm(path) -> bool:
+    """config.json of the model folder `path` says VLM (False when there is none to read)."""
+    return is_vlm(read_json_object(Path(path) / "config.json") or {})  # bounded, never a FIFO
+
+
+def load_processor(path, trust_remote_code: bool = False):
+    """The model's processor (image processor + tokenizer + chat template), or DataError in one sentence."""
+    from transformers import AutoProcessor
+
+    from core.fmt import error_line
+
+    try:
+        processor = AutoProcessor.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    # the library's own error: a property of the folder (or of a missing torchvision: Qwen-VL's video processor)
+    except Exception as exc:
+        raise DataError(
+            f"model.path: {path} is a vision-language model but its processor does not load ({error_line(exc, 200)}): "
+            "save the processor next to the weights (processor.save_pretrained)."
+        ) from None
+    if not hasattr(processor, "image_processor"):
+        raise DataError(
+            f"model.path: {path} is a vision-language model but has no image processor: save the model's "
+            "processor (preprocessor_config.json) next to the weights."
+        )
+    tok = processor.tokenizer
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token  # padding is masked out of the loss anyway
+    return processor
+
+
+def model_class():
+    """The transformers auto class a VLM loads with (its causal LM head over the language model)."""
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText
+
+
+def lora_targets(lora: dict) -> dict:
+    """The lora section with the image side kept out: peft's exclude_modules names the vision tower and projector,
+    whatever target_modules says ("all-linear" would otherwise wrap the vision tower's layers too)."""
+    return {**lora, "exclude_modules": rf".*({VISION_MODULES}).*"}
+
+
+def freeze_tower(model) -> None:
+    """The vision tower and projector frozen (a full fine-tune trains the language model only)."""
+    pattern = re.compile(rf"(?:^|\.)(?:{VISION_MODULES})\.")
+    for name, param in model.named_parameters():
+        if pattern.search(name):
+            param.requires_grad_(False)
+
+
+def quantization(quant, path) -> None:
+    """QLoRA on a VLM quantizes its language model only: the frozen vision tower and projector stay in the load
+    dtype (4-bit image features lose detail, and bitsandbytes' CPU kernels refuse layers narrower than a block)."""
+    if quant is not None and folder_is_vlm(path):
+        # transformers matches these from the module name's start
+        keep = [rf"(?:.*\.)?(?:{VISION_MODULES})", "lm_head"]
+        quant.llm_int8_skip_modules = list(dict.fromkeys([*(quant.llm_int8_skip_modules or []), *keep]))
+
+
+# ---- the data ------------------------------------------------------------------------------------------------
+
+
+class ImageChat:
+    """The image conversation format: `messages` whose contents are strings or lists of image/text entries."""
+
+    def __init__(self, data_cfg: dict):
+        paths = _as_paths(data_cfg["path"])
+        self.base = paths[0].parent if paths and paths[0].is_file() else (paths[0] if paths else Path.cwd())
+
+    def messages(self, row: dict) -> list[dict] | None:
+        """The row's conversation with every image's path resolved, None-valued keys dropped (a JSON loader fills
+        the keys one entry lacks with None), or None when it is not a list of {role, content} messages."""
+        msgs = row.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            return None
+        out = []
+        for m in msgs:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                return None
+            content = m.get("content")
+            if isinstance(content, list):
+                entries = []
+                for c in content:
+                    if not isinstance(c, dict):
+                        return None
+                    c = {k: v for k, v in c.items() if v is not None}
+                    if c.get("type") == "image" or "image" in c:
+                        c = {"type": "image", "image": str(self.resolve(image_path(c)))}
+                    entries.append(c)
+                content = entries
+            elif not isinstance(content, str):
+                return None
+            out.append({"role": m["role"], "content": content})
+        return out
+
+    def resolve(self, image) -> Path:
+        path = Path(str(image or "")).expanduser()
+        return path if path.is_absolute() else self.base / path
+
+    @staticmethod
+    def images(messages: list[dict]) -> list[str]:
+        return [
+            c["image"]
+            for m in messages
+            if isinstance(m["content"], list)
+            for c in m["content"]
+            if c.get("type") == "image"
+        ]
+
+    @staticmethod
+    def raw_images(row: dict) -> list[str]:
+        """The image entries of a row as the user wrote them (for sentences)."""
+        out = []
+        for m in row.get("messages") or []:
+            content = m.get("content") if isinstance(m, dict) else None
+            for c in content if isinstance(content, list) else []:
+                if isinstance(c, dict) and (c.get("type") == "image" or c.get("image") is not None):
+                    out.append(image_path(c))
+        return out
+
+    def text_row(self, messages: list[dict]) -> dict:
+        """The row as the trainer holds it (TRL's vision dataset: `messages` and `images`)."""
+        return {"messages": json.dumps(messages), "images": self.images(messages)}
+
+
+def image_path(entry: dict) -> str:
+    """The file an image entry names: "image" (TRL's and this project's key), or "path" / "url" (transformers'
+    chat-template keys) for a local file; "" when it names none."""
+    for key in ("image", "path", "url"):
+        if isinstance(entry.get(key), str) and entry[key].strip():
+            return entry[key]
+    return ""
+
+
+def open_image(path):
+    """The image at `path` decoded in RGB; OSError/ValueError when it is missing or not a readable image."""
+    from PIL import Image
+
+    with Image.open(path) as im:
+        im.load()  # a truncated file fails here, not at Image.open (which reads the header only)
+        return im.convert("RGB")
+
+
+def image_problem(path) -> str | None:
+    """Why the image file cannot be used (one clause), or None."""
+    p = Path(path)
+    if not p.is_file():
+        return "does not exist" if not p.exists() else "is not a file"
+    try:
+        open_image(p)
+    except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError ... for damaged files
+        return f"cannot be read as an image ({str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__})"
+    return None
+
+
+def _split_images(text: str, token: str, images: list) -> tuple[list, list]:
+    """(the images the text places, the rest): one per placeholder, in order."""
+    n = text.count(token)
+    return images[:n], images[n:]
+
+
+def encode(messages: list[dict], processor, max_length: int | None = None, mask_prompt: bool = True) -> dict:
+    """One conversation as the model sees it: input_ids, labels and the processor's other outputs (tensors). Each
+    segment (core.train.data._chat_segments) goes through the processor with the images it places, so that the
+    image placeholders are expanded by the processor's own rule; the prompt segments and every image token are
+    left out of the loss."""
+    import torch
+
+    segments = _chat_segments(messages, processor)
+    images = [open_image(p) for p in ImageChat.images(messages)]
+    token, image_id = processor.image_token, processor.image_token_id
+    seq: dict[str, list] = {}
+    vision: dict[str, list] = {}
+    labels: list[int] = []
+    for text, trainable in segments:
+        mine, images = _split_images(text, token, images)
+        out = processor(text=[text], images=mine or None, return_tensors="pt", add_special_tokens=False)
+        for key, value in out.items():
+            if key in SEQUENCE_KEYS:
+                seq.setdefault(key, []).append(value[0])
+            elif mine:
+                vision.setdefault(key, []).append(value)
+        ids = out["input_ids"][0].tolist()
+        keep = trainable or not mask_prompt
+        labels += [t if keep and t != image_id else IGNORE_INDEX for t in ids]
+    row = {key: torch.cat(parts) for key, parts in seq.items()}
+    row["labels"] = torch.tensor(labels, dtype=torch.long)
+    row["length"] = len(labels)
+    if max_length is not None:
+        for key in (*seq, "labels"):
+            row[key] = row[key][:max_length]
+    row.update({key: torch.cat(parts) for key, parts in vision.items()})
+    return row
+
+
+def token_count(messages: list[dict], processor) -> tuple[int, int, int]:
+    """(tokens, image tokens, the index just past the last image token) of a conversation, without decoding its
+    images: the text rendered and tokenized, each image placeholder counted as the processor's rule gives for the
+    image's size (read from its header)."""
+    from PIL import Image
+
+    text = processor.apply_chat_template(messages, tokenize=False)
+    ids = processor.tokenizer(text, add_special_tokens=False)["input_ids"]
+    sizes = []
+    for path in ImageChat.images(messages):
+        with Image.open(path) as im:
+            sizes.append((im.height, im.width))
+    per_image = _image_tokens(processor, sizes)
+    total, last, k = 0, 0, 0
+    for t in ids:
+        if t == processor.image_token_id and k < len(per_image):
+            total, k = total + per_image[k], k + 1
+            last = total
+        else:
+            total += 1
+    return total, sum(per_image), last
+
+
+def _image_tokens(processor, sizes: list[tuple[int, int]]) -> list[int]:
+    if not sizes:
+        return []
+    rule = getattr(processor, "_get_num_multimodal_tokens", None)
+    if rule is not None:
+        try:
+            return list(rule(image_sizes=[list(s) for s in sizes])["num_image_tokens"])
+        except (KeyError, TypeError, NotImplementedError):
+            pass
+    from PIL import Image  # no published rule: process blank images of those sizes and count the placeholders
+
+    out = []
+    for h, w in sizes:
+        enc = processor(text=[processor.image_token], images=[Image.new("RGB", (w, h))], return_tensors="pt")
+        out.append(int((enc["input_ids"][0] == processor.image_token_id).sum()))
+    return out
+
+
+class ImageCollator:
+    """Batches of image conversations, processed on the fly (TRL's vision path): right-padded input_ids, labels
+    with the prompt and image tokens at -100, the processor's image tensors concatenated. fill (a smoke test):
+    every row filled to max_length, attended to but not trained on, as core.train.methods.sft.SmokeCollator does,
+    so that the step measured is the longest a run can meet."""
+
+    def __init__(self, processor, max_length: int | None, mask_prompt: bool = True, fill: bool = False):
+        self.processor, self.max_length, self.mask_prompt = processor, max_length, mask_prompt
+        self.fill = fill and max_length is not None
+        self.pad_token_id = processor.tokenizer.pad_token_id
+        self.tokens_seen = 0
+        self.samples_seen = 0
+
+    def __call__(self, features: list[dict]) -> dict:
+        import torch
+
+        rows = [
+            encode(json.loads(f["messages"]), self.processor, self.max_length, self.mask_prompt)
+            for f in features
+        ]
+        width = self.max_length if self.fill else max(len(r["input_ids"]) for r in rows)
+        batch: dict = {}
+        for key in (*[k for k in SEQUENCE_KEYS if k in rows[0]], "labels"):
+            fill = self.pad_token_id if key == "input_ids" else IGNORE_INDEX if key == "labels" else 0
+            fill = 1 if key == "attention_mask" and self.fill else fill
+            batch[key] = torch.full((len(rows), width), fill, dtype=rows[0][key].dtype)
+            for i, r in enumerate(rows):
+                batch[key][i, : len(r[key])] = r[key]
+        for key in rows[0]:
+            if key not in batch and key != "length":
+                batch[key] = torch.cat([r[key] for r in rows if key in r])
+        self.tokens_seen += sum(len(r["input_ids"]) for r in rows)
+        self.samples_seen += len(rows)
+        return batch
+
+
+# ---- the engine's hooks: preflight, datasets, preview, collator ------------------------------------------------
+
+
+def is_processor(processing_class) -> bool:
+    """The run's processing class is a VLM's processor (core.train.preflight.prepare_run makes it one)."""
+    return hasattr(processing_class, "image_processor")
+
+
+def processor_for(model_cfg: dict, processing_class=None):
+    return (
+        processing_class
+        if is_processor(processing_class)
+        else load_processor(model_cfg["path"], model_cfg.get("trust_remote_code", False))
+    )
+
+
+def collator(processing_class, cfg: dict, smoke: bool = False):
+    """The batches of a VLM run (ImageCollator; a smoke test's filled to max_length), None for a text model's."""
+    if not is_processor(processing_class):
+        return None
+    return ImageCollator(
+        processing_class, cfg["training"]["max_length"], cfg["data"]["mask_prompt"], fill=smoke
+    )
+
+
+def datasets(cfg: dict, ds):
+    """(train, eval or None): the rows as TRL's vision path holds them (messages as JSON, image paths)."""
+    from core.train.data import split_eval
+
+    fmt = ImageChat(cfg["data"])
+    rows = ds.map(
+        lambda r: fmt.text_row(fmt.messages(r)), remove_columns=ds.column_names, keep_in_memory=True
+    )
+    return split_eval(rows, cfg)

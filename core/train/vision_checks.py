@@ -1,0 +1,184 @@
+"""The checks and the preview of image conversations (core.train.vision): preflight's findings by row, and the
+Train page's preview with each row's images and its image tokens counted."""
+
+from __future__ import annotations
+
+from core.train.data import _chat_segments
+from core.train.vision import (
+    ImageChat,
+    image_problem,
+    is_vlm,
+    processor_for,
+    token_count,
+)
+
+SHOW_IMAGE_FINDINGS = 20
+
+
+def findings(cfg: dict, ds, processor) -> list:
+    """The preflight of image conversations: each missing or unreadable image by row (one finding each), rows
+    without a conversation or an answer, rows whose images do not fit in training.max_length (an image cannot be
+    cut: its features and its tokens would not match), rows that would be truncated."""
+    from core.train.findings import Finding, format_rows
+
+    fmt, t = ImageChat(cfg["data"]), cfg["training"]
+    max_length = t["max_length"]
+    out: list[Finding] = []
+    for key in ("padding_free", "packing"):
+        if t.get(key):
+            out.append(
+                Finding(
+                    "error",
+                    key,
+                    f"training.{key} is on, but image conversations are batched row by row (TRL has no {key} for "
+                    "vision data).",
+                    f"Set training.{key}: false.",
+                )
+            )
+    if t.get("eval_samples"):
+        out.append(
+            Finding(
+                "warning",
+                "eval_samples",
+                "training.eval_samples writes no samples for image conversations yet (no samples.jsonl).",
+                "Evaluate the run's held-out image rows after training: python -m core.eval --run RUN.",
+            )
+        )
+    empty, cut, truncated, bad_images = [], [], [], 0
+    for i, row in enumerate(ds):
+        msgs = fmt.messages(row)
+        if msgs is None or not any(m["role"] == "assistant" and _has_text(m["content"]) for m in msgs):
+            empty.append(i + 1)
+            continue
+        broken = False
+        for written, path in zip(fmt.raw_images(row), fmt.images(msgs), strict=True):
+            problem = image_problem(path) if written else "names no file"
+            if problem:
+                broken, bad_images = True, bad_images + 1
+                if bad_images <= SHOW_IMAGE_FINDINGS:
+                    out.append(
+                        Finding(
+                            "error",
+                            "images",
+                            _image_sentence(i + 1, written, path, problem),
+                            "",
+                            rows=[i + 1],
+                        )
+                    )
+        if broken:
+            continue
+        total, _, last = token_count(msgs, processor)
+        if last > max_length:
+            cut.append(i + 1)
+        elif total > max_length:
+            truncated.append(i + 1)
+    if bad_images > SHOW_IMAGE_FINDINGS:
+        out.append(
+            Finding("error", "images", f"{bad_images - SHOW_IMAGE_FINDINGS} more images cannot be used.", "")
+        )
+    if empty:
+        out.append(
+            Finding(
+                "error",
+                "empty_rows",
+                f"{len(empty)} row(s) are not image conversations with an assistant answer: rows "
+                f"{format_rows(empty)}.",
+                "Give each row `messages`: [{role, content}], content a string or a list of "
+                '{"type": "image", "image": PATH} / {"type": "text", "text": ...} entries, with an assistant turn.',
+                rows=empty,
+            )
+        )
+    if cut:
+        out.append(
+            Finding(
+                "error",
+                "image_truncation",
+                f"{len(cut)} row(s) have image tokens beyond training.max_length {max_length} (an image cannot be "
+                f"cut): rows {format_rows(cut)}.",
+                "Raise training.max_length, or use smaller images (the processor's max_pixels).",
+                rows=cut,
+            )
+        )
+    if truncated:
+        out.append(
+            Finding(
+                "warning",
+                "truncation",
+                f"{len(truncated)} of {len(ds)} rows would be truncated at training.max_length {max_length}: rows "
+                f"{format_rows(truncated)}.",
+                "Raise training.max_length (memory grows with it) or shorten those rows.",
+                rows=truncated,
+            )
+        )
+    return out
+
+
+def _image_sentence(row: int, written: str, path, problem: str) -> str:
+    if not written:  # {"type": "image"} alone: the image would be in a dataset column, which is not read yet
+        return (
+            f'Row {row}: an image entry names no file; give its path as {{"type": "image", "image": "imgs/0.png"}} '
+            "(relative to the data file); images held in a dataset column are not read yet."
+        )
+    return f"Row {row}: the image {written} ({path}) {problem}; fix the path (relative to the data file) or replace the file."
+
+
+def _has_text(content) -> bool:
+    if isinstance(content, str):
+        return bool(content.strip())
+    return any(c.get("type") == "text" and str(c.get("text") or "").strip() for c in content)
+
+
+def preview(data_cfg: dict, processor, n: int = 5, length_rows: int = 5000, max_length: int = 512) -> dict:
+    """core.train.data.preview_dataset for image conversations: each shown row also has `images` (the files'
+    paths, for thumbnails) and `image_tokens`; the lengths count every image as the processor's rule gives."""
+    from core.train.data import load_rows
+
+    ds = load_rows(data_cfg)
+    fmt = ImageChat(data_cfg)
+    rows, lengths = [], []
+    for i in range(min(max(n, length_rows), len(ds))):
+        msgs = fmt.messages(ds[i])
+        if msgs is None:
+            continue
+        paths = fmt.images(msgs)
+        readable = all(image_problem(p) is None for p in paths)
+        total, image_tokens, _ = token_count(msgs, processor) if readable else (0, 0, 0)
+        if readable:
+            lengths.append(total)
+        if i < n:
+            segs = _chat_segments(msgs, processor)
+            rows.append(
+                {
+                    "row": i + 1,
+                    "prompt": "".join(s for s, trainable in segs if not trainable),
+                    "completion": "".join(s for s, trainable in segs if trainable),
+                    "n_tokens": total,
+                    "n_trained": None,
+                    "images": paths,
+                    "image_tokens": image_tokens,
+                }
+            )
+    from core.hub.rows import is_sample
+
+    return {
+        "format": "chat",
+        "rows": rows,
+        "lengths": lengths,
+        "max_length": max_length,
+        "truncated": sum(k > max_length for k in lengths),
+        "total_rows": len(ds),
+        "sample": is_sample(ds),
+        "images": True,
+    }
+
+
+def run_preview(cfg: dict, tokenizer, model_config, n: int = 5, length_rows: int = 5000) -> dict:
+    """The Train page's preview of an SFT run's data: its image conversations for a VLM (`preview`: image paths
+    for thumbnails, lengths with the image tokens), else core.train.data.preview_dataset."""
+    from core.train.data import preview_dataset
+
+    max_length = cfg["training"]["max_length"]
+    if is_vlm(model_config):
+        processor = processor_for(cfg["model"], tokenizer)
+        return preview(cfg["data"], processor, n=n, length_rows=length_rows, max_length=max_length)
+    return preview_dataset(cfg["data"], tokenizer, n=n, length_rows=length_rows, max_length=max_length)
