@@ -605,9 +605,13 @@ def _train(
             except RewardError as exc:  # a GRPO reward function failed: its name, the row and the error
                 raise TrainError(str(exc)) from None
             except OSError:
-                # a writer into the folder (TensorBoard's, on its own thread) met it deleted before the callback's
-                # next look: the folder's fate is the reason, not the writer's FileNotFoundError
-                if callback._check_folder(None):
+                # a writer into the folder (TensorBoard's, on its own thread) met it deleted, or half deleted (rmtree
+                # still running: the folder keeps its identity), before the callback's next look: the folder's fate
+                # is the reason, not the writer's FileNotFoundError. A moment lets a deletion under way finish.
+                deadline = time.monotonic() + 2
+                while not callback._check_folder(None) and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                if callback.gone:
                     raise rundir.RunGone(callback.gone) from None
                 raise
             seconds = (time.perf_counter() - t0, time.process_time() - cpu0)
