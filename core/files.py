@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import stat
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -117,15 +119,139 @@ def read_bounded(path: str | os.PathLike, limit: int = MAX_JSON_BYTES) -> bytes:
         os.close(fd)
 
 
-def read_json_object(path: str | os.PathLike, limit: int = MAX_JSON_BYTES) -> dict | None:
-    """A JSON object from a file another process may be rewriting: None when missing, torn, not an object, not a
-    regular file (a FIFO, /dev/zero), larger than `limit` or holding a number beyond float range. Never blocks,
-    never reads more than `limit`."""
+class BadFile(ValueError):
+    """A file its reader cannot take. `why` says so after the file's path ("is not valid JSON (...)", "is truncated
+    (...)"); the caller puts the path in front and its own fix after, in its own sentence."""
+
+    def __init__(self, what: str, detail: str = "", truncated: bool = False):
+        self.what, self.detail = (
+            what,
+            detail,
+        )  # "is truncated", "its tensors need 80 bytes of data, 20 follow"
+        self.why = f"{what} ({detail})" if detail else what
+        super().__init__(self.why)
+        self.truncated = truncated  # cut short (a copy or a save that stopped), rather than garbage
+
+
+_KINDS = {list: "a list", str: "a string", bool: "true/false", type(None): "null"}
+
+
+def load_json_object(path: str | os.PathLike, limit: int = MAX_JSON_BYTES) -> dict:
+    """The JSON object in `path` (a model's config.json, an index, an adapter config): a regular file of at most
+    `limit` bytes (never a FIFO or a device), UTF-8 JSON, an object. Raises BadFile."""
     try:
-        data = loads_json(read_bounded(path, limit).decode("utf-8"))
-        return data if isinstance(data, dict) else None
-    except (OSError, ValueError, RecursionError):
+        data = loads_json(read_bounded(path, limit))
+    except (NotRegularFile, FileTooLarge) as exc:
+        raise BadFile(str(exc).removeprefix(f"{path} ")) from None
+    except OSError as exc:
+        raise BadFile("cannot be read", str(exc.strerror or exc)) from None
+    except RecursionError:
+        raise BadFile("is nested too deeply to be read") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, a number beyond float range
+        raise BadFile("is not valid JSON", str(exc) or type(exc).__name__) from None
+    if not isinstance(data, dict):
+        raise BadFile("does not hold a JSON object", f"it holds {_KINDS.get(type(data), 'a number')}")
+    return data
+
+
+def read_json_object(path: str | os.PathLike, limit: int = MAX_JSON_BYTES) -> dict | None:
+    """load_json_object for files another process may be rewriting (status, plan, a job's record), and for
+    readers that must not fail: None when missing, torn, not an object, not a regular file (a FIFO, /dev/zero),
+    larger than `limit` or holding a number beyond float range. Never blocks, never reads more than `limit`."""
+    try:
+        return load_json_object(path, limit)
+    except BadFile:
         return None
+
+
+MAX_SAFETENSORS_HEADER = 100 << 20  # safetensors' own limit on the header's JSON
+MAX_DIMS = 64  # numpy's; a longer shape is a hostile header (its product alone would take minutes)
+NOT_SAFETENSORS = "is not a valid safetensors file"
+# bytes per element of the safetensors dtypes: a header whose shape and data size disagree is refused
+ST_ITEMSIZE = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
+}  # fmt: skip
+
+
+@dataclass
+class SafetensorsHeader:
+    header: dict  # as stored: tensor name -> {dtype, shape, data_offsets}, and "__metadata__" when present
+    data_start: int  # the byte where the tensor data begins (8 + the header's length)
+    size: int  # the file's size
+
+    @property
+    def tensors(self) -> dict[str, dict]:
+        return {k: v for k, v in self.header.items() if k != "__metadata__"}
+
+    @property
+    def data_end(self) -> int:
+        """The byte after the last tensor's data: the file's size when it is whole."""
+        return self.data_start + max((v["data_offsets"][1] for v in self.tensors.values()), default=0)
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def read_safetensors_header(path: str | os.PathLike) -> SafetensorsHeader:
+    """The header of a safetensors file, checked as safetensors checks it, without reading any tensor data: a
+    regular file (never a FIFO), a header length that fits the file and the format's limit, a JSON object of
+    entries with a dtype, a shape and data offsets inside the file, each shape as large as its data. Raises BadFile
+    (truncated=True for a file cut short), so no caller meets the library's trace halfway through its work."""
+    fd = open_regular(path)
+    try:
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, 8, 0)
+        if len(head) < 8:
+            raise BadFile(
+                "is truncated", f"{size} bytes, shorter than its 8-byte header length", truncated=True
+            )
+        n = int.from_bytes(head, "little")
+        if n > MAX_SAFETENSORS_HEADER:
+            raise BadFile(NOT_SAFETENSORS, f"a header length of {n:,} bytes, beyond the format's 100 MiB")
+        if 8 + n > size:
+            raise BadFile(
+                "is truncated", f"its header length says {n:,} bytes, {size - 8:,} follow", truncated=True
+            )
+        raw = os.pread(fd, n, 8)
+    finally:
+        os.close(fd)
+    try:
+        header = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise BadFile(NOT_SAFETENSORS, "its header is not JSON") from None
+    if not isinstance(header, dict):
+        raise BadFile(NOT_SAFETENSORS, "its header is not a JSON object")
+    data = size - 8 - n
+    end = 0
+    for key, v in header.items():
+        if key == "__metadata__":
+            continue
+        offsets = v.get("data_offsets") if isinstance(v, dict) else None
+        if not (
+            isinstance(v.get("dtype") if isinstance(v, dict) else None, str)
+            and isinstance(v.get("shape"), list)
+            and len(v["shape"]) <= MAX_DIMS
+            and all(_whole(d) for d in v["shape"])
+            and isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(_whole(o) for o in offsets)
+            and offsets[0] <= offsets[1]
+        ):
+            raise BadFile(NOT_SAFETENSORS, f"its header does not describe tensors: entry {key!r}")
+        itemsize = ST_ITEMSIZE.get(v["dtype"])
+        if itemsize is not None and math.prod(v["shape"]) * itemsize != offsets[1] - offsets[0]:
+            raise BadFile(
+                NOT_SAFETENSORS,
+                f"tensor {key}'s shape {v['shape']} does not match its {offsets[1] - offsets[0]:,} data bytes",
+            )
+        end = max(end, offsets[1])
+    if end > data:
+        raise BadFile(
+            "is truncated", f"its tensors need {end:,} bytes of data, {data:,} follow", truncated=True
+        )
+    return SafetensorsHeader(header, 8 + n, size)
 
 
 def iter_jsonl_objects(path: str | os.PathLike, max_line: int = 1 << 20, chunk: int = 4 << 20):

@@ -17,7 +17,7 @@ from core.monitor.summary import summarize_run
 from core.monitor.watch import RunWatcher, run_method
 from core.runs.launcher import RunError, launch, list_runs, stop_run
 from core.runs.rundir import LIVE_STATES, latest_checkpoint, read_status
-from core.train import methods
+from core.train import methods, trackers
 from core.workspace import default_workspace
 from ui.charts import draw_lines
 from ui.eval_panels import completions_panel, samples_panel
@@ -230,6 +230,8 @@ def show(run_dir: str, live: bool) -> None:
         charts(snap)
         completions_panel(snap.completions)  # a GRPO run's own completions and what each reward gave them
         logs(snap)
+        for tracker, command in trackers.viewers(run_dir):  # the run's own tracker folder, where it wrote one
+            st.caption(f"{tracker}: `{command}`")
         st.caption(
             f"{run_dir} · updated {time.strftime('%H:%M:%S')}"
             + (f" · every {REFRESH_S:.0f} s" if live else "")

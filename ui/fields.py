@@ -12,7 +12,7 @@ import streamlit as st
 
 from core.estimate.from_config import method_of, set_method
 from core.estimate.plan import PACKING_STRATEGIES
-from core.train import methods
+from core.train import methods, trackers
 from core.train.config import default_config, section_schema
 from core.train.config_keys import ATTN, DTYPES, OPTIMIZERS, SCHEDULERS, STRATEGIES
 from core.train.methods.base import Field
@@ -67,6 +67,10 @@ FIELDS = {
         Field("fp16", "training.fp16", "fp16 autocast", "bool", help="training.fp16: for GPUs without bf16"),
         Field("ckpt", "training.gradient_checkpointing", "Gradient checkpointing", "bool"),
         Field("logging", "training.logging_steps", "Log every (steps)", "int", step=1),
+        Field("report_to", "training.report_to", "Report to", "choice", "tensorboard", trackers.CHOICES,
+              help="training.report_to: TensorBoard's event files (RUN/tensorboard) or Trackio's database "
+              "(RUN/trackio; needs pip install trackio), inside the run folder; the Monitor names the command "
+              "that shows them"),
         Field("save", "training.save_steps", "Checkpoint every (steps)", "int", step=10),
         Field("eval_batch", "training.per_device_eval_batch_size", "Eval batch size (per device)", "int", step=1,
               help="training.per_device_eval_batch_size: rows per evaluation step. Unless you set it, the form "

@@ -37,7 +37,7 @@ P = "tr_"  # the Train page's widget keys: tr_ + the field's name (ui/fields.py)
 TRAIN_FIELDS = (
     "model_path", "dtype", "attn", "trust", "tuning", "r", "alpha", "dropout", "targets", "data_path",
     "format", "max_length", "eval_split", "batch", "accum", "max_steps", "epochs", "lr", "sched", "warmup", "optim",
-    "ckpt", "logging", "save", "eval_batch", "eval_samples", "padding_free", "packing", "offload", "liger", "gpus",
+    "ckpt", "logging", "report_to", "save", "eval_batch", "eval_samples", "padding_free", "packing", "offload", "liger", "gpus",
     "strategy", "cpu_offload",
 )  # fmt: skip
 # Set while the form chooses the eval batch (the largest that fits); off once the user sets one, or a config does
@@ -383,7 +383,7 @@ def _training_fields(method) -> None:
         _propose_eval_batch()
     fields.row(
         P,
-        ("ckpt", "logging", "save", "eval_batch", "eval_samples"),
+        ("ckpt", "logging", "report_to", "save", "eval_batch", "eval_samples"),
         disabled=() if evaluates else ("eval_batch",),
         on_change={"eval_batch": lambda: st.session_state.update({EVAL_AUTO: False})},
     )

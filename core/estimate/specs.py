@@ -126,7 +126,7 @@ def parameter_shapes(fields: dict) -> tuple[str, dict[str, tuple[int, ...]]]:
     return meta.base_model_prefix, {k: tuple(t.shape) for k, t in meta.state_dict().items()}
 
 
-def _decoder_layers(model):
+def decoder_layers(model):
     """The repeated decoder blocks: the largest nn.ModuleList in the model."""
     import torch.nn as nn
 
@@ -184,7 +184,7 @@ def _build_spec(model: str, cfg) -> ModelSpec:
     if vlm and json.loads(vlm)["unsupported"]:
         raise SpecError(json.loads(vlm)["unsupported"])
     # a VLM's vision tower may have more blocks than its language model: count the language model's layers
-    layers = _decoder_layers(language_model(meta) if vlm else meta)
+    layers = decoder_layers(language_model(meta) if vlm else meta)
     if layers is None or len(layers) == 0:
         raise SpecError(f"'{model}' has no repeated decoder layers; this planner handles decoder LLMs only.")
     layers_prefix = next(name for name, mod in meta.named_modules() if mod is layers)

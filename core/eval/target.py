@@ -3,12 +3,12 @@ run's config, and which checkpoint when the run has not finished. Every refusal 
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from core.eval.heldout import EvalError
+from core.files import read_json_object
 from core.hub import fetch
 from core.hub.ids import HubError
 from core.runs import rundir
@@ -111,7 +111,7 @@ def resolve(
         cfg = _config_beside(tuned)
     base_dir = Path(base).expanduser() if base else (Path(cfg["model"]["path"]) if cfg else None)
     if base_dir is None and is_adapter:
-        recorded = (json.loads((tuned / ADAPTER_CONFIG).read_text()) or {}).get("base_model_name_or_path")
+        recorded = (read_json_object(tuned / ADAPTER_CONFIG) or {}).get("base_model_name_or_path")
         base_dir = Path(recorded) if isinstance(recorded, str) and recorded else None
     if base_dir is None or not (base_dir / "config.json").is_file():
         raise EvalError(
@@ -151,11 +151,12 @@ def _check_belongs(adapter_dir: Path, base_dir: Path) -> None:
     base weights, else the recorded base's config.json)."""
     from core.merge import MergeError
     from core.merge.adapter import load_adapter
+    from core.merge.common import load_json
     from core.merge.compat import check_recorded_base
     from core.merge.shards import BaseCheckpoint
 
     try:
-        base_config = json.loads((base_dir / "config.json").read_text())
+        base_config = load_json(base_dir / "config.json", "restore it from the base model's original files.")
         mismatch, _ = check_recorded_base(load_adapter(adapter_dir), BaseCheckpoint(base_dir), base_config)
     except (MergeError, OSError, ValueError) as exc:
         raise EvalError(f"The adapter {adapter_dir} cannot be checked against {base_dir}: {exc}") from None

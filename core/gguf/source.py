@@ -6,14 +6,10 @@ the export's RAM near one tensor. Shapes and dtypes come from the file headers.
 
 from __future__ import annotations
 
-import json
-import math
-import os
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from core.files import read_bounded
+from core.files import BadFile, NotRegularFile, load_json_object, read_safetensors_header
 from core.plausible import ImplausibleConfig, check_model_config
 
 # HF architecture -> (llama.cpp architecture name, whether q/k rows get llama.cpp's rotary permutation).
@@ -95,50 +91,17 @@ class Source:
 
 
 def _read_header(path: Path) -> dict:
-    """The safetensors header of `path`; BadInput (one sentence) for anything that is not one."""
-    bad = f"{path} is not a valid safetensors file"
+    """The safetensors header of `path` (core.files' one reader); BadInput (one sentence) for anything that is not
+    one."""
     fix = "copy or download that file again, or re-save the model with save_pretrained."
     try:
-        with open(path, "rb") as fh:
-            size = os.fstat(fh.fileno()).st_size
-            head = fh.read(8)
-            if len(head) < 8:
-                raise BadInput(f"{bad} (shorter than its 8-byte header length): {fix}")
-            (n,) = struct.unpack("<Q", head)
-            if n > min(size - 8, 100 * 1024 * 1024):
-                raise BadInput(
-                    f"{bad} (its header length {n:,} does not fit the file's {size:,} bytes): {fix}"
-                )
-            header = json.loads(fh.read(n))
-    except BadInput:
-        raise
+        return read_safetensors_header(path).header
+    except BadFile as e:
+        raise BadInput(f"{path} {e.why}: {fix}") from None
+    except NotRegularFile as e:
+        raise BadInput(f"{e}: {fix}") from None
     except OSError as e:
         raise BadInput(f"{path} cannot be read ({e.strerror or e}).") from None
-    except (ValueError, RecursionError):
-        raise BadInput(f"{bad} (its header is not JSON): {fix}") from None
-    tensors = {k: v for k, v in header.items() if k != "__metadata__"} if isinstance(header, dict) else None
-    if tensors is None or not all(
-        isinstance(v, dict)
-        and isinstance(v.get("dtype"), str)
-        and isinstance(v.get("shape"), list)
-        and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in v["shape"])
-        for v in tensors.values()
-    ):
-        raise BadInput(f"{bad} (its header does not describe tensors): {fix}")
-    data = size - 8 - n
-    for key, v in tensors.items():  # what safetensors itself checks, as a sentence rather than its trace
-        offsets = v.get("data_offsets")
-        if not (
-            isinstance(offsets, list)
-            and len(offsets) == 2
-            and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
-            and 0 <= offsets[0] <= offsets[1] <= data
-        ):
-            raise BadInput(f"{bad} (tensor {key}'s data lies outside the file's {data:,} data bytes): {fix}")
-        size_of = ST_ITEMSIZE.get(v["dtype"])
-        if size_of is not None and math.prod(v["shape"]) * size_of != offsets[1] - offsets[0]:
-            raise BadInput(f"{bad} (tensor {key}'s shape {v['shape']} does not match its data): {fix}")
-    return header
 
 
 def open_source(model_dir: str | Path) -> Source:
@@ -150,13 +113,11 @@ def open_source(model_dir: str | Path) -> Source:
     if not cfg_file.is_file():
         raise BadInput(f"{path} has no config.json, so it is not a Hugging Face model folder.")
     try:
-        config = json.loads(read_bounded(cfg_file))  # a regular file of sane size
-    except (OSError, ValueError) as e:
-        raise BadInput(f"{cfg_file} cannot be read as JSON ({e}).") from None
-    except RecursionError:
-        raise BadInput(f"{cfg_file} is nested too deeply to be a model config.") from None
-    if not isinstance(config, dict):
-        raise BadInput(f"{cfg_file} does not hold a JSON object, so it is not a model config.")
+        config = load_json_object(cfg_file)  # a regular file of sane size
+    except BadFile as e:
+        raise BadInput(
+            f"{cfg_file} {e.why}, so it is not a model config: copy it from the original model."
+        ) from None
     try:  # before the vocabulary or any tensor is read: a lying size would allocate gigabytes
         check_model_config(config, str(cfg_file))
     except ImplausibleConfig as exc:
@@ -185,9 +146,8 @@ def open_source(model_dir: str | Path) -> Source:
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
-            weight_map = json.loads(read_bounded(index))["weight_map"]
-            files = sorted({path / f for f in weight_map.values()})
-        except (OSError, ValueError, RecursionError, KeyError, TypeError, AttributeError):
+            files = sorted({path / f for f in load_json_object(index)["weight_map"].values()})
+        except (BadFile, KeyError, TypeError, AttributeError):
             raise BadInput(
                 f"{index} is not a safetensors index (JSON with a weight_map of file names); copy or download it "
                 "again, or re-save the model with save_pretrained."

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import gguf
 
+from core.files import read_json_object
 from core.gguf.source import BadInput
 
 # Split regexes as they appear in real tokenizer.json files -> llama.cpp's pre-tokenizer names.
@@ -285,11 +286,7 @@ def read_vocab(path: Path, vocab_size: int, tokenizer=None) -> VocabInfo:
 
 
 def _read_config(path: Path) -> dict:
-    try:
-        config = json.loads((Path(path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    return config if isinstance(config, dict) else {}
+    return read_json_object(Path(path) / "config.json") or {}  # bounded, never a FIFO; open_source said why
 
 
 def write_vocab(w: gguf.GGUFWriter, info: VocabInfo) -> None:

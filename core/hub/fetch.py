@@ -20,7 +20,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.files import atomic_write_text
+from core.files import BadFile, atomic_write_text, load_json_object
 from core.fmt import nbytes
 from core.hub.ids import COMMIT, HubError, HubRef, cache_dir, endpoint, explain, offline, offline_sentence
 from core.hub.remote import (
@@ -262,8 +262,8 @@ def complete_folder(ref: HubRef, commit: str | None = None) -> Path | None:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         try:
-            shards = set(json.loads(index.read_text())["weight_map"].values())
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            shards = set(load_json_object(index)["weight_map"].values())
+        except (BadFile, KeyError, TypeError, AttributeError):
             return None
         if not all((folder / s).is_file() for s in shards):
             return None
@@ -354,12 +354,9 @@ def config_json(ref: HubRef) -> tuple[dict, RepoFacts]:
         )
     folder = fetch_files(found, ["config.json"])
     try:
-        data = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError) as exc:
-        raise HubError(f"The config.json of {found.label()} is not valid JSON ({exc}).") from None
-    if not isinstance(data, dict):
-        raise HubError(f"The config.json of {found.label()} does not hold a JSON object.")
-    return data, found
+        return load_json_object(folder / "config.json"), found
+    except BadFile as exc:
+        raise HubError(f"The config.json of {found.label()} {exc.why}.") from None
 
 
 # ---- progress ---------------------------------------------------------------------------------------------------

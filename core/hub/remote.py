@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from core.files import BadFile, read_safetensors_header
 from core.hub.ids import (
     COMMIT,
     HubError,
@@ -236,15 +237,10 @@ def weights(found: RepoFacts) -> Weights | None:
 
 
 def _local_header(path: Path) -> dict | None:
-    import struct
-
+    """A cached file's header (core.files' one reader), None when it is not a whole safetensors file."""
     try:
-        with open(path, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            if n > 100 << 20:
-                return None
-            return json.loads(fh.read(n))
-    except (OSError, ValueError, struct.error):
+        return read_safetensors_header(path).header
+    except (BadFile, OSError):
         return None
 
 

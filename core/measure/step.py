@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from core.estimate.plan import Plan, batch_shape, flat_batch
+from core.estimate.specs import decoder_layers
 from core.measure.build import ENGINE_TRAINERS, build_model, build_optimizer, with_layers
 from core.measure.plan import StepOptions, autocast_dtype, checked, estimate_for, plan_of_config
 from core.measure.tracker import StepMemory, TrackerError, main_phase, main_phase_peaks, track_live_tensors
@@ -152,10 +153,10 @@ def _backward_landmarks(model, tracker) -> list:
 
 
 def _decoder_layers(model):
-    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
-    if not lists:
+    layers = decoder_layers(model)  # the planner's own choice of blocks: what it plans is what is measured
+    if layers is None:
         raise TrackerError(f"{type(model).__name__} has no decoder layers (no nn.ModuleList) to measure")
-    return max(lists, key=len)
+    return layers
 
 
 def _loss(model, batch, plan: Plan | None = None):

@@ -9,9 +9,10 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from core.fmt import disk
 from core.hub.fetch import model_path, progress_line
 from core.hub.ids import HubError
-from core.merge.common import MergeError, MergeProgress, gb
+from core.merge.common import MergeError, MergeProgress
 from core.workspace import WorkspaceError
 
 if TYPE_CHECKING:
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             if frac - state["last"] >= 0.1 or p.tensors_done == p.tensors_total:
                 state["last"] = frac
                 print(
-                    f"  merged {p.tensors_done}/{p.tensors_total} tensors, {gb(p.bytes_written)} written",
+                    f"  merged {p.tensors_done}/{p.tensors_total} tensors, {disk(p.bytes_written)} written",
                     file=sys.stderr,
                 )
         elif p.phase == "verify":
@@ -117,9 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     for line in result.verification.lines():
         print(line)
     print(
-        f"exported {result.out_dir}: {len(result.files)} files, {gb(result.total_bytes)}, in {result.seconds:.1f} s"
+        f"exported {result.out_dir}: {len(result.files)} files, {disk(result.total_bytes)}, in {result.seconds:.1f} s"
     )
-    print(f"peak RSS {gb(result.peak_rss)}")
+    print(f"peak RSS {disk(result.peak_rss)}")
     return 0
 
 

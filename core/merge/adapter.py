@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from core.merge.common import MergeError, read_json_object
+from core.merge.common import MergeError, load_json
 from core.merge.shards import read_safetensors_header
 
 RESAVE = "re-save the adapter with peft's save_pretrained, or copy its folder again."
@@ -100,7 +100,7 @@ def _read_config(d: Path) -> dict:
     cfg_path = d / "adapter_config.json"
     if not cfg_path.is_file():
         raise MergeError(f"{d} is not a peft adapter folder: adapter_config.json is missing.")
-    cfg = read_json_object(cfg_path, RESAVE)
+    cfg = load_json(cfg_path, RESAVE)
     ptype = str(cfg.get("peft_type", "")).upper()
     if ptype != "LORA":
         raise MergeError(

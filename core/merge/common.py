@@ -3,12 +3,11 @@ package (and `python -m core.merge --help`) stays light until a merge actually r
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.files import FileTooLarge, NotRegularFile, read_bounded
+from core.files import BadFile, load_json_object, read_json_object
 from core.fmt import disk
 
 GB = 1024**3
@@ -64,24 +63,13 @@ def progress_sentence(progress: dict) -> str:
     )
 
 
-def read_json_object(path: Path, fix: str) -> dict:
-    """The JSON object in `path`; a broken file is a MergeError naming it and `fix` (how to repair it)."""
+def load_json(path: Path, fix: str) -> dict:
+    """The JSON object in `path` (core.files.load_json_object: bounded, regular files only, so a FIFO never
+    blocks); a broken file is a MergeError naming it and `fix` (how to repair it)."""
     try:
-        # a regular file of sane size only: a FIFO would block, /dev/zero never ends
-        data = json.loads(read_bounded(path))
-    except (NotRegularFile, FileTooLarge) as e:
-        raise MergeError(f"{e}: {fix}") from None
-    except OSError as e:
-        raise MergeError(f"{path} cannot be read ({e.strerror or e}): {fix}") from None
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-        raise MergeError(f"{path} is not valid JSON ({e}): {fix}") from None
-    except RecursionError:
-        raise MergeError(f"{path} is nested too deeply to be a config: {fix}") from None
-    if not isinstance(data, dict):
-        kinds = {list: "a list", str: "a string", bool: "true/false", type(None): "null"}
-        kind = kinds.get(type(data), "a number")
-        raise MergeError(f"{path} does not hold a JSON object (it holds {kind}): {fix}")
-    return data
+        return load_json_object(path)
+    except BadFile as e:
+        raise MergeError(f"{path} {e.why}: {fix}") from None
 
 
 def auto_model_class(config: dict):
@@ -95,16 +83,8 @@ def auto_model_class(config: dict):
 
 def is_vision_model(folder) -> bool:
     """The model folder's config.json has a vision_config (a VLM: Try it can ask about an image)."""
-    try:
-        return isinstance(
-            json.loads((Path(folder) / "config.json").read_text(encoding="utf-8")).get("vision_config"), dict
-        )
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
-def gb(n: int) -> str:
-    return f"{n / GB:.2f} GB" if n >= 0.1 * GB else f"{n / MB:.1f} MB"
+    config = read_json_object(Path(folder) / "config.json")  # bounded, never a FIFO
+    return isinstance((config or {}).get("vision_config"), dict)
 
 
 def tokenizer_source(adapter_dir: Path, base_dir: Path) -> Path:

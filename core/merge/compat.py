@@ -10,9 +10,9 @@ caller refuses with it (adding how to fix it) or, when forced (--force), merges 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from core.files import read_json_object
 from core.merge.adapter import Adapter
 from core.merge.common import MergeError, load_tokenizer
 from core.merge.fingerprint import FINGERPRINT_FILE, fingerprint_of, locate_base, read_recorded_base
@@ -108,11 +108,8 @@ def check_recorded_config(
         )
     if cfg_path.parent.resolve() == base_dir.resolve():
         return None, None
-    try:
-        theirs = json.loads(cfg_path.read_text())
-    except (OSError, ValueError):
-        theirs = None
-    if not isinstance(theirs, dict):
+    theirs = read_json_object(cfg_path)  # bounded, never a FIFO
+    if theirs is None:
         return (
             None,
             f"The config.json of the adapter's recorded base {recorded!r} does not load: not compared.",

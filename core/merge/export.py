@@ -16,7 +16,8 @@ import psutil
 import torch
 
 from core import procs
-from core.merge.common import TOKENIZER_FILES, MergeError, MergeProgress, ProgressFn, gb, tokenizer_source
+from core.fmt import disk
+from core.merge.common import TOKENIZER_FILES, MergeError, MergeProgress, ProgressFn, tokenizer_source
 from core.merge.delta import tensor_stream
 from core.merge.plan import MergePlan, TensorPlan
 from core.merge.precheck import Preflight, preflight_at, workspace_target
@@ -178,7 +179,7 @@ def merge_at(
         shutil.rmtree(tmp, ignore_errors=True)  # first: the free space then says what is left for a retry
         raise MergeError(
             f"The disk holding {target.parent} filled up while writing {writing} of the export ({e.strerror}): "
-            f"the merge needs {gb(pf.disk_needed)} free there, {gb(shutil.disk_usage(target.parent).free)} is "
+            f"the merge needs {disk(pf.disk_needed)} free there, {disk(shutil.disk_usage(target.parent).free)} is "
             f"free now; free some space or choose another --out. Nothing was written to {target}."
         ) from None
     finally:

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from core.merge.adapter import Adapter, LoraModule
-from core.merge.common import MergeError, auto_model_class, read_json_object
+from core.merge.common import MergeError, auto_model_class, load_json
 from core.merge.experts import attach_parameters, split_parameter_modules
 from core.merge.shards import (
     DTYPE_ARGS,
@@ -173,7 +173,7 @@ def _read_base_config(base_dir: Path) -> dict:
     cfg_path = base_dir / "config.json"
     if not cfg_path.is_file():
         raise MergeError(f"{base_dir} has no config.json: point --base at a transformers model folder.")
-    config = read_json_object(cfg_path, "restore it (copy or download the base model again).")
+    config = load_json(cfg_path, "restore it (copy or download the base model again).")
     try:  # the export carries this config on: one that no real model has is refused, as every other tool does
         check_model_config(config, str(cfg_path))
     except ImplausibleConfig as exc:

@@ -11,9 +11,10 @@ import psutil
 import torch
 
 from core.files import disk_needed, disk_shortfall
+from core.fmt import disk
 from core.merge import delta
 from core.merge.adapter import load_adapter
-from core.merge.common import MB, TOKENIZER_FILES, MergeError, gb, read_json_object, tokenizer_source
+from core.merge.common import MB, TOKENIZER_FILES, MergeError, load_json, tokenizer_source
 from core.merge.compat import check_recorded_base, check_vocabulary, signature
 from core.merge.discover import is_qlora
 from core.merge.plan import MergePlan, plan_merge
@@ -54,13 +55,13 @@ class Preflight:
 
     def lines(self) -> list[str]:
         return [
-            f"base: {self.base_dir} ({gb(self.base_bytes)}), adapter: {self.adapter_dir} ({self.n_lora_modules} "
+            f"base: {self.base_dir} ({disk(self.base_bytes)}), adapter: {self.adapter_dir} ({self.n_lora_modules} "
             f"LoRA modules, {self.n_replaced} replaced tensors)",
-            f"output: {self.target} — {self.n_tensors} tensors, {gb(self.out_bytes)} in {self.out_dtype}, "
+            f"output: {self.target} — {self.n_tensors} tensors, {disk(self.out_bytes)} in {self.out_dtype}, "
             f"{self.n_shards} shard(s)",
-            f"RAM: need ~{gb(self.ram_needed)} to merge, {gb(self.verify_ram_needed)} for the logits check; "
-            f"{gb(self.ram_available)} available",
-            f"disk: need {gb(self.disk_needed)}, {gb(self.disk_free)} free",
+            f"RAM: need ~{disk(self.ram_needed)} to merge, {disk(self.verify_ram_needed)} for the logits check; "
+            f"{disk(self.ram_available)} available",
+            f"disk: need {disk(self.disk_needed)}, {disk(self.disk_free)} free",
             f"verification: {self.verify_mode}",
         ]
 
@@ -140,14 +141,14 @@ def preflight_at(
     ram = _ram_bill(plan)
     if ram.needed > ram.available:
         problems.append(
-            f"Not enough free RAM: the merge needs about {gb(ram.needed)}, {gb(ram.available)} is available. "
+            f"Not enough free RAM: the merge needs about {disk(ram.needed)}, {disk(ram.available)} is available. "
             "Close other programs, or merge on a machine with more memory."
         )
     if verify == "auto":
         verify = "full" if ram.verify < 0.8 * ram.available else "quick"
         if verify == "quick":
             notes.append(
-                f"The logits check needs ~{gb(ram.verify)} RAM but {gb(ram.available)} is available: only the quick "
+                f"The logits check needs ~{disk(ram.verify)} RAM but {disk(ram.available)} is available: only the quick "
                 "check (every tensor re-read, merged rows recomputed, config and tokenizer loaded) will run."
             )
     disk_needed = _disk_needed(plan, adapter_dir, base_dir)
@@ -193,7 +194,7 @@ def mismatches(base_dir: str | os.PathLike, adapter_dir: str | os.PathLike) -> l
 def _mismatches(plan: MergePlan, base_dir: Path, adapter_dir: Path) -> tuple[list[str], list[str]]:
     """(mismatches, notes) of the adapter against this base: its recorded base, its vocabulary."""
     # plan_merge has read and checked it; the recorded-base check needs it as on disk, before any resize
-    base_config = read_json_object(base_dir / "config.json", "restore it.")
+    base_config = load_json(base_dir / "config.json", "restore it.")
     mismatch, notes = check_recorded_base(plan.adapter, plan.base, base_config)
     vocab = check_vocabulary(adapter_dir, base_dir, signature(plan.config).get("vocab_size"))
     return [m for m in (mismatch, vocab) if m], notes

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from core.merge.common import MB, MergeError, read_json_object
+from core import files
+from core.merge.common import MB, MergeError, load_json
 
 BASE_FIX = "copy or download the base model again."
 
@@ -57,46 +58,19 @@ def itemsize(code: str) -> int:
 
 
 def read_safetensors_header(path: Path, fix: str = "copy or download it again.") -> tuple[dict, int]:
-    """(header dict, byte offset where data starts). A file that is truncated or whose header is corrupt is a
-    MergeError naming it and `fix`, checked before any tensor is read: a shard cut short by a failed copy must
-    not surface halfway through a merge, nor as the safetensors library's own trace."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise MergeError(f"{path} is truncated ({size} bytes, not even a safetensors header): {fix}")
-        (n,) = struct.unpack("<Q", raw)
-        if n > 100 * MB:
-            raise MergeError(f"{path} is not a valid safetensors file (header of {n} bytes): {fix}")
-        if 8 + n > size:
-            raise MergeError(f"{path} is truncated (its header needs {n} bytes, {size - 8} follow): {fix}")
-        try:
-            header = json.loads(f.read(n))
-        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-            raise MergeError(f"{path} has a corrupt safetensors header ({type(e).__name__}): {fix}") from e
-    if not isinstance(header, dict):
-        raise MergeError(f"{path} has a corrupt safetensors header (not a JSON object): {fix}")
-    end = 0
-    for key, v in header.items():
-        if key == "__metadata__":
-            continue
-        offsets = v.get("data_offsets") if isinstance(v, dict) else None
-        if not (
-            isinstance(v, dict)
-            and isinstance(v.get("dtype"), str)
-            and isinstance(v.get("shape"), list)
-            and isinstance(offsets, list)
-            and len(offsets) == 2
-            and all(isinstance(o, int) for o in offsets)
-            and 0 <= offsets[0] <= offsets[1]
-        ):
-            raise MergeError(f"{path} has a corrupt safetensors header (entry {key!r}): {fix}")
-        end = max(end, offsets[1])
-    if 8 + n + end > size:
-        raise MergeError(
-            f"{path} is truncated (its tensors need {end} bytes of data, {size - 8 - n} follow): {fix}"
-        )
-    return header, 8 + n
+    """(header dict, byte offset where data starts), through core.files' one reader. A file that is truncated or
+    whose header is corrupt is a MergeError naming it and `fix`, checked before any tensor is read: a shard cut
+    short by a failed copy must not surface halfway through a merge, nor as the safetensors library's own trace."""
+    try:
+        h = files.read_safetensors_header(path)
+    except files.BadFile as e:
+        said = e.what if e.truncated else "has a corrupt safetensors header"
+        raise MergeError(f"{path} {said} ({e.detail}): {fix}") from None
+    except files.NotRegularFile as e:  # a FIFO or a folder: never opened for reading
+        raise MergeError(f"{e}: {fix}") from None
+    except OSError as e:
+        raise MergeError(f"{path} cannot be read ({e.strerror or e}): {fix}") from None
+    return h.header, h.data_start
 
 
 class BaseCheckpoint:
@@ -139,7 +113,7 @@ class BaseCheckpoint:
         ):
             self.kind = kind
             if (d / index_name).is_file():
-                weight_map = read_json_object(d / index_name, BASE_FIX).get("weight_map")
+                weight_map = load_json(d / index_name, BASE_FIX).get("weight_map")
                 if not isinstance(weight_map, dict) or not all(
                     isinstance(v, str) for v in weight_map.values()
                 ):

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from core.merge.adapter import load_adapter
-from core.merge.common import MergeError, auto_model_class, load_tokenizer, read_json_object, tokenizer_source
+from core.merge.common import MergeError, auto_model_class, load_json, load_tokenizer, tokenizer_source
 
 
 @dataclass
@@ -44,9 +44,7 @@ def try_adapter(
     if not (base_dir / "config.json").is_file():
         raise MergeError(f"{base_dir} has no config.json: choose the base model folder.")
     load_adapter(adapter_dir)  # refuse unknown adapter types with our message
-    config = read_json_object(
-        base_dir / "config.json", "restore config.json from the model's original files."
-    )
+    config = load_json(base_dir / "config.json", "restore config.json from the model's original files.")
     if image is not None:
         text, ids, tokenizer = _with_image(base_dir, adapter_dir, prompt, Path(image), config)
         ids = ids.to(device)

@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from core.merge.common import auto_model_class, gb, load_tokenizer
+from core.fmt import disk
+from core.merge.common import auto_model_class, load_json, load_tokenizer
 from core.merge.delta import recompute_rows
 from core.merge.plan import MergePlan
 from core.merge.shards import DTYPE_NAMES, read_safetensors_header
@@ -232,9 +233,7 @@ def _merged_logits(out_dir: Path, prompts, device: str, v: Verification) -> list
 
 def _auto(folder: Path):
     """The auto class the model in `folder` loads with (a VLM's, or a causal LM's: core.merge.common)."""
-    import json
-
-    return auto_model_class(json.loads((Path(folder) / "config.json").read_text(encoding="utf-8")))
+    return auto_model_class(load_json(Path(folder) / "config.json", "export the model again."))
 
 
 def _logits_device(plan: MergePlan, device: str, v: Verification) -> str:
@@ -252,7 +251,7 @@ def _logits_device(plan: MergePlan, device: str, v: Verification) -> str:
     if need * 1.2 < free:  # activations and the allocator's rounding on top of the weights
         return device
     v.messages.append(
-        f"The logits check needs ~{gb(need)} of GPU memory in float32 but {gb(free)} is free: it ran on the CPU."
+        f"The logits check needs ~{disk(need)} of GPU memory in float32 but {disk(free)} is free: it ran on the CPU."
     )
     return "cpu"
 

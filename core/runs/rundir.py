@@ -16,7 +16,13 @@ import time
 from pathlib import Path
 
 from core import procs
-from core.files import atomic_write_text, iter_jsonl_objects, read_json_object
+from core.files import (
+    BadFile,
+    atomic_write_text,
+    iter_jsonl_objects,
+    read_json_object,
+    read_safetensors_header,
+)
 from core.fmt import nbytes
 from core.procs import LOCK, PID, STDERR, STDOUT  # noqa: F401 - names of the run directory too
 
@@ -34,6 +40,8 @@ SAMPLES = (
 )
 # PID ("pid": the training process), LOCK ("lock": held by it), STDOUT and STDERR: see core.procs
 CHECKPOINTS = "checkpoints"
+TENSORBOARD = "tensorboard"  # training.report_to tensorboard: its event files (core.train.trackers)
+TRACKIO = "trackio"  # training.report_to trackio: its local database (core.train.trackers)
 ADAPTER, MODEL = "adapter", "model"  # the final weights: a LoRA adapter, or a full fine-tune
 
 LIVE_STATES = ("starting", "running", "stopping")
@@ -220,26 +228,16 @@ def checkpoint_problem(path: str | os.PathLike, deep: bool = False) -> str | Non
 
 
 def _safetensors_problem(path: Path) -> str | None:
+    """Why a checkpoint's weights file cannot be resumed from (core.files' one reader, then its size: a save cut
+    off, or a file with bytes after its last tensor), or None."""
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as fh:
-            head = fh.read(8)
-            n = int.from_bytes(head, "little") if len(head) == 8 else -1
-            if n <= 0 or 8 + n > size or n > 100_000_000:
-                return "is not a safetensors file (bad header)"
-            header = json.loads(fh.read(n))
-    except (OSError, ValueError, RecursionError) as exc:
+        header = read_safetensors_header(path)
+    except BadFile as exc:
+        return exc.why
+    except OSError as exc:
         return f"is unreadable ({exc.__class__.__name__})"
-    if not isinstance(header, dict):
-        return "is not a safetensors file (bad header)"
-    ends = [
-        v["data_offsets"][1]
-        for k, v in header.items()
-        if k != "__metadata__" and isinstance(v, dict) and isinstance(v.get("data_offsets"), list)
-    ]
-    expected = 8 + n + max(ends, default=0)
-    if expected != size:
-        return f"is {size:,} bytes where its header says {expected:,} (truncated or damaged)"
+    if header.data_end != header.size:
+        return f"is {header.size:,} bytes where its header says {header.data_end:,} (truncated or damaged)"
     return None
 
 

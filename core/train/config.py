@@ -31,7 +31,7 @@ from typing import Any
 from core import files
 from core.files import YamlError, atomic_write_text, read_yaml
 from core.fmt import error_line
-from core.train import distributed, methods, schema, vision
+from core.train import distributed, methods, schema, trackers, vision
 from core.train import rewards as reward_specs
 from core.train.config_keys import (
     ALIASES,
@@ -450,6 +450,9 @@ def _missing_here(cfg: dict) -> tuple[str, str] | None:
             "training.use_liger_kernel needs the liger-kernel package and a CUDA GPU (pip install liger-kernel); "
             "set it to false on this machine.",
         )
+    problem = trackers.missing(cfg["training"].get("report_to"))
+    if problem:
+        return "training.report_to", problem
     return distributed.missing_here(cfg)
 
 

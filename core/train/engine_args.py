@@ -14,7 +14,7 @@ from pathlib import Path
 from core.files import read_json_object
 from core.precision import CUDA_ONLY, Precision, torch_dtype
 from core.runs import rundir
-from core.train import distributed, methods, vision
+from core.train import distributed, methods, trackers, vision
 from core.train.config_keys import OWN_TRAINING
 
 # Library defaults the engine fills in where the run config leaves them unset
@@ -168,6 +168,8 @@ def training_args(
     if report_to is not None and "report_to" not in cfg["training"]:
         t["report_to"] = report_to
     t.setdefault("report_to", "none")
+    if run_dir is not None and "project" in args_class.__dataclass_fields__:
+        t.setdefault("project", trackers.project(run_dir))  # Trackio's database is named after the run
     if distributed.world_size(cfg) > 1:
         # every trainable weight (LoRA's, or the model's) takes part in each forward: DDP's search for unused
         # ones is an extra pass over the graph per step, and with checkpointing it is what breaks (trl#921)

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from core.files import read_bounded, read_json_object
+from core.files import BadFile, load_json_object, read_bounded, read_json_object, read_safetensors_header
 from core.hub import ids as hub_ids
 from core.hub.fetch import complete_folder, folder_for_checks, readable
 from core.plausible import ImplausibleConfig, check_model_config
@@ -69,11 +69,11 @@ def check_model_folder(path, need_weights: bool = True) -> str | None:
     config = folder / "config.json"
     if not config.is_file():
         return f"model.path: {folder} has no config.json, so it is not a transformers model folder."
-    try:
-        data = json.loads(config.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError):
-        return f"model.path: {config} is not valid JSON: restore it from the model's original files."
-    if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
+    try:  # bounded, and never blocks on a FIFO
+        data = load_json_object(config)
+    except BadFile as exc:
+        return f"model.path: {config} {exc.why}: restore it from the model's original files."
+    if not isinstance(data.get("model_type"), str):
         return f"model.path: {config} has no model_type: restore it from the model's original files."
     try:  # before transformers builds the model from it: a lying size would allocate gigabytes
         check_model_config(data, f"model.path: {config}")
@@ -94,15 +94,15 @@ def check_model_folder(path, need_weights: bool = True) -> str | None:
         for shard in weights:
             problem = _safetensors_problem(shard, shapes) if shard.suffix == ".safetensors" else None
             if problem:
-                return f"model.path: {shard} is {problem}: download or copy that file again."
+                return f"model.path: {shard} {problem}: download or copy that file again."
         problem = _contradiction(shapes, data)
         if problem:
             return f"model.path: {folder}: {problem}"
         index = folder / "model.safetensors.index.json"
         if index.is_file():
             try:
-                files = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
-            except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+                files = set(load_json_object(index)["weight_map"].values())
+            except (BadFile, KeyError, TypeError, AttributeError):
                 return f"model.path: {index} is not a valid shard index: download or copy it again."
             missing = sorted(f for f in files if not (folder / f).is_file())
             if missing:
@@ -165,47 +165,22 @@ def _contradiction(shapes: dict[str, list], config: dict) -> str | None:
 def safetensors_header(path: Path) -> dict | None:
     """The header of a safetensors file (tensor name -> dtype, shape, data_offsets), None where
     check_model_folder finds the file unreadable."""
-    headers: dict[Path, dict] = {}
-    return headers.get(path) if _safetensors_problem(path, headers=headers) is None else None
-
-
-def _safetensors_problem(path: Path, shapes: dict | None = None, headers: dict | None = None) -> str | None:
-    """'truncated' / 'not a safetensors file' from the header alone (8-byte length + JSON), else None; the
-    tensors' shapes go into `shapes`, the whole header into `headers[path]`."""
-    import struct
-
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as fh:
-            head = fh.read(8)
-            if len(head) < 8:
-                return "truncated (shorter than a safetensors header)"
-            (n,) = struct.unpack("<Q", head)
-            if n > min(size - 8, 100 << 20):
-                return "not a valid safetensors file (its header length is wrong)"
-            header = json.loads(fh.read(n))
-    except (OSError, ValueError, RecursionError):
-        return "not a valid safetensors file (unreadable header)"
-    if not isinstance(header, dict):
-        return "not a valid safetensors file (unreadable header)"
-    ends = [
-        v["data_offsets"][1]
-        for k, v in header.items()
-        if k != "__metadata__"
-        and isinstance(v, dict)
-        and isinstance(v.get("data_offsets"), list)
-        and len(v["data_offsets"]) == 2
-    ]
-    if ends and 8 + n + max(ends) > size:
-        return f"truncated ({size:,} bytes, its header describes {8 + n + max(ends):,})"
-    if headers is not None:
-        headers[path] = header
-    if shapes is not None:
-        shapes.update(
-            (k, v["shape"])
-            for k, v in header.items()
-            if isinstance(v, dict) and isinstance(v.get("shape"), list)
-        )
+        return read_safetensors_header(path).header
+    except (BadFile, OSError):
+        return None
+
+
+def _safetensors_problem(path: Path, shapes: dict) -> str | None:
+    """What is wrong with a weights file, from its header alone (core.files' one reader: "is truncated (...)",
+    "is not a valid safetensors file (...)"), else None; the tensors' shapes go into `shapes`."""
+    try:
+        header = read_safetensors_header(path)
+    except BadFile as exc:
+        return exc.why
+    except OSError as exc:  # a FIFO, a folder, unreadable
+        return f"cannot be read ({exc.strerror or 'not a regular file'})"
+    shapes.update((k, v["shape"]) for k, v in header.tensors.items())
     return None
 
 

@@ -25,7 +25,7 @@ from core.monitor.gpu import GpuSampler
 from core.precision import Device, Precision, PrecisionError, resolve, torch_dtype
 from core.runs import rundir
 from core.runs.rundir import read_status, truncate_metrics, write_status
-from core.train import distributed, methods, ranks, sources, vision
+from core.train import distributed, methods, ranks, sources, trackers, vision
 from core.train.callbacks import (
     StopFlag,
     early_stop,
@@ -162,18 +162,6 @@ def _write_plan(cfg: dict, run_dir: Path, prec: Precision, smoke: bool) -> None:
         rundir.write_plan(run_dir, plan_json(cfg, device=prec.device.kind, smoke=smoke))
     except (PlanError, SpecError) as exc:
         print(f"plan.json: not written: {exc}", flush=True)
-
-
-def _report_to(cfg: dict, run_dir: Path, smoke: bool):
-    """TensorBoard next to the run's own files when it is installed, unless the config says report_to."""
-    if smoke or "report_to" in cfg["training"]:
-        return None
-    try:
-        import tensorboard  # noqa: F401
-    except ImportError:
-        return "none"
-    os.environ.setdefault("TENSORBOARD_LOGGING_DIR", str(run_dir / "tensorboard"))
-    return "tensorboard"
 
 
 def quiet_progress_bars():
@@ -608,7 +596,7 @@ def _train(
                 *early_stopping_callbacks(cfg, eval_ds, smoke),
                 callback,
             ],
-            report_to=_report_to(cfg, run_dir, smoke),
+            report_to=trackers.route(cfg, run_dir, smoke),
         )
         if checkpoint and new_hyperparameters:
             keep_new_hyperparameters(trainer)
@@ -620,6 +608,16 @@ def _train(
                 trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
             except RewardError as exc:  # a GRPO reward function failed: its name, the row and the error
                 raise TrainError(str(exc)) from None
+            except OSError:
+                # a writer into the folder (TensorBoard's, on its own thread) met it deleted, or half deleted (rmtree
+                # still running: the folder keeps its identity), before the callback's next look: the folder's fate
+                # is the reason, not the writer's FileNotFoundError. A moment lets a deletion under way finish.
+                deadline = time.monotonic() + 2
+                while not callback._check_folder(None) and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                if callback.gone:
+                    raise rundir.RunGone(callback.gone) from None
+                raise
             seconds = (time.perf_counter() - t0, time.process_time() - cpu0)
     finally:
         if sampler is not None:

@@ -20,6 +20,7 @@ import re
 from functools import lru_cache
 from pathlib import Path
 
+from core.files import read_json_object
 from core.train.data import IGNORE_INDEX, DataError, _as_paths, _chat_segments
 
 # the processor outputs that run along the token sequence (padded with the rows); the rest are the images' own
@@ -50,10 +51,7 @@ def is_vlm(model_config) -> bool:
 
 def folder_is_vlm(path) -> bool:
     """config.json of the model folder `path` says VLM (False when there is none to read)."""
-    try:
-        return is_vlm(json.loads((Path(path) / "config.json").read_text(encoding="utf-8")))
-    except (OSError, ValueError):
-        return False
+    return is_vlm(read_json_object(Path(path) / "config.json") or {})  # bounded, never a FIFO
 
 
 def load_processor(path, trust_remote_code: bool = False, max_pixels: int | None = None):
