@@ -8,6 +8,7 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
+from core import procs
 from core.estimate.plan import GiB
 from core.estimate.ram import RUNTIME_BYTES, process_bytes
 from core.fmt import duration, first_sentence, mem
@@ -212,16 +213,20 @@ def logs(snap) -> None:
         st.code(snap.stdout_tail or "(empty)", language=None)
 
 
-def show(run_dir: str, live: bool) -> None:
-    """The run's panels; drawn inside a fragment that the browser re-runs while the run is live."""
+def show(run_dir: str, live: bool, drawn: str) -> None:
+    """The run's panels; drawn inside a fragment that the browser re-runs while the run is live. `drawn`: the
+    run's state as the page around the fragment drew it."""
 
     @st.fragment(run_every=REFRESH_S if live else None)
     def panel():
         watcher = _watcher(run_dir)
         watcher.set_smoothing(st.session_state.get("mon_smoothing", DEFAULT_SMOOTHING_STEPS))
         snap = watcher.refresh()
-        if live and snap.state in ENDED:
-            st.rerun()  # the run just ended: redraw the whole page once, static, with Stop disabled
+        if live and snap.state in ENDED and (drawn not in ENDED or not procs.alive(run_dir)):
+            # the run just ended: redraw the whole page, its selector's label included (a selectbox keeps the label
+            # it drew under the same key, so a new key once per end), static once the process is gone
+            st.session_state["mon_ended"] = st.session_state.get("mon_ended", 0) + 1
+            st.rerun()
         header(snap)
         run_download(run_dir, snap.state)  # a run fetching its Hub model or data before it trains
         failure(snap)
@@ -280,14 +285,16 @@ if not runs:
     st.stop()
 
 paths = [str(r.path) for r in runs]
-follow_choice(paths, "monitor_run", "mon_run", "mon_for")  # a run chosen on another page
+ended = st.session_state.get("mon_ended", 0)
+selector = "mon_run" if not ended else f"mon_run_{ended}"
+follow_choice(paths, "monitor_run", selector, "mon_for")  # a run chosen on another page
 by_path = {str(r.path): r for r in runs}
 run_methods = {p: run_method(p) for p in paths}
 c1, c2 = st.columns([4, 1], vertical_alignment="bottom")
 run_dir = c1.selectbox(
     "Run",
     paths,
-    key="mon_run",
+    key=selector,
     # Outside the live fragment this label is not redrawn each tick: a live run says "live", not a stale state.
     format_func=lambda p: (
         f"{by_path[p].name}{' · ' + run_methods[p].upper() if run_methods[p] else ''} · "
@@ -297,7 +304,8 @@ run_dir = c1.selectbox(
 st.session_state["monitor_run"] = run_dir
 st.session_state["mon_for"] = run_dir
 info = by_path[run_dir]
-live = info.state in LIVE_STATES
+# an ended run whose process is still exiting stays live until it is gone: Stop, the label, the panels follow it
+live = info.state in LIVE_STATES or (info.alive and info.state in ENDED)
 checkpoint = None if live else latest_checkpoint(run_dir)
 if info.state in ("stopped", "failed") and checkpoint is not None:
     if c2.button(
@@ -346,4 +354,4 @@ st.columns([1, 3])[0].number_input(
     key="mon_smoothing",
     help="The smoothed curve is a debiased moving average over this many training steps.",
 )
-show(run_dir, live)
+show(run_dir, live, info.state)

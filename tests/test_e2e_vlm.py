@@ -4,6 +4,7 @@ builders) go into the form; the dataset preview shows the rows' images as thumbn
 the loss and sees the run finish, and the run folder holds the LoRA adapter. Screenshots: e2e-screenshots/vlm-*."""
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -76,6 +77,22 @@ def test_a_vlm_trains_from_the_train_page_with_its_images_previewed(tmp_path):
         assert points == 3  # logged every step
         wait_idle(page)
         assert not exceptions_on(page)
+        # once the trainer has exited, the page around the panels says so too: the picker, Stop (issue #40)
+        picker = page.locator('[data-testid="stSelectbox"]').first
+
+        def picker_says() -> str:  # the chosen run's label: drawn as text or held in the search input
+            inputs = picker.locator("input")
+            return picker.inner_text() + " " + " ".join(i.input_value() for i in inputs.all())
+
+        deadline = time.time() + 60
+        while "· finished" not in picker_says() and time.time() < deadline:
+            time.sleep(0.5)
+        assert "· finished" in picker_says() and "· live" not in picker_says(), picker_says()
+        stop = page.get_by_role("button", name="Stop")
+        deadline = time.time() + 30  # the page follows the trainer until it has exited, then Stop is off
+        while not stop.is_disabled() and time.time() < deadline:
+            time.sleep(0.5)
+        assert stop.is_disabled()
         page.screenshot(path=str(SHOTS / "vlm-02-monitor.png"))
 
         run_dir = next((ws / "runs").iterdir())
