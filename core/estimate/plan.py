@@ -204,6 +204,7 @@ TEXT_ONLY = {
     "max_pixels": 0,
     "images_per_row": 1,
     "vision_frozen": True,
+    "pan_and_scan": False,
 }
 
 
