@@ -112,6 +112,8 @@ DEFAULTS: dict[str, Any] = {
         "save_steps": 200,
         "save_total_limit": 2,
         "seed": 42,
+        # the run's own tracker, in its folder (core.train.trackers): what the engine used when a config named none
+        "report_to": "tensorboard",
     },
     # One GPU unless said otherwise; several GPUs (and machines) go through accelerate (core.train.distributed).
     "distributed": {
