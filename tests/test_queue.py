@@ -170,8 +170,10 @@ def test_a_queue_runs_one_after_another_goes_on_after_a_failure_and_survives_a_k
     """Three configs (the second fails on purpose: its data is gone by the time it runs) and a sweep point that does
     not fit: one run at a time on the CPU, the failure recorded and the queue going on, a kill -9 of the supervisor
     mid-queue resumed by `queue resume` with every entry started exactly once."""
-    # long enough (~1.5 min) to be still running after the two adds below (each CLI call pays a cold start)
+    # long enough to be still running when the supervisor is killed right after it started it
     good = _yaml(workspace / "a.yaml", run_config(workspace, tiny_llama, max_steps=120, save_steps=60))
+    with Q.editing(workspace) as q:  # held while the three are added (each CLI call pays a cold start)
+        q.paused = "paused by the test while it fills the queue"
     doomed_data = workspace / "doomed.jsonl"
     doomed_data.write_text((workspace / "data.jsonl").read_text())
     doomed = run_config(workspace, tiny_llama, max_steps=6)
@@ -190,6 +192,9 @@ def test_a_queue_runs_one_after_another_goes_on_after_a_failure_and_survives_a_k
     assert "c-1 (per_device_train_batch_size=4): queued, fits" in out.stdout
     assert "c-2 (per_device_train_batch_size=65536): not queued, does not fit" in out.stdout
     doomed_data.unlink()  # b fails when its turn comes
+    assert _entries(workspace)["a"].state == "queued"
+    out = _cli(workspace, "resume")
+    assert out.returncode == 0 and "supervisor: pid" in out.stdout, out.stdout + out.stderr
     assert wait_until(lambda: _entries(workspace)["a"].state == "running", 120)
     os.kill(_supervisor_pid(workspace), signal.SIGKILL)
     run_a = workspace / "runs" / "a"
@@ -256,7 +261,8 @@ def test_a_full_disk_stops_the_queue_with_a_sentence(tmp_path, tiny_llama):
     try:
         ws = mnt / "ws"
         ws.mkdir()
-        full = run_config(ws, tiny_llama, max_steps=8, save_steps=3)
+        # long enough to be still saving checkpoints once the filler below has taken the disk
+        full = run_config(ws, tiny_llama, max_steps=400, save_steps=3)
         full["lora"] = {"enabled": False}  # a full fine-tune: MiBs per checkpoint
         for name in ("full", "after"):
             assert _cli(ws, "add", str(_yaml(ws / f"{name}.yaml", full)), "--name", name).returncode == 0
