@@ -251,8 +251,9 @@ def test_a_trainer_whose_folder_is_deleted_stops_and_recreates_nothing(workspace
             proc.kill()
     assert proc.returncode == 1
     lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
-    assert len(lines) == 1 and "was deleted while the run trained" in lines[0] and "Traceback" not in err, (
-        err[-3000:]
-    )
+    # rmtree is not atomic: a checkpoint being written as it runs can leave the path briefly re-made, and the
+    # trainer then reads a folder that is not its own ("replaced"): either way one sentence, the run stopped
+    said = ("was deleted while the run trained", "was replaced by another folder while the run trained")
+    assert len(lines) == 1 and any(s in lines[0] for s in said) and "Traceback" not in err, err[-3000:]
     time.sleep(1)
     assert not run_dir.exists()  # no status.json, no checkpoints re-created
