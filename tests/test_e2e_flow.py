@@ -144,7 +144,15 @@ def test_new_user_flow_from_plan_to_verified_export(tmp_path):
         run_dir = next((ws / "runs").iterdir())
         expected = demo_config(out=ws / "demo")
         expected["training"].update(max_steps=1000, logging_steps=10)
-        assert load_config(run_dir / "config.yaml") == expected
+        got = load_config(run_dir / "config.yaml")
+        differ = {
+            f"{section}.{k}": (got[section].get(k), expected[section].get(k))
+            for section in expected
+            if isinstance(expected[section], dict)
+            for k in set(got.get(section) or {}) | set(expected[section])
+            if (got.get(section) or {}).get(k) != expected[section].get(k)
+        }
+        assert got == expected, differ
 
         # Reload mid-run: a new session reattaches to the same live run from its directory.
         run_name = run_dir.name

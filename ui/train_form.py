@@ -414,8 +414,8 @@ def demo_waiting(workspace: str, raw: dict) -> set[str]:
 
 
 def _propose_eval_batch() -> None:
-    """Unless the user (or the config) set one, the eval batch is the largest that fits the card for the config
-    as the form says it now: never TrainingArguments' 8 where 8 runs out of memory at the first evaluation."""
+    """Unless the user set one, an eval batch that would not fit becomes the largest that fits the card for the
+    config as the form says it now: never TrainingArguments' 8 where 8 runs out of memory at the first evaluation."""
     if not st.session_state.get(EVAL_AUTO, True):
         return
     try:
@@ -423,7 +423,9 @@ def _propose_eval_batch() -> None:
     except ConfigError:
         return  # the form's checks say what is wrong; the field keeps its value
     fits = train_panels.eval_batch_that_fits(cfg)
-    if fits:
+    # only where the batch it would evaluate with (TrainingArguments' 8 when none is set) does not fit: a config
+    # that fits is left as the user wrote it (viewing the page never changes a run)
+    if fits and (st.session_state.get(P + "eval_batch") or 8) > fits:
         st.session_state[P + "eval_batch"] = fits
 
 
