@@ -23,7 +23,7 @@ def tiny_vlm_config(family: str, text: dict | None = None, vision: dict | None =
     from transformers import AutoConfig
 
     t = {**TEXT, **(text or {})}
-    if family == "qwen2_5_vl":
+    if family in ("qwen2_5_vl", "qwen3_vl"):
         head = t["hidden_size"] // t["num_attention_heads"]
         t.setdefault(
             "rope_parameters",
@@ -33,42 +33,13 @@ def tiny_vlm_config(family: str, text: dict | None = None, vision: dict | None =
             },
         )
         v = dict(
-            depth=2,
-            hidden_size=64,
-            intermediate_size=128,
-            num_heads=2,
-            out_hidden_size=t["hidden_size"],
-            fullatt_block_indexes=[1],
-            window_size=112,
+            depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=t["hidden_size"]
         )
-        return AutoConfig.for_model(
-            family,
-            text_config=t,
-            vision_config={**v, **(vision or {})},
-            image_token_id=151,
-            video_token_id=152,
-            vision_start_token_id=153,
-            vision_end_token_id=154,
-        )
-    if family == "qwen3_vl":
-        head = t["hidden_size"] // t["num_attention_heads"]
-        t.setdefault(
-            "rope_parameters",
-            {
-                "rope_type": "default",
-                "mrope_section": [head // 8, head // 8 * 3 // 2, head // 8 * 3 // 2][:3],
-            },
-        )
-        t.setdefault("head_dim", head)
-        v = dict(
-            depth=2,
-            hidden_size=64,
-            intermediate_size=128,
-            num_heads=2,
-            out_hidden_size=t["hidden_size"],
-            deepstack_visual_indexes=[0],
-            num_position_embeddings=256,
-        )
+        if family == "qwen2_5_vl":  # windowed attention with one full block
+            v.update(fullatt_block_indexes=[1], window_size=112)
+        else:  # Qwen3-VL: deepstack features and learnt position embeddings; its text layers name head_dim
+            t.setdefault("head_dim", head)
+            v.update(deepstack_visual_indexes=[0], num_position_embeddings=256)
         return AutoConfig.for_model(
             family,
             text_config=t,
