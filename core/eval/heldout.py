@@ -164,9 +164,9 @@ def file_rows(
     return _rows_from(ds, range(len(ds)), fmt, run_fmt, tokenizer)
 
 
-def method_rows(cfg: dict, method, tokenizer, data: str | None = None) -> list[dict]:
-    """The held-out rows of a method with its own data (preference pairs, rated answers, prompts): its own eval
-    split, or every row of a data file, as its trainer takes them."""
+def heldout_config(cfg: dict, data: str | None = None) -> dict:
+    """The run's config reading the rows to evaluate: its own held-out split, or every row of `data` (EvalError
+    when the run held none out and no file is given)."""
     c = copy.deepcopy(cfg)
     if data:
         c["data"].update(path=data, eval_split=0.0, format="auto", columns={})
@@ -174,6 +174,13 @@ def method_rows(cfg: dict, method, tokenizer, data: str | None = None) -> list[d
         raise EvalError(
             "The run holds out no rows (data.eval_split is 0): give a data file to evaluate on (--data FILE)."
         )
+    return c
+
+
+def method_rows(cfg: dict, method, tokenizer, data: str | None = None) -> list[dict]:
+    """The held-out rows of a method with its own data (preference pairs, rated answers, prompts): its own eval
+    split, or every row of a data file, as its trainer takes them."""
+    c = heldout_config(cfg, data)
     try:
         train, held = method.datasets(c, tokenizer)
     except DataError as exc:

@@ -9,12 +9,11 @@ images, and an evaluation set is small.
 
 from __future__ import annotations
 
-import copy
 import json
 
 from core.eval import scores
 from core.eval.generate import model_device, sides
-from core.eval.heldout import EvalError
+from core.eval.heldout import EvalError, heldout_config
 from core.files import quiet_datasets
 from core.train import vision
 from core.train.data import IGNORE_INDEX, DataError, load_rows
@@ -22,13 +21,7 @@ from core.train.data import IGNORE_INDEX, DataError, load_rows
 
 def rows(cfg: dict, data: str | None = None) -> list[dict]:
     """[{"row", "messages", "images"}]: the run's held-out rows, or every row of `data`."""
-    c = copy.deepcopy(cfg)
-    if data:
-        c["data"].update(path=data, eval_split=0.0, format="auto", columns={})
-    elif not c["data"].get("eval_split"):
-        raise EvalError(
-            "The run holds out no rows (data.eval_split is 0): give a data file to evaluate on (--data FILE)."
-        )
+    c = heldout_config(cfg, data)
     try:
         ds = load_rows(c["data"])
         fmt = vision.ImageChat(c["data"])
