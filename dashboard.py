@@ -4,7 +4,7 @@ from pathlib import Path
 
 import streamlit as st
 
-from core.monitor import gpu
+from core import gpu
 from core.runs.queue import QueueError
 from core.runs.supervisor import ensure_running
 from core.workspace import WorkspaceError, default_workspace

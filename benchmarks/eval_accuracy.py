@@ -34,7 +34,7 @@ GENERATION_MOMENTS = ("prefill", "generate", "logprob forward", "vllm")
 # name -> (method, lora, dtype, training keys)
 SHAPES = {
     "SFT LoRA fp32, 8 sample answers": ("sft", True, "float32", {"max_length": 96, "eval_samples": 8}),
-    # 32 prompts answered at once (core.eval.generate's batch): their KV cache and prefill outgrow the step
+    # 32 prompts answered at once (core.generate's batch): their KV cache and prefill outgrow the step
     "SFT LoRA fp32, 32 sample answers (the peak)": (
         "sft",
         True,

@@ -39,7 +39,7 @@ def demo_run(root: Path) -> tuple[Path, Path]:
 
 def heldout_file(run_dir: Path, rows: int) -> Path:
     """The demo's held-out words as a question/answer file of `rows` rows (cycled when more are asked)."""
-    from core.train.config import load_config
+    from core.recipe.config import load_config
 
     demo = Path(load_config(run_dir / "config.yaml")["model"]["path"]).parent
     lines = [json.loads(x) for x in (demo / "heldout.jsonl").read_text().splitlines() if x.strip()]
@@ -63,7 +63,7 @@ def run_plain(run_dir: Path, data: Path, new_tokens: int) -> tuple[float, float,
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from core.train.config import load_config
+    from core.recipe.config import load_config
 
     w0, c0 = time.perf_counter(), time.process_time()
     base = load_config(run_dir / "config.yaml")["model"]["path"]

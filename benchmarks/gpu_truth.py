@@ -54,7 +54,7 @@ def device_info(cuda: bool) -> dict:
 
     if not cuda:
         return {"device": "cpu"}
-    from core.monitor import gpu
+    from core import gpu
 
     gpus, why = gpu.detect_gpus()
     return {
@@ -222,9 +222,9 @@ def part_planner(dry: bool, cuda: bool, cache: Path) -> dict:
 
 
 def part_product(dry: bool, cuda: bool, work: Path) -> dict:
+    from core import rundir
     from core.demo.build import build_demo, demo_config
     from core.monitor.watch import RunWatcher
-    from core.runs import rundir
     from core.runs.admin import start_smoke_test
     from core.runs.launcher import create_run, launch, wait_for, wait_for_smoke
 
@@ -267,9 +267,9 @@ def part_product(dry: bool, cuda: bool, work: Path) -> dict:
 def part_failures(cuda: bool, work: Path, product: dict) -> dict:
     if not cuda:
         return {"skipped": "needs CUDA: a forced OOM and allocator settings have no CPU equivalent"}
+    from core import rundir
     from core.monitor.diagnose import diagnose_run
-    from core.runs import rundir
-    from core.train.config import dump_config, load_config
+    from core.recipe.config import dump_config, load_config
 
     run = work / "oom-run"
     run.mkdir()
@@ -326,8 +326,8 @@ def part_multi_gpu(cuda: bool, work: Path, out_dir: Path) -> dict:
     if visible < 2:
         return {"skipped": f"{visible} CUDA GPU(s) visible: the multi-GPU paths need 2 (tests/test_multi_process.py "
                 "runs the launcher on 2 CPU processes)"}  # fmt: skip
+    from core import rundir
     from core.demo.build import demo_config
-    from core.runs import rundir
     from core.runs.launcher import create_run, launch, wait_for
     from core.train import ranks
 

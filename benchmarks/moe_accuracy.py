@@ -55,7 +55,7 @@ def data_file(root: Path) -> Path:
 
 
 def run_config(model: Path, data: Path, checkpointing: bool) -> dict:
-    from core.train.config import validate_config
+    from core.recipe.config import validate_config
 
     return validate_config(
         {

@@ -172,8 +172,8 @@ def run_plain(cfg: dict, i: int, root: Path) -> tuple[tuple[float, float], dict]
     import transformers
     from transformers import AutoTokenizer
 
-    from core.train.config import validate_config
-    from core.train.data import prepare_datasets
+    from core.recipe.config import validate_config
+    from core.recipe.data import prepare_datasets
     from core.train.trainer import choose_precision, load_model, make_trainer
 
     cfg = validate_config(cfg)

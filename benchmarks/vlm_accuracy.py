@@ -8,7 +8,7 @@ image-text-to-text class, bf16 weights, sdpa; peft LoRA r 4 on the language mode
 and projector frozen, or on every Linear with them trained; gradient checkpointing with SFTTrainer's input
 gradients; TRL's fused LM head; Trainer's AdamW), fed what the family's real image processor makes of random
 images (448 px for Qwen2.5-VL: 1,024 patches, 256 tokens; 512 px for Qwen3-VL: 1,024 patches of 16 px; 512 px for
-SmolVLM: 17 tiles; 224 px for LLaVA), one image per row, 320-token rows, one step under core.measure.tracker (the
+SmolVLM: 17 tiles; 224 px for LLaVA), one image per row, 320-token rows, one step under core.tracker (the
 steady peak: the optimizer state alive).
 Planned: core.estimate for the same plan, on the CPU. The vision towers are 256 wide and 4 blocks deep on a 64-wide
 language model, so that the image terms (pixels, the vision tower's activations) are a large share of the step.

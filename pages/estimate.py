@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import streamlit as st
 
+from core import gpu
 from core.estimate import cards
 from core.estimate.bill import OUTSIDE_TORCH, estimate, estimate_for_lengths
 from core.estimate.fit import fit_search, memory_curve
@@ -27,10 +28,9 @@ from core.estimate.specs import SpecError, load_spec, preset_ids
 from core.estimate.vlm import vlm_of
 from core.estimate.vlm_terms import vlm_lines
 from core.fmt import gib, nbytes
-from core.monitor import gpu
-from core.train import methods
-from core.train.config import ConfigError, config_to_yaml, default_config
-from core.train.vision import IMAGE_KEYS
+from core.recipe import methods
+from core.recipe.config import ConfigError, config_to_yaml, default_config
+from core.recipe.vision import IMAGE_KEYS
 from ui import fields
 from ui.estimate_charts import bill_chart, curve_chart
 from ui.routing import leave_legacy_mode

@@ -9,8 +9,8 @@ import streamlit as st
 from core import jobs
 from core.eval.results import SCORED, list_results, read_result
 from core.monitor.watch import run_method
+from core.recipe import methods
 from core.runs.launcher import list_runs
-from core.train import methods
 from core.workspace import default_workspace
 from ui.eval_panels import progress, show_result
 from ui.jobs import follow

@@ -87,8 +87,8 @@ def base_input(adapter_dir: str, suggested: str) -> str | None:
 @st.cache_data(ttl=60, show_spinner=False)
 def _trained_prompts(adapter_dir: str) -> list[str]:
     """Prompts from the data the adapter was trained on (its run's config.yaml), when it came from a run."""
-    from core.train import methods
-    from core.train.config import ConfigError, load_config
+    from core.recipe import methods
+    from core.recipe.config import ConfigError, load_config
 
     try:
         cfg = load_config(Path(adapter_dir).parent / "config.yaml")

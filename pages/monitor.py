@@ -8,17 +8,16 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
-from core import procs
+from core import gpu, procs
 from core.estimate.plan import GiB
 from core.estimate.ram import RUNTIME_BYTES, process_bytes
 from core.fmt import duration, first_sentence, mem
-from core.monitor import gpu
 from core.monitor.series import DEFAULT_SMOOTHING_STEPS
 from core.monitor.summary import summarize_run
 from core.monitor.watch import RunWatcher, run_method
+from core.recipe import methods, trackers
+from core.rundir import LIVE_STATES, latest_checkpoint, read_status
 from core.runs.launcher import RunError, launch, list_runs, stop_run
-from core.runs.rundir import LIVE_STATES, latest_checkpoint, read_status
-from core.train import methods, trackers
 from core.workspace import default_workspace
 from ui.charts import draw_lines
 from ui.eval_panels import completions_panel, samples_panel
@@ -60,7 +59,7 @@ CHARTS_PER_ROW = 3
 
 
 def method_charts(snap) -> None:
-    """The run's method's own figures under the loss (core.train.methods): a DPO run's rewards, preference
+    """The run's method's own figures under the loss (core.recipe.methods): a DPO run's rewards, preference
     accuracy against a coin flip and log-probs; a GRPO run's reward, each reward function's, completion lengths
     and learning signal (KL, entropy and clipped ratios once logged: KL only with beta > 0), three to a row."""
     try:

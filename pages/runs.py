@@ -13,9 +13,9 @@ from core.eval.results import compare_rows, headline
 from core.fmt import duration
 from core.monitor.series import DEFAULT_SMOOTHING_STEPS
 from core.monitor.summary import COMPARABLE, comparable_metrics, compare_frame, summarize_runs
+from core.recipe import methods
 from core.runs.admin import delete_run
 from core.runs.launcher import RunError
-from core.train import methods
 from core.train.sources import labels as hub_labels
 from core.workspace import default_workspace, runs_dir
 from ui import charts
@@ -31,7 +31,7 @@ def _num(value, fmt: str, missing: str = "–") -> str:
 
 
 def _figure(s, label: str) -> str:
-    """One of the run's headline figures (core.train.methods: a DPO run's reward accuracy, a GRPO run's reward)
+    """One of the run's headline figures (core.recipe.methods: a DPO run's reward accuracy, a GRPO run's reward)
     with where it comes from; blank for a run without it (an SFT run: nothing to show, not missing)."""
     found = next((f for f in s.headline if f["label"] == label), None)
     if s.reward_source is None or found is None:

@@ -5,7 +5,7 @@ import streamlit as st
 
 from core import jobs
 from core.demo.build import demo_dir, demo_ready
-from core.train.config import ConfigError, validate_config
+from core.recipe.config import ConfigError, validate_config
 from core.workspace import WorkspaceError, default_workspace
 from ui.jobs import follow
 from ui.queue_panels import queue_buttons

@@ -14,8 +14,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 def train(cfg: dict, run_dir: Path, timeout: float = 600) -> subprocess.CompletedProcess:
     """Write `cfg` as run_dir/config.yaml and train it: `python -m core.train CONFIG --run-dir RUN_DIR`."""
-    from core.runs import rundir
-    from core.train.config import dump_config
+    from core import rundir
+    from core.recipe.config import dump_config
 
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg_path = dump_config(cfg, run_dir / rundir.CONFIG)

@@ -1,6 +1,6 @@
 """A stand-in for the GPU driver (NVML) where no GPU exists: the only thing the tests mock."""
 
-from core.monitor.gpu import GpuInfo
+from core.gpu import GpuInfo
 
 GiB = 2**30
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from core.train.config import section_schema
-from core.train.config_keys import ALIASES, RENAMED, SECTIONS
+from core.recipe.config import section_schema
+from core.recipe.config_keys import ALIASES, RENAMED, SECTIONS
 
 ROOT = Path(__file__).resolve().parents[1]
 ADVICE_SOURCES = ["core/monitor/diagnose.py", "core/monitor/health.py"]

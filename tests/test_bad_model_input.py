@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from core.train.config import validate_config
+from core.recipe.config import validate_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -116,7 +116,7 @@ def test_weights_that_contradict_config_json_are_one_sentence_before_loading(tin
     import subprocess
     import sys
 
-    from core.train.findings import check_model_folder
+    from core.recipe.findings import check_model_folder
     from tests.cli import REPO
 
     assert check_model_folder(str(tiny_llama)) is None

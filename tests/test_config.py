@@ -4,7 +4,7 @@ import pytest
 import yaml
 
 from core.estimate.from_config import plan_to_config
-from core.train.config import ConfigError, default_config, dump_config, load_config, validate_config
+from core.recipe.config import ConfigError, default_config, dump_config, load_config, validate_config
 
 
 def minimal(**sections):
@@ -234,7 +234,7 @@ def test_a_number_too_long_for_python_is_one_sentence(tmp_path):
 
 
 def test_the_libraries_check_the_combination(tmp_path):
-    from core.train.config import check_with_libraries
+    from core.recipe.config import check_with_libraries
 
     check_with_libraries(validate_config(minimal(training={"packing": True, "packing_strategy": "bfd"})))
     with pytest.raises(ConfigError, match="^training: "):
@@ -256,8 +256,8 @@ def test_schema_is_read_from_the_installed_libraries():
 
     from trl import SFTConfig
 
-    from core.train.config import section_schema
-    from core.train.config_keys import OWN_TRAINING, OWNED
+    from core.recipe.config import section_schema
+    from core.recipe.config_keys import OWN_TRAINING, OWNED
 
     sft_fields = {f.name for f in dataclasses.fields(SFTConfig) if f.init}
     # the library's fields less the engine's, plus the cockpit's own (training.eval_samples)
@@ -266,7 +266,7 @@ def test_schema_is_read_from_the_installed_libraries():
 
 def test_an_old_and_a_new_spelling_of_one_key_are_refused_not_dropped():
     """Issue #21 item 19: max_length and max_seq_length together kept one silently."""
-    from core.train.config import ConfigError, validate_config
+    from core.recipe.config import ConfigError, validate_config
 
     base = {"model": {"path": "m"}, "data": {"path": "d.jsonl"}}
     with pytest.raises(

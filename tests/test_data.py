@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from core.demo.toy import build_tokenizer
-from core.train.data import (
+from core.recipe.data import (
     IGNORE_INDEX,
     Collator,
     DataError,
@@ -134,7 +134,7 @@ def test_a_data_path_that_is_no_file_of_rows_is_one_sentence_not_a_hang(tmp_path
     else:
         path.write_text("" if kind == "empty" else "\n\n  \n")  # blank lines: datasets said "no data!"
     code = (
-        "import sys\nfrom core.train.data import DataError, load_rows\n"
+        "import sys\nfrom core.recipe.data import DataError, load_rows\n"
         f"try:\n    load_rows({{'path': {str(path)!r}}})\nexcept DataError as e:\n    print(e)\n    sys.exit(2)"
     )
     root = Path(__file__).resolve().parent.parent
@@ -178,7 +178,7 @@ def test_collator_pads_and_counts_tokens():
 
 def test_a_data_file_that_is_not_utf8_names_its_file_and_line(tmp_path):
     """Issue #21 item 13: a Latin-1 file loaded 'fine' and failed later with a bare UnicodeDecodeError."""
-    from core.train.data import DataError, check_utf8, load_rows
+    from core.recipe.data import DataError, check_utf8, load_rows
 
     jsonl = tmp_path / "latin1.jsonl"
     jsonl.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')

@@ -5,8 +5,8 @@ import hashlib
 import pytest
 
 from core.demo.build import build_demo, demo_config, heldout_accuracy, read_manifest, task_rows
+from core.rundir import read_metrics
 from core.runs.launcher import create_run, launch, wait_for
-from core.runs.rundir import read_metrics
 
 
 def digest(path) -> str:
@@ -23,7 +23,7 @@ def test_task_rows_hold_out_unseen_words():
 def test_fast_pretraining_encoding_matches_the_chat_format():
     from core.demo.build import encode_chat_pairs
     from core.demo.toy import build_tokenizer
-    from core.train.data import tokenize_row
+    from core.recipe.data import tokenize_row
 
     tok = build_tokenizer()
     row = task_rows()[0][0]

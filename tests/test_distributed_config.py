@@ -16,14 +16,14 @@ from accelerate.commands.launch import _validate_launch_command, launch_command_
 from accelerate.utils import DistributedType
 from accelerate.utils.launch import prepare_multi_gpu_env
 
+from core import gpu
 from core.estimate import from_config
 from core.estimate.plan import PlanError
-from core.monitor import gpu
 from core.precision import Device, resolve
-from core.train import distributed
+from core.recipe import distributed
+from core.recipe.config import ConfigError, dump_config, validate_config
+from core.recipe.engine_args import bnb_config
 from core.train.cli import dry_run
-from core.train.config import ConfigError, dump_config, validate_config
-from core.train.engine_args import bnb_config
 
 
 def minimal(**sections):

@@ -17,7 +17,7 @@ from core.estimate.from_config import plan_for_config, plan_to_config
 from core.estimate.levers import what_would_fit
 from core.estimate.plan import Plan, PlanError
 from core.estimate.shard_terms import DIVIDED, NCCL_CONTEXT_BYTES
-from core.train.config import validate_config
+from core.recipe.config import validate_config
 from tests.fake_gpu import BusyNvml
 
 QLORA_7B = Plan(model="meta-llama/Llama-2-7b-hf", method="qlora", batch_size=2, seq_len=1024)
@@ -192,7 +192,7 @@ def test_published_benchmark_plans_every_point_and_says_why_it_misses(tmp_path, 
 def test_cli_names_a_gpu_of_this_machine_another_process_fills_mocked_gpu_driver(
     tmp_path, capsys, monkeypatch
 ):
-    from core.monitor import gpu
+    from core import gpu
 
     monkeypatch.setattr(gpu, "NvmlSource", BusyNvml)
     cards = tuple(BusyNvml().devices())

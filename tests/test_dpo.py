@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from core import rundir
 from core.demo.prefs import write_pref_data
 from core.demo.toy import tiny_config
 from core.estimate.bill import estimate
@@ -16,8 +17,7 @@ from core.estimate.from_config import plan_for_config, plan_to_config
 from core.estimate.plan import Plan
 from core.measure.plan import step_plan
 from core.measure.step import measure_plan
-from core.runs import rundir
-from core.train.config import ConfigError, validate_config
+from core.recipe.config import ConfigError, validate_config
 from tests.cli import train
 
 REPO = Path(__file__).resolve().parent.parent
@@ -51,7 +51,7 @@ def _cfg(model, data, **training):
 def test_dpo_training_section_is_trls_dpoconfig(tmp_path):
     cfg = _cfg("m", "d.jsonl", beta=0.2, loss_type=["sigmoid"], precompute_ref_log_probs=True)
     assert cfg["method"] == "dpo" and cfg["training"]["beta"] == 0.2
-    from core.train.engine_args import training_args
+    from core.recipe.engine_args import training_args
 
     args = training_args(cfg)
     assert type(args).__name__ == "DPOConfig" and args.beta == 0.2 and args.precompute_ref_log_probs

@@ -139,7 +139,7 @@ def test_new_user_flow_from_plan_to_verified_export(tmp_path):
         # Viewing the Estimate page first did not change the demo run (issue #16): the run trains the demo
         # config with the two edits made in the form, nothing from the plan (no "Use this plan" click).
         from core.demo.build import demo_config
-        from core.train.config import load_config
+        from core.recipe.config import load_config
 
         run_dir = next((ws / "runs").iterdir())
         expected = demo_config(out=ws / "demo")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from core.runs import rundir
+from core import rundir
 from tests.browser import CHROMIUM, CHROMIUM_ARGS, REPO, exceptions_on, streamlit_server, wait_idle
 from tests.test_e2e_flow import nav, wait_text
 

@@ -13,8 +13,8 @@ import yaml
 from safetensors.torch import load_file
 from test_runs import run_config
 
-from core.runs import rundir
-from core.train.config import ConfigError, validate_config
+from core import rundir
+from core.recipe.config import ConfigError, validate_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,7 +26,7 @@ def test_early_stopping_needs_evaluations_to_judge_by(tiny_llama, tmp_path):
     ):
         validate_config(cfg)
     cfg["data"]["eval_split"] = 0.1
-    from core.train.engine_args import training_args
+    from core.recipe.engine_args import training_args
 
     args = training_args(
         validate_config({**cfg, "training": {**cfg["training"], "eval_steps": 5}}), has_eval=True

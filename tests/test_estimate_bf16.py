@@ -5,7 +5,7 @@ the last decoder layer (forward) or in the final RMSNorm's backward, not at the 
 
 Both sides are independent: the plan comes from the run config the way the Train page makes it
 (core.estimate.from_config.plan_for_config, device "cpu"); the measurement is a steady-state step of the model built as
-core.train builds it, counted by core.measure.tracker's live-tensor tracker (core.measure.step.measure_plan).
+core.train builds it, counted by core.tracker's live-tensor tracker (core.measure.step.measure_plan).
 """
 
 import pytest
@@ -13,7 +13,7 @@ import pytest
 from core.estimate.bill import estimate
 from core.estimate.from_config import plan_for_config
 from core.measure.step import measure_plan
-from core.train.config import validate_config
+from core.recipe.config import validate_config
 
 TOLERANCE = 0.015
 

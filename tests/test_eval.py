@@ -143,8 +143,8 @@ def test_default_is_the_runs_own_eval_split_and_a_second_ask_is_read_back(demo_r
     from transformers import AutoTokenizer
 
     from core.eval.run import evaluate
-    from core.train.config import load_config
-    from core.train.data import prepare_datasets
+    from core.recipe.config import load_config
+    from core.recipe.data import prepare_datasets
 
     _, run_dir = demo_run
     first = evaluate(run_dir)
@@ -164,7 +164,7 @@ def test_default_is_the_runs_own_eval_split_and_a_second_ask_is_read_back(demo_r
 
 @slow
 def test_samples_while_training_show_the_answer_and_the_one_before(demo_run):
-    from core.runs.rundir import latest_samples
+    from core.rundir import latest_samples
 
     _, run_dir = demo_run
     recs = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
@@ -237,10 +237,9 @@ def test_bad_inputs_are_one_sentence(demo_run, tmp_path, tiny_llama):
 def test_a_run_still_training_is_evaluated_at_its_newest_checkpoint(demo_run, tmp_path):
     import shutil
 
-    from core import procs
+    from core import procs, rundir
     from core.eval.heldout import EvalError
     from core.eval.target import resolve
-    from core.runs import rundir
 
     _, run_dir = demo_run
     live = tmp_path / "live"

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from core import rundir
 from core.eval.rewards import score_answers
-from core.runs import rundir
-from core.train.rewards import length_score
+from core.recipe.rewards import length_score
 from tests.test_eval import eval_cli
 from tests.test_page_monitor_grpo import grpo_config, write_prompts
 

@@ -14,7 +14,7 @@ from core.estimate.fit import eval_batch_for_config, fit_search, largest_eval_ba
 from core.estimate.from_config import plan_for_config, plan_for_draft, plan_to_config
 from core.estimate.plan import FIT_LIMIT, GiB, Plan, PlanError
 from core.estimate.specs import load_spec
-from core.train.config import validate_config
+from core.recipe.config import validate_config
 
 LLAMA = "meta-llama/Llama-2-7b-hf"
 TOLERANCE = 0.05
@@ -68,7 +68,7 @@ def test_the_samples_callback_generates_its_prompts_at_each_evaluation_32_at_a_t
     spec = load_spec(LLAMA)
     four, many, most = (estimate(sft(eval_samples=n)) for n in (4, 32, 1000))
     assert set(four.evaluation["moments"]) == {"samples prefill", "samples generate"}
-    assert many.evaluation["moments"] == most.evaluation["moments"]  # core.eval.generate answers 32 at once
+    assert many.evaluation["moments"] == most.evaluation["moments"]  # core.generate answers 32 at once
     # the prefill holds the KV cache of every prompt (2048 tokens, the bound): 4 of them
     kv = spec.kv_cache_bytes_per_token_per_byte * 2
     assert four.evaluation["components"]["kv_cache"] == 4 * 2048 * kv
@@ -207,7 +207,7 @@ def test_the_clis_name_the_evaluation_when_an_eval_batch_makes_it_the_peak(tiny_
 def test_nested_marked_phases_are_sub_phases_of_the_outer_one():
     import torch
 
-    from core.measure.tracker import main_phase_peaks, track_live_tensors
+    from core.tracker import main_phase_peaks, track_live_tensors
 
     with track_live_tensors(device="cpu") as tracker, tracker.held_phase("eval"):
         a = torch.ones(1000)
@@ -251,7 +251,7 @@ def test_a_smoke_test_evaluates_one_batch_within_five_percent_of_the_plan(
     answers a sub-phase) against the plan.json the trainer wrote for that step."""
     import yaml
 
-    from core.runs import rundir
+    from core import rundir
     from core.train.smoke import smoke_line
     from core.train.trainer import run_training
 

@@ -4,8 +4,7 @@ import json
 
 import pytest
 
-from core import workspace
-from core.monitor import gpu
+from core import gpu, workspace
 
 
 class FakeNvmlNoGpu:

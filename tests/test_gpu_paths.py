@@ -17,8 +17,8 @@ import pynvml
 import pytest
 import torch
 
-from core.measure.tracker import _nvml_index_of_cuda, _uuid_key, track_live_tensors
-from core.monitor import gpu
+from core import gpu
+from core.tracker import _nvml_index_of_cuda, _uuid_key, track_live_tensors
 
 GiB = 2**30
 FAN_PID = 424242  # a pid that is not ours: "another program on the card"
@@ -231,7 +231,7 @@ def test_fp16_mixed_precision_gets_float32_trainable_weights(tiny_llama):
     """fp16 AMP (CUDA only): torch's GradScaler refuses float16 gradients. load_model must hand the Trainer
     float32 trainable weights for full fine-tuning and trainable LoRA biases, loaded in float16 (make_trainer
     applies _fp32_trainable to the model SFTTrainer hands back)."""
-    from core.train.config import default_config
+    from core.recipe.config import default_config
     from core.train.trainer import _fp32_trainable
     from core.train.trainer import load_model as load_base
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from core.train import rewards as R
-from core.train.config import ConfigError, check_with_libraries, validate_config
-from core.train.prompts import run_prompt_preflight
+from core.recipe import rewards as R
+from core.recipe.config import ConfigError, check_with_libraries, validate_config
+from core.recipe.prompts import run_prompt_preflight
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = ["hello", "world", "tiger", "mango", "piano", "robot", "lemon", "cloud", "river", "stone"]
@@ -67,7 +67,7 @@ def test_a_grpo_config_is_trls_grpoconfig_plus_the_prompt_bound(tiny_llama, tmp_
         {"type": "match", "column": "answer"}
     ]
     check_with_libraries(cfg)  # the real GRPOConfig takes every key (max_prompt_length is the engine's own)
-    from core.train.engine_args import training_args
+    from core.recipe.engine_args import training_args
 
     args = training_args(cfg)
     assert (args.beta, args.num_generations, args.temperature) == (0.04, 4, 0.9)
@@ -195,7 +195,7 @@ def test_a_reward_that_raises_names_itself_the_row_and_the_error(tmp_path):
     with pytest.raises(R.RewardError, match="user code is loaded in the trainer process only"):
         R.build([spec])
     rows = [{"prompt": f"Uppercase: {w}", "answer": w.upper()} for w in WORDS[:4]]
-    from core.train.prompts import row_finder
+    from core.recipe.prompts import row_finder
 
     (fn,) = R.build([spec], allow_code=True, where_of=row_finder(rows))
     assert fn.__name__ == "python" and fn(prompts=["x"], completions=["A"], answer=["HELLO"]) == [1.0]
@@ -214,7 +214,7 @@ def test_a_reward_that_raises_names_itself_the_row_and_the_error(tmp_path):
 
 
 def _findings(model, data, rewards, in_trainer=False, **training):
-    from core.train.findings import load_tokenizer_and_config
+    from core.recipe.findings import load_tokenizer_and_config
 
     cfg = validate_config(_grpo(model, data, rewards, **training))
     tokenizer, config = load_tokenizer_and_config(cfg["model"])

@@ -1,7 +1,7 @@
 """Health rules on real training curves of a tiny Llama (CPU) and on GPU samples from a fake NVML source.
 
 Loss curves come from real optimisation steps (a healthy lr, lr ~ 0, a divergent lr, one broken batch).
-GPU figures cannot be produced without a GPU: those tests feed core.monitor.gpu.take_samples a fake driver source
+GPU figures cannot be produced without a GPU: those tests feed core.gpu.take_samples a fake driver source
 (the only mock, named in each test) and write the samples exactly as GpuSampler does.
 """
 
@@ -12,7 +12,7 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from core.monitor.gpu import GpuInfo, take_samples
+from core.gpu import GpuInfo, take_samples
 from core.monitor.health import HealthChecker, HealthSettings
 from core.monitor.tail import RunSeries
 
@@ -88,7 +88,7 @@ class FakeNvml:
 
 
 def fake_gpu_records(t_start, seconds, used, util, process_memory=None, others=()):
-    """1 Hz samples through core.monitor.gpu.take_samples with a fake driver, timestamps set to the run's clock."""
+    """1 Hz samples through core.gpu.take_samples with a fake driver, timestamps set to the run's clock."""
     src = FakeNvml()
     out = []
     for i in range(seconds):
@@ -308,7 +308,7 @@ def test_sft_loss_flat_rule_leaves_dpo_runs_to_their_own_rules():
 
 
 def test_a_kto_run_is_judged_by_its_own_rules_in_its_own_words(tmp_path):
-    """Issue #20: the preference rules come from the run's method (core.train.methods: `health`). A KTO run logs
+    """Issue #20: the preference rules come from the run's method (core.recipe.methods: `health`). A KTO run logs
     no preference accuracy (its rows are not pairs) and calls its preferred answers desirable."""
     from test_watch import write_dpo_run
 

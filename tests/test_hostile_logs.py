@@ -67,7 +67,7 @@ def test_a_huge_integer_is_skipped_and_counted_by_every_reader(tmp_path):
     import sys
 
     from core.monitor.diagnose import diagnose_run
-    from core.runs.rundir import read_metrics, truncate_metrics
+    from core.rundir import read_metrics, truncate_metrics
 
     run = tmp_path / "runs" / "huge"
     run.mkdir(parents=True)

@@ -132,7 +132,7 @@ READ_ALL = textwrap.dedent(
     def step(name, fn):
         print("reading:", name, flush=True)
         fn()
-    from core.runs import rundir
+    from core import rundir
     from core.runs.launcher import list_runs, run_state
     from core.monitor.summary import summarize_runs
     from core.monitor.watch import RunWatcher
@@ -334,7 +334,7 @@ def test_the_disk_full_rule_names_a_full_disk():
 @pytest.mark.slow
 def test_a_checkpoint_that_cannot_fit_is_not_started_and_the_run_says_disk_full(tmpfs, tmp_path, tiny_llama):
     from core.monitor.diagnose import diagnose_run
-    from core.runs.rundir import read_status
+    from core.rundir import read_status
 
     config = _train_config(
         tmp_path, tiny_llama, lora=False, save_steps=3
@@ -356,8 +356,8 @@ def test_a_checkpoint_that_cannot_fit_is_not_started_and_the_run_says_disk_full(
 @pytest.mark.slow
 def test_a_disk_that_fills_mid_run_is_recorded_as_disk_full(tmpfs, tmp_path, tiny_llama):
     from core.monitor.diagnose import diagnose_run
+    from core.rundir import read_metrics, read_status
     from core.runs.launcher import run_state
-    from core.runs.rundir import read_metrics, read_status
 
     config = _train_config(tmp_path, tiny_llama)
     run_dir = tmpfs / "run"

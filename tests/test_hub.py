@@ -297,8 +297,8 @@ def test_rm_refuses_a_repo_a_live_run_uses_then_deletes_it(hub, tmp_path):
 
 PREVIEW = """
 import json, sys
-from core.train.data import DataError, load_rows, preview_dataset
-from core.train.findings import load_tokenizer_and_config
+from core.recipe.data import DataError, load_rows, preview_dataset
+from core.recipe.findings import load_tokenizer_and_config
 tok, _ = load_tokenizer_and_config({"path": "acme/tiny"})
 data = json.loads(sys.argv[1])
 pv = preview_dataset(data, tok, n=3)

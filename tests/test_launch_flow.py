@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from core.recipe.config import default_config
 from core.runs.launcher import stop_run
-from core.train.config import default_config
 from ui.fields import HANDOVER
 
 APP = str(Path(__file__).resolve().parent.parent / "dashboard.py")

@@ -283,7 +283,7 @@ def test_cli_takes_levers_as_flags_and_lists_per_lever_savings():
 
 def test_cli_plans_a_run_config_through_the_engines_mapping(tmp_path):
     from core.estimate.from_config import plan_for_config
-    from core.train.config import dump_config, validate_config
+    from core.recipe.config import dump_config, validate_config
 
     cfg = validate_config(
         {
@@ -337,8 +337,8 @@ def test_core_train_runs_the_cpu_levers(tmp_path, tiny_llama, uneven_rows, lever
     """A real run through python -m core.train with each lever on: TRL refuses padding_free without packing when
     max_length is set, so the engine truncates the rows itself and hands TRL max_length None. Activation
     offloading (CUDA only; TRL's raises without an accelerator) is left out on a CPU, with a note."""
-    from core.runs import rundir
-    from core.train.config import validate_config
+    from core import rundir
+    from core.recipe.config import validate_config
 
     cfg = validate_config(
         {
@@ -372,9 +372,9 @@ def test_smoke_test_of_a_padding_free_config_measures_its_one_full_row(workspace
     """The smoke step is one full max_length row at batch size 1, padded or padding-free alike; its measured peak
     agrees with the plan made for it (padding-free and packing off, as the engine runs it)."""
     from core.estimate.from_config import estimate_for_config, plan_record
+    from core.recipe.config import validate_config
     from core.runs.admin import start_smoke_test
     from core.runs.launcher import wait_for_smoke
-    from core.train.config import validate_config
 
     cfg = validate_config(
         {
@@ -391,7 +391,7 @@ def test_smoke_test_of_a_padding_free_config_measures_its_one_full_row(workspace
 
 
 def test_cli_plans_the_largest_batch_of_a_configs_real_rows(tmp_path, tiny_llama, uneven_rows):
-    from core.train.config import dump_config, validate_config
+    from core.recipe.config import dump_config, validate_config
 
     cfg = validate_config(
         {

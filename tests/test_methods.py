@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
+from core import rundir
 from core.demo.prefs import write_feedback_data, write_pref_data
 from core.estimate.bill import estimate
 from core.estimate.from_config import plan_for_config
 from core.estimate.plan import Plan
-from core.runs import rundir
-from core.train import methods
-from core.train.config import ConfigError, validate_config
-from core.train.feedback import check_feedback, normalize_feedback
+from core.recipe import methods
+from core.recipe.config import ConfigError, validate_config
+from core.recipe.feedback import check_feedback, normalize_feedback
 from tests.cli import train
 
 REPO = Path(__file__).resolve().parent.parent
@@ -26,7 +26,7 @@ BRANCH = re.compile(
     r"""|(?<!methods)\.dpo\b|\bif\s+(not\s+)?(dpo|kto)\b"""
 )
 # core/demo builds the demo's runs of each method: it names them, it does not branch on a run's method
-ALLOWED = ("core/train/methods/", "core/demo/")
+ALLOWED = ("core/recipe/methods/", "core/demo/")
 
 
 def test_no_code_outside_the_methods_branches_on_the_method_name():

@@ -308,7 +308,7 @@ def test_the_moe_levers_are_real_re_estimates_with_their_costs(tmp_path):
 
 def test_lora_dropout_on_the_experts_is_refused_before_loading(tmp_path):
     """peft's ParamWrapper refuses dropout; "all-linear" brings the experts in on the Qwen-MoE family."""
-    from core.train.engine_args import lora_dropout_problem
+    from core.recipe.engine_args import lora_dropout_problem
 
     cfg = {"lora": {"enabled": True, "lora_dropout": 0.05, "target_modules": "all-linear"}}
     assert "lora.lora_dropout must be 0" in lora_dropout_problem(cfg, tiny_config("qwen3_moe"))

@@ -29,7 +29,7 @@ def _rows(n: int, start: int = 0) -> str:
 
 
 def _config(model: Path, data: Path, **training) -> dict:
-    from core.train.config import validate_config
+    from core.recipe.config import validate_config
 
     return validate_config(
         {

@@ -9,11 +9,11 @@ import os
 import pandas as pd
 import pytest
 
+from core import rundir
 from core.monitor.completions import COMPLETIONS, CompletionsReader
 from core.monitor.health import HealthChecker
 from core.monitor.summary import summarize_run
 from core.monitor.tail import RunSeries
-from core.runs import rundir
 from tests.cli import runs
 
 

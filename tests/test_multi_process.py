@@ -15,11 +15,11 @@ import pytest
 import yaml
 from test_runs import run_config, wait_until
 
+from core import rundir
 from core.monitor.watch import RunWatcher
-from core.runs import rundir
+from core.recipe.config import validate_config
 from core.runs.launcher import RunError, create_run, launch, run_state, stop_run
 from core.train import ranks
-from core.train.config import validate_config
 from tests.browser import free_port
 from tests.cli import train
 

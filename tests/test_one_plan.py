@@ -11,7 +11,7 @@ import pytest
 
 from core.estimate.bill import estimate
 from core.estimate.from_config import estimate_for_config, plan_for_config, plan_json
-from core.train.config import dump_config, validate_config
+from core.recipe.config import dump_config, validate_config
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = {

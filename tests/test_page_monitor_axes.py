@@ -8,8 +8,8 @@ from pathlib import Path
 
 from streamlit.testing.v1 import AppTest
 
+from core import rundir
 from core.estimate.ram import RUNTIME_BYTES
-from core.runs import rundir
 
 PAGE = str(Path(__file__).resolve().parent.parent / "pages" / "monitor.py")
 MiB, GiB = 2**20, 2**30

@@ -10,7 +10,7 @@ from pathlib import Path
 from streamlit.testing.v1 import AppTest
 from test_page_monitor import PAGE, finished_run
 
-from core.runs.rundir import write_status
+from core.rundir import write_status
 
 DASHBOARD = str(Path(__file__).resolve().parents[1] / "dashboard.py")
 

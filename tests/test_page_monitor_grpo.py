@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from core import rundir
 from core.monitor.completions import COMPLETIONS
-from core.runs import rundir
 from core.runs.launcher import create_run
 from core.train.trainer import StopFlag, run_training
 from tests.test_page_monitor import _page, _titled_charts

@@ -14,8 +14,8 @@ from streamlit.testing.v1 import AppTest
 from test_runs import run_config, wait_until
 
 from core import procs
+from core.recipe.config import validate_config
 from core.runs import queue as Q
-from core.train.config import validate_config
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS_PAGE = str(ROOT / "pages" / "runs.py")

@@ -12,9 +12,9 @@ from streamlit.testing.v1 import AppTest
 from test_page_monitor import failed_run, finished_run
 
 from core import procs
+from core.rundir import write_status
 from core.runs.admin import delete_run
 from core.runs.launcher import RunError
-from core.runs.rundir import write_status
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = str(ROOT / "pages" / "runs.py")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from core.train.config import default_config
+from core.recipe.config import default_config
 from tests.fake_gpu import BusyNvml
 
 PAGE = str(Path(__file__).resolve().parent.parent / "pages" / "train.py")
@@ -133,7 +133,7 @@ def test_uploading_a_bad_yaml_shows_the_error_and_keeps_the_form(workspace, tiny
 
 
 def test_uploading_a_good_yaml_fills_the_form(workspace, tiny_llama, dataset):
-    from core.train.config import config_to_yaml, validate_config
+    from core.recipe.config import config_to_yaml, validate_config
 
     cfg = validate_config(tiny_config(tiny_llama, dataset))
     cfg["lora"]["r"], cfg["training"]["learning_rate"] = 4, 5e-4
@@ -148,7 +148,7 @@ def test_uploading_a_good_yaml_fills_the_form(workspace, tiny_llama, dataset):
 
 
 def test_an_uploaded_yaml_never_switches_on_trust_remote_code(workspace, tiny_llama, dataset):
-    from core.train.config import config_to_yaml, validate_config
+    from core.recipe.config import config_to_yaml, validate_config
 
     cfg = validate_config(tiny_config(tiny_llama, dataset))
     cfg["model"]["trust_remote_code"] = True
@@ -214,7 +214,7 @@ def test_check_fields_reports_every_bad_field_at_once(tiny_llama, dataset):
 
 def test_plan_for_config_describes_the_run(tiny_llama, dataset):
     from core.estimate.from_config import plan_for_config
-    from core.train.config import validate_config
+    from core.recipe.config import validate_config
 
     cfg = validate_config(tiny_config(tiny_llama, dataset))
     cfg["quantization"]["load_in_4bit"] = True
@@ -551,8 +551,8 @@ def test_sample_answers_at_each_eval_is_a_field_and_off_stays_out_of_the_yaml(wo
 def test_a_gpu_another_process_holds_is_named_before_launch_mocked_gpu_driver(
     workspace, tiny_llama, dataset, monkeypatch
 ):
+    from core import gpu
     from core.estimate import from_config
-    from core.monitor import gpu
 
     monkeypatch.setattr(gpu, "NvmlSource", BusyNvml)
     cards = tuple(BusyNvml().devices())

@@ -73,7 +73,7 @@ def test_a_refused_upload_is_said_once_not_after_later_unrelated_edits(workspace
 def test_the_pages_demo_build_writes_run_yaml_as_the_cli_does(workspace):
     """The Train page's Build (the "demo" background job) left no run.yaml; `python -m core.demo` writes one."""
     from core.jobs.__main__ import run_demo
-    from core.train.config import load_config
+    from core.recipe.config import load_config
 
     result = run_demo({"out": str(workspace / "demo"), "pretrain_steps": 3}, lambda **_: None)
     run_yaml = workspace / "demo" / RUN_CONFIG

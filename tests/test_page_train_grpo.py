@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from core.train.config import config_to_yaml, validate_config
+from core.recipe.config import config_to_yaml, validate_config
 from tests.test_page_train import _files, _page
 
 WORDS = ["abc", "dog", "cat", "sun", "red", "sky", "box", "map", "pen", "ink"]

@@ -6,8 +6,8 @@ import json
 import pytest
 
 from core.demo.toy import build_tokenizer, tiny_config
-from core.train.data import DataError
-from core.train.prefdata import (
+from core.recipe.data import DataError
+from core.recipe.prefdata import (
     check_pairs,
     detect_pref_format,
     load_pref_rows,

@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from core.demo.toy import build_tokenizer, tiny_config
-from core.train.config import validate_config
+from core.recipe.config import validate_config
 from core.train.preflight import has_errors, main, run_preflight
 
 

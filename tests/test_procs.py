@@ -14,8 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from core import procs
-from core.runs import rundir
+from core import procs, rundir
 from core.runs.launcher import run_state
 
 REPO = Path(__file__).resolve().parents[1]

@@ -16,10 +16,10 @@ import pytest
 import yaml
 from test_runs import run_config, wait_until
 
+from core.recipe.config import ConfigError
 from core.runs import queue as Q
 from core.runs import sweep as S
 from core.runs.launcher import run_state
-from core.train.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -228,8 +228,8 @@ def test_the_app_starts_a_queue_that_was_left_with_work(workspace, tiny_llama):
     from streamlit.testing.v1 import AppTest
 
     from core.estimate.from_config import plan_json
+    from core.recipe.config import validate_config
     from core.runs.supervisor import supervisor_alive
-    from core.train.config import validate_config
 
     cfg = validate_config(run_config(workspace, tiny_llama, max_steps=2))
     Q.add(workspace, cfg, "left-over", plan_json(cfg))

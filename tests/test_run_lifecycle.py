@@ -13,9 +13,9 @@ import pytest
 import yaml
 from test_runs import run_config, wait_until
 
-from core.runs import rundir
+from core import rundir
+from core.recipe.config import validate_config
 from core.runs.launcher import create_run, launch, run_state, stop_run
-from core.train.config import validate_config
 from tests.cli import runs
 
 ROOT = Path(__file__).resolve().parents[1]

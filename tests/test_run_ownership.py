@@ -14,10 +14,9 @@ import pytest
 import yaml
 from test_runs import run_config, wait_until
 
-from core import procs
-from core.runs import rundir
+from core import procs, rundir
+from core.recipe.config import validate_config
 from core.runs.launcher import RunError, create_run, launch, run_state, stop_run
-from core.train.config import validate_config
 from tests.cli import runs
 
 ROOT = Path(__file__).resolve().parents[1]

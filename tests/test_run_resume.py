@@ -16,9 +16,9 @@ import yaml
 from test_runs import run_config, wait_until
 from test_train import fake_checkpoint
 
-from core.runs import rundir
+from core import rundir
+from core.recipe.config import dump_config, validate_config
 from core.runs.launcher import RunError, create_run
-from core.train.config import dump_config, validate_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -8,6 +8,8 @@ import time
 import pytest
 
 from core.procs import pid_alive
+from core.recipe.config import validate_config
+from core.rundir import read_metrics, read_status
 from core.runs.launcher import (
     RunError,
     create_run,
@@ -18,8 +20,6 @@ from core.runs.launcher import (
     stop_run,
     wait_for,
 )
-from core.runs.rundir import read_metrics, read_status
-from core.train.config import validate_config
 from core.workspace import WorkspaceError
 
 WORDS = ["cat", "dog", "emu", "fox", "gnu", "hen", "ibis", "jay"]

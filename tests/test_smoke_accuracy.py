@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from core.estimate.from_config import estimate_for_config
+from core.recipe.config import validate_config
 from core.runs.admin import start_smoke_test
 from core.runs.launcher import wait_for_smoke
-from core.train.config import validate_config
 
 TOLERANCE = 0.10
 

@@ -9,7 +9,7 @@ import torch
 from core.demo.toy import tiny_config
 from core.measure.plan import plan_of_config, step_plan
 from core.measure.step import measure_depths, measure_plan
-from core.measure.tracker import TrackerError, track_live_tensors
+from core.tracker import TrackerError, track_live_tensors
 
 warnings.filterwarnings("ignore")
 
@@ -148,7 +148,7 @@ def test_bnb_4bit_qlora_step_works_under_the_mode():
 def test_bnb_4bit_weights_are_counted_with_their_quantization_state(tmp_path):
     pytest.importorskip("bitsandbytes")
     from core.measure.build import build_model
-    from core.measure.tracker import module_tensors
+    from core.tracker import module_tensors
 
     plan = step_plan("qlora", double_quant=False, prepare_kbit=False, lora_r=4)
     model, _ = build_model(tiny_config("llama"), plan, tmp_path)
@@ -161,7 +161,7 @@ def test_bnb_4bit_weights_are_counted_with_their_quantization_state(tmp_path):
 
 @pytest.mark.slow
 def test_extrapolation_from_two_and_three_layers_equals_full_depth():
-    from core.measure.tracker import main_phase_peaks
+    from core.tracker import main_phase_peaks
 
     for config, plan in (
         # LoRA with dropout under Trainer's bf16 autocast: the first layer saves less than the others

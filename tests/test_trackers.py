@@ -1,4 +1,4 @@
-"""training.report_to (core.train.trackers): a real tiny run's TensorBoard event files and Trackio database land in
+"""training.report_to (core.recipe.trackers): a real tiny run's TensorBoard event files and Trackio database land in
 the run folder, the Monitor names the command that shows them, and a tracker this machine lacks is one sentence."""
 
 import json
@@ -10,9 +10,9 @@ import pytest
 import yaml
 from streamlit.testing.v1 import AppTest
 
+from core.recipe import trackers
+from core.rundir import read_metrics
 from core.runs.launcher import create_run
-from core.runs.rundir import read_metrics
-from core.train import trackers
 from core.train.cli import main as train_main
 from core.train.trainer import StopFlag, run_training
 

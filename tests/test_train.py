@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from core.runs.rundir import read_metrics, read_status
+from core.rundir import read_metrics, read_status
 from core.train.trainer import StopFlag, run_training
 
 REPO = Path(__file__).resolve().parent.parent
@@ -91,7 +91,7 @@ def test_qlora_nf4_with_paged_adamw_8bit_trains_on_cpu(tmp_path, tiny_llama):
     losses = [m["loss"] for m in read_metrics(tmp_path / "run")]
     assert len(losses) == 5 and all(loss == loss for loss in losses)  # five finite log lines
 
-    from core.train.config import load_config
+    from core.recipe.config import load_config
     from core.train.trainer import choose_precision, load_model
 
     c = load_config(cfg)
@@ -175,7 +175,7 @@ def fake_checkpoint(run_dir: Path, step: int) -> Path:
 
 
 def test_resume_helpers_keep_metrics_continuous(tmp_path):
-    from core.runs.rundir import latest_checkpoint, truncate_metrics
+    from core.rundir import latest_checkpoint, truncate_metrics
 
     lines = [{"time": 0.0, "step": s, "epoch": 0.0, "loss": 1.0} for s in range(2, 12, 2)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines) + '{"step": 12, "lo')

@@ -175,7 +175,7 @@ def test_image_flags_and_a_bad_size(tmp_path):
 
 def test_a_vlm_run_config_plans(tmp_path):
     from core.estimate.from_config import plan_for_config
-    from core.train.config import validate_config
+    from core.recipe.config import validate_config
 
     _, folder = _folder(tmp_path, "smolvlm")
     (tmp_path / "d.jsonl").write_text('{"instruction": "a", "output": "b"}\n')

@@ -23,7 +23,7 @@ VISION = ("vision_tower", "multi_modal_projector")
 
 
 def _config(model: Path, data: Path, **training) -> dict:
-    from core.train.config import validate_config
+    from core.recipe.config import validate_config
 
     return validate_config(
         {
@@ -65,7 +65,7 @@ def _copy_data(vlm, tmp_path: Path) -> Path:
 
 
 def _preflight(cfg: dict, tmp_path: Path) -> subprocess.CompletedProcess:
-    from core.train.config import dump_config
+    from core.recipe.config import dump_config
 
     path = dump_config(cfg, tmp_path / "run.yaml")
     return subprocess.run(
@@ -78,8 +78,8 @@ def _preflight(cfg: dict, tmp_path: Path) -> subprocess.CompletedProcess:
 
 
 def test_a_conversation_trains_on_its_answer_alone_not_on_the_prompt_or_the_image_tokens(vlm):
-    from core.train import vision
-    from core.train.data import IGNORE_INDEX, load_rows
+    from core.recipe import vision
+    from core.recipe.data import IGNORE_INDEX, load_rows
 
     _, base, data = vlm
     processor = vision.load_processor(base)
@@ -96,14 +96,14 @@ def test_a_conversation_trains_on_its_answer_alone_not_on_the_prompt_or_the_imag
 
 
 def test_the_token_lengths_count_each_image_as_the_processor_expands_it(vlm):
-    from core.train import vision, vision_checks
+    from core.recipe import vision, vision_checks
 
     _, base, data = vlm
     processor = vision.load_processor(base)
     preview = vision_checks.preview({"path": str(data)}, processor, n=3, length_rows=16, max_length=128)
     assert preview["total_rows"] == 16 and len(preview["lengths"]) == 16
     fmt = vision.ImageChat({"path": str(data)})
-    from core.train.data import load_rows
+    from core.recipe.data import load_rows
 
     rows = load_rows({"path": str(data)})
     for i in range(3):  # the header-only rule against the processor really run on the image
@@ -233,8 +233,8 @@ def test_a_tiny_vlm_trains_with_qlora_on_the_cpu(vlm, tmp_path):
 
 def test_a_full_fine_tune_of_a_vlm_trains_the_language_model_with_the_vision_tower_frozen(vlm):
     from core.precision import Device, resolve
-    from core.train import vision
-    from core.train.data import load_rows
+    from core.recipe import vision
+    from core.recipe.data import load_rows
     from core.train.trainer import load_model, make_trainer
 
     _, base, data = vlm
@@ -313,8 +313,8 @@ def test_launch_on_the_train_page_trains_a_vlm_to_its_adapter(vlm, workspace, re
 
 
 def test_a_smoke_batch_of_image_rows_is_filled_to_max_length_and_trains_the_same_tokens(vlm):
-    from core.train import vision
-    from core.train.data import IGNORE_INDEX, load_rows
+    from core.recipe import vision
+    from core.recipe.data import IGNORE_INDEX, load_rows
 
     _, base, data = vlm
     processor = vision.load_processor(base)
@@ -368,7 +368,7 @@ def test_the_smoke_peak_of_a_vlm_is_within_five_percent_of_its_plan(vlm, tmp_pat
     (benchmarks/RESULTS.md, the VLM section); and peft's trainable count is the plan's (the tower's LoRA included
     when model.freeze_vision is false)."""
     from core.demo.toy import build_tiny_vlm
-    from core.train.config import dump_config
+    from core.recipe.config import dump_config
 
     _, base, data = vlm
     if tower == "wide":
@@ -395,7 +395,7 @@ def test_the_smoke_peak_of_a_vlm_is_within_five_percent_of_its_plan(vlm, tmp_pat
 def test_the_dry_run_of_a_vlm_prints_its_plan_with_the_datas_largest_image(vlm, tmp_path):
     from PIL import Image
 
-    from core.train.config import dump_config
+    from core.recipe.config import dump_config
 
     _, base, data = vlm
     sizes = [Image.open(p).size for p in sorted((data.parent / "imgs").glob("*.png"))]
@@ -416,7 +416,7 @@ def test_the_dry_run_of_a_vlm_prints_its_plan_with_the_datas_largest_image(vlm, 
 
 
 def test_the_run_config_takes_the_image_settings_and_refuses_bad_ones(tmp_path):
-    from core.train.config import ConfigError, validate_config
+    from core.recipe.config import ConfigError, validate_config
 
     base = {"model": {"path": "m"}, "data": {"path": "d"}}
     cfg = validate_config(
@@ -451,7 +451,7 @@ def test_max_pixels_bounds_a_qwen_image_processor_and_is_ignored_elsewhere(vlm, 
     from PIL import Image
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from core.train import vision
+    from core.recipe import vision
 
     qwen = Qwen2VLImageProcessorPil(size={"shortest_edge": 56 * 56, "longest_edge": 112 * 112})
     grid = lambda: qwen(images=[Image.new("RGB", (200, 200))], return_tensors="pt")["image_grid_thw"].tolist()  # noqa: E731
@@ -474,7 +474,7 @@ def test_image_settings_on_a_text_model_are_ignored_with_a_warning(tiny_llama, t
         "data": {"path": str(tmp_path / "d.jsonl"), "image_size": "640x480"},
         "training": {"max_length": 64},
     }
-    from core.train.config import validate_config
+    from core.recipe.config import validate_config
 
     done = _preflight(validate_config(cfg), tmp_path)
     assert done.returncode == 0, done.stderr
@@ -512,8 +512,8 @@ def test_the_qwen2_5_vl_builder_says_what_it_needs_without_torchvision(tmp_path)
 
 
 def test_an_image_entry_without_a_file_is_named_and_a_path_key_is_read(vlm, tmp_path):
-    from core.train import vision, vision_checks
-    from core.train.data import load_rows
+    from core.recipe import vision, vision_checks
+    from core.recipe.data import load_rows
 
     _, base, _ = vlm
     data = _copy_data(vlm, tmp_path)

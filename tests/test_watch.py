@@ -18,7 +18,7 @@ from core.monitor.summary import (
     summarize_runs,
 )
 from core.monitor.watch import RunWatcher
-from core.train import methods
+from core.recipe import methods
 
 DPO_CHARTS = tuple(f"dpo_{chart.key}" for chart in methods.get("dpo").charts)
 

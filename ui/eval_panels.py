@@ -1,11 +1,11 @@
 """The Evaluate page's result view and the Monitor's samples and completions panels (UI only: the figures come from
-core.eval, core.runs.rundir and core.monitor.completions)."""
+core.eval, core.rundir and core.monitor.completions)."""
 
 import pandas as pd
 import streamlit as st
 
 from core.eval.results import Result, figures, rows_csv, table
-from core.runs.rundir import latest_samples
+from core.rundir import latest_samples
 
 SORTS = {
     "change (largest gain first)": ("change", True),

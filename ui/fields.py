@@ -1,5 +1,5 @@
 """The one field table of the run config (issue #20): each setting the Train and Estimate pages show, with its key
-path, label, widget kind and choices; a method's own settings come from core.train.methods. Drawing a field,
+path, label, widget kind and choices; a method's own settings come from core.recipe.methods. Drawing a field,
 filling it from a config and reading the config back are one function each, used by both pages (each with its
 widget-key prefix), so a config survives the round trip and both pages edit the very same run config."""
 
@@ -12,10 +12,10 @@ import streamlit as st
 
 from core.estimate.from_config import method_of, set_method
 from core.estimate.plan import PACKING_STRATEGIES
-from core.train import methods, trackers
-from core.train.config import default_config, section_schema
-from core.train.config_keys import ATTN, DTYPES, OPTIMIZERS, SCHEDULERS, STRATEGIES
-from core.train.methods.base import Field
+from core.recipe import methods, trackers
+from core.recipe.config import default_config, section_schema
+from core.recipe.config_keys import ATTN, DTYPES, OPTIMIZERS, SCHEDULERS, STRATEGIES
+from core.recipe.methods.base import Field
 
 FORMATS = tuple(dict.fromkeys(("auto", *(f for m in methods.REGISTRY.values() for f in m.formats))))
 BF16_CHOICES = ("auto", True, False)
@@ -314,7 +314,7 @@ def row(prefix: str, names, widths=None, method=None, disabled=(), on_change=Non
 
 
 def method_row(prefix: str, method, per_row: int = 5) -> None:
-    """The method's own settings (core.train.methods), one widget each, `per_row` to a row."""
+    """The method's own settings (core.recipe.methods), one widget each, `per_row` to a row."""
     for start in range(0, len(method.fields), per_row):
         part = method.fields[start : start + per_row]
         part = part + (None,) * (per_row - len(part)) if len(method.fields) > per_row else part

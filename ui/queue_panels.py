@@ -12,10 +12,10 @@ import streamlit as st
 
 from core.fmt import duration, mem
 from core.monitor.summary import compare_frame
+from core.recipe.config import ConfigError
 from core.runs import queue as Q
 from core.runs import sweep as S
 from core.runs.supervisor import ensure_running, supervisor_alive
-from core.train.config import ConfigError
 from core.workspace import WorkspaceError
 from ui import charts
 

@@ -1,6 +1,6 @@
 """The Train page's reward-functions editor (a method with `reward_functions`: GRPO): several reward functions,
 each a preset with its settings or the user's own Python function, and a weight each. It writes the run config's
-`rewards` list and TRL's `training.reward_weights` (core.train.rewards checks both); a config loaded into it and
+`rewards` list and TRL's `training.reward_weights` (core.recipe.rewards checks both); a config loaded into it and
 read back is the same config (a key the loaded entry gave is written back even at its default value).
 
 The user's own function runs only with its 'Run my reward code' box ticked: a loaded YAML never ticks it (the
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from core.train import rewards as reward_specs
+from core.recipe import rewards as reward_specs
 
 P = "tr_rw"  # widget keys: tr_rw<id>_<setting>; tr_rw_ids: the entries' ids in order
 IDS, NEXT, WEIGHTS_GIVEN, LAST = f"{P}_ids", f"{P}_next", f"{P}_weights_given", "tr_rewards_last"

@@ -1,5 +1,5 @@
 """The Train page's run-config form, drawn from the one field table (ui/fields.py) with the run's method's own
-fields (core.train.methods); a config the Estimate page hands over fills it key for key."""
+fields (core.recipe.methods); a config the Estimate page hands over fills it key for key."""
 
 import copy
 import time
@@ -11,13 +11,8 @@ from core import jobs, precision
 from core.demo.build import RUN_CONFIG, demo_config, demo_dir, demo_ready
 from core.demo.methods import DEMOS
 from core.estimate import from_config
-from core.runs.admin import (
-    check_fields,
-    check_model_folder,
-    check_new_run_name,
-)
-from core.train import methods
-from core.train.config import (
+from core.recipe import methods
+from core.recipe.config import (
     ConfigError,
     config_to_yaml,
     default_config,
@@ -25,8 +20,13 @@ from core.train.config import (
     migrate,
     validate_config,
 )
-from core.train.config_keys import METHODS, SECTIONS
-from core.train.vision import IMAGE_KEYS
+from core.recipe.config_keys import METHODS, SECTIONS
+from core.recipe.vision import IMAGE_KEYS
+from core.runs.admin import (
+    check_fields,
+    check_model_folder,
+    check_new_run_name,
+)
 from core.workspace import WorkspaceError, suggest_run_name
 from ui import fields, reward_editor, train_panels
 from ui.jobs import follow
@@ -76,7 +76,7 @@ def _from_estimate(handed: dict, base: dict) -> tuple[dict, str]:
     cfg = copy.deepcopy(base)
     planned = [(f.section, f.key) for f in [fields.FIELDS[n] for n in fields.PLAN_FIELDS]]
     planned += [(f.section, f.key) for f in methods.get(handed).fields]
-    # a VLM's image settings (core.train.vision.IMAGE_KEYS): not drawn here, carried in the config as planned
+    # a VLM's image settings (core.recipe.vision.IMAGE_KEYS): not drawn here, carried in the config as planned
     planned += [tuple(path.split(".")) for path in IMAGE_KEYS]
     for section, key in planned:
         value = (handed.get(section) or {}).get(key)

@@ -12,15 +12,15 @@ from core.estimate.plan import GiB, PlanError
 from core.estimate.ram import RUNTIME_BYTES, ram_plan
 from core.estimate.specs import SpecError
 from core.fmt import mem
+from core.recipe import methods, vision_checks
+from core.recipe.config import MAX_CONFIG_BYTES, ConfigError, config_to_yaml, parse_yaml, validate_config
+from core.recipe.data import DataError
 from core.runs.admin import (
     latest_smoke,
     smoke_result,
     start_smoke_test,
 )
 from core.runs.launcher import RunError, create_run, launch
-from core.train import methods, vision_checks
-from core.train.config import MAX_CONFIG_BYTES, ConfigError, config_to_yaml, parse_yaml, validate_config
-from core.train.data import DataError
 from core.train.preflight import load_tokenizer_and_config, run_preflight
 from core.workspace import WorkspaceError
 from ui import reward_editor
@@ -238,7 +238,7 @@ IN_PAGE_ROWS = 5000  # up to this many rows preflight runs here (seconds); more 
 def _row_count(data_yaml: str) -> int | None:
     import yaml
 
-    from core.train.data import DataError, load_rows
+    from core.recipe.data import DataError, load_rows
 
     try:
         return len(load_rows(yaml.safe_load(data_yaml)))

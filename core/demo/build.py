@@ -26,6 +26,7 @@ import shutil
 import time
 from pathlib import Path
 
+from core import rundir
 from core.demo.prefs import ensure_pref_data
 from core.demo.task import (
     PRETRAIN_STEPS,
@@ -40,9 +41,8 @@ from core.demo.task import (
 )
 from core.demo.toy import build_tokenizer, tiny_config
 from core.files import atomic_write_text
-from core.runs import rundir
-from core.train.config import dump_config, validate_config
-from core.train.data import IGNORE_INDEX, Collator
+from core.recipe.config import dump_config, validate_config
+from core.recipe.data import IGNORE_INDEX, Collator
 from core.train.trainer import run_training
 from core.workspace import default_workspace
 
@@ -60,7 +60,7 @@ def demo_dir(workspace: str | os.PathLike) -> Path:
 
 
 def encode_chat_pairs(tokenizer, pairs: list[tuple[str, str]]) -> list[dict]:
-    """Tokenize one-turn chats like core.train.data does for the chat format (answer trained, prompt masked), but
+    """Tokenize one-turn chats like core.recipe.data does for the chat format (answer trained, prompt masked), but
     fast: the template is rendered once around two markers and the rows are tokenized in one batch call."""
 
     q_mark, a_mark = "\x01", "\x02"
@@ -220,7 +220,7 @@ RUN_CONFIG = "run.yaml"
 def write_run_config(out: str | os.PathLike) -> Path:
     """The demo run's config beside its assets (`python -m core.train OUT/run.yaml`): written by every build, the
     CLI's and the Train page's."""
-    from core.train.config import dump_config
+    from core.recipe.config import dump_config
 
     return dump_config(demo_config(out=out), Path(out) / RUN_CONFIG)
 

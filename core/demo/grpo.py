@@ -12,7 +12,7 @@ from pathlib import Path
 
 from core.demo.task import task_rows
 from core.eval.rewards import heldout_scores  # noqa: F401 - the demo's before/after (core.demo.__main__)
-from core.train.config import validate_config
+from core.recipe.config import validate_config
 
 TRAIN_FILE = "grpo_train.jsonl"
 HELDOUT_FILE = "grpo_heldout.jsonl"

@@ -10,7 +10,7 @@ gives preference accuracy 1.0 but chosen accuracy 0.06 (both answers pushed down
 from its "Shout" pretraining skill and the character tokenizer has '!' in its vocabulary, so the style is
 representable and learnable in a few steps.
 
-Rows are in the standard format (prompt / chosen / rejected strings, core.train.prefdata). The prompt is the
+Rows are in the standard format (prompt / chosen / rejected strings, core.recipe.prefdata). The prompt is the
 demo chat template already rendered ("<|user|>Uppercase: hello</s><|assistant|>"), so DPO sees exactly the
 tokens SFT trained on; DPOTrainer appends EOS to each answer. Held-out words occur neither in the training pairs
 nor in the SFT data.
@@ -26,8 +26,8 @@ from pathlib import Path
 from core.demo.task import SEED, TASK, _word, task_rows
 from core.demo.toy import build_tokenizer
 from core.files import atomic_write_text
-from core.train.config import validate_config
-from core.train.prefdata import pair_token_ids
+from core.recipe.config import validate_config
+from core.recipe.prefdata import pair_token_ids
 
 TRAIN_PAIRS = 512
 HELDOUT_PAIRS = 64
@@ -105,7 +105,7 @@ def pair_logps(
     model, tokenizer, pairs: list[dict], batch_size: int = 64, max_length: int | None = None
 ) -> list[tuple[float, float]]:
     """(log p(chosen | prompt), log p(rejected | prompt)) per pair: the summed log-probabilities of the answer
-    tokens, tokenized as DPOTrainer does (core.train.prefdata.pair_token_ids: EOS appended to text answers), cut
+    tokens, tokenized as DPOTrainer does (core.recipe.prefdata.pair_token_ids: EOS appended to text answers), cut
     at `max_length` like its collator. Plain torch, batched with right padding, no gradients."""
     import torch
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from core.estimate.plan import DTYPE_BYTES, OFFLOAD_STASH, Plan, packed_sequences
 from core.estimate.specs import ModelSpec
 from core.estimate.static_terms import adapter_bytes
-from core.train import methods
+from core.recipe import methods
 
 # ----------------------------------------------------------------------------------------------------------
 # activations: what autograd saves for backward, per token, named tensor by named tensor

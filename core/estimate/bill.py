@@ -64,7 +64,7 @@ from core.estimate.static_terms import (
 from core.estimate.vlm import vlm_of
 from core.estimate.vlm_terms import check_images, vision_terms, vlm_record, with_images
 from core.fmt import gib
-from core.train import methods
+from core.recipe import methods
 
 
 def estimate_for_lengths(plan: Plan, lengths, spec: ModelSpec | None = None) -> tuple[int, Estimate]:
@@ -231,7 +231,7 @@ def step_terms(plan: Plan, spec: ModelSpec, targets) -> StepTerms:
 
 
 def _reference(plan: Plan, model_bytes: int) -> tuple[int, str | None]:
-    """(bytes, what it is) of a preference method's reference model, or GRPO's with beta > 0 (core.train.methods'
+    """(bytes, what it is) of a preference method's reference model, or GRPO's with beta > 0 (core.recipe.methods'
     traits)."""
     traits = methods.get(plan.objective).traits
     if not (traits.reference or (traits.kl_reference and plan.kl_beta > 0)):

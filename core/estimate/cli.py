@@ -32,10 +32,10 @@ from core.estimate.source import source_line
 from core.estimate.specs import SpecError, preset_ids
 from core.estimate.vlm_terms import vlm_lines
 from core.fmt import gib
-from core.train import methods
-from core.train.config import ConfigError, load_config
-from core.train.data import DataError, preview_dataset
-from core.train.findings import load_tokenizer_and_config
+from core.recipe import methods
+from core.recipe.config import ConfigError, load_config
+from core.recipe.data import DataError, preview_dataset
+from core.recipe.findings import load_tokenizer_and_config
 
 
 def format_table(est: Estimate, fit: dict | None = None, advice: list[dict] | None = None) -> str:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 
 from core.estimate.plan import VLLM_MODES, Plan, PlanError
-from core.train import methods
-from core.train.config_keys import STRATEGIES
+from core.recipe import methods
+from core.recipe.config_keys import STRATEGIES
 
 EVAL_FIELDS = ("eval_batch_size", "eval_samples", "eval_generations")
 ROLLOUT_FIELDS = (

@@ -34,9 +34,9 @@ from core.estimate.generation_terms import (
 )
 from core.estimate.plan import Plan, batch_shape, generates
 from core.estimate.specs import ModelSpec
-from core.eval.generate import GREEDY_BATCH
-from core.train import methods
-from core.train.config_keys import SAMPLES_MAX_TOKENS
+from core.generate import GREEDY_BATCH
+from core.recipe import methods
+from core.recipe.config_keys import SAMPLES_MAX_TOKENS
 
 # the evaluation phase's own components (the generation ones are shared with generation_terms)
 EVAL_COMPONENTS = ("eval_batch", "eval_forward", "kv_cache", "generation_activations", "logprob_forward")

@@ -11,13 +11,13 @@ import copy
 from dataclasses import dataclass, replace
 from typing import Any
 
+from core import gpu
 from core.estimate.bill import estimate
 from core.estimate.plan import Plan, PlanError
-from core.monitor import gpu
 from core.precision import SHORT, Device, resolve
-from core.train import distributed, methods, vision
-from core.train.config import checkpointing, default_config, validate_config
-from core.train.config_keys import DTYPES, SECTIONS
+from core.recipe import distributed, methods, vision
+from core.recipe.config import checkpointing, default_config, validate_config
+from core.recipe.config_keys import DTYPES, SECTIONS
 
 # The planner models sdpa, eager and flash (varlen kernels: no mask); flex attention keeps no score matrix
 # either, like sdpa.
@@ -58,7 +58,7 @@ def plan_for_config(
 
     `batch_size` overrides the config's (the smoke test runs at 1); `model` overrides model.path (a preset id
     or a folder with config.json, for planning a config against another model's shapes). `smoke`: the smoke
-    test's step: one full row at batch size 1, without padding-free batching or packing (core.train.engine_args
+    test's step: one full row at batch size 1, without padding-free batching or packing (core.recipe.engine_args
     turns them off there: one full row is the same tensor either way)."""
     lo, t = cfg["lora"], cfg["training"]
     load, compute, autocast = plan_dtypes(cfg, device)
@@ -117,7 +117,7 @@ def plan_for_config(
 def image_fields(cfg: dict) -> dict:
     """A VLM run's images as its config gives them (data.image_size "WxH", data.max_pixels, data.images_per_row,
     data.pan_and_scan, model.freeze_vision). Without image_size / images_per_row, a VLM's local data says them (its
-    largest image, its most images in a row: core.train.vision.data_images); else the planner's defaults (a
+    largest image, its most images in a row: core.recipe.vision.data_images); else the planner's defaults (a
     language model's plan ignores them)."""
     data, model = cfg.get("data") or {}, cfg.get("model") or {}
     out = {}

@@ -10,8 +10,8 @@ from dataclasses import asdict, dataclass, field, fields
 
 from core.estimate.specs import ModelSpec
 from core.precision import BYTES
-from core.train import methods
-from core.train.config_keys import STRATEGIES
+from core.recipe import methods
+from core.recipe.config_keys import STRATEGIES
 
 GiB = 2**30
 DTYPE_BYTES = BYTES  # core.precision's one dtype table
@@ -67,7 +67,7 @@ class Plan:
     model: str = "meta-llama/Llama-2-7b-hf"
     method: str = "lora"  # full | lora | qlora
     objective: str = (
-        "sft"  # the run config's method (sft | dpo | kto): core.train.methods says what its step holds
+        "sft"  # the run config's method (sft | dpo | kto): core.recipe.methods says what its step holds
     )
     reference: str = "auto"  # preference methods: auto (adapter disabled for LoRA) | copy (a second model)
     # precompute_ref_log_probs (DPO, KTO): the reference's log-probs computed once before training (no reference
@@ -126,7 +126,7 @@ class Plan:
     gpus: int = 1
     strategy: str = "auto"
     cpu_offload: bool = False
-    # A generating method's rollouts (GRPO; core.train.methods traits.generates): seq_len is a prompt and its
+    # A generating method's rollouts (GRPO; core.recipe.methods traits.generates): seq_len is a prompt and its
     # completion, the last completion_len tokens generated (max_completion_length); generation_batch completions
     # are generated at once per device (per_device_train_batch_size x steps_per_generation; 0: batch_size), in
     # groups of num_generations. kl_beta > 0 takes the reference's log-probs, old_logps the old policy's (a no-grad

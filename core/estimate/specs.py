@@ -8,7 +8,7 @@ to that meta model.
 
 Importing torch, transformers and peft for that costs seconds, so the specs and LoRA targets of presets and
 local folders are also kept on disk, per installed library version, in the user's cache folder (the same one as
-core.train.schema's config schema): a spec is rebuilt only when the libraries, this file, or the model's config
+core.recipe.schema's config schema): a spec is rebuilt only when the libraries, this file, or the model's config
 fields change. A cache entry that cannot be read is rebuilt; a cache folder that cannot be written is skipped.
 """
 

@@ -47,7 +47,7 @@ def weight_bytes(spec: ModelSpec, plan: Plan) -> tuple[int, int]:
     # the load dtype; prepare_model_for_kbit_training casts it to fp32.
     rest = spec.total_params - spec.linear_params
     # A VLM's vision tower and projector stay in `rest`: the engine keeps them out of bitsandbytes
-    # (core.train.vision.quantization: llm_int8_skip_modules), so they load in the load dtype.
+    # (core.recipe.vision.quantization: llm_int8_skip_modules), so they load in the load dtype.
     facts = moe_of(spec)
     if facts and plan.quantize_experts:  # quantized on load (a plan: core.estimate.moe_terms.expert_dtype)
         rest -= facts.expert_params

@@ -3,7 +3,7 @@
     python -m core.eval --run RUN [--data FILE] [--limit N]
 
 core.eval.run does one evaluation end to end and stores it in <run>/eval/<name>/; core.eval.scores holds the
-metrics, core.eval.generate the batched greedy generation and answer losses (also used by the trainer's samples
+metrics, core.generate the batched greedy generation and answer losses (also used by the trainer's samples
 callback), core.eval.heldout the rows, core.eval.target what is compared, core.eval.prefs the DPO/KTO figures.
 This file imports nothing, so the light parts stay light.
 """

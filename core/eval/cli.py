@@ -9,7 +9,7 @@ import argparse
 import sys
 
 from core.eval.heldout import EvalError
-from core.train.data import DataError
+from core.recipe.data import DataError
 
 
 def parse_args(argv: list[str] | None):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
-from core.train.data import (
+from core.recipe.data import (
     IGNORE_INDEX,
     DataError,
     detect_format,
@@ -67,7 +67,7 @@ def _user(context: list[dict]) -> str:
 
 def encode(context: list[dict], answer: str, run_fmt: str, tokenizer) -> tuple[list[int], list[int]]:
     """(prompt ids, answer ids) of one question/answer in the run's format, split where the trainer's label mask
-    starts its last answer (core.train.data.tokenize_row)."""
+    starts its last answer (core.recipe.data.tokenize_row)."""
     if run_fmt == "chat":
         row = {"messages": [*context, {"role": "assistant", "content": answer}]}
     elif run_fmt == "alpaca":
@@ -111,7 +111,7 @@ def run_format(cfg: dict, tokenizer) -> str:
 
 
 def split_rows(cfg: dict, tokenizer) -> list[EvalRow]:
-    """The run's eval split: the rows core.train.data.split_eval held out, in the run's format."""
+    """The run's eval split: the rows core.recipe.data.split_eval held out, in the run's format."""
     import datasets
 
     data = cfg["data"]

@@ -1,8 +1,8 @@
 """The answer evaluation of a vision-language run: held-out image conversations asked of the base and the tuned
 model (greedy answers, scored against the reference like core.eval.run's text rows) and the reference answer's
-teacher-forced loss, each row with its images through the model's processor (core.train.vision).
+teacher-forced loss, each row with its images through the model's processor (core.recipe.vision).
 
-The held-out rows are the trainer's own (core.train.vision.datasets draws them with data.eval_split and
+The held-out rows are the trainer's own (core.recipe.vision.datasets draws them with data.eval_split and
 training.seed), or every row of a data file of image conversations. Rows go one at a time: each has its own
 images, and an evaluation set is small.
 """
@@ -12,11 +12,11 @@ from __future__ import annotations
 import json
 
 from core.eval import scores
-from core.eval.generate import model_device, sides
 from core.eval.heldout import EvalError, heldout_config
 from core.files import quiet_datasets
-from core.train import vision
-from core.train.data import IGNORE_INDEX, DataError, load_rows
+from core.generate import model_device, sides
+from core.recipe import vision
+from core.recipe.data import IGNORE_INDEX, DataError, load_rows
 
 
 def rows(cfg: dict, data: str | None = None) -> list[dict]:

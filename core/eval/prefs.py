@@ -10,9 +10,10 @@ good minus bad answers, and the greedy answer's style against the prompt's good 
 
 from __future__ import annotations
 
-from core.eval import generate, scores
-from core.train.data import user_text
-from core.train.prefdata import pair_token_ids
+from core import generate
+from core.eval import scores
+from core.recipe.data import user_text
+from core.recipe.prefdata import pair_token_ids
 
 DEFAULT_BETA = 0.1  # TRL's DPOConfig / KTOConfig default
 

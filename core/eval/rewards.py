@@ -1,5 +1,5 @@
 """The held-out figures of a run that learns from reward functions (eval_kind "rewards": GRPO): greedy answers of
-the base and of the tuned model to held-out prompts, scored by the run's own reward functions (core.train.rewards,
+the base and of the tuned model to held-out prompts, scored by the run's own reward functions (core.recipe.rewards,
 weighted by training.reward_weights) and, next to them, by exact match against the prompts' answer column.
 
 The reward functions are those the run trained with, built as its trainer builds them: a `python` reward runs the
@@ -10,10 +10,11 @@ are the answer's, for the length preset. core.demo's GRPO demo scores its held-o
 
 from __future__ import annotations
 
-from core.eval import generate, scores
-from core.train import rewards as reward_specs
-from core.train.data import user_text
-from core.train.prompts import prompt_ids
+from core import generate
+from core.eval import scores
+from core.recipe import rewards as reward_specs
+from core.recipe.data import user_text
+from core.recipe.prompts import prompt_ids
 
 NOT_COLUMNS = (
     "prompt",

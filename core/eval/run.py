@@ -17,12 +17,13 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from core.eval import generate, images, scores
+from core import generate
+from core.eval import images, scores
 from core.eval.heldout import EvalError, EvalRow, file_rows, method_rows, run_format, split_rows
 from core.eval.results import EVAL_DIR, ROWS, SETTINGS, SUMMARY, Result, read_result
 from core.eval.target import Target, resolve
 from core.files import atomic_write_text
-from core.train import methods, vision
+from core.recipe import methods, vision
 
 DEFAULT_BATCH = 32
 Progress = Callable[..., None]
@@ -259,7 +260,7 @@ def _check_positions(rows: list[EvalRow], model, max_new_tokens: int | None, tok
 def _completion_tokens(rows: list[dict], model, max_new_tokens: int | None, cfg: dict, tokenizer) -> int:
     """A reward run's answer length: the run's own training.max_completion_length unless asked, within the
     positions the longest prompt leaves."""
-    from core.train.prompts import prompt_ids
+    from core.recipe.prompts import prompt_ids
 
     new = max_new_tokens or cfg["training"].get("max_completion_length") or 256
     limit = _positions(model)

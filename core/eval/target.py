@@ -7,13 +7,13 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from core import rundir
 from core.eval.heldout import EvalError
 from core.files import read_json_object
 from core.hub import fetch
 from core.hub.ids import HubError
-from core.runs import rundir
+from core.recipe.config import ConfigError, load_config
 from core.train import sources
-from core.train.config import ConfigError, load_config
 from core.workspace import default_workspace, runs_dir
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -119,7 +119,7 @@ def resolve(
         )
     base_dir = base_dir.resolve()
     if cfg is None:
-        from core.train.config import validate_config
+        from core.recipe.config import validate_config
 
         cfg = validate_config({"model": {"path": str(base_dir)}, "data": {"path": str(base_dir)}})
     cfg["model"]["path"] = str(base_dir)

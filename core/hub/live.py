@@ -4,20 +4,18 @@ from __future__ import annotations
 
 import os
 
+from core import rundir
 from core.files import read_yaml_mapping
 from core.hub import cache
 from core.hub.ids import HubError, HubRef, parse
-from core.runs import rundir
-from core.runs.launcher import list_runs
-from core.train.sources import ROLES, read
 
 
 def uses(run_dir, ref: HubRef) -> bool:
     """The run trains on `ref`'s repo: recorded in its sources.json, or named in its config (not fetched yet)."""
-    if any(isinstance(s, dict) and s.get("id") == ref.repo_id for s in read(run_dir).values()):
+    if any(isinstance(s, dict) and s.get("id") == ref.repo_id for s in rundir.read_sources(run_dir).values()):
         return True
     cfg = read_yaml_mapping(os.path.join(run_dir, rundir.CONFIG)) or {}
-    for role, (section, key) in ROLES.items():
+    for role, (section, key) in rundir.SOURCE_ROLES.items():
         value = (cfg.get(section) or {}).get(key) if isinstance(cfg.get(section), dict) else None
         named = parse(value, "dataset" if role == "data" else "model")
         if named is not None and named.repo_id == ref.repo_id and named.repo_type == ref.repo_type:
@@ -27,7 +25,8 @@ def uses(run_dir, ref: HubRef) -> bool:
 
 def live_users(workspace, ref: HubRef) -> list[str]:
     """The names of the workspace's live runs (their process holds the run) that use `ref`'s repo."""
-    return [r.name for r in list_runs(workspace) if r.alive and uses(r.path, ref)]
+    # alive as the Runs page reads it: the run's process holds its lock (a vanished one does not)
+    return [d.name for d in rundir.run_folders(workspace) if rundir.live_state(d)[1] and uses(d, ref)]
 
 
 def remove(workspace, ref: HubRef) -> int:

@@ -17,8 +17,8 @@ from core.demo.build import PRETRAIN_STEPS, DemoError, build_demo, read_manifest
 from core.files import read_json_object
 from core.gguf import BadInput, ExportError, export_gguf
 from core.jobs import JOB, Progress, _write_result
-from core.train.config import validate_config
-from core.train.data import DataError
+from core.recipe.config import validate_config
+from core.recipe.data import DataError
 from core.train.preflight import load_tokenizer_and_config, run_preflight
 from core.workspace import WorkspaceError
 

@@ -1,1 +1,1 @@
-"""Measurement: the live-tensor tracker and one real training step measured against the planner."""
+"""Measurement: one real training step measured against the planner (the live-tensor tracker: core.tracker)."""

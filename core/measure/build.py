@@ -18,8 +18,8 @@ from core.estimate.from_config import plan_to_config
 from core.estimate.plan import Plan
 from core.measure.plan import StepOptions, autocast_dtype, is_engine_path, lora_targets
 from core.precision import LONG, Device, Precision, torch_dtype
-from core.train import methods
-from core.train.config import validate_config
+from core.recipe import methods
+from core.recipe.config import validate_config
 from core.train.trainer import load_model, make_trainer, quiet_progress_bars
 
 

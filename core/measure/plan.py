@@ -14,10 +14,10 @@ from core.estimate.bill import estimate
 from core.estimate.from_config import plan_for_draft
 from core.estimate.plan import Plan, PlanError, validate
 from core.estimate.specs import SpecError
-from core.measure.tracker import TrackerError
 from core.precision import torch_dtype
-from core.train import methods
-from core.train.config import ConfigError
+from core.recipe import methods
+from core.recipe.config import ConfigError
+from core.tracker import TrackerError
 
 MEASURABLE_ATTN = ("sdpa", "eager")  # flash attention needs a GPU and its own kernels
 

@@ -25,8 +25,8 @@ from core.estimate.plan import Plan, batch_shape, flat_batch
 from core.estimate.specs import decoder_layers
 from core.measure.build import ENGINE_TRAINERS, build_model, build_optimizer, with_layers
 from core.measure.plan import StepOptions, autocast_dtype, checked, estimate_for, plan_of_config
-from core.measure.tracker import StepMemory, TrackerError, main_phase, main_phase_peaks, track_live_tensors
-from core.train import methods
+from core.recipe import methods
+from core.tracker import StepMemory, TrackerError, main_phase, main_phase_peaks, track_live_tensors
 
 
 def make_batch(config, plan: Plan, seed: int = 0) -> dict:

@@ -19,7 +19,7 @@ from core.estimate.vlm import VISION_MODULES, image_processor_kwargs, vlm_facts_
 from core.measure.build import TRL_FUSED_OUTPUTS, build_optimizer
 from core.measure.plan import StepOptions, checked
 from core.measure.step import run_step
-from core.measure.tracker import StepMemory
+from core.tracker import StepMemory
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -20,7 +20,7 @@ def run_config_for(adapter_dir: Path) -> dict:
 
 def is_qlora(adapter_dir: Path) -> bool:
     """True when the run config says the base was loaded in 4 bit (QLoRA): `quantization.load_in_4bit`, the
-    transformers.BitsAndBytesConfig field core.train hands to the model loader (core/train/config.py). An adapter
+    transformers.BitsAndBytesConfig field core.train hands to the model loader (core/recipe/config.py). An adapter
     outside a run directory (no config.yaml) is not known to be QLoRA."""
     q = run_config_for(adapter_dir).get("quantization")
     return isinstance(q, dict) and q.get("load_in_4bit") is True

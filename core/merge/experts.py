@@ -51,6 +51,19 @@ class ParamLora(LoraModule):
         return torch.stack([self.expert_delta(e) for e in range(start, stop)])
 
 
+def module_kind(module) -> str:
+    """A base layer's kind as the merge treats it (Conv1D, Embedding, Linear), else its class name."""
+    from transformers.pytorch_utils import Conv1D  # heavy (transformers): see core.merge.plan._meta_model
+
+    if isinstance(module, Conv1D):
+        return "conv1d"
+    if isinstance(module, torch.nn.Embedding):
+        return "embedding"
+    if isinstance(module, torch.nn.Linear):
+        return "linear"
+    return type(module).__name__
+
+
 def split_parameter_modules(adapter: Adapter, modules: dict) -> dict[str, LoraModule]:
     """The adapter's ParamWrapper pairs, taken out of adapter.modules (they are no layer of their own): with
     target_parameters, every pair peft nests (`.base_layer`) or whose module in the base (`modules`, the meta
@@ -58,12 +71,10 @@ def split_parameter_modules(adapter: Adapter, modules: dict) -> dict[str, LoraMo
     refused here (core.merge.adapter left it for this decision)."""
     if not adapter.config.get("target_parameters"):
         return {}
-    from core.merge.plan import _module_kind
-
     out = {}
     for name in list(adapter.modules):
         module = modules.get(_bare(name))
-        if name != _bare(name) or (module is not None and _module_kind(module) not in LAYERS):
+        if name != _bare(name) or (module is not None and module_kind(module) not in LAYERS):
             out[name] = adapter.modules.pop(name)
         elif adapter.modules[name].scale is None:
             raise MergeError(

@@ -13,7 +13,7 @@ import torch
 
 from core.merge.adapter import Adapter, LoraModule
 from core.merge.common import MergeError, auto_model_class, load_json
-from core.merge.experts import attach_parameters, split_parameter_modules
+from core.merge.experts import attach_parameters, module_kind, split_parameter_modules
 from core.merge.shards import (
     DTYPE_ARGS,
     DTYPE_NAMES,
@@ -102,18 +102,6 @@ def _meta_model(config: dict):
             "Only causal LMs (and vision-language models) that transformers knows without remote code can be merged."
         ) from e
     return model, hf_cfg
-
-
-def _module_kind(module) -> str:
-    from transformers.pytorch_utils import Conv1D  # heavy (transformers): see _meta_model
-
-    if isinstance(module, Conv1D):
-        return "conv1d"
-    if isinstance(module, torch.nn.Embedding):
-        return "embedding"
-    if isinstance(module, torch.nn.Linear):
-        return "linear"
-    return type(module).__name__
 
 
 def _default_dtype(config: dict, base: BaseCheckpoint) -> torch.dtype:
@@ -302,7 +290,7 @@ class _Targets:
                 f"Adapter module {name} does not exist in the base architecture ({self.config.get('model_type')}): "
                 "the adapter belongs to another model."
             )
-        mod.kind = _module_kind(module)
+        mod.kind = module_kind(module)
         if mod.kind not in ("linear", "conv1d", "embedding"):
             raise MergeError(
                 f"Adapter module {name} is a {mod.kind}; this merge supports Linear, Conv1D and Embedding."

@@ -1,1 +1,1 @@
-"""Monitoring: NVML, incremental log readers, series, health warnings and failure diagnosis."""
+"""Monitoring: incremental log readers, series, health warnings and failure diagnosis (NVML: core.gpu)."""

@@ -22,7 +22,7 @@ class HealthWarning:
 
 
 def stall_warning(stall: str) -> HealthWarning:
-    """A live run that stopped stepping (core.runs.rundir.stall's sentence) as a health warning."""
+    """A live run that stopped stepping (core.rundir.stall's sentence) as a health warning."""
     return HealthWarning(
         "stalled",
         "warning",

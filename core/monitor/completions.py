@@ -15,10 +15,10 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from core import rundir
 from core.files import open_regular
-from core.runs import rundir
-from core.train.data import user_text
-from core.train.rewards import completion_text
+from core.recipe.data import user_text
+from core.recipe.rewards import completion_text
 
 # where TRL writes them: <its output_dir, the run's checkpoints/>/completions
 COMPLETIONS = f"{rundir.CHECKPOINTS}/completions"

@@ -12,11 +12,11 @@ import os
 import re
 from pathlib import Path
 
+from core import rundir
 from core.files import read_json_object, read_yaml_mapping
 from core.monitor.diagnose_rules import RULES
 from core.monitor.evidence import Diagnosis, Evidence, Rule
 from core.monitor.tail import RunFiles, RunSeries, tail_text
-from core.runs import rundir
 
 
 def _general_fixes(general: list[str], specific: list[str], ev: Evidence) -> list[str]:

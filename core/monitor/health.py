@@ -4,7 +4,7 @@ Each warning names what is wrong with the figures that show it and what to chang
 stateful only where that saves work each tick: loss-spike detection looks at new loss points only, and the
 "first 200 steps" verdict is settled once.
 
-A run whose method learns preferences (DPO, KTO: its core.train.methods module carries `health`, the rules' words
+A run whose method learns preferences (DPO, KTO: its core.recipe.methods module carries `health`, the rules' words
 for it) is also checked for not learning them: the preference accuracy stuck at a coin flip (DPO logs one), the
 reward margin not rising, and the preferred answers' log-probs collapsing while the margin grows. They judge only
 the points logged after a warm-up share of training.max_steps, and only once there are enough of them. A run
@@ -23,8 +23,8 @@ from core.fmt import gib
 from core.monitor.advice import HealthWarning
 from core.monitor.health_rewards import reward_warnings
 from core.monitor.tail import RunSeries
-from core.train import methods
-from core.train.methods.base import Method
+from core.recipe import methods
+from core.recipe.methods.base import Method
 
 GiB = 1024**3
 

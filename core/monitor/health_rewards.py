@@ -1,5 +1,5 @@
 """Health rules for a run that learns from reward functions scored on its own completions (GRPO), in the words its
-method module gives (core.train.methods.base.RewardHealth):
+method module gives (core.recipe.methods.base.RewardHealth):
 
 - reward_zero: the reward (or one reward function) is 0 at every one of the last logged points, well into the
   run: it cannot be earned, which is a mis-mapped answer column or an extraction that never matches, far more often
@@ -18,7 +18,7 @@ import numpy as np
 
 from core.monitor.advice import HealthWarning
 from core.monitor.tail import RunSeries
-from core.train.methods.base import RewardHealth
+from core.recipe.methods.base import RewardHealth
 
 ZERO = 1e-9  # a reward this close to 0 is 0 (float noise of a mean of zeros)
 

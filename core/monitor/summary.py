@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from core import rundir
 from core.files import read_json_object, read_yaml_mapping
 from core.monitor.series import DEFAULT_SMOOTHING_STEPS, downsample_minmax, stride
 from core.monitor.tail import RunSeries
@@ -23,9 +24,8 @@ from core.monitor.watch import (
     resolve_method,
     run_peak_bytes,
 )
-from core.runs import rundir
-from core.train import methods
-from core.train.config_keys import DEFAULTS
+from core.recipe import methods
+from core.recipe.config_keys import DEFAULTS
 
 
 @dataclass
@@ -49,7 +49,7 @@ class RunSummary:
     reward_accuracy: float | None = None
     reward_margin: float | None = None
     reward_source: str | None = None  # "eval" | "train"
-    # the method's headline figures (core.train.methods: DPO's accuracy and margin, GRPO's reward), from the same
+    # the method's headline figures (core.recipe.methods: DPO's accuracy and margin, GRPO's reward), from the same
     # source: [{"key", "label", "value", "format"}]
     headline: list[dict] = field(default_factory=list)
     # what it was trained with (config.yaml; the library's default where the config leaves a key out): None when

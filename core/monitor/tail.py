@@ -19,12 +19,12 @@ from pathlib import Path
 
 import numpy as np
 
+from core import rundir
 from core.files import loads_json, open_regular
 from core.monitor.series import DEFAULT_SMOOTHING_STEPS, StepEMA
 from core.procs import tail_text
-from core.runs import rundir
-from core.runs.rundir import RANK_MEMORY
-from core.train import methods
+from core.recipe import methods
+from core.rundir import RANK_MEMORY
 
 try:  # 3-4x faster on the first read of a long run; optional. It refuses integers beyond float range itself.
     from orjson import loads as _fast_loads
@@ -233,7 +233,7 @@ METRIC_FIELDS = (
     "rss_bytes",
     "epoch",
 )
-# What the methods' trainers log on top (rewards, log-probs, KL: core.train.methods; per logging step, their eval
+# What the methods' trainers log on top (rewards, log-probs, KL: core.recipe.methods; per logging step, their eval
 # twins carry the eval_ prefix). An SFT run's lines have none of them: each costs one dict lookup per line there.
 METHOD_FIELDS = tuple(name for name in methods.all_metrics() if name not in METRIC_FIELDS)
 EVAL_METHOD_FIELDS = tuple(f"eval_{name}" for name in METHOD_FIELDS)
@@ -246,7 +246,7 @@ RANK_FIELDS = tuple(f"rank{k}_{name}" for k in range(1, MAX_RANKS) for name in R
 _RANKS_MARK = "rank1_rss_bytes"  # on every line of such a run
 _METHOD_KEYS = frozenset(METHOD_FIELDS + EVAL_METHOD_FIELDS)
 _SMOOTHED = frozenset(SMOOTHED_FIELDS)
-# Keys named at run time (GRPO: rewards/<function>/mean and /std, core.train.methods' metric_families), train and
+# Keys named at run time (GRPO: rewards/<function>/mean and /std, core.recipe.methods' metric_families), train and
 # eval: looked for only on a line that carries a figure no other method logs (GRPO's reward), so an SFT or DPO line
 # never walks its keys for them.
 _FAMILIES = tuple(dict.fromkeys(f for m in methods.REGISTRY.values() for f in m.metric_families))

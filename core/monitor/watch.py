@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from core import rundir
 from core.files import read_json_object, read_yaml_mapping
 from core.monitor.advice import stall_warning
 from core.monitor.completions import Completions, CompletionsReader
@@ -31,8 +32,7 @@ from core.monitor.diagnose import Diagnosis, diagnose, load_evidence
 from core.monitor.health import HealthChecker, HealthWarning
 from core.monitor.series import downsample_minmax, stride
 from core.monitor.tail import RunFiles, RunSeries, TextTail
-from core.runs import rundir
-from core.train import methods
+from core.recipe import methods
 
 GiB = 1024**3
 
@@ -76,7 +76,7 @@ class Snapshot:
     changed: bool  # new points since the previous tick
     method: str | None = None  # "sft", "dpo", ... (see resolve_method); None when no config or metrics tell
     stalled_s: float | None = None  # a live run that stopped stepping: seconds since its last step
-    stall: str | None = None  # and why: "no step for 3 min (process stopped)" (core.runs.rundir.stall)
+    stall: str | None = None  # and why: "no step for 3 min (process stopped)" (core.rundir.stall)
     completions: Completions | None = None  # a GRPO run's newest sample completions and their rewards
 
     def chart_bytes(self) -> int:
@@ -405,7 +405,7 @@ class RunWatcher:
 def method_charts(
     s: RunSeries, method: str | None, budget: ChartBudget | None = None
 ) -> dict[str, pd.DataFrame]:
-    """The charts of the run's method's own figures (core.train.methods: a DPO run's rewards, preference accuracy
+    """The charts of the run's method's own figures (core.recipe.methods: a DPO run's rewards, preference accuracy
     and log-probs; a GRPO run's reward, each reward function's, completion lengths), keyed "<method>_<chart>", x
     column "step", each smoothed as the loss is (the debiased EMA beside the raw points). A figure not logged (yet)
     is a series left out, never an error; a frame with no series is empty (an optional chart's: left out)."""

@@ -1,1 +1,2 @@
-"""Runs: the run directory, the launcher, and what the pages do to runs (smoke tests, delete)."""
+"""Runs: the launcher, the supervisor, the queue and sweeps, and what the pages do to runs (smoke tests, delete).
+The run directory's file contract is core.rundir, on the ground floor."""

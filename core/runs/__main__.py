@@ -15,13 +15,14 @@ import math
 import sys
 from pathlib import Path
 
+from core import rundir
 from core.files import read_json_object, read_yaml_mapping
 from core.fmt import first_sentence, mem, run_piped
-from core.runs import queue_cli, rundir
+from core.recipe import methods
+from core.recipe.config import field_errors
+from core.runs import queue_cli
 from core.runs.admin import check_new_run_name, delete_run
 from core.runs.launcher import RunError, RunInfo, create_run, launch, list_runs, run_state, stop_run
-from core.train import methods
-from core.train.config import field_errors
 from core.workspace import WorkspaceError, default_workspace, existing_run_name, runs_dir
 
 EXIT_BAD_INPUT = 2
@@ -173,8 +174,8 @@ def checked_launch(workspace: Path, name: str, config: str) -> dict:
     data tokenized, the libraries' objects: core.train.preflight.prepare_run), so that bad input is refused here,
     before a run folder exists, and not by a run that fails a minute later."""
     from core.precision import Device
-    from core.train.config import ConfigError, load_config
-    from core.train.data import DataError
+    from core.recipe.config import ConfigError, load_config
+    from core.recipe.data import DataError
     from core.train.preflight import check_model, prepare_run
 
     try:
@@ -249,8 +250,8 @@ def main(argv: list[str] | None = None) -> int:
             launch(run_dir, resume=True)
             print(run_dir)
         elif args.command == "export":
+            from core.recipe.config import ConfigError, load_config
             from core.runs.slurm import export_slurm
-            from core.train.config import ConfigError, load_config
 
             run_dir = _find(workspace, args.name)
             try:

@@ -11,12 +11,11 @@ import shutil
 import time
 from pathlib import Path
 
-from core import procs
-from core.runs import rundir
+from core import procs, rundir
+from core.recipe import methods
+from core.recipe.config import dump_config, field_errors, validate_config
+from core.rundir import LIVE_STATES
 from core.runs.launcher import TAIL_LINES, RunError, launch, run_state
-from core.runs.rundir import LIVE_STATES
-from core.train import methods
-from core.train.config import dump_config, field_errors, validate_config
 from core.train.preflight import check_model_folder as check
 from core.workspace import (
     MAKE_WRITABLE,

@@ -16,10 +16,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from core import procs
-from core.runs import rundir
-from core.runs.rundir import read_pid, read_smoke, read_status, write_status
-from core.train.config import ConfigError, dump_config, load_config, validate_config
+from core import procs, rundir
+from core.recipe.config import ConfigError, dump_config, load_config, validate_config
+from core.rundir import read_pid, read_smoke, read_status, write_status
 from core.train.preflight import check_model_folder
 from core.train.resume import check_resume
 from core.workspace import (
@@ -220,12 +219,7 @@ def run_state(run_dir: str | os.PathLike) -> RunInfo:
 
 def list_runs(workspace: str | os.PathLike) -> list[RunInfo]:
     """Every run under <workspace>/runs, newest first."""
-    root = runs_dir(workspace)
-    if not root.is_dir():
-        return []
-    dirs = [d for d in root.iterdir() if d.is_dir() and (d / rundir.CONFIG).exists()]
-    dirs.sort(key=lambda d: (d / rundir.CONFIG).stat().st_mtime, reverse=True)
-    return [run_state(d) for d in dirs]
+    return [run_state(d) for d in rundir.run_folders(workspace)]
 
 
 def wait_for(

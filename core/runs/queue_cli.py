@@ -17,10 +17,10 @@ from pathlib import Path
 
 from core.files import YamlError, read_yaml
 from core.fmt import mem
+from core.recipe.config import ConfigError
 from core.runs import queue as Q
 from core.runs import sweep as S
 from core.runs.supervisor import ensure_running
-from core.train.config import ConfigError
 from core.workspace import WorkspaceError, suggest_run_name
 
 EXIT_BAD_INPUT = 2

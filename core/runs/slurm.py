@@ -15,9 +15,9 @@ import shlex
 import sys
 from pathlib import Path
 
+from core import rundir
 from core.files import atomic_write_text
-from core.runs import rundir
-from core.train import distributed
+from core.recipe import distributed
 
 SCRIPT = "slurm.sbatch"
 REPO_ROOT = Path(__file__).resolve().parents[2]

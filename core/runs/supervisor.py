@@ -117,8 +117,8 @@ def next_entry(workspace, state: Q.QueueState) -> Q.Entry | None:
 
 def _gpu_free(config: dict) -> int | None:
     """The least free memory among the GPUs a run of `config` uses (NVML), None where NVML cannot tell."""
-    from core.monitor import gpu
-    from core.train import distributed
+    from core import gpu
+    from core.recipe import distributed
 
     ids = distributed.gpu_ids(config) or list(range(distributed.gpus_per_machine(config)))
     frees = [

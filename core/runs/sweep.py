@@ -20,8 +20,8 @@ import math
 import random
 from typing import Any
 
-from core.train.config import ConfigError, validate_config
-from core.train.config_keys import TOP_LEVEL
+from core.recipe.config import ConfigError, validate_config
+from core.recipe.config_keys import TOP_LEVEL
 
 MAX_POINTS = 256  # a sweep larger than this is a typo, not a plan for the night
 KEYS = ("method", "parameters", "trials", "seed")

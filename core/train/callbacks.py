@@ -12,12 +12,13 @@ import statistics
 import time
 from pathlib import Path
 
+from core import rundir
 from core.files import atomic_write_text
-from core.runs import rundir
-from core.runs.rundir import RANK_MEMORY, write_status
-from core.train import distributed, ranks
-from core.train.config import config_to_yaml
-from core.train.config_keys import SAMPLES_EXTRA_TOKENS, SAMPLES_MAX_TOKENS
+from core.recipe import distributed
+from core.recipe.config import config_to_yaml
+from core.recipe.config_keys import SAMPLES_EXTRA_TOKENS, SAMPLES_MAX_TOKENS
+from core.rundir import RANK_MEMORY, write_status
+from core.train import ranks
 
 METRIC_KEYS = ("loss", "eval_loss", "learning_rate", "grad_norm")
 
@@ -147,7 +148,7 @@ def _callback_class():
             now = time.time()
             if now - self._status_t > 1.0:  # at most one status write a second keeps the overhead invisible
                 self._status_t = now
-                # the usual step time: a reader tells a stalled run by it (core.runs.rundir.stall)
+                # the usual step time: a reader tells a stalled run by it (core.rundir.stall)
                 step_s = statistics.median(self.step_seconds[-20:])
                 self._status(step=state.global_step, step_s=round(step_s, 4))
 
@@ -282,7 +283,7 @@ def make_run_callback(
     config: dict | None = None,
 ):
     """The run's TrainerCallback (its class is made on first use: transformers is imported only then). identity:
-    the run folder's (core.runs.rundir.folder_identity) as the trainer found it; config: the run's config, kept in
+    the run folder's (core.rundir.folder_identity) as the trainer found it; config: the run's config, kept in
     each checkpoint it saves."""
     return _callback_class()(run_dir, stop, smoke, device, samples_per_step, identity, config)
 
@@ -340,8 +341,8 @@ def samples_callbacks(cfg: dict, run_dir: Path, tokenizer, eval_ds, smoke: bool)
     handed = ranks.spec() or {}
     if n <= 0 or eval_ds is None or handed.get("strategy") in distributed.SHARDED:
         return []  # sharded weights: rank 0 alone cannot generate (every rank takes part in each forward)
-    from core.eval.generate import GREEDY_BATCH, pad_id
-    from core.train import methods
+    from core.generate import GREEDY_BATCH, pad_id
+    from core.recipe import methods
 
     method = methods.get(cfg)
     rows = method.sample_rows(eval_ds, tokenizer, n)
@@ -363,7 +364,7 @@ def _samples_class():
     from transformers import TrainerCallback
 
     class SamplesCallback(TrainerCallback):
-        """Greedy answers to fixed held-out prompts at each evaluation (core.eval.generate, batched)."""
+        """Greedy answers to fixed held-out prompts at each evaluation (core.generate, batched)."""
 
         def __init__(self, path: Path | None, rows: list[dict], tokenizer, max_new_tokens: int):
             self.path, self.rows, self.tokenizer, self.max_new_tokens = path, rows, tokenizer, max_new_tokens
@@ -372,7 +373,7 @@ def _samples_class():
         def on_evaluate(self, args, state, control, model=None, **kw):
             if model is None or not state.is_world_process_zero:
                 return
-            from core.eval.generate import greedy
+            from core.generate import greedy
 
             prompts = [r["prompt_ids"] for r in self.rows]
             said = greedy(

@@ -15,15 +15,15 @@ import sys
 import traceback
 from pathlib import Path
 
+from core import rundir
 from core.estimate.from_config import plan_json, write_accelerate_config
 from core.estimate.plan import PlanError
 from core.estimate.specs import SpecError
 from core.precision import Device
-from core.runs import rundir
+from core.recipe.config import ConfigError, load_config
+from core.recipe.data import DataError
 from core.train import ranks
 from core.train.callbacks import StopFlag
-from core.train.config import ConfigError, load_config
-from core.train.data import DataError
 from core.train.preflight import check_model, prepare_run
 from core.train.smoke import smoke_line
 from core.train.trainer import (

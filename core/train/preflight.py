@@ -2,7 +2,7 @@
 
 Loads only the tokenizer and the model's config (the weights' headers are read, no weights), so it takes seconds
 and can run from the UI. The
-run's method (core.train.methods) supplies its data checks; each finding names the rows (counted from 1) and the
+run's method (core.recipe.methods) supplies its data checks; each finding names the rows (counted from 1) and the
 fix.
 
 CLI: python -m core.preflight run.yaml   (exit 2 when the data has an error)
@@ -15,11 +15,11 @@ import sys
 from core.files import quiet_datasets
 from core.fmt import error_line
 from core.hub.fetch import readable
-from core.train import methods, vision
-from core.train.config import ConfigError, check_with_libraries, load_config
-from core.train.data import DataError
-from core.train.engine_args import lora_dropout_problem
-from core.train.findings import (  # noqa: F401  (the names callers take from here)
+from core.recipe import methods, vision
+from core.recipe.config import ConfigError, check_with_libraries, load_config
+from core.recipe.data import DataError
+from core.recipe.engine_args import lora_dropout_problem
+from core.recipe.findings import (  # noqa: F401  (the names callers take from here)
     Finding,
     TokenizerError,
     check_model_folder,

@@ -31,10 +31,9 @@ import sys
 import time
 from pathlib import Path
 
-from core import procs
+from core import procs, rundir
 from core.files import atomic_write_text, read_json_object
-from core.runs import rundir
-from core.train import distributed
+from core.recipe import distributed
 
 SPEC_ENV = "LORA_COCKPIT_RANKS"  # what the supervisor hands every rank (JSON): run dir, checkpoint, strategy
 RANKS = rundir.RANKS

@@ -18,10 +18,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from core import rundir
 from core.files import atomic_write_text
-from core.runs import rundir
-from core.train import distributed
-from core.train.config import ConfigError, config_to_yaml, load_config
+from core.recipe import distributed
+from core.recipe.config import ConfigError, config_to_yaml, load_config
 
 # What a checkpoint's bytes depend on: the base the adapter adapts (its weights for a full fine-tune), the adapter's
 # modules, shapes and scaling, the quantized base it was trained against, the trainer (method) whose state it is,

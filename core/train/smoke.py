@@ -7,9 +7,9 @@ import threading
 import time
 from pathlib import Path
 
+from core import rundir
 from core.precision import Precision
-from core.runs import rundir
-from core.train import methods
+from core.recipe import methods
 
 
 @contextlib.contextmanager
@@ -55,7 +55,7 @@ def measure_peak(trainer, marks=()):
     *steady* step. The smoke step is the first one, where the optimizer makes its state (Adam's moments) only
     at the end; from the second step on that state is alive during forward and backward too, so the tracker's
     steady peak adds it there. The first step's own peak stays as first_step_peak_bytes. On CUDA torch's
-    allocator peaks (first step) come next to it; without core.measure.tracker, the process RSS rise (psutil) plus the
+    allocator peaks (first step) come next to it; without core.tracker, the process RSS rise (psutil) plus the
     model's own bytes, marked measured_by "rss".
     """
     import torch
@@ -64,7 +64,7 @@ def measure_peak(trainer, marks=()):
     result: dict = {}
     cuda = torch.cuda.is_available()
     try:
-        from core.measure.tracker import main_phase_peaks, track_live_tensors
+        from core.tracker import main_phase_peaks, track_live_tensors
     except Exception:
         track_live_tensors = None
     if track_live_tensors is not None:

@@ -17,12 +17,12 @@ from core.files import atomic_write_text, read_json_object
 from core.hub import fetch, rows
 from core.hub.ids import HubError, HubRef, parse
 from core.hub.remote import facts
-from core.runs.rundir import write_status
-from core.train.config import ConfigError
+from core.recipe.config import ConfigError
+from core.rundir import SOURCE_ROLES as ROLES
+from core.rundir import SOURCES, write_status
+from core.rundir import read_sources as read
 
-SOURCES = "sources.json"  # {"model": {"id", "revision", "commit", "type"}, "reference": ..., "data": ...}
 DOWNLOAD = "download.json"  # the download in progress (or done) before training starts
-ROLES = {"model": ("model", "path"), "reference": ("model", "reference_path"), "data": ("data", "path")}
 
 
 class Fetched(dict):
@@ -50,10 +50,6 @@ def hub_refs(cfg: dict) -> dict[str, HubRef]:
         if ref is not None:
             out[role] = ref
     return out
-
-
-def read(run_dir) -> dict:
-    return read_json_object(Path(run_dir) / SOURCES) or {}
 
 
 def labels(run_dir) -> dict[str, str]:

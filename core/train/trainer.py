@@ -16,16 +16,20 @@ import threading
 import time
 from pathlib import Path
 
-from core import procs
+from core import procs, rundir
 from core.estimate.from_config import plan_json, resolve_strategy
 from core.estimate.plan import PlanError
 from core.estimate.specs import SpecError
 from core.fmt import error_line
-from core.monitor.gpu import GpuSampler
+from core.gpu import GpuSampler
 from core.precision import Device, Precision, PrecisionError, resolve, torch_dtype
-from core.runs import rundir
-from core.runs.rundir import read_status, truncate_metrics, write_status
-from core.train import distributed, methods, ranks, sources, trackers, vision
+from core.recipe import distributed, methods, trackers, vision
+from core.recipe.config import ConfigError, load_config, validate_config
+from core.recipe.data import DataError
+from core.recipe.engine_args import bnb_config, lora_config, model_kwargs, training_args
+from core.recipe.rewards import RewardError
+from core.rundir import read_status, truncate_metrics, write_status
+from core.train import ranks, sources
 from core.train.callbacks import (
     StopFlag,
     early_stop,
@@ -34,12 +38,8 @@ from core.train.callbacks import (
     make_run_callback,
     samples_callbacks,
 )
-from core.train.config import ConfigError, load_config, validate_config
-from core.train.data import DataError
-from core.train.engine_args import bnb_config, lora_config, model_kwargs, training_args
 from core.train.preflight import check_model, prepare_run
 from core.train.resume import check_resume, keep_new_hyperparameters, record_config
-from core.train.rewards import RewardError
 from core.train.smoke import finish_smoke, measure_peak
 
 EXIT_BAD_INPUT, EXIT_FAILED, EXIT_STOPPED = 2, 1, 0
@@ -184,7 +184,7 @@ def run_training(
     announce=None,
 ) -> dict:
     """Train and return a summary; raises ConfigError/DataError/TrainError for the user's problems (ConfigRefused:
-    found before anything was written), RunRefused and RunBusy (core.runs.rundir; touching nothing) for a run
+    found before anything was written), RunRefused and RunBusy (core.rundir; touching nothing) for a run
     directory that cannot be trained into (or a resume its checkpoint cannot take), RunGone
     when the run directory was deleted or replaced under the trainer (it stops without writing anything).
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from core.estimate.specs import parameter_shapes
 from core.files import read_json_object
 from core.fmt import nbytes
-from core.train.findings import MISMATCH_FIX, loaded_weight_files, model_folder, safetensors_header
+from core.recipe.findings import MISMATCH_FIX, loaded_weight_files, model_folder, safetensors_header
 
 ITEMSIZE = dict(F64=8, I64=8, U64=8, F32=4, I32=4, U32=4, F16=2, BF16=2, I16=2, U16=2)  # bytes per element
 # Real checkpoints carry a little beyond the model (a multi-token-prediction layer, a vision tower a causal LM

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from core.train import methods
+from core.recipe import methods
 
 METHODS = methods.NAMES
 
@@ -13,7 +13,7 @@ METHODS = methods.NAMES
 SECTIONS = ("model", "quantization", "lora", "data", "training", "distributed")
 
 
-# rewards: a GRPO run's reward functions, a list (core.train.rewards checks it)
+# rewards: a GRPO run's reward functions, a list (core.recipe.rewards checks it)
 TOP_LEVEL = ("method", *SECTIONS, "rewards")
 
 
@@ -23,7 +23,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTN = ("eager", "sdpa", "flash_attention_2", "flex_attention")
 
 
-# distributed.strategy: how the work is spread over several GPUs (core.train.distributed writes the accelerate
+# distributed.strategy: how the work is spread over several GPUs (core.recipe.distributed writes the accelerate
 # config for each; auto = DDP when the plan fits one card, else FSDP)
 STRATEGIES = ("auto", "ddp", "fsdp", "deepspeed_zero3")
 
@@ -112,10 +112,10 @@ DEFAULTS: dict[str, Any] = {
         "save_steps": 200,
         "save_total_limit": 2,
         "seed": 42,
-        # the run's own tracker, in its folder (core.train.trackers): what the engine used when a config named none
+        # the run's own tracker, in its folder (core.recipe.trackers): what the engine used when a config named none
         "report_to": "tensorboard",
     },
-    # One GPU unless said otherwise; several GPUs (and machines) go through accelerate (core.train.distributed).
+    # One GPU unless said otherwise; several GPUs (and machines) go through accelerate (core.recipe.distributed).
     "distributed": {
         "gpus": 1,  # how many GPUs of this machine (a count), or which (nvidia-smi's ids, e.g. [0, 2])
         "strategy": "auto",  # auto | ddp | fsdp | deepspeed_zero3
@@ -233,9 +233,9 @@ RANGES: dict[str, tuple] = {
 }
 
 
-# A vision-language model's image settings (core.train.vision). Absent is the default: the tower frozen, the
+# A vision-language model's image settings (core.recipe.vision). Absent is the default: the tower frozen, the
 # processor's own max_pixels, no pan-and-scan, and image_size / images_per_row read from the data (its largest image,
-# its most images in a row; core.train.vision.data_images) -- they are planning inputs: the engine trains on the
+# its most images in a row; core.recipe.vision.data_images) -- they are planning inputs: the engine trains on the
 # images as they are. On a text model they are ignored with a preflight warning.
 IMAGE_SCHEMA = {
     "image_size": {"kinds": ["str", "none"]},  # "WxH" of the planned images, e.g. 1024x768
@@ -245,7 +245,7 @@ IMAGE_SCHEMA = {
 }
 
 
-# The cockpit's own sections, described the way core.train.schema describes the libraries' fields.
+# The cockpit's own sections, described the way core.recipe.schema describes the libraries' fields.
 OWN_SCHEMA = {
     "model": {
         "path": {"kinds": ["str"]},

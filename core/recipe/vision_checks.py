@@ -1,10 +1,10 @@
-"""The checks and the preview of image conversations (core.train.vision): preflight's findings by row, and the
+"""The checks and the preview of image conversations (core.recipe.vision): preflight's findings by row, and the
 Train page's preview with each row's images and its image tokens counted."""
 
 from __future__ import annotations
 
-from core.train.data import _chat_segments
-from core.train.vision import (
+from core.recipe.data import _chat_segments
+from core.recipe.vision import (
     IMAGE_KEYS,
     ImageChat,
     image_problem,
@@ -21,7 +21,7 @@ def findings(cfg: dict, ds, processor) -> list:
     """The preflight of image conversations: each missing or unreadable image by row (one finding each), rows
     without a conversation or an answer, rows whose images do not fit in training.max_length (an image cannot be
     cut: its features and its tokens would not match), rows that would be truncated."""
-    from core.train.findings import Finding, format_rows
+    from core.recipe.findings import Finding, format_rows
 
     fmt, t = ImageChat(cfg["data"]), cfg["training"]
     max_length = t["max_length"]
@@ -128,7 +128,7 @@ def findings(cfg: dict, ds, processor) -> list:
 def ignored_image_keys(cfg: dict, model_config) -> list:
     """A warning naming the image settings (config_keys.IMAGE_KEYS) set for a text model: they are ignored (the
     same config may be tried on a VLM and on a text model; a typo'd key is still an error of the validator)."""
-    from core.train.findings import Finding
+    from core.recipe.findings import Finding
 
     if is_vlm(model_config):
         return []
@@ -162,9 +162,9 @@ def _has_text(content) -> bool:
 
 
 def preview(data_cfg: dict, processor, n: int = 5, length_rows: int = 5000, max_length: int = 512) -> dict:
-    """core.train.data.preview_dataset for image conversations: each shown row also has `images` (the files'
+    """core.recipe.data.preview_dataset for image conversations: each shown row also has `images` (the files'
     paths, for thumbnails) and `image_tokens`; the lengths count every image as the processor's rule gives."""
-    from core.train.data import load_rows
+    from core.recipe.data import load_rows
 
     ds = load_rows(data_cfg)
     fmt = ImageChat(data_cfg)
@@ -207,8 +207,8 @@ def preview(data_cfg: dict, processor, n: int = 5, length_rows: int = 5000, max_
 
 def run_preview(cfg: dict, tokenizer, model_config, n: int = 5, length_rows: int = 5000) -> dict:
     """The Train page's preview of an SFT run's data: its image conversations for a VLM (`preview`: image paths
-    for thumbnails, lengths with the image tokens), else core.train.data.preview_dataset."""
-    from core.train.data import preview_dataset
+    for thumbnails, lengths with the image tokens), else core.recipe.data.preview_dataset."""
+    from core.recipe.data import preview_dataset
 
     max_length = cfg["training"]["max_length"]
     if is_vlm(model_config):

@@ -1,10 +1,10 @@
-"""DPO (trl.DPOTrainer): preference pairs, a chosen and a rejected answer to one prompt (core.train.prefdata)."""
+"""DPO (trl.DPOTrainer): preference pairs, a chosen and a rejected answer to one prompt (core.recipe.prefdata)."""
 
 from __future__ import annotations
 
-from core.train.data import DataError, load_rows
-from core.train.methods.base import Chart, Field, Method, PlanTraits, PreferenceHealth, fill_to
-from core.train.prefdata import (
+from core.recipe.data import DataError, load_rows
+from core.recipe.methods.base import Chart, Field, Method, PlanTraits, PreferenceHealth, fill_to
+from core.recipe.prefdata import (
     detect_pref_format,
     load_pref_rows,
     normalize_pairs,

@@ -28,7 +28,7 @@ import yaml
 
 from core.files import atomic_write_text
 from core.precision import Precision
-from core.train.config_keys import STRATEGIES
+from core.recipe.config_keys import STRATEGIES
 
 ACCELERATE_FILE = (
     "accelerate.yaml"  # in the run directory: what the run is launched with (readable, reusable)

@@ -1,16 +1,16 @@
-"""KTO (trl.KTOTrainer): unpaired feedback, one answer with a thumbs up or down (core.train.feedback)."""
+"""KTO (trl.KTOTrainer): unpaired feedback, one answer with a thumbs up or down (core.recipe.feedback)."""
 
 from __future__ import annotations
 
-from core.train.data import DataError, load_rows
-from core.train.feedback import (
+from core.recipe.data import DataError, load_rows
+from core.recipe.feedback import (
     normalize_feedback,
     prepare_feedback_datasets,
     preview_feedback,
     run_feedback_preflight,
 )
-from core.train.methods.base import Chart, Field, Method, PlanTraits, PreferenceHealth, fill_to
-from core.train.methods.dpo import REFERENCE_FIELDS
+from core.recipe.methods.base import Chart, Field, Method, PlanTraits, PreferenceHealth, fill_to
+from core.recipe.methods.dpo import REFERENCE_FIELDS
 
 
 class KTO(Method):

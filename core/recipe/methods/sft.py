@@ -1,10 +1,10 @@
 """SFT (trl.SFTTrainer): instruction, chat or plain-text rows, pre-tokenized with the prompt masked out of the
-loss (core.train.data)."""
+loss (core.recipe.data)."""
 
 from __future__ import annotations
 
-from core.train import vision, vision_checks
-from core.train.data import (
+from core.recipe import vision, vision_checks
+from core.recipe.data import (
     FORMAT_COLUMNS,
     IGNORE_INDEX,
     Collator,
@@ -17,7 +17,7 @@ from core.train.data import (
     sample_prompts,
     tokenize_row,
 )
-from core.train.findings import (
+from core.recipe.findings import (
     Finding,
     format_rows,
     is_blank,
@@ -26,7 +26,7 @@ from core.train.findings import (
     model_limits,
     token_findings,
 )
-from core.train.methods.base import Chart, Method, PlanTraits, fill_to
+from core.recipe.methods.base import Chart, Method, PlanTraits, fill_to
 
 
 class SFT(Method):
@@ -41,7 +41,7 @@ class SFT(Method):
         return SFTTrainer
 
     def datasets(self, cfg: dict, tokenizer):
-        # image conversations: messages + image paths, processed batch by batch (core.train.vision)
+        # image conversations: messages + image paths, processed batch by batch (core.recipe.vision)
         if vision.is_processor(tokenizer):
             return vision.datasets(cfg, load_rows(cfg["data"]))
         train, evaluation = prepare_datasets(cfg, tokenizer)

@@ -25,6 +25,7 @@ from core.files import (
 )
 from core.fmt import nbytes
 from core.procs import LOCK, PID, STDERR, STDOUT  # noqa: F401 - names of the run directory too
+from core.workspace import runs_dir
 
 CONFIG = "config.yaml"  # the validated run config
 PLAN = "plan.json"  # the planner's estimate for this config
@@ -40,8 +41,15 @@ SAMPLES = (
 )
 # PID ("pid": the training process), LOCK ("lock": held by it), STDOUT and STDERR: see core.procs
 CHECKPOINTS = "checkpoints"
-TENSORBOARD = "tensorboard"  # training.report_to tensorboard: its event files (core.train.trackers)
-TRACKIO = "trackio"  # training.report_to trackio: its local database (core.train.trackers)
+SOURCES = "sources.json"  # the Hub ids it trains on, {role: {"id", "revision", "commit", "type"}} (core.train.sources)
+# where the run config names each role's Hub id (or local folder)
+SOURCE_ROLES = {
+    "model": ("model", "path"),
+    "reference": ("model", "reference_path"),
+    "data": ("data", "path"),
+}
+TENSORBOARD = "tensorboard"  # training.report_to tensorboard: its event files (core.recipe.trackers)
+TRACKIO = "trackio"  # training.report_to trackio: its local database (core.recipe.trackers)
 ADAPTER, MODEL = "adapter", "model"  # the final weights: a LoRA adapter, or a full fine-tune
 
 LIVE_STATES = ("starting", "running", "stopping")
@@ -117,6 +125,20 @@ def _write_last_words(path: Path, text: str) -> None:
             raise
         release_space(path.parent)
         atomic_write_text(path, text, parents=False)
+
+
+def read_sources(run_dir: str | os.PathLike) -> dict:
+    return read_json_object(Path(run_dir) / SOURCES) or {}
+
+
+def run_folders(workspace: str | os.PathLike) -> list[Path]:
+    """Every run folder under <workspace>/runs (one with a config), newest first."""
+    root = runs_dir(workspace)
+    if not root.is_dir():
+        return []
+    dirs = [d for d in root.iterdir() if d.is_dir() and (d / CONFIG).exists()]
+    dirs.sort(key=lambda d: (d / CONFIG).stat().st_mtime, reverse=True)
+    return dirs
 
 
 def read_status(run_dir: str | os.PathLike) -> dict | None:

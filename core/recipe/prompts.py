@@ -1,6 +1,6 @@
 """Prompts for GRPO: each row a prompt the model answers, with whatever columns its reward functions read.
 
-Read from the same files as every method's data (core.train.data.load_rows, with `data.columns` renames):
+Read from the same files as every method's data (core.recipe.data.load_rows, with `data.columns` renames):
 
   standard        {"prompt": str, ...}: the text exactly as the model continues it
   conversational  {"prompt": [{"role", "content"}, ...], ...}: rendered with the model's chat template
@@ -15,9 +15,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from core.train import rewards as reward_specs
-from core.train.data import DataError, load_rows, split_eval, user_text
-from core.train.findings import Finding, format_rows, is_blank, model_limits
+from core.recipe import rewards as reward_specs
+from core.recipe.data import DataError, load_rows, split_eval, user_text
+from core.recipe.findings import Finding, format_rows, is_blank, model_limits
 
 DEFAULT_MAX_PROMPT_LENGTH = 512
 CHECKED_ROWS = 8  # rows whose own answer every match reward must score at its maximum

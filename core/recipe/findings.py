@@ -1,5 +1,5 @@
 """What every method's preflight shares: the Finding, the model-folder checks, the model's limits and the token
-checks. Each training method (core.train.methods) builds its own data checks from these; core.train.preflight
+checks. Each training method (core.recipe.methods) builds its own data checks from these; core.train.preflight
 runs the run's method.
 
 Loads only the tokenizer and the model's config (no weights). Each finding names the rows (counted from 1, the

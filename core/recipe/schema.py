@@ -19,7 +19,7 @@ from importlib import metadata
 from pathlib import Path
 
 from core.files import atomic_write_text
-from core.train import methods
+from core.recipe import methods
 
 FORMAT = 4  # bump when the schema's shape changes (2: training_dpo, 3: training_kto, 4: training_grpo)
 PACKAGES = ("trl", "transformers", "peft")

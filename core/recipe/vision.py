@@ -5,7 +5,7 @@ is the chat format whose message contents are lists of entries, `{"type": "image
 relative to the data file) or `{"type": "text", "text": "..."}`. TRL's vision path is followed: the rows stay
 messages + image paths (`images`), and the processor renders, tokenizes and turns images into pixels batch by batch
 (ImageCollator), since pixels for a whole dataset would not fit anywhere. Unlike TRL's own collator, the prompt is
-masked out of the loss (the conversation is tokenized segment by segment, as core.train.data does for text) and so
+masked out of the loss (the conversation is tokenized segment by segment, as core.recipe.data does for text) and so
 are the image tokens: the model learns the answers, not to predict image placeholders.
 
 LoRA trains the language model only: the vision tower and its projector stay frozen (lora_targets), unless
@@ -21,7 +21,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from core.files import read_json_object
-from core.train.data import IGNORE_INDEX, DataError, _as_paths, _chat_segments
+from core.recipe.data import IGNORE_INDEX, DataError, _as_paths, _chat_segments
 
 # the processor outputs that run along the token sequence (padded with the rows); the rest are the images' own
 # tensors (pixel_values, image_grid_thw, image_sizes ...), concatenated image after image
@@ -32,7 +32,7 @@ VISION_MODULES = (
 )
 
 
-# a VLM run's own settings (core.train.config_keys.IMAGE_SCHEMA): ignored, with a preflight warning, on a text model
+# a VLM run's own settings (core.recipe.config_keys.IMAGE_SCHEMA): ignored, with a preflight warning, on a text model
 IMAGE_KEYS = (
     "data.image_size",
     "data.max_pixels",
@@ -247,7 +247,7 @@ def _split_images(text: str, token: str, images: list) -> tuple[list, list]:
 
 def encode(messages: list[dict], processor, max_length: int | None = None, mask_prompt: bool = True) -> dict:
     """One conversation as the model sees it: input_ids, labels and the processor's other outputs (tensors). Each
-    segment (core.train.data._chat_segments) goes through the processor with the images it places, so that the
+    segment (core.recipe.data._chat_segments) goes through the processor with the images it places, so that the
     image placeholders are expanded by the processor's own rule; the prompt segments and every image token are
     left out of the loss."""
     import torch
@@ -323,7 +323,7 @@ def _image_tokens(processor, sizes: list[tuple[int, int]]) -> list[int]:
 class ImageCollator:
     """Batches of image conversations, processed on the fly (TRL's vision path): right-padded input_ids, labels
     with the prompt and image tokens at -100, the processor's image tensors concatenated. fill (a smoke test):
-    every row filled to max_length, attended to but not trained on, as core.train.methods.sft.SmokeCollator does,
+    every row filled to max_length, attended to but not trained on, as core.recipe.methods.sft.SmokeCollator does,
     so that the step measured is the longest a run can meet."""
 
     def __init__(self, processor, max_length: int | None, mask_prompt: bool = True, fill: bool = False):
@@ -392,7 +392,7 @@ def _data_images(_key: str, data_json: str) -> tuple[int, int, int] | None:
     from PIL import Image
 
     from core.files import quiet_datasets
-    from core.train.data import load_rows
+    from core.recipe.data import load_rows
 
     data_cfg = json.loads(data_json)
     try:
@@ -427,7 +427,7 @@ def collator(processing_class, cfg: dict, smoke: bool = False):
 
 def datasets(cfg: dict, ds):
     """(train, eval or None): the rows as TRL's vision path holds them (messages as JSON, image paths)."""
-    from core.train.data import split_eval
+    from core.recipe.data import split_eval
 
     fmt = ImageChat(cfg["data"])
     rows = ds.map(

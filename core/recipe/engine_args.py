@@ -1,5 +1,5 @@
 """A validated run config turned into the libraries' own objects: BitsAndBytesConfig, LoraConfig, and the
-method's TRL config (SFTConfig, DPOConfig, KTOConfig: core.train.methods).
+method's TRL config (SFTConfig, DPOConfig, KTOConfig: core.recipe.methods).
 
 The user's keys pass through unchanged; the engine adds only what it owns (the run directory, logging that the
 UI reads, NaN visibility, the device and precision it resolved).
@@ -11,11 +11,11 @@ import os
 import tempfile
 from pathlib import Path
 
+from core import rundir
 from core.files import read_json_object
 from core.precision import CUDA_ONLY, Precision, torch_dtype
-from core.runs import rundir
-from core.train import distributed, methods, trackers, vision
-from core.train.config_keys import OWN_TRAINING
+from core.recipe import distributed, methods, trackers, vision
+from core.recipe.config_keys import OWN_TRAINING
 
 # Library defaults the engine fills in where the run config leaves them unset
 LORA_ENGINE = {"task_type": "CAUSAL_LM"}
@@ -97,7 +97,7 @@ def _peft_adds_experts(targets, model_config) -> bool:
 
 def lora_config(cfg: dict, vision_model: bool = False):
     """peft.LoraConfig from the lora section, or None for a full fine-tune. vision_model: a VLM, whose vision tower
-    and projector LoRA leaves frozen unless model.freeze_vision is false (core.train.vision.lora_targets)."""
+    and projector LoRA leaves frozen unless model.freeze_vision is false (core.recipe.vision.lora_targets)."""
     lora = {k: v for k, v in cfg["lora"].items() if k != "enabled"}
     if not cfg["lora"]["enabled"]:
         return None
@@ -180,7 +180,7 @@ def training_args(
                 t[key] = False
     if t.get("padding_free") and not t.get("packing") and method.traits.flat_batches:
         # TRL enforces no max_length for padding-free rows without packing: the engine truncates them itself
-        # (core.train.data) to training.max_length.
+        # (core.recipe.data) to training.max_length.
         t["max_length"] = None
     if smoke:
         if "packing" in args_class.__dataclass_fields__:

@@ -4,7 +4,7 @@ A method module (sft.py, dpo.py, kto.py, grpo.py) subclasses `Method` and fills 
 classes, its data formats, loader, preflight and preview, its smoke collator, what the planner must know of its
 step (`PlanTraits`), the figures its trainer logs and the Monitor charts they feed, its Train-page fields and
 the rows and batch a measured step uses. Code outside core/train/methods asks the run's method
-(`core.train.methods.get`) instead of branching on its name.
+(`core.recipe.methods.get`) instead of branching on its name.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from core.train.data import DataError, add_unique, user_text
+from core.recipe.data import DataError, add_unique, user_text
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,7 @@ class Method:
     defaults: dict = field(default_factory=dict)  # training defaults that differ from SFT's
     traits: PlanTraits = PlanTraits()
     smoke_batch_size: int = 1  # the smallest batch its trainer takes (KTO's KL term needs two rows)
-    # the cockpit's own training keys of this method, described as core.train.schema describes the libraries'
+    # the cockpit's own training keys of this method, described as core.recipe.schema describes the libraries'
     # (GRPO: max_prompt_length, which TRL 1.16 no longer has); the engine takes them out before the TRL config
     own_training: dict = field(default_factory=dict)
     # the figures its trainer logs beyond loss / learning rate / grad norm (their eval twins: eval_<name>)
@@ -137,7 +137,7 @@ class Method:
     # hovers near 0 by construction: neither a flat loss nor a "spike" says anything there)
     reward_health: RewardHealth | None = None
     reward_functions: bool = (
-        False  # its run config has a `rewards` list (core.train.rewards): the Train form edits it
+        False  # its run config has a `rewards` list (core.recipe.rewards): the Train form edits it
     )
     fields: tuple[Field, ...] = ()  # its own settings on the Train page
     data_noun: str = "rows"  # what its data is, for sentences: "preference pairs", "rated answers"
@@ -159,7 +159,7 @@ class Method:
 
     @property
     def schema_section(self) -> str:
-        """The key of this method's training section in core.train.schema (read from config_class)."""
+        """The key of this method's training section in core.recipe.schema (read from config_class)."""
         return "training" if self.name == "sft" else f"training_{self.name}"
 
     # -- data --------------------------------------------------------------------------------------------------
@@ -232,7 +232,7 @@ class Method:
         """The first `n` held-out rows as {"prompt": text, "prompt_ids", "reference"}: what the trainer's samples
         callback asks at each evaluation (training.eval_samples). Here: rows with a prompt column and a chosen
         answer or a completion (DPO, KTO), tokenized as their trainers do."""
-        from core.train.prefdata import pair_token_ids
+        from core.recipe.prefdata import pair_token_ids
 
         out = []
         for row in rows.select(range(min(n, len(rows)))):

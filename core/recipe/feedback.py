@@ -1,13 +1,13 @@
 """Unpaired feedback for KTO: one answer to a prompt with a thumbs up or down (`label` true / false).
 
 The data people actually have: rated answers, not pairs. Read from the same files as SFT data
-(core.train.data.load_rows, with `data.columns` renames), in two formats:
+(core.recipe.data.load_rows, with `data.columns` renames), in two formats:
 
   standard        {"prompt": str, "completion": str, "label": bool}: texts exactly as the model sees them
                   (KTOTrainer appends EOS to each completion).
   conversational  "prompt" and "completion" as lists of {"role", "content"} messages (chat template).
 
-Preference pairs (prompt / chosen / rejected, core.train.prefdata) are read too: each pair becomes a desirable and
+Preference pairs (prompt / chosen / rejected, core.recipe.prefdata) are read too: each pair becomes a desirable and
 an undesirable row, as trl.unpair_preference_dataset does. A label is a boolean, 0/1, or "true"/"false".
 """
 
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from core.train.data import DataError, load_rows, split_eval
-from core.train.findings import (
+from core.recipe.data import DataError, load_rows, split_eval
+from core.recipe.findings import (
     Finding,
     format_rows,
     is_blank,
@@ -24,7 +24,7 @@ from core.train.findings import (
     model_limits,
     token_findings,
 )
-from core.train.prefdata import check_rows_with_tokenizer, normalize_pairs, pair_token_ids
+from core.recipe.prefdata import check_rows_with_tokenizer, normalize_pairs, pair_token_ids
 
 FEEDBACK_KEYS = ("prompt", "completion", "label")
 _LABELS = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False}

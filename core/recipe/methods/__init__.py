@@ -1,7 +1,7 @@
 """The training methods, one module each: what differs between SFT, DPO, KTO and GRPO lives there and nowhere
 else.
 
-    from core.train import methods
+    from core.recipe import methods
     method = methods.get(cfg)          # the run config's method (or its name)
     train_ds, eval_ds = method.datasets(cfg, tokenizer)
 
@@ -10,8 +10,8 @@ Adding a method is one module with a `METHOD` plus a line here.
 
 from __future__ import annotations
 
-from core.train.methods import dpo, grpo, kto, sft
-from core.train.methods.base import Chart, Method, PlanTraits
+from core.recipe.methods import dpo, grpo, kto, sft
+from core.recipe.methods.base import Chart, Method, PlanTraits
 
 REGISTRY: dict[str, Method] = {m.METHOD.name: m.METHOD for m in (sft, dpo, kto, grpo)}
 NAMES = tuple(REGISTRY)

@@ -1,13 +1,13 @@
 """GRPO (trl.GRPOTrainer): reinforcement learning with verifiable rewards. The model writes `num_generations`
-completions per prompt (core.train.prompts), the run's reward functions score them (core.train.rewards), and
+completions per prompt (core.recipe.prompts), the run's reward functions score them (core.recipe.rewards), and
 each completion is pushed towards the ones its group scored above their mean."""
 
 from __future__ import annotations
 
-from core.train import rewards as reward_specs
-from core.train.data import DataError, load_rows, user_text
-from core.train.methods.base import Chart, Field, Method, PlanTraits, RewardHealth
-from core.train.prompts import (
+from core.recipe import rewards as reward_specs
+from core.recipe.data import DataError, load_rows, user_text
+from core.recipe.methods.base import Chart, Field, Method, PlanTraits, RewardHealth
+from core.recipe.prompts import (
     DEFAULT_MAX_PROMPT_LENGTH,
     max_prompt_length,
     normalize_prompts,
@@ -78,7 +78,7 @@ class GRPO(Method):
 
     def plan_shape(self, cfg: dict, batch_size: int, world: int, smoke: bool) -> dict:
         """The rollouts of a step as GRPOConfig.__post_init__ and GRPOTrainer resolve them (trl 1.16); the smoke
-        step (core.train.engine_args) generates one batch for one update."""
+        step (core.recipe.engine_args) generates one batch for one update."""
         t = cfg["training"]
         if smoke:
             generation, accumulation, iterations = batch_size, 1, 1

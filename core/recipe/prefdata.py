@@ -1,6 +1,6 @@
 """Preference data for DPO: pairs of a better (`chosen`) and a worse (`rejected`) answer to one prompt.
 
-Two formats, read from the same files as SFT data (core.train.data.load_rows: .jsonl, .json, .csv, .parquet or a
+Two formats, read from the same files as SFT data (core.recipe.data.load_rows: .jsonl, .json, .csv, .parquet or a
 save_to_disk folder, with `data.columns` renames):
 
   standard        {"prompt": str, "chosen": str, "rejected": str}: the texts exactly as the model sees them
@@ -22,8 +22,8 @@ import reprlib
 from typing import Any
 
 from core.fmt import error_line
-from core.train.data import DataError, load_rows, split_eval
-from core.train.findings import (
+from core.recipe.data import DataError, load_rows, split_eval
+from core.recipe.findings import (
     Finding,
     format_rows,
     is_blank,
@@ -53,7 +53,7 @@ class _RowProblem(ValueError):
 
 
 def load_pref_rows(data_cfg: dict):
-    """The raw rows of a preference data file (core.train.data.load_rows: same files, renames, errors)."""
+    """The raw rows of a preference data file (core.recipe.data.load_rows: same files, renames, errors)."""
     return load_rows(data_cfg)
 
 
@@ -268,7 +268,7 @@ def pairs_dataset(pairs: list[dict]):
 
 def prepare_pair_datasets(cfg: dict):
     """(train, eval or None) pair datasets of a `method: dpo` run config: its data read and normalized, the
-    data.eval_split share held out with training.seed, as core.train.data.prepare_datasets does for SFT."""
+    data.eval_split share held out with training.seed, as core.recipe.data.prepare_datasets does for SFT."""
     data = cfg["data"]
     pairs = normalize_pairs(load_pref_rows(data), data["format"])
     if not pairs:
@@ -366,7 +366,7 @@ def _blank(value) -> bool:
 
 
 def check_pairs(rows, tokenizer, max_length: int, model_config=None, fmt: str = "auto") -> list[Finding]:
-    """Findings (core.train.findings.Finding, 1-based rows) for preference rows; an empty list means ready.
+    """Findings (core.recipe.findings.Finding, 1-based rows) for preference rows; an empty list means ready.
 
     Errors: no rows, unknown format, rows that are not records or lack/mistype a key, no chat template for
     messages, no EOS for text, an empty chosen or rejected, a prompt of max_length tokens or more (DPOTrainer

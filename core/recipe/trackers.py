@@ -15,7 +15,7 @@ import shlex
 import threading
 from pathlib import Path
 
-from core.runs import rundir
+from core import rundir
 
 # The report_to choices the Train form offers; a YAML may name any other integration transformers knows.
 CHOICES = ("tensorboard", "trackio", "none")

@@ -28,7 +28,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from core.monitor.gpu import NvmlSource
+from core.gpu import NvmlSource
 
 PHASES = ("forward", "backward", "optimizer")
 # Phases during which a later step also holds the optimizer state the first step made at its end (generation:

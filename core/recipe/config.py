@@ -1,7 +1,7 @@
 """The run config: one YAML file, whose sections are the libraries' own configuration classes.
 
     method:       sft (trl.SFTTrainer), dpo (trl.DPOTrainer, preference pairs) or kto (trl.KTOTrainer, rated
-                  answers); each is a module of core.train.methods
+                  answers); each is a module of core.recipe.methods
     model:        {path, dtype, attn_implementation, trust_remote_code, reference_path (DPO, KTO)}
     quantization: the fields of transformers.BitsAndBytesConfig
     lora:         the fields of peft.LoraConfig (+ `enabled`: false for a full fine-tune)
@@ -11,7 +11,7 @@
 
 The schema of the library sections is read from the installed libraries (their dataclass fields, types and
 choices), so a key that a new TRL/transformers/peft release adds works the day it is installed. It is cached per
-library version (core.train.schema), so validating a config does not import torch. Errors name the key's path
+library version (core.recipe.schema), so validating a config does not import torch. Errors name the key's path
 and suggest the nearest key for a typo, because a silently ignored key costs a whole run.
 
 `check_with_libraries(cfg)` then builds the real SFTConfig/LoraConfig/BitsAndBytesConfig objects: the libraries'
@@ -31,9 +31,9 @@ from typing import Any
 from core import files
 from core.files import YamlError, atomic_write_text, read_yaml
 from core.fmt import error_line
-from core.train import distributed, methods, schema, trackers, vision
-from core.train import rewards as reward_specs
-from core.train.config_keys import (
+from core.recipe import distributed, methods, schema, trackers, vision
+from core.recipe import rewards as reward_specs
+from core.recipe.config_keys import (
     ALIASES,
     COLUMN_KEYS,
     DEFAULTS,
@@ -47,7 +47,7 @@ from core.train.config_keys import (
     SECTIONS,
     TOP_LEVEL,
 )
-from core.train.engine_args import bnb_config, lora_config, training_args
+from core.recipe.engine_args import bnb_config, lora_config, training_args
 
 
 class ConfigError(ValueError):
