@@ -43,8 +43,8 @@ warnings.filterwarnings("ignore")
 import torch  # noqa: E402
 
 from core.estimate.plan import Plan  # noqa: E402
-from core.measure.plan import autocast_dtype, step_plan  # noqa: E402
 from core.measure.step import measure_depths, num_layers_of  # noqa: E402
+from core.measure.step_plan import autocast_dtype, step_plan  # noqa: E402
 
 GOAL_MEDIAN, GOAL_WORST = 0.03, 0.07
 MiB = 2**20

@@ -75,7 +75,7 @@ def matrix(dry: bool):
 
     from core.demo.toy import tiny_config
     from core.measure.build import with_layers
-    from core.measure.plan import step_plan
+    from core.measure.step_plan import step_plan
 
     if dry:
         cfg = tiny_config("llama")
@@ -153,8 +153,8 @@ def measure_row(config, plan, cuda: bool, cache: Path) -> dict:
     import torch
 
     from core.measure.build import build_model, build_optimizer
-    from core.measure.plan import estimate_for
     from core.measure.step import make_batch, run_step
+    from core.measure.step_plan import estimate_for
 
     device = "cuda" if cuda else "cpu"
     plan = replace(plan, device=device)
@@ -307,9 +307,9 @@ def part_failures(cuda: bool, work: Path, product: dict) -> dict:
 
 
 def part_merge(cuda: bool, work: Path, product: dict) -> dict:
-    from core import merge as M
+    from core import merge
 
-    result = M.merge_at(
+    result = merge.merge_at(
         product["base"], product["adapter"], work / "merged", device="cuda" if cuda else "cpu"
     )
     v = result.verification

@@ -9,8 +9,7 @@ import pandas as pd
 import streamlit as st
 import torch
 
-from core import jobs
-from core import merge as M
+from core import jobs, merge
 from core.fmt import disk
 from core.hub import ids as hub_ids
 from core.hub.fetch import complete_folder
@@ -26,7 +25,7 @@ FOLDER = "Another adapter folder…"
 
 def pick_adapter(ws: Path) -> tuple[str | None, str | None, str]:
     """(adapter folder, run name or None, suggested base folder) from a run or a typed folder."""
-    runs = M.list_adapters(ws)
+    runs = merge.list_adapters(ws)
     labels = [f"{c.run} ({c.state or 'no status'})" for c in runs] + [FOLDER]
     wanted = st.session_state.pop("merge_run", None)  # a run chosen on the Monitor or the Runs page
     match = next((label for c, label in zip(runs, labels, strict=False) if c.run == wanted), None)
@@ -46,7 +45,7 @@ def pick_adapter(ws: Path) -> tuple[str | None, str | None, str]:
         if not (adapter_dir / "adapter_config.json").is_file():
             st.error(f"{adapter_dir} is not a peft adapter folder: it has no adapter_config.json.")
             return None, None, ""
-        base, note = M.guess_base(adapter_dir)
+        base, note = merge.guess_base(adapter_dir)
         run = None
     else:
         c = runs[labels.index(choice)]
@@ -113,17 +112,17 @@ def try_it(base_dir: str, adapter_dir: str) -> None:
     max_new = c1.slider("New tokens", 8, 256, 48, key="merge_max_new")
     chat = c2.checkbox("Use the chat template", value=True, key="merge_chat")
     image = None
-    if M.is_vision_model(base_dir):  # a vision-language model: the prompt may ask about a picture
+    if merge.is_vision_model(base_dir):  # a vision-language model: the prompt may ask about a picture
         image = st.text_input("Image file (optional)", key="merge_image").strip() or None
         if image and Path(image).expanduser().is_file():
             st.image(str(Path(image).expanduser()), width=128)
     if st.button("Generate with base and adapter", key="merge_try"):
         try:
             with st.spinner("Loading the model and generating twice…"):
-                st.session_state["merge_try_result"] = M.try_adapter(
+                st.session_state["merge_try_result"] = merge.try_adapter(
                     base_dir, adapter_dir, prompt, max_new_tokens=max_new, chat=chat, image=image
                 )
-        except (M.MergeError, OSError, ValueError) as e:
+        except (merge.MergeError, OSError, ValueError) as e:
             st.error(str(e))
             return
     res = st.session_state.get("merge_try_result")
@@ -136,7 +135,7 @@ def try_it(base_dir: str, adapter_dir: str) -> None:
         st.caption(f"{res.seconds:.1f} s for both")
 
 
-def show_preflight(pf: M.Preflight, where) -> None:
+def show_preflight(pf: merge.Preflight, where) -> None:
     with where.container():
         c = st.columns(4)
         # The "of what" goes into the label: a metric value this long is cut off in a quarter-width column.
@@ -154,7 +153,7 @@ def show_preflight(pf: M.Preflight, where) -> None:
             st.error(problem)
 
 
-def show_result(r: M.MergeResult) -> None:
+def show_result(r: merge.MergeResult) -> None:
     v = r.verification
     (st.success if v.passed else st.error)("\n\n".join(v.lines()))
     st.markdown(
@@ -173,13 +172,13 @@ def show_result(r: M.MergeResult) -> None:
 @st.cache_data(ttl=60, show_spinner="Checking that the adapter belongs to this base…")
 def _mismatches(base_dir: str, adapter_dir: str) -> list[str]:
     try:
-        return M.mismatches(base_dir, adapter_dir)
-    except M.MergeError:
+        return merge.mismatches(base_dir, adapter_dir)
+    except merge.MergeError:
         return []  # it cannot be merged at all: Check and Merge say why
 
 
 def merge_form(ws: Path, base_dir: str, adapter_dir: str, run: str | None) -> None:
-    default_name = M.suggest_export_name(run or Path(adapter_dir).name, ws)
+    default_name = merge.suggest_export_name(run or Path(adapter_dir).name, ws)
     c1, c2, c3, c4 = st.columns([3, 1, 1, 1])
     name = c1.text_input(
         "Export folder name (under exports/)", value=default_name, key=f"merge_name_{adapter_dir}"
@@ -223,11 +222,11 @@ def merge_form(ws: Path, base_dir: str, adapter_dir: str, run: str | None) -> No
     b1, b2 = st.columns(2)
     if b1.button("Check (preflight)", key="merge_check"):
         try:
-            pf, _ = M.preflight(base_dir, adapter_dir, target, dt, shard, ws, verify, force=force)
+            pf, _ = merge.preflight(base_dir, adapter_dir, target, dt, shard, ws, verify, force=force)
             show_preflight(pf, pre_slot)
             if pf.ok:
                 st.success("Ready to merge.")
-        except M.MergeError as e:
+        except merge.MergeError as e:
             st.error(str(e))
     # this target's job; else this adapter's newest merge (after it finished, or a server restart, the default
     # target has moved on to the next free name)
@@ -267,12 +266,12 @@ def merge_job(job, pre_slot) -> None:
         def draw(view):
             p = view.progress
             if p.get("preflight"):  # drawn inside the fragment: it may not write to the page's own slots
-                show_preflight(M.Preflight(**p["preflight"]), st.empty())
+                show_preflight(merge.Preflight(**p["preflight"]), st.empty())
             if p.get("step") == "gguf":
                 gguf_progress(p)
                 return
             total, done = p.get("total") or 0, p.get("done") or 0
-            st.progress(min(1.0, done / total) if total else 0.0, text=M.progress_sentence(p))
+            st.progress(min(1.0, done / total) if total else 0.0, text=merge.progress_sentence(p))
             st.caption(
                 f"Running as a background job ({view.path.name}); reloading this page reattaches to it."
             )
@@ -293,11 +292,11 @@ def merge_job(job, pre_slot) -> None:
 
 def _result_from_dict(d: dict):
     try:
-        return M.MergeResult(
+        return merge.MergeResult(
             **{
                 **d,
-                "preflight": M.Preflight(**d["preflight"]),
-                "verification": M.Verification(**d["verification"]),
+                "preflight": merge.Preflight(**d["preflight"]),
+                "verification": merge.Verification(**d["verification"]),
                 "files": [tuple(f) for f in d["files"]],
             }
         )

@@ -15,8 +15,8 @@ from core.demo.toy import tiny_config
 from core.estimate.bill import estimate
 from core.estimate.from_config import plan_for_config, plan_to_config
 from core.estimate.plan import Plan
-from core.measure.plan import step_plan
 from core.measure.step import measure_plan
+from core.measure.step_plan import step_plan
 from core.recipe.config import ConfigError, validate_config
 from tests.cli import train
 

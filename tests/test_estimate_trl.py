@@ -25,8 +25,8 @@ from core.estimate.cli import main
 from core.estimate.plan import Plan
 from core.estimate.specs import load_spec
 from core.measure.build import build_model
-from core.measure.plan import step_plan
 from core.measure.step import make_batch, measure_plan
+from core.measure.step_plan import step_plan
 
 GOAL = 0.03  # benchmarks/estimator_accuracy.py: median <= 3% (worst <= 7%)
 LLAMA = "meta-llama/Llama-2-7b-hf"

@@ -612,12 +612,12 @@ def test_a_merge_on_a_disk_that_fills_midway_names_the_file_and_the_space_it_nee
     tmpfs, tmp_path, tiny_llama
 ):
     """Issue #42 item 4: it said only "a file: No space left on device"."""
-    from core import merge as M
+    from core import merge
     from tests.test_merge_safety import make_adapter
 
     adapter = make_adapter(tiny_llama, tmp_path / "adapter")
     target = tmpfs / "merged"
-    env = dict(os.environ, **{M.PAUSE_ENV: "5"})
+    env = dict(os.environ, **{merge.PAUSE_ENV: "5"})
     cmd = [sys.executable, "-m", "core.merge", "--base", str(tiny_llama), "--adapter", str(adapter)]
     cmd += ["--out", str(target), "--shard-size", "100KB"]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -16,8 +16,8 @@ from core.estimate.bill import estimate
 from core.estimate.levers import LEVERS, lever_savings, levers_markdown, modelled_note, what_would_fit
 from core.estimate.plan import OFFLOAD_STASH, Plan, batch_shape, largest_batch_tokens
 from core.estimate.specs import load_spec, lora_targets, normalize_targets
-from core.measure.plan import step_plan
 from core.measure.step import measure_plan
+from core.measure.step_plan import step_plan
 from tests.cli import train
 
 REPO = Path(__file__).resolve().parent.parent

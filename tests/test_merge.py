@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from core import merge as M
+from core import merge
 from core.demo.toy import build_tiny_model
 from core.merge import delta
 
@@ -144,7 +144,7 @@ def test_merge_matches_peft_unmerged_forward(case, request, tmp_path, workspace)
     adapter = make_adapter(base, tmp_path / "adapter", **lora_kwargs)
     ref, base_logits, peft_sd = peft_oracle(base, adapter)
 
-    result = M.merge(base, adapter, "exports/" + case, workspace=workspace)
+    result = merge.merge(base, adapter, "exports/" + case, workspace=workspace)
     out = Path(result.out_dir)
     assert out == workspace / "exports" / case
     assert result.verification.passed and result.verification.mode == "full"
@@ -175,7 +175,7 @@ def test_row_chunked_merge_matches(case, request, tmp_path, workspace, monkeypat
     adapter = make_adapter(base, tmp_path / "adapter", **lora_kwargs)
     ref, _, _ = peft_oracle(base, adapter)
     monkeypatch.setattr(delta, "CHUNK_BYTES", 3 * 64 * 4 + 4)  # 3 rows of a 64-wide fp32 tensor
-    out = Path(M.merge(base, adapter, "exports/chunked", workspace=workspace).out_dir)
+    out = Path(merge.merge(base, adapter, "exports/chunked", workspace=workspace).out_dir)
     assert max_diff(logits_of(load_export(out)[0]), ref) <= 1e-4
 
 
@@ -188,7 +188,7 @@ def test_peft_merge_is_wrong_on_tied_embeddings_and_ours_is_not(tiny_llama_tied,
     peft_model = AutoModelForCausalLM.from_pretrained(str(tiny_llama_tied), dtype=torch.float32)
     peft_model.load_state_dict(peft_sd, strict=False)
     assert max_diff(logits_of(peft_model.eval()), ref) > 1e-2
-    out = Path(M.merge(tiny_llama_tied, adapter, "exports/tied", workspace=workspace).out_dir)
+    out = Path(merge.merge(tiny_llama_tied, adapter, "exports/tied", workspace=workspace).out_dir)
     assert max_diff(logits_of(load_export(out)[0]), ref) <= 1e-4
 
 
@@ -213,7 +213,7 @@ def test_resized_vocabulary_via_modules_to_save(tiny_llama, tmp_path, workspace)
     pm.save_pretrained(str(tmp_path / "adapter"))
     ref = logits_of(PeftModel.from_pretrained(resized(), str(tmp_path / "adapter")).eval())
 
-    result = M.merge(tiny_llama, tmp_path / "adapter", "exports/resized", workspace=workspace)
+    result = merge.merge(tiny_llama, tmp_path / "adapter", "exports/resized", workspace=workspace)
     out = Path(result.out_dir)
     assert json.loads((out / "config.json").read_text())["vocab_size"] == 110
     assert any("vocabulary" in n for n in result.preflight.notes)
@@ -223,8 +223,8 @@ def test_resized_vocabulary_via_modules_to_save(tiny_llama, tmp_path, workspace)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
 def test_cuda_device_without_gpu_is_a_clear_error(tiny_llama, tmp_path, workspace):
     adapter = make_adapter(tiny_llama, tmp_path / "a", r=4, target_modules=["q_proj"])
-    with pytest.raises(M.MergeError, match="sees no CUDA GPU"):
-        M.merge(tiny_llama, adapter, "exports/gpu", device="cuda", workspace=workspace)
+    with pytest.raises(merge.MergeError, match="sees no CUDA GPU"):
+        merge.merge(tiny_llama, adapter, "exports/gpu", device="cuda", workspace=workspace)
 
 
 @pytest.mark.slow
@@ -234,7 +234,7 @@ def test_sharded_base_and_sharded_bf16_output(tmp_path, workspace):
     adapter = make_adapter(base, tmp_path / "adapter", r=4, target_modules="all-linear")
     ref, _, _ = peft_oracle(base, adapter)
     seen = []
-    result = M.merge(
+    result = merge.merge(
         base,
         adapter,
         "exports/sharded",
@@ -259,7 +259,7 @@ def test_sharded_base_and_sharded_bf16_output(tmp_path, workspace):
     assert last.bytes_written == index["metadata"]["total_size"]
 
     # bf16 export: rounded once, checked with bf16 tolerances, loads with the bf16 dtype recorded.
-    result = M.merge(
+    result = merge.merge(
         base, adapter, "exports/sharded-bf16", dtype="bf16", shard_size="200KB", workspace=workspace
     )
     v = result.verification
@@ -283,7 +283,7 @@ def test_bin_base_is_read_whole_with_a_warning(tmp_path, workspace):
         (bin_base / f.name).write_bytes(f.read_bytes())
     adapter = make_adapter(st_base, tmp_path / "adapter", r=4, target_modules=["q_proj", "v_proj"])
     ref, _, _ = peft_oracle(st_base, adapter)
-    result = M.merge(bin_base, adapter, "exports/from-bin", workspace=workspace)
+    result = merge.merge(bin_base, adapter, "exports/from-bin", workspace=workspace)
     assert any(".bin" in n and "whole" in n for n in result.preflight.notes)
     assert max_diff(logits_of(load_export(Path(result.out_dir))[0]), ref) <= 1e-4
 
@@ -292,13 +292,13 @@ def test_qlora_adapter_gets_the_deviation_note(tiny_llama, tmp_path, workspace):
     run = workspace / "runs" / "q1"
     adapter = make_adapter(tiny_llama, run / "adapter", r=4, target_modules=["q_proj"])
     (run / "config.yaml").write_text(f"model:\n  path: {tiny_llama}\nquantization:\n  load_in_4bit: true\n")
-    pf, _ = M.preflight(tiny_llama, adapter, "exports/q1", workspace=workspace)
+    pf, _ = merge.preflight(tiny_llama, adapter, "exports/q1", workspace=workspace)
     assert pf.qlora and any("4-bit" in n and "deviation" in n for n in pf.notes)
     assert any(f"output in {pf.out_dtype}" in n for n in pf.notes)  # not "bf16/fp16" for a float32 export
     assert pf.ok and pf.ram_available > 0 and pf.disk_free > 0 and pf.disk_needed >= pf.out_bytes
-    assert M.guess_base(adapter) == (str(tiny_llama), "run config.yaml model.path")
-    assert [c.run for c in M.list_adapters(workspace)] == ["q1"]
-    result = M.merge(tiny_llama, adapter, "exports/q1", workspace=workspace)
+    assert merge.guess_base(adapter) == (str(tiny_llama), "run config.yaml model.path")
+    assert [c.run for c in merge.list_adapters(workspace)] == ["q1"]
+    result = merge.merge(tiny_llama, adapter, "exports/q1", workspace=workspace)
     v = result.verification
     # the bf16/fp32 merge is exact against base+adapter; against the NF4 base it deviates, and that is reported
     assert v.passed and v.max_abs_diff <= 1e-4
@@ -360,36 +360,36 @@ def test_refusals_have_clear_messages(tiny_llama, tiny_gpt2, tmp_path, workspace
     cases.append((quant, adapter, "stored quantized"))
 
     for base, ad, message in cases:
-        with pytest.raises(M.MergeError, match=message):
-            M.merge(base, ad, "exports/x", workspace=workspace)
+        with pytest.raises(merge.MergeError, match=message):
+            merge.merge(base, ad, "exports/x", workspace=workspace)
     assert not (workspace / "exports" / "x").exists()
 
-    with pytest.raises(M.MergeError, match="outside the workspace"):
-        M.merge(tiny_llama, adapter, tmp_path / "elsewhere", workspace=workspace)
+    with pytest.raises(merge.MergeError, match="outside the workspace"):
+        merge.merge(tiny_llama, adapter, tmp_path / "elsewhere", workspace=workspace)
     (workspace / "exports" / "mine").mkdir(parents=True)
     (workspace / "exports" / "mine" / "keep.txt").write_text("user data")
-    with pytest.raises(M.MergeError, match="already exists"):
-        M.merge(tiny_llama, adapter, "exports/mine", workspace=workspace)
+    with pytest.raises(merge.MergeError, match="already exists"):
+        merge.merge(tiny_llama, adapter, "exports/mine", workspace=workspace)
     assert (workspace / "exports" / "mine" / "keep.txt").read_text() == "user data"
 
 
 def test_untrained_adapter_is_refused_by_verification(tiny_llama, tmp_path, workspace):
     adapter = make_adapter(tiny_llama, tmp_path / "zero", noise=0.0, r=4, target_modules=["q_proj"])  # B = 0
-    with pytest.raises(M.MergeError, match="indistinguishable from the base"):
-        M.merge(tiny_llama, adapter, "exports/zero", workspace=workspace)
+    with pytest.raises(merge.MergeError, match="indistinguishable from the base"):
+        merge.merge(tiny_llama, adapter, "exports/zero", workspace=workspace)
     assert list((workspace / "exports").iterdir()) == []  # temp folder removed too
 
 
 def test_verification_catches_a_corrupt_export(tiny_llama, tmp_path, workspace):
     adapter = make_adapter(tiny_llama, tmp_path / "a", r=4, target_modules=["q_proj"])
-    out = Path(M.merge(tiny_llama, adapter, "exports/good", workspace=workspace).out_dir)
-    _, plan = M.preflight(tiny_llama, adapter, "exports/other", workspace=workspace)
-    assert M.verify_export(plan, out, "quick").passed
+    out = Path(merge.merge(tiny_llama, adapter, "exports/good", workspace=workspace).out_dir)
+    _, plan = merge.preflight(tiny_llama, adapter, "exports/other", workspace=workspace)
+    assert merge.verify_export(plan, out, "quick").passed
     sd = load_file(str(out / "model.safetensors"))
     sd["model.layers.0.self_attn.q_proj.weight"] = sd["model.layers.0.self_attn.q_proj.weight"].flip(0)
     os.chmod(out / "model.safetensors", 0o644)
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
-    v = M.verify_export(plan, out, "full")
+    v = merge.verify_export(plan, out, "full")
     assert not v.passed and "corrupt" in " ".join(v.messages)
 
 
@@ -397,15 +397,15 @@ def test_try_adapter_side_by_side(tiny_llama, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     adapter = make_adapter(tiny_llama, tmp_path / "a", noise=0.5, r=8, target_modules="all-linear")
-    res = M.try_adapter(tiny_llama, adapter, "Hello", max_new_tokens=8, chat=False)
+    res = merge.try_adapter(tiny_llama, adapter, "Hello", max_new_tokens=8, chat=False)
     tok = AutoTokenizer.from_pretrained(str(tiny_llama))
     model = AutoModelForCausalLM.from_pretrained(str(tiny_llama))
     ids = tok("Hello", return_tensors="pt")
     plain = model.generate(**ids, max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)
     assert res.base_text == tok.decode(plain[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
     assert res.adapter_text != res.base_text
-    with pytest.raises(M.MergeError, match="prompt is empty"):
-        M.try_adapter(tiny_llama, adapter, "  ")
+    with pytest.raises(merge.MergeError, match="prompt is empty"):
+        merge.try_adapter(tiny_llama, adapter, "  ")
 
 
 # ---- CLI and a merge killed midway -------------------------------------------------------------------------
@@ -438,7 +438,7 @@ def test_killed_merge_leaves_no_target_and_rerun_succeeds(tmp_path, workspace):
         "--shard-size",
         "100KB",
     ]
-    env = dict(os.environ, **{M.PAUSE_ENV: "120"})
+    env = dict(os.environ, **{merge.PAUSE_ENV: "120"})
     proc = subprocess.Popen(
         [sys.executable, "-m", "core.merge", *args],
         cwd=REPO,

@@ -20,8 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from core import merge as M
-from core import procs
+from core import merge, procs
 from core.demo.toy import build_tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
@@ -117,12 +116,12 @@ def test_cli_refuses_a_base_other_than_the_recorded_one_unless_forced(
 
 def test_page_functions_refuse_a_mismatched_base_unless_forced(tiny_llama, adapter, tmp_path, workspace):
     other = build_tiny_model(tmp_path / "other", "llama", num_hidden_layers=3)
-    with pytest.raises(M.MergeError, match="base_model_name_or_path"):
-        M.preflight(other, adapter, "exports/p", workspace=workspace)
-    with pytest.raises(M.MergeError, match="base_model_name_or_path"):
-        M.merge(other, adapter, "exports/p", workspace=workspace)
+    with pytest.raises(merge.MergeError, match="base_model_name_or_path"):
+        merge.preflight(other, adapter, "exports/p", workspace=workspace)
+    with pytest.raises(merge.MergeError, match="base_model_name_or_path"):
+        merge.merge(other, adapter, "exports/p", workspace=workspace)
     assert not (workspace / "exports" / "p").exists()
-    pf, _ = M.preflight(other, adapter, "exports/p", workspace=workspace, force=True)
+    pf, _ = merge.preflight(other, adapter, "exports/p", workspace=workspace, force=True)
     assert pf.ok and any("num_hidden_layers" in n for n in pf.notes)
 
 
@@ -131,13 +130,13 @@ def test_a_copy_of_the_recorded_base_or_an_unknown_hub_id_is_accepted(
 ):
     # Same config content in another folder: the same model moved or copied, not a different one.
     copy = copy_model(tiny_llama, tmp_path / "copy")
-    pf, _ = M.preflight(copy, adapter, "exports/c", workspace=workspace)
+    pf, _ = merge.preflight(copy, adapter, "exports/c", workspace=workspace)
     assert pf.ok
     # A hub id that is neither a local folder nor cached cannot be compared: merged, with a note saying so.
     cfg = json.loads((adapter / "adapter_config.json").read_text())
     cfg["base_model_name_or_path"] = "some-org/not-cached-anywhere"
     (adapter / "adapter_config.json").write_text(json.dumps(cfg))
-    pf, _ = M.preflight(tiny_llama, adapter, "exports/c", workspace=workspace)
+    pf, _ = merge.preflight(tiny_llama, adapter, "exports/c", workspace=workspace)
     assert pf.ok and any("some-org/not-cached-anywhere" in n for n in pf.notes)
 
 
@@ -196,20 +195,22 @@ def test_cli_refuses_another_finetune_of_the_base_the_adapter_was_trained_on(
 
 def test_page_functions_refuse_another_finetune_unless_forced(tiny_llama, finetune, tmp_path, workspace):
     adapter = trained_adapter(tiny_llama, tmp_path / "run")
-    with pytest.raises(M.MergeError, match="holds other weights"):
-        M.preflight(finetune, adapter, "exports/f", workspace=workspace)
-    pf, _ = M.preflight(finetune, adapter, "exports/f", workspace=workspace, force=True)
+    with pytest.raises(merge.MergeError, match="holds other weights"):
+        merge.preflight(finetune, adapter, "exports/f", workspace=workspace)
+    pf, _ = merge.preflight(finetune, adapter, "exports/f", workspace=workspace, force=True)
     assert pf.ok and any("forced" in n and "other weights" in n for n in pf.notes)
     # The same weights anywhere (a copy in another folder) are the base it was trained on: no note at all.
-    pf, _ = M.preflight(copy_model(tiny_llama, tmp_path / "copy"), adapter, "exports/c", workspace=workspace)
+    pf, _ = merge.preflight(
+        copy_model(tiny_llama, tmp_path / "copy"), adapter, "exports/c", workspace=workspace
+    )
     assert pf.ok and pf.notes == []
 
 
 def test_an_adapter_without_a_recorded_base_merges_with_a_note(tiny_llama, adapter, workspace):
-    pf, _ = M.preflight(tiny_llama, adapter, "exports/n", workspace=workspace)
+    pf, _ = merge.preflight(tiny_llama, adapter, "exports/n", workspace=workspace)
     assert pf.ok and any("no base_fingerprint.json" in n and "only config.json" in n for n in pf.notes)
     (adapter / "base_fingerprint.json").write_text("{not json")
-    pf, _ = M.preflight(tiny_llama, adapter, "exports/n", workspace=workspace)
+    pf, _ = merge.preflight(tiny_llama, adapter, "exports/n", workspace=workspace)
     assert pf.ok and any("base_fingerprint.json cannot be read" in n for n in pf.notes)
 
 
@@ -265,9 +266,9 @@ def _add_tokens(tok, adapter: Path) -> None:
 )
 def test_vocabulary_mismatch_is_refused_unless_forced(edit, phrase, tiny_llama, adapter, workspace):
     _adapter_with_tokenizer(tiny_llama, adapter, edit)
-    with pytest.raises(M.MergeError, match=phrase):
-        M.preflight(tiny_llama, adapter, "exports/v", workspace=workspace)
-    pf, _ = M.preflight(tiny_llama, adapter, "exports/v", workspace=workspace, force=True)
+    with pytest.raises(merge.MergeError, match=phrase):
+        merge.preflight(tiny_llama, adapter, "exports/v", workspace=workspace)
+    pf, _ = merge.preflight(tiny_llama, adapter, "exports/v", workspace=workspace, force=True)
     assert pf.ok and any(phrase in n for n in pf.notes)
 
 
@@ -398,9 +399,9 @@ def test_page_listing_survives_a_corrupt_adapter_config(tiny_llama, workspace):
     run = workspace / "runs" / "broken"
     make_adapter(tiny_llama, run / "adapter")
     (run / "adapter" / "adapter_config.json").write_text("[]")
-    assert [c.run for c in M.list_adapters(workspace)] == ["broken"]
-    with pytest.raises(M.MergeError, match="JSON object"):
-        M.preflight(tiny_llama, run / "adapter", "exports/b", workspace=workspace)
+    assert [c.run for c in merge.list_adapters(workspace)] == ["broken"]
+    with pytest.raises(merge.MergeError, match="JSON object"):
+        merge.preflight(tiny_llama, run / "adapter", "exports/b", workspace=workspace)
 
 
 # ---- a killed merge's temp folder ---------------------------------------------------------------------------
@@ -415,7 +416,7 @@ def test_temp_of_a_killed_merge_is_cleaned_by_the_next_merge_into_the_same_folde
         *("--base", str(base), "--adapter", str(adapter), "--out", str(exports / "first")),
         *("--shard-size", "100KB"),
     ]
-    env = dict(os.environ, PYTHONPATH=str(REPO), **{M.PAUSE_ENV: "120"})
+    env = dict(os.environ, PYTHONPATH=str(REPO), **{merge.PAUSE_ENV: "120"})
     proc = subprocess.Popen(
         [sys.executable, "-m", "core.merge", *first],
         cwd=REPO,
@@ -436,7 +437,7 @@ def test_temp_of_a_killed_merge_is_cleaned_by_the_next_merge_into_the_same_folde
     (exports / ".mine.merging-1").mkdir()
     live = exports / f".busy.merging-{os.getpid()}"
     live.mkdir()
-    (live / M.TEMP_MARKER).write_text(json.dumps({"pid": os.getpid(), "started": time.time()}))
+    (live / merge.TEMP_MARKER).write_text(json.dumps({"pid": os.getpid(), "started": time.time()}))
 
     r = run_cli("--base", str(base), "--adapter", str(adapter), "--out", str(exports / "second"))
     assert r.returncode == 0, r.stderr[-3000:]
@@ -449,8 +450,11 @@ def test_temp_whose_pid_was_reused_by_another_process_is_stale(tmp_path):
     # After a reboot or in a fresh container the dead merge's pid can belong to an unrelated, newer process.
     stale = tmp_path / ".old.merging-1"
     stale.mkdir()
-    (stale / M.TEMP_MARKER).write_text(json.dumps({"pid": os.getppid(), "started": 0.0}))
-    assert procs.clean_stale_temps(tmp_path, M.TEMP_GLOB, M.TEMP_MARKER) == [stale] and not stale.exists()
+    (stale / merge.TEMP_MARKER).write_text(json.dumps({"pid": os.getppid(), "started": 0.0}))
+    assert (
+        procs.clean_stale_temps(tmp_path, merge.TEMP_GLOB, merge.TEMP_MARKER) == [stale]
+        and not stale.exists()
+    )
 
 
 # ---- CLI path rules -----------------------------------------------------------------------------------------
@@ -483,9 +487,9 @@ def test_cli_writes_anywhere_writable_and_refuses_unwritable(tiny_llama, adapter
 
 
 def test_page_functions_still_write_only_inside_the_workspace(tiny_llama, adapter, tmp_path, workspace):
-    for call in (M.preflight, M.merge):
-        with pytest.raises(M.MergeError, match="outside the workspace"):
+    for call in (merge.preflight, merge.merge):
+        with pytest.raises(merge.MergeError, match="outside the workspace"):
             call(tiny_llama, adapter, tmp_path / "elsewhere", workspace=workspace)
-        with pytest.raises(M.MergeError, match="outside the workspace"):
+        with pytest.raises(merge.MergeError, match="outside the workspace"):
             call(tiny_llama, adapter, "../escape", workspace=workspace)
     assert not (tmp_path / "elsewhere").exists()

@@ -83,11 +83,11 @@ def test_the_engine_trains_lora_on_the_experts_and_the_monitor_charts_the_router
 
 @slow
 def test_the_merge_folds_the_expert_adapters_into_the_per_expert_tensors(moe_run, tmp_path):
-    from core import merge as M
+    from core import merge
 
     base, _, run_dir = moe_run
     out = tmp_path / "merged"
-    result = M.merge_at(str(base), str(run_dir / "adapter"), str(out), dtype="fp32")
+    result = merge.merge_at(str(base), str(run_dir / "adapter"), str(out), dtype="fp32")
     assert result.verification.passed, result.verification.lines()  # logits equal peft's base + adapter
     before, after = load_file(str(base / "model.safetensors")), load_file(str(out / "model.safetensors"))
     assert set(before) == set(after)  # the checkpoint's own layout: one tensor per expert and projection

@@ -118,7 +118,7 @@ def test_gpt2_conv1d_folder_plans_lora(tmp_path):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_the_tracker_measures_the_plan_of_the_one_mapping(tiny_llama, dataset, variant):
     """A measured step of a run config runs the very Plan the planner estimates (no measurement vocabulary)."""
-    from core.measure.plan import plan_of_config
+    from core.measure.step_plan import plan_of_config
 
     cfg = _config(tiny_llama, dataset, VARIANTS[variant])
     for device in ("cpu", "cuda"):

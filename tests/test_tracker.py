@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from core.demo.toy import tiny_config
-from core.measure.plan import plan_of_config, step_plan
 from core.measure.step import measure_depths, measure_plan
+from core.measure.step_plan import plan_of_config, step_plan
 from core.tracker import TrackerError, track_live_tensors
 
 warnings.filterwarnings("ignore")
@@ -253,7 +253,7 @@ def test_bad_inputs_say_what_to_fix(tmp_path):
 
 
 def test_plan_of_a_run_config_reads_the_sections():
-    from core.measure.plan import autocast_dtype
+    from core.measure.step_plan import autocast_dtype
 
     cfg = {
         "model": {"path": "x", "dtype": "bfloat16", "attn_implementation": "eager"},
@@ -315,7 +315,7 @@ def test_plan_of_a_run_config_reads_the_sections():
 def test_planner_agrees_with_the_measured_step_on_tiny_models(tmp_path, name, overrides, plan):
     """core.estimate (device cpu) against one measured step of the same plan: the planner's terms come from
     the module code, so even a tiny model, where small terms weigh more, lands within 1%."""
-    from core.measure.plan import estimate_for
+    from core.measure.step_plan import estimate_for
 
     config = tiny_config(
         "llama", num_hidden_layers=4, vocab_size=2000, intermediate_size=256, hidden_size=128

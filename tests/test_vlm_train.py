@@ -159,11 +159,11 @@ def test_a_tiny_vlm_trains_lora_on_its_language_model_with_the_vision_tower_froz
 
 @slow
 def test_the_merge_folds_the_adapter_and_leaves_the_vision_tower_byte_identical(vlm, vlm_run, tmp_path):
-    from core import merge as M
+    from core import merge
 
     _, base, _ = vlm
     out = tmp_path / "merged"
-    result = M.merge_at(str(base), str(vlm_run / "adapter"), str(out), dtype="fp32")
+    result = merge.merge_at(str(base), str(vlm_run / "adapter"), str(out), dtype="fp32")
     assert result.verification.passed, result.verification.lines()
     before, after = load_file(str(base / "model.safetensors")), load_file(str(out / "model.safetensors"))
     assert set(before) == set(after)
@@ -530,17 +530,21 @@ def test_an_image_entry_without_a_file_is_named_and_a_path_key_is_read(vlm, tmp_
 
 @slow
 def test_try_it_asks_the_base_and_the_adapter_about_an_image(vlm, vlm_run):
-    from core import merge as M
+    from core import merge
 
     _, base, data = vlm
     picture = data.parent / "imgs" / "1.png"  # a green square
-    res = M.try_adapter(base, vlm_run / "adapter", "What colour is this?", max_new_tokens=4, image=picture)
+    res = merge.try_adapter(
+        base, vlm_run / "adapter", "What colour is this?", max_new_tokens=4, image=picture
+    )
     assert "<image>" in res.prompt and "What colour is this?" in res.prompt
     assert isinstance(res.base_text, str) and isinstance(res.adapter_text, str)
-    text_only = M.try_adapter(base, vlm_run / "adapter", "What colour is this?", max_new_tokens=4)
+    text_only = merge.try_adapter(base, vlm_run / "adapter", "What colour is this?", max_new_tokens=4)
     assert "<image>" not in text_only.prompt  # a VLM answers a text prompt too
-    with pytest.raises(M.MergeError, match="cannot be read"):
-        M.try_adapter(base, vlm_run / "adapter", "What colour?", image=data.parent / "imgs" / "missing.png")
+    with pytest.raises(merge.MergeError, match="cannot be read"):
+        merge.try_adapter(
+            base, vlm_run / "adapter", "What colour?", image=data.parent / "imgs" / "missing.png"
+        )
 
 
 @slow
@@ -635,7 +639,7 @@ def test_plan_to_config_writes_a_vlm_plans_images_back_as_the_run_configs_keys(v
 
 @slow
 def test_freeze_vision_false_trains_lora_on_the_tower_and_the_merge_folds_it_there(vlm, tmp_path):
-    from core import merge as M
+    from core import merge
 
     _, base, data = vlm
     cfg = _config(base, data, max_steps=3, logging_steps=1)
@@ -648,7 +652,7 @@ def test_freeze_vision_false_trains_lora_on_the_tower_and_the_merge_folds_it_the
         assert any(part in k for k in keys), (
             part
         )  # LoRA on the tower and projector, and on the language model
-    result = M.merge_at(str(base), str(run_dir / "adapter"), str(tmp_path / "merged"), dtype="fp32")
+    result = merge.merge_at(str(base), str(run_dir / "adapter"), str(tmp_path / "merged"), dtype="fp32")
     assert result.verification.passed, result.verification.lines()
     before = load_file(str(base / "model.safetensors"))
     after = load_file(str(tmp_path / "merged" / "model.safetensors"))

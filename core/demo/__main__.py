@@ -87,7 +87,7 @@ def argument_problem(args) -> str | None:
         )
     if args.adapter:
         from core.merge.adapter import check_adapter  # the merge's own reading of an adapter folder
-        from core.merge.common import MergeError
+        from core.merge.errors import MergeError
 
         try:
             check_adapter(args.adapter)

@@ -107,7 +107,7 @@ def _hub_source(model: str, ref) -> tuple[dict, str]:
     return data, f"The config.json of {found.label()}"
 
 
-def load_config(model: str):
+def load_model_config(model: str):
     """The transformers config for a preset id, a local folder, or a model id in the local HF cache."""
     model = str(model).strip()
     if not model:

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, fields
 from functools import lru_cache
 
 from core.estimate.model_config import SpecError as SpecError
-from core.estimate.model_config import _config_from_dict, _config_source, load_config
+from core.estimate.model_config import _config_from_dict, _config_source, load_model_config
 from core.estimate.model_config import preset_ids as preset_ids
 from core.estimate.moe import moe_json
 from core.estimate.spec_cache import _cache_path, _int, _read_entry, _typed, _write_entry
@@ -142,7 +142,7 @@ def load_spec(model: str) -> ModelSpec:
     """
     model = str(model)  # a Path works too, and the spec's model_id is always a str
     source = _config_source(model.strip()) if model.strip() else None
-    if source is None:  # a name only the HF cache may know, or bad input: load_config says which
+    if source is None:  # a name only the HF cache may know, or bad input: load_model_config says which
         return _spec_for(model, None, "")
     data, where = source
     return _spec_for(model, json.dumps(data, sort_keys=True), where)
@@ -151,7 +151,7 @@ def load_spec(model: str) -> ModelSpec:
 @lru_cache(maxsize=64)
 def _spec_for(model: str, source_json: str | None, where: str) -> ModelSpec:
     if source_json is None:
-        return _build_spec(model, load_config(model))
+        return _build_spec(model, load_model_config(model))
     try:
         return _cached_spec(model, source_json, where)
     except SpecError:

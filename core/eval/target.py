@@ -151,8 +151,8 @@ def _check_belongs(adapter_dir: Path, base_dir: Path) -> None:
     base weights, else the recorded base's config.json)."""
     from core.merge import MergeError
     from core.merge.adapter import load_adapter
-    from core.merge.common import load_json
     from core.merge.compat import check_recorded_base
+    from core.merge.errors import load_json
     from core.merge.shards import BaseCheckpoint
 
     try:

@@ -24,7 +24,7 @@ from core.workspace import WorkspaceError
 
 
 def run_merge(p: dict, report: Progress) -> dict:
-    from core import merge as M
+    from core import merge
 
     def progress(mp) -> None:
         report(
@@ -35,7 +35,7 @@ def run_merge(p: dict, report: Progress) -> dict:
             bytes_total=mp.bytes_total,
         )
 
-    result = M.merge(
+    result = merge.merge(
         p["base"],
         p["adapter"],
         p["out"],

@@ -16,7 +16,7 @@ import torch
 from core.demo.toy import build_tokenizer
 from core.estimate.from_config import plan_to_config
 from core.estimate.plan import Plan
-from core.measure.plan import StepOptions, autocast_dtype, is_engine_path, lora_targets
+from core.measure.step_plan import StepOptions, autocast_dtype, is_engine_path, lora_targets
 from core.precision import LONG, Device, Precision, torch_dtype
 from core.recipe import methods
 from core.recipe.config import validate_config

@@ -3,7 +3,7 @@ bitsandbytes, gradient checkpointing, the optimizer Trainer would pick, and eith
 preparation -- fused LM head, bf16 QLoRA adapters -- or the plain Trainer path with
 `prepare_model_for_kbit_training`), run one step under the tracker, and compare with the planner.
 
-- `measure_plan(config, plan, num_layers=...)`: one step of `plan` (a core.estimate Plan, core.measure.plan) on a
+- `measure_plan(config, plan, num_layers=...)`: one step of `plan` (a core.estimate Plan, core.measure.step_plan) on a
   model built from a transformers config (random weights; the memory of a step does not depend on their values).
 - `measure_depths(config, plan)`: the real widths at 2 and 3 layers, extrapolated to the full depth per phase
   (per-layer term = m3 - m2, the rest is constant): how we measure 7B-70B models on a CPU.
@@ -24,7 +24,7 @@ import torch
 from core.estimate.plan import Plan, batch_shape, flat_batch
 from core.estimate.specs import decoder_layers
 from core.measure.build import ENGINE_TRAINERS, build_model, build_optimizer, with_layers
-from core.measure.plan import StepOptions, autocast_dtype, checked, estimate_for, plan_of_config
+from core.measure.step_plan import StepOptions, autocast_dtype, checked, estimate_for, plan_of_config
 from core.recipe import methods
 from core.tracker import StepMemory, TrackerError, main_phase, main_phase_peaks, track_live_tensors
 

@@ -17,8 +17,8 @@ from core.estimate.plan import Plan
 from core.estimate.specs import VISION_EXCLUDE
 from core.estimate.vlm import VISION_MODULES, image_processor_kwargs, vlm_facts_for_config
 from core.measure.build import TRL_FUSED_OUTPUTS, build_optimizer
-from core.measure.plan import StepOptions, checked
 from core.measure.step import run_step
+from core.measure.step_plan import StepOptions, checked
 from core.tracker import StepMemory
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

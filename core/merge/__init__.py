@@ -12,8 +12,9 @@ GPT-2 Conv1D (layer kind from the model built on the meta device, never from sha
 key mapping (an adapter tensor that matches nothing fails loudly), DoRA on Linear/Conv1D, unknown adapter
 types and features refused with a clear message.
 
-Modules: common (sizes, MergeError, progress), shards (safetensors/.bin reading, streaming shard writer),
-adapter (reading a peft adapter), plan (key mapping, layer kinds, tied embeddings, output shards), delta (the
+Modules: errors (MergeError), progress (the progress record and its sentence), model_files (tokenizer and
+processor files, the auto class), shards (safetensors/.bin reading, streaming shard writer),
+adapter (reading a peft adapter), mapping (key mapping, layer kinds, tied embeddings, output shards), delta (the
 merged-weight math), fingerprint (the base weights an adapter was trained on, recorded by the trainer), compat
 (does the adapter belong to this base: recorded weights fingerprint, recorded base, vocabulary), precheck
 (preflight: RAM, disk, target), verify (verification), export (the atomic merge), tryit (base vs adapter
@@ -22,8 +23,8 @@ generation), discover (adapters and their base for the page), __main__ (the CLI)
 Paths: merge() and preflight() are the page's: the output must lie inside the workspace. merge_at() and
 preflight_at() take any output folder (the CLI's: the user owns the shell).
 
-The public names below are loaded on first use: `from core import merge as M` imports no torch, so the pages
-and `python -m core.merge --help` start fast; `M.merge`, `M.preflight`, ... import what they need.
+The public names below are loaded on first use: `from core import merge` imports no torch, so the pages
+and `python -m core.merge --help` start fast; `merge.merge`, `merge.preflight`, ... import what they need.
 """
 
 from __future__ import annotations
@@ -32,16 +33,9 @@ import importlib
 
 # name -> submodule that defines it
 _EXPORTS = {
-    "core.merge.common": (
-        "GB",
-        "MB",
-        "TOKENIZER_FILES",
-        "MergeError",
-        "MergeProgress",
-        "ProgressFn",
-        "progress_sentence",
-        "is_vision_model",
-    ),
+    "core.merge.errors": ("MergeError",),
+    "core.merge.progress": ("MergeProgress", "ProgressFn", "progress_sentence"),
+    "core.merge.model_files": ("TOKENIZER_FILES", "is_vision_model"),
     "core.merge.shards": (
         "COPY_BLOCK",
         "ST_DTYPES",
@@ -54,7 +48,7 @@ _EXPORTS = {
         "BaseCheckpoint",
     ),
     "core.merge.adapter": ("UNSUPPORTED_FEATURES", "LoraModule", "Adapter", "load_adapter"),
-    "core.merge.plan": ("TensorPlan", "MergePlan", "parse_size", "plan_merge"),
+    "core.merge.mapping": ("TensorPlan", "MergePlan", "parse_size", "plan_merge"),
     "core.merge.delta": ("CHUNK_BYTES", "merged_blocks"),
     "core.merge.fingerprint": ("FINGERPRINT_FILE", "Fingerprint", "fingerprint", "record_base"),
     "core.merge.precheck": (

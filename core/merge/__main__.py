@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 from core.fmt import disk
 from core.hub.fetch import model_path, progress_line
 from core.hub.ids import HubError
-from core.merge.common import MergeError, MergeProgress
+from core.merge.errors import MergeError
+from core.merge.progress import MergeProgress
 from core.workspace import WorkspaceError
 
 if TYPE_CHECKING:

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from core.merge.common import MergeError, load_json
+from core.merge.errors import MergeError, load_json
 from core.merge.shards import read_safetensors_header
 
 RESAVE = "re-save the adapter with peft's save_pretrained, or copy its folder again."

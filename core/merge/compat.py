@@ -14,8 +14,9 @@ from pathlib import Path
 
 from core.files import read_json_object
 from core.merge.adapter import Adapter
-from core.merge.common import MergeError, load_tokenizer
+from core.merge.errors import MergeError
 from core.merge.fingerprint import FINGERPRINT_FILE, fingerprint_of, locate_base, read_recorded_base
+from core.merge.model_files import load_tokenizer
 from core.merge.shards import BaseCheckpoint
 
 # Fields that tell two models apart, each with the names other architectures use for it (GPT-2: n_embd, n_layer).

@@ -12,9 +12,9 @@ from collections.abc import Iterator
 import torch
 
 from core.merge.adapter import LoraModule
-from core.merge.common import MB, MergeError
-from core.merge.plan import TensorPlan
-from core.merge.shards import ST_DTYPES, BaseCheckpoint, tensor_bytes
+from core.merge.errors import MergeError
+from core.merge.mapping import TensorPlan
+from core.merge.shards import MB, ST_DTYPES, BaseCheckpoint, tensor_bytes
 
 # Rows are processed in blocks of at most this many fp32 bytes: a 128k x 8k embedding (~4 GB in fp32) never
 # materialises whole.

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from core.merge.adapter import Adapter, LoraModule, _pattern_value
-from core.merge.common import MergeError
+from core.merge.errors import MergeError
 
 
 @dataclass
@@ -53,7 +53,7 @@ class ParamLora(LoraModule):
 
 def module_kind(module) -> str:
     """A base layer's kind as the merge treats it (Conv1D, Embedding, Linear), else its class name."""
-    from transformers.pytorch_utils import Conv1D  # heavy (transformers): see core.merge.plan._meta_model
+    from transformers.pytorch_utils import Conv1D  # heavy (transformers): see core.merge.mapping._meta_model
 
     if isinstance(module, Conv1D):
         return "conv1d"
@@ -94,7 +94,7 @@ def _bare(name: str) -> str:
 
 
 def attach_parameters(targets, adapter: Adapter, pairs: dict[str, LoraModule]) -> None:
-    """Attach each pair to the checkpoint tensors holding its parameter (`targets`: core.merge.plan's _Targets)."""
+    """Attach each pair to the checkpoint tensors holding its parameter (`targets`: core.merge.mapping's _Targets)."""
     layout = _Layout(targets.config.get("model_type"), targets.base.tensors)
     for name, mod in pairs.items():
         if mod.A is None or mod.B is None:

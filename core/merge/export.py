@@ -17,10 +17,12 @@ import torch
 
 from core import procs
 from core.fmt import disk
-from core.merge.common import TOKENIZER_FILES, MergeError, MergeProgress, ProgressFn, tokenizer_source
 from core.merge.delta import tensor_stream
-from core.merge.plan import MergePlan, TensorPlan
+from core.merge.errors import MergeError
+from core.merge.mapping import MergePlan, TensorPlan
+from core.merge.model_files import TOKENIZER_FILES, tokenizer_source
 from core.merge.precheck import Preflight, preflight_at, workspace_target
+from core.merge.progress import MergeProgress, ProgressFn
 from core.merge.shards import write_shard
 from core.merge.verify import Verification, verify_export
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from huggingface_hub import try_to_load_from_cache
 
-from core.merge.common import MergeError
+from core.merge.errors import MergeError
 from core.merge.shards import BaseCheckpoint, itemsize
 
 FINGERPRINT_FILE = "base_fingerprint.json"

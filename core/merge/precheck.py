@@ -14,11 +14,12 @@ from core.files import disk_needed, disk_shortfall
 from core.fmt import disk
 from core.merge import delta
 from core.merge.adapter import load_adapter
-from core.merge.common import MB, TOKENIZER_FILES, MergeError, load_json, tokenizer_source
 from core.merge.compat import check_recorded_base, check_vocabulary, signature
 from core.merge.discover import is_qlora
-from core.merge.plan import MergePlan, plan_merge
-from core.merge.shards import DTYPE_NAMES
+from core.merge.errors import MergeError, load_json
+from core.merge.mapping import MergePlan, plan_merge
+from core.merge.model_files import TOKENIZER_FILES, tokenizer_source
+from core.merge.shards import DTYPE_NAMES, MB
 from core.workspace import WorkspaceError, default_workspace, inside
 
 # Python + torch + transformers already use a few hundred MB before any tensor is read.

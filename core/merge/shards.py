@@ -14,7 +14,9 @@ from pathlib import Path
 import torch
 
 from core import files
-from core.merge.common import MB, MergeError, load_json
+from core.merge.errors import MergeError, load_json
+
+MB = 1024**2
 
 BASE_FIX = "copy or download the base model again."
 

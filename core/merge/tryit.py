@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 
 from core.merge.adapter import load_adapter
-from core.merge.common import MergeError, auto_model_class, load_json, load_tokenizer, tokenizer_source
+from core.merge.errors import MergeError, load_json
+from core.merge.model_files import auto_model_class, load_tokenizer, tokenizer_source
 
 
 @dataclass

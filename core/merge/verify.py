@@ -11,9 +11,10 @@ import torch
 from safetensors import safe_open
 
 from core.fmt import disk
-from core.merge.common import auto_model_class, load_json, load_tokenizer
 from core.merge.delta import recompute_rows
-from core.merge.plan import MergePlan
+from core.merge.errors import load_json
+from core.merge.mapping import MergePlan
+from core.merge.model_files import auto_model_class, load_tokenizer
 from core.merge.shards import DTYPE_NAMES, read_safetensors_header
 
 # Relative to the logits of the fp32 oracle; bf16 keeps 8 mantissa bits, so a merged bf16 model drifts by ~1e-2.
@@ -232,7 +233,7 @@ def _merged_logits(out_dir: Path, prompts, device: str, v: Verification) -> list
 
 
 def _auto(folder: Path):
-    """The auto class the model in `folder` loads with (a VLM's, or a causal LM's: core.merge.common)."""
+    """The auto class the model in `folder` loads with (a VLM's, or a causal LM's: core.merge.model_files)."""
     return auto_model_class(load_json(Path(folder) / "config.json", "export the model again."))
 
 

@@ -12,8 +12,9 @@ from pathlib import Path
 import torch
 
 from core.merge.adapter import Adapter, LoraModule
-from core.merge.common import MergeError, auto_model_class, load_json
+from core.merge.errors import MergeError, load_json
 from core.merge.experts import attach_parameters, module_kind, split_parameter_modules
+from core.merge.model_files import auto_model_class
 from core.merge.shards import (
     DTYPE_ARGS,
     DTYPE_NAMES,
