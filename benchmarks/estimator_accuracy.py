@@ -333,10 +333,10 @@ def uneven_matrix() -> list[tuple[str, Plan]]:
 
 
 def full_config(arch: str):
-    from core.estimate.specs import load_config
+    from core.estimate.specs import load_model_config
 
     preset, overrides = ARCHS[arch]
-    cfg = load_config(preset)
+    cfg = load_model_config(preset)
     for k, v in overrides.items():
         setattr(cfg, k, v)
     if overrides:
