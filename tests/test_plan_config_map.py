@@ -277,3 +277,12 @@ def test_config_plan_config_plan_is_a_fixed_point(models):
         _same(_plan(plan_to_config(plan, _bare(raw))), plan, f"{name}: on a bare base", FROM_THE_BASE)
         again = plan_to_config(_plan(back), back)
         assert again == back, f"{name}: plan -> config is not idempotent"
+
+
+def test_the_table_names_every_plan_field_once_and_each_key_once():
+    from core.estimate.config_map import DERIVED, ROWS, RUN
+
+    named = [row.field for row in ROWS] + [row.also for row in ROWS if row.also] + list(DERIVED) + list(RUN)
+    assert sorted(named) == sorted(f.name for f in fields(Plan))  # every field, none twice
+    keys = [row.key for row in ROWS]
+    assert len(keys) == len(set(keys))  # one config key, one plan field
