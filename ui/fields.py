@@ -10,7 +10,7 @@ import functools
 
 import streamlit as st
 
-from core.estimate.from_config import method_of, set_method
+from core.estimate.config_map import method_of, set_method
 from core.estimate.plan import PACKING_STRATEGIES
 from core.recipe import methods, trackers
 from core.recipe.config import default_config, section_schema

@@ -13,29 +13,12 @@ from typing import Any
 
 from core import gpu
 from core.estimate.bill import estimate
+from core.estimate.config_map import ENGINE, PlanReader, plan_values, put_plan
 from core.estimate.plan import Plan, PlanError
 from core.precision import SHORT, Device, resolve
 from core.recipe import distributed, methods, vision
-from core.recipe.config import checkpointing, default_config, validate_config
-from core.recipe.config_keys import DTYPES, SECTIONS
-
-# The planner models sdpa, eager and flash (varlen kernels: no mask); flex attention keeps no score matrix
-# either, like sdpa.
-PLAN_ATTN = {"flash_attention_2": "flash", "flash_attention_3": "flash", "flex_attention": "sdpa"}
-
-
-def method_of(cfg: dict) -> str:
-    """How a run config trains, as the planner and the user name it: "full", "lora" or "qlora"."""
-    lora, quant = cfg.get("lora") or {}, cfg.get("quantization") or {}
-    if not lora.get("enabled", True):
-        return "full"
-    return "qlora" if quant.get("load_in_4bit") else "lora"
-
-
-def set_method(cfg: dict, method: str) -> None:
-    """Write "full", "lora" or "qlora" as the two keys a run config holds (the inverse of method_of)."""
-    cfg.setdefault("lora", {})["enabled"] = method != "full"
-    cfg.setdefault("quantization", {})["load_in_4bit"] = method == "qlora"
+from core.recipe.config import default_config, validate_config
+from core.recipe.config_keys import SECTIONS
 
 
 def plan_dtypes(cfg: dict, device: str) -> tuple[str, str, bool]:
@@ -60,52 +43,23 @@ def plan_for_config(
     or a folder with config.json, for planning a config against another model's shapes). `smoke`: the smoke
     test's step: one full row at batch size 1, without padding-free batching or packing (core.recipe.engine_args
     turns them off there: one full row is the same tensor either way)."""
-    lo, t = cfg["lora"], cfg["training"]
-    load, compute, autocast = plan_dtypes(cfg, device)
-    targets = lo["target_modules"]
     method = methods.get(cfg)
-    preference = method.traits.reference
-    batch = method.smoke_batch(cfg) if smoke else (batch_size or t["per_device_train_batch_size"])
+    fields = plan_values(cfg, method, smoke)  # every field the table reads from the config
+    load, compute, autocast = plan_dtypes(cfg, device)
+    batch = method.smoke_batch(cfg) if smoke else (batch_size or fields["batch_size"])
     world = 1 if smoke else distributed.world_size(cfg)
-    fields = dict(
-        model=model or cfg["model"]["path"],
-        method=method_of(cfg),
-        objective=method.name,
+    fields.update(
+        model=model or fields["model"],
+        batch_size=batch,
         # DPO/KTOTrainer: the base with the adapter disabled, or a second model (full fine-tune, reference_path)
-        reference="copy" if preference and cfg["model"].get("reference_path") else "auto",
-        precompute_ref=preference and bool(t.get("precompute_ref_log_probs")),
+        reference="copy" if method.traits.reference and cfg["model"].get("reference_path") else "auto",
         load_dtype=load,
         compute_dtype=compute,
         autocast=autocast,
-        quant_type=cfg["quantization"]["bnb_4bit_quant_type"],
-        double_quant=cfg["quantization"]["bnb_4bit_use_double_quant"],
-        lora_r=lo["r"],
-        lora_alpha=lo["lora_alpha"],
-        # DPO/KTOConfig.disable_dropout (default on) sets every nn.Dropout to p=0, LoRA's too: an identity then
-        lora_dropout=0.0 if preference and t.get("disable_dropout", True) else lo["lora_dropout"],
-        target_modules=targets if isinstance(targets, str) else ",".join(targets),
-        target_parameters=",".join(lo.get("target_parameters") or ()),
-        batch_size=batch,
-        seq_len=method.sequence_length(cfg),
-        gradient_checkpointing=checkpointing(cfg),
-        attn=PLAN_ATTN.get(cfg["model"]["attn_implementation"], cfg["model"]["attn_implementation"]),
-        optim=t["optim"],
         gpu_gb=float(gpu_gb),
         expandable_segments=expandable_segments,
         device=device,
-        # what SFTTrainer does: no prepare_model_for_kbit_training, the tiled (fused) LM head
-        prepare_kbit=False,
-        fused_lm_head=True,
-        # DPOTrainer 1.16 turns padding_free off (it warns and pads)
-        padding_free=bool(t.get("padding_free")) and not smoke and method.traits.flat_batches,
-        packing=bool(t.get("packing")) and not smoke,
-        packing_strategy=t.get("packing_strategy") or "bfd",
-        activation_offloading=bool(t.get("activation_offloading")),
-        liger=bool(t.get("use_liger_kernel")),
-        # the distributed section: every process of every machine shares the model (gpu_gb is each card's)
-        gpus=distributed.world_size(cfg),
-        strategy=cfg["distributed"]["strategy"],
-        cpu_offload=bool(cfg["distributed"]["cpu_offload"]) and distributed.world_size(cfg) > 1,
+        **ENGINE,
         # the method's own step (GRPO: its rollouts), read from the config by the method
         **method.plan_shape(cfg, batch, world, smoke),
         **eval_fields(cfg, smoke),
@@ -328,38 +282,6 @@ def plan_json(
 # ---- the inverse: a Plan's settings written into a run config ------------------------------------------------
 
 
-def _get(plan: Any, key: str, default=None):
-    if isinstance(plan, dict):
-        return plan.get(key, default)
-    return getattr(plan, key, default)
-
-
-def _put_images(plan: Any, cfg: dict) -> None:
-    """A VLM plan's images as the run config's keys (image_fields' inverse): for a VLM model folder, or where the
-    plan's images differ from the planner's defaults; a language model's config gets none."""
-    values = {
-        ("data", "image_size"): f"{_get(plan, 'image_width')}x{_get(plan, 'image_height')}",
-        ("data", "max_pixels"): _get(plan, "max_pixels") or None,
-        ("data", "images_per_row"): _get(plan, "images_per_row") or None,
-        ("data", "pan_and_scan"): _get(plan, "pan_and_scan") or None,
-        ("model", "freeze_vision"): None if _get(plan, "vision_frozen", True) else False,
-    }
-    defaults = {
-        ("data", "image_size"): f"{Plan.image_width}x{Plan.image_height}",
-        ("data", "images_per_row"): 1,
-    }
-    if _get(plan, "image_width") is None or not (
-        vision.folder_is_vlm(cfg["model"].get("path") or "")
-        or any(v is not None and v != defaults.get(k) for k, v in values.items())
-    ):
-        return
-    for (section, key), value in values.items():
-        if value is None:
-            cfg[section].pop(key, None)
-        else:
-            cfg[section][key] = value
-
-
 def plan_to_config(plan: Any, base: dict | None = None) -> dict:
     """A Plan (or its dict) as a run config, on top of `base`: the inverse of plan_for_config for the settings a
     run config carries. A measured step of a Plan builds its model through the engine, which reads run configs
@@ -371,113 +293,7 @@ def plan_to_config(plan: Any, base: dict | None = None) -> dict:
     cfg = copy.deepcopy(base) if base else default_config()
     for section in SECTIONS:
         cfg.setdefault(section, {})
-    plan = plan or {}
-
-    def put(section, key, value, convert=lambda v: v):
-        if value is not None:
-            cfg[section][key] = convert(value)
-
-    objective = _get(plan, "objective")
-    if objective is not None:
-        cfg["method"] = objective
-        if cfg["data"].get("format") not in (None, "auto", *methods.get(objective).formats):
-            cfg["data"]["format"] = "auto"
-    if objective and methods.get(objective).traits.reference and _get(plan, "precompute_ref"):
-        cfg["training"]["precompute_ref_log_probs"] = True
-    method = str(_get(plan, "method") or "").lower()
-    if method in ("full", "lora", "qlora"):
-        set_method(cfg, method)
-
-    lora = _get(plan, "lora") if isinstance(_get(plan, "lora"), dict) else {}
-    put("lora", "r", _get(plan, "lora_r", lora.get("r")), int)
-    put("lora", "lora_alpha", _get(plan, "lora_alpha", lora.get("alpha", lora.get("lora_alpha"))))
-    put("lora", "lora_dropout", _get(plan, "lora_dropout", lora.get("dropout", lora.get("lora_dropout"))))
-    targets = _get(plan, "target_modules", lora.get("target_modules"))
-    if targets:
-        if isinstance(targets, str) and targets != "all-linear":
-            targets = [t.strip() for t in targets.split(",") if t.strip()]
-        put("lora", "target_modules", targets if isinstance(targets, str) else list(targets))
-    params = _get(plan, "target_parameters", lora.get("target_parameters"))
-    if params or cfg["lora"].get("target_parameters"):
-        params = [t.strip() for t in params.split(",") if t.strip()] if isinstance(params, str) else params
-        cfg["lora"]["target_parameters"] = list(params or []) or None
-
-    put(
-        "training",
-        "per_device_train_batch_size",
-        _get(plan, "batch_size", _get(plan, "micro_batch_size")),
-        int,
-    )
-    if methods.get(cfg.get("method")).traits.generates:
-        # a prompt and its completion, said by the method's own keys (GRPOConfig has no max_length)
-        own = methods.get(cfg.get("method")).training_of_plan(lambda k: _get(plan, k), cfg["training"])
-        for key, value in own.items():  # None: the key goes (its default gives the plan's value)
-            if value is None:
-                cfg["training"].pop(key, None)
-            else:
-                cfg["training"][key] = value
-    else:
-        put("training", "max_length", _get(plan, "seq_len", _get(plan, "max_length")), int)
-    # a plan that evaluates: its eval batch and the samples callback's prompts (0: the config keeps its own)
-    if _get(plan, "eval_batch_size"):
-        put("training", "per_device_eval_batch_size", _get(plan, "eval_batch_size"), int)
-    if _get(plan, "eval_samples"):
-        put("training", "eval_samples", _get(plan, "eval_samples"), int)
-    put("training", "gradient_checkpointing", _get(plan, "gradient_checkpointing"), bool)
-    put("training", "optim", _get(plan, "optim"))
-    # the memory levers a run config carries (core.estimate.levers); the others are always on in the engine
-    for plan_key, key in (
-        ("padding_free", "padding_free"),
-        ("packing", "packing"),
-        ("activation_offloading", "activation_offloading"),
-        ("liger", "use_liger_kernel"),
-    ):
-        value = _get(plan, plan_key)
-        if value is not None and (value or key in cfg["training"]):
-            cfg["training"][key] = bool(value)
-    if _get(plan, "packing"):
-        put("training", "packing_strategy", _get(plan, "packing_strategy"))
-
-    attn = _get(plan, "attn", _get(plan, "attn_implementation"))
-    if attn:
-        put(
-            "model",
-            "attn_implementation",
-            {"flash": "flash_attention_2", "fa2": "flash_attention_2"}.get(attn, attn),
-        )
-    put("model", "path", _get(plan, "model"), str)
-    short = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-    dtype = _get(plan, "load_dtype", _get(plan, "dtype"))
-    if dtype:
-        put("model", "dtype", short.get(str(dtype), str(dtype)))
-    # The compute dtype is the Trainer's mixed-precision flag (and the 4-bit compute dtype).
-    compute = _get(plan, "compute_dtype") or dtype
-    if compute:
-        compute = short.get(str(compute), str(compute))
-        if _get(plan, "autocast") is False or compute == "float32":
-            cfg["training"]["bf16"], cfg["training"]["fp16"] = False, False
-        elif compute == "bfloat16":
-            cfg["training"]["bf16"], cfg["training"]["fp16"] = "auto", False
-        elif compute == "float16":
-            cfg["training"]["bf16"], cfg["training"]["fp16"] = False, True
-        if compute in DTYPES:
-            cfg["quantization"]["bnb_4bit_compute_dtype"] = compute
-    quant = _get(plan, "quant_type", _get(plan, "bnb_4bit_quant_type"))
-    if quant:
-        put("quantization", "bnb_4bit_quant_type", str(quant).lower())
-    put("quantization", "bnb_4bit_use_double_quant", _get(plan, "double_quant"), bool)
-    # several GPUs: the plan's process count is this machine's (num_machines stays as the base has it)
-    gpus = _get(plan, "gpus")
-    if gpus is not None:
-        machines = cfg["distributed"].get("num_machines") or 1
-        per_machine = max(1, int(gpus) // machines)
-        now = cfg["distributed"].get("gpus", 1)
-        if (len(now) if isinstance(now, list) else now) != per_machine:  # a list of ids of that length stays
-            cfg["distributed"]["gpus"] = per_machine
-    put("distributed", "strategy", _get(plan, "strategy"), str)
-    put("distributed", "cpu_offload", _get(plan, "cpu_offload"), bool)
-    _put_images(plan, cfg)
-
+    put_plan(PlanReader(plan or {}), cfg)  # core.estimate.config_map's table, row by row
     if cfg["model"].get("path") and cfg["data"].get("path"):
         return validate_config(cfg)
     return cfg
