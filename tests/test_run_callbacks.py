@@ -235,3 +235,79 @@ def test_the_metrics_file_is_opened_only_for_a_run_that_writes_one(tmp_path, smo
     h.log(train_runtime=3.0)  # the end-of-training summary is no metric line
     assert len(h.metrics()) == (0 if smoke else 1)
     h.close()
+
+
+# ---- the Trainer's checkpoint writes: refused into a folder that is gone, taken back when they re-created it ----
+
+
+class Saver:
+    """A real transformers Trainer over a tiny torch model, its checkpoint writes guarded as a run guards them."""
+
+    def __init__(self, tmp_path):
+        from transformers import Trainer
+
+        from core.train.folder_guard import guard_checkpoints
+
+        self.h = Harness(tmp_path)
+        args = TrainingArguments(
+            output_dir=str(self.h.run_dir / rundir.CHECKPOINTS),
+            save_only_model=True,
+            report_to=[],
+            use_cpu=True,
+        )
+        self.trainer = Trainer(model=torch.nn.Linear(4, 4), args=args)
+        self.trainer.state.global_step = 7
+        guard_checkpoints(self.trainer, self.h.guard)
+
+    def before_the_write(self, act):
+        """act() runs inside the save, after the guard's look and before the Trainer makes the checkpoint's folder."""
+        save_model = self.trainer.save_model
+
+        def acting(*args, **kwargs):
+            act()
+            return save_model(*args, **kwargs)
+
+        self.trainer.save_model = acting
+
+    def save(self):
+        self.trainer._save_checkpoint(self.trainer.model, None)
+
+
+def test_a_checkpoint_write_in_a_folder_that_is_still_the_runs_is_made(tmp_path):
+    s = Saver(tmp_path)
+    s.save()
+    assert (s.h.run_dir / rundir.CHECKPOINTS / "checkpoint-7" / "trainer_state.json").is_file()
+    assert s.h.outcome.gone is None
+
+
+def test_a_checkpoint_write_into_a_deleted_folder_is_refused(tmp_path):
+    s = Saver(tmp_path)
+    shutil.rmtree(s.h.run_dir)
+    s.save()
+    assert not s.h.run_dir.exists()
+    assert "was deleted while the run trained" in s.h.outcome.gone
+
+
+def test_a_checkpoint_write_that_re_created_the_deleted_folder_is_taken_back_and_the_run_reads_deleted(
+    tmp_path,
+):
+    s = Saver(tmp_path)
+    s.before_the_write(lambda: shutil.rmtree(s.h.run_dir))  # rm -rf finishing as the checkpoint starts
+    s.save()
+    assert not s.h.run_dir.exists()  # the Trainer's makedirs made it again; nothing of it is left
+    assert "was deleted while the run trained" in s.h.outcome.gone
+    assert s.h.guard.check() and "was deleted" in s.h.outcome.gone  # ...and stays deleted: not "replaced"
+
+
+def test_a_folder_someone_else_put_in_its_place_is_left_as_it_is_and_reads_replaced(tmp_path):
+    s = Saver(tmp_path)
+
+    def replace():
+        os.rename(s.h.run_dir, tmp_path / "aside")
+        s.h.run_dir.mkdir()
+        (s.h.run_dir / "notes.txt").write_text("theirs")
+
+    s.before_the_write(replace)
+    s.save()
+    assert (s.h.run_dir / "notes.txt").read_text() == "theirs"
+    assert s.h.guard.check() and "was replaced by another folder" in s.h.outcome.gone

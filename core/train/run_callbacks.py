@@ -23,42 +23,10 @@ from core.files import atomic_write_text
 from core.recipe.config import config_to_yaml
 from core.rundir import RANK_MEMORY, write_status
 from core.train import ranks
+from core.train.folder_guard import FolderGuard
 from core.train.state import Run, RunOutcome, StopFlag
 
 METRIC_KEYS = ("loss", "eval_loss", "learning_rate", "grad_norm")
-
-
-def _stop_unsaved(control) -> None:
-    control.should_training_stop = True
-    control.should_save = control.should_evaluate = control.should_log = False
-
-
-class FolderGuard:
-    """The run folder this trainer owns, as it found it (core.rundir.folder_identity): once it is deleted or
-    replaced, outcome.gone says so and training stops without saving, evaluating or logging into it. The other
-    callbacks ask it (check) before they write."""
-
-    def __init__(self, run_dir: Path, outcome: RunOutcome, identity=None):
-        self.run_dir, self.outcome = run_dir, outcome
-        self.identity = identity or rundir.folder_identity(run_dir)
-
-    def check(self, control=None) -> bool:
-        """True (and training told to stop, saving nothing, when control is given) once the folder is gone or
-        another one."""
-        if self.outcome.gone is None:
-            now = rundir.folder_identity(self.run_dir)
-            if now != self.identity:
-                what = "was deleted" if now is None else "was replaced by another folder"
-                self.outcome.gone = (
-                    f"the run folder {self.run_dir} {what} while the run trained; stopped without saving "
-                    "or re-creating anything."
-                )
-        if self.outcome.gone is not None and control is not None:
-            _stop_unsaved(control)
-        return self.outcome.gone is not None
-
-    def on_train_begin(self, args, state, control, **kw):
-        self.check(control)
 
 
 class Metrics:

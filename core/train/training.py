@@ -21,6 +21,7 @@ from core.recipe.rewards import RewardError
 from core.rundir import read_status, truncate_metrics, write_status
 from core.train import ranks, sources
 from core.train.callbacks import early_stop, early_stop_sentence, early_stopping_callbacks, samples_callbacks
+from core.train.folder_guard import guard_checkpoints
 from core.train.model import _one_card, choose_precision, load_model, make_trainer, save_final
 from core.train.preflight import prepare_run
 from core.train.resume import keep_new_hyperparameters, record_config
@@ -202,6 +203,7 @@ def train(run: Run) -> RunOutcome:
     _one_card(run.prec)
     try:
         _setup_trainer(run, _setup_model(run), ours)
+        guard_checkpoints(run.trainer, guard)  # no checkpoint into (or re-creating) a folder that is gone
         measured = measure_peak(run.trainer, methods.get(run.cfg).measure_phases) if run.smoke else None
         with measured or contextlib.nullcontext({}) as peak:
             t0, cpu0 = time.perf_counter(), time.process_time()
