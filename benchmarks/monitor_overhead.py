@@ -143,7 +143,7 @@ class CallbackClock:
 
 def run_core(cfg_path: Path, root: Path, i: int) -> tuple[tuple[float, float], dict, float]:
     """core.train.trainer.run_training as the CLI runs it; also the share of a step's CPU time its callbacks took."""
-    import core.train.trainer as engine
+    import core.train.training as engine  # where the run makes its trainer
     from core.train.trainer import StopFlag, run_training
 
     made, make_trainer, clock = [], engine.make_trainer, CallbackClock()
@@ -174,7 +174,7 @@ def run_plain(cfg: dict, i: int, root: Path) -> tuple[tuple[float, float], dict]
 
     from core.recipe.config import validate_config
     from core.recipe.data import prepare_datasets
-    from core.train.trainer import choose_precision, load_model, make_trainer
+    from core.train.model import choose_precision, load_model, make_trainer
 
     cfg = validate_config(cfg)
     prec = choose_precision(cfg)

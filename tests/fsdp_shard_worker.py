@@ -42,7 +42,7 @@ def quant_constants(model) -> int:
 
 
 def load_4bit(model_dir: str):
-    """The model as core.train.trainer.load_model loads it for a QLoRA run on several processes."""
+    """The model as core.train.model.load_model loads it for a QLoRA run on several processes."""
     from transformers import BitsAndBytesConfig
 
     quant = BitsAndBytesConfig(

@@ -232,8 +232,8 @@ def test_fp16_mixed_precision_gets_float32_trainable_weights(tiny_llama):
     float32 trainable weights for full fine-tuning and trainable LoRA biases, loaded in float16 (make_trainer
     applies _fp32_trainable to the model SFTTrainer hands back)."""
     from core.recipe.config import default_config
-    from core.train.trainer import _fp32_trainable
-    from core.train.trainer import load_model as load_base
+    from core.train.model import _fp32_trainable
+    from core.train.model import load_model as load_base
 
     def load_model(cfg, prec):
         return _fp32_trainable(load_base(cfg, prec), prec)

@@ -150,7 +150,7 @@ def trained_adapter(base: Path, run_dir: Path) -> Path:
 
     from transformers import AutoTokenizer
 
-    from core.train.trainer import save_final
+    from core.train.model import save_final
 
     cfg = {"lora": {"enabled": True}, "model": {"path": str(base)}}
     tok = AutoTokenizer.from_pretrained(str(base))

@@ -92,7 +92,7 @@ def test_qlora_nf4_with_paged_adamw_8bit_trains_on_cpu(tmp_path, tiny_llama):
     assert len(losses) == 5 and all(loss == loss for loss in losses)  # five finite log lines
 
     from core.recipe.config import load_config
-    from core.train.trainer import choose_precision, load_model
+    from core.train.model import choose_precision, load_model
 
     c = load_config(cfg)
     names = {type(m).__name__ for m in load_model(c, choose_precision(c)).modules()}

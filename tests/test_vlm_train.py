@@ -204,7 +204,7 @@ def test_qlora_quantizes_the_language_model_and_keeps_the_vision_tower_in_its_dt
     import bitsandbytes as bnb
 
     from core.precision import Device, resolve
-    from core.train.trainer import load_model
+    from core.train.model import load_model
 
     _, base, data = vlm
     cfg = _config(base, data)
@@ -235,7 +235,7 @@ def test_a_full_fine_tune_of_a_vlm_trains_the_language_model_with_the_vision_tow
     from core.precision import Device, resolve
     from core.recipe import vision
     from core.recipe.data import load_rows
-    from core.train.trainer import load_model, make_trainer
+    from core.train.model import load_model, make_trainer
 
     _, base, data = vlm
     cfg = _config(base, data, max_steps=1)

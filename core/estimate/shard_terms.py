@@ -15,7 +15,7 @@ each strategy divides by the number of processes N, what it adds, and the load-t
 - Activations, logits and the loss are NOT divided: every process runs its own micro-batch.
 - Each process pays a CUDA context (core.estimate.plan) and NCCL's buffers (NCCL_CONTEXT_BYTES, outside torch).
 - Load: every rank first holds the whole 4-bit model on its GPU. transformers quantizes a model where its
-  device_map points (core.train.trainer.load_model: the rank's GPU) and since transformers 5 loads it whole on every
+  device_map points (core.train.model.load_model: the rank's GPU) and since transformers 5 loads it whole on every
   rank under FSDP too (no rank-0-only loading: cpu_ram_efficient_loading only broadcasts what each rank already
   holds); under ZeRO-3 it skips zero.Init for a quantized model (deepspeedai/DeepSpeed#5660). FSDP / ZeRO-3 shard
   it afterwards. A 16-bit base loads on the CPU (FSDP) or sharded (zero.Init): no GPU peak beyond the step's.

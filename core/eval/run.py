@@ -208,7 +208,7 @@ def _load(target: Target, dev: str):
     off), or the base and the merged/full model as two loads."""
     from core.precision import Device
     from core.precision import resolve as precision
-    from core.train.trainer import load_model
+    from core.train.model import load_model
 
     device = Device.local() if dev.startswith("cuda") else Device.of("cpu")
     prec = precision(target.cfg, device)

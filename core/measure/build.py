@@ -20,7 +20,7 @@ from core.measure.step_plan import StepOptions, autocast_dtype, is_engine_path, 
 from core.precision import LONG, Device, Precision, torch_dtype
 from core.recipe import methods
 from core.recipe.config import validate_config
-from core.train.trainer import load_model, make_trainer, quiet_progress_bars
+from core.train.model import load_model, make_trainer, quiet_progress_bars
 
 
 # -- building the model --------------------------------------------------------------------------------------

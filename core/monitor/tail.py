@@ -240,7 +240,7 @@ EVAL_METHOD_FIELDS = tuple(f"eval_{name}" for name in METHOD_FIELDS)
 # Training series kept with a smoothed twin (`RunSeries.smoothed`), like the loss.
 SMOOTHED_FIELDS = ("loss", *METHOD_FIELDS)
 _ALL_FIELDS = METRIC_FIELDS + METHOD_FIELDS + EVAL_METHOD_FIELDS
-# A run on several processes: rank 0 writes every other rank's memory as rankK_<name> (core.train.callbacks).
+# A run on several processes: rank 0 writes every other rank's memory as rankK_<name> (core.train.run_callbacks).
 MAX_RANKS = 16
 RANK_FIELDS = tuple(f"rank{k}_{name}" for k in range(1, MAX_RANKS) for name in RANK_MEMORY)
 _RANKS_MARK = "rank1_rss_bytes"  # on every line of such a run

@@ -170,7 +170,7 @@ def tick(workspace) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from core.train.callbacks import StopFlag
+    from core.train.state import StopFlag
 
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:

@@ -23,16 +23,16 @@ from core.precision import Device
 from core.recipe.config import ConfigError, load_config
 from core.recipe.data import DataError
 from core.train import ranks
-from core.train.callbacks import StopFlag
 from core.train.preflight import check_model, prepare_run
 from core.train.smoke import smoke_line
+from core.train.state import StopFlag
+from core.train.supervise import machine_folder
 from core.train.trainer import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
     EXIT_STOPPED,
     ConfigRefused,
     TrainError,
-    machine_folder,
     machine_rank,
     report_failure,
     run_training,

@@ -5,11 +5,10 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from pathlib import Path
 
 from core import rundir
-from core.precision import Precision
 from core.recipe import methods
+from core.train.state import Run, RunOutcome
 
 
 @contextlib.contextmanager
@@ -158,8 +157,10 @@ def smoke_line(smoke: dict) -> str:
     )
 
 
-def finish_smoke(cfg: dict, prec: Precision, run_dir: Path, peak: dict, callback, step: int) -> dict:
-    """smoke.json: the measured peak of the one step next to the plan's (plan.json, written for this step)."""
+def finish_smoke(run: Run, outcome: RunOutcome, step: int) -> dict:
+    """smoke.json: the measured peak of the one step (outcome.peak) next to the plan's (plan.json, written for
+    this step)."""
+    cfg, run_dir, peak = run.cfg, run.run_dir, outcome.peak
     plan = rundir.read_plan(run_dir) or {}
     planned = {k: v for k, v in (plan.get("phases") or {}).items() if k != "eval"}
     result = {
@@ -177,8 +178,8 @@ def finish_smoke(cfg: dict, prec: Precision, run_dir: Path, peak: dict, callback
         "baseline_bytes": peak.get("baseline_bytes"),
         "optimizer_state_bytes": peak.get("optimizer_state_bytes"),
         "cuda_peak_bytes": peak.get("cuda_peak_bytes"),
-        "seconds_per_step": callback.step_seconds[-1] if callback.step_seconds else None,
-        "device": prec.device.label,
+        "seconds_per_step": outcome.step_seconds[-1] if outcome.step_seconds else None,
+        "device": run.prec.device.label,
         # the plan's training step (its evaluation is compared on its own)
         "estimate_bytes": max(planned.values()) if planned else plan.get("tensor_peak_bytes"),
         "estimate_reserved_bytes": plan.get("reserved_peak_bytes"),
