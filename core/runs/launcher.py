@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from core import procs, rundir
+from core import liveness, procs, rundir
 from core.recipe.config import ConfigError, dump_config, load_config, validate_config
 from core.rundir import read_pid, read_smoke, read_status, write_status
 from core.train.preflight import check_model_folder
@@ -193,10 +193,10 @@ def stop_run(run_dir: str | os.PathLike, grace_s: float = 60.0) -> str:
 
 def run_state(run_dir: str | os.PathLike) -> RunInfo:
     """The run's state from its files and its lock; a live-looking status whose process is gone reads as failed
-    with the tail of stderr.log (rundir.read_live_status). Writes nothing: listing runs works on a full disk or a
+    with the tail of stderr.log (liveness.read_live_status). Writes nothing: listing runs works on a full disk or a
     read-only workspace."""
     run_dir = Path(run_dir)
-    status, state, alive = rundir.read_live_status(run_dir)
+    status, state, alive = liveness.read_live_status(run_dir)
     # a scan for an owner whose pid file is gone only for a live run (listing many ended runs stays cheap)
     pid = read_pid(run_dir) if alive else (procs.read_pid_info(run_dir) or {}).get("pid")
     stalled_s, stall = rundir.stall(run_dir, status, state, alive)
