@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from core import procs
+from core import logtail, procs
 from core.procs import LOCK, STDERR
 from core.rundir import LIVE_STATES, is_number, read_status, remote_alive
 
@@ -54,7 +54,7 @@ def vanished_reason(run_dir: str | os.PathLike) -> str:
             f"cannot check a process on another one: it has presumably ended (look at {host})."
         )
     reason = f"The training process{pid} ended without reporting (it was killed, or crashed in native code)."
-    last = procs.tail_text(Path(run_dir) / STDERR, STDERR_TAIL_LINES).strip("\n")
+    last = logtail.tail_text(Path(run_dir) / STDERR, STDERR_TAIL_LINES).strip("\n")
     if last.strip():
         return f"{reason}\nLast lines of stderr.log:\n{last}"
     return f"{reason} It wrote nothing to stderr.log."
