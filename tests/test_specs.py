@@ -192,7 +192,7 @@ def test_every_preset_and_folder_spec_round_trips_through_the_disk_cache(
 ):
     specs = spec_cache
     models = preset_ids() + [str(tiny_llama), str(tiny_llama_tied), str(tiny_gpt2)]
-    fresh = {m: specs._build_spec(m, specs.load_config(m)) for m in models}
+    fresh = {m: specs._build_spec(m, specs.load_model_config(m)) for m in models}
     targets = {}
     for m in models:
         assert load_spec(m) == fresh[m]  # built and written
