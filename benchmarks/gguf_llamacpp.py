@@ -104,7 +104,8 @@ def hf_side(model_dir: Path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from core.gguf.verify import PROMPTS, expected_ids
+    from core.gguf.verify_logits import PROMPTS
+    from core.gguf.verify_tokenizer import expected_ids
     from core.gguf.vocab import byte_rows, load_source_tokenizer
 
     tok = load_source_tokenizer(model_dir)
@@ -138,7 +139,7 @@ def main() -> int:
     import torch
 
     from core.gguf import export_gguf, llamacpp
-    from core.gguf.verify import compare_logits
+    from core.gguf.verify_logits import compare_logits
 
     if not llamacpp.available():
         print("llama-cpp-python is not installed: pip install llama-cpp-python==0.3.36 (builds llama.cpp)")

@@ -84,6 +84,10 @@ MAX_JSON_BYTES = (
 )  # status.json, plan.json, smoke.json, a job's files: a few KiB; a model config.json < 1 MiB
 
 
+# tokenizer.json: the largest (260k-token vocabularies, Gemma's) are ~35 MB; this bounds what json.loads may build
+MAX_TOKENIZER_JSON_BYTES = 256 << 20
+
+
 def open_regular(path: str | os.PathLike) -> int:
     """An O_RDONLY descriptor of `path` when it is a regular file (after symlinks); NotRegularFile otherwise.
     Opening never blocks (a FIFO with no writer) and a device is never read (/dev/zero never ends)."""

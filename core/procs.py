@@ -1,22 +1,17 @@
 """The process lifecycle, written once for every process that owns a folder (a training run, a background job):
-spawn it detached with the folder's lock handed to it, record who it is, tell whether it lives, reap it, stop it,
-read the end of its logs, and clean what killed processes left behind. Ground layer: stdlib, psutil, core.files.
+spawn it detached with the folder's lock handed to it, record who it is, tell whether it lives, reap it. Stopping
+it is core.stopping's, the end of its logs core.logtail's, and the temporary folders killed processes leave behind
+core.tempdirs'. Ground layer: stdlib, psutil, core.files.
 
 Ownership. The owner holds an exclusive flock on FOLDER/lock for its whole life, whoever started it (a launcher
 through `spawn`, which takes the lock first and hands the open descriptor down, or a terminal). The kernel drops
 the lock the instant the process dies, so a dead owner is seen dead at once and a second owner cannot start.
 FOLDER/pid records the owner's pid, its start time and whether it leads its own session: the pair (pid, start
-time) names one process for ever (a reused pid does not match), so it is what `stop` signals, and it keeps
+time) names one process for ever (a reused pid does not match), so it is what `core.stopping.stop` signals, and it keeps
 ownership when someone deletes the lock file ("a stale lock"): `alive` and `claim` check both. When both files
 are gone, the owner is still found by its command line, which names the folder (`find_owner`). Either way an
 owner is a process that holds the folder's lock open (`holds_lock`): a forged pid file, a wrapper that names the
 folder (`timeout 300 python -m core.train … --run-dir D`) or a second start still waiting for the lock is none.
-
-Stopping. SIGTERM goes to the owner alone, never to the process group of whoever started it (a trainer started
-as `core.train … | tee log` shares the shell job's group: signalling that group would kill tee and the shell).
-The owner ends its own children as it exits. After the grace period SIGKILL goes to the owner and all its
-descendants, and to its process group only when the owner leads its own session (then everything in the group
-is its own).
 """
 
 from __future__ import annotations
@@ -24,8 +19,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
-import signal
 import socket
 import stat
 import subprocess
@@ -34,7 +27,7 @@ from pathlib import Path
 
 import psutil
 
-from core.files import atomic_write_text, read_json_object
+from core.files import atomic_write_text
 
 LOCK = "lock"  # held (flock) by the owner for its whole life
 PID = "pid"  # {"pid", "start_time", "session_leader"} of the owner
@@ -42,7 +35,6 @@ STDOUT, STDERR = "stdout.log", "stderr.log"
 LOCK_FD_ENV = (
     "LORA_COCKPIT_LOCK_FD"  # names the lock descriptor a launcher handed down to the process it started
 )
-TEMP_OWNER = ".lora-cockpit-owner"  # the owner record inside a temporary folder (see mark_temp)
 SAME_START_S = 1.0  # start times are compared to this precision (clock granularity of /proc)
 
 
@@ -404,142 +396,3 @@ def reap() -> None:
     for proc in list(_children):
         if proc.poll() is not None:
             _children.remove(proc)
-
-
-# ---- stopping ---------------------------------------------------------------------------------------------------
-
-
-def _tree(pid: int) -> list[psutil.Process]:
-    try:
-        root = psutil.Process(pid)
-        return [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return []
-
-
-def _send(procs: list[psutil.Process], sig: int) -> None:
-    for proc in procs:
-        with contextlib.suppress(psutil.Error):  # psutil refuses a pid that now names another process
-            proc.send_signal(sig)
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL a process and all its descendants (found by parentage, whatever their session)."""
-    _send(_tree(pid), signal.SIGKILL)
-
-
-def wait_gone(folder: str | os.PathLike, timeout: float, info: dict | None = None) -> bool:
-    """Wait until the folder's owner is gone: its lock released and the recorded process exited."""
-    info = info or read_pid_info(folder)
-    deadline = time.monotonic() + timeout
-    while True:
-        reap()
-        gone = not lock_held(folder) and not (info and info["pid"] != os.getpid() and same_process(info))
-        if gone or time.monotonic() > deadline:
-            return gone
-        time.sleep(0.1)
-
-
-def stop(folder: str | os.PathLike, grace_s: float = 60.0) -> str | None:
-    """Stop the folder's owner: SIGTERM to it alone (a stopped process is continued so it can act on it), wait
-    until it is gone, then SIGKILL it with all its descendants. Returns "exited" (it ended within the grace
-    period), "killed", or None when no recorded process of another pid owns the folder."""
-    info = owner_info(folder)
-    if not info or info["pid"] == os.getpid() or not same_process(info):
-        return None
-    pid = info["pid"]
-    if not holds_lock(pid, folder):
-        return None  # a pid file naming a process that does not own the folder (forged, or a stale copy)
-    tree = _tree(pid)
-    if not tree:
-        return None
-    owner = tree[0]
-    _send([owner], signal.SIGTERM)
-    # a stopped process cannot act on it, nor can a stopped child it waits for (one rank of several)
-    _send([p for p in tree if is_stopped(p.pid)], signal.SIGCONT)
-    if wait_gone(folder, grace_s, info):
-        return "exited"
-    tree += [p for p in _tree(pid) if p not in tree]
-    if info.get("session_leader") and leads_session(pid) and same_process(info):
-        with contextlib.suppress(OSError):
-            os.killpg(pid, signal.SIGKILL)
-    _send(tree, signal.SIGKILL)
-    wait_gone(folder, 10.0, info)
-    return "killed"
-
-
-# ---- reading a process's output ---------------------------------------------------------------------------------
-
-
-def tail_text(path: str | os.PathLike, n_lines: int = 200, max_bytes: int = 256 * 1024) -> str:
-    """The last `n_lines` lines of a log file, reading at most its last `max_bytes` bytes; "" when it is missing
-    or not a regular file (a FIFO or /dev/zero in its place never blocks nor fills memory).
-
-    A first line cut by the byte limit is dropped; progress bars redrawn with carriage returns keep their last
-    state only."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return ""
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            return ""
-        start = max(0, st.st_size - max_bytes)
-        data = os.pread(fd, st.st_size - start, start)
-    except OSError:
-        return ""
-    finally:
-        os.close(fd)
-    if start > 0:
-        cut = data.find(b"\n")
-        data = data[cut + 1 :] if cut >= 0 else data
-    text = data.decode("utf-8", errors="replace")
-    lines = [
-        ln.rsplit("\r", 1)[-1] if "\r" in ln.rstrip("\r") else ln.rstrip("\r") for ln in text.split("\n")
-    ]
-    if lines and lines[-1] == "":
-        lines.pop()
-    return "\n".join(lines[-n_lines:])
-
-
-# ---- temporary folders of processes that may be killed --------------------------------------------------------
-
-_own_temps: set[Path] = set()  # temp folders this process works in now (a server may run two, under one pid)
-
-
-def mark_temp(folder: str | os.PathLike, marker: str = TEMP_OWNER, **extra) -> None:
-    """Write the owner record (this process's pid and start time, plus `extra`) into a temporary folder just
-    made, so that clean_stale_temps knows it is ours and whose; unmark_temp once it is renamed or removed."""
-    folder = Path(folder)
-    me = os.getpid()
-    record = {"pid": me, "start_time": process_start_time(me), **extra}
-    (folder / marker).write_text(json.dumps(record))
-    _own_temps.add(folder.resolve())
-
-
-def unmark_temp(folder: str | os.PathLike) -> None:
-    _own_temps.discard(Path(folder).resolve())
-
-
-def clean_stale_temps(parent: str | os.PathLike, pattern: str, marker: str = TEMP_OWNER) -> list[Path]:
-    """Remove the folders matching `pattern` in `parent` whose owner (the record `marker` inside) is gone.
-
-    Only folders carrying the record are touched, so nothing the user made is ever deleted, and never one whose
-    process still runs (in this process: one it still works in)."""
-    parent, removed = Path(parent), []
-    if not parent.is_dir():
-        return removed
-    for folder in parent.glob(pattern):
-        record_path = folder / marker
-        if not record_path.is_file():
-            continue
-        record = read_json_object(record_path) or {}
-        if record.get("pid") == os.getpid():
-            running = folder.resolve() in _own_temps
-        else:
-            running = same_process(record)
-        if not running:
-            shutil.rmtree(folder, ignore_errors=True)
-            removed.append(folder)
-    return removed

@@ -1,29 +1,31 @@
 """The run directory: the only channel between a training process and everything that watches it.
 
-This module owns its file names and the reading and writing of its state files; the trainer, the launcher, the
-watcher and the diagnosis all go through it. UI-free and light (no torch import).
+This module owns its file names and the reading and writing of its state files, and the owner's side of a run:
+checking and claiming its folder, and telling a live run that stopped stepping (stall). The trainer, the launcher,
+the watcher and the diagnosis all go through it. A run's checkpoints are core.checkpoints', the space set aside for
+a full disk core.diskfull's, and a run's state as a reader sees it core.liveness'. UI-free and light (no torch).
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import json
 import os
-import re
-import shutil
 import time
 from pathlib import Path
 
 from core import procs
-from core.files import (
-    BadFile,
-    atomic_write_text,
-    iter_jsonl_objects,
-    read_json_object,
-    read_safetensors_header,
+
+# names of the run directory too; checkpoint_step, latest_checkpoint and reserve_space are also read from here by
+# core.train's trainer and callbacks
+from core.checkpoints import (  # noqa: F401
+    CHECKPOINT_CONFIG,
+    CHECKPOINTS,
+    CONFIG_HISTORY,
+    checkpoint_step,
+    latest_checkpoint,
 )
-from core.fmt import nbytes
+from core.diskfull import RESERVE, release_space, reserve_space, write_last_words  # noqa: F401
+from core.files import atomic_write_text, iter_jsonl_objects, read_json_object
 from core.procs import LOCK, PID, STDERR, STDOUT  # noqa: F401 - names of the run directory too
 from core.workspace import runs_dir
 
@@ -40,7 +42,7 @@ SAMPLES = (
     "samples.jsonl"  # greedy answers to fixed held-out prompts at each evaluation (training.eval_samples)
 )
 # PID ("pid": the training process), LOCK ("lock": held by it), STDOUT and STDERR: see core.procs
-CHECKPOINTS = "checkpoints"
+# CHECKPOINTS ("checkpoints": checkpoint-N folders): see core.checkpoints; RESERVE: see core.diskfull
 SOURCES = "sources.json"  # the Hub ids it trains on, {role: {"id", "revision", "commit", "type"}} (core.train.sources)
 # where the run config names each role's Hub id (or local folder)
 SOURCE_ROLES = {
@@ -54,77 +56,6 @@ ADAPTER, MODEL = "adapter", "model"  # the final weights: a LoRA adapter, or a f
 
 LIVE_STATES = ("starting", "running", "stopping")
 END_STATES = ("finished", "failed", "stopped")
-
-
-RESERVE = ".space-reserve"  # bytes the trainer sets aside so that it can still say "disk full" on a full disk
-RESERVE_BYTES = 64 * 1024
-DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
-_DISK_FULL_TEXT = re.compile(
-    r"No space left on device|Disk quota exceeded|StorageFull|os error 28\b|Errno 28\b"
-)
-
-
-def reserve_space(run_dir: str | os.PathLike) -> None:
-    """Set RESERVE_BYTES aside in the run directory (really allocated, not a sparse file): the last status a trainer
-    writes on a full disk (state failed, reason "disk full") is written into the space this frees."""
-    path = Path(run_dir) / RESERVE
-    with contextlib.suppress(OSError):  # no room even for this: the run fails on its first write, as it would
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            os.posix_fallocate(fd, 0, RESERVE_BYTES)
-        except OSError:
-            os.write(fd, bytes(RESERVE_BYTES))
-        finally:
-            os.close(fd)
-
-
-def release_space(run_dir: str | os.PathLike) -> None:
-    with contextlib.suppress(OSError):
-        (Path(run_dir) / RESERVE).unlink()
-
-
-def is_disk_full(exc: BaseException, run_dir: str | os.PathLike | None = None) -> bool:
-    """The error is a full disk (or quota): ENOSPC/EDQUOT anywhere in its chain, the libraries' wordings of it
-    (safetensors' StorageFull, "os error 28"), or any write error while the run's disk has under 1 MiB free."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS:
-            return True
-        if _DISK_FULL_TEXT.search(str(exc)):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    if run_dir is not None:
-        with contextlib.suppress(OSError):
-            return shutil.disk_usage(run_dir).free < 1 << 20
-    return False
-
-
-def disk_full_reason(run_dir: str | os.PathLike, exc: BaseException | None = None) -> str:
-    """status.json's reason for a run stopped by a full disk: where, how much is free, what to do."""
-    free = ""
-    with contextlib.suppress(OSError):
-        free = f" ({nbytes(shutil.disk_usage(run_dir).free)} free)"
-    what = ""
-    if exc is not None:
-        text = str(exc).strip().splitlines()
-        what = f"; {type(exc).__name__}: {text[0][:200]}" if text else f"; {type(exc).__name__}"
-    return (
-        f"disk full: no space left on the disk that holds {run_dir}{free}{what}. Free space there (or move the "
-        "run to a larger disk), then resume the run."
-    )
-
-
-def _write_last_words(path: Path, text: str) -> None:
-    """An atomic write that ends a run (its final status, a smoke result): on a full disk, the space the trainer set
-    aside (reserve_space) is given back and the write tried once more."""
-    try:
-        atomic_write_text(path, text, parents=False)  # a run folder deleted under its trainer stays deleted
-    except OSError as exc:
-        if exc.errno not in DISK_FULL_ERRNOS or not (path.parent / RESERVE).exists():
-            raise
-        release_space(path.parent)
-        atomic_write_text(path, text, parents=False)
 
 
 def read_sources(run_dir: str | os.PathLike) -> dict:
@@ -163,7 +94,7 @@ def write_status(run_dir: str | os.PathLike, **fields) -> dict:
         status["phase"] = status["phase_started"] = None  # an ended run is doing nothing
     # never creates the folder: a run folder deleted under its trainer stays deleted (folder_identity)
     if status["state"] in END_STATES:
-        _write_last_words(Path(run_dir) / STATUS, json.dumps(status))
+        write_last_words(Path(run_dir) / STATUS, json.dumps(status))
         release_space(run_dir)  # the run has ended: its reserve is not needed any more
     else:
         atomic_write_text(Path(run_dir) / STATUS, json.dumps(status), parents=False)
@@ -195,89 +126,6 @@ def truncate_metrics(run_dir: str | os.PathLike, last_step: int) -> None:
 def _step(rec: dict) -> float:
     step = rec.get("step", 0)
     return step if isinstance(step, (int, float)) else 0
-
-
-CHECKPOINT_CONFIG = "run_config.yaml"  # inside checkpoint-N: the config that trained it (core.train.resume)
-CONFIG_HISTORY = "config.history"  # until-step-N.yaml: each config a resume with a changed config replaced
-
-
-def checkpoint_step(path: Path) -> int | None:
-    tail = path.name.removeprefix("checkpoint-")
-    return int(tail) if path.name.startswith("checkpoint-") and tail.isdigit() else None
-
-
-def checkpoints(run_dir: str | os.PathLike) -> list[Path]:
-    """Every checkpoint-N folder of the run, newest first (whether usable or not)."""
-    ckpts = Path(run_dir) / CHECKPOINTS
-    if not ckpts.is_dir():
-        return []
-    found = [p for p in ckpts.iterdir() if checkpoint_step(p) is not None and p.is_dir()]
-    return sorted(found, key=checkpoint_step, reverse=True)
-
-
-def checkpoint_problem(path: str | os.PathLike, deep: bool = False) -> str | None:
-    """None when the checkpoint folder can be resumed from; else why not, in a few words. Reads only.
-
-    Checks what a cut-off or damaged save leaves: trainer_state.json readable and at the folder's step, weights
-    (safetensors: the header parses and the file is as long as it says; .bin: a whole zip), and the optimizer,
-    scheduler and RNG states written by torch.save as whole zip archives. `deep` also checks the CRC of every
-    member of those archives (reads them through; the trainer does so for the one it resumes from)."""
-    path = Path(path)
-    state = read_json_object(path / "trainer_state.json")
-    if state is None:
-        return "trainer_state.json is missing or unreadable (cut off while saving?)"
-    step = checkpoint_step(path)
-    if state.get("global_step") != step:
-        return f"trainer_state.json says step {state.get('global_step')!r}, not {step}"
-    weights = sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin"))
-    weights = [w for w in weights if w.name != "training_args.bin"]
-    if not weights:
-        return "it holds no weights (no *.safetensors)"
-    for w in weights:
-        why = _safetensors_problem(w) if w.suffix == ".safetensors" else _torch_file_problem(w, deep)
-        if why:
-            return f"{w.name} {why}"
-    for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth"):
-        f = path / name
-        if not f.exists():
-            if name == "rng_state.pth":
-                continue  # optional for the Trainer
-            return f"{name} is missing"
-        why = _torch_file_problem(f, deep)
-        if why:
-            return f"{name} {why}"
-    return None
-
-
-def _safetensors_problem(path: Path) -> str | None:
-    """Why a checkpoint's weights file cannot be resumed from (core.files' one reader, then its size: a save cut
-    off, or a file with bytes after its last tensor), or None."""
-    try:
-        header = read_safetensors_header(path)
-    except BadFile as exc:
-        return exc.why
-    except OSError as exc:
-        return f"is unreadable ({exc.__class__.__name__})"
-    if header.data_end != header.size:
-        return f"is {header.size:,} bytes where its header says {header.data_end:,} (truncated or damaged)"
-    return None
-
-
-def _torch_file_problem(path: Path, deep: bool) -> str | None:
-    """torch.save writes a zip archive: a cut-off file has no central directory at its end."""
-    import zipfile
-
-    try:
-        with zipfile.ZipFile(path) as z:
-            bad = z.testzip() if deep else None
-    except (OSError, zipfile.BadZipFile, ValueError, EOFError) as exc:
-        return f"is damaged or truncated ({str(exc) or exc.__class__.__name__})"
-    return f"is damaged ({bad} fails its checksum)" if bad else None
-
-
-def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
-    """The newest checkpoint that can be resumed from (checkpoint_problem), or None."""
-    return next((p for p in checkpoints(run_dir) if checkpoint_problem(p) is None), None)
 
 
 def latest_samples(run_dir: str | os.PathLike) -> list[dict]:
@@ -312,7 +160,7 @@ def read_smoke(run_dir: str | os.PathLike) -> dict | None:
 
 
 def write_smoke(run_dir: str | os.PathLike, result: dict) -> None:
-    _write_last_words(Path(run_dir) / SMOKE, json.dumps(result))
+    write_last_words(Path(run_dir) / SMOKE, json.dumps(result))
 
 
 def read_plan(run_dir: str | os.PathLike) -> dict | None:
@@ -329,7 +177,7 @@ def read_pid(run_dir: str | os.PathLike) -> int | None:
     return info["pid"] if info else None
 
 
-# ---- liveness: owned by the training process (core.procs) -----------------------------------------------------
+# ---- ownership: the training process owns its run (core.procs; a reader's view of it: core.liveness) ---------------
 #
 # The trainer holds an exclusive flock on <run>/lock for its whole life, whoever started it (the app, the launcher
 # or a terminal), and <run>/pid records its pid, start time and whether it leads its own session. "Running" means
@@ -470,74 +318,14 @@ def claim(run_dir: str | os.PathLike, wait_s: float = 1.0) -> int:
         ) from None
 
 
-def live_state(run_dir: str | os.PathLike, status: dict | None = None) -> tuple[str, bool]:
-    """(state, alive) from the status file and the process check. A live-looking status without a live process
-    is a process that died without a word ("failed"); an ended status while the process still lives is a
-    process that is exiting: it reads as what it said (finished, stopped, failed), still alive, so nothing is
-    relaunched under it -- never a transient "stopping" after a normal finish."""
-    status = read_status(run_dir) if status is None else status
-    written = (status or {}).get("state")
-    written = written if isinstance(written, str) and written else None  # a hand-edited or broken file
-    if not (Path(run_dir) / LOCK).exists() and procs.read_pid_info(run_dir) is None:
-        if written in LIVE_STATES and procs.find_owner(run_dir):
-            return written, True  # its lock and pid files were deleted under it: it still trains
-        # no trace of a process at all (a folder written by hand or by a test): the status says it all
-        state = written or "new"
-        return state, state in LIVE_STATES
-    if procs.elsewhere(procs.read_pid_info(run_dir)):
-        # trained from another machine on shared storage: its lock if the storage shows it, else its reports
-        alive = procs.lock_held(run_dir) or remote_alive(status)
-    else:
-        alive = procs.alive(run_dir)
-    state = written or ("starting" if alive else "new")
-    if state in ("starting", "running") and not alive and written:
-        return "failed", False
-    return state, alive
-
-
-STDERR_TAIL_LINES = 20  # the lines of stderr.log a vanished trainer's reason quotes
-
-
 def remote_alive(status: dict | None, now: float | None = None) -> bool:
     """A run whose process is on another machine reads as alive while its status still says starting/running and
     was updated within the stall limit (the trainer writes it at least at each step's end and while it evaluates)."""
     status = status or {}
     updated, step_s = status.get("updated"), status.get("step_s")
-    if status.get("state") not in LIVE_STATES or not _number(updated):
+    if status.get("state") not in LIVE_STATES or not is_number(updated):
         return False
-    return (time.time() if now is None else now) - updated < stall_limit(step_s if _number(step_s) else 0.0)
-
-
-def vanished_reason(run_dir: str | os.PathLike) -> str:
-    """Why a run whose process is gone still says starting/running: it ended without writing its own status
-    (SIGKILL from the kernel's OOM killer or from outside, a segfault). A first line that is a sentence by itself
-    (the pages show it alone), then the end of stderr.log when it holds anything."""
-    info = procs.read_pid_info(run_dir)
-    pid = f" (pid {info['pid']})" if info else ""
-    host = procs.elsewhere(info)
-    if host:
-        return (
-            f"The training process{pid} on {host} has not reported for longer than its steps take; this machine "
-            f"cannot check a process on another one: it has presumably ended (look at {host})."
-        )
-    reason = f"The training process{pid} ended without reporting (it was killed, or crashed in native code)."
-    last = procs.tail_text(Path(run_dir) / STDERR, STDERR_TAIL_LINES).strip("\n")
-    if last.strip():
-        return f"{reason}\nLast lines of stderr.log:\n{last}"
-    return f"{reason} It wrote nothing to stderr.log."
-
-
-def read_live_status(run_dir: str | os.PathLike, status: dict | None = None) -> tuple[dict | None, str, bool]:
-    """(status, state, alive) as every reader should see them, without writing anything (reads never write: a full
-    disk or a read-only workspace must not break a listing). A status that still says starting/running while its
-    process is gone is given state "failed", the reason `vanished_reason` and the time it was last updated as its
-    end; the file keeps what the trainer wrote."""
-    status = read_status(run_dir) if status is None else status
-    state, alive = live_state(run_dir, status)
-    if state == "failed" and (status or {}).get("state") in ("starting", "running"):
-        ended = status.get("updated") if _number(status.get("updated")) else None
-        status = {**status, "state": "failed", "reason": vanished_reason(run_dir), "ended": ended}
-    return status, state, alive
+    return (time.time() if now is None else now) - updated < stall_limit(step_s if is_number(step_s) else 0.0)
 
 
 # ---- stalls: alive, but not stepping ----------------------------------------------------------------------------
@@ -582,7 +370,7 @@ def stall(run_dir: str | os.PathLike, status: dict | None, state: str, alive: bo
     trainer writes status.json at the end of its steps (at most once a second) and while it evaluates."""
     status = status or {}
     updated = status.get("updated")
-    if not alive or state not in ("starting", "running") or not _number(updated):
+    if not alive or state not in ("starting", "running") or not is_number(updated):
         return None, None
     quiet = max(0.0, (time.time() if now is None else now) - updated)
     stopped = stopped_process(run_dir)
@@ -591,16 +379,16 @@ def stall(run_dir: str | os.PathLike, status: dict | None, state: str, alive: bo
     if state != "running":
         return None, None
     step_s = status.get("step_s")
-    if not _number(step_s):  # a trainer that does not record its step time: the mean since it started
+    if not is_number(step_s):  # a trainer that does not record its step time: the mean since it started
         started, step = status.get("started"), status.get("step")
-        step_s = (updated - started) / step if _number(started) and _number(step) and step > 0 else 0.0
+        step_s = (updated - started) / step if is_number(started) and is_number(step) and step > 0 else 0.0
     if quiet > stall_limit(step_s):
         usual = f"; a step usually takes {step_s:.2g} s" if step_s else ""
         return quiet, f"no step for {_seconds(quiet)}{usual}"
     return None, None
 
 
-def _number(value) -> bool:
+def is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 

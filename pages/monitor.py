@@ -9,6 +9,7 @@ import pandas as pd
 import streamlit as st
 
 from core import gpu, procs
+from core.checkpoints import latest_checkpoint
 from core.estimate.plan import GiB
 from core.estimate.ram import RUNTIME_BYTES, process_bytes
 from core.fmt import duration, first_sentence, mem
@@ -16,7 +17,7 @@ from core.monitor.series import DEFAULT_SMOOTHING_STEPS
 from core.monitor.summary import summarize_run
 from core.monitor.watch import RunWatcher, run_method
 from core.recipe import methods, trackers
-from core.rundir import LIVE_STATES, latest_checkpoint, read_status
+from core.rundir import LIVE_STATES, read_status
 from core.runs.launcher import RunError, launch, list_runs, stop_run
 from core.workspace import default_workspace
 from ui.charts import draw_lines

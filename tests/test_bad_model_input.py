@@ -153,7 +153,7 @@ def test_weights_that_contradict_config_json_are_one_sentence_before_loading(tin
         ('"128"', 'hidden_size is "128", not a number'),
         ("true", "hidden_size is true, not a number"),
         ("[128]", "is not a valid llama config"),
-        (None, "is nested too deeply to be a model config"),
+        (None, "config.json is nested too deeply to be read"),
     ],
 )
 def test_a_config_json_of_the_wrong_shape_is_one_sentence_in_the_planner(

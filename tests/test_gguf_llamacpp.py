@@ -22,7 +22,7 @@ needs_llama_cpp = pytest.mark.skipif(
 @needs_llama_cpp
 def test_demo_file_tokenizes_newline_tab_and_accents_in_llama_cpp(families, tmp_path):  # noqa: F811
     from core.gguf import llamacpp
-    from core.gguf.verify import expected_ids
+    from core.gguf.verify_tokenizer import expected_ids
     from core.gguf.vocab import load_source_tokenizer
 
     out = tmp_path / "demo.gguf"

@@ -219,7 +219,7 @@ def test_no_reader_of_a_run_hangs_on_a_fifo_or_dev_zero(tmp_path, kind, which):
 
 def test_a_kill_from_outside_is_told_from_the_oom_killer_by_the_runs_last_memory(tmp_path):
     from core.monitor.diagnose import diagnose_run
-    from core.monitor.diagnose_rules import memory_limit
+    from core.monitor.explain import memory_limit
 
     limit = memory_limit()
     small = make_dead_run(tmp_path / "small", stderr="step 7 done\n", rss=200 * 2**20)

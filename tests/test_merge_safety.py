@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from core import merge, procs
+from core import merge, tempdirs
 from core.demo.toy import build_tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
@@ -452,7 +452,7 @@ def test_temp_whose_pid_was_reused_by_another_process_is_stale(tmp_path):
     stale.mkdir()
     (stale / merge.TEMP_MARKER).write_text(json.dumps({"pid": os.getppid(), "started": 0.0}))
     assert (
-        procs.clean_stale_temps(tmp_path, merge.TEMP_GLOB, merge.TEMP_MARKER) == [stale]
+        tempdirs.clean_stale_temps(tmp_path, merge.TEMP_GLOB, merge.TEMP_MARKER) == [stale]
         and not stale.exists()
     )
 

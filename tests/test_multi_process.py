@@ -15,7 +15,7 @@ import pytest
 import yaml
 from test_runs import run_config, wait_until
 
-from core import rundir
+from core import checkpoints, rundir
 from core.monitor.watch import RunWatcher
 from core.recipe.config import validate_config
 from core.runs.launcher import RunError, create_run, launch, run_state, stop_run
@@ -164,7 +164,7 @@ def test_stop_checkpoints_every_rank_resume_continues_and_a_killed_rank_fails_th
     status = rundir.read_status(run_dir)
     step = status["step"]
     assert "stopped by SIGTERM" in status["reason"]
-    checkpoint = rundir.latest_checkpoint(run_dir)
+    checkpoint = checkpoints.latest_checkpoint(run_dir)
     assert checkpoint.name == f"checkpoint-{step}"
     assert (checkpoint / "rng_state_0.pth").is_file() and (checkpoint / "rng_state_1.pth").is_file()
     assert all(r["ended"]["state"] == "stopped" for r in ranks.records(run_dir).values())

@@ -182,7 +182,7 @@ def test_a_live_run_whose_process_is_stopped_says_it_is_stalled(workspace):
     import sys
     import time
 
-    from core import procs
+    from core import procs, stopping
 
     run = workspace / "runs" / "frozen"
     run.mkdir(parents=True)
@@ -212,7 +212,7 @@ def test_a_live_run_whose_process_is_stopped_says_it_is_stalled(workspace):
         at = _page(workspace, run)
         assert not [w for w in at.warning if w.value.startswith("**Stalled**")]
     finally:
-        procs.stop(run, grace_s=30)
+        stopping.stop(run, grace_s=30)
 
 
 def _titled_charts(at) -> dict[str, tuple[dict, list]]:

@@ -13,7 +13,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 from test_runs import run_config, wait_until
 
-from core import procs
+from core import procs, stopping
 from core.recipe.config import validate_config
 from core.runs import queue as Q
 
@@ -94,7 +94,7 @@ def no_queue_left(workspace):
     if info and procs.same_process(info):
         os.kill(info["pid"], signal.SIGKILL)
     for run in (workspace / "runs").glob("*"):
-        procs.stop(run, grace_s=30)
+        stopping.stop(run, grace_s=30)
 
 
 @pytest.mark.slow

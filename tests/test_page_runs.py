@@ -11,7 +11,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 from test_page_monitor import failed_run, finished_run
 
-from core import procs
+from core import procs, stopping
 from core.rundir import write_status
 from core.runs.admin import delete_run
 from core.runs.launcher import RunError
@@ -42,8 +42,8 @@ def live_stand_in(workspace):
         os.close(fd)
     write_status(run_dir, state="running", step=3, max_steps=100)
     yield run_dir
-    procs.kill_tree(pid)
-    procs.wait_gone(run_dir, 30)
+    stopping.kill_tree(pid)
+    stopping.wait_gone(run_dir, 30)
 
 
 def _page(workspace: Path) -> AppTest:

@@ -7,8 +7,8 @@ import pytest
 
 from core.demo.toy import build_tokenizer, tiny_config
 from core.recipe.data import DataError
+from core.recipe.prefcheck import check_pairs
 from core.recipe.prefdata import (
-    check_pairs,
     detect_pref_format,
     load_pref_rows,
     normalize_pairs,

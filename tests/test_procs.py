@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from core import procs, rundir
+from core import logtail, procs, rundir, stopping, tempdirs
 from core.runs.launcher import run_state
 
 REPO = Path(__file__).resolve().parents[1]
@@ -75,7 +75,7 @@ def _spawn_owner(folder: Path, script: Path, mode: str = "term", *extra: str) ->
         pid = procs.spawn(folder, [sys.executable, str(script), str(folder), mode, *extra], fd, cwd=REPO)
     finally:
         os.close(fd)
-    assert wait_until(lambda: (folder / "ready").exists()), procs.tail_text(folder / procs.STDERR)
+    assert wait_until(lambda: (folder / "ready").exists()), logtail.tail_text(folder / procs.STDERR)
     return pid
 
 
@@ -97,11 +97,11 @@ def test_spawned_owner_holds_the_folder_and_a_stop_ends_and_reaps_it(tmp_path, o
     assert procs.alive(folder) and procs.lock_held(folder)
     with pytest.raises(procs.Busy, match=f"already running \\(pid {pid}\\)"):
         procs.claim(folder, wait_s=0.2)
-    assert procs.stop(folder, grace_s=60) == "exited"
+    assert stopping.stop(folder, grace_s=60) == "exited"
     assert not procs.alive(folder) and not procs.pid_alive(pid)
     assert not psutil.pid_exists(pid)  # reaped: no zombie left behind in this (server) process
-    assert procs.tail_text(folder / procs.STDOUT) == "bye"
-    assert procs.stop(folder) is None  # nothing left to stop
+    assert logtail.tail_text(folder / procs.STDOUT) == "bye"
+    assert stopping.stop(folder) is None  # nothing left to stop
     os.close(procs.claim(folder))  # and the folder can be owned again
 
 
@@ -110,7 +110,7 @@ def test_an_owner_that_ignores_sigterm_is_killed_with_its_children(tmp_path, own
     pid = _spawn_owner(folder, owner_script, "ignore")
     child = int((folder / "ready").read_text())
     assert procs.pid_alive(child)
-    assert procs.stop(folder, grace_s=1.0) == "killed"
+    assert stopping.stop(folder, grace_s=1.0) == "killed"
     assert not procs.alive(folder) and not procs.pid_alive(pid)
     assert wait_until(lambda: not procs.pid_alive(child), 30)
 
@@ -129,7 +129,7 @@ def test_stop_reaches_the_owner_only_never_the_group_of_the_shell_that_started_i
         assert wait_until(lambda: (folder / "ready").exists())
         info = procs.read_pid_info(folder)
         assert info["session_leader"] is False and os.getpgid(info["pid"]) == shell.pid
-        assert procs.stop(folder, grace_s=60) == "exited"
+        assert stopping.stop(folder, grace_s=60) == "exited"
         assert shell.wait(timeout=60) == 0 and marker.read_text().strip() == "next"
     finally:
         if shell.poll() is None:
@@ -147,7 +147,7 @@ def test_a_deleted_lock_file_does_not_make_a_live_owner_dead(tmp_path, owner_scr
         procs.claim(folder, wait_s=0.2)
     assert refused.value.pid == pid
     assert not procs.lock_held(folder)  # the refused claim let go of the new lock file
-    assert procs.stop(folder, grace_s=60) == "exited" and not procs.pid_alive(pid)
+    assert stopping.stop(folder, grace_s=60) == "exited" and not procs.pid_alive(pid)
     assert not procs.alive(folder)
 
 
@@ -171,7 +171,7 @@ def test_an_owner_whose_lock_and_pid_files_were_deleted_is_found_by_its_command_
     second = tmp_path / "second"
     _spawn_owner(second, owner_script, "term", "--run-dir", str(folder), "--machine-rank", "1")
     assert procs.find_owner(folder)["pid"] == pid
-    assert procs.stop(folder, grace_s=60) == "exited" and not procs.pid_alive(pid)
+    assert stopping.stop(folder, grace_s=60) == "exited" and not procs.pid_alive(pid)
     assert not procs.alive(folder)
 
 
@@ -185,7 +185,7 @@ def test_a_pid_record_without_start_time_names_no_process(tmp_path):
         for text in (str(other.pid), json.dumps({"pid": other.pid})):
             (folder / procs.PID).write_text(text)
             assert not procs.alive(folder)
-            assert procs.stop(folder, grace_s=1) is None
+            assert stopping.stop(folder, grace_s=1) is None
             assert other.poll() is None  # untouched
     finally:
         other.kill()
@@ -200,7 +200,7 @@ def test_a_stop_continues_a_stopped_child_its_owner_waits_for(tmp_path, owner_sc
     child = int((folder / "ready").read_text())
     os.kill(child, signal.SIGSTOP)
     assert wait_until(lambda: procs.is_stopped(child), 30)
-    assert procs.stop(folder, grace_s=20) == "exited"
+    assert stopping.stop(folder, grace_s=20) == "exited"
     assert not procs.pid_alive(child)
 
 
@@ -232,7 +232,7 @@ def test_a_stopped_process_is_seen_stopped_and_a_stop_wakes_it_to_exit(tmp_path,
     assert wait_until(lambda: not procs.is_stopped(pid), 30)
     os.kill(pid, signal.SIGSTOP)
     assert wait_until(lambda: procs.is_stopped(pid), 30)
-    assert procs.stop(folder, grace_s=60) == "exited"  # not killed: continued, it handled its SIGTERM
+    assert stopping.stop(folder, grace_s=60) == "exited"  # not killed: continued, it handled its SIGTERM
 
 
 def test_a_live_run_that_stopped_reporting_reads_as_stalled(tmp_path, owner_script):
@@ -255,7 +255,7 @@ def test_a_live_run_that_stopped_reporting_reads_as_stalled(tmp_path, owner_scri
     (run_dir / rundir.STATUS).write_bytes(before)
     assert run_state(run_dir).stall is not None
     assert (run_dir / rundir.STATUS).read_bytes() == before  # reading wrote nothing
-    procs.stop(run_dir, grace_s=60)
+    stopping.stop(run_dir, grace_s=60)
     assert (
         run_state(run_dir).stall is None
     )  # no process, no stall (it reads as failed: it never said it ended)
@@ -264,14 +264,14 @@ def test_a_live_run_that_stopped_reporting_reads_as_stalled(tmp_path, owner_scri
 def test_tail_reads_only_regular_files_and_never_blocks(tmp_path):
     log = tmp_path / "stderr.log"
     log.write_text("".join(f"line {i}\n" for i in range(5000)))
-    assert procs.tail_text(log, n_lines=2) == "line 4998\nline 4999"
+    assert logtail.tail_text(log, n_lines=2) == "line 4998\nline 4999"
     fifo = tmp_path / "fifo.log"
     os.mkfifo(fifo)
     zero = tmp_path / "zero.log"
     zero.symlink_to("/dev/zero")
     # in a child process, so that a regression hangs or eats memory there, bounded by the timeout
     code = (
-        "import sys; from core.procs import tail_text; "
+        "import sys; from core.logtail import tail_text; "
         "print(repr(tail_text(sys.argv[1])), repr(tail_text(sys.argv[2])), repr(tail_text(sys.argv[3])))"
     )
     out = subprocess.run(
@@ -291,20 +291,22 @@ def test_stale_temps_are_removed_only_when_marked_and_their_owner_is_gone(tmp_pa
     dead_pid = int(done.stdout)
     dead = tmp_path / ".out.1.partial"
     dead.mkdir()
-    (dead / procs.TEMP_OWNER).write_text(json.dumps({"pid": dead_pid, "start_time": time.time() - 5}))
+    (dead / tempdirs.TEMP_OWNER).write_text(json.dumps({"pid": dead_pid, "start_time": time.time() - 5}))
     unmarked = tmp_path / ".out.2.partial"  # not ours: never touched
     unmarked.mkdir()
     other = tmp_path / ".out.3.partial"  # another live process's (the parent of this test)
     other.mkdir()
     parent = psutil.Process().parent()
-    (other / procs.TEMP_OWNER).write_text(json.dumps({"pid": parent.pid, "start_time": parent.create_time()}))
+    (other / tempdirs.TEMP_OWNER).write_text(
+        json.dumps({"pid": parent.pid, "start_time": parent.create_time()})
+    )
     mine = tmp_path / ".out.4.partial"
     mine.mkdir()
-    procs.mark_temp(mine)
-    assert procs.clean_stale_temps(tmp_path, ".out.*.partial") == [dead]
+    tempdirs.mark_temp(mine)
+    assert tempdirs.clean_stale_temps(tmp_path, ".out.*.partial") == [dead]
     assert unmarked.is_dir() and other.is_dir() and mine.is_dir()
-    procs.unmark_temp(mine)  # this process no longer works in it (a failed rename, say)
-    assert procs.clean_stale_temps(tmp_path, ".out.*.partial") == [mine]
+    tempdirs.unmark_temp(mine)  # this process no longer works in it (a failed rename, say)
+    assert tempdirs.clean_stale_temps(tmp_path, ".out.*.partial") == [mine]
 
 
 # A start as core.train does it when no launcher handed it a lock: wait for the go file (so that racing starts meet
@@ -389,7 +391,7 @@ def test_a_pid_file_naming_an_unrelated_live_process_is_no_owner(tmp_path):
         procs.write_pid_info(folder, other.pid)
         assert procs.same_process(procs.read_pid_info(folder))  # the record names that process exactly
         assert not procs.alive(folder)
-        assert procs.stop(folder, grace_s=1) is None and other.poll() is None
+        assert stopping.stop(folder, grace_s=1) is None and other.poll() is None
         fd = procs.claim(folder, wait_s=0.2)  # a new owner gets in
         os.close(fd)
         rundir.write_status(folder, state="running", step=3)
@@ -424,7 +426,7 @@ def test_the_run_watcher_warns_of_a_stopped_trainer_and_says_deleted_when_its_fo
         stalled = [w for w in snap.warnings if w.code == "stalled"]
         assert len(stalled) == 1 and stalled[0].detail == snap.stall
     finally:
-        procs.stop(run_dir, grace_s=60)
+        stopping.stop(run_dir, grace_s=60)
     shutil.rmtree(run_dir)
     assert watcher.refresh().state == "deleted"
 
@@ -446,5 +448,7 @@ def test_a_stopped_owner_found_by_its_command_line_is_a_stall(tmp_path, owner_sc
         assert (info.state, info.alive, info.pid) == ("running", True, pid)
         assert info.stall and info.stall.endswith("(process stopped)"), info
     finally:
-        assert procs.stop(run_dir, grace_s=60) == "exited"  # found the same way, and continued to act on it
+        assert (
+            stopping.stop(run_dir, grace_s=60) == "exited"
+        )  # found the same way, and continued to act on it
     assert not procs.pid_alive(pid)

@@ -13,7 +13,7 @@ import pytest
 import yaml
 from test_runs import run_config, wait_until
 
-from core import rundir
+from core import checkpoints, rundir
 from core.recipe.config import validate_config
 from core.runs.launcher import create_run, launch, run_state, stop_run
 from tests.cli import runs
@@ -67,7 +67,7 @@ def test_stop_reaches_the_trainer_not_the_pipeline_that_started_it(workspace, ti
         status = rundir.read_status(run_dir)
         assert status["state"] == "stopped" and "SIGTERM" in status["reason"], status
         step = status["step"]
-        assert rundir.latest_checkpoint(run_dir) == run_dir / "checkpoints" / f"checkpoint-{step}"
+        assert checkpoints.latest_checkpoint(run_dir) == run_dir / "checkpoints" / f"checkpoint-{step}"
         # tee was alive to pass on the trainer's last words (a killed tee would have broken its pipe)
         assert f"run stopped at step {step}" in log.read_text()
     finally:
@@ -81,7 +81,7 @@ def test_a_deleted_lock_file_lets_no_second_trainer_in_and_stop_still_works(work
     run_dir = create_run(workspace, "locked", run_config(workspace, tiny_llama, max_steps=5000, save_steps=4))
     pid = launch(run_dir)
     assert wait_until(
-        lambda: rundir.latest_checkpoint(run_dir) is not None and run_state(run_dir).step >= 6, 240
+        lambda: checkpoints.latest_checkpoint(run_dir) is not None and run_state(run_dir).step >= 6, 240
     )
     (run_dir / rundir.LOCK).unlink()
     info = run_state(run_dir)

@@ -14,7 +14,7 @@ import pytest
 import yaml
 from test_runs import run_config, wait_until
 
-from core import procs, rundir
+from core import checkpoints, procs, rundir
 from core.recipe.config import validate_config
 from core.runs.launcher import RunError, create_run, launch, run_state, stop_run
 from tests.cli import runs
@@ -62,7 +62,7 @@ def test_cli_started_run_is_listed_stopped_and_seen_dead(workspace, tiny_llama):
     out = _runs_cli(workspace, "stop", "from-terminal")
     assert out.returncode == 0 and out.stdout.strip() == "from-terminal: stopped", out.stderr
     assert proc.poll() is not None  # `stop` returns once the process has exited
-    assert rundir.latest_checkpoint(run_dir) is not None
+    assert checkpoints.latest_checkpoint(run_dir) is not None
     shown = json.loads(_runs_cli(workspace, "show", "from-terminal", "--json").stdout)
     assert shown["state"] == "stopped" and "stopped by SIGTERM" in shown["reason"]
 
@@ -71,7 +71,7 @@ def test_a_trainer_whose_lock_and_pid_files_were_deleted_keeps_its_run(workspace
     """Both records deleted under a training run: no second trainer gets in, delete refuses, the listing shows it
     running with its pid, and stop still reaches it (found by the --run-dir of its command line)."""
     proc, run_dir = _start_cli_trainer(workspace, tiny_llama, "bare", max_steps=2000, save_steps=20)
-    assert wait_until(lambda: rundir.latest_checkpoint(run_dir) is not None, 300)  # resumable
+    assert wait_until(lambda: checkpoints.latest_checkpoint(run_dir) is not None, 300)  # resumable
     (run_dir / rundir.LOCK).unlink()
     (run_dir / rundir.PID).unlink()
     resumed = _runs_cli(workspace, "resume", "bare")

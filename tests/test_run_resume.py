@@ -16,7 +16,7 @@ import yaml
 from test_runs import run_config, wait_until
 from test_train import fake_checkpoint
 
-from core import rundir
+from core import checkpoints, rundir
 from core.recipe.config import dump_config, validate_config
 from core.runs.launcher import RunError, create_run
 
@@ -114,14 +114,14 @@ def test_damaged_checkpoints_are_named_and_skipped(tmp_path):
     opt.write_bytes(opt.read_bytes()[: opt.stat().st_size // 2])
     (ckpts / "checkpoint-6" / "trainer_state.json").write_text('{"global_step": 6, "log_hist')
     (ckpts / "checkpoint-4" / "trainer_state.json").write_text('{"global_step": 40}')
-    assert "truncated" in rundir.checkpoint_problem(ckpts / "checkpoint-10")
-    assert rundir.checkpoint_problem(ckpts / "checkpoint-8").startswith(
+    assert "truncated" in checkpoints.checkpoint_problem(ckpts / "checkpoint-10")
+    assert checkpoints.checkpoint_problem(ckpts / "checkpoint-8").startswith(
         "optimizer.pt is damaged or truncated"
     )
-    assert "trainer_state.json" in rundir.checkpoint_problem(ckpts / "checkpoint-6")
-    assert "step 40" in rundir.checkpoint_problem(ckpts / "checkpoint-4")
+    assert "trainer_state.json" in checkpoints.checkpoint_problem(ckpts / "checkpoint-6")
+    assert "step 40" in checkpoints.checkpoint_problem(ckpts / "checkpoint-4")
     before = _digest(tmp_path)
-    assert rundir.latest_checkpoint(tmp_path) == ckpts / "checkpoint-2"
+    assert checkpoints.latest_checkpoint(tmp_path) == ckpts / "checkpoint-2"
     assert _digest(tmp_path) == before  # reading writes nothing
 
 
@@ -243,7 +243,7 @@ def test_a_trainer_whose_folder_is_deleted_stops_and_recreates_nothing(workspace
         start_new_session=True,
     )
     try:
-        assert wait_until(lambda: rundir.latest_checkpoint(run_dir) is not None, 300)
+        assert wait_until(lambda: checkpoints.latest_checkpoint(run_dir) is not None, 300)
         shutil.rmtree(run_dir)
         err = proc.communicate(timeout=300)[1]
     finally:

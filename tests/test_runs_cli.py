@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from core import procs
+from core import procs, stopping
 from tests.cli import REPO, runs
 
 
@@ -92,8 +92,8 @@ def test_texts_for_a_live_run_point_at_the_command_line(tmp_path):
             f"is being trained right now (pid {pid})" in trained.stderr and "--resume" not in trained.stderr
         )
     finally:
-        procs.kill_tree(pid)
-        procs.wait_gone(run, 30)
+        stopping.kill_tree(pid)
+        stopping.wait_gone(run, 30)
 
 
 def test_a_run_folder_with_a_space_or_accents_is_shown_stopped_and_deleted_by_its_name(tmp_path):

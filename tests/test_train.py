@@ -175,7 +175,8 @@ def fake_checkpoint(run_dir: Path, step: int) -> Path:
 
 
 def test_resume_helpers_keep_metrics_continuous(tmp_path):
-    from core.rundir import latest_checkpoint, truncate_metrics
+    from core.checkpoints import latest_checkpoint
+    from core.rundir import truncate_metrics
 
     lines = [{"time": 0.0, "step": s, "epoch": 0.0, "loss": 1.0} for s in range(2, 12, 2)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines) + '{"step": 12, "lo')

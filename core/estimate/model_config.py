@@ -10,7 +10,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from core.estimate.nearest import suggestion
-from core.files import FileTooLarge, NotRegularFile, read_bounded
+from core.files import BadFile, load_json_object
 from core.fmt import error_line
 from core.hub import ids as hub_ids
 from core.plausible import ImplausibleConfig, check_model_config
@@ -81,16 +81,12 @@ def _config_source(model: str) -> tuple[dict, str] | None:
             f"The folder '{path}' has no config.json; point at a Hugging Face model folder "
             "(the one that holds config.json and the weights)."
         )
-    try:
-        data = json.loads(read_bounded(cfg_file))  # a regular file of sane size: a model config is < 1 MiB
-    except (NotRegularFile, FileTooLarge) as exc:
-        raise SpecError(f"{exc}: a model's config.json is a small JSON file; fix or replace it.") from None
-    except (OSError, ValueError) as exc:
-        raise SpecError(f"{cfg_file} is not valid JSON ({exc}); fix or replace that file.") from None
-    except RecursionError:
-        raise SpecError(f"{cfg_file} is nested too deeply to be a model config; fix or replace it.") from None
-    if not isinstance(data, dict):
-        raise SpecError(f"{cfg_file} does not hold a JSON object; it is not a model config.")
+    try:  # core.files' bounded reader: a regular file of sane size (a model config is < 1 MiB), a JSON object
+        data = load_json_object(cfg_file)
+    except BadFile as exc:
+        raise SpecError(
+            f"{cfg_file} {exc.why}: a model's config.json is a small JSON object; fix or replace that file."
+        ) from None
     return data, str(cfg_file)
 
 

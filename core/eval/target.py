@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from core import rundir
+from core import checkpoints, liveness, rundir
 from core.eval.heldout import EvalError
 from core.files import read_json_object
 from core.hub import fetch
@@ -51,13 +51,13 @@ def _is_adapter(path: Path) -> bool:
 def _run_weights(run_dir: Path) -> tuple[Path, str, str]:
     """(folder, what, note): the run's final adapter (or full model) when it has ended, else its newest
     checkpoint; a run still training is evaluated at its newest checkpoint."""
-    _, state, alive = rundir.read_live_status(run_dir)
+    _, state, alive = liveness.read_live_status(run_dir)
     final = [run_dir / rundir.ADAPTER, run_dir / rundir.MODEL]
     if not alive:
         for path in final:
             if _is_adapter(path) or (path / "config.json").is_file():
                 return path, path.name, ""
-    ckpt = rundir.latest_checkpoint(run_dir)
+    ckpt = checkpoints.latest_checkpoint(run_dir)
     if ckpt is None:
         if alive:
             raise EvalError(

@@ -24,7 +24,8 @@ from core.gguf.export import (
 )
 from core.gguf.source import BadInput
 from core.gguf.tensors import K_TYPES, TYPES
-from core.gguf.verify import LOGIT_LIMITS, TENSOR_RMS_LIMITS
+from core.gguf.verify import TENSOR_RMS_LIMITS
+from core.gguf.verify_logits import LOGIT_LIMITS
 from core.gguf.writer import progress_path, read_progress
 
 __all__ = [

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from core import procs
+from core import tempdirs
 from core.files import atomic_write_text, disk_needed, disk_shortfall
 from core.fmt import disk
 from core.gguf.modelfile import write_modelfile
@@ -202,7 +202,7 @@ def export_gguf(
         mode = "full" if full_check_fits(src) else "quick"
 
     # what killed exports to `out` left behind (only folders with our owner record, never a live one's)
-    procs.clean_stale_temps(out.parent, f".{glob.escape(out.name)}.*.partial")
+    tempdirs.clean_stale_temps(out.parent, f".{glob.escape(out.name)}.*.partial")
     needed = _disk_bill(src, jobs, out_type)
     _free, short = disk_shortfall(out.parent, needed)
     if short:  # refused before anything is written, rather than a disk filled half way
@@ -244,7 +244,7 @@ def export_gguf(
     )
     try:
         tmp_dir.mkdir()
-        procs.mark_temp(tmp_dir)  # whose it is: the next export removes it once this process is gone
+        tempdirs.mark_temp(tmp_dir)  # whose it is: the next export removes it once this process is gone
         model_name = name or src.path.name
         file_type = TYPES[base_type][1]
         if out_type in K_TYPES:
@@ -304,7 +304,7 @@ def export_gguf(
         raise ExportError(message, report) from e
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
-        procs.unmark_temp(tmp_dir)
+        tempdirs.unmark_temp(tmp_dir)
 
     result.seconds = time.time() - t0
     progress.update(force=True, phase="done", size=size, seconds=result.seconds)

@@ -6,11 +6,12 @@ config and tokenizer through transformers' GGUF loaders, and (full mode) the who
 `AutoModelForCausalLM.from_pretrained(..., gguf_file=...)`, compared with the source model on fixed prompts.
 
 quick: tensors (row blocks, bounded memory), config, tokenizer.  full: quick + logits.  The report is a dict.
+This module checks the tensors and the config and runs llama.cpp's check; the tokenizer check is
+core.gguf.verify_tokenizer's, the logits check core.gguf.verify_logits'.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 from pathlib import Path
@@ -19,6 +20,8 @@ import numpy as np
 
 from core.gguf.source import Source
 from core.gguf.tensors import ARCH_ENUM
+from core.gguf.verify_logits import check_logits, compare_logits
+from core.gguf.verify_tokenizer import check_tokenizer, expected_ids, sample_texts
 
 MB = 1024**2
 BLOCK_BYTES = 16 * MB
@@ -38,38 +41,6 @@ TENSOR_RMS_LIMITS = {
     "Q3_K": 0.3,
     "Q2_K": 0.5,
 }
-# Logit checks per --type. f16/bf16: every argmax must agree unless the source itself has a near-tie (the two
-# tokens' source logits closer than the tolerance), and max |delta logit| <= rtol * max |source logit| + atol.
-# Quantized: fractions of positions; thresholds chosen for 4-8 bit rounding of the weights.
-LOGIT_LIMITS = {
-    "f16": {"rtol": 1e-2, "atol": 1e-3, "argmax": 1.0},
-    "bf16": {"rtol": 5e-2, "atol": 1e-3, "argmax": 1.0},
-    "q8_0": {"argmax": 0.95, "top5": 0.90},
-    "q6_k": {"argmax": 0.95, "top5": 0.90},
-    "q5_0": {"argmax": 0.85, "top5": 0.75},
-    "q5_k_m": {"argmax": 0.85, "top5": 0.75},
-    "q5_k_s": {"argmax": 0.85, "top5": 0.75},
-    "q4_0": {"argmax": 0.80, "top5": 0.70},
-    "q4_k_m": {"argmax": 0.80, "top5": 0.70},
-    "q4_k_s": {"argmax": 0.80, "top5": 0.70},
-    "q3_k_m": {"argmax": 0.65, "top5": 0.55},
-    "q2_k": {"argmax": 0.5, "top5": 0.4},
-}
-SAMPLE_TEXTS = (
-    "Hello world! How are you today?",
-    "The quick brown fox jumps over the lazy dog. 0123456789",
-    "def add(a, b):\n    return a + b  # sum of two numbers\n",
-    "Bonjour, ça va ? Grüße aus München. ¿Qué tal, señor?",
-    "日本語のテキストと中文字符。",
-    "Привет, мир! Ελληνικά γράμματα. مرحبا بالعالم",
-    "emoji 🙂🚀 and   several   spaces\tand tabs",
-    " leading space and trailing space ",
-)
-PROMPTS = (
-    "The capital of France is",
-    "Hello! How are you today? I am fine, thank you.",
-    "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
-)
 
 
 def _reverse_permute(rows: np.ndarray, n_head: int) -> np.ndarray:
@@ -201,223 +172,6 @@ def check_config(tmp_dir: Path, gguf_name: str, src: Source, n_vocab: int | None
     ):
         mismatches.append({"field": "rope_theta", "source": src.rope_parameters["rope_theta"], "gguf": theta})
     return {"ok": not mismatches, "mismatches": mismatches}
-
-
-def load_gguf_tokenizer(tmp_dir: Path, gguf_name: str, notes: list[str]):
-    """transformers' GGUF tokenizer, made to honour `add_space_prefix = false`, which its loader ignores."""
-    import gguf
-    from tokenizers import pre_tokenizers
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(tmp_dir), gguf_file=gguf_name)
-    reader = gguf.GGUFReader(str(tmp_dir / gguf_name))
-    field = reader.get_field(gguf.Keys.Tokenizer.ADD_PREFIX)
-    if field is not None and not bool(field.contents()):
-        pre = tok.backend_tokenizer.pre_tokenizer
-        if pre is not None and "Metaspace" in type(pre).__name__:
-            tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
-                prepend_scheme="never", split=False
-            )
-            notes.append(
-                "tokenizer.ggml.add_space_prefix is false; transformers' GGUF loader ignores that key (llama.cpp "
-                "reads it), so the check applies it to the loaded tokenizer."
-            )
-    return tok
-
-
-def sample_texts(tokenizer) -> list[str]:
-    texts = list(SAMPLE_TEXTS)
-    specials = [t for t in tokenizer.all_special_tokens if t]
-    if specials:
-        texts.append("before " + " mid ".join(specials) + " after")
-    if getattr(tokenizer, "chat_template", None):
-        try:
-            chat = [
-                {"role": "system", "content": "You are helpful."},
-                {"role": "user", "content": "Hi there!"},
-                {"role": "assistant", "content": "Hello, how can I help?"},
-            ]
-            texts.append(tokenizer.apply_chat_template(chat, tokenize=False))
-        except Exception:  # a template that needs other roles or tools: the plain samples still run
-            pass
-    return texts
-
-
-def expected_ids(source_tok, text: str, byte_base: int | None) -> list[int]:
-    """The source's ids for `text`, as the GGUF should give them: where the GGUF has byte tokens the source
-    lacks (`byte_base`: the id of <0x00>), each <unk> becomes the byte tokens of the text it stands for, which
-    is how llama.cpp's SentencePiece path spells a character outside the vocabulary."""
-    enc = source_tok(text, add_special_tokens=False, return_offsets_mapping=byte_base is not None)
-    ids = enc["input_ids"]
-    unk = source_tok.unk_token_id
-    if byte_base is None or unk is None or unk not in ids:
-        return ids
-    out: list[int] = []
-    for i, (a, b) in zip(ids, enc["offset_mapping"], strict=True):
-        if i == unk and b > a and text[a:b] != source_tok.unk_token:  # not the literal <unk> token
-            out += [byte_base + x for x in text[a:b].encode("utf-8")]
-        else:
-            out.append(i)
-    return out
-
-
-def check_tokenizer(tmp_dir: Path, gguf_name: str, source_tok, byte_base: int | None = None) -> dict:
-    """The GGUF's tokenizer (as transformers reads it) against the source on sample texts. `byte_base`: the id
-    of the byte token <0x00> when the export appended byte tokens to a character-level vocabulary; texts with
-    characters outside it are then judged against the source's ids with each <unk> spelled in bytes."""
-    notes: list[str] = []
-    try:
-        gtok = load_gguf_tokenizer(tmp_dir, gguf_name, notes)
-    except Exception as e:
-        return {
-            "ok": False,
-            "error": f"transformers cannot build a tokenizer from the GGUF: {e}",
-            "notes": notes,
-        }
-    matched, mismatches, spelled = 0, [], 0
-    texts = sample_texts(source_tok)
-    for text in texts:
-        want = expected_ids(source_tok, text, byte_base)
-        got = gtok(text, add_special_tokens=False)["input_ids"]
-        if byte_base is not None and any(i >= byte_base for i in want):
-            spelled += 1
-        if want == got:
-            matched += 1
-        else:
-            mismatches.append({"text": text, "source": want[:40], "gguf": got[:40]})
-    want = source_tok("Hello")["input_ids"]
-    got = gtok("Hello")["input_ids"]
-    specials_ok = want == got
-    if not specials_ok:
-        mismatches.append({"text": "Hello (with special tokens added)", "source": want, "gguf": got})
-    if spelled:
-        notes.append(
-            f"{spelled} sample(s) have characters outside the source's vocabulary (<unk> there): judged as "
-            "llama.cpp spells them, one byte token per UTF-8 byte."
-        )
-    return {
-        "ok": not mismatches,
-        "samples": len(texts),
-        "judged": len(texts),
-        "matched": matched,
-        "add_special_tokens_agree": specials_ok,
-        "not_judged": [],
-        "unk_spelled_as_bytes": spelled,
-        "mismatches": mismatches[:5],
-        "notes": notes,
-    }
-
-
-def _prompt_ids(tok, vocab_size: int) -> list[list[int]]:
-    import torch
-
-    texts = list(PROMPTS)
-    if getattr(tok, "chat_template", None):
-        with contextlib.suppress(Exception):
-            texts.append(
-                tok.apply_chat_template([{"role": "user", "content": "Write a haiku."}], tokenize=False)
-                + "Morning"
-            )
-    out = []
-    for t in texts:
-        ids = [i for i in tok(t)["input_ids"] if i < vocab_size][:64]
-        if ids:
-            out.append(torch.tensor([ids]))
-    return out
-
-
-def _logits(model, prompts):
-    import torch
-
-    with torch.no_grad():
-        return [model(input_ids=p).logits[0].float() for p in prompts]
-
-
-def check_logits(
-    tmp_dir: Path, gguf_name: str, src: Source, source_tok, out_type: str, keep: dict | None = None
-) -> dict:
-    """Source model vs the GGUF as transformers dequantizes it, one model in memory at a time. `keep` receives
-    the prompts and the source's logits, for the llama.cpp check."""
-    import gc
-
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    notes = []
-    prompts = _prompt_ids(source_tok, int(src.config["vocab_size"]))
-    model = AutoModelForCausalLM.from_pretrained(str(src.path), dtype=torch.float32)
-    want = _logits(model, prompts)
-    if keep is not None:
-        keep.update(prompts=[p[0].tolist() for p in prompts], logits=want)
-    del model
-    gc.collect()
-    kwargs = {}
-    rp = src.rope_parameters
-    if rp.get("rope_type") in ("linear", "llama3"):
-        # transformers' GGUF loader does not read llama.cpp's rope-scaling keys or rope_freqs; give it the
-        # source's scaling so the comparison tests the weights rather than that gap.
-        cfg = AutoConfig.from_pretrained(str(tmp_dir), gguf_file=gguf_name)
-        cfg.rope_parameters = dict(rp)
-        kwargs["config"] = cfg
-        notes.append(
-            f"RoPE scaling {rp['rope_type']!r} applied from the source config (not read from the GGUF)."
-        )
-    model = AutoModelForCausalLM.from_pretrained(
-        str(tmp_dir), gguf_file=gguf_name, dtype=torch.float32, **kwargs
-    )
-    got = _logits(model, prompts)
-    del model
-    gc.collect()
-
-    report = compare_logits(torch.cat(want), torch.cat(got), out_type)
-    report["notes"] = notes + report["notes"]
-    return report
-
-
-def compare_logits(a, b, out_type: str) -> dict:
-    """Source logits `a` vs a GGUF reader's `b` (positions x vocab tensors), judged by LOGIT_LIMITS[out_type]."""
-    # Rows the GGUF appends (byte tokens) have no source logit; the comparison is over the source's vocabulary.
-    b = b[:, : a.shape[-1]]
-    notes: list[str] = []
-    limits = LOGIT_LIMITS.get(out_type, {"argmax": 0.5, "top5": 0.4})
-    delta = (a - b).abs().max().item()
-    top_src, top_gguf = a.argmax(-1), b.argmax(-1)
-    raw_agree = (top_src == top_gguf).float().mean().item()
-    k = min(5, a.shape[-1])
-    ta, tb = a.topk(k, -1).indices, b.topk(k, -1).indices
-    overlap = float(
-        np.mean([len(set(x.tolist()) & set(y.tolist())) / k for x, y in zip(ta, tb, strict=True)])
-    )
-    report = {
-        "positions": int(a.shape[0]),
-        "max_abs_delta": delta,
-        "source_max_abs_logit": a.abs().max().item(),
-        "argmax_agreement": raw_agree,
-        "top5_overlap": overlap,
-        "limits": limits,
-        "notes": notes,
-    }
-    if "rtol" in limits:
-        tol = limits["rtol"] * report["source_max_abs_logit"] + limits["atol"]
-        # A disagreement only counts when the GGUF's pick is worse than the source's best by more than the
-        # rounding tolerance; otherwise the source itself cannot tell the two tokens apart.
-        chosen = a.gather(-1, top_gguf[:, None])[:, 0]
-        real = (a.max(-1).values - chosen) > tol
-        agree = 1.0 - real.float().mean().item()
-        report.update(tolerance=tol, argmax_agreement_beyond_ties=agree)
-        report["ok"] = delta <= tol and agree >= limits["argmax"]
-        if not report["ok"]:
-            report["reason"] = (
-                f"max |delta logit| {delta:.3g} (tolerance {tol:.3g}), argmax agreement {agree:.1%} outside near-ties"
-            )
-    else:
-        report["ok"] = raw_agree >= limits["argmax"] and overlap >= limits["top5"]
-        if not report["ok"]:
-            report["reason"] = (
-                f"argmax agreement {raw_agree:.1%} (need {limits['argmax']:.0%}), "
-                f"top-5 overlap {overlap:.1%} (need {limits['top5']:.0%})"
-            )
-    return report
 
 
 def check_llama_cpp(

@@ -28,13 +28,14 @@ Special ids come from the tokenizer first and config.json second, as gguf-py's S
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import gguf
 
-from core.files import read_json_object
+from core.files import MAX_TOKENIZER_JSON_BYTES, BadFile, load_json_object, read_json_object
 from core.gguf.source import BadInput
 
 # Split regexes as they appear in real tokenizer.json files -> llama.cpp's pre-tokenizer names.
@@ -65,12 +66,39 @@ def _is_char_level(kind, vocab: dict, added: dict) -> bool:
     return kind == "WordLevel" and all(len(t) == 1 for t, i in vocab.items() if i not in added)
 
 
+TOKENIZER_FIX = (
+    "copy the tokenizer files again from the original model (or save them with tokenizer.save_pretrained)"
+)
+# what transformers reads besides tokenizer.json: a FIFO or a device in their place would hang it
+TOKENIZER_SIDE_FILES = (
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+)
+
+
+def read_tokenizer_json(path: Path) -> dict | None:
+    """The model folder's tokenizer.json, None when it has none. Read through core.files' bounded reader (tens of
+    MB are normal: MAX_TOKENIZER_JSON_BYTES): a FIFO or a device in its place, a file past the bound, or one that
+    is not a JSON object is BadInput, one sentence naming the file."""
+    file = path / "tokenizer.json"
+    if not os.path.lexists(file):
+        return None
+    try:
+        return load_json_object(file, MAX_TOKENIZER_JSON_BYTES)
+    except BadFile as e:
+        raise BadInput(f"{file} {e.why}: {TOKENIZER_FIX}.") from None
+
+
 def byte_rows(path: Path) -> int:
     """Rows the export appends to the embedding for byte tokens (character-level vocabularies), from
-    tokenizer.json alone: 256 or 0."""
-    try:
-        tj = json.loads((path / "tokenizer.json").read_text())
-    except (OSError, ValueError):
+    tokenizer.json alone: 256 or 0. BadInput when tokenizer.json is there but cannot be read (read_tokenizer_json)."""
+    tj = read_tokenizer_json(path)
+    if tj is None:
         return 0
     model = tj.get("model") or {}
     vocab = model.get("vocab") if isinstance(model.get("vocab"), dict) else {}
@@ -117,6 +145,11 @@ class VocabInfo:
 def load_source_tokenizer(path: Path):
     from transformers import AutoTokenizer
 
+    read_tokenizer_json(path)  # before transformers reads it: never a FIFO, a huge or a damaged file
+    for name in TOKENIZER_SIDE_FILES:
+        file = path / name
+        if os.path.lexists(file) and not file.is_file():
+            raise BadInput(f"{file} is not a regular file: {TOKENIZER_FIX}.")
     names = ("tokenizer.json", "tokenizer.model", "vocab.json")
     if not any((path / n).is_file() for n in names):
         raise BadInput(

@@ -13,6 +13,7 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
+from core.files import read_json_object
 from core.gguf.source import Source
 from core.gguf.tensors import TensorJob, encoded_blocks
 from core.gguf.vocab import VocabInfo, write_vocab
@@ -55,11 +56,8 @@ class ProgressFile:
 
 def read_progress(out: str | os.PathLike) -> dict | None:
     """The progress of the export whose target is `out` (None when there is none)."""
-    p = progress_path(Path(out))
-    try:
-        return json.loads(p.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
+    # bounded, never a FIFO or a device, None when missing or torn
+    return read_json_object(progress_path(Path(out)))
 
 
 def progress_path(out: Path) -> Path:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from core import rundir
+from core import liveness, rundir
 from core.files import read_yaml_mapping
 from core.hub import cache
 from core.hub.ids import HubError, HubRef, parse
@@ -26,7 +26,7 @@ def uses(run_dir, ref: HubRef) -> bool:
 def live_users(workspace, ref: HubRef) -> list[str]:
     """The names of the workspace's live runs (their process holds the run) that use `ref`'s repo."""
     # alive as the Runs page reads it: the run's process holds its lock (a vanished one does not)
-    return [d.name for d in rundir.run_folders(workspace) if rundir.live_state(d)[1] and uses(d, ref)]
+    return [d.name for d in rundir.run_folders(workspace) if liveness.live_state(d)[1] and uses(d, ref)]
 
 
 def remove(workspace, ref: HubRef) -> int:

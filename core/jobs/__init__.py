@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from core import procs
+from core import logtail, procs, stopping
 from core.files import atomic_write_text, read_json_object
 from core.workspace import inside, make_folder
 
@@ -96,7 +96,7 @@ def read(folder: str | os.PathLike) -> JobView:
         view.result, view.error = result.get("result"), result.get("error")
     elif not procs.alive(folder):
         view.state = "failed"
-        tail = procs.tail_text(folder / procs.STDERR, n_lines=8)
+        tail = logtail.tail_text(folder / procs.STDERR, n_lines=8)
         view.error = "the job ended without a result" + (
             f"; last lines of its stderr:\n{tail}" if tail else ""
         )
@@ -148,6 +148,6 @@ def cancel(folder: str | os.PathLike) -> None:
     """Stop a running job (SIGTERM, then SIGKILL) and record it as cancelled; what it finished stays (a download
     keeps its complete files, and the next one fetches the rest)."""
     folder = Path(folder)
-    procs.stop(folder, grace_s=5.0)
+    stopping.stop(folder, grace_s=5.0)
     if read_json_object(folder / RESULT) is None:
         _write_result(folder, {"state": "failed", "error": "cancelled"})

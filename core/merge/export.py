@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from core import procs
+from core import tempdirs
 from core.fmt import disk
 from core.merge.delta import tensor_stream
 from core.merge.errors import MergeError
@@ -26,7 +26,7 @@ from core.merge.progress import MergeProgress, ProgressFn
 from core.merge.shards import write_shard
 from core.merge.verify import Verification, verify_export
 
-TEMP_MARKER = ".lora-cockpit-merge"  # the owner record in a merge's temp folder (core.procs.mark_temp)
+TEMP_MARKER = ".lora-cockpit-merge"  # the owner record in a merge's temp folder (core.tempdirs.mark_temp)
 TEMP_GLOB = ".*.merging-*"  # temp folders of merges into any target of one parent folder
 PAUSE_ENV = "LORA_COCKPIT_TEST_MERGE_PAUSE_AFTER_FIRST_SHARD"  # test-only: makes the kill test deterministic
 
@@ -117,7 +117,7 @@ def merge_at(
         raise MergeError("--device cuda was asked for but PyTorch sees no CUDA GPU: use --device cpu.")
     target = Path(target).expanduser().resolve()
     # what killed merges into any folder beside it left behind (only folders with our marker, never a live one's)
-    procs.clean_stale_temps(target.parent, TEMP_GLOB, TEMP_MARKER)
+    tempdirs.clean_stale_temps(target.parent, TEMP_GLOB, TEMP_MARKER)
     pf, plan = preflight_at(base_dir, adapter_dir, target, dtype, shard_size, verify, force)
     if on_preflight:
         on_preflight(pf)
@@ -152,7 +152,7 @@ def merge_at(
     ok = False
     writing = "its first file"  # what a full disk interrupted, for the sentence
     try:
-        procs.mark_temp(tmp, TEMP_MARKER, target=str(target), started=started)
+        tempdirs.mark_temp(tmp, TEMP_MARKER, target=str(target), started=started)
         report("merge")
         for i, (name, tensors) in enumerate(plan.shards):
             writing = name
@@ -185,7 +185,7 @@ def merge_at(
             f"free now; free some space or choose another --out. Nothing was written to {target}."
         ) from None
     finally:
-        procs.unmark_temp(tmp)
+        tempdirs.unmark_temp(tmp)
         if not ok:
             shutil.rmtree(tmp, ignore_errors=True)
     files = sorted((p.name, p.stat().st_size) for p in target.iterdir() if p.is_file())

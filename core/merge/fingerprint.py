@@ -22,6 +22,7 @@ from pathlib import Path
 
 from huggingface_hub import try_to_load_from_cache
 
+from core.files import BadFile, load_json_object
 from core.merge.errors import MergeError
 from core.merge.shards import BaseCheckpoint, itemsize
 
@@ -120,12 +121,12 @@ def read_recorded_base(adapter_dir: Path) -> RecordedBase | None:
     """The base recorded beside an adapter; None when there is no record (older runs, adapters from elsewhere).
     A record that does not read is a MergeError naming the file (the caller turns it into a note)."""
     path = adapter_dir / FINGERPRINT_FILE
-    if not path.is_file():
+    if not os.path.lexists(path):
         return None
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise MergeError(f"{path} cannot be read ({type(e).__name__})") from e
+    try:  # core.files' bounded reader: never a FIFO or a device, never a huge file
+        data = load_json_object(path)
+    except BadFile as e:
+        raise MergeError(f"{path} cannot be read: it {e.why}") from None
     fields = ("base", "base_dir", "layout", "values")
     if (
         not isinstance(data, dict)

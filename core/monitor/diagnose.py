@@ -12,7 +12,7 @@ import os
 import re
 from pathlib import Path
 
-from core import rundir
+from core import liveness, rundir
 from core.files import read_json_object, read_yaml_mapping
 from core.monitor.diagnose_rules import RULES
 from core.monitor.evidence import Diagnosis, Evidence, Rule
@@ -60,8 +60,8 @@ def load_evidence(run_dir: str | os.PathLike, series: RunSeries | None = None) -
         series = files.series
     return Evidence(
         stderr=tail_text(run_dir / rundir.STDERR, n_lines=400, max_bytes=256 * 1024),
-        # a run whose process vanished reads as failed, with why (rundir.read_live_status; nothing is written)
-        status=rundir.read_live_status(run_dir)[0],
+        # a run whose process vanished reads as failed, with why (liveness.read_live_status; nothing is written)
+        status=liveness.read_live_status(run_dir)[0],
         series=series,
         plan=read_json_object(run_dir / rundir.PLAN),
         config=read_yaml_mapping(run_dir / rundir.CONFIG),

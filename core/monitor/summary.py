@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from core import rundir
+from core import liveness, rundir
 from core.files import read_json_object, read_yaml_mapping
 from core.monitor.series import DEFAULT_SMOOTHING_STEPS, downsample_minmax, stride
 from core.monitor.tail import RunSeries
@@ -104,7 +104,7 @@ def summarize_run(run_dir: str | os.PathLike, clock=time.time) -> RunSummary:
     run_dir = Path(run_dir)
     s = _files_for(run_dir).series
     # the state as every reader sees it: a run whose process vanished reads as failed (nothing is written)
-    st = rundir.read_live_status(run_dir, read_json_object(run_dir / rundir.STATUS))[0] or {}
+    st = liveness.read_live_status(run_dir, read_json_object(run_dir / rundir.STATUS))[0] or {}
     started, ended = st.get("started"), st.get("ended")
     duration = None
     if isinstance(started, (int, float)):

@@ -4,7 +4,7 @@
   file's identity (st_dev, st_ino) and its byte offset; a torn last line (the writer is mid-line) is held back
   until its newline arrives; a shrunk or replaced file is read again from the start; malformed lines are skipped
   and counted.
-- `TextTail`: the last N lines of a possibly huge log (stderr.log), read only when it changed (core.procs.tail_text
+- `TextTail`: the last N lines of a possibly huge log (stderr.log), read only when it changed (core.logtail.tail_text
   reads only its end, and only from a regular file).
 - `RunSeries`: column-wise accumulator of metrics and GPU points, fed with only the new records each tick.
 """
@@ -21,8 +21,8 @@ import numpy as np
 
 from core import rundir
 from core.files import loads_json, open_regular
+from core.logtail import tail_text
 from core.monitor.series import DEFAULT_SMOOTHING_STEPS, StepEMA
-from core.procs import tail_text
 from core.recipe import methods
 from core.rundir import RANK_MEMORY
 

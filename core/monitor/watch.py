@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from core import rundir
+from core import liveness, rundir
 from core.files import read_json_object, read_yaml_mapping
 from core.monitor.advice import stall_warning
 from core.monitor.completions import Completions, CompletionsReader
@@ -232,7 +232,7 @@ class RunWatcher:
             self._charts.update(method_charts(series, method, self.budget))
         # the lock, not the last status written, says whether the process lives: a SIGKILLed trainer shows as
         # failed on the next tick, a trainer still exiting as stopping
-        status, state, alive = rundir.read_live_status(self.run_dir, status)
+        status, state, alive = liveness.read_live_status(self.run_dir, status)
         stalled = rundir.stall(self.run_dir, status, state, alive)
         if not self.run_dir.is_dir():
             state = "deleted"  # rm -rf under the page: say so, not "unknown"

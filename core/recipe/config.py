@@ -12,7 +12,8 @@
 The schema of the library sections is read from the installed libraries (their dataclass fields, types and
 choices), so a key that a new TRL/transformers/peft release adds works the day it is installed. It is cached per
 library version (core.recipe.schema), so validating a config does not import torch. Errors name the key's path
-and suggest the nearest key for a typo, because a silently ignored key costs a whole run.
+and suggest the nearest key for a typo, because a silently ignored key costs a whole run. A value is checked by
+core.recipe.config_values, the combinations of values by core.recipe.config_combos.
 
 `check_with_libraries(cfg)` then builds the real SFTConfig/LoraConfig/BitsAndBytesConfig objects: the libraries'
 own cross-field checks (done by `--dry-run`, the trainer and the smoke test).
@@ -22,8 +23,6 @@ from __future__ import annotations
 
 import copy
 import difflib
-import importlib.util
-import math
 import os
 from pathlib import Path
 from typing import Any
@@ -31,22 +30,21 @@ from typing import Any
 from core import files
 from core.files import YamlError, atomic_write_text, read_yaml
 from core.fmt import error_line
-from core.recipe import distributed, methods, schema, trackers, vision
+from core.recipe import distributed, methods, schema
 from core.recipe import rewards as reward_specs
+from core.recipe.config_combos import combination_problem, missing_here
 from core.recipe.config_keys import (
     ALIASES,
-    COLUMN_KEYS,
     DEFAULTS,
-    EXTRA_VALUES,
     METHODS,
     OWN_SCHEMA,
     OWN_TRAINING,
     OWNED,
-    RANGES,
     RENAMED,
     SECTIONS,
     TOP_LEVEL,
 )
+from core.recipe.config_values import check_range, check_value, special_checks
 from core.recipe.engine_args import bnb_config, lora_config, training_args
 
 
@@ -93,115 +91,6 @@ def _suggest(section: str, key: str) -> str:
         if other != section and key in section_schema(other):
             return f" {key} belongs in the {other} section ({other}.{key})."
     return f" See the {section} keys in docs/run-config.md."
-
-
-def _check_value(path: str, value: Any, spec: dict) -> tuple[Any, str | None]:
-    """(the value, coerced where YAML is ambiguous, or the problem)."""
-    kinds, choices = spec.get("kinds") or ["any"], spec.get("choices")
-    extra = EXTRA_VALUES.get(path, ())
-    if value in extra and not isinstance(value, bool):
-        return value, None
-    if value is None:
-        return (
-            (None, None)
-            if "none" in kinds or "any" in kinds
-            else (None, "must be set (it has no 'none' value)")
-        )
-    if "any" in kinds:
-        return value, None
-    if isinstance(value, bool):
-        if "bool" in kinds:
-            return value, None
-        return value, "must not be true/false" + (
-            f": one of {', '.join(map(str, choices))}" if choices else ""
-        )
-    if isinstance(value, int) and ("int" in kinds or "float" in kinds):
-        return value, None  # a whole number stays one (logging_steps: 10, not 10.0)
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            return value, "must be a finite number"
-        if "float" in kinds:
-            return value, None
-        if "int" in kinds:
-            return value, "must be a whole number"
-    if isinstance(value, str):
-        # YAML 1.1 reads 2e-4 (no dot) as a string: take it as the number it is
-        if "float" in kinds and "str" not in kinds:
-            try:
-                number = float(value)
-            except ValueError:
-                return value, "must be a number"
-            return (number, None) if math.isfinite(number) else (value, "must be a finite number")
-        if "str" in kinds:
-            if choices and value not in choices:
-                near = difflib.get_close_matches(value, [str(c) for c in choices], n=1, cutoff=0.6)
-                hint = f" Did you mean {near[0]!r}?" if near else ""
-                listed = ", ".join(map(str, choices[:12])) + (
-                    f", ... ({len(choices)} in all)" if len(choices) > 12 else ""
-                )
-                return value, f"must be one of {listed}.{hint}"
-            return value, None
-    if isinstance(value, list) and "list" in kinds:
-        return value, None
-    if isinstance(value, dict) and "dict" in kinds:
-        return value, None
-    wanted = {
-        "bool": "true or false",
-        "int": "a whole number",
-        "float": "a number",
-        "str": "a string",
-        "list": "a list",
-        "dict": "a mapping",
-    }
-    words = [wanted[k] for k in kinds if k in wanted]
-    return value, "must be " + " or ".join(words or ["a value of another type"])
-
-
-def _check_range(path: str, value: Any) -> str | None:
-    if path not in RANGES or not isinstance(value, (int, float)) or isinstance(value, bool):
-        return None
-    lo, hi, *mode = RANGES[path]
-    mode = mode[0] if mode else "closed"
-    lo_open, hi_open = mode in ("open", "left-open"), mode in ("open", "right-open")
-    bad = (value <= lo if lo_open else value < lo) or (
-        hi is not None and (value >= hi if hi_open else value > hi)
-    )
-    if not bad:
-        return None
-    if hi is None:
-        return f"must be {'above' if lo_open else 'at least'} {lo}"
-    left, right = "(" if lo_open else "[", ")" if hi_open else "]"
-    return f"must be in {left}{lo}, {hi}{right}"
-
-
-def _special_checks(path: str, value: Any) -> str | None:
-    if path in ("model.path", "data.split") and not (isinstance(value, str) and value.strip()):
-        return "must be a non-empty string"
-    if path == "data.image_size" and vision.image_size(value) is None:
-        return "must be WIDTHxHEIGHT in pixels, two whole numbers above 0 such as 1024x768"
-    if path == "data.path":
-        ok = (isinstance(value, str) and value.strip()) or (
-            isinstance(value, list) and value and all(isinstance(p, str) and p.strip() for p in value)
-        )
-        return None if ok else "must be a file/folder path or a non-empty list of file paths"
-    if path == "data.columns":
-        for k, col in value.items():
-            if k not in COLUMN_KEYS:
-                return f"has unknown key {k!r}: the expected columns are {', '.join(COLUMN_KEYS)}"
-            if not isinstance(col, str) or not col:
-                return f"maps {k!r} to {col!r}: give the name of a column in your data"
-    if path == "lora.target_modules" and not (
-        (isinstance(value, str) and value.strip())
-        or (isinstance(value, list) and value and all(isinstance(m, str) and m for m in value))
-    ):
-        return "must be 'all-linear' or a non-empty list of module names such as [q_proj, v_proj]"
-    if path == "training.max_steps" and not (value == -1 or value >= 1):
-        return "must be -1 (use num_train_epochs) or at least 1"
-    if path.startswith("distributed."):
-        return distributed.field_problem(path, value)
-    if path == "training.warmup_steps" and not (value >= 0 and (value < 1 or float(value).is_integer())):
-        return "must be a fraction of the steps (0 to <1) or a whole number of steps"
-    return None
 
 
 def field_errors(raw: Any, here: bool = True) -> tuple[dict, dict[str, str]]:
@@ -262,18 +151,18 @@ def field_errors(raw: Any, here: bool = True) -> tuple[dict, dict[str, str]]:
             if key not in fields:
                 errors[path] = f"{path}: unknown key.{_suggest(top, str(key))}"
                 continue
-            value, problem = _check_value(path, value, fields[key])
+            value, problem = check_value(path, value, fields[key])
             if problem and top == "distributed":  # its own words for a wrong type: what the key takes
                 problem = distributed.field_problem(path, value) or problem
             problem = problem or (
-                None if value is None else _check_range(path, value) or _special_checks(path, value)
+                None if value is None else check_range(path, value) or special_checks(path, value)
             )
             if problem:
                 errors[path] = f"{path} {problem} (got {_short(value)})."
                 continue
             cfg[top][key] = copy.deepcopy(value)
     if not errors:
-        problem = _combination_problem(cfg) or (_missing_here(cfg) if here else None)
+        problem = combination_problem(cfg) or (missing_here(cfg) if here else None)
         if problem:
             errors[problem[0]] = problem[1]
     return cfg, errors
@@ -333,143 +222,6 @@ def migrate(raw: dict) -> dict:
         if isinstance(target, dict):
             target.setdefault(new_key, value)
     return out if out is not None else raw
-
-
-def _combination_problem(cfg: dict) -> tuple[str, str] | None:
-    if cfg["model"]["path"] is None:
-        return "model.path", "model.path is required: the folder of a local model or a hub id."
-    if cfg["data"]["path"] is None:
-        return (
-            "data.path",
-            "data.path is required: a .jsonl/.json/.csv/.parquet file, a save_to_disk folder or a Hub dataset id.",
-        )
-    t, q = cfg["training"], cfg["quantization"]
-    if t.get("bf16") is True and t.get("fp16"):
-        return (
-            "training.bf16",
-            "training.bf16 and training.fp16 are both true: choose one (bf16 on recent GPUs).",
-        )
-    method, fmt = methods.get(cfg), cfg["data"]["format"]
-    if fmt != "auto" and fmt not in method.formats:
-        owners = [m.name for m in methods.REGISTRY.values() if fmt in m.formats]
-        return (
-            "data.format",
-            f"data.format {fmt} is not a format of method {method.name} ({method.summary}): use "
-            f"{', '.join(('auto', *method.formats))}"
-            + (f", or set method: {owners[0]} for {fmt} data." if owners else "."),
-        )
-    if cfg["model"].get("reference_path") and not method.traits.reference:
-        return (
-            "model.reference_path",
-            f"model.reference_path is the reference model of a preference run (DPO, KTO); method {method.name} "
-            "has none: drop it or change the method.",
-        )
-    if method.smoke_batch_size > 1 and t["per_device_train_batch_size"] < method.smoke_batch_size:
-        return (
-            "training.per_device_train_batch_size",
-            f"training.per_device_train_batch_size must be at least {method.smoke_batch_size} for method "
-            f"{method.name}: {method.trainer_name} estimates its KL term from the other rows of a batch.",
-        )
-    if method.name == "grpo":
-        problem = _grpo_problem(cfg)
-        if problem:
-            return problem
-    if t.get("early_stopping_patience") and (
-        cfg["data"]["eval_split"] <= 0 or t.get("eval_strategy") == "no"
-    ):
-        return (
-            "training.early_stopping_patience",
-            "training.early_stopping_patience needs evaluations to judge by: set data.eval_split (e.g. 0.05) and "
-            "leave training.eval_strategy at steps or epoch.",
-        )
-    if q.get("load_in_4bit") and not cfg["lora"]["enabled"]:
-        return (
-            "quantization.load_in_4bit",
-            "quantization.load_in_4bit needs lora.enabled: true (4-bit weights cannot be trained directly).",
-        )
-    # padding_free without packing: the engine truncates rows to max_length itself (TRL would refuse the pair).
-    return distributed.combination_problem(cfg)
-
-
-def _grpo_problem(cfg: dict) -> tuple[str, str] | None:
-    """What trl.GRPOConfig would refuse with a traceback, said in the run config's words."""
-    t = cfg["training"]
-    g = t.get("num_generations", 8)
-    if not isinstance(g, int) or g < 2:
-        return (
-            "training.num_generations",
-            f"training.num_generations must be at least 2 (got {g!r}): GRPO compares each completion with the "
-            "others of its prompt's group.",
-        )
-    weights = t.get("reward_weights")
-    if weights is not None and len(weights) != len(cfg["rewards"]):
-        return (
-            "training.reward_weights",
-            f"training.reward_weights has {len(weights)} weights for {len(cfg['rewards'])} reward functions "
-            f"({', '.join(reward_specs.names(cfg['rewards']))}): give one weight per reward, in the same order.",
-        )
-    if t.get("generation_batch_size") is not None and t.get("steps_per_generation") is not None:
-        return (
-            "training.steps_per_generation",
-            "training.generation_batch_size and training.steps_per_generation both set: TRL takes one of them.",
-        )
-    batch = t["per_device_train_batch_size"] * distributed.world_size(cfg)
-    if t.get("generation_batch_size") is not None:
-        generation = t["generation_batch_size"]
-        if generation % batch:
-            return (
-                "training.generation_batch_size",
-                f"training.generation_batch_size {generation} must be a multiple of the global batch size {batch} "
-                "(per_device_train_batch_size x GPUs).",
-            )
-    else:
-        steps = t.get("steps_per_generation") or t["gradient_accumulation_steps"]
-        generation = batch * steps
-    if generation % g:
-        options = [b for b in range(g, 4 * g + 1, g)]
-        return (
-            "training.num_generations",
-            f"The generation batch ({generation} completions: per_device_train_batch_size "
-            f"{t['per_device_train_batch_size']} x {distributed.world_size(cfg)} GPU(s) x "
-            f"{t.get('steps_per_generation') or t['gradient_accumulation_steps']} steps per generation) must divide "
-            f"by training.num_generations {g}: set per_device_train_batch_size to a multiple of {g} (e.g. "
-            f"{', '.join(map(str, options[:3]))}) or num_generations to a divisor of {generation}.",
-        )
-    return None
-
-
-def _missing_here(cfg: dict) -> tuple[str, str] | None:
-    """What this machine lacks for the config (a setting valid elsewhere)."""
-    if cfg["training"].get("use_vllm"):
-        problem = _vllm_problem()
-        if problem:
-            return "training.use_vllm", problem
-    if cfg["training"].get("use_liger_kernel") and importlib.util.find_spec("liger_kernel") is None:
-        return (
-            "training.use_liger_kernel",
-            "training.use_liger_kernel needs the liger-kernel package and a CUDA GPU (pip install liger-kernel); "
-            "set it to false on this machine.",
-        )
-    problem = trackers.missing(cfg["training"].get("report_to"))
-    if problem:
-        return "training.report_to", problem
-    return distributed.missing_here(cfg)
-
-
-def _vllm_problem() -> str | None:
-    """Why GRPO cannot generate with vLLM on this machine, or None."""
-    if importlib.util.find_spec("vllm") is None:
-        return (
-            "training.use_vllm needs the vllm package (pip install vllm, on a machine with a CUDA GPU); set it to "
-            "false to generate with transformers."
-        )
-    import torch
-
-    if not torch.cuda.is_available():
-        return (
-            "training.use_vllm needs a CUDA GPU (vLLM does not run on this machine's CPU); set it to false."
-        )
-    return None
 
 
 def checkpointing(cfg: dict) -> bool:

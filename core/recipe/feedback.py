@@ -24,7 +24,8 @@ from core.recipe.findings import (
     model_limits,
     token_findings,
 )
-from core.recipe.prefdata import check_rows_with_tokenizer, normalize_pairs, pair_token_ids
+from core.recipe.prefcheck import check_rows_with_tokenizer
+from core.recipe.prefdata import normalize_pairs, pair_token_ids
 
 FEEDBACK_KEYS = ("prompt", "completion", "label")
 _LABELS = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False}

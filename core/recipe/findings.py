@@ -13,7 +13,14 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from core.files import BadFile, load_json_object, read_bounded, read_json_object, read_safetensors_header
+from core.files import (
+    MAX_TOKENIZER_JSON_BYTES,
+    BadFile,
+    load_json_object,
+    read_bounded,
+    read_json_object,
+    read_safetensors_header,
+)
 from core.hub import ids as hub_ids
 from core.hub.fetch import complete_folder, folder_for_checks, readable
 from core.plausible import ImplausibleConfig, check_model_config
@@ -44,7 +51,6 @@ def has_errors(findings: list[Finding]) -> bool:
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
-MAX_TOKENIZER_BYTES = 1 << 30  # the largest tokenizer.json files (260k-token vocabularies) are ~35 MB
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
@@ -218,7 +224,7 @@ def tokenizer_problem(path: str, exc: Exception) -> str:
         if not file.exists():
             continue
         try:
-            json.loads(read_bounded(file, MAX_TOKENIZER_BYTES))
+            json.loads(read_bounded(file, MAX_TOKENIZER_JSON_BYTES))
         except (OSError, ValueError, RecursionError) as bad:
             why = "it is empty" if file.is_file() and file.stat().st_size == 0 else error_line(bad, 120)
             return f"model.path: the tokenizer file {file} is not valid JSON ({why}): {fix}"

@@ -15,7 +15,7 @@ import math
 import sys
 from pathlib import Path
 
-from core import rundir
+from core import checkpoints, rundir
 from core.files import read_json_object, read_yaml_mapping
 from core.fmt import first_sentence, mem, run_piped
 from core.recipe import methods
@@ -163,7 +163,7 @@ def show_lines(info: RunInfo) -> list[str]:
             f"  plan         {mem(plan['device_total_bytes'])} on {device} ({plan.get('verdict', '?')}), tensor peak "
             f"{mem(plan.get('tensor_peak_bytes') or 0)}"
         )
-    ckpts = rundir.checkpoints(info.path)
+    ckpts = checkpoints.checkpoints(info.path)
     newest = ", ".join(c.name for c in ckpts[:3])
     lines.append(f"  checkpoints  {newest + ' (newest first)' if ckpts else 'none yet'}")
     return lines
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{args.name}: {state}")
         elif args.command == "resume":
             run_dir = _find(workspace, args.name)
-            if not rundir.checkpoints(run_dir):  # unusable ones: launch names them
+            if not checkpoints.checkpoints(run_dir):  # unusable ones: launch names them
                 raise RunError(f"Run {args.name} has no checkpoint to resume from yet.")
             launch(run_dir, resume=True)
             print(run_dir)

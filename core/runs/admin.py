@@ -11,7 +11,7 @@ import shutil
 import time
 from pathlib import Path
 
-from core import procs, rundir
+from core import liveness, logtail, rundir
 from core.recipe import methods
 from core.recipe.config import dump_config, field_errors, validate_config
 from core.rundir import LIVE_STATES
@@ -120,7 +120,7 @@ def smoke_result(run_dir: str | os.PathLike) -> dict | None:
     result = rundir.read_smoke(run_dir)
     if result is not None:
         return result
-    if rundir.live_state(run_dir)[1]:
+    if liveness.live_state(run_dir)[1]:
         return None
     result = rundir.read_smoke(run_dir)  # it may have written just before exiting
     if result is not None:
@@ -128,7 +128,7 @@ def smoke_result(run_dir: str | os.PathLike) -> dict | None:
     return {
         "state": "failed",
         "reason": "the smoke test ended without a result; stderr.log:\n"
-        + procs.tail_text(run_dir / rundir.STDERR, TAIL_LINES),
+        + logtail.tail_text(run_dir / rundir.STDERR, TAIL_LINES),
     }
 
 

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from core import procs, rundir
+from core import liveness, logtail, procs, rundir, stopping
 from core.recipe.config import ConfigError, dump_config, load_config, validate_config
 from core.rundir import read_pid, read_smoke, read_status, write_status
 from core.train.preflight import check_model_folder
@@ -172,13 +172,13 @@ def _cannot_start(run_dir: Path, resume: bool, exc: OSError) -> str:
 
 def stop_run(run_dir: str | os.PathLike, grace_s: float = 60.0) -> str:
     """SIGTERM the trainer (it checkpoints and exits; never the process group of whoever started it), wait until
-    it is gone, then SIGKILL it and its children if it is not (core.procs.stop). Returns the state once the
+    it is gone, then SIGKILL it and its children if it is not (core.stopping.stop). Returns the state once the
     process has exited."""
     run_dir = Path(run_dir)
     remote = rundir.busy_elsewhere(run_dir)
     if remote:
         raise RunError(remote)
-    outcome = procs.stop(run_dir, grace_s)
+    outcome = stopping.stop(run_dir, grace_s)
     if outcome == "killed":
         write_status(
             run_dir, state="stopped", reason=f"killed after {grace_s:.0f} s without stopping by itself"
@@ -193,10 +193,10 @@ def stop_run(run_dir: str | os.PathLike, grace_s: float = 60.0) -> str:
 
 def run_state(run_dir: str | os.PathLike) -> RunInfo:
     """The run's state from its files and its lock; a live-looking status whose process is gone reads as failed
-    with the tail of stderr.log (rundir.read_live_status). Writes nothing: listing runs works on a full disk or a
+    with the tail of stderr.log (liveness.read_live_status). Writes nothing: listing runs works on a full disk or a
     read-only workspace."""
     run_dir = Path(run_dir)
-    status, state, alive = rundir.read_live_status(run_dir)
+    status, state, alive = liveness.read_live_status(run_dir)
     # a scan for an owner whose pid file is gone only for a live run (listing many ended runs stays cheap)
     pid = read_pid(run_dir) if alive else (procs.read_pid_info(run_dir) or {}).get("pid")
     stalled_s, stall = rundir.stall(run_dir, status, state, alive)
@@ -242,7 +242,7 @@ def wait_for_smoke(run_dir: str | os.PathLike, timeout: float = 600.0) -> dict |
     while time.time() < deadline:
         result = read_smoke(run_dir)
         if result is not None:
-            procs.wait_gone(
+            stopping.wait_gone(
                 run_dir, 30.0
             )  # it exits right after writing: a launch that follows is not refused
             return result
@@ -251,7 +251,7 @@ def wait_for_smoke(run_dir: str | os.PathLike, timeout: float = 600.0) -> dict |
             return result or {
                 "state": "failed",
                 "reason": "smoke test ended without a result; stderr.log:\n"
-                + procs.tail_text(run_dir / rundir.STDERR, TAIL_LINES),
+                + logtail.tail_text(run_dir / rundir.STDERR, TAIL_LINES),
             }
         time.sleep(0.2)
     return None

@@ -15,7 +15,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from core import rundir
+from core import diskfull, rundir
 from core.estimate.from_config import plan_json, write_accelerate_config
 from core.estimate.plan import PlanError
 from core.estimate.specs import SpecError
@@ -170,8 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT if isinstance(exc, (ConfigError, DataError)) else EXIT_FAILED
     except Exception as exc:
         # the status first: on a full disk stderr.log cannot take the traceback, and the reason must still say why
-        if rundir.is_disk_full(exc, run_dir if run_dir.is_dir() else None):
-            reason = rundir.disk_full_reason(run_dir.resolve(), exc)
+        if diskfull.is_disk_full(exc, run_dir if run_dir.is_dir() else None):
+            reason = diskfull.disk_full_reason(run_dir.resolve(), exc)
         else:
             reason = f"{type(exc).__name__}: {exc}"
         with contextlib.suppress(OSError):

@@ -9,7 +9,7 @@ to one process — and watches them. What each side does:
 - ranks train; rank 0 alone writes status.json, metrics.jsonl (with every rank's memory) and samples; each rank
   writes its record `ranks/rank-K.json` (pid, start time, and how it ended) and rank K > 0 its output to
   `ranks/rank-K.log` (rank 0's goes to the run's stdout.log / stderr.log);
-- a stop signal reaches the supervisor alone (core.procs.stop), which passes it to every rank; the ranks agree on
+- a stop signal reaches the supervisor alone (core.stopping.stop), which passes it to every rank; the ranks agree on
   the step to stop at (an all-reduce of their flags at each step end: one rank leaving while another waits in a
   collective would hang both), save one checkpoint together and exit as stopped;
 - a rank that dies without a word (SIGKILL, the out-of-memory killer, a segfault) is seen by the supervisor within
@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from core import procs, rundir
+from core import logtail, procs, rundir, stopping
 from core.files import atomic_write_text, read_json_object
 from core.recipe import distributed
 
@@ -214,13 +214,13 @@ def _killed_reason(run_dir: Path, rec: dict) -> str:
     return (
         f"rank {k} (pid {rec['pid']}) ended without a word at step {step or 0} (killed: SIGKILL, the "
         f"out-of-memory killer or a crash), so the other ranks were ended too; its last lines ({where}):\n"
-        + procs.tail_text(Path(run_dir) / where, TAIL_LINES)
+        + logtail.tail_text(Path(run_dir) / where, TAIL_LINES)
     )
 
 
 def _end_all(child: subprocess.Popen) -> None:
     """SIGKILL the launcher and every rank under it (a rank died: the others would wait for it for ever)."""
-    procs.kill_tree(child.pid)
+    stopping.kill_tree(child.pid)
     with contextlib.suppress(subprocess.TimeoutExpired):
         child.wait(timeout=30)
 
@@ -300,5 +300,5 @@ def _outcome(run_dir: Path, returncode: int, here: int, machine: int, launcher_p
         return None
     return (
         f"the launcher exited with {returncode} and {len(recs)} of {here} ranks started; its last lines "
-        f"(stderr.log):\n" + procs.tail_text(Path(run_dir) / rundir.STDERR, TAIL_LINES)
+        f"(stderr.log):\n" + logtail.tail_text(Path(run_dir) / rundir.STDERR, TAIL_LINES)
     )

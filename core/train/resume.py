@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from core import rundir
+from core import checkpoints, rundir
 from core.files import atomic_write_text
 from core.recipe import distributed
 from core.recipe.config import ConfigError, config_to_yaml, load_config
@@ -96,7 +96,7 @@ def trained_config(run_dir: Path, checkpoint: Path | None, config_path: str | os
     wrote one) the run's config.yaml when the resume was given another file. None when it cannot be told."""
     candidates = []
     if checkpoint is not None:
-        candidates.append(checkpoint / rundir.CHECKPOINT_CONFIG)
+        candidates.append(checkpoint / checkpoints.CHECKPOINT_CONFIG)
     recorded = run_dir / rundir.CONFIG
     if Path(config_path).resolve() != recorded.resolve():
         candidates.append(recorded)
@@ -113,8 +113,8 @@ def choose_checkpoint(run_dir: Path) -> tuple[Path | None, list[tuple[Path, str]
     """(the newest checkpoint that can be resumed from, [(newer unusable checkpoint, why)]). Reads only; the
     resume's candidate is checked through (every archive's checksum)."""
     bad: list[tuple[Path, str]] = []
-    for path in rundir.checkpoints(run_dir):
-        why = rundir.checkpoint_problem(path, deep=True)
+    for path in checkpoints.checkpoints(run_dir):
+        why = checkpoints.checkpoint_problem(path, deep=True)
         if why is None:
             return path, bad
         bad.append((path, why))
@@ -149,14 +149,14 @@ def record_config(run_dir: Path, cfg: dict, trained: dict | None, checkpoint: Pa
     if trained is not None and checkpoint is not None:
         changed = changed_keys(trained, cfg)
         if changed:
-            step = rundir.checkpoint_step(checkpoint)
+            step = checkpoints.checkpoint_step(checkpoint)
             a, b = flatten(trained), flatten(cfg)
             header = [
                 f"# The config that trained steps 1-{step} of this run; resumed from {checkpoint.name} on "
                 f"{time.strftime('%Y-%m-%d %H:%M:%S')} with:",
                 *(f"#   {k}: {_short(a.get(k))} -> {_short(b.get(k))}" for k in changed),
             ]
-            history = run_dir / rundir.CONFIG_HISTORY / f"until-step-{step}.yaml"
+            history = run_dir / checkpoints.CONFIG_HISTORY / f"until-step-{step}.yaml"
             atomic_write_text(history, "\n".join(header) + "\n" + config_to_yaml(trained))
     try:
         same = current.is_file() and load_config(current) == cfg

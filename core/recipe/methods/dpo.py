@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from core.recipe.data import DataError, load_rows
 from core.recipe.methods.base import Chart, Field, Method, PlanTraits, PreferenceHealth, fill_to
+from core.recipe.prefcheck import run_pair_preflight
 from core.recipe.prefdata import (
     detect_pref_format,
     load_pref_rows,
     normalize_pairs,
     prepare_pair_datasets,
     preview_pairs,
-    run_pair_preflight,
 )
 
 # What TRL's DPOTrainer (and KTOTrainer) log on top of the loss, per logging step
