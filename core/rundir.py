@@ -14,17 +14,10 @@ import time
 from pathlib import Path
 
 from core import procs
-
-# names of the run directory too; checkpoint_step, latest_checkpoint and reserve_space are also read from here by
-# core.train's trainer and callbacks
-from core.checkpoints import (  # noqa: F401
-    CHECKPOINT_CONFIG,
+from core.checkpoints import (
     CHECKPOINTS,
-    CONFIG_HISTORY,
-    checkpoint_step,
-    latest_checkpoint,
 )
-from core.diskfull import RESERVE, release_space, reserve_space, write_last_words  # noqa: F401
+from core.diskfull import release_space, write_last_words
 from core.files import atomic_write_text, iter_jsonl_objects, read_json_object
 from core.procs import LOCK, PID, STDERR, STDOUT  # noqa: F401 - names of the run directory too
 from core.workspace import runs_dir

@@ -16,7 +16,7 @@ import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_callback import CallbackHandler
 
-from core import rundir
+from core import checkpoints, rundir
 from core.train.run_callbacks import run_callbacks
 from core.train.state import Run, RunOutcome, StopFlag
 
@@ -221,7 +221,7 @@ def test_each_checkpoint_keeps_the_config_that_trained_it(tmp_path):
     saved = h.run_dir / rundir.CHECKPOINTS / "checkpoint-1"
     saved.mkdir()
     h.control = h.handler.on_save(h.args, h.state, h.control)
-    text = (saved / rundir.CHECKPOINT_CONFIG).read_text()
+    text = (saved / checkpoints.CHECKPOINT_CONFIG).read_text()
     assert "some/model" in text and "max_steps: 10" in text
     h.close()
 

@@ -9,7 +9,7 @@ import json
 import time
 from pathlib import Path
 
-from core import rundir
+from core import checkpoints, rundir
 from core.recipe import distributed
 from core.recipe.config_keys import SAMPLES_EXTRA_TOKENS, SAMPLES_MAX_TOKENS
 from core.train import ranks
@@ -38,7 +38,7 @@ def early_stop(trainer) -> dict | None:
     best = state.best_model_checkpoint
     return {
         "step": state.global_step,
-        "best_step": rundir.checkpoint_step(Path(best)) if best else None,
+        "best_step": checkpoints.checkpoint_step(Path(best)) if best else None,
         "metric": trainer.args.metric_for_best_model,
         "best": state.best_metric,
         "patience": es.early_stopping_patience,

@@ -18,7 +18,7 @@ import statistics
 import time
 from pathlib import Path
 
-from core import rundir
+from core import checkpoints, rundir
 from core.files import atomic_write_text
 from core.recipe.config import config_to_yaml
 from core.rundir import RANK_MEMORY, write_status
@@ -212,11 +212,11 @@ class DiskGuard:
         """Why checkpoint-<step> cannot fit on the run folder's disk, or None (it can, or this is not rank 0)."""
         if not self.main:
             return None
-        need = checkpoint_bytes(model, optimizer, rundir.latest_checkpoint(self.run_dir))
+        need = checkpoint_bytes(model, optimizer, checkpoints.latest_checkpoint(self.run_dir))
         free = _free_bytes(self.run_dir)
         if need is None or free is None or free >= need:
             return None
-        last = rundir.latest_checkpoint(self.run_dir)
+        last = checkpoints.latest_checkpoint(self.run_dir)
         return (
             f"disk full: checkpoint-{step} needs about {_mib(need)} and the disk that holds {self.run_dir} has "
             f"{_mib(free)} free, so training stopped before writing it (newest checkpoint: "
@@ -226,7 +226,7 @@ class DiskGuard:
 
 
 class ConfigCopy:
-    """Each checkpoint keeps the config that trained it beside its weights (rundir.CHECKPOINT_CONFIG): what a
+    """Each checkpoint keeps the config that trained it beside its weights (checkpoints.CHECKPOINT_CONFIG): what a
     resume compares with (core.train.resume). Rank 0, never into a folder that is gone."""
 
     def __init__(self, guard: FolderGuard, config: dict | None):
@@ -236,7 +236,7 @@ class ConfigCopy:
     def on_save(self, args, state, control, **kw):
         saved = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         if self.main and self._text and saved.is_dir() and not self.guard.check(control):
-            atomic_write_text(saved / rundir.CHECKPOINT_CONFIG, self._text, parents=False)
+            atomic_write_text(saved / checkpoints.CHECKPOINT_CONFIG, self._text, parents=False)
 
 
 @functools.cache

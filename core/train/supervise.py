@@ -8,7 +8,7 @@ import os
 import time
 from pathlib import Path
 
-from core import procs, rundir
+from core import checkpoints, procs, rundir
 from core.estimate.from_config import resolve_strategy
 from core.estimate.plan import PlanError
 from core.estimate.specs import SpecError
@@ -86,7 +86,7 @@ def run_machine(run: Run, config_path, keep_lock: bool, announce) -> dict:
         write_status(home, state="running", reason=None, machine=k, started=time.time(), ended=None)
         run.prec = choose_precision(cfg)
         # the main machine's choice, read; what changed in a resume is its to say
-        run.checkpoint = rundir.latest_checkpoint(run_dir) if run.resume else None
+        run.checkpoint = checkpoints.latest_checkpoint(run_dir) if run.resume else None
         print(f"machine {k} of {cfg['distributed']['num_machines']}: ranks of {run_dir}", flush=True)
         summary = supervise(run, home, config_path)
         write_status(home, state="finished", reason=None)

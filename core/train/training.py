@@ -9,7 +9,7 @@ import os
 import time
 from pathlib import Path
 
-from core import rundir
+from core import checkpoints, diskfull, rundir
 from core.estimate.from_config import plan_json
 from core.estimate.plan import PlanError
 from core.estimate.specs import SpecError
@@ -52,7 +52,7 @@ def setup_run(run: Run, start) -> None:
     changed = record_config(run_dir, cfg, trained, checkpoint)
     if checkpoint is not None:
         note = (
-            f" with changed {', '.join(changed)} (previous config: {rundir.CONFIG_HISTORY}/)"
+            f" with changed {', '.join(changed)} (previous config: {checkpoints.CONFIG_HISTORY}/)"
             if changed
             else ""
         )
@@ -60,7 +60,7 @@ def setup_run(run: Run, start) -> None:
     elif run.resume:
         print("resume: no checkpoint in checkpoints/ yet: starting from step 0", flush=True)
     if not run.smoke:
-        truncate_metrics(run_dir, rundir.checkpoint_step(checkpoint) if checkpoint else 0)
+        truncate_metrics(run_dir, checkpoints.checkpoint_step(checkpoint) if checkpoint else 0)
     prec = choose_precision(cfg)
     _write_plan(cfg, run_dir, prec.device.kind, run.smoke)
     status = {"state": "starting", "reason": None, "step": 0, "max_steps": None, "ended": None}
@@ -73,7 +73,7 @@ def setup_run(run: Run, start) -> None:
     ):  # a launcher's start time stays: Elapsed never goes back
         status["started"] = time.time()
     status.update(phase="loading the model", phase_started=time.time())
-    rundir.reserve_space(run_dir)  # so that a full disk can still be reported as such
+    diskfull.reserve_space(run_dir)  # so that a full disk can still be reported as such
     write_status(run_dir, device=prec.device.label, precision=prec.dtype, smoke=run.smoke, **status)
     print(
         f"device: {prec.device.label}  weights: {prec.dtype}  bf16: {prec.bf16}  fp16: {prec.fp16}",
