@@ -269,6 +269,17 @@ class Saver:
 
         self.trainer.save_model = acting
 
+    def after_the_model(self, act):
+        """act() runs inside the save, once the model is written and before the Trainer writes the rest."""
+        save_model = self.trainer.save_model
+
+        def acting(*args, **kwargs):
+            saved = save_model(*args, **kwargs)
+            act()
+            return saved
+
+        self.trainer.save_model = acting
+
     def save(self):
         self.trainer._save_checkpoint(self.trainer.model, None)
 
@@ -311,3 +322,27 @@ def test_a_folder_someone_else_put_in_its_place_is_left_as_it_is_and_reads_repla
     s.save()
     assert (s.h.run_dir / "notes.txt").read_text() == "theirs"
     assert s.h.guard.check() and "was replaced by another folder" in s.h.outcome.gone
+
+
+def test_a_folder_deleted_in_the_middle_of_a_checkpoint_write_ends_the_run_as_deleted_not_as_the_writers_error(
+    tmp_path,
+):
+    # rm -rf under a checkpoint half written: the Trainer's next write fails (torch.save's "Parent directory ... does
+    # not exist", or a FileNotFoundError); the run's reason is its folder, one sentence, and nothing is left behind
+    s = Saver(tmp_path)
+    s.after_the_model(lambda: shutil.rmtree(s.h.run_dir))
+    with pytest.raises(rundir.RunGone, match="was deleted while the run trained"):
+        s.save()
+    assert not s.h.run_dir.exists()
+
+
+def test_a_checkpoint_write_that_fails_in_a_folder_still_the_runs_raises_its_own_error(tmp_path):
+    s = Saver(tmp_path)
+
+    def fail():
+        raise RuntimeError("the writer's own failure")
+
+    s.after_the_model(fail)
+    with pytest.raises(RuntimeError, match="the writer's own failure"):
+        s.save()
+    assert s.h.outcome.gone is None and s.h.run_dir.is_dir()

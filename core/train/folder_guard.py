@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import time
 from pathlib import Path
 
 from core import rundir
@@ -47,6 +48,16 @@ class FolderGuard:
             "or re-creating anything."
         )
 
+    def settle(self, seconds: float = 2.0) -> bool:
+        """After a write into the folder failed: True once the folder reads as gone, looking for a moment, since
+        `rm -rf` still under way leaves it half deleted with its identity for a while. The folder's fate is then
+        the reason, not the writer's error (a FileNotFoundError, or torch.save's "Parent directory ... does not
+        exist")."""
+        deadline = time.monotonic() + seconds
+        while not self.check() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return self.outcome.gone is not None
+
     def on_train_begin(self, args, state, control, **kw):
         self.check(control)
 
@@ -84,8 +95,13 @@ def guard_checkpoints(trainer, guard: FolderGuard) -> None:
             return None
         made = f"checkpoint-{trainer.state.global_step}"
         try:
-            return save(model, trial)
-        finally:
+            saved = save(model, trial)
+        except Exception:
             guard.take_back(made)
+            if guard.settle():  # deleted under the write: one sentence, not torch.save's error
+                raise rundir.RunGone(guard.outcome.gone) from None
+            raise
+        guard.take_back(made)
+        return saved
 
     trainer._save_checkpoint = guarded

@@ -215,10 +215,7 @@ def train(run: Run) -> RunOutcome:
                 # a writer into the folder (TensorBoard's, on its own thread) met it deleted, or half deleted (rmtree
                 # still running: the folder keeps its identity), before the guard's next look: the folder's fate
                 # is the reason, not the writer's FileNotFoundError. A moment lets a deletion under way finish.
-                deadline = time.monotonic() + 2
-                while not guard.check() and time.monotonic() < deadline:
-                    time.sleep(0.1)
-                if outcome.gone:
+                if guard.settle():
                     raise rundir.RunGone(outcome.gone) from None
                 raise
             outcome.seconds, outcome.cpu_seconds = time.perf_counter() - t0, time.process_time() - cpu0
