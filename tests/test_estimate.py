@@ -207,7 +207,7 @@ def test_plan_round_trips_through_a_dict():
         ({"batch_size": 0}, "batch_size must be a whole number above zero"),
         ({"seq_len": -5}, "seq_len must be"),
         ({"gpu_gb": 0}, "gpu_gb must be a positive"),
-        ({"lora_r": 8192}, "larger than the layer"),
+        ({"lora_r": 8192}, "larger than every layer it adapts"),
         ({"method": "prefix"}, "method 'prefix' is not one of"),
         ({"lora_dropout": 1.5}, "lora_dropout"),
     ],

@@ -125,7 +125,7 @@ def test_folder_problems(tmp_path):
 def test_rank_larger_than_the_layer(tiny_llama):
     proc = estimate_main("--model", str(tiny_llama), "--lora-r", "4096")
     assert proc.returncode != 0
-    assert "larger than the layer" in proc.stderr and "Traceback" not in proc.stderr
+    assert "larger than every layer it adapts" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_a_folder_that_does_not_exist_is_said_so():

@@ -82,10 +82,20 @@ def _experts_in(layer):
     return None, None
 
 
+def _names_experts(cfg) -> bool:
+    """Does the config count experts (num_experts, num_local_experts, n_routed_experts, moe_num_experts, ...)? 3-D
+    parameters alone do not make experts: RWKV's time mixing, XLNet's attention and Mamba-style recurrent layers
+    hold them too."""
+    return any(
+        "expert" in key and isinstance(value, int) and not isinstance(value, bool) and value > 0
+        for key, value in cfg.to_dict().items()
+    )
+
+
 def _facts(model, layers, cfg) -> MoeFacts | None:
     found = [(i, *_experts_in(layer)) for i, layer in enumerate(layers)]
     sparse = [(i, path, mod) for i, path, mod in found if mod is not None]
-    if not sparse:
+    if not sparse or not _names_experts(cfg):
         return None
     _, path, experts = sparse[0]
     parent_path = path.rsplit(".", 1)[0] if "." in path else ""

@@ -78,6 +78,9 @@ class ModelSpec:
         True  # the model class runs sdpa attention (gpt-oss does not: transformers falls back to eager)
     )
     vlm_json: str = ""  # core.estimate.vlm's facts of a vision-language model ("" for a language model)
+    # decoder layers that mix the sequence by a recurrence, not softmax attention (Mamba, Gated DeltaNet, short
+    # convolutions, lightning attention: hybrids such as Qwen3.5, Qwen3-Next, Jamba, Zamba2, Nemotron-H, Falcon-H1)
+    recurrent_layers: int = 0
 
     @property
     def linear_params(self) -> int:
@@ -232,6 +235,18 @@ def _build_spec(model: str, cfg) -> ModelSpec:
         attention_sinks=any(n.rsplit(".", 1)[-1] == "sinks" for n, _ in layers[0].named_parameters()),
         sdpa=bool(getattr(meta, "_supports_sdpa", True)),
         vlm_json=vlm,
+        recurrent_layers=sum(1 for layer in layers if _recurrent(layer)),
+    )
+
+
+def _recurrent(layer) -> bool:
+    """Does this decoder layer mix tokens by a recurrence rather than softmax attention? Every such mixer in
+    transformers 5 runs a causal nn.Conv1d over the sequence (Mamba, Gated DeltaNet, short convolutions: not GPT-2's
+    Conv1D, a Linear), but MiniMax's lightning attention, known by name."""
+    import torch.nn as nn
+
+    return any(
+        isinstance(mod, nn.Conv1d) or "LightningAttention" in type(mod).__name__ for mod in layer.modules()
     )
 
 
