@@ -15,15 +15,23 @@ TEXT = dict(
     eos_token_id=2,
     pad_token_id=0,
 )
-FAMILIES = ("qwen2_5_vl", "qwen3_vl", "smolvlm", "llava")
+FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5", "smolvlm", "llava")
+# Qwen3.5's language model: three Gated DeltaNet layers to one of full attention (full_attention_interval 4)
+QWEN3_5_TEXT = dict(
+    num_hidden_layers=4,
+    linear_num_value_heads=4,
+    linear_num_key_heads=2,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+)
 
 
 def tiny_vlm_config(family: str, text: dict | None = None, vision: dict | None = None):
-    """A small config of `family` (qwen2_5_vl, smolvlm, llava); `text` / `vision` override the sub-configs."""
+    """A small config of `family` (FAMILIES); `text` / `vision` override the sub-configs."""
     from transformers import AutoConfig
 
-    t = {**TEXT, **(text or {})}
-    if family in ("qwen2_5_vl", "qwen3_vl"):
+    t = {**TEXT, **(QWEN3_5_TEXT if family == "qwen3_5" else {}), **(text or {})}
+    if family in ("qwen2_5_vl", "qwen3_vl", "qwen3_5"):
         head = t["hidden_size"] // t["num_attention_heads"]
         t.setdefault(
             "rope_parameters",
@@ -39,7 +47,9 @@ def tiny_vlm_config(family: str, text: dict | None = None, vision: dict | None =
             v.update(fullatt_block_indexes=[1], window_size=112)
         else:  # Qwen3-VL: deepstack features and learnt position embeddings; its text layers name head_dim
             t.setdefault("head_dim", head)
-            v.update(deepstack_visual_indexes=[0], num_position_embeddings=256)
+            v.update(num_position_embeddings=256)
+            if family == "qwen3_vl":  # Qwen3.5's tower is Qwen3-VL's without deepstack
+                v.update(deepstack_visual_indexes=[0])
         return AutoConfig.for_model(
             family,
             text_config=t,

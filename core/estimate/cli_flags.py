@@ -85,7 +85,7 @@ def _multi_gpu_flags(p: argparse.ArgumentParser, d: Plan) -> None:
 def vlm_flags(p: argparse.ArgumentParser, d: Plan) -> None:
     """A vision-language model's images (ignored for a language model)."""
     g = p.add_argument_group(
-        "a vision-language model's images (Qwen2/2.5/3-VL, Gemma 3, Idefics3, SmolVLM, LLaVA)"
+        "a vision-language model's images (Qwen2/2.5/3-VL, Qwen3.5, Gemma 3, Idefics3, SmolVLM, LLaVA)"
     )
     g.add_argument(
         "--image-size",

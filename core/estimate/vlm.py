@@ -3,7 +3,7 @@ family, read from the meta model core.estimate.specs builds (transformers' image
 
 The language model is planned as any decoder LLM; this module says what the images add. How many tokens an image
 becomes is each family's processor's rule (transformers 5.24), computed here without the processor:
-- Qwen2-VL, Qwen2.5-VL, Qwen3-VL (rule "qwen"): the image is resized to multiples of patch x merge pixels with its
+- Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5 and their MoE variants (rule "qwen"): the image is resized to multiples of patch x merge pixels with its
   area in [min_pixels, max_pixels] (image_processing_qwen2_vl.smart_resize); the vision tower sees one patch per
   patch x patch pixels (the temporal patch repeats a still image: one frame), and every merge x merge patches
   become one token of the language model.
@@ -31,6 +31,10 @@ RULES = {
     "qwen2_vl": "qwen",
     "qwen2_5_vl": "qwen",
     "qwen3_vl": "qwen",
+    "qwen3_vl_moe": "qwen",
+    # Qwen3.5: Qwen3-VL's vision tower without deepstack, Qwen3-VL's processor (a hybrid language model)
+    "qwen3_5": "qwen",
+    "qwen3_5_moe": "qwen",
     "idefics3": "tiles",
     "smolvlm": "tiles",
     "gemma3": "fixed",
@@ -42,6 +46,9 @@ QWEN_PIXELS = {
     "qwen2_vl": (3136, 12_845_056),
     "qwen2_5_vl": (3136, 12_845_056),
     "qwen3_vl": (65_536, 16_777_216),
+    "qwen3_vl_moe": (65_536, 16_777_216),
+    "qwen3_5": (65_536, 16_777_216),
+    "qwen3_5_moe": (65_536, 16_777_216),
 }
 DEFAULT_IMAGE = (1024, 1024)  # width x height of the planned images when the plan names none
 # Gemma 3's pan-and-scan settings (the published checkpoints' preprocessor_config.json)
@@ -104,8 +111,8 @@ def language_model(meta):
 
 def unsupported_sentence(model_type: str) -> str:
     return (
-        f"{model_type}: this planner models the vision-language families Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Gemma 3, "
-        "Idefics3, SmolVLM and LLaVA (how their processors turn an image into tokens); this family's image rule "
+        f"{model_type}: this planner models the vision-language families Qwen2-VL, Qwen2.5-VL, Qwen3-VL (and "
+        "its MoE), Qwen3.5 (and its MoE), Gemma 3, Idefics3, SmolVLM and LLaVA (how their processors turn an image into tokens); this family's image rule "
         "or architecture is not modelled yet."
     )
 

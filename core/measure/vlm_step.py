@@ -98,7 +98,8 @@ def vlm_batch(config, plan: Plan) -> dict:
             batch[key] = value.to(DTYPES[plan.load_dtype]) if key == "pixel_values" else value
     if facts.family == "gemma3":  # the image positions attend bidirectionally: Gemma 3 reads token_type_ids
         batch["token_type_ids"] = (ids == facts.image_token).long()
-    if facts.family == "qwen3_vl":  # its processor marks the image positions (1) for the 3-D rotary positions
+    if facts.family in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"):
+        # their processor marks the image positions (1) for the 3-D rotary positions; the model requires them
         batch["mm_token_type_ids"] = (ids == facts.image_token).long()
     return batch
 
