@@ -2,7 +2,7 @@
 in this process): hybrid decoders whose recurrent layers (Qwen3.5's Gated DeltaNet, Mamba) it counts as attention
 layers are planned with a warning saying so; a LoRA rank above a narrow layer's width (Qwen3.5's in_proj_a/b under
 all-linear) is planned, as peft trains it, not refused; 3-D parameters that are not experts (RecurrentGemma's
-recurrent block) do not make a model a mixture of experts."""
+recurrent block) do not make a model a mixture of experts; per-layer widths (Gemma 3n) are refused in one sentence."""
 
 import json
 
@@ -32,6 +32,17 @@ CONFIGS = {
         head_dim=16,
         lru_width=64,
         block_types=["recurrent", "recurrent", "attention"],
+    ),
+    # Gemma 3n gives its MLP widths per layer: refused in one sentence (it ended in a TypeError traceback)
+    "gemma3n_text": dict(
+        TINY,
+        num_hidden_layers=2,
+        intermediate_size=[128, 128],
+        head_dim=16,
+        layer_types=["sliding_attention", "full_attention"],
+        num_kv_shared_layers=0,
+        vocab_size_per_layer_input=128,
+        hidden_size_per_layer_input=16,
     ),
 }
 
@@ -83,3 +94,9 @@ def test_three_dimensional_parameters_that_are_not_experts_plan_as_a_dense_model
     out = plan(model_folder(tmp_path, "recurrent_gemma"), "--lora-r", "4")
     assert out.get("moe") is None and out["trainable_params"] > 0
     assert any(w.startswith("2 of this model's 3 layers mix tokens by a recurrence") for w in out["warnings"])
+
+
+def test_a_model_with_per_layer_widths_is_refused_in_one_sentence_naming_the_key(tmp_path):
+    proc = estimate_main("--model", str(model_folder(tmp_path, "gemma3n_text")))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "gives intermediate_size per layer" in proc.stderr and "share one shape" in proc.stderr

@@ -209,6 +209,12 @@ def _build_spec(model: str, cfg) -> ModelSpec:
     unsupported = json.loads(moe)["unsupported"] if moe else ""
     if unsupported:
         raise SpecError(unsupported)
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim"):
+        if isinstance(getattr(text, key, None), (list, tuple)):  # Gemma 3n's per-layer MLP widths
+            raise SpecError(
+                f"'{model}' gives {key} per layer ({error_line(str(getattr(text, key)), 60)}); this planner plans "
+                "decoder LLMs whose layers share one shape."
+            )
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     return ModelSpec(

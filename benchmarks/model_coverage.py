@@ -1,0 +1,113 @@
+"""Every model type transformers knows, planned from its default config alone (`python -m core.estimate --model
+DIR`, in this process): how many causal and vision-language types plan, how many are refused in one sentence, and
+which end in a traceback (none may). What "any model from its config" means, measured rather than claimed; the
+refusals grouped by their reason show what to model next.
+
+Default configs are the library's own (AutoConfig.for_model): some lack fields a published config.json has, so a
+refusal here may be the default's ("transformers cannot build ... from this config.json") rather than the planner's.
+
+    python benchmarks/model_coverage.py [--method lora] [--show-refusals]
+
+Last line `planner_tracebacks: N (goal 0)`; exit 1 on a miss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import io
+import os
+import re
+import sys
+import tempfile
+import traceback
+import warnings
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def model_types() -> dict[str, str]:
+    """model_type -> "causal" or "vision" (image-text-to-text), as transformers' auto classes map them."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
+
+    kinds = {t: "vision" for t in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES}
+    kinds.update({t: "causal" for t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES})
+    return dict(sorted(kinds.items()))
+
+
+def plan_one(folder: Path, method: str) -> tuple[str, str]:
+    """("planned" | "refused" | "traceback", the sentence or the exception)."""
+    from core.estimate.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = main(["--model", str(folder), "--method", method, "--gpu-gb", "24"])
+    except SystemExit as exc:
+        rc = exc.code
+    except Exception as exc:  # what the planner must never do
+        return "traceback", "".join(traceback.format_exception_only(exc)).strip()
+    said = (err.getvalue().strip() or out.getvalue().strip()).splitlines()
+    if rc == 0:
+        return "planned", ""
+    if "Traceback" in err.getvalue():
+        return "traceback", said[-1] if said else ""
+    return "refused", said[-1] if said else f"exit {rc}, nothing said"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--method", default="lora", choices=["lora", "qlora", "full"])
+    p.add_argument("--show-refusals", action="store_true", help="every refused type with its sentence")
+    args = p.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    from transformers import AutoConfig
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    kinds = model_types()
+    results: dict[str, tuple[str, str, str]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for model_type, kind in kinds.items():
+            folder = Path(tmp) / model_type
+            try:
+                AutoConfig.for_model(model_type).save_pretrained(folder)
+            except Exception as exc:  # the library cannot make its own default: not the planner's to plan
+                results[model_type] = (kind, "no default", str(exc).splitlines()[0][:100])
+                continue
+            results[model_type] = (kind, *plan_one(folder, args.method))
+    counts = collections.Counter((kind, outcome) for kind, outcome, _ in results.values())
+    for kind, label in (("causal", "causal LM"), ("vision", "image-text-to-text only")):
+        total = sum(n for (k, _), n in counts.items() if k == kind)
+        print(
+            f"{label:<23} {total:>4} types: {counts[kind, 'planned']:>4} planned, {counts[kind, 'refused']:>4} refused "
+            f"in one sentence, {counts[kind, 'no default']:>3} without a default config, "
+            f"{counts[kind, 'traceback']:>3} tracebacks"
+        )
+    reasons = collections.Counter()
+    for _kind, outcome, said in results.values():
+        if outcome == "refused":
+            reasons[re.sub(r"^error: |/\S+|\(.*", "", said)[:110]] += 1
+    print("\nthe commonest refusals:")
+    for reason, n in reasons.most_common(8):
+        print(f"{n:>4}  {reason}")
+    if args.show_refusals:
+        for model_type, (kind, outcome, said) in results.items():
+            if outcome == "refused":
+                print(f"{model_type} ({kind}): {said}")
+    tracebacks = {t: said for t, (_, outcome, said) in results.items() if outcome == "traceback"}
+    for model_type, said in tracebacks.items():
+        print(f"TRACEBACK {model_type}: {said}")
+    print(f"planner_tracebacks: {len(tracebacks)} (goal 0)")
+    return 1 if tracebacks else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
