@@ -453,7 +453,7 @@ def check_against_spec(spec: ModelSpec, plan: Plan, targets) -> list[str]:
             f"seq_len {plan.seq_len} is longer than the model's max_position_embeddings "
             f"({spec.max_position_embeddings}); quality degrades beyond it unless you extend RoPE."
         )
-    if spec.recurrent_layers:
+    if spec.recurrent_layers:  # the figure cited: benchmarks/hybrid_accuracy.py
         warnings.append(
             f"{spec.recurrent_layers} of this model's {spec.num_layers} layers mix tokens by a recurrence (Mamba, "
             "Gated DeltaNet, a short convolution) that this planner counts as attention layers: their activations "
