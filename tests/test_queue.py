@@ -261,14 +261,18 @@ def test_a_full_disk_stops_the_queue_with_a_sentence(tmp_path, tiny_llama):
     try:
         ws = mnt / "ws"
         ws.mkdir()
-        # long enough to be still saving checkpoints once the filler below has taken the disk
         full = run_config(ws, tiny_llama, max_steps=400, save_steps=3)
         full["lora"] = {"enabled": False}  # a full fine-tune: MiBs per checkpoint
         for name in ("full", "after"):
-            assert _cli(ws, "add", str(_yaml(ws / f"{name}.yaml", full)), "--name", name).returncode == 0
-        with open(mnt / "filler", "wb") as f:  # leave about 1 MiB
+            _yaml(ws / f"{name}.yaml", full)
+        # the disk filled before the queue starts, leaving about 1 MiB: the first checkpoint cannot fit. Filled while
+        # a run saves, the free space it measured could come back as the run rotated its checkpoints, and the run
+        # then trained to its end (seen under load: the queue went on to the next entry and never paused)
+        with open(mnt / "filler", "wb") as f:
             free = os.statvfs(mnt).f_bavail * os.statvfs(mnt).f_frsize
             f.write(b"\0" * max(0, free - (1 << 20)))
+        for name in ("full", "after"):
+            assert _cli(ws, "add", str(ws / f"{name}.yaml"), "--name", name).returncode == 0
         assert wait_until(lambda: Q.read_queue(ws).paused is not None, 400), _entries(ws)
         state = Q.read_queue(ws)
         assert (
