@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from moe_accuracy import data_file, smoke  # noqa: E402  (the same smoke-test harness and rows)
+from moe_accuracy import smoke, smoke_workspace  # noqa: E402  (the same smoke-test harness and rows)
 
 GOAL = 0.05
 SHAPE = dict(
@@ -73,10 +73,7 @@ def main() -> int:
     checkpointed = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        workspace = root / "ws"
-        workspace.mkdir()
-        os.environ["LORA_COCKPIT_WORKSPACE"] = str(workspace)
-        data = data_file(root)
+        workspace, data = smoke_workspace(root)
         print(
             f"{'model':<14} {'checkpointing':<14} {'planned bytes':>14} {'measured bytes':>14} {'ratio':>7}"
         )

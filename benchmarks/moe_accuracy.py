@@ -77,6 +77,14 @@ def run_config(model: Path, data: Path, checkpointing: bool) -> dict:
     )
 
 
+def smoke_workspace(root: Path) -> tuple[Path, Path]:
+    """(a workspace under root, made the one the smoke tests write into; the rows' data file)."""
+    workspace = root / "ws"
+    workspace.mkdir()
+    os.environ["LORA_COCKPIT_WORKSPACE"] = str(workspace)
+    return workspace, data_file(root)
+
+
 def smoke(workspace: Path, name: str, cfg: dict) -> dict:
     from core.runs.admin import start_smoke_test
     from core.runs.launcher import wait_for_smoke
@@ -96,10 +104,7 @@ def main(argv=None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        workspace = root / "ws"
-        workspace.mkdir()
-        os.environ["LORA_COCKPIT_WORKSPACE"] = str(workspace)
-        data = data_file(root)
+        workspace, data = smoke_workspace(root)
         print(
             f"{'family':<10} {'checkpointing':<14} {'planned bytes':>14} {'measured bytes':>14} {'ratio':>7}  phase"
         )
