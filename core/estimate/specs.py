@@ -106,7 +106,8 @@ def _build_meta_model(cfg):
         raise SpecError(
             f"The config (model_type '{cfg.model_type}') is not a causal language model that transformers can "
             f"build with {auto.__name__} ({str(exc).splitlines()[0][:160]}); this planner handles decoder LLMs "
-            "and the vision-language families it names (Qwen2/2.5/3-VL, Qwen3.5, Gemma 3, Idefics3, SmolVLM, LLaVA) only."
+            "and the vision-language families it names (Qwen2/2.5/3-VL, Qwen3.5, Gemma 3, Idefics3, SmolVLM, "
+            "LLaVA) only."
         ) from None
     except (
         Exception

@@ -3,8 +3,8 @@ family, read from the meta model core.estimate.specs builds (transformers' image
 
 The language model is planned as any decoder LLM; this module says what the images add. How many tokens an image
 becomes is each family's processor's rule (transformers 5.24), computed here without the processor:
-- Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5 and their MoE variants (rule "qwen"): the image is resized to multiples of patch x merge pixels with its
-  area in [min_pixels, max_pixels] (image_processing_qwen2_vl.smart_resize); the vision tower sees one patch per
+- Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5 and their MoE variants (rule "qwen"): the image is resized to
+  multiples of patch x merge pixels with its area in [min_pixels, max_pixels] (image_processing_qwen2_vl.smart_resize); the vision tower sees one patch per
   patch x patch pixels (the temporal patch repeats a still image: one frame), and every merge x merge patches
   become one token of the language model.
 - Idefics3, SmolVLM ("tiles"): the image is scaled to a longest edge of 4 tiles and split into tiles of the vision
@@ -40,15 +40,15 @@ RULES = {
     "gemma3": "fixed",
     "llava": "llava",
 }
+# the families whose processor is Qwen3-VL's: it marks the image positions (mm_token_type_ids) for the 3-D rotary
+# positions, which their models require
+QWEN3_PROCESSOR = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 # The processors' default pixel bounds (preprocessor_config.json of the published checkpoints; Qwen2/2.5-VL's are
 # transformers' Qwen2VLImageProcessor defaults: 56 x 56 and 28 x 28 x 16384).
 QWEN_PIXELS = {
     "qwen2_vl": (3136, 12_845_056),
     "qwen2_5_vl": (3136, 12_845_056),
-    "qwen3_vl": (65_536, 16_777_216),
-    "qwen3_vl_moe": (65_536, 16_777_216),
-    "qwen3_5": (65_536, 16_777_216),
-    "qwen3_5_moe": (65_536, 16_777_216),
+    **dict.fromkeys(QWEN3_PROCESSOR, (65_536, 16_777_216)),
 }
 DEFAULT_IMAGE = (1024, 1024)  # width x height of the planned images when the plan names none
 # Gemma 3's pan-and-scan settings (the published checkpoints' preprocessor_config.json)
@@ -112,8 +112,8 @@ def language_model(meta):
 def unsupported_sentence(model_type: str) -> str:
     return (
         f"{model_type}: this planner models the vision-language families Qwen2-VL, Qwen2.5-VL, Qwen3-VL (and "
-        "its MoE), Qwen3.5 (and its MoE), Gemma 3, Idefics3, SmolVLM and LLaVA (how their processors turn an image into tokens); this family's image rule "
-        "or architecture is not modelled yet."
+        "its MoE), Qwen3.5 (and its MoE), Gemma 3, Idefics3, SmolVLM and LLaVA (how their processors turn an image "
+        "into tokens); this family's image rule or architecture is not modelled yet."
     )
 
 

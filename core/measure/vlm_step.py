@@ -15,7 +15,7 @@ import torch
 
 from core.estimate.plan import Plan
 from core.estimate.specs import VISION_EXCLUDE
-from core.estimate.vlm import VISION_MODULES, image_processor_kwargs, vlm_facts_for_config
+from core.estimate.vlm import QWEN3_PROCESSOR, VISION_MODULES, image_processor_kwargs, vlm_facts_for_config
 from core.measure.build import TRL_FUSED_OUTPUTS, build_optimizer
 from core.measure.step import run_step
 from core.measure.step_plan import StepOptions, checked
@@ -98,8 +98,9 @@ def vlm_batch(config, plan: Plan) -> dict:
             batch[key] = value.to(DTYPES[plan.load_dtype]) if key == "pixel_values" else value
     if facts.family == "gemma3":  # the image positions attend bidirectionally: Gemma 3 reads token_type_ids
         batch["token_type_ids"] = (ids == facts.image_token).long()
-    if facts.family in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"):
-        # their processor marks the image positions (1) for the 3-D rotary positions; the model requires them
+    if (
+        facts.family in QWEN3_PROCESSOR
+    ):  # the image positions (1) for the 3-D rotary positions, as it marks them
         batch["mm_token_type_ids"] = (ids == facts.image_token).long()
     return batch
 
