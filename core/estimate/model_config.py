@@ -22,6 +22,33 @@ class SpecError(ValueError):
     """A model that cannot be planned for; the message says what is wrong and how to fix it."""
 
 
+# transformers writes the floats JSON cannot hold as {"__float__": "Infinity"} (PreTrainedConfig's
+# _encode_special_floats: Mamba-2's time_step_limit is [0.0, inf]) and decodes them on load; so must we
+_FLOAT_TAGS = {"Infinity": float("inf"), "-Infinity": float("-inf"), "NaN": float("nan")}
+
+
+def decode_config_floats(value):
+    """`value` (a config.json's parsed fields) with transformers' tagged floats decoded, as
+    PreTrainedConfig._decode_special_floats does: a dict whose one key is "__float__" with a known tag becomes
+    that float; anything else is kept. Iterative, so a deeply nested hostile file cannot exhaust the stack."""
+    root = [value]
+    stack = [(root, 0)]
+    while stack:
+        holder, key = stack.pop()
+        item = holder[key]
+        if isinstance(item, dict):
+            tag = item.get("__float__") if len(item) == 1 else None
+            if isinstance(tag, str) and tag in _FLOAT_TAGS:
+                holder[key] = _FLOAT_TAGS[tag]
+                continue
+            item = holder[key] = dict(item)  # a copy: the caller's object (a cached preset) stays as it was
+            stack.extend((item, k) for k in item)
+        elif isinstance(item, list):
+            item = holder[key] = list(item)
+            stack.extend((item, i) for i in range(len(item)))
+    return root[0]
+
+
 def preset_ids() -> list[str]:
     return list(_presets())
 
@@ -34,6 +61,7 @@ def _presets() -> dict[str, dict]:
 def _config_from_dict(fields: dict, where: str):
     from transformers import AutoConfig
 
+    fields = decode_config_floats(fields)
     try:  # before transformers builds anything from it: a lying config.json would allocate gigabytes
         check_model_config(fields, where)
     except ImplausibleConfig as exc:
@@ -87,7 +115,7 @@ def _config_source(model: str) -> tuple[dict, str] | None:
         raise SpecError(
             f"{cfg_file} {exc.why}: a model's config.json is a small JSON object; fix or replace that file."
         ) from None
-    return data, str(cfg_file)
+    return decode_config_floats(data), str(cfg_file)
 
 
 def _hub_source(model: str, ref) -> tuple[dict, str]:
@@ -100,7 +128,7 @@ def _hub_source(model: str, ref) -> tuple[dict, str]:
             f"Unknown model '{model}': it is not a bundled preset id or a local folder, and {exc} "
             + suggestion(model, preset_ids())
         ) from None
-    return data, f"The config.json of {found.label()}"
+    return decode_config_floats(data), f"The config.json of {found.label()}"
 
 
 def load_model_config(model: str):
