@@ -14,14 +14,10 @@ import pytest
 import torch
 
 from core.demo.toy import tiny_config
-from core.estimate.activation_terms import (
-    FUSED_TOKEN_CHUNK,
-    FUSED_VOCAB_CHUNK,
-    fused_head_bytes,
-    logits_bytes,
-)
+from core.estimate.activation_terms import logits_bytes
 from core.estimate.bill import estimate
 from core.estimate.cli import main
+from core.estimate.head_terms import FUSED_TOKEN_CHUNK, FUSED_VOCAB_CHUNK, fused_head_bytes
 from core.estimate.plan import Plan
 from core.estimate.specs import load_spec
 from core.measure.build import build_model

@@ -1,6 +1,6 @@
 """Models the planner used to misread, planned from their config.json alone (`python -m core.estimate --model DIR`,
-in this process): hybrid decoders whose recurrent layers (Qwen3.5's Gated DeltaNet, Mamba) it counts as attention
-layers are planned with a warning saying so; a LoRA rank above a narrow layer's width (Qwen3.5's in_proj_a/b under
+in this process): a hybrid decoder's Gated DeltaNet layers are planned as themselves (their measured figures:
+tests/test_layer_plan.py), recurrences it does not model yet (RecurrentGemma's RG-LRU) with a warning; a LoRA rank above a narrow layer's width (Qwen3.5's in_proj_a/b under
 all-linear) is planned, as peft trains it, not refused; 3-D parameters that are not experts (RecurrentGemma's
 recurrent block) do not make a model a mixture of experts; per-layer widths (Gemma 3n) are refused in one sentence."""
 
@@ -61,10 +61,29 @@ def plan(folder, *args) -> dict:
     return json.loads(proc.stdout)
 
 
-def test_a_hybrid_models_recurrent_layers_are_counted_and_the_plan_says_they_are_not_modelled(tmp_path):
-    out = plan(model_folder(tmp_path, "qwen3_5_text"), "--lora-r", "4")
-    said = [w for w in out["warnings"] if "mix tokens by a recurrence" in w]
-    assert len(said) == 1 and said[0].startswith("3 of this model's 4 layers"), out["warnings"]
+def test_a_hybrids_gated_deltanet_layers_are_planned_as_themselves_and_the_plan_names_their_path(tmp_path):
+    folder = model_folder(tmp_path, "qwen3_5_text")
+    out = plan(folder, "--lora-r", "4", "--no-gradient-checkpointing")
+    assert not [w for w in out["warnings"] if "counts as attention" in w], out["warnings"]
+    # on this machine (no CUDA, no flash-linear-attention) the torch path, said with its reason
+    assert "Recurrent layers planned: gated deltanet on the torch path" in " ".join(out["warnings"])
+    kernels = plan(folder, "--lora-r", "4", "--no-gradient-checkpointing", "--recurrent-kernels", "kernels")
+    # a CUDA target with flash-linear-attention keeps less than transformers' torch code (CPU tests: no fla here)
+    assert kernels["tensor_peak_bytes"] < out["tensor_peak_bytes"]
+    assert "on its CUDA kernels (recurrent_kernels kernels)" in " ".join(kernels["warnings"])
+    # a CPU run takes the torch path whatever the target machine's packages
+    cpu = plan(folder, "--lora-r", "4", "--no-gradient-checkpointing", "--device", "cpu")
+    cpu_kernels = plan(
+        folder,
+        "--lora-r",
+        "4",
+        "--no-gradient-checkpointing",
+        "--device",
+        "cpu",
+        "--recurrent-kernels",
+        "kernels",
+    )
+    assert cpu_kernels["tensor_peak_bytes"] == cpu["tensor_peak_bytes"]
 
 
 def test_an_attention_only_model_gets_no_recurrence_warning(tmp_path):

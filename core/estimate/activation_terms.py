@@ -7,10 +7,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from core.estimate import gdn_terms, mamba_terms
+from core.estimate.layer_kinds import kernel_path, kinds_of, text_config
 from core.estimate.plan import DTYPE_BYTES, OFFLOAD_STASH, Plan, packed_sequences
 from core.estimate.specs import ModelSpec
 from core.estimate.static_terms import adapter_bytes
-from core.recipe import methods
 
 # ----------------------------------------------------------------------------------------------------------
 # activations: what autograd saves for backward, per token, named tensor by named tensor
@@ -54,8 +55,69 @@ def _mask_bytes(plan: Plan) -> int:
     return 1 if plan.device == "cuda" else 4  # CUDA saves a bool mask; the CPU kernel a float one
 
 
-def layer_saved_tensors(spec: ModelSpec, plan: Plan, targets=()) -> dict[str, float]:
-    """Bytes per token that one decoder layer leaves saved for backward, by tensor (LLaMA-style layer).
+class LayerTerms:
+    """One decoder layer's saved tensors as they are assembled: bytes per token by name (`saved`), with the rules
+    every block shares -- an RMSNorm over the stream (`norm`) and what a Linear, frozen or trained, with or without
+    LoRA, keeps of its input (`linear_input`). The attention block, the MLP and the recurrent mixers
+    (core.estimate.gdn_terms, core.estimate.mamba_terms) write through these."""
+
+    def __init__(self, spec: ModelSpec, plan: Plan, targets=()):
+        self.spec, self.plan = spec, plan
+        self.d = step_dtypes(plan)
+        self.full = plan.method == "full"
+        adapted = {s.name.rsplit(".", 1)[-1] for s in targets if ".0." in s.name or "layers.0." in s.name}
+        self.adapted = adapted or {s.name.rsplit(".", 1)[-1] for s in targets}
+        self.compute = DTYPE_BYTES[plan.compute_dtype]
+        self.ad = adapter_bytes(plan)
+        self.lora_bytes = self.compute if self.d.autocast else self.ad
+        self.liger = liger_on(plan)
+        self.saved: dict[str, float] = {}
+
+    def norm(self, name: str, width: int | None = None) -> None:
+        """An RMSNorm over `width` (the hidden size) features: it upcasts to fp32 and saves that and rstd."""
+        d, width = self.d, width or self.spec.hidden_size
+        if (
+            self.liger
+        ):  # LigerRMSNormFunction saves its input as it comes and rstd; the weight grad needs no more
+            self.saved[f"{name}.input"] = width * d.hidden
+            self.saved[f"{name}.rstd"] = 4
+            return
+        self.saved[f"{name}.fp32_input"] = 4 * width
+        self.saved[f"{name}.rstd"] = 4
+        if self.full:
+            self.saved[f"{name}.normed"] = width * d.hidden
+
+    def linear_input(self, module: str, width: int, in_bytes: int, shared_key: str) -> None:
+        """What one Linear (base + LoRA) saves of its input: `width` features of `in_bytes` each, stored under
+        `shared_key` when that tensor is saved anyway (several Linears reading one tensor save it once)."""
+        d, saved = self.d, self.saved
+        if self.full:
+            if d.autocast and in_bytes != d.proj:
+                saved[f"{module}.autocast_input"] = width * d.proj
+            else:
+                saved[shared_key] = width * in_bytes
+        if module not in self.adapted:
+            return
+        # peft casts x to the adapter dtype (fp32, or bf16 after TRL's QLoRA cast); under autocast lora_A
+        # then saves a 16-bit copy of it unless the adapter is already in the compute dtype.
+        autocast_copy = d.autocast and self.ad != self.compute
+        copy_bytes = self.compute if autocast_copy else self.ad
+        if self.plan.lora_dropout > 0:
+            saved[f"{module}.lora_dropout_mask"] = width * _mask_bytes(self.plan)
+            saved[f"{module}.lora_dropout_out"] = width * copy_bytes
+        elif autocast_copy or in_bytes != self.ad:
+            saved[f"{module}.lora_input_copy"] = width * copy_bytes
+        else:
+            saved[shared_key] = width * in_bytes
+        saved[f"{module}.lora_A_out"] = self.plan.lora_r * self.lora_bytes
+
+
+def layer_saved_tensors(
+    spec: ModelSpec, plan: Plan, targets=(), mixers: tuple[str, ...] = ("attention",), ffn: bool = True
+) -> dict[str, float]:
+    """Bytes per token that one decoder layer leaves saved for backward, by tensor: its input norm and token
+    mixers (`mixers`: "attention" and the recurrent kinds of core.estimate.layer_kinds; none: no mixer), then, with `ffn`, the
+    post-mixer norm and a dense SwiGLU MLP (a MoE block's terms are core.estimate.moe_terms').
 
     Derived from LlamaDecoderLayer & co in transformers: RMSNorm upcasts to fp32 and saves that input and
     rstd; the norm weight multiply saves its input only when the weight trains; a frozen Linear (bf16 or
@@ -63,61 +125,60 @@ def layer_saved_tensors(spec: ModelSpec, plan: Plan, targets=()) -> dict[str, fl
     the fp32 softmax and its cast; SwiGLU saves gate, act(gate), up; LoRA saves its (fp32 or autocast)
     input copy per adapted module, its dropout output + mask when dropout > 0, and lora_A's output.
     """
-    d = step_dtypes(plan)
-    h, inter = spec.hidden_size, spec.intermediate_size
+    t = LayerTerms(spec, plan, targets)
+    if mixers:
+        t.norm("input_layernorm")
+        for mixer in mixers:  # Falcon-H1 runs attention and Mamba-2 side by side on the same norm output
+            _attention_block(t) if mixer == "attention" else mixer_saved(t, mixer)
+    if ffn:
+        _mlp_block(t)
+    return t.saved
+
+
+def mixer_saved(t: LayerTerms, kind: str) -> None:
+    """Add a recurrent mixer's saved tensors to `t` (a recurrence not modelled yet: as an attention block)."""
+    text = text_config(t.spec)
+    if kind == "gated_deltanet":
+        gdn_terms.gdn_mixer_saved(t, gdn_terms.gdn_facts(text), kernel_path(t.plan, kind))
+    elif kind == "mamba2":
+        mamba_terms.mamba_mixer_saved(t, mamba_terms.mamba_facts(text), kernel_path(t.plan, kind))
+    elif kind == "short_conv":
+        mamba_terms.short_conv_mixer_saved(t, mamba_terms.short_conv_facts(text), kernel_path(t.plan, kind))
+    else:
+        _attention_block(t)
+
+
+def mixer_temporaries(t: LayerTerms, kind: str) -> tuple[float, float]:
+    """Per token, (forward, backward): what a recurrent mixer holds beyond its saved tensors at its peaks."""
+    text, kernel = text_config(t.spec), kernel_path(t.plan, kind)
+    if kind == "gated_deltanet":
+        f = gdn_terms.gdn_facts(text)
+        return gdn_terms.gdn_forward_temporaries(t, f, kernel), gdn_terms.gdn_backward_temporaries(
+            t, f, kernel
+        )
+    if kind == "mamba2":
+        f = mamba_terms.mamba_facts(text)
+        return (
+            mamba_terms.mamba_forward_temporaries(t, f, kernel),
+            mamba_terms.mamba_backward_temporaries(t, f, kernel),
+        )
+    if kind == "short_conv":
+        f = mamba_terms.short_conv_facts(text)
+        return (
+            mamba_terms.short_conv_forward_temporaries(t, f, kernel),
+            mamba_terms.short_conv_backward_temporaries(t, f, kernel),
+        )
+    return 0.0, 0.0
+
+
+def _attention_block(t: LayerTerms) -> None:
+    spec, plan, d, saved = t.spec, t.plan, t.d, t.saved
+    h = spec.hidden_size
     q_width = spec.num_heads * spec.head_dim
     kv_width = spec.num_kv_heads * spec.head_dim
-    full = plan.method == "full"
-    adapted = {s.name.rsplit(".", 1)[-1] for s in targets if ".0." in s.name or "layers.0." in s.name}
-    if not adapted:
-        adapted = {s.name.rsplit(".", 1)[-1] for s in targets}
-    linear_names = {s.name.rsplit(".", 1)[-1] for s in spec.decoder_linears}
-    fused_qkv = "qkv_proj" in linear_names
-    fused_gate_up = "gate_up_proj" in linear_names
-    r = plan.lora_r
-    compute = DTYPE_BYTES[plan.compute_dtype]
-    ad = adapter_bytes(plan)
-    lora_bytes = compute if d.autocast else ad
-    saved: dict[str, float] = {}
-
-    liger = liger_on(plan)
-
-    def norm(name: str) -> None:
-        if liger:  # LigerRMSNormFunction saves its input as it comes and rstd; the weight grad needs no more
-            saved[f"{name}.input"] = h * d.hidden
-            saved[f"{name}.rstd"] = 4
-            return
-        saved[f"{name}.fp32_input"] = 4 * h
-        saved[f"{name}.rstd"] = 4
-        if full:
-            saved[f"{name}.normed"] = h * d.hidden
-
-    def linear_input(module: str, width: int, in_bytes: int, shared_key: str) -> None:
-        """What one Linear (base + LoRA) saves of its input."""
-        if full:
-            if d.autocast and in_bytes != d.proj:
-                saved[f"{module}.autocast_input"] = width * d.proj
-            else:
-                saved[shared_key] = width * in_bytes
-        if module not in adapted:
-            return
-        # peft casts x to the adapter dtype (fp32, or bf16 after TRL's QLoRA cast); under autocast lora_A
-        # then saves a 16-bit copy of it unless the adapter is already in the compute dtype.
-        autocast_copy = d.autocast and ad != compute
-        copy_bytes = compute if autocast_copy else ad
-        if plan.lora_dropout > 0:
-            saved[f"{module}.lora_dropout_mask"] = width * _mask_bytes(plan)
-            saved[f"{module}.lora_dropout_out"] = width * copy_bytes
-        elif autocast_copy or in_bytes != ad:
-            saved[f"{module}.lora_input_copy"] = width * copy_bytes
-        else:
-            saved[shared_key] = width * in_bytes
-        saved[f"{module}.lora_A_out"] = r * lora_bytes
-
-    # attention block
-    norm("input_layernorm")
+    fused_qkv = "qkv_proj" in {s.name.rsplit(".", 1)[-1] for s in spec.decoder_linears}
     for m in ("qkv_proj",) if fused_qkv else ("q_proj", "k_proj", "v_proj"):
-        linear_input(m, h, d.hidden, "attn_norm_out")
+        t.linear_input(m, h, d.hidden, "attn_norm_out")
     if spec.head_norms:  # Qwen3: RMSNorm per query / key head, upcast to fp32, one rstd per head
         saved["q_norm.fp32_input"], saved["q_norm.rstd"] = 4 * q_width, 4 * spec.num_heads
         saved["k_norm.fp32_input"], saved["k_norm.rstd"] = 4 * kv_width, 4 * spec.num_kv_heads
@@ -152,25 +213,28 @@ def layer_saved_tensors(spec: ModelSpec, plan: Plan, targets=()) -> dict[str, fl
         if p != 4 and not spec.attention_sinks:
             saved["attn_probs_cast"] = spec.num_heads * s * p
         o_key = "attn_out_contiguous"
-    linear_input("o_proj", q_width, p, o_key)
+    t.linear_input("o_proj", q_width, p, o_key)
+
+
+def _mlp_block(t: LayerTerms) -> None:
+    spec, d, saved = t.spec, t.d, t.saved
+    h, inter = spec.hidden_size, spec.intermediate_size
+    fused_gate_up = "gate_up_proj" in {s.name.rsplit(".", 1)[-1] for s in spec.decoder_linears}
     p = d.proj
     for _ in range(max(spec.norms_per_layer - 2, 0) // 2):  # Gemma-2 post-attention / post-MLP norms
-        norm(f"post_norm_{_}a")
-        norm(f"post_norm_{_}b")
-
-    # MLP block
-    norm("post_attention_layernorm")
+        t.norm(f"post_norm_{_}a")
+        t.norm(f"post_norm_{_}b")
+    t.norm("post_attention_layernorm")
     for m in ("gate_up_proj",) if fused_gate_up else ("gate_proj", "up_proj"):
-        linear_input(m, h, d.hidden, "mlp_norm_out")
+        t.linear_input(m, h, d.hidden, "mlp_norm_out")
     if fused_gate_up:
         saved["gate_up"] = 2 * inter * p
     else:
         saved["gate"] = inter * p
         saved["up"] = inter * p
-    if not liger:  # LigerSiLUMulFunction saves gate and up only and recomputes silu(gate) in backward
+    if not t.liger:  # LigerSiLUMulFunction saves gate and up only and recomputes silu(gate) in backward
         saved["act_gate"] = inter * p
-    linear_input("down_proj", inter, p, "gated_product")
-    return saved
+    t.linear_input("down_proj", inter, p, "gated_product")
 
 
 def layer_activation_bytes(spec: ModelSpec, plan: Plan, targets=()) -> float:
@@ -207,8 +271,10 @@ def first_layer_unsaved(saved: dict[str, float], targets) -> float:
     when no attention projection is adapted, nothing in the attention block requires grad either."""
     adapted = {s.name.rsplit(".", 1)[-1] for s in targets}
     attn_in = {"q_proj", "k_proj", "v_proj", "qkv_proj"}
-    skip = ("input_layernorm.",) + tuple(f"{m}.lora_dropout_mask" for m in attn_in)
-    if not adapted & attn_in:
+    # a recurrent mixer's input projections (in_proj, in_proj_qkv, ...) read the layer input's norm too
+    mixer_in = tuple(k for k in saved if k.startswith("in_proj") and k.endswith(".lora_dropout_mask"))
+    skip = ("input_layernorm.",) + tuple(f"{m}.lora_dropout_mask" for m in attn_in) + mixer_in
+    if "q_rotary" in saved and not adapted & attn_in:
         skip += ("q_rotary", "k_", "v", "attn_", "o_proj.lora_dropout_mask")
         if "o_proj" not in adapted:
             skip += ("post_attention_layernorm.", "gate_proj.lora_dropout_mask", "up_proj.lora_dropout_mask")
@@ -216,19 +282,50 @@ def first_layer_unsaved(saved: dict[str, float], targets) -> float:
     return sum(v for k, v in saved.items() if k.startswith(skip))
 
 
-def activation_bytes(spec: ModelSpec, plan: Plan, targets, tokens: int) -> tuple[int, int]:
-    """(saved activations alive at the end of forward, one layer recomputed in backward with checkpointing)."""
-    saved = layer_saved_tensors(spec, plan, targets)
-    per_layer = sum(saved.values())
-    outside = outside_layers_saved_bytes(spec, plan)
+def layers_saved(spec: ModelSpec, plan: Plan, targets, ffn: dict[str, float] | None = None):
+    """Per token, each decoder layer's (saved bytes, its saved tensors' dict, its recurrent mixers' backward
+    temporaries), in order: the layer's mixers (core.estimate.layer_kinds) plus its feed-forward block, `ffn`
+    giving a block's bytes by kind ("mlp", "moe"; a dense MLP by default)."""
+    dense = layer_saved_tensors(spec, plan, targets, mixers=())
+    ffn = {"mlp": sum(dense.values()), "none": 0, **(ffn or {})}
+    by_mixers: dict[tuple, tuple[dict, float]] = {}
+    out = []
+    for mixers, block in kinds_of(spec):
+        if mixers not in by_mixers:
+            part = layer_saved_tensors(spec, plan, targets, mixers=mixers, ffn=False)
+            t = LayerTerms(spec, plan, targets)
+            temps = [mixer_temporaries(t, m) for m in mixers]
+            by_mixers[mixers] = part, max((max(f, b) for f, b in temps), default=0.0)
+        part, temp = by_mixers[mixers]
+        saved = {**part, **(dense if block == "mlp" else {})}
+        out.append((sum(part.values()) + ffn[block], saved, temp))
+    return out
+
+
+def activation_bytes(
+    spec: ModelSpec, plan: Plan, targets, tokens: int, ffn: dict[str, float] | None = None, outside: float = 0
+) -> tuple[int, int, int]:
+    """(saved activations alive at the end of forward, one layer recomputed in backward with checkpointing, the
+    activations at the largest moment of a recurrent layer's backward without it: its backward temporaries next to
+    the layers still saved below it), summed over the model's layers as each is (`ffn`: layers_saved's;
+    `outside`: more per-token bytes saved outside the layers)."""
+    layers = layers_saved(spec, plan, targets, ffn)
+    outside += outside_layers_saved_bytes(spec, plan)
     if checkpointing_on(plan):
         layer_inputs = spec.num_layers * spec.hidden_size * step_dtypes(plan).hidden
         # Liger's input norm saves the layer input itself, which the checkpoint holds already
-        if liger_on(plan):
-            per_layer -= saved.get("input_layernorm.input", 0)
-        return int(tokens * (layer_inputs + outside)), int(tokens * per_layer)
-    first = 0 if _embedding_output_requires_grad(plan) else first_layer_unsaved(saved, targets)
-    return int(tokens * (spec.num_layers * per_layer - first + outside)), 0
+        liger_input = liger_on(plan)
+        recompute = max(
+            b - liger_input * saved.get("input_layernorm.input", 0) + temp for b, saved, temp in layers
+        )
+        return int(tokens * (layer_inputs + outside)), int(tokens * recompute), 0
+    first = 0 if _embedding_output_requires_grad(plan) else first_layer_unsaved(layers[0][1], targets)
+    below, recurrent = 0.0, 0.0
+    for b, _saved, temp in layers:  # backward reaches a recurrent layer with the layers under it still saved
+        below += b
+        if temp:
+            recurrent = max(recurrent, below - first + temp)
+    return int(tokens * (sum(b for b, _, _ in layers) - first + outside)), 0, int(tokens * recurrent)
 
 
 def last_layer_forward_temporaries(spec: ModelSpec, plan: Plan, targets=()) -> float:
@@ -306,97 +403,6 @@ def logits_bytes(spec: ModelSpec, plan: Plan, tokens: int) -> tuple[int, int]:
         forward += 2 * n * p
         backward += 2 * n * p
     return forward, backward
-
-
-# trl 1.16: trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE and trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE
-FUSED_TOKEN_CHUNK = 4096
-FUSED_VOCAB_CHUNK = 32768
-
-
-@dataclass(frozen=True)
-class FusedHead:
-    """TRL's fused LM head + SFTTrainer.compute_loss: bytes next to the saved activations at each moment."""
-
-    held: int  # saved by the fused loss for backward (its hidden input, per-token statistics)
-    forward: int  # held + the forward's tile temporaries, at its largest
-    backward: int  # held + the backward's tile temporaries and fp32 gradient accumulators, at its largest
-    end: int  # as the loss backward returns: the fp32 accumulators and their casts to the input dtypes
-    outputs: int  # its per-token outputs (log-probs, entropy, ...), alive until the loss is taken from them
-
-
-def fused_head_bytes(spec: ModelSpec, plan: Plan, rows: int) -> FusedHead:
-    """The loss through trl.trainer.utils.add_fused_lm_head (SFTTrainer adds it with outputs log_probs,
-    entropy, is_top1) and trl.kernels.chunked_logprob.ChunkedLogProbFunction, from their code (trl 1.16).
-
-    `_fused_forward` scores hidden_states[:, :-1]: N = rows x (seq_len - 1) positions. On CUDA with Triton
-    (`compact = _use_triton(device)`) only positions whose label is not -100 are gathered (`hidden[mask]`, a
-    copy, saved); planned as all positions valid. Elsewhere (the CPU) every position is scored through
-    `hidden.reshape(-1, H)`: a view of the final norm's output for one row (which the save then keeps alive),
-    a saved copy for more. The Function saves the hidden input, the clamped targets (int64), log_z and the
-    entropy (fp32 per token).
-
-    Both passes project min(N, 4096) tokens x 32768 vocabulary columns at a time into `mm_buf`, allocated
-    full width in the compute dtype (the autocast dtype, else the hidden dtype) even when the vocabulary is
-    smaller; `hidden_chunk = hidden[..].to(compute)` and the weight chunk `.to(compute)` are copies only when
-    the dtypes differ. Forward keeps seven fp32 per-token statistics. Backward allocates the fp32 grad_hidden
-    (N x H) and, when the head trains, the fp32 grad_weight (V x H), then returns both cast to their inputs'
-    dtypes.
-
-    Triton branch (modelled from the code, not measured here): the fold and the gradient are written in place
-    into the tile, and `_addmm_fp32` accumulates with `torch.addmm(out_dtype=float32)`: no tile temporaries.
-    CPU branch (measured): `_forward_tile` holds z, exp(z - max), e * z (entropy) and the top-1 bool mask: 13
-    B per tile element; `_backward_tile` holds y, z, log_p, p, grad, the bool and float target masks, and
-    `is_target.float() - p` with its product: 29 B per element; `_addmm_fp32` then makes fp32 copies of the
-    tile and of the weight chunk (or of the hidden chunk for grad_weight) when the compute dtype is 16-bit.
-    """
-    d = step_dtypes(plan)
-    h, vocab = spec.hidden_size, spec.vocab_size
-    n_all = rows * (plan.seq_len - 1)
-    triton = plan.device == "cuda"
-    traits = methods.get(plan.objective).traits
-    # GRPO labels only the completion: Triton gathers those positions, the CPU path scores every one
-    scored = rows * plan.completion_len if (triton and traits.generates) else n_all
-    n = min(scored, FUSED_TOKEN_CHUNK)
-    cols = min(vocab, FUSED_VOCAB_CHUNK)
-    tile = n * cols
-    hd = d.hidden
-    cd = DTYPE_BYTES[plan.compute_dtype] if d.autocast else hd
-    if plan.method == "full" or not (plan.method == "qlora" and plan.prepare_kbit):
-        wd = DTYPE_BYTES[plan.load_dtype]
-    else:
-        wd = 4  # prepare_model_for_kbit_training upcast the lm_head
-    head_trains = plan.method == "full"
-    final_norm_out = rows * plan.seq_len * h * hd  # last_hidden_state
-    mm_buf = n * FUSED_VOCAB_CHUNK * cd
-    hidden_chunk = n * h * cd if hd != cd else 0
-    weight_chunk = cols * h * cd if wd != cd else 0
-    # the saved hidden: a gathered (Triton) or reshaped (CPU, several rows) copy, or the norm output itself
-    hidden_own = scored * h * hd if (triton or rows > 1) else 0
-    per_token_saved = scored * (8 + 4 + 4) + n_all  # targets, log_z, entropy; the label mask
-    held = hidden_own + (0 if hidden_own else final_norm_out) + per_token_saved
-    stats = 7 * scored * 4
-    # log_probs, entropy, is_top1 (SFT, DPO), the label mask, all as wide as the labels (scattered back)
-    outputs = n_all * (4 + 4 + (1 if traits.head_is_top1 else 0) + 1)
-    # DPO/KTOTrainer also ask for mean_logits (their logits/* metrics)
-    outputs += n_all * 4 * traits.head_outputs
-    if triton:
-        fold_fwd = weight_chunk  # the transient weight-chunk copy inside torch.mm
-        fold_bwd = 0
-    else:
-        fold_fwd = max((13 if traits.head_is_top1 else 12) * tile, weight_chunk)
-        addmm = 0 if cd == 4 else 4 * tile + 4 * max(cols * h, n * h if head_trains else 0)
-        fold_bwd = max(29 * tile, addmm)
-    # forward: the norm output stays alive until the loss returns, next to the saved copy
-    forward = (
-        held + (final_norm_out if hidden_own else 0) + stats + outputs + mm_buf + hidden_chunk + fold_fwd
-    )
-    grad_weight = vocab * h * 4 if head_trains else 0
-    grad_in = n_all * 4  # the incoming gradient of log_probs (masked_fill's backward)
-    backward = held + grad_in + scored * h * 4 + grad_weight + mm_buf + hidden_chunk + weight_chunk + fold_bwd
-    # `.to(dtype)` of an fp32 accumulator is the same tensor when the input is fp32; the head's returned
-    # gradient becomes its .grad (counted under gradients), so only a separate fp32 accumulator adds here.
-    end = held + scored * h * (4 + (hd if hd != 4 else 0)) + (grad_weight if wd != 4 else 0)
-    return FusedHead(held, forward, backward, end, outputs)
 
 
 def attention_mask_bytes(spec: ModelSpec, plan: Plan, tokens: int) -> tuple[int, int]:

@@ -1,13 +1,11 @@
-"""The GPU memory planner: every term of docs/design/memory-model.md in bytes for one training step.
-
-    python -m core.estimate --model meta-llama/Llama-2-7b-hf --method lora --batch-size 4 --seq-len 2048 --json
-
+"""The GPU memory planner: every term of docs/design/memory-model.md in bytes for one training step
+(`python -m core.estimate --model meta-llama/Llama-2-7b-hf --method lora --batch-size 4 --seq-len 2048 --json`).
 Input is one `Plan` (serialisable with dataclasses.asdict / Plan.from_dict, so the Train page can take it over);
 output is an `Estimate`: the components at the peak, the three totals (tensor peak = max_memory_allocated,
 reserved peak = max_memory_reserved, device total = what nvidia-smi shows), the phase of the peak, a verdict,
-and hints. Exact terms (weights, quantization constants, LoRA parameters, optimizer states, KV cache) are
-counted from the real module tree (core.estimate.specs); activations follow what autograd saves in the real HF module
-code, one named tensor at a time (`layer_saved_tensors`), so each term can be checked against a measurement.
+and hints. Exact terms (weights, quantization constants, LoRA parameters, optimizer states, KV cache) are counted
+from the real module tree (core.estimate.specs); activations follow what autograd saves in the real HF module code,
+one named tensor at a time, layer by layer as each is (core.estimate.layer_kinds), checked against measurements.
 """
 
 from __future__ import annotations
@@ -16,13 +14,11 @@ from dataclasses import dataclass, replace
 
 from core.estimate.activation_terms import (
     LAYERNORM_MODELS,
-    FusedHead,
     activation_bytes,
     attention_mask_bytes,
     autocast_weight_copies,
     checkpointing_on,
     final_norm_backward_temporaries,
-    fused_head_bytes,
     head_saved_bytes,
     kv_cache_bytes_per_token,
     last_layer_forward_temporaries,
@@ -36,6 +32,7 @@ from core.estimate.activation_terms import (
 )
 from core.estimate.eval_terms import EVAL_COMPONENTS, Evaluation, eval_terms
 from core.estimate.generation_terms import ROLLOUT_COMPONENTS, Rollouts, rollout_terms, with_rollouts
+from core.estimate.head_terms import FusedHead, fused_head_bytes
 from core.estimate.moe import moe_of
 from core.estimate.moe_terms import moe_activation_bytes, moe_moments, with_moe
 from core.estimate.plan import (
@@ -46,12 +43,12 @@ from core.estimate.plan import (
     Estimate,
     Plan,
     batch_shape,
-    check_against_spec,
     generates,
     largest_batch_tokens,
     validate,
 )
 from core.estimate.shard_terms import ACCURACY_NOTE, DISTRIBUTED_COMPONENTS, LOAD_NOTE, Sharding, apply, shard
+from core.estimate.spec_checks import check_against_spec
 from core.estimate.specs import ModelSpec, load_spec, lora_targets, normalize_targets
 from core.estimate.static_terms import (
     linear_trainable,
@@ -95,6 +92,7 @@ class StepTerms:
     opt_temp: int
     saved: int  # activations saved for backward (after checkpointing, masks, offloading)
     recompute: int  # a checkpointed layer's activations recomputed in backward
+    recurrent_backward: int  # no checkpointing: a recurrent layer's backward, the layers saved below it
     pinned: int  # offloaded to pinned CPU memory
     logits_fwd: int
     logits_bwd: int
@@ -176,7 +174,9 @@ def step_terms(plan: Plan, spec: ModelSpec, targets) -> StepTerms:
         tensors, plan, spec.embedding_params if plan.method == "full" else 0
     )
     moe = moe_of(spec)  # a mixture of experts: its layers' terms are core.estimate.moe_terms'
-    saved, recompute = (moe_activation_bytes if moe else activation_bytes)(spec, plan, targets, tokens)
+    saved, recompute, recurrent_backward = (moe_activation_bytes if moe else activation_bytes)(
+        spec, plan, targets, tokens
+    )
     mask_held, mask_per_layer = attention_mask_bytes(spec, plan, tokens)
     if checkpointing_on(plan):
         recompute += mask_per_layer  # the recomputed layer converts the mask again
@@ -217,6 +217,7 @@ def step_terms(plan: Plan, spec: ModelSpec, targets) -> StepTerms:
         opt_temp=optimizer_step_temporaries(tensors, plan),
         saved=saved,
         recompute=recompute,
+        recurrent_backward=recurrent_backward,
         pinned=pinned,
         logits_fwd=logits_fwd,
         logits_bwd=logits_bwd,
@@ -346,6 +347,8 @@ def backward_moment(t: StepTerms) -> dict:
         "gradients": head_grad,
     }
     moments = (early, first_layer, last_layer, tail)
+    if t.recurrent_backward:  # inside a recurrent layer's backward (no checkpointing): its chunk temporaries
+        moments += ({**static, "activations": t.recurrent_backward, "gradients": head_grad},)
     if spec.model_type not in LAYERNORM_MODELS:
         # The final norm's backward, after the cross-entropy's and lm_head's: the saved activations (less what
         # lm_head and the norm's weight multiply saved, freed by their backward) next to its fp32 temporaries.

@@ -20,6 +20,8 @@ from core.estimate.cli_flags import (
     _multi_gpu_flags,
     _rollout_flags,
     _rollout_values,
+    recurrent_flags,
+    recurrent_values,
     vlm_flags,
     vlm_values,
 )
@@ -266,6 +268,7 @@ def _parser() -> argparse.ArgumentParser:
     _multi_gpu_flags(p, d)
     _rollout_flags(p)
     vlm_flags(p, d)
+    recurrent_flags(p)
     ev = p.add_argument_group("the evaluation (default: none; with --config: the config's)")
     ev.add_argument("--eval-batch-size", type=int, help="per_device_eval_batch_size of a run that evaluates")
     ev.add_argument(
@@ -311,8 +314,20 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("gpus", "strategy", "cpu_offload", *EVAL_FIELDS):
             if getattr(args, name) is None:
                 setattr(args, name, getattr(Plan, name))
-    skip = ("list_models", "json", "config", "data_lengths", *ROLLOUT_FIELDS, *VLM_FIELDS)
-    values = {k: v for k, v in vars(args).items() if k not in skip} | _rollout_values(args)
+    skip = (
+        "list_models",
+        "json",
+        "config",
+        "data_lengths",
+        "recurrent_kernels",
+        *ROLLOUT_FIELDS,
+        *VLM_FIELDS,
+    )
+    values = (
+        {k: v for k, v in vars(args).items() if k not in skip}
+        | _rollout_values(args)
+        | recurrent_values(args)
+    )
     if args.data_lengths and not args.config:
         print("error: --data-lengths reads a run config's data: give --config run.yaml too.", file=sys.stderr)
         return 2
@@ -418,7 +433,7 @@ def _plan_from_config(cfg: dict, args) -> Plan:
         for k in ("gpus", "strategy", "cpu_offload", *EVAL_FIELDS)
         if getattr(args, k) is not None
     }
-    given |= _rollout_values(args) | vlm_values(args)
+    given |= _rollout_values(args) | vlm_values(args) | recurrent_values(args)
     if args.batch_tokens:
         given["batch_tokens"] = args.batch_tokens
     return replace(plan, **given) if given else plan

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from core.estimate.plan import VLLM_MODES, Plan, PlanError
+from core.estimate.plan import RECURRENT_KERNELS, VLLM_MODES, Plan, PlanError
 from core.recipe import methods
 from core.recipe.config_keys import STRATEGIES
 
@@ -109,6 +109,21 @@ def vlm_flags(p: argparse.ArgumentParser, d: Plan) -> None:
         default=None,
         help="the vision tower and projector frozen (default; LoRA on the language model only) or trained",
     )
+
+
+def recurrent_flags(p: argparse.ArgumentParser) -> None:
+    """Which path a hybrid's recurrent layers run on the target machine (ignored for a model without them)."""
+    p.add_argument(
+        "--recurrent-kernels",
+        choices=RECURRENT_KERNELS,
+        help="Gated DeltaNet / Mamba-2 / short-conv layers: their CUDA kernels (flash-linear-attention, mamba-ssm, "
+        "causal-conv1d installed on the target machine), transformers' torch code, or auto (default: what is "
+        "installed here, kernels on CUDA only)",
+    )
+
+
+def recurrent_values(args) -> dict:
+    return {"recurrent_kernels": args.recurrent_kernels} if args.recurrent_kernels else {}
 
 
 def vlm_values(args) -> dict:

@@ -25,7 +25,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from core.estimate.activation_terms import FUSED_TOKEN_CHUNK, FUSED_VOCAB_CHUNK, step_dtypes
+from core.estimate.activation_terms import step_dtypes
+from core.estimate.head_terms import FUSED_TOKEN_CHUNK, FUSED_VOCAB_CHUNK
 from core.estimate.plan import DTYPE_BYTES, GiB, Plan, generation_batch
 from core.estimate.specs import ModelSpec
 from core.estimate.static_terms import adapter_bytes

@@ -23,10 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from core.estimate.activation_terms import (
+    activation_bytes,
     checkpointing_on,
-    first_layer_unsaved,
     layer_saved_tensors,
-    outside_layers_saved_bytes,
     step_dtypes,
 )
 from core.estimate.moe import MoeFacts, moe_of
@@ -210,21 +209,23 @@ def layer_kinds(spec: ModelSpec, facts: MoeFacts, plan: Plan, targets, tokens: i
 
 
 def moe_activation_bytes(spec: ModelSpec, plan: Plan, targets, tokens: int) -> tuple[int, int]:
-    """(saved activations alive at the end of forward, one layer recomputed in backward with checkpointing) of a
-    MoE model: its layers of each kind, the load-balancing loss's saved softmax of every MoE layer outside them."""
+    """(saved activations alive at the end of forward, one layer's backward moment) of a MoE model: its layers as
+    each is (core.estimate.layer_kinds: a MoE or a dense block after its mixers), the load-balancing loss's saved
+    softmax of every MoE layer outside them."""
     facts = moe_of(spec)
-    kinds = layer_kinds(spec, facts, plan, targets, tokens)
+    linear = linear_targets(targets)
     layer = moe_layer(spec, facts, plan, targets, tokens)
-    outside = int(outside_layers_saved_bytes(spec, plan) * tokens) + facts.moe_layers * layer.outside
-    if checkpointing_on(plan):
-        inputs = spec.num_layers * spec.hidden_size * step_dtypes(plan).hidden * tokens
-        return inputs + outside, max(kinds.values())
-    total = facts.moe_layers * kinds["moe"] + facts.dense_layers * kinds.get("dense", 0)
-    first = first_layer_unsaved(
-        layer_saved_tensors(spec, plan, linear_targets(targets)), linear_targets(targets)
-    )
-    needs_grad = plan.method == "full" or plan.method == "lora" and checkpointing_on(plan)
-    return total + outside - (0 if needs_grad else int(first * tokens)), 0
+    post_norm = {
+        k: v for k, v in layer_saved_tensors(spec, plan, linear, mixers=()).items() if not _is_mlp(k)
+    }
+    ffn = {"moe": sum(post_norm.values()) + sum(layer.saved.values()) / tokens}
+    if facts.dense_layers:
+        dense = layer_saved_tensors(
+            replace(spec, intermediate_size=facts.dense_width), plan, linear, mixers=()
+        )
+        ffn["mlp"] = sum(dense.values())
+    outside = facts.moe_layers * layer.outside / tokens
+    return activation_bytes(spec, plan, linear, tokens, ffn, outside)
 
 
 # ----------------------------------------------------------------------------------------------------------

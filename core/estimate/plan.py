@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, fields
 
-from core.estimate.specs import ModelSpec
 from core.precision import BYTES
 from core.recipe import methods
 from core.recipe.config_keys import STRATEGIES
@@ -149,6 +148,10 @@ class Plan:
     images_per_row: int = 1
     vision_frozen: bool = True
     pan_and_scan: bool = False  # Gemma 3's processor crops a wide or tall image too (do_pan_and_scan)
+    # A hybrid's recurrent layers (Gated DeltaNet, Mamba-2, short convolutions; core.estimate.layer_kinds): "auto"
+    # plans the path this machine would run (CUDA kernels when flash-linear-attention / mamba-ssm + causal-conv1d
+    # import, else transformers' torch code), "kernels" / "torch" the target machine's
+    recurrent_kernels: str = "auto"
 
     @classmethod
     def from_dict(cls, data: dict) -> Plan:
@@ -169,6 +172,7 @@ class Plan:
             **DENSE,
             **NO_EVAL,
             **TEXT_ONLY,
+            **AUTO_KERNELS,
         }
         for name, default in trimmed.items():
             if d[name] == default:
@@ -197,6 +201,9 @@ VLLM_MODES = ("off", "colocate", "server")
 DENSE = {"target_parameters": "", "quantize_experts": False}
 # ... and a plan's without an evaluation phase as it was before that phase
 NO_EVAL = {"eval_batch_size": 0, "eval_generations": 0, "eval_samples": 0}
+# ... and a plan that leaves the recurrent layers' path to the machine keeps the record it had before hybrids
+AUTO_KERNELS = {"recurrent_kernels": "auto"}
+RECURRENT_KERNELS = ("auto", "kernels", "torch")
 # ... and a plan's image settings at their defaults (a language model has none: its record stays as it was)
 TEXT_ONLY = {
     "image_width": 1024,
@@ -293,6 +300,7 @@ def validate(plan: Plan) -> list[str]:
         "device": (plan.device, ("cuda", "cpu")),
         "packing_strategy": (plan.packing_strategy, PACKING_STRATEGIES),
         "strategy": (plan.strategy, STRATEGIES),
+        "recurrent_kernels": (plan.recurrent_kernels, RECURRENT_KERNELS),
     }
     for name, (value, valid) in choices.items():
         if value not in valid:
@@ -444,44 +452,3 @@ def largest_batch_tokens(lengths, plan: Plan) -> int:
     if flat_batch(plan):
         return sum(rows[: plan.batch_size])
     return plan.batch_size * rows[0]
-
-
-def check_against_spec(spec: ModelSpec, plan: Plan, targets) -> list[str]:
-    warnings = []
-    if spec.max_position_embeddings and plan.seq_len > spec.max_position_embeddings:
-        warnings.append(
-            f"seq_len {plan.seq_len} is longer than the model's max_position_embeddings "
-            f"({spec.max_position_embeddings}); quality degrades beyond it unless you extend RoPE."
-        )
-    if spec.recurrent_layers:  # the figure cited: benchmarks/hybrid_accuracy.py
-        warnings.append(
-            f"{spec.recurrent_layers} of this model's {spec.num_layers} layers mix tokens by a recurrence (Mamba, "
-            "Gated DeltaNet, a short convolution) that this planner counts as attention layers: their activations "
-            "are larger, so the peak can be well above this estimate without gradient checkpointing (a tiny "
-            "Qwen3.5 measured 1.6 times it). Keep gradient checkpointing on and run the smoke test, which measures "
-            "the real peak."
-        )
-    # a router's weight (a wrapped 2-D parameter) and a one-output gate (Qwen2-MoE's shared_expert_gate) score
-    # few values: peft adapts them at any rank
-    layers = [s for s in targets if s.experts != 1 and s.out_features > 1]
-    if plan.method != "full" and layers:
-        # a typo (r 4096 for a 64-wide model): no layer can use it
-        widest = max(layers, key=lambda s: min(s.in_features, s.out_features))
-        if plan.lora_r > min(widest.in_features, widest.out_features):
-            raise PlanError(
-                f"LoRA rank {plan.lora_r} is larger than every layer it adapts (the widest, {widest.name}, is "
-                f"{widest.in_features} -> {widest.out_features}); use r <= "
-                f"{min(widest.in_features, widest.out_features)}."
-            )
-        # peft trains a rank above a narrow layer's width (Qwen3.5's and Qwen3-Next's in_proj_a/b, hidden -> a few
-        # heads, under all-linear): that adapter is simply full rank, its extra rows spend memory for nothing
-        narrow = [s for s in layers if plan.lora_r > min(s.in_features, s.out_features)]
-        if narrow:
-            smallest = min(narrow, key=lambda s: min(s.in_features, s.out_features))
-            warnings.append(
-                f"LoRA rank {plan.lora_r} is larger than {len(narrow)} of the {len(layers)} layers it adapts (the "
-                f"narrowest, {smallest.name}, is {smallest.in_features} -> {smallest.out_features}): their "
-                "adapters are full rank at any r above that width, so the extra rank there costs memory and adds "
-                "nothing; leave them out of lora.target_modules to spend it elsewhere."
-            )
-    return warnings

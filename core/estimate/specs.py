@@ -19,6 +19,7 @@ import warnings
 from dataclasses import asdict, dataclass, fields
 from functools import lru_cache
 
+from core.estimate.layer_kinds import layers_json
 from core.estimate.model_config import SpecError as SpecError
 from core.estimate.model_config import _config_from_dict, _config_source, load_model_config
 from core.estimate.model_config import preset_ids as preset_ids
@@ -28,6 +29,7 @@ from core.estimate.spec_cache import cache_dir as cache_dir  # the tests clear a
 from core.estimate.spec_cache import metadata as metadata
 from core.estimate.vlm import VISION_MODULES, is_vlm_config, language_model, vlm_json
 from core.fmt import error_line
+from core.recipe import peft_targets
 
 
 @dataclass(frozen=True)
@@ -78,9 +80,18 @@ class ModelSpec:
         True  # the model class runs sdpa attention (gpt-oss does not: transformers falls back to eager)
     )
     vlm_json: str = ""  # core.estimate.vlm's facts of a vision-language model ("" for a language model)
-    # decoder layers that mix the sequence by a recurrence, not softmax attention (Mamba, Gated DeltaNet, short
-    # convolutions, lightning attention: hybrids such as Qwen3.5, Qwen3-Next, Jamba, Zamba2, Nemotron-H, Falcon-H1)
-    recurrent_layers: int = 0
+    # every decoder layer's token mixers and feed-forward block (core.estimate.layer_kinds): hybrids such as
+    # Qwen3.5, Qwen3-Next, Granite 4.0-H, Nemotron-H, Falcon-H1, LFM2 interleave attention with recurrent layers
+    layers_json: str = ""
+    # what all-linear leaves out on this model, one sentence per kind (core.recipe.peft_targets), JSON list
+    all_linear_notes: str = ""
+
+    @property
+    def recurrent_layers(self) -> int:
+        """Layers that mix the sequence by a recurrence (Mamba, Gated DeltaNet, short convolutions...)."""
+        from core.estimate.layer_kinds import ATTENTION, kinds_of
+
+        return sum(1 for mixers, _ in kinds_of(self) if any(m != ATTENTION for m in mixers))
 
     @property
     def linear_params(self) -> int:
@@ -88,8 +99,10 @@ class ModelSpec:
 
     @property
     def kv_cache_bytes_per_token_per_byte(self) -> int:
-        """K and V for every layer, per token, per byte of element size."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+        """K and V for every attention layer, per token, per byte of element size."""
+        from core.estimate.layer_kinds import attention_layers
+
+        return 2 * attention_layers(self) * self.num_kv_heads * self.head_dim
 
 
 def _build_meta_model(cfg):
@@ -216,8 +229,9 @@ def _build_spec(model: str, cfg) -> ModelSpec:
                 f"'{model}' gives {key} per layer ({error_line(str(getattr(text, key)), 60)}); this planner plans "
                 "decoder LLMs whose layers share one shape."
             )
-    heads = text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    # a model without attention layers (Mamba-2) has no attention heads; its own heads are its mixer's
+    heads = getattr(text, "num_attention_heads", None) or 0
+    head_dim = (getattr(text, "head_dim", None) or text.hidden_size // heads) if heads else 0
     return ModelSpec(
         model_id=model,
         model_type=text.model_type,
@@ -225,7 +239,7 @@ def _build_spec(model: str, cfg) -> ModelSpec:
         intermediate_size=getattr(text, "intermediate_size", None) or 4 * text.hidden_size,
         num_layers=len(layers),
         num_heads=heads,
-        num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+        num_kv_heads=(getattr(text, "num_key_value_heads", None) or heads) if heads else 0,
         head_dim=head_dim,
         vocab_size=text.vocab_size,
         max_position_embeddings=getattr(text, "max_position_embeddings", None) or 0,
@@ -242,18 +256,8 @@ def _build_spec(model: str, cfg) -> ModelSpec:
         attention_sinks=any(n.rsplit(".", 1)[-1] == "sinks" for n, _ in layers[0].named_parameters()),
         sdpa=bool(getattr(meta, "_supports_sdpa", True)),
         vlm_json=vlm,
-        recurrent_layers=sum(1 for layer in layers if _recurrent(layer)),
-    )
-
-
-def _recurrent(layer) -> bool:
-    """Does this decoder layer mix tokens by a recurrence rather than softmax attention? Every such mixer in
-    transformers 5 runs a causal nn.Conv1d over the sequence (Mamba, Gated DeltaNet, short convolutions: not GPT-2's
-    Conv1D, a Linear), but MiniMax's lightning attention, known by name."""
-    import torch.nn as nn
-
-    return any(
-        isinstance(mod, nn.Conv1d) or "LightningAttention" in type(mod).__name__ for mod in layer.modules()
+        layers_json=layers_json(layers, json.loads(moe)["experts_path"] if moe else ""),
+        all_linear_notes=json.dumps(peft_targets.all_linear(meta)[1]),
     )
 
 
@@ -296,6 +300,9 @@ def lora_targets(
     spec = load_spec(model)
     targets = normalize_targets(target_modules)
     params = normalize_parameters(target_parameters)
+    refused = peft_targets.refused_targets(spec.model_type, targets)
+    if refused:
+        raise SpecError(refused)
     try:
         if spec.vlm_json and vision_frozen:  # peft's exclude_modules keeps LoRA off the vision tower
             return _targets_for(spec.config_json, targets, params, VISION_EXCLUDE)
@@ -358,7 +365,7 @@ def _build_targets(
         warnings.simplefilter("ignore")
         config = LoraConfig(
             r=1,
-            target_modules=list(targets) if targets != "all-linear" else targets,
+            target_modules=list(targets) if targets != "all-linear" else peft_targets.all_linear(meta)[0],
             target_parameters=list(params) or None,
             exclude_modules=exclude or None,
         )

@@ -14,7 +14,7 @@ from pathlib import Path
 from core import rundir
 from core.files import read_json_object
 from core.precision import CUDA_ONLY, Precision, torch_dtype
-from core.recipe import distributed, methods, trackers, vision
+from core.recipe import distributed, methods, peft_targets, trackers, vision
 from core.recipe.config_keys import OWN_TRAINING
 
 # Library defaults the engine fills in where the run config leaves them unset
@@ -95,15 +95,19 @@ def _peft_adds_experts(targets, model_config) -> bool:
     return any(t == "all-linear" or t.rsplit(".", 1)[-1] in experts for t in names)
 
 
-def lora_config(cfg: dict, vision_model: bool = False):
+def lora_config(cfg: dict, vision_model: bool = False, model=None):
     """peft.LoraConfig from the lora section, or None for a full fine-tune. vision_model: a VLM, whose vision tower
-    and projector LoRA leaves frozen unless model.freeze_vision is false (core.recipe.vision.lora_targets)."""
+    and projector LoRA leaves frozen unless model.freeze_vision is false (core.recipe.vision.lora_targets). With
+    the loaded `model`, all-linear becomes the Linear layers peft can train on it (core.recipe.peft_targets: the
+    planner's rule)."""
     lora = {k: v for k, v in cfg["lora"].items() if k != "enabled"}
     if not cfg["lora"]["enabled"]:
         return None
     from peft import LoraConfig
 
     lora = {**LORA_ENGINE, **lora}
+    if model is not None and lora.get("target_modules") == "all-linear":
+        lora["target_modules"] = peft_targets.all_linear(model)[0]
     freeze = cfg["model"].get("freeze_vision", True)
     return LoraConfig(**(vision.lora_targets(lora, freeze) if vision_model else lora))
 

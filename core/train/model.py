@@ -76,13 +76,14 @@ def make_trainer(
     core.measure."""
 
     args = training_args(cfg, run_dir, prec, smoke=smoke, has_eval=eval_ds is not None, report_to=report_to)
+    _fit_for_trl_fused_head(model)
     kwargs = dict(
         model=model,
         args=args,
         train_dataset=train_ds,
         eval_dataset=eval_ds,
         processing_class=tokenizer,
-        peft_config=lora_config(cfg, vision_model=vision.is_processor(tokenizer)),
+        peft_config=lora_config(cfg, vision_model=vision.is_processor(tokenizer), model=model),
         callbacks=list(callbacks),
     )
     if collator is not None:  # GRPOTrainer batches its own generations and takes no collator
@@ -98,6 +99,23 @@ def make_trainer(
     trainer = method.trainer_class()(**kwargs)
     _fp32_trainable(trainer.model, prec)
     return trainer
+
+
+def _fit_for_trl_fused_head(model) -> None:
+    """What TRL's fused LM head (trl 1.16 trainer/utils.py add_fused_lm_head) reads, named as it reads it:
+    - the load-balancing loss takes text_config.num_experts; Granite 4.0-H's config names it num_local_experts;
+    - the backbone is `model.base_model` (getattr(model, base_model_prefix)); Llama4ForCausalLM's prefix is
+      "language_model" but it holds its backbone as `model`, so TRL ran the whole model and failed on its output.
+    Without these the first step ends in an AttributeError."""
+    text = model.config.get_text_config()
+    # SFTTrainer turns output_router_logits on itself when the config has a router_aux_loss_coef
+    if getattr(text, "router_aux_loss_coef", 0) and getattr(text, "num_experts", None) is None:
+        experts = getattr(text, "num_local_experts", None)
+        if experts:
+            text.num_experts = experts
+    prefix = getattr(model, "base_model_prefix", "")
+    if prefix and not hasattr(model, prefix) and hasattr(model, "model"):
+        model.base_model_prefix = "model"  # this instance only: what base_model returns
 
 
 def _fp32_trainable(model, prec: Precision):

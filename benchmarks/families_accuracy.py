@@ -1,0 +1,161 @@
+"""The model families of 2026, each layer planned as itself, against real training steps: a tiny twin and a twin at the
+family's real widths with reduced depth (one recurrent layer and one attention layer where the family has both), with
+gradient checkpointing on and off. Planned: the planner's tensor peak (`python -m core.estimate`'s); measured: one
+real step through the engine's own model and trainer construction under the live-tensor tracker
+(core.measure.step.measure_config: SFTTrainer, peft LoRA r 8 on all-linear, bf16 autocast, the steady peak).
+
+Real widths are transformers' default config of each family (hidden 4096, the published head counts and head dims of
+its mixers, chunk sizes) with the vocabulary cut to 32,000 and, for a mixture of experts, 4 experts of width 1,024
+(what the recurrent layers hold is what these twins test; the experts' terms have their own benchmark,
+moe_accuracy.py). The row length is chosen so activations outweigh the weights.
+
+    python benchmarks/families_accuracy.py [--quick] [--only qwen3_5_text,...]
+
+`--quick`: the tiny twins only (what the suite runs, to show the script still runs). Last line
+`families_worst_error: X% (goal <= 5%)`; exit 1 on a miss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+GOAL = 0.05
+TINY = dict(
+    vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2
+)
+# family -> (tiny twin's fields, the real-width twin's fields over transformers' default config)
+FAMILIES = {
+    "llama": (dict(TINY, num_hidden_layers=2), dict(num_hidden_layers=2)),
+    # Gated DeltaNet + attention (Qwen3.5's 3:1 pattern, cut to 1:1)
+    "qwen3_5_text": (
+        dict(
+            TINY,
+            num_hidden_layers=4,
+            head_dim=16,
+            linear_num_value_heads=4,
+            linear_num_key_heads=2,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+        ),
+        dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], intermediate_size=4096),
+    ),
+    # Mamba-2 + attention, with a MoE and a shared MLP in every layer
+    "granitemoehybrid": (
+        dict(
+            TINY,
+            num_hidden_layers=2,
+            mamba_n_heads=8,
+            mamba_d_head=16,
+            mamba_d_state=16,
+            layer_types=["mamba", "attention"],
+        ),
+        dict(
+            num_hidden_layers=2,
+            layer_types=["mamba", "attention"],
+            num_local_experts=4,
+            intermediate_size=1024,
+        ),
+    ),
+    # blocks of one kind each: Mamba-2, attention, MLP
+    "nemotron_h": (
+        dict(
+            TINY,
+            num_hidden_layers=4,
+            mamba_num_heads=8,
+            mamba_head_dim=16,
+            ssm_state_size=16,
+            n_groups=1,
+            hybrid_override_pattern="M*M-",
+        ),
+        dict(num_hidden_layers=3, hybrid_override_pattern="M*-", intermediate_size=4096),
+    ),
+    "bamba": (
+        dict(
+            TINY,
+            num_hidden_layers=2,
+            mamba_n_heads=8,
+            mamba_d_head=16,
+            mamba_d_state=16,
+            attn_layer_indices=[1],
+        ),
+        dict(num_hidden_layers=2, attn_layer_indices=[1], intermediate_size=4096),
+    ),
+    # short convolutions + attention
+    "lfm2": (
+        dict(TINY, num_hidden_layers=2, layer_types=["conv", "full_attention"]),
+        dict(num_hidden_layers=2, layer_types=["conv", "full_attention"], intermediate_size=4096),
+    ),
+}
+REAL = dict(vocab_size=32000)
+
+
+def measure(model_type: str, fields: dict, seq_len: int, checkpointing: bool) -> tuple[int, int]:
+    """(planned tensor peak, measured steady peak) of one step."""
+    from transformers import AutoConfig
+
+    from core.estimate.plan import Plan
+    from core.measure.step import measure_config
+
+    config = AutoConfig.for_model(model_type, **fields)
+    plan = Plan(
+        model="twin",
+        device="cpu",
+        seq_len=seq_len,
+        batch_size=1,
+        lora_r=8,
+        lora_alpha=16,
+        lora_dropout=0.0,
+        gradient_checkpointing=checkpointing,
+    )
+    result = measure_config(config, plan)
+    return result["estimated"]["tensor_peak_bytes"], result["measured"]["steady_peak_bytes"]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--quick", action="store_true", help="the tiny twins only (the suite's check that it runs)"
+    )
+    p.add_argument("--only", help="comma-separated model types")
+    args = p.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    import torch
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    torch.manual_seed(0)
+    families = args.only.split(",") if args.only else list(FAMILIES)
+    sizes = ("tiny",) if args.quick else ("tiny", "real")
+    errors = []
+    print(
+        f"{'family':<18} {'twin':<5} {'tokens':>6} {'ckpt':<4} {'planned':>14} {'measured':>14} {'error':>7}"
+    )
+    for family in families:
+        tiny, real = FAMILIES[family]
+        for size in sizes:
+            fields, seq_len = (tiny, 300) if size == "tiny" else ({**REAL, **real}, 1024)
+            for checkpointing in (True, False):
+                planned, measured = measure(family, fields, seq_len, checkpointing)
+                error = planned / measured - 1
+                errors.append(abs(error))
+                print(
+                    f"{family:<18} {size:<5} {seq_len:>6} {'on' if checkpointing else 'off':<4} {planned:>14,} "
+                    f"{measured:>14,} {error:>+7.1%}",
+                    flush=True,
+                )
+    worst = max(errors)
+    print(f"families_worst_error: {worst:.1%} (goal <= {GOAL:.0%})")
+    return 0 if worst <= GOAL else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

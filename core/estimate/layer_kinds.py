@@ -1,0 +1,126 @@
+"""A model as a list of layers, each planned as itself: which token mixers a decoder layer runs (softmax attention,
+Gated DeltaNet, Mamba-2, a short convolution; Falcon-H1 runs attention and Mamba-2 side by side) and which
+feed-forward block follows (a dense MLP, a mixture of experts, or none: Nemotron-H's blocks are one of each), read
+from the real module tree of the meta model; and the saved tensors of a layer of each kind.
+
+Hybrids interleave kinds (Qwen3.5: three Gated DeltaNet layers to one of attention), so the bill sums the layers
+rather than multiplying one layer by their number. A recurrent mixer's memory depends on the path that runs it:
+transformers' torch implementation, or the kernels of flash-linear-attention (Gated DeltaNet) and mamba-ssm +
+causal-conv1d (Mamba-2) when they are installed on a CUDA machine (`kernel_path`). The saved tensors of each kind
+are core.estimate.activation_terms' (attention, the MLP, the dispatch), gdn_terms' and mamba_terms'; this module
+only reads the layers (it imports nothing of the planner's: the specs that record the kinds import it)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from functools import lru_cache
+
+ATTENTION = "attention"
+# mixers whose saved tensors are modelled from their code (the rest are planned as attention, with a warning)
+RECURRENT_MODELLED = ("gated_deltanet", "mamba2", "short_conv")
+# class-name endings of the mixer modules transformers 5 builds (a direct child of the decoder layer)
+_MIXER_CLASSES = (
+    ("GatedDeltaNet", "gated_deltanet"),  # Qwen3.5, Qwen3-Next, OLMo-hybrid
+    ("Mamba2Mixer", "mamba2"),  # Mamba-2, Nemotron-H
+    ("BambaMixer", "mamba2"),
+    ("MambaLayer", "mamba2"),  # Granite 4.0-H (GraniteMoeHybridMambaLayer)
+    ("FalconH1Mixer", "mamba2"),
+    ("MambaMixer", "mamba"),  # Mamba-1: Jamba, Mamba, FalconMamba (Zamba2's is Mamba-2, named below)
+    ("ShortConv", "short_conv"),  # LFM2
+    ("DeltaAttention", "linear_attention"),  # Kimi Linear's KDA
+    ("LightningAttention", "linear_attention"),  # MiniMax
+    ("RecurrentBlock", "linear_attention"),  # RecurrentGemma's RG-LRU
+)
+_MAMBA2_NAMES = ("Zamba2MambaMixer",)
+
+
+def layer_kind(layer, experts_path: str = "") -> tuple[tuple[str, ...], str]:
+    """(the mixers, the feed-forward block) of one decoder layer, from its direct children's classes; a MoE
+    model's layer holding its experts (`experts_path`, core.estimate.moe's) has a "moe" block."""
+    mixers, ffn = [], "none"
+    moe = bool(experts_path) and any(name == experts_path for name, _ in layer.named_modules())
+    for child in layer.children():
+        name = type(child).__name__
+        kind = "mamba2" if name in _MAMBA2_NAMES else None
+        kind = kind or next((k for end, k in _MIXER_CLASSES if name.endswith(end)), None)
+        if kind is None and "Attention" in name:
+            kind = ATTENTION
+        if kind:
+            mixers.append(kind)
+        elif ffn == "none" and any(w in name.lower() for w in ("mlp", "moe", "sparse", "feedforward")):
+            ffn = "moe" if moe else "mlp"
+    if not mixers and ffn == "none":  # a layer this reading does not know: planned as the usual one
+        return (ATTENTION,), "mlp"
+    return tuple(sorted(mixers)), ffn
+
+
+def layers_json(layers, experts_path: str = "") -> str:
+    """The spec's record of every layer's kind: [[mixers...], ffn] per layer, in order."""
+    return json.dumps([[list(m), f] for m, f in (layer_kind(layer, experts_path) for layer in layers)])
+
+
+@lru_cache(maxsize=64)
+def _parse(text: str) -> tuple[tuple[tuple[str, ...], str], ...]:
+    return tuple((tuple(m), f) for m, f in json.loads(text))
+
+
+def kinds_of(spec) -> tuple[tuple[tuple[str, ...], str], ...]:
+    """Every layer's (mixers, ffn); a spec recorded before layers were read: every layer attention + MLP."""
+    if spec.layers_json:
+        return _parse(spec.layers_json)
+    return (((ATTENTION,), "mlp"),) * spec.num_layers
+
+
+def attention_layers(spec) -> int:
+    return sum(1 for mixers, _ in kinds_of(spec) if ATTENTION in mixers)
+
+
+def unmodelled_recurrent_layers(spec) -> int:
+    """Layers whose token mixer is a recurrence this planner does not model (planned as attention)."""
+    return sum(
+        1 for mixers, _ in kinds_of(spec) if any(m not in (ATTENTION, *RECURRENT_MODELLED) for m in mixers)
+    )
+
+
+def text_config(spec) -> dict:
+    config = json.loads(spec.config_json)
+    return config.get("text_config") or config
+
+
+# what each recurrent kind's kernel path needs installed (transformers takes it when they import, on CUDA)
+KERNEL_PACKAGES = {
+    "gated_deltanet": ("fla",),
+    "mamba2": ("mamba_ssm", "causal_conv1d"),
+    "short_conv": ("causal_conv1d",),
+}
+
+
+def kernel_path(plan, kind: str) -> bool:
+    """Does `kind` run its CUDA kernels (True) or transformers' torch implementation (False) under `plan`?
+    plan.recurrent_kernels 'kernels' / 'torch' is the target machine's choice; 'auto' asks this machine: the
+    kernels run only on a CUDA device with their packages importable."""
+    if plan.device != "cuda" or plan.recurrent_kernels == "torch":
+        return False
+    if plan.recurrent_kernels == "kernels":
+        return True
+    return all(importlib.util.find_spec(p) is not None for p in KERNEL_PACKAGES.get(kind, ()))
+
+
+def kernel_note(spec, plan) -> str:
+    """One sentence: which path the plan assumed for the model's recurrent layers, and why ("" for none)."""
+    kinds = sorted({m for mixers, _ in kinds_of(spec) for m in mixers if m in RECURRENT_MODELLED})
+    if not kinds:
+        return ""
+    parts = []
+    for kind in kinds:
+        on = kernel_path(plan, kind)
+        packages = " + ".join(KERNEL_PACKAGES[kind])
+        if plan.recurrent_kernels == "auto" and plan.device == "cuda":
+            why = f"{packages} {'importable' if on else 'not installed'} here"
+        elif plan.device != "cuda":
+            why = "the kernels run on CUDA only"
+        else:
+            why = f"recurrent_kernels {plan.recurrent_kernels}"
+        parts.append(f"{kind.replace('_', ' ')} on {'its CUDA kernels' if on else 'the torch path'} ({why})")
+    return "Recurrent layers planned: " + "; ".join(parts) + "."
