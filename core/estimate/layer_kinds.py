@@ -22,17 +22,16 @@ RECURRENT_MODELLED = ("gated_deltanet", "mamba2", "short_conv")
 # class-name endings of the mixer modules transformers 5 builds (a direct child of the decoder layer)
 _MIXER_CLASSES = (
     ("GatedDeltaNet", "gated_deltanet"),  # Qwen3.5, Qwen3-Next, OLMo-hybrid
-    ("Mamba2Mixer", "mamba2"),  # Mamba-2, Nemotron-H
+    ("Mamba2Mixer", "mamba2"),  # Mamba-2, Nemotron-H (Zamba2's nests its layers: not read yet, see below)
     ("BambaMixer", "mamba2"),
     ("MambaLayer", "mamba2"),  # Granite 4.0-H (GraniteMoeHybridMambaLayer)
     ("FalconH1Mixer", "mamba2"),
-    ("MambaMixer", "mamba"),  # Mamba-1: Jamba, Mamba, FalconMamba (Zamba2's is Mamba-2, named below)
+    ("MambaMixer", "mamba"),  # Mamba-1: Jamba, Mamba, FalconMamba; Zamba2's (Mamba-2 in shared-block layers)
     ("ShortConv", "short_conv"),  # LFM2
     ("DeltaAttention", "linear_attention"),  # Kimi Linear's KDA
     ("LightningAttention", "linear_attention"),  # MiniMax
     ("RecurrentBlock", "linear_attention"),  # RecurrentGemma's RG-LRU
 )
-_MAMBA2_NAMES = ("Zamba2MambaMixer",)
 
 
 def layer_kind(layer, experts_path: str = "") -> tuple[tuple[str, ...], str]:
@@ -42,8 +41,7 @@ def layer_kind(layer, experts_path: str = "") -> tuple[tuple[str, ...], str]:
     moe = bool(experts_path) and any(name == experts_path for name, _ in layer.named_modules())
     for child in layer.children():
         name = type(child).__name__
-        kind = "mamba2" if name in _MAMBA2_NAMES else None
-        kind = kind or next((k for end, k in _MIXER_CLASSES if name.endswith(end)), None)
+        kind = next((k for end, k in _MIXER_CLASSES if name.endswith(end)), None)
         if kind is None and "Attention" in name:
             kind = ATTENTION
         if kind:
