@@ -385,3 +385,30 @@ def quiet_datasets():
         datasets_logging.set_verbosity(level)
         if bars:
             datasets.enable_progress_bars()
+
+
+# transformers writes the floats JSON cannot hold as {"__float__": "Infinity"} (PreTrainedConfig's
+# _encode_special_floats: Mamba-2's time_step_limit is [0.0, inf]) and decodes them on load; so must we
+_FLOAT_TAGS = {"Infinity": float("inf"), "-Infinity": float("-inf"), "NaN": float("nan")}
+
+
+def decode_config_floats(value):
+    """`value` (a config.json's parsed fields) with transformers' tagged floats decoded, as
+    PreTrainedConfig._decode_special_floats does: a dict whose one key is "__float__" with a known tag becomes
+    that float; anything else is kept. Iterative, so a deeply nested hostile file cannot exhaust the stack."""
+    root = [value]
+    stack = [(root, 0)]
+    while stack:
+        holder, key = stack.pop()
+        item = holder[key]
+        if isinstance(item, dict):
+            tag = item.get("__float__") if len(item) == 1 else None
+            if isinstance(tag, str) and tag in _FLOAT_TAGS:
+                holder[key] = _FLOAT_TAGS[tag]
+                continue
+            item = holder[key] = dict(item)  # a copy: the caller's object (a cached preset) stays as it was
+            stack.extend((item, k) for k in item)
+        elif isinstance(item, list):
+            item = holder[key] = list(item)
+            stack.extend((item, i) for i in range(len(item)))
+    return root[0]

@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from core.estimate.model_config import decode_config_floats, load_model_config
+from core.estimate.model_config import load_model_config
+from core.files import decode_config_floats
 from tests.test_estimate_cli import estimate_main
 
 TINY = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from core.files import decode_config_floats
 from core.merge.adapter import Adapter, LoraModule
 from core.merge.errors import MergeError, load_json
 from core.merge.experts import attach_parameters, module_kind, split_parameter_modules
@@ -88,7 +89,7 @@ def _meta_model(config: dict):
     # transformers takes seconds to import: only when a plan is built (not for the MergePlan type alone)
     from transformers import AutoConfig
 
-    cfg = dict(config)
+    cfg = decode_config_floats(dict(config))  # transformers' tagged inf / nan (Mamba-2's time_step_limit)
     cfg.pop("quantization_config", None)
     model_type = cfg.pop("model_type", None)
     if not model_type:

@@ -1,0 +1,59 @@
+"""The hybrids of 2026 trained, merged and evaluated as a user does it (#46 item 6): a tiny twin of Qwen3.5 (Gated
+DeltaNet), Granite 4.0-H (Mamba-2 + MoE: TRL's fused head needed the engine's expert-count name) and Nemotron-H
+(Mamba-2 blocks, whose out_proj all-linear leaves out) through `python -m core.train` with LoRA on all-linear, the
+verified merge, and `python -m core.eval` on held-out rows."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.cli import REPO, train
+from tests.test_layer_plan import FAMILIES
+
+
+def _rows(n: int, start: int = 0) -> str:
+    return "".join(
+        json.dumps({"instruction": f"Add one to {i}", "output": f"{i + 1}"}) + "\n"
+        for i in range(start, start + n)
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen3_5_text", "granitemoehybrid", "nemotron_h"])
+def test_a_hybrid_twin_trains_merges_and_evaluates(tmp_path, arch):
+    from core import merge
+    from core.demo.toy import build_tiny_model
+    from core.recipe.config import validate_config
+
+    base = build_tiny_model(tmp_path / "base", arch, **FAMILIES[arch][0])
+    (tmp_path / "train.jsonl").write_text(_rows(16))
+    (tmp_path / "heldout.jsonl").write_text(_rows(4, start=100))
+    run_dir = tmp_path / "run"
+    cfg = validate_config(
+        {
+            "model": {"path": str(base), "dtype": "bfloat16"},
+            "lora": {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": "all-linear"},
+            "data": {"path": str(tmp_path / "train.jsonl"), "max_length": 64},
+            "training": {"per_device_train_batch_size": 2, "max_steps": 2, "logging_steps": 1},
+        }
+    )
+    done = train(cfg, run_dir)
+    assert done.returncode == 0, done.stderr[-3000:]
+    adapter = json.loads((run_dir / "adapter" / "adapter_config.json").read_text())
+    targets = adapter["target_modules"]
+    if arch == "nemotron_h":  # peft refuses LoRA on the Mamba mixer's out_proj: all-linear left it out
+        assert not any(t.endswith("mixer.out_proj") for t in targets) and any("in_proj" in t for t in targets)
+    result = merge.merge_at(str(base), str(run_dir / "adapter"), str(tmp_path / "merged"), dtype="fp32")
+    assert result.verification.passed, result.verification.lines()  # the merged logits equal base + adapter
+    out = subprocess.run(
+        [sys.executable, "-m", "core.eval", "--run", str(run_dir), "--data", str(tmp_path / "heldout.jsonl")]
+        + ["--max-new-tokens", "4"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "eval: exact match" in out.stdout
