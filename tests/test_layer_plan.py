@@ -46,6 +46,26 @@ def test_each_layer_is_read_as_the_kind_it_is(tmp_path, model_type, expected):
     assert list(kinds_of(spec)) == expected
 
 
+def test_gemma4s_layers_are_each_read_with_their_own_shape(tmp_path):
+    """Sliding layers (head_dim 16, 2 KV heads) and full ones (head_dim 32, 1 KV head, K = V: no v_proj); the last
+    two reuse the K/V of the last sliding and full layer below them and cache none; every layer has a per-layer
+    input block. transformers refuses the per-layer head_dim as a global: the plan reads the modules."""
+    from core.estimate.layer_shapes import shapes_of
+
+    folder = saved_folder(tmp_path, "gemma4_text", FAMILIES["gemma4_text"][0])
+    spec = load_spec(str(folder))
+    got = [(s.head_dim, s.kv_heads, s.v_proj, s.window, s.ple, s.store) for s in shapes_of(spec)]
+    assert got == [
+        (16, 2, True, 128, 16, True),
+        (32, 1, False, 0, 16, True),
+        (16, 0, False, 128, 16, False),
+        (32, 0, False, 0, 16, False),
+    ]
+    assert spec.kv_cache_bytes_per_token_per_byte == 2 * (2 * 16 + 1 * 32)
+    proc = estimate_main("--model", str(folder), "--json", "--gpu-gb", "24", "--lora-r", "4")
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+
+
 def test_a_pure_mamba2_model_plans_without_attention_heads(tmp_path):
     fields = dict(
         vocab_size=128, hidden_size=64, num_hidden_layers=2, num_heads=8, head_dim=16, state_size=16
@@ -60,7 +80,9 @@ def test_a_pure_mamba2_model_plans_without_attention_heads(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("checkpointing", [True, False], ids=["checkpointing", "no-checkpointing"])
-@pytest.mark.parametrize("model_type", ["qwen3_5_text", "granitemoehybrid", "nemotron_h", "lfm2"])
+@pytest.mark.parametrize(
+    "model_type", ["qwen3_5_text", "granitemoehybrid", "nemotron_h", "lfm2", "gemma4_text"]
+)
 def test_a_hybrid_twins_real_step_measures_within_5pct_of_its_plan(model_type, checkpointing):
     planned, measured = measure(model_type, FAMILIES[model_type][0], 300, checkpointing)
     assert abs(planned / measured - 1) <= TOLERANCE, (planned, measured)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from core.estimate import gdn_terms, mamba_terms
+from core.estimate import gdn_terms, layer_shapes, mamba_terms
 from core.estimate.layer_kinds import kernel_path, kinds_of, text_config
 from core.estimate.plan import DTYPE_BYTES, OFFLOAD_STASH, Plan, packed_sequences
 from core.estimate.specs import ModelSpec
@@ -61,12 +61,14 @@ class LayerTerms:
     LoRA, keeps of its input (`linear_input`). The attention block, the MLP and the recurrent mixers
     (core.estimate.gdn_terms, core.estimate.mamba_terms) write through these."""
 
-    def __init__(self, spec: ModelSpec, plan: Plan, targets=()):
-        self.spec, self.plan = spec, plan
+    def __init__(self, spec: ModelSpec, plan: Plan, targets=(), shape=None):
+        # shape: the layer's own, where layers differ (core.estimate.layer_shapes)
+        self.spec, self.plan, self.shape = spec, plan, shape
         self.d = step_dtypes(plan)
         self.full = plan.method == "full"
         adapted = {s.name.rsplit(".", 1)[-1] for s in targets if ".0." in s.name or "layers.0." in s.name}
-        self.adapted = adapted or {s.name.rsplit(".", 1)[-1] for s in targets}
+        self.every_adapted = {s.name.rsplit(".", 1)[-1] for s in targets}
+        self.adapted = adapted or self.every_adapted
         self.compute = DTYPE_BYTES[plan.compute_dtype]
         self.ad = adapter_bytes(plan)
         self.lora_bytes = self.compute if self.d.autocast else self.ad
@@ -76,9 +78,8 @@ class LayerTerms:
     def norm(self, name: str, width: int | None = None) -> None:
         """An RMSNorm over `width` (the hidden size) features: it upcasts to fp32 and saves that and rstd."""
         d, width = self.d, width or self.spec.hidden_size
-        if (
-            self.liger
-        ):  # LigerRMSNormFunction saves its input as it comes and rstd; the weight grad needs no more
+        # LigerRMSNormFunction saves its input as it comes and rstd; the weight grad needs no more
+        if self.liger:
             self.saved[f"{name}.input"] = width * d.hidden
             self.saved[f"{name}.rstd"] = 4
             return
@@ -113,7 +114,7 @@ class LayerTerms:
 
 
 def layer_saved_tensors(
-    spec: ModelSpec, plan: Plan, targets=(), mixers: tuple[str, ...] = ("attention",), ffn: bool = True
+    spec: ModelSpec, plan: Plan, targets=(), mixers: tuple[str, ...] = ("attention",), ffn=True, shape=None
 ) -> dict[str, float]:
     """Bytes per token that one decoder layer leaves saved for backward, by tensor: its input norm and token
     mixers (`mixers`: "attention" and the recurrent kinds of core.estimate.layer_kinds; none: no mixer), then, with `ffn`, the
@@ -125,13 +126,15 @@ def layer_saved_tensors(
     the fp32 softmax and its cast; SwiGLU saves gate, act(gate), up; LoRA saves its (fp32 or autocast)
     input copy per adapted module, its dropout output + mask when dropout > 0, and lora_A's output.
     """
-    t = LayerTerms(spec, plan, targets)
+    t = LayerTerms(spec, plan, targets, shape)
     if mixers:
         t.norm("input_layernorm")
         for mixer in mixers:  # Falcon-H1 runs attention and Mamba-2 side by side on the same norm output
             _attention_block(t) if mixer == "attention" else mixer_saved(t, mixer)
     if ffn:
         _mlp_block(t)
+        if shape is not None and shape.ple:  # Gemma 4's per-layer input block closes the layer
+            layer_shapes.ple_block(t, shape)
     return t.saved
 
 
@@ -172,18 +175,28 @@ def mixer_temporaries(t: LayerTerms, kind: str) -> tuple[float, float]:
 
 
 def _attention_block(t: LayerTerms) -> None:
-    spec, plan, d, saved = t.spec, t.plan, t.d, t.saved
+    spec, plan, d, saved, shape = t.spec, t.plan, t.d, t.saved, t.shape
     h = spec.hidden_size
-    q_width = spec.num_heads * spec.head_dim
-    kv_width = spec.num_kv_heads * spec.head_dim
+    heads, head_dim, kv_heads = spec.num_heads, spec.head_dim, spec.num_kv_heads
+    projections = ("q_proj", "k_proj", "v_proj")
+    if shape is not None:  # this layer's own shape; a layer reusing earlier K/V (kv_heads 0) projects q only
+        heads, head_dim, kv_heads = shape.heads, shape.head_dim, shape.kv_heads
+        projections = ("q_proj",) + (("k_proj",) + ("v_proj",) * shape.v_proj) * bool(kv_heads)
+    q_width, kv_width = heads * head_dim, kv_heads * head_dim
     fused_qkv = "qkv_proj" in {s.name.rsplit(".", 1)[-1] for s in spec.decoder_linears}
-    for m in ("qkv_proj",) if fused_qkv else ("q_proj", "k_proj", "v_proj"):
+    for m in ("qkv_proj",) if fused_qkv else projections:
         t.linear_input(m, h, d.hidden, "attn_norm_out")
     if spec.head_norms:  # Qwen3: RMSNorm per query / key head, upcast to fp32, one rstd per head
-        saved["q_norm.fp32_input"], saved["q_norm.rstd"] = 4 * q_width, 4 * spec.num_heads
-        saved["k_norm.fp32_input"], saved["k_norm.rstd"] = 4 * kv_width, 4 * spec.num_kv_heads
+        saved["q_norm.fp32_input"], saved["q_norm.rstd"] = 4 * q_width, 4 * heads
+        if kv_width:
+            saved["k_norm.fp32_input"], saved["k_norm.rstd"] = 4 * kv_width, 4 * kv_heads
     p = d.attn
-    if plan.attn == "sdpa" and packed_sequences(plan) and kv_width < q_width:
+    if shape is not None:
+        layer_shapes.attention_extras(t, shape, p)
+        # a layer reusing K/V attends to the tensors the storing layer saved already: only their copies count
+        kv_width = kv_width or layer_shapes.source_kv_heads(spec, shape) * head_dim
+    repeat = shape is not None and layer_shapes.sdpa_repeats_kv(t, kv_width, q_width, head_dim, shape)
+    if plan.attn == "sdpa" and (packed_sequences(plan) or repeat) and kv_width < q_width:
         # With a mask transformers does grouped-query attention by repeat_kv (use_gqa_in_sdpa is False):
         # k and v are copied out to every query head, and sdpa saves the copies.
         saved["q_rotary"] = q_width * p
@@ -213,12 +226,14 @@ def _attention_block(t: LayerTerms) -> None:
         if p != 4 and not spec.attention_sinks:
             saved["attn_probs_cast"] = spec.num_heads * s * p
         o_key = "attn_out_contiguous"
+    if shape is not None and not shape.kv_heads:  # the storing layer's K/V, counted there
+        saved.pop("k_rotary", None), saved.pop("v", None)
     t.linear_input("o_proj", q_width, p, o_key)
 
 
 def _mlp_block(t: LayerTerms) -> None:
     spec, d, saved = t.spec, t.d, t.saved
-    h, inter = spec.hidden_size, spec.intermediate_size
+    h, inter = spec.hidden_size, (t.shape and t.shape.inter) or spec.intermediate_size
     fused_gate_up = "gate_up_proj" in {s.name.rsplit(".", 1)[-1] for s in spec.decoder_linears}
     p = d.proj
     for _ in range(max(spec.norms_per_layer - 2, 0) // 2):  # Gemma-2 post-attention / post-MLP norms
@@ -286,19 +301,21 @@ def layers_saved(spec: ModelSpec, plan: Plan, targets, ffn: dict[str, float] | N
     """Per token, each decoder layer's (saved bytes, its saved tensors' dict, its recurrent mixers' backward
     temporaries), in order: the layer's mixers (core.estimate.layer_kinds) plus its feed-forward block, `ffn`
     giving a block's bytes by kind ("mlp", "moe"; a dense MLP by default)."""
-    dense = layer_saved_tensors(spec, plan, targets, mixers=())
-    ffn = {"mlp": sum(dense.values()), "none": 0, **(ffn or {})}
     by_mixers: dict[tuple, tuple[dict, float]] = {}
-    out = []
-    for mixers, block in kinds_of(spec):
-        if mixers not in by_mixers:
-            part = layer_saved_tensors(spec, plan, targets, mixers=mixers, ffn=False)
+    dense_by_shape, out = {}, []
+    for (mixers, block), shape in zip(kinds_of(spec), layer_shapes.shapes_of(spec), strict=True):
+        if shape not in dense_by_shape:  # a layer of its own shape (Gemma 4) has its own MLP width
+            dense_by_shape[shape] = layer_saved_tensors(spec, plan, targets, mixers=(), shape=shape)
+        dense = dense_by_shape[shape]
+        widths = {"mlp": sum(dense.values()), "none": 0, **(ffn or {})}
+        if (mixers, shape) not in by_mixers:
+            part = layer_saved_tensors(spec, plan, targets, mixers=mixers, ffn=False, shape=shape)
             t = LayerTerms(spec, plan, targets)
             temps = [mixer_temporaries(t, m) for m in mixers]
-            by_mixers[mixers] = part, max((max(f, b) for f, b in temps), default=0.0)
-        part, temp = by_mixers[mixers]
+            by_mixers[(mixers, shape)] = part, max((max(f, b) for f, b in temps), default=0.0)
+        part, temp = by_mixers[(mixers, shape)]
         saved = {**part, **(dense if block == "mlp" else {})}
-        out.append((sum(part.values()) + ffn[block], saved, temp))
+        out.append((sum(part.values()) + widths[block], saved, temp))
     return out
 
 
@@ -311,6 +328,7 @@ def activation_bytes(
     `outside`: more per-token bytes saved outside the layers)."""
     layers = layers_saved(spec, plan, targets, ffn)
     outside += outside_layers_saved_bytes(spec, plan)
+    outside += layer_shapes.outside_saved(LayerTerms(spec, plan, targets), checkpointing_on(plan))
     if checkpointing_on(plan):
         layer_inputs = spec.num_layers * spec.hidden_size * step_dtypes(plan).hidden
         # Liger's input norm saves the layer input itself, which the checkpoint holds already

@@ -252,7 +252,7 @@ DERIVED = {
 # Plan fields a run config does not say: the card planned for, what the engine always does, plan-only settings
 RUN = (
     "gpu_gb", "expandable_segments", "device", "prepare_kbit", "fused_lm_head", "quantize_experts",
-    "eval_kv_tokens", "batch_tokens",
+    "eval_kv_tokens", "batch_tokens", "recurrent_kernels",
 )  # fmt: skip
 # what the engine (TRL's SFTTrainer) does: no prepare_model_for_kbit_training, the tiled (fused) LM head
 ENGINE = {"prepare_kbit": False, "fused_lm_head": True}

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, fields
 from functools import lru_cache
 
 from core.estimate.layer_kinds import layers_json
+from core.estimate.layer_shapes import kv_cache_per_byte, shapes_json
 from core.estimate.model_config import SpecError as SpecError
 from core.estimate.model_config import _config_from_dict, _config_source, load_model_config
 from core.estimate.model_config import preset_ids as preset_ids
@@ -85,6 +86,9 @@ class ModelSpec:
     layers_json: str = ""
     # what all-linear leaves out on this model, one sentence per kind (core.recipe.peft_targets), JSON list
     all_linear_notes: str = ""
+    # every layer's own attention / MLP / per-layer-input shape where layers differ (core.estimate.layer_shapes:
+    # Gemma 4's sliding and full layers, KV sharing); "" where they share the fields above
+    shapes_json: str = ""
 
     @property
     def recurrent_layers(self) -> int:
@@ -102,7 +106,8 @@ class ModelSpec:
         """K and V for every attention layer, per token, per byte of element size."""
         from core.estimate.layer_kinds import attention_layers
 
-        return 2 * attention_layers(self) * self.num_kv_heads * self.head_dim
+        own = kv_cache_per_byte(self)  # layers of their own shapes; a layer reusing K/V caches none
+        return own if own is not None else 2 * attention_layers(self) * self.num_kv_heads * self.head_dim
 
 
 def _build_meta_model(cfg):
@@ -224,14 +229,14 @@ def _build_spec(model: str, cfg) -> ModelSpec:
     if unsupported:
         raise SpecError(unsupported)
     for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim"):
-        if isinstance(getattr(text, key, None), (list, tuple)):  # Gemma 3n's per-layer MLP widths
+        if isinstance(_global(text, key), (list, tuple)):  # Gemma 3n's per-layer MLP widths
             raise SpecError(
                 f"'{model}' gives {key} per layer ({error_line(str(getattr(text, key)), 60)}); this planner plans "
                 "decoder LLMs whose layers share one shape."
             )
     # a model without attention layers (Mamba-2) has no attention heads; its own heads are its mixer's
-    heads = getattr(text, "num_attention_heads", None) or 0
-    head_dim = (getattr(text, "head_dim", None) or text.hidden_size // heads) if heads else 0
+    heads = _global(text, "num_attention_heads") or 0
+    head_dim = (_global(text, "head_dim") or text.hidden_size // heads) if heads else 0
     return ModelSpec(
         model_id=model,
         model_type=text.model_type,
@@ -239,7 +244,7 @@ def _build_spec(model: str, cfg) -> ModelSpec:
         intermediate_size=getattr(text, "intermediate_size", None) or 4 * text.hidden_size,
         num_layers=len(layers),
         num_heads=heads,
-        num_kv_heads=(getattr(text, "num_key_value_heads", None) or heads) if heads else 0,
+        num_kv_heads=(_global(text, "num_key_value_heads") or heads) if heads else 0,
         head_dim=head_dim,
         vocab_size=text.vocab_size,
         max_position_embeddings=getattr(text, "max_position_embeddings", None) or 0,
@@ -249,7 +254,7 @@ def _build_spec(model: str, cfg) -> ModelSpec:
         lm_head_params=0 if (head is None or tied) else head.weight.numel(),
         decoder_linears=linears,
         param_numels=tuple(p.numel() for p in params.values()),
-        norms_per_layer=len([n for n in norms if not n.endswith(("q_norm", "k_norm"))]),
+        norms_per_layer=len([n for n in norms if not n.endswith(("q_norm", "k_norm", "v_norm"))]),
         config_json=config_json,
         moe_json=moe,
         head_norms=head_norms,
@@ -258,7 +263,17 @@ def _build_spec(model: str, cfg) -> ModelSpec:
         vlm_json=vlm,
         layers_json=layers_json(layers, json.loads(moe)["experts_path"] if moe else ""),
         all_linear_notes=json.dumps(peft_targets.all_linear(meta)[1]),
+        shapes_json=shapes_json(layers),
     )
+
+
+def _global(text, key: str):
+    """A config field; one transformers gives per layer (Gemma 4's head_dim: it refuses the global) is layer
+    0's, and the spec's shapes_json records every layer's own."""
+    try:
+        return getattr(text, key, None)
+    except RuntimeError:  # AmbiguousGlobalPerLayerAttributeError
+        return getattr(text.per_layer_config[0], key, None)
 
 
 def _config_fields(cfg) -> dict:
