@@ -100,6 +100,45 @@ def test_a_moe_layer_saves_what_autograd_saves(tmp_path, arch, dtype, mode):
     assert planned == measured
 
 
+# Llama 4: every token through every expert (one bmm per projection over the repeated hidden states), a sigmoid
+# router, a shared expert; all-linear leaves its router out (peft cannot wrap it: the engine's LoraConfig excludes it)
+LLAMA4 = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    intermediate_size_mlp=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_local_experts=4,
+)
+LLAMA4_EXPERTS = ["feed_forward.experts.gate_up_proj", "feed_forward.experts.down_proj"]
+LLAMA4_LORA = {
+    "attention": dict(target_modules=ATTENTION),
+    "experts": dict(target_modules=ATTENTION, target_parameters=LLAMA4_EXPERTS),
+    "all-linear": dict(target_modules="all-linear", exclude_modules=["router"]),
+}
+
+
+@pytest.mark.parametrize("mode", list(LLAMA4_LORA))
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_llama4_moe_layer_saves_what_autograd_saves(tmp_path, dtype, mode):
+    """Llama 4's own experts forward (core.estimate.llama4_moe_terms), one middle layer against autograd. Its model
+    computes no load-balancing loss (TRL's fused head does, from the router logits): no `outside` here."""
+    from transformers import AutoConfig
+
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    lora = LLAMA4_LORA[mode]
+    cfgs = {n: AutoConfig.for_model("llama4_text", **LLAMA4, num_hidden_layers=n) for n in (2, 3)}
+    measured = _saved_bytes(cfgs[3], torch_dtype, lora) - _saved_bytes(cfgs[2], torch_dtype, lora)
+    cfgs[2].save_pretrained(tmp_path)
+    spec, plan = load_spec(str(tmp_path)), _plan(tmp_path, lora, dtype)
+    targets = lora_targets(str(tmp_path), normalize_targets(plan.target_modules), plan.target_parameters)
+    facts = moe_of(spec)
+    assert facts.implementation == "repeat_bmm" and facts.router == "sigmoid_topk" and facts.shared_width
+    assert layer_kinds(spec, facts, plan, targets, 64)["moe"] == measured
+
+
 # shared experts (Qwen2-MoE: with its sigmoid gate), sigmoid routing over expert groups (GLM-4 MoE); GLM's fp32
 # attention keeps one more copy of its output than LLaMA-style attention (a dense-attention term, not planned yet)
 SHARED = {
@@ -224,6 +263,7 @@ FAMILIES = {
     "deepseek_v3": {"first_k_dense_replace": 1},
     "glm4_moe": {"first_k_dense_replace": 1},
     "glm4_moe_lite": {"first_k_dense_replace": 1},
+    "llama4_text": {},  # its own experts forward (core.estimate.llama4_moe_terms)
 }
 
 

@@ -5,8 +5,10 @@ transformers 5 stores the experts of every MoE family as one module per layer ho
 them transposed, with biases); the router is a module of its own (`mlp.gate`, gpt-oss `mlp.router`) and some
 families add shared experts (a dense MLP every token goes through) or keep the first layers dense. The experts'
 forward is transformers' `use_experts_implementation` (integrations/moe.py; `grouped_mm` by default): every routed
-token-expert pair (tokens x top-k) goes through gate_up, the gate and down as one grouped matmul each. A family
-whose experts run a forward of their own is not modelled: `MoeFacts.unsupported` says so in one sentence.
+token-expert pair (tokens x top-k) goes through gate_up, the gate and down as one grouped matmul each. Llama 4's
+experts run a forward of their own (REPEAT_BMM: every token through every expert, core.estimate.llama4_moe_terms);
+a family whose experts run another forward of their own is not modelled: `MoeFacts.unsupported` says so in one
+sentence.
 
 The facts are plain JSON (ModelSpec.moe_json) so that the spec's disk cache keeps them; `moe_of(spec)` reads them.
 """
@@ -21,7 +23,12 @@ from functools import lru_cache
 # softmax_topk: softmax over every expert (fp32), top-k, optionally renormalised (Qwen2/3-MoE, Mixtral, OLMoE);
 # topk_softmax: top-k of the logits, softmax over those k (gpt-oss);
 # sigmoid_group: sigmoid scores, group-limited top-k, gathered and renormalised (DeepSeek-V3, GLM-4 MoE).
-ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_group")
+# sigmoid_topk: top-k of the logits scattered into -inf, sigmoid over every expert (Llama 4).
+ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_group", "sigmoid_topk")
+
+# Llama 4's experts forward (Llama4TextMoe / Llama4TextExperts): the hidden states repeated once per expert, scaled by
+# the sigmoid scores (0 for the experts not picked), one bmm per projection over experts x tokens rows.
+REPEAT_BMM = "repeat_bmm"
 
 
 @dataclass(frozen=True)
@@ -49,13 +56,21 @@ class MoeFacts:
     topk_groups: int
     expert_params: int  # every expert parameter of every layer (weights and biases)
     aux_loss: bool  # the config declares a load-balancing loss (router_aux_loss_coef != 0): TRL adds it
-    implementation: str  # the experts implementation transformers picks (grouped_mm unless asked otherwise)
+    implementation: (
+        str  # the experts' forward: transformers' (grouped_mm unless asked otherwise) or REPEAT_BMM
+    )
     unsupported: str  # "" or the sentence saying why this family's experts are not modelled
 
 
 def moe_of(spec) -> MoeFacts | None:
     """The MoE facts of a ModelSpec, or None for a dense model."""
     return _parse(spec.moe_json) if spec.moe_json else None
+
+
+def routed_rows(facts: MoeFacts, tokens: int) -> int:
+    """Rows the experts multiply for `tokens` tokens: the routed token-expert pairs, or with Llama 4's forward every
+    token once per expert (the experts not picked get a score of 0, not fewer rows)."""
+    return tokens * (facts.experts if facts.implementation == REPEAT_BMM else facts.top_k)
 
 
 @lru_cache(maxsize=64)
@@ -108,7 +123,9 @@ def _facts(model, layers, cfg) -> MoeFacts | None:
     top_k = int(
         getattr(router, "top_k", 0) or getattr(cfg, "num_experts_per_tok", 0) or getattr(block, "top_k", 0)
     )
-    transposed = bool(getattr(experts, "is_transposed", False))
+    repeat_bmm = _repeats_every_token(block, experts)
+    # Llama 4 stores experts x in x out (its bmm multiplies x @ W) without saying so (no is_transposed)
+    transposed = bool(getattr(experts, "is_transposed", False)) or repeat_bmm
     down = getattr(experts, "down_proj", None)
     width = int(
         (down.shape[1] if transposed else down.shape[2]) if down is not None and down.ndim == 3 else 0
@@ -117,13 +134,15 @@ def _facts(model, layers, cfg) -> MoeFacts | None:
     shared_width, shared_gate = _shared(block, path)
     decorated = hasattr(experts, "has_gate")
     implementation = getattr(getattr(experts, "config", cfg), "_experts_implementation", None) or "grouped_mm"
+    if repeat_bmm:
+        implementation = REPEAT_BMM
     unsupported = ""
-    if not decorated:
+    if not decorated and not repeat_bmm:
         unsupported = (
             f"{cfg.model_type}: its experts ({type(experts).__name__}) run a forward of their own, not "
             "transformers' shared experts implementation, so this planner cannot model their activations yet; "
             "it plans the MoE families whose experts use it (Qwen2/3-MoE, Mixtral, gpt-oss, OLMoE, DeepSeek-V2/V3, "
-            "GLM-4 MoE and most others)."
+            "GLM-4 MoE and most others) and Llama 4's."
         )
     elif not top_k:
         unsupported = (
@@ -153,7 +172,7 @@ def _facts(model, layers, cfg) -> MoeFacts | None:
         clamped_gate="clamp(" in _source(type(experts)),
         bias=bool(getattr(experts, "has_bias", False)),
         transposed=transposed,
-        router=_router_kind(router_src),
+        router="sigmoid_topk" if repeat_bmm else _router_kind(router_src),
         renormalise=_renormalises(router, router_src),
         routing_fp32=_fp32_routing(router_src),
         router_fp32_weight=FP32_ROUTER in router_src,
@@ -164,6 +183,12 @@ def _facts(model, layers, cfg) -> MoeFacts | None:
         implementation=implementation,
         unsupported=unsupported,
     )
+
+
+def _repeats_every_token(block, experts) -> bool:
+    """Do the experts run Llama 4's forward: the block repeats the hidden states once per expert and the experts
+    multiply them with one bmm per projection (every token through every expert, whatever the router picks)?"""
+    return ".repeat(" in _source(type(block)) and "torch.bmm(" in _source(type(experts))
 
 
 def _router(block, experts: int, hidden: int):
@@ -191,7 +216,7 @@ def _shared(block, experts_path: str) -> tuple[int, bool]:
 
 
 def _dense_width(layer) -> int:
-    mlp = getattr(layer, "mlp", None)
+    mlp = getattr(layer, "mlp", None) or getattr(layer, "feed_forward", None)  # Llama 4: feed_forward
     down = getattr(mlp, "down_proj", None)
     return int(getattr(down, "in_features", 0) or 0)
 

@@ -28,7 +28,8 @@ from core.estimate.activation_terms import (
     layer_saved_tensors,
     step_dtypes,
 )
-from core.estimate.moe import MoeFacts, moe_of
+from core.estimate.llama4_moe_terms import llama4_backward_peak, llama4_routed
+from core.estimate.moe import REPEAT_BMM, MoeFacts, moe_of, routed_rows
 from core.estimate.plan import DTYPE_BYTES, Plan
 from core.estimate.specs import ModelSpec
 from core.estimate.static_terms import adapter_bytes, trainable_tensors
@@ -101,6 +102,7 @@ class MoeLayer:
     merged: int  # peft's merged expert copies (W + BA) of one layer (inside `saved` when saved)
     outside: int  # per layer, saved outside the (checkpointed) layer: the load-balancing loss's softmax
     logits: int  # per layer, the router logits the loss keeps alive until the forward ends
+    temporaries: int = 0  # alive in forward while the experts run, not saved (Llama 4's routed rows)
 
 
 def moe_layer(spec: ModelSpec, facts: MoeFacts, plan: Plan, targets, tokens: int) -> MoeLayer:
@@ -111,6 +113,13 @@ def moe_layer(spec: ModelSpec, facts: MoeFacts, plan: Plan, targets, tokens: int
     p = DTYPE_BYTES[plan.load_dtype]  # grouped_mm runs in the experts' dtype (it casts its input to it)
     logit = 4 if facts.router_fp32_weight else d.proj
     lora = expert_targets(targets, facts)
+    # the loss's softmax of the layer's logits, and the top-k indices its routing counts take
+    outside = tokens * (e * logit + k * 8) if facts.aux_loss else 0
+    logits = tokens * e * logit if facts.aux_loss else 0
+    if facts.implementation == REPEAT_BMM:  # Llama 4: every token through every expert (llama4_moe_terms)
+        saved, merged, temporaries = llama4_routed(h, facts, plan, lora, tokens)
+        saved.update(_shared_experts(spec, facts, plan, targets, tokens))
+        return MoeLayer(saved, merged, outside, logits, temporaries)
     saved: dict[str, int] = {}
     # router
     if facts.router == "topk_softmax":
@@ -161,9 +170,7 @@ def moe_layer(spec: ModelSpec, facts: MoeFacts, plan: Plan, targets, tokens: int
     if merged:
         saved["experts.merged_weights"] = merged
     saved.update(_shared_experts(spec, facts, plan, targets, tokens))
-    # the loss's softmax of the layer's logits, and the top-k indices its routing counts take
-    outside = tokens * (e * logit + k * 8) if facts.aux_loss else 0
-    return MoeLayer(saved, merged, outside, tokens * e * logit if facts.aux_loss else 0)
+    return MoeLayer(saved, merged, outside, logits)
 
 
 def _shared_experts(spec: ModelSpec, facts: MoeFacts, plan: Plan, targets, tokens: int) -> dict[str, int]:
@@ -246,8 +253,11 @@ def moe_moments(t, forward_moment, backward_moment) -> dict[str, dict]:
         v for k, v in layer.saved.items() if k.startswith("experts.") and k != "experts.merged_weights"
     )
     grads = expert_backward_peak(t.spec, facts, plan, t.targets, t.tokens)
-    # by then the routing weights' backward has run: the down output it kept is freed
-    freed = layer.saved["experts.down_out"] + layer.saved["experts.routing_weights"]
+    # by then the routing weights' backward has run: the down output it kept is freed (grouped_mm; Llama 4 scales
+    # the rows before the experts, so nothing of theirs is freed yet)
+    freed = layer.saved.get("experts.down_out", 0) + (
+        0 if facts.implementation == REPEAT_BMM else layer.saved["experts.routing_weights"]
+    )
     # ... and this layer's own expert adapters have no gradient yet
     own = sum(trainable_tensors(t.spec, plan, [s for s in t.targets if s.experts])) // max(
         facts.moe_layers, 1
@@ -258,7 +268,7 @@ def moe_moments(t, forward_moment, backward_moment) -> dict[str, dict]:
     inside = {
         **static,
         "autocast_weight_copies": t.autocast_fwd,
-        "activations": t.saved + (layer.merged + routed if checkpointing_on(plan) else 0),
+        "activations": t.saved + (layer.merged + routed if checkpointing_on(plan) else 0) + layer.temporaries,
     }
     # Backward through an experts block: the gradient of a merged copy (as large as the copy) and the routed
     # gradients next to the layer's saved tensors -- first in the last layer (everything else still saved),
@@ -293,6 +303,8 @@ def expert_backward_peak(spec: ModelSpec, facts: MoeFacts, plan: Plan, targets, 
     the routed gradient in and out; down_proj's comes first, while gate_up's merged copy is still saved, and
     gate_up's after down_proj's copy is freed."""
     lora = expert_targets(targets, facts)
+    if facts.implementation == REPEAT_BMM:
+        return llama4_backward_peak(spec.hidden_size, facts, plan, lora, tokens)
     p = DTYPE_BYTES[plan.load_dtype]
     h, width, e, pairs = spec.hidden_size, facts.width, facts.experts, tokens * facts.top_k
     up = (2 if facts.gated else 1) * width
@@ -342,7 +354,7 @@ def with_moe(est, t):
         "lora_on": sorted(lora),
         "expert_trainable_params": expert_trainable,
         "merged_expert_copy_bytes": layer.merged,
-        "routed_pairs": t.tokens * facts.top_k,
+        "routed_pairs": routed_rows(facts, t.tokens),
         "moe_layer_activation_bytes": kinds["moe"],
         "router_logits_bytes": facts.moe_layers * layer.logits,
         "aux_loss": facts.aux_loss,
