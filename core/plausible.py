@@ -14,7 +14,7 @@ HIDDEN = (1, 131_072)  # the largest real models: 16k-25k wide
 LAYERS = (1, 1_024)  # the deepest: ~160
 HEADS = (1, 4_096)
 INNER = (1, 1_048_576)
-EXPERTS = (1, 4_096)
+EXPERTS = (0, 4_096)  # 0: a dense member of a MoE family (Granite 4.0-H Micro's num_local_experts)
 
 LIMITS: dict[str, tuple[int, int]] = {
     "vocab_size": (1, 4_194_304),  # the largest vocabularies: ~260k tokens

@@ -38,7 +38,10 @@ def saved_folder(tmp_path, model_type: str, fields: dict):
             [(("mamba2",), "none"), (("attention",), "none"), (("mamba2",), "none"), ((), "mlp")],
         ),
         ("lfm2", [(("short_conv",), "mlp"), (("attention",), "mlp")]),
-        ("granitemoehybrid", [(("mamba2",), "moe"), (("attention",), "moe")]),
+        (
+            "granitemoehybrid",
+            [(("mamba2",), "mlp"), (("attention",), "mlp")],
+        ),  # dense, as Granite 4.0-H Micro
     ],
 )
 def test_each_layer_is_read_as_the_kind_it_is(tmp_path, model_type, expected):

@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass
 
 from core.estimate import gdn_terms, layer_shapes, mamba_terms
-from core.estimate.layer_kinds import kernel_path, kinds_of, text_config
+from core.estimate.layer_kinds import kernel_path, kinds_of, mlp_linear_names, text_config
 from core.estimate.plan import DTYPE_BYTES, OFFLOAD_STASH, Plan, packed_sequences
 from core.estimate.specs import ModelSpec
 from core.estimate.static_terms import adapter_bytes
@@ -88,7 +88,7 @@ class LayerTerms:
         if self.full:
             self.saved[f"{name}.normed"] = width * d.hidden
 
-    def linear_input(self, module: str, width: int, in_bytes: int, shared_key: str) -> None:
+    def linear_input(self, module: str, width: int, in_bytes: int, shared_key: str, leaf: str = "") -> None:
         """What one Linear (base + LoRA) saves of its input: `width` features of `in_bytes` each, stored under
         `shared_key` when that tensor is saved anyway (several Linears reading one tensor save it once)."""
         d, saved = self.d, self.saved
@@ -97,7 +97,7 @@ class LayerTerms:
                 saved[f"{module}.autocast_input"] = width * d.proj
             else:
                 saved[shared_key] = width * in_bytes
-        if module not in self.adapted:
+        if (leaf or module) not in self.adapted:  # leaf: the module's own name where it differs (LFM2's w1)
             return
         # peft casts x to the adapter dtype (fp32, or bf16 after TRL's QLoRA cast); under autocast lora_A
         # then saves a 16-bit copy of it unless the adapter is already in the compute dtype.
@@ -234,14 +234,15 @@ def _attention_block(t: LayerTerms) -> None:
 def _mlp_block(t: LayerTerms) -> None:
     spec, d, saved = t.spec, t.d, t.saved
     h, inter = spec.hidden_size, (t.shape and t.shape.inter) or spec.intermediate_size
-    fused_gate_up = "gate_up_proj" in {s.name.rsplit(".", 1)[-1] for s in spec.decoder_linears}
+    names = mlp_linear_names(spec.decoder_linears, h)  # (gate, up, down) as the model names them
+    fused_gate_up = len(names) == 2
     p = d.proj
     for _ in range(max(spec.norms_per_layer - 2, 0) // 2):  # Gemma-2 post-attention / post-MLP norms
         t.norm(f"post_norm_{_}a")
         t.norm(f"post_norm_{_}b")
     t.norm("post_attention_layernorm")
-    for m in ("gate_up_proj",) if fused_gate_up else ("gate_proj", "up_proj"):
-        t.linear_input(m, h, d.hidden, "mlp_norm_out")
+    for m, leaf in zip(("gate_up_proj",) if fused_gate_up else ("gate_proj", "up_proj"), names, strict=False):
+        t.linear_input(m, h, d.hidden, "mlp_norm_out", leaf)
     if fused_gate_up:
         saved["gate_up"] = 2 * inter * p
     else:
@@ -249,7 +250,7 @@ def _mlp_block(t: LayerTerms) -> None:
         saved["up"] = inter * p
     if not t.liger:  # LigerSiLUMulFunction saves gate and up only and recomputes silu(gate) in backward
         saved["act_gate"] = inter * p
-    t.linear_input("down_proj", inter, p, "gated_product")
+    t.linear_input("down_proj", inter, p, "gated_product", names[-1])
 
 
 def layer_activation_bytes(spec: ModelSpec, plan: Plan, targets=()) -> float:

@@ -122,3 +122,24 @@ def kernel_note(spec, plan) -> str:
             why = f"recurrent_kernels {plan.recurrent_kernels}"
         parts.append(f"{kind.replace('_', ' ')} on {'its CUDA kernels' if on else 'the torch path'} ({why})")
     return "Recurrent layers planned: " + "; ".join(parts) + "."
+
+
+@lru_cache(maxsize=64)
+def mlp_linear_names(linears, hidden: int) -> tuple[str, ...]:
+    """The dense MLP's Linear leaf names among a model's decoder Linears (LinearShapes): the group under one
+    module that reads the hidden state, and the one that writes it back; Llama's names when none is found."""
+    groups: dict[str, list] = {}
+    for s in linears:
+        if not s.experts:
+            groups.setdefault(s.name.rsplit(".", 1)[0].split(".")[-1], []).append(s)
+    for parent, group in groups.items():
+        if any(w in parent for w in ("attn", "attention", "mixer", "conv", "experts")):
+            continue
+        down = [s for s in group if s.out_features == hidden and s.in_features != hidden]
+        into = sorted(
+            {s.name.rsplit(".", 1)[-1] for s in group if s.in_features == hidden} - {"router", "gate"}
+        )
+        if len(down) >= 1 and 1 <= len(into) <= 2:
+            names = sorted(into, key=lambda n: ("up" in n or n == "w3", n))  # the gate first
+            return (*names, down[0].name.rsplit(".", 1)[-1])
+    return ("gate_proj", "up_proj", "down_proj")

@@ -19,7 +19,7 @@ import warnings
 from dataclasses import asdict, dataclass, fields
 from functools import lru_cache
 
-from core.estimate.layer_kinds import layers_json
+from core.estimate.layer_kinds import layers_json, mlp_linear_names
 from core.estimate.layer_shapes import kv_cache_per_byte, shapes_json
 from core.estimate.model_config import SpecError as SpecError
 from core.estimate.model_config import _config_from_dict, _config_source, load_model_config
@@ -241,7 +241,7 @@ def _build_spec(model: str, cfg) -> ModelSpec:
         model_id=model,
         model_type=text.model_type,
         hidden_size=text.hidden_size,
-        intermediate_size=getattr(text, "intermediate_size", None) or 4 * text.hidden_size,
+        intermediate_size=_mlp_width(linears, text, moe),
         num_layers=len(layers),
         num_heads=heads,
         num_kv_heads=(_global(text, "num_key_value_heads") or heads) if heads else 0,
@@ -274,6 +274,17 @@ def _global(text, key: str):
         return getattr(text, key, None)
     except RuntimeError:  # AmbiguousGlobalPerLayerAttributeError
         return getattr(text.per_layer_config[0], key, None)
+
+
+def _mlp_width(linears, text, moe: str) -> int:
+    """The dense MLP's width as built: its down projection's input (LFM2 adjusts the config's intermediate_size,
+    Granite's shared MLP has its own); the config's for a mixture of experts (core.estimate.moe has its widths)."""
+    width = getattr(text, "intermediate_size", None)
+    if not moe:
+        down = mlp_linear_names(linears, text.hidden_size)[-1]
+        built = [s.in_features for s in linears if s.name.rsplit(".", 1)[-1] == down and not s.experts]
+        width = built[0] if built else width
+    return width if isinstance(width, int) and width > 0 else 4 * text.hidden_size
 
 
 def _config_fields(cfg) -> dict:

@@ -105,7 +105,8 @@ def _fit_for_trl_fused_head(model) -> None:
     """What TRL's fused LM head (trl 1.16 trainer/utils.py add_fused_lm_head) reads, named as it reads it:
     - the load-balancing loss takes text_config.num_experts; Granite 4.0-H's config names it num_local_experts;
     - the backbone is `model.base_model` (getattr(model, base_model_prefix)); Llama4ForCausalLM's prefix is
-      "language_model" but it holds its backbone as `model`, so TRL ran the whole model and failed on its output.
+      "language_model" but it holds its backbone as `model`, so TRL ran the whole model and failed on its output;
+    - a dense Granite 4.0-H (num_local_experts 0) keeps a router_aux_loss_coef: no experts, no such loss.
     Without these the first step ends in an AttributeError."""
     text = model.config.get_text_config()
     # SFTTrainer turns output_router_logits on itself when the config has a router_aux_loss_coef
@@ -113,6 +114,8 @@ def _fit_for_trl_fused_head(model) -> None:
         experts = getattr(text, "num_local_experts", None)
         if experts:
             text.num_experts = experts
+        elif experts == 0:
+            text.router_aux_loss_coef = 0.0
     prefix = getattr(model, "base_model_prefix", "")
     if prefix and not hasattr(model, prefix) and hasattr(model, "model"):
         model.base_model_prefix = "model"  # this instance only: what base_model returns
