@@ -106,17 +106,7 @@ def test_an_explicit_target_peft_refuses_is_refused_up_front_in_one_sentence(tmp
     assert "names out_proj, which peft cannot put LoRA on in a nemotron_h model" in proc.stderr
 
 
-LLAMA4 = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    intermediate_size_mlp=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    num_hidden_layers=2,
-    num_local_experts=4,
-)
+LLAMA4 = FAMILIES["llama4_text"][0]
 
 
 def test_all_linear_leaves_llama4s_router_out_and_the_adapted_model_trains():
