@@ -57,3 +57,21 @@ def test_a_hybrid_twin_trains_merges_and_evaluates(tmp_path, arch):
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "eval: exact match" in out.stdout
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5_text", "gemma4_text"])
+def test_gguf_export_of_a_2026_family_says_in_one_sentence_where_to_convert_it(tmp_path, arch):
+    """The exporter writes dense Llama / Mistral / Qwen2; for the rest it names llama.cpp's converter, which knows
+    these families (gguf-py has their architectures), rather than leaving the user at 'not supported'."""
+    from core.demo.toy import build_tiny_model
+
+    base = build_tiny_model(tmp_path / arch, arch, **FAMILIES[arch][0])
+    out = subprocess.run(
+        [sys.executable, "-m", "core.gguf", "--model", str(base), "--out", str(tmp_path / "x.gguf")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert "convert_hf_to_gguf.py converts the merged folder" in out.stderr and not (tmp_path / "x.gguf").exists()

@@ -126,14 +126,19 @@ def open_source(model_dir: str | Path) -> Source:
     hf_arch = next((a for a in archs if a in ARCHITECTURES), None)
     if hf_arch is None:
         shown = ", ".join(archs) or config.get("model_type", "unknown")
+        # llama.cpp's converter knows these families (gguf-py names their architectures): say where to go
+        elsewhere = (
+            "llama.cpp's own convert_hf_to_gguf.py converts the merged folder of many more: the Qwen-MoE, Mixtral, "
+            "gpt-oss, Qwen3.5, Qwen3-Next, Gemma 4, Llama 4, Granite 4.0-H, Nemotron-H, Falcon-H1 and LFM2 families "
+            "among them."
+        )
         if any(config.get(k) for k in MOE_KEYS):
             raise BadInput(
                 f"{shown} is a mixture-of-experts model, which this exporter cannot write to GGUF yet (it writes "
-                "dense Llama, Mistral and Qwen2 models); llama.cpp's own convert_hf_to_gguf.py converts the Qwen-MoE, "
-                "Mixtral and gpt-oss families from the merged folder."
+                f"dense Llama, Mistral and Qwen2 models); {elsewhere}"
             )
         raise BadInput(
-            f"Architecture {shown} is not supported for GGUF export (supported: Llama, Mistral, Qwen2)."
+            f"Architecture {shown} is not one this exporter writes to GGUF (dense Llama, Mistral and Qwen2); {elsewhere}"
         )
     if config.get("quantization_config"):
         raise BadInput(f"{path} holds a quantized checkpoint; export the unquantized (merged) model instead.")
