@@ -2,18 +2,18 @@
 to the peak the smoke test measures, for a tiny random-weight Qwen3.5 language model (three Gated DeltaNet layers to
 one of full attention) built from its config, and a Llama of the same shape beside it.
 
-The planner counts a recurrent layer as an attention layer and says so in a warning (core.estimate.plan,
-spec.recurrent_layers). This measures what that costs: with gradient checkpointing the step is close; without it the
-Gated DeltaNet layers keep more than the planner counts (transformers' torch fallback on a CPU; the
-flash-linear-attention kernels on a GPU keep other tensors), which is the figure the warning cites.
+The planner plans each layer as itself (core.estimate.layer_kinds; the Gated DeltaNet terms in
+core.estimate.gdn_terms, from transformers' torch path, which is what runs on a CPU). Before that it counted the
+Gated DeltaNet layers as attention layers and this script measured 1.64x the plan without gradient checkpointing.
+benchmarks/families_accuracy.py covers the other families and their real-width twins.
 
 Measured: the Train page's smoke test (core.runs.admin.start_smoke_test: one real SFTTrainer step at batch size 1
 and max_length, the live-tensor tracker's steady peak, smoke.json). Planned: plan.json's estimate for the same run
 config. LoRA r 4 on all-linear (r above in_proj_a/b's width would add the narrow-layer warning only), bf16, 256
 tokens.
 
-Goal: with gradient checkpointing every row within 5%. Without it the ratio is printed, not judged (the known gap).
-Last line `hybrid_worst_error_checkpointed: X% (goal <= 5%)`; exit 1 on a miss.
+Goal: every row within 5%, with gradient checkpointing and without.
+Last line `hybrid_worst_error: X% (goal <= 5%)`; exit 1 on a miss.
 
     python benchmarks/hybrid_accuracy.py
 """
@@ -70,7 +70,7 @@ def run_config(model: Path, data: Path, checkpointing: bool) -> dict:
 def main() -> int:
     from core.demo.toy import build_tiny_model
 
-    checkpointed = []
+    ratios = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         workspace, data = smoke_workspace(root)
@@ -83,14 +83,13 @@ def main() -> int:
                 r = smoke(workspace, f"{arch}-{int(checkpointing)}", run_config(model, data, checkpointing))
                 planned, measured = r["estimate_bytes"], r["peak_bytes"]
                 ratio = measured / planned
-                if checkpointing:
-                    checkpointed.append(ratio)
+                ratios.append(ratio)
                 print(
                     f"{arch:<14} {'on' if checkpointing else 'off':<14} {planned:>14,} {measured:>14,} {ratio:>7.3f}",
                     flush=True,
                 )
-    worst = max(abs(r - 1) for r in checkpointed)
-    print(f"hybrid_worst_error_checkpointed: {worst:.2%} (goal <= {GOAL:.0%})")
+    worst = max(abs(r - 1) for r in ratios)
+    print(f"hybrid_worst_error: {worst:.2%} (goal <= {GOAL:.0%})")
     return 0 if worst <= GOAL else 1
 
 

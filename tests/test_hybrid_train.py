@@ -74,4 +74,7 @@ def test_gguf_export_of_a_2026_family_says_in_one_sentence_where_to_convert_it(t
         timeout=300,
     )
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
-    assert "convert_hf_to_gguf.py converts the merged folder" in out.stderr and not (tmp_path / "x.gguf").exists()
+    assert (
+        "convert_hf_to_gguf.py converts the merged folder" in out.stderr
+        and not (tmp_path / "x.gguf").exists()
+    )

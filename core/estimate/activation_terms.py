@@ -140,38 +140,48 @@ def layer_saved_tensors(
 
 def mixer_saved(t: LayerTerms, kind: str) -> None:
     """Add a recurrent mixer's saved tensors to `t` (a recurrence not modelled yet: as an attention block)."""
-    text = text_config(t.spec)
-    if kind == "gated_deltanet":
-        gdn_terms.gdn_mixer_saved(t, gdn_terms.gdn_facts(text), kernel_path(t.plan, kind))
-    elif kind == "mamba2":
-        mamba_terms.mamba_mixer_saved(t, mamba_terms.mamba_facts(text), kernel_path(t.plan, kind))
-    elif kind == "short_conv":
-        mamba_terms.short_conv_mixer_saved(t, mamba_terms.short_conv_facts(text), kernel_path(t.plan, kind))
-    else:
+    facts = mixer_facts(t.spec, kind)
+    if (
+        facts is None
+    ):  # a kind not modelled, or a family whose config the mixer's terms do not read yet (LFM3)
         _attention_block(t)
+    elif kind == "gated_deltanet":
+        gdn_terms.gdn_mixer_saved(t, facts, kernel_path(t.plan, kind))
+    elif kind == "mamba2":
+        mamba_terms.mamba_mixer_saved(t, facts, kernel_path(t.plan, kind))
+    else:
+        mamba_terms.short_conv_mixer_saved(t, facts, kernel_path(t.plan, kind))
+
+
+def mixer_facts(spec: ModelSpec, kind: str):
+    """The facts a recurrent mixer's terms read from the config; None where they are not modelled."""
+    text = text_config(spec)
+    reader = {
+        "gated_deltanet": gdn_terms.gdn_facts,
+        "mamba2": mamba_terms.mamba_facts,
+        "short_conv": mamba_terms.short_conv_facts,
+    }.get(kind)
+    return reader(text) if reader else None
 
 
 def mixer_temporaries(t: LayerTerms, kind: str) -> tuple[float, float]:
     """Per token, (forward, backward): what a recurrent mixer holds beyond its saved tensors at its peaks."""
-    text, kernel = text_config(t.spec), kernel_path(t.plan, kind)
+    kernel, f = kernel_path(t.plan, kind), mixer_facts(t.spec, kind)
+    if f is None:
+        return 0.0, 0.0
     if kind == "gated_deltanet":
-        f = gdn_terms.gdn_facts(text)
         return gdn_terms.gdn_forward_temporaries(t, f, kernel), gdn_terms.gdn_backward_temporaries(
             t, f, kernel
         )
     if kind == "mamba2":
-        f = mamba_terms.mamba_facts(text)
         return (
             mamba_terms.mamba_forward_temporaries(t, f, kernel),
             mamba_terms.mamba_backward_temporaries(t, f, kernel),
         )
-    if kind == "short_conv":
-        f = mamba_terms.short_conv_facts(text)
-        return (
-            mamba_terms.short_conv_forward_temporaries(t, f, kernel),
-            mamba_terms.short_conv_backward_temporaries(t, f, kernel),
-        )
-    return 0.0, 0.0
+    return (
+        mamba_terms.short_conv_forward_temporaries(t, f, kernel),
+        mamba_terms.short_conv_backward_temporaries(t, f, kernel),
+    )
 
 
 def _attention_block(t: LayerTerms) -> None:
@@ -463,36 +473,3 @@ def offloaded_activations(
 
 def kv_cache_bytes_per_token(spec: ModelSpec, plan: Plan) -> int:
     return spec.kv_cache_bytes_per_token_per_byte * DTYPE_BYTES[plan.compute_dtype]
-
-
-def autocast_weight_copies(spec: ModelSpec, plan: Plan, trainable: int) -> tuple[int, int]:
-    """(alive at the end of forward, alive at the start of backward): 16-bit copies of fp32 weights that
-    matmuls make under bf16/fp16 autocast.
-
-    Which weights are fp32: all of them for an fp32 load; the LoRA adapters (peft keeps them fp32) unless
-    TRL cast them to bf16 (QLoRA); with QLoRA and prepare_model_for_kbit_training the lm_head (or the tied
-    embedding it reuses) -- but only on the plain path: TRL's fused head casts its weight chunks itself
-    (`weight[start:end].to(compute_dtype)`), outside autocast's cache.
-    bitsandbytes 4-bit Linears dequantize straight to the compute dtype: no copy.
-    How long a copy lives: autocast caches the casts of trainable leaf weights until forward leaves the
-    autocast region, and a matmul saves its weight copy for backward unless the layer is checkpointed. So
-    inside checkpointed layers the copies are gone when backward starts; the lm_head, outside the layers,
-    keeps its copy until its own backward.
-    """
-    if not step_dtypes(plan).autocast:
-        return 0, 0
-    head = spec.lm_head_params or spec.embedding_params
-    fp32_load = DTYPE_BYTES[plan.load_dtype] == 4
-    head_copy = head if (fp32_load or (plan.method == "qlora" and plan.prepare_kbit)) else 0
-    if plan.fused_lm_head:
-        head_copy = 0
-    c = DTYPE_BYTES[plan.compute_dtype]
-    if plan.method != "full":
-        trainable_in_layers = trainable if adapter_bytes(plan) != c else 0
-    else:
-        trainable_in_layers = spec.linear_params if fp32_load else 0
-    frozen_in_layers = spec.linear_params if (plan.method == "lora" and fp32_load) else 0
-    if checkpointing_on(plan):
-        return (head_copy + trainable_in_layers) * c, head_copy * c
-    both = (head_copy + trainable_in_layers + frozen_in_layers) * c
-    return both, both

@@ -16,7 +16,6 @@ from core.estimate.activation_terms import (
     LAYERNORM_MODELS,
     activation_bytes,
     attention_mask_bytes,
-    autocast_weight_copies,
     checkpointing_on,
     final_norm_backward_temporaries,
     head_saved_bytes,
@@ -30,6 +29,7 @@ from core.estimate.activation_terms import (
     outside_layers_saved_bytes,
     step_dtypes,
 )
+from core.estimate.autocast_terms import autocast_weight_copies
 from core.estimate.eval_terms import EVAL_COMPONENTS, Evaluation, eval_terms
 from core.estimate.generation_terms import ROLLOUT_COMPONENTS, Rollouts, rollout_terms, with_rollouts
 from core.estimate.head_terms import FusedHead, fused_head_bytes

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import json
 
-from core.estimate.layer_kinds import kernel_note, unmodelled_recurrent_layers
+from core.estimate.activation_terms import mixer_facts
+from core.estimate.layer_kinds import RECURRENT_MODELLED, kernel_note, kinds_of, unmodelled_recurrent_layers
 from core.estimate.plan import Plan, PlanError
 from core.estimate.specs import ModelSpec
 
@@ -25,7 +26,13 @@ def check_against_spec(spec: ModelSpec, plan: Plan, targets) -> list[str]:
     note = kernel_note(spec, plan)
     if note:
         warnings.append(note)
-    unmodelled = unmodelled_recurrent_layers(spec)
+    unmodelled = unmodelled_recurrent_layers(
+        spec
+    ) + sum(  # a modelled kind whose family's config it cannot read
+        1
+        for mixers, _ in kinds_of(spec)
+        if any(m in RECURRENT_MODELLED and not mixer_facts(spec, m) for m in mixers)
+    )
     if unmodelled:
         warnings.append(
             f"{unmodelled} of this model's {spec.num_layers} layers mix tokens by a recurrence this planner does "
