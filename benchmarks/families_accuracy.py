@@ -48,8 +48,8 @@ FAMILIES = {
         ),
         dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"]),
     ),
-    # Mamba-2 + attention with a shared MLP in every layer, dense as Granite 4.0-H Micro / 1B (the MoE sizes' experts,
-    # GraniteMoeHybridParallelExperts, run a forward of their own the planner does not model yet)
+    # Mamba-2 + attention with a shared MLP in every layer, dense as Granite 4.0-H Micro / 1B (the MoE sizes: tests/
+    # test_layer_plan.py's Granite MoE twin)
     "granitemoehybrid": (
         dict(
             TINY,

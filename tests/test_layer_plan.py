@@ -134,3 +134,13 @@ def test_all_linear_leaves_llama4s_router_out_and_the_adapted_model_trains():
     loss = peft_model(input_ids=ids, labels=ids).loss
     loss.backward()
     assert torch.isfinite(loss)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpointing", [True, False], ids=["checkpointing", "no-checkpointing"])
+def test_a_granite_moe_twins_real_step_measures_within_5pct_of_its_plan(checkpointing):
+    """Granite 4.0-H's MoE sizes (the family's twin with 4 experts): its router, the grouped experts and the shared
+    MLP beside them in every layer (core.estimate.granite_moe_terms)."""
+    fields = dict(FAMILIES["granitemoehybrid"][0], num_local_experts=4)
+    planned, measured = measure("granitemoehybrid", fields, 300, checkpointing)
+    assert abs(planned / measured - 1) <= TOLERANCE, (planned, measured)

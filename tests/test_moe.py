@@ -264,6 +264,7 @@ FAMILIES = {
     "glm4_moe": {"first_k_dense_replace": 1},
     "glm4_moe_lite": {"first_k_dense_replace": 1},
     "llama4_text": {},  # its own experts forward (core.estimate.llama4_moe_terms)
+    "granitemoehybrid": {},  # its router and shared MLP (core.estimate.granite_moe_terms)
 }
 
 
@@ -307,7 +308,11 @@ def test_every_moe_family_prints_a_plan_naming_its_experts_and_their_dtype(tmp_p
 @pytest.mark.parametrize(
     "model_type,fields,why",
     [
-        ("jetmoe", {}, "run a forward of their own"),  # not transformers' shared experts implementation
+        (
+            "jetmoe",
+            {},
+            "its attention is a mixture of experts too",
+        ),  # and its experts run a forward of their own
         ("hunyuan_v1_moe", {}, "transformers cannot build"),  # its default config leaves head_dim None
         ("deepseek_v2", {}, "num_experts_per_tok"),  # the default config leaves it None
     ],
@@ -384,3 +389,50 @@ def test_gguf_export_of_a_moe_model_says_it_cannot_yet_in_one_sentence(tmp_path)
     assert (
         len(errors) == 1 and "mixture-of-experts model" in errors[0] and "convert_hf_to_gguf.py" in errors[0]
     )
+
+
+# Granite 4.0-H: a router casting its logits to fp32 (top-k, softmax over k), the grouped experts, and the shared
+# MLP beside the block in every layer (core.estimate.granite_moe_terms); attention layers only, Mamba has its own tests
+GRANITE = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    shared_intermediate_size=96,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+)
+GRANITE_EXPERTS = ["block_sparse_moe.experts.gate_up_proj", "block_sparse_moe.experts.down_proj"]
+GRANITE_LORA = {
+    "attention": dict(target_modules=ATTENTION),
+    "experts": dict(target_modules=ATTENTION, target_parameters=GRANITE_EXPERTS),
+    "all-linear": dict(target_modules="all-linear"),
+}
+
+
+@pytest.mark.parametrize("mode", list(GRANITE_LORA))
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_granite_moe_layer_saves_what_autograd_saves(tmp_path, dtype, mode):
+    """One middle layer of Granite 4.0-H against autograd: its router, the routed pairs, the shared MLP, and the
+    load-balancing loss's softmax of the fp32 logits."""
+    from transformers import AutoConfig
+
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    lora = GRANITE_LORA[mode]
+    cfgs = {
+        n: AutoConfig.for_model(
+            "granitemoehybrid", **GRANITE, num_hidden_layers=n, layer_types=["attention"] * n
+        )
+        for n in (2, 3)
+    }
+    measured = _saved_bytes(cfgs[3], torch_dtype, lora) - _saved_bytes(cfgs[2], torch_dtype, lora)
+    cfgs[2].save_pretrained(tmp_path)
+    spec, plan = load_spec(str(tmp_path)), _plan(tmp_path, lora, dtype)
+    targets = lora_targets(str(tmp_path), normalize_targets(plan.target_modules), plan.target_parameters)
+    facts = moe_of(spec)
+    assert facts.router == "fp32_topk_softmax" and facts.shared_width == 96 and not facts.unsupported
+    planned = (
+        layer_kinds(spec, facts, plan, targets, 64)["moe"] + moe_layer(spec, facts, plan, targets, 64).outside
+    )
+    assert planned == measured

@@ -7,8 +7,9 @@ families add shared experts (a dense MLP every token goes through) or keep the f
 forward is transformers' `use_experts_implementation` (integrations/moe.py; `grouped_mm` by default): every routed
 token-expert pair (tokens x top-k) goes through gate_up, the gate and down as one grouped matmul each. Llama 4's
 experts run a forward of their own (REPEAT_BMM: every token through every expert, core.estimate.llama4_moe_terms);
-a family whose experts run another forward of their own is not modelled: `MoeFacts.unsupported` says so in one
-sentence.
+Granite 4.0-H's experts use transformers' implementation, its router and the shared MLP beside the block are its
+own (core.estimate.granite_moe_terms). A family whose experts run another forward of their own is not modelled, nor
+one whose attention is a mixture of experts too (JetMoE): `MoeFacts.unsupported` says so in one sentence.
 
 The facts are plain JSON (ModelSpec.moe_json) so that the spec's disk cache keeps them; `moe_of(spec)` reads them.
 """
@@ -24,7 +25,8 @@ from functools import lru_cache
 # topk_softmax: top-k of the logits, softmax over those k (gpt-oss);
 # sigmoid_group: sigmoid scores, group-limited top-k, gathered and renormalised (DeepSeek-V3, GLM-4 MoE).
 # sigmoid_topk: top-k of the logits scattered into -inf, sigmoid over every expert (Llama 4).
-ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_group", "sigmoid_topk")
+# fp32_topk_softmax: the logits cast to fp32, their top-k, softmax over those k, cast back (Granite 4.0-H).
+ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_group", "sigmoid_topk", "fp32_topk_softmax")
 
 # Llama 4's experts forward (Llama4TextMoe / Llama4TextExperts): the hidden states repeated once per expert, scaled by
 # the sigmoid scores (0 for the experts not picked), one bmm per projection over experts x tokens rows.
@@ -131,18 +133,28 @@ def _facts(model, layers, cfg) -> MoeFacts | None:
         (down.shape[1] if transposed else down.shape[2]) if down is not None and down.ndim == 3 else 0
     )
     dense = [layers[i] for i, _, mod in found if mod is None]
-    shared_width, shared_gate = _shared(block, path)
+    shared_width, shared_gate = _shared(block, layers[sparse[0][0]], hidden)
     decorated = hasattr(experts, "has_gate")
     implementation = getattr(getattr(experts, "config", cfg), "_experts_implementation", None) or "grouped_mm"
     if repeat_bmm:
         implementation = REPEAT_BMM
     unsupported = ""
-    if not decorated and not repeat_bmm:
+    attention_experts = _attention_experts(layers[sparse[0][0]])
+    if attention_experts:  # JetMoE: its attention's q and o projections are routed experts too (JetMoeMoA)
+        unsupported = (
+            f"{cfg.model_type}: its attention is a mixture of experts too ({attention_experts}: the query and "
+            f"output projections are experts each token is routed through) and its experts "
+            f"({type(experts).__name__}) run a forward of their own (the routed tokens split per expert, one "
+            "matmul each), so this planner cannot model their activations yet; it plans the MoE families whose "
+            "experts use transformers' shared experts implementation (Qwen2/3-MoE, Mixtral, gpt-oss, OLMoE, "
+            "DeepSeek-V2/V3, GLM-4 MoE, Granite 4.0-H and most others) and Llama 4's."
+        )
+    elif not decorated and not repeat_bmm:
         unsupported = (
             f"{cfg.model_type}: its experts ({type(experts).__name__}) run a forward of their own, not "
             "transformers' shared experts implementation, so this planner cannot model their activations yet; "
             "it plans the MoE families whose experts use it (Qwen2/3-MoE, Mixtral, gpt-oss, OLMoE, DeepSeek-V2/V3, "
-            "GLM-4 MoE and most others) and Llama 4's."
+            "GLM-4 MoE, Granite 4.0-H and most others) and Llama 4's."
         )
     elif not top_k:
         unsupported = (
@@ -185,6 +197,15 @@ def _facts(model, layers, cfg) -> MoeFacts | None:
     )
 
 
+def _attention_experts(layer) -> str:
+    """The class of the layer's attention when it holds experts (3-D parameters) of its own, else "" (a
+    convolution's kernel is no expert: Qwen3-Next's linear_attn has one)."""
+    for name, mod in layer.named_children():
+        if ("attn" in name or "attention" in name) and _experts_in(mod)[1] is not None:
+            return type(mod).__name__
+    return ""
+
+
 def _repeats_every_token(block, experts) -> bool:
     """Do the experts run Llama 4's forward: the block repeats the hidden states once per expert and the experts
     multiply them with one bmm per projection (every token through every expert, whatever the router picks)?"""
@@ -201,14 +222,18 @@ def _router(block, experts: int, hidden: int):
     return "", None
 
 
-def _shared(block, experts_path: str) -> tuple[int, bool]:
-    """(intermediate size of the shared experts, whether a sigmoid gate scales them) of a MoE block."""
+def _shared(block, layer, hidden: int) -> tuple[int, bool]:
+    """(intermediate size of the shared experts, whether a sigmoid gate scales them) of a MoE block. Granite
+    4.0-H keeps its shared MLP beside the block, in the layer (`shared_mlp`, input_linear / output_linear)."""
     width, gate = 0, False
-    for name, mod in block.named_children():
+    children = list(block.named_children())
+    if layer is not block:
+        children += [(n, m) for n, m in layer.named_children() if m is not block]
+    for name, mod in children:
         if "shared" not in name:
             continue
-        down = getattr(mod, "down_proj", None)
-        if down is not None and hasattr(down, "in_features"):
+        down = getattr(mod, "down_proj", None) or getattr(mod, "output_linear", None)
+        if down is not None and getattr(down, "out_features", None) == hidden:
             width += down.in_features
         elif getattr(mod, "out_features", None) == 1:
             gate = True
@@ -248,6 +273,8 @@ def _fp32_routing(src: str) -> bool:
 
 
 def _router_kind(src: str) -> str:
+    if "softmax(top_k_logits" in src and ").float()" in src:
+        return "fp32_topk_softmax"
     if "sigmoid" in src:
         return "sigmoid_group"
     if "softmax(router_top_value" in src:

@@ -28,6 +28,7 @@ from core.estimate.activation_terms import (
     layer_saved_tensors,
     step_dtypes,
 )
+from core.estimate.granite_moe_terms import FP32_TOPK_SOFTMAX, granite_router
 from core.estimate.llama4_moe_terms import llama4_backward_peak, llama4_routed
 from core.estimate.moe import REPEAT_BMM, MoeFacts, moe_of, routed_rows
 from core.estimate.plan import DTYPE_BYTES, Plan
@@ -111,7 +112,8 @@ def moe_layer(spec: ModelSpec, facts: MoeFacts, plan: Plan, targets, tokens: int
     h, width, e, k = spec.hidden_size, facts.width, facts.experts, facts.top_k
     pairs = tokens * k
     p = DTYPE_BYTES[plan.load_dtype]  # grouped_mm runs in the experts' dtype (it casts its input to it)
-    logit = 4 if facts.router_fp32_weight else d.proj
+    # the logits the loss keeps: fp32 where the router computes in fp32 or casts them (Granite's `.float()`)
+    logit = 4 if facts.router_fp32_weight or facts.router == FP32_TOPK_SOFTMAX else d.proj
     lora = expert_targets(targets, facts)
     # the loss's softmax of the layer's logits, and the top-k indices its routing counts take
     outside = tokens * (e * logit + k * 8) if facts.aux_loss else 0
@@ -122,7 +124,9 @@ def moe_layer(spec: ModelSpec, facts: MoeFacts, plan: Plan, targets, tokens: int
         return MoeLayer(saved, merged, outside, logits, temporaries)
     saved: dict[str, int] = {}
     # router
-    if facts.router == "topk_softmax":
+    if facts.router == FP32_TOPK_SOFTMAX:  # Granite 4.0-H (core.estimate.granite_moe_terms)
+        saved.update(granite_router(facts, plan, tokens))
+    elif facts.router == "topk_softmax":
         saved["router.topk_indices"] = tokens * k * 8
         saved["router.softmax"] = tokens * k * logit
     else:
@@ -147,7 +151,7 @@ def moe_layer(spec: ModelSpec, facts: MoeFacts, plan: Plan, targets, tokens: int
     # the routed pairs (grouped_mm_experts_forward)
     saved["experts.indices"] = 3 * pairs * 8  # the gather, the routing weights' and the un-permute's
     saved["experts.offsets"] = e * 4
-    saved["experts.routing_weights"] = pairs * (4 if facts.routing_fp32 else logit)
+    saved.setdefault("experts.routing_weights", pairs * (4 if facts.routing_fp32 else logit))
     saved["experts.gate_up_out"] = pairs * (2 if facts.gated else 1) * width * p
     if facts.clamped_gate:  # gpt-oss: clamp(gate), sigmoid(alpha * gate), up + 1, and their product
         saved["experts.gate"] = 4 * pairs * width * p
