@@ -138,7 +138,8 @@ def open_source(model_dir: str | Path) -> Source:
                 f"dense Llama, Mistral and Qwen2 models); {elsewhere}"
             )
         raise BadInput(
-            f"Architecture {shown} is not one this exporter writes to GGUF (dense Llama, Mistral and Qwen2); {elsewhere}"
+            f"Architecture {shown} is not supported by this GGUF exporter (it writes dense Llama, Mistral and Qwen2); "
+            f"{elsewhere}"
         )
     if config.get("quantization_config"):
         raise BadInput(f"{path} holds a quantized checkpoint; export the unquantized (merged) model instead.")
