@@ -63,7 +63,7 @@ def _get(c: dict, *names, default=None):
 def mamba_facts(text_config: dict) -> MambaFacts | None:
     """The Mamba-2 mixer's geometry from a config dict (each family names the fields its own way), or None."""
     c, mt = text_config, text_config.get("model_type")
-    if mt not in MAMBA_FAMILIES or not any("mamba2" in k for k in layer_mixers(c, _num_layers(c))):
+    if mt not in MAMBA_FAMILIES:  # which layers are Mamba-2 is core.estimate.layer_kinds' (the module tree)
         return None
     hidden = c["hidden_size"]
     if mt == "mamba2":
@@ -104,69 +104,9 @@ def mamba_facts(text_config: dict) -> MambaFacts | None:
 def short_conv_facts(text_config: dict) -> ShortConvFacts | None:
     """LFM2's ShortConv geometry (conv_L_cache taps over the hidden width), or None without conv layers."""
     c = text_config
-    if c.get("model_type") not in SHORT_CONV_FAMILIES or "short_conv" not in layer_mixers(c, _num_layers(c)):
+    if c.get("model_type") not in SHORT_CONV_FAMILIES:
         return None
     return ShortConvFacts(c["model_type"], c["hidden_size"], c.get("conv_L_cache", 3))
-
-
-def _num_layers(c: dict) -> int:
-    for key in ("layers_block_type", "layer_types", "hybrid_override_pattern"):
-        if c.get(key) and c.get("model_type") == "nemotron_h":
-            return len(c[key])
-    return c.get("num_hidden_layers", 0)
-
-
-_MIXER_NAMES = {
-    "mamba": "mamba2",
-    "linear_attention": "mamba2",
-    "M": "mamba2",
-    "attention": "attention",
-    "full_attention": "attention",
-    "*": "attention",
-    "conv": "short_conv",
-    "mlp": "none",
-    "-": "none",
-    "moe": "none",
-    "E": "none",
-}
-
-
-def layer_mixers(text_config: dict, num_layers: int) -> tuple[str, ...]:
-    """Each layer's token mixer: "attention", "mamba2", "short_conv", "mamba2+attention" (falcon_h1: both in
-    parallel on the same norm output, every layer), or "none" (nemotron_h's MLP-only "-" and MoE-only "E"
-    blocks).
-
-    Where the families say it: mamba2 has Mamba layers only (Mamba2Block: norm + mixer, no MLP); bamba
-    `attn_layer_indices` (the rest Mamba; every layer has an MLP); granitemoehybrid `layer_types` /
-    `layers_block_type` ("mamba"/"linear_attention" vs "attention"/"full_attention"; every layer has a shared MLP
-    and MoE when num_local_experts > 0); nemotron_h `layers_block_type` or the legacy `hybrid_override_pattern`
-    (M = Mamba, * = attention, - = MLP, E = MoE: one block per layer, each block ONE norm + that one module, so
-    no layer holds both a mixer and an MLP); lfm2 `layer_types` ("conv" / "full_attention") or `full_attn_idxs`
-    (every layer has an MLP, or MoE after num_dense_layers in lfm2_moe)."""
-    c = text_config
-    mt = c.get("model_type")
-    if mt == "mamba2":
-        return ("mamba2",) * num_layers
-    if mt == "falcon_h1":
-        return ("mamba2+attention",) * num_layers
-    if mt == "bamba":
-        idx = set(c.get("attn_layer_indices") or ())
-        return tuple("attention" if i in idx else "mamba2" for i in range(num_layers))
-    if mt == "nemotron_h":
-        kinds = c.get("layers_block_type") or list(c.get("hybrid_override_pattern") or "")
-        kinds = kinds or ["mamba"] * num_layers
-        return tuple(_MIXER_NAMES.get(k, "attention") for k in kinds[:num_layers])
-    if mt == "granitemoehybrid":
-        kinds = c.get("layer_types") or c.get("layers_block_type") or ["mamba"] * num_layers
-        return tuple(_MIXER_NAMES.get(k, "attention") for k in kinds[:num_layers])
-    if mt in SHORT_CONV_FAMILIES:
-        kinds = c.get("layer_types")
-        if not kinds:
-            full = c.get("full_attn_idxs")
-            full = set(range(num_layers) if full is None else full)
-            kinds = ["full_attention" if i in full else "conv" for i in range(num_layers)]
-        return tuple(_MIXER_NAMES.get(k, "attention") for k in kinds[:num_layers])
-    return ("attention",) * num_layers
 
 
 # ----------------------------------------------------------------------------------------------------------
