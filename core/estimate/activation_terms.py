@@ -7,8 +7,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from core.estimate import gdn_terms, layer_shapes, mamba_terms
+from core.estimate import layer_shapes
 from core.estimate.layer_kinds import kernel_path, kinds_of, mlp_linear_names, text_config
+from core.estimate.mixer_terms import MIXERS
 from core.estimate.plan import DTYPE_BYTES, OFFLOAD_STASH, Plan, packed_sequences
 from core.estimate.specs import ModelSpec
 from core.estimate.static_terms import adapter_bytes
@@ -145,23 +146,14 @@ def mixer_saved(t: LayerTerms, kind: str) -> None:
         facts is None
     ):  # a kind not modelled, or a family whose config the mixer's terms do not read yet (LFM3)
         _attention_block(t)
-    elif kind == "gated_deltanet":
-        gdn_terms.gdn_mixer_saved(t, facts, kernel_path(t.plan, kind))
-    elif kind == "mamba2":
-        mamba_terms.mamba_mixer_saved(t, facts, kernel_path(t.plan, kind))
     else:
-        mamba_terms.short_conv_mixer_saved(t, facts, kernel_path(t.plan, kind))
+        MIXERS[kind].saved(t, facts, kernel_path(t.plan, kind))
 
 
 def mixer_facts(spec: ModelSpec, kind: str):
     """The facts a recurrent mixer's terms read from the config; None where they are not modelled."""
-    text = text_config(spec)
-    reader = {
-        "gated_deltanet": gdn_terms.gdn_facts,
-        "mamba2": mamba_terms.mamba_facts,
-        "short_conv": mamba_terms.short_conv_facts,
-    }.get(kind)
-    return reader(text) if reader else None
+    row = MIXERS.get(kind)
+    return row.facts(text_config(spec)) if row else None
 
 
 def mixer_temporaries(t: LayerTerms, kind: str) -> tuple[float, float]:
@@ -169,19 +161,8 @@ def mixer_temporaries(t: LayerTerms, kind: str) -> tuple[float, float]:
     kernel, f = kernel_path(t.plan, kind), mixer_facts(t.spec, kind)
     if f is None:
         return 0.0, 0.0
-    if kind == "gated_deltanet":
-        return gdn_terms.gdn_forward_temporaries(t, f, kernel), gdn_terms.gdn_backward_temporaries(
-            t, f, kernel
-        )
-    if kind == "mamba2":
-        return (
-            mamba_terms.mamba_forward_temporaries(t, f, kernel),
-            mamba_terms.mamba_backward_temporaries(t, f, kernel),
-        )
-    return (
-        mamba_terms.short_conv_forward_temporaries(t, f, kernel),
-        mamba_terms.short_conv_backward_temporaries(t, f, kernel),
-    )
+    row = MIXERS[kind]
+    return row.forward_temporaries(t, f, kernel), row.backward_temporaries(t, f, kernel)
 
 
 def _attention_block(t: LayerTerms) -> None:

@@ -7,8 +7,9 @@ Hybrids interleave kinds (Qwen3.5: three Gated DeltaNet layers to one of attenti
 rather than multiplying one layer by their number. A recurrent mixer's memory depends on the path that runs it:
 transformers' torch implementation, or the kernels of flash-linear-attention (Gated DeltaNet) and mamba-ssm +
 causal-conv1d (Mamba-2) when they are installed on a CUDA machine (`kernel_path`). The saved tensors of each kind
-are core.estimate.activation_terms' (attention, the MLP, the dispatch), gdn_terms' and mamba_terms'; this module
-only reads the layers (it imports nothing of the planner's: the specs that record the kinds import it)."""
+are core.estimate.activation_terms' (attention, the MLP) and mixer_terms' rows (a recurrent kind is modelled when it
+has one); this module only reads the layers (the specs that record the kinds import it, so it imports neither them
+nor anything that does)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,9 @@ import importlib.util
 import json
 from functools import lru_cache
 
+from core.estimate.mixer_terms import MIXERS
+
 ATTENTION = "attention"
-# mixers whose saved tensors are modelled from their code (the rest are planned as attention, with a warning)
-RECURRENT_MODELLED = ("gated_deltanet", "mamba2", "short_conv")
 # class-name endings of the mixer modules transformers 5 builds (a direct child of the decoder layer)
 _MIXER_CLASSES = (
     ("GatedDeltaNet", "gated_deltanet"),  # Qwen3.5, Qwen3-Next, OLMo-hybrid
@@ -76,22 +77,12 @@ def attention_layers(spec) -> int:
 
 def unmodelled_recurrent_layers(spec) -> int:
     """Layers whose token mixer is a recurrence this planner does not model (planned as attention)."""
-    return sum(
-        1 for mixers, _ in kinds_of(spec) if any(m not in (ATTENTION, *RECURRENT_MODELLED) for m in mixers)
-    )
+    return sum(1 for mixers, _ in kinds_of(spec) if any(m != ATTENTION and m not in MIXERS for m in mixers))
 
 
 def text_config(spec) -> dict:
     config = json.loads(spec.config_json)
     return config.get("text_config") or config
-
-
-# what each recurrent kind's kernel path needs installed (transformers takes it when they import, on CUDA)
-KERNEL_PACKAGES = {
-    "gated_deltanet": ("fla",),
-    "mamba2": ("mamba_ssm", "causal_conv1d"),
-    "short_conv": ("causal_conv1d",),
-}
 
 
 def kernel_path(plan, kind: str) -> bool:
@@ -102,18 +93,22 @@ def kernel_path(plan, kind: str) -> bool:
         return False
     if plan.recurrent_kernels == "kernels":
         return True
-    return all(importlib.util.find_spec(p) is not None for p in KERNEL_PACKAGES.get(kind, ()))
+    return (
+        all(importlib.util.find_spec(p) is not None for p in MIXERS[kind].kernels)
+        if kind in MIXERS
+        else False
+    )
 
 
 def kernel_note(spec, plan) -> str:
     """One sentence: which path the plan assumed for the model's recurrent layers, and why ("" for none)."""
-    kinds = sorted({m for mixers, _ in kinds_of(spec) for m in mixers if m in RECURRENT_MODELLED})
+    kinds = sorted({m for mixers, _ in kinds_of(spec) for m in mixers if m in MIXERS})
     if not kinds:
         return ""
     parts = []
     for kind in kinds:
         on = kernel_path(plan, kind)
-        packages = " + ".join(KERNEL_PACKAGES[kind])
+        packages = " + ".join(MIXERS[kind].kernels)
         if plan.recurrent_kernels == "auto" and plan.device == "cuda":
             why = f"{packages} {'importable' if on else 'not installed'} here"
         elif plan.device != "cuda":

@@ -8,12 +8,12 @@ import json
 
 from core.estimate.activation_terms import mixer_facts
 from core.estimate.layer_kinds import (
-    RECURRENT_MODELLED,
     kernel_note,
     kernel_path,
     kinds_of,
     unmodelled_recurrent_layers,
 )
+from core.estimate.mixer_terms import MIXERS
 from core.estimate.plan import Plan, PlanError
 from core.estimate.specs import ModelSpec
 
@@ -44,9 +44,7 @@ def check_against_spec(spec: ModelSpec, plan: Plan, targets) -> list[str]:
     unmodelled = unmodelled_recurrent_layers(
         spec
     ) + sum(  # a modelled kind whose family's config it cannot read
-        1
-        for mixers, _ in kinds_of(spec)
-        if any(m in RECURRENT_MODELLED and not mixer_facts(spec, m) for m in mixers)
+        1 for mixers, _ in kinds_of(spec) if any(m in MIXERS and not mixer_facts(spec, m) for m in mixers)
     )
     if unmodelled:
         warnings.append(
