@@ -148,3 +148,29 @@ def test_a_granite_moe_twins_real_step_measures_within_5pct_of_its_plan(checkpoi
     fields = dict(FAMILIES["granitemoehybrid"][0], num_local_experts=4)
     planned, measured = measure("granitemoehybrid", fields, 300, checkpointing)
     assert abs(planned / measured - 1) <= TOLERANCE, (planned, measured)
+
+
+def test_all_linear_keeps_a_linear_subclass_whose_forward_returns_a_tensor_and_it_trains():
+    """Falcon's FalconLinear (a matmul plus bias with a forward of its own) is a Linear peft trains: all-linear
+    keeps every one of them (leaving them out left Falcon with no target at all), while Llama 4's router, whose
+    forward returns scores and indices, stays out."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from core.recipe.peft_targets import all_linear
+
+    torch.manual_seed(0)
+    fields = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("falcon", **fields))
+    targets, notes = all_linear(model)
+    assert targets == "all-linear" and notes == []
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=targets))
+    adapted = {n.rsplit(".", 1)[-1] for n, m in peft_model.named_modules() if hasattr(m, "lora_A")}
+    assert {"query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"} <= adapted, adapted
+    ids = torch.randint(0, 128, (1, 8))
+    loss = peft_model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    llama4 = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama4_text", **LLAMA4))
+    assert any("router (Llama4Router)" in note for note in all_linear(llama4)[1])

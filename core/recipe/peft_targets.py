@@ -3,8 +3,9 @@ the Linear layers peft cannot train there -- one rule for the planner (on the me
 loaded one), so the plan bills exactly the adapters the run makes.
 
 Left out, from peft 0.21's and transformers 5's code:
-- a model class's own Linear subclass with a forward of its own (Llama 4's router returns a tuple, so peft's
-  LoRA wrapper fails on the first forward: "'tuple' object has no attribute 'dtype'");
+- a model class's own Linear subclass whose forward does not return one tensor (Llama 4's router returns scores
+  and indices, so peft's LoRA wrapper fails on the first forward: "'tuple' object has no attribute 'dtype'");
+  one that returns a tensor (Falcon's FalconLinear, a matmul plus bias) is a Linear peft trains like any other;
 - the projections peft refuses on Mamba-based families (tuners_utils._check_lora_target_modules_mamba: out_proj
   and conv1d on falcon_h1, mamba, mamba2, falcon_mamba, nemotron_h), which it would refuse outright.
 """
@@ -17,15 +18,25 @@ PEFT_MAMBA_REFUSED = ("out_proj", "conv1d")
 
 
 def _own_forward_linear(module) -> bool:
-    """A transformers model's Linear subclass that overrides forward (a router returning scores and indices)."""
+    """A transformers model's Linear subclass whose own forward does not return one tensor (a router returning
+    scores and indices): asked of the module itself, one row through it (on the meta model, no compute)."""
+    import torch
     import torch.nn as nn
 
     cls = type(module)
-    return (
-        cls is not nn.Linear
-        and cls.__module__.startswith("transformers.models.")
-        and cls.forward is not nn.Linear.forward
-    )
+    if (
+        cls is nn.Linear
+        or not cls.__module__.startswith("transformers.models.")
+        or cls.forward is nn.Linear.forward
+    ):
+        return False
+    weight = module.weight
+    try:
+        with torch.no_grad():
+            out = module(torch.zeros(1, module.in_features, device=weight.device, dtype=weight.dtype))
+    except Exception:  # a forward that cannot run alone cannot run under LoRA's wrapper either
+        return True
+    return not isinstance(out, torch.Tensor)
 
 
 def all_linear(model) -> tuple[str | list[str], list[str]]:
