@@ -22,7 +22,7 @@ from core.estimate.levers import (
     with_every_lever,
 )
 from core.estimate.moe_terms import moe_lines
-from core.estimate.plan import GiB, Plan, PlanError
+from core.estimate.plan import RECURRENT_KERNELS, GiB, Plan, PlanError
 from core.estimate.source import source_line
 from core.estimate.specs import SpecError, load_spec, preset_ids
 from core.estimate.vlm import vlm_of
@@ -70,6 +70,11 @@ def _cards() -> list[tuple[str, float]]:
     ]
 
 
+RECURRENT_PATHS = {
+    "auto": "what is installed here",
+    "kernels": "their CUDA kernels (fla, mamba-ssm)",
+    "torch": "transformers' torch code",
+}
 P = "es_"  # this page's widget keys: es_ + the field's name (ui/fields.py)
 DEFAULT_MODEL = "meta-llama/Llama-2-7b-hf"
 # How the planner is asked beyond the run config: the card, and settings a run config does not carry (the KV cache
@@ -81,6 +86,8 @@ OPTIONS = {
     "expandable_segments": False,
     "fused_lm_head": True,
     "prepare_kbit": False,
+    # which path a hybrid's recurrent layers run on the training machine (core.estimate.layer_kinds.kernel_path)
+    "recurrent_kernels": "auto",
     # a vision-language model's images (shown only for one; core.estimate.vlm)
     "image_width": Plan.image_width,
     "image_height": Plan.image_height,
@@ -253,7 +260,16 @@ def _lever_toggles(method) -> None:
     """The memory levers (docs/planner.md, 'Fitting more'), and the plain-Trainer paths to compare the engine with."""
     fields.row(P, ("padding_free", "packing", "packing_strategy"), method=method)
     fields.row(P, ("offload", "liger", None), method=method)
-    c1, c2, _ = st.columns(3)
+    c1, c2, c3 = st.columns(3)
+    c3.selectbox(
+        "Recurrent layers run on",
+        RECURRENT_KERNELS,
+        key=P + "recurrent_kernels",
+        format_func=RECURRENT_PATHS.get,
+        help="Hybrids only (Qwen3.5, Granite 4.0-H, Nemotron-H, LFM2...): their Gated DeltaNet / Mamba / "
+        "short-conv layers hold other memory on transformers' torch code than on the CUDA kernels of "
+        "flash-linear-attention, mamba-ssm and causal-conv1d. Auto: the kernels if they are installed here.",
+    )
     c1.checkbox(
         "Fused LM head (tiled loss)",
         key=P + "fused_lm_head",
@@ -306,6 +322,7 @@ def plan_of(cfg: dict, options: dict) -> Plan:
         eval_kv_tokens=int(options["eval_kv_tokens"] or 0),
         fused_lm_head=bool(options["fused_lm_head"]),
         prepare_kbit=bool(options["prepare_kbit"]) and plan.method == "qlora",
+        recurrent_kernels=options["recurrent_kernels"] or "auto",
     )
 
 

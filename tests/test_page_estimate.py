@@ -270,3 +270,28 @@ def test_an_unreachable_hub_id_suggests_the_nearest_preset_by_name(monkeypatch):
     at.text_input(key="es_model_path").set_value("nobody/unrelated-thing").run()
     error = next(e.value for e in at.error if "Unknown model" in e.value)
     assert "Pick a bundled preset such as" in error  # nothing near by name: a few to pick from
+
+
+def test_a_hybrids_recurrent_layers_are_planned_on_the_path_the_user_picks(tmp_path):
+    """The target machine's choice: the plan of a Qwen3.5 twin differs on transformers' torch code and on the
+    CUDA kernels, and says which one it planned."""
+    from transformers import AutoConfig
+
+    fields = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4)
+    AutoConfig.for_model("qwen3_5_text", num_key_value_heads=2, **fields).save_pretrained(tmp_path)
+    at = _app()
+    at.selectbox(key="es_model").set_value("Local model folder…")
+    at.run()
+    at.text_input(key="es_model_path").set_value(str(tmp_path))
+    at.number_input(key="es_max_length").set_value(2048)
+    peaks, notes = {}, {}
+    for path in ("torch", "kernels"):
+        at.selectbox(key="es_recurrent_kernels").set_value(path)
+        at.run()
+        assert not at.exception, at.exception
+        assert at.session_state["estimate_options"]["recurrent_kernels"] == path
+        peaks[path] = next(m.value for m in at.metric if m.label == "Tensor peak")
+        notes[path] = [w.value for w in at.warning if "Recurrent layers planned" in w.value]
+    assert peaks["torch"] != peaks["kernels"], peaks
+    assert "the torch path (recurrent_kernels torch)" in notes["torch"][0]
+    assert "its CUDA kernels (recurrent_kernels kernels)" in notes["kernels"][0]
