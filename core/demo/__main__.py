@@ -51,11 +51,20 @@ def grpo_demo(out: Path) -> tuple[float, float]:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from core.demo.grpo import REWARDS, ensure_grpo_data, grpo_demo_config, heldout_scores, warm_base
+    from core.demo.grpo import (
+        REWARDS,
+        ensure_grpo_data,
+        grpo_demo_config,
+        heldout_scores,
+        warm_base,
+        warm_start_line,
+    )
 
     _, heldout_path = ensure_grpo_data(out)
     heldout = [json.loads(line) for line in heldout_path.read_text(encoding="utf-8").splitlines() if line]
     start = warm_base(out)
+    if said := warm_start_line(start):
+        print(said, flush=True)
     tokenizer = AutoTokenizer.from_pretrained(start)
     model = AutoModelForCausalLM.from_pretrained(start)
     reward_before, exact_before = heldout_scores(model, tokenizer, heldout, REWARDS)

@@ -103,9 +103,13 @@ def run_eval(p: dict, report: Progress) -> dict:
 
 def run_warm_start(p: dict, report: Progress) -> dict:
     """The GRPO demo's start model (core.demo.grpo.warm_base): a few steps of the demo run, merged; once."""
-    from core.demo.grpo import WARM_STEPS, warm_base
+    from core.demo.grpo import WARM_BAND, WARM_STEPS, warm_base
 
-    report(phase=f"training the demo run's first {WARM_STEPS} steps, then merging them into the demo model")
+    low, high = WARM_BAND
+    report(
+        phase=f"training the demo run up to {WARM_STEPS} steps, taking the first right on {low:.0%}-{high:.0%} of "
+        "the held-out words, then merging it into the demo model"
+    )
     return {"model": str(warm_base(p["out"]))}
 
 
