@@ -8,6 +8,7 @@ import streamlit as st
 
 from core import jobs
 from core.eval.results import SCORED, list_results, read_result
+from core.eval.scores import NORMALIZATION
 from core.monitor.watch import run_method
 from core.recipe import methods
 from core.runs.launcher import list_runs
@@ -85,7 +86,8 @@ run_dir = st.selectbox(
 )
 st.session_state["eval_run"] = run_dir
 with contextlib.suppress(ValueError):  # a config naming no known method: the evaluation says what is wrong
-    st.caption(f"This run: {SCORED[methods.get(run_method(run_dir)).eval_kind]}")
+    kind = methods.get(run_method(run_dir)).eval_kind
+    st.caption(f"This run: {SCORED[kind]}" + (f" {NORMALIZATION}" if kind == "answers" else ""))
 start(workspace, run_dir)
 stored = list_results(run_dir)
 if stored:

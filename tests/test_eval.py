@@ -68,6 +68,19 @@ def test_rouge_l_and_chrf_come_from_their_libraries():
     assert scores.chrf("xyz", "HELLO") < 0.1
 
 
+@pytest.mark.parametrize(
+    "answer, reference",
+    [("lpjwx", "LPJWX"), ("Hello, world", "hello world"), ("привет мир", "ПРИВЕТ МИР")],
+)
+def test_every_score_reads_the_answer_as_written(answer, reference):
+    """One normalization rule: a base that answers in the wrong case (or punctuation) is wrong by every score;
+    rouge-score's own tokenizer lower-cased ASCII words, so ROUGE-L alone called 'lpjwx' right."""
+    row = scores.score(answer, reference)
+    assert row["exact_match"] == 0.0 and row["token_f1"] < 1.0 and row["rouge_l"] < 1.0, row
+    assert row["rouge_l"] == pytest.approx(row["token_f1"])  # one token list: LCS = overlap in order here
+    assert scores.score(reference, reference)["rouge_l"] == 1.0  # and non-ASCII text scores, right or wrong
+
+
 def test_summary_lines_read_base_then_tuned():
     rows = [
         {

@@ -1,10 +1,12 @@
 """The scores of a generated answer against its reference, per row and over a set: exact match, token F1,
 ROUGE-L (rouge-score) and chrF (sacrebleu), and the summary lines `eval: <metric> B -> A`.
 
-Exact match compares the stripped strings as they are (case and punctuation count: "hello" is not "HELLO"), the
-way core.demo's held-out accuracy does. Token F1 is SQuAD's overlap of whitespace tokens, also case-sensitive.
-ROUGE-L is rouge-score's F-measure with its own tokenizer (lower-cased ASCII words: text in other scripts scores
-0 there; chrF, on characters, covers it). Scores are fractions (0..1); the lines show percentages.
+One rule for every score (NORMALIZATION): the text as the model wrote it, case and punctuation counting ("lpjwx"
+is not "LPJWX"), the way core.demo's held-out accuracy judges. Exact match compares the stripped strings; token F1
+is SQuAD's overlap of whitespace tokens; ROUGE-L is rouge-score's longest-common-subsequence F-measure over the same
+whitespace tokens (its own tokenizer would lower-case and keep ASCII words only, so a base answering in the wrong
+case scored 1 there and 0 everywhere else); chrF (sacrebleu) compares characters, case-sensitive. Scores are
+fractions (0..1); the lines show percentages.
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ METRICS = (
     ("chrf", "chrF", "pct"),
 )
 LOSS_METRICS = (("answer_loss", "answer loss", "num"), ("perplexity", "perplexity", "num"))
+NORMALIZATION = (
+    "Every score reads the answer as written: case and punctuation count; exact match on the stripped text, token F1 "
+    "and ROUGE-L on whitespace tokens, chrF on characters."
+)
 LABELS = {key: label for key, label, _ in (*METRICS, *LOSS_METRICS)}
 KINDS = {key: kind for key, _, kind in (*METRICS, *LOSS_METRICS)}
 
@@ -43,12 +49,19 @@ def token_f1(answer: str, reference: str) -> float:
 _ROUGE = None
 
 
+class _WhitespaceTokens:
+    """rouge-score's tokenizer interface: token F1's tokens (whitespace-separated, as written)."""
+
+    def tokenize(self, text: str) -> list[str]:
+        return text.split()
+
+
 def rouge_l(answer: str, reference: str) -> float:
     global _ROUGE
     if _ROUGE is None:
         from rouge_score import rouge_scorer
 
-        _ROUGE = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=False)
+        _ROUGE = rouge_scorer.RougeScorer(["rougeL"], tokenizer=_WhitespaceTokens())
     return float(_ROUGE.score(reference, answer)["rougeL"].fmeasure)
 
 
