@@ -16,7 +16,10 @@ Goals: page and form <= 3 s with an empty cache; verdict <= 3 s (median) with th
 Chromium at /usr/bin/chromium and playwright. The last line is the headline, `cold_start: ... (goal ...)`;
 exit 1 when a goal is missed, 2 when it cannot run here.
 
-    python benchmarks/cold_start.py [--servers 3]
+    python benchmarks/cold_start.py [--servers 3] [--quick]
+
+`--quick` (the suite's check that the script runs): one server with the cache; headline printed, exit 0 even on a
+goal miss, non-zero on an error (2 without Chromium).
 """
 
 from __future__ import annotations
@@ -72,7 +75,10 @@ def _each(runs: list[dict], key: str) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--servers", type=int, default=3, help="fresh servers with the warm cache (median)")
+    parser.add_argument("--quick", action="store_true", help="one server with the cache (goal not judged)")
     args = parser.parse_args()
+    if args.quick:
+        args.servers = 1
     if not Path(CHROMIUM).exists():
         print(f"cold_start: needs Chromium at {CHROMIUM} (Debian: apt-get install chromium)", file=sys.stderr)
         return 2
@@ -100,10 +106,16 @@ def main() -> int:
     ok = written == ["spec", "targets"] and verdict <= GOAL_S and empty["page"] <= GOAL_S
     print(
         f"cold_start: verdict {verdict:.2f} s on a fresh server with the spec cache (median of {len(warm)}), page "
-        f"{empty['page']:.2f} s with an empty cache (goal <= {GOAL_S:.0f} s and <= {GOAL_S:.0f} s)"
+        f"{empty['page']:.2f} s with an empty cache (goal <= {GOAL_S:.0f} s and <= {GOAL_S:.0f} s"
+        + ("; --quick: not judged)" if args.quick else ")")
         + ("" if ok else " MISSED")
     )
-    return 0 if ok else 1
+    if written != ["spec", "targets"]:  # not a timing: the first server must write the cache
+        print(
+            f"cold_start: the first server wrote {written}, not the spec and targets cache", file=sys.stderr
+        )
+        return 1
+    return 0 if ok or args.quick else 1
 
 
 if __name__ == "__main__":

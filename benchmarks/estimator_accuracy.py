@@ -19,6 +19,10 @@ real widths; Llama-2-7B's MHA layout (32 layers, heads of 128, vocab 32000) with
 
     python benchmarks/estimator_accuracy.py              # the whole matrix (goal judged)
     python benchmarks/estimator_accuracy.py --only 0,5   # some rows (goal not judged)
+    python benchmarks/estimator_accuracy.py --quick      # one row: the script still runs (what the suite runs)
+
+`--quick`: one TRL-path LoRA row on TinyLlama's layout at 1/8 width (QUICK_ARCH, seconds); like --only, a goal
+miss does not fail it, an error does.
 """
 
 from __future__ import annotations
@@ -58,6 +62,13 @@ ARCHS = {
         {"hidden_size": 1024, "intermediate_size": 2752, "num_attention_heads": 8, "num_key_value_heads": 8},
     ),
 }
+
+# --quick only: TinyLlama's layout (GQA, SwiGLU, its vocabulary) at 1/8 of its widths, so one step takes seconds
+QUICK_ARCH = "tinyllama/8"
+ARCHS[QUICK_ARCH] = (
+    "TinyLlama/TinyLlama-1.1B-Chat-v1.0",
+    {"hidden_size": 256, "intermediate_size": 704, "num_attention_heads": 4, "num_key_value_heads": 2},
+)
 
 QV = "q_proj,v_proj"
 AL = "all-linear"
@@ -396,12 +407,15 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write the rows to this JSON file")
     ap.add_argument("--measure-cache", help="reuse/store measurements in this JSON file (development aid)")
     ap.add_argument("--verbose", action="store_true", help="per-phase figures")
+    ap.add_argument("--quick", action="store_true", help="one small row (goal not judged)")
     args = ap.parse_args(argv)
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     from core.estimate.bill import estimate
 
     rows = list(enumerate(matrix()))
-    if args.only:
+    if args.quick:  # one TRL-path LoRA row (the engine's path) on the 1/8-width TinyLlama
+        rows = [(len(rows), (QUICK_ARCH, step_plan("lora", target_modules=QV, batch_size=1, seq_len=128)))]
+    elif args.only:
         keep = {int(i) for i in args.only.split(",")}
         rows = [r for r in rows if r[0] in keep]
     cache = {}
@@ -414,7 +428,7 @@ def main(argv=None) -> int:
     )
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        configs = {a: full_config(a) for a in ARCHS}
+        configs = {a: full_config(a) for a in {arch for _, (arch, _) in rows}}
         for i, (arch, p) in rows:
             cfg = configs[arch]
             n_layers = num_layers_of(cfg)
@@ -488,7 +502,7 @@ def main(argv=None) -> int:
     )
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
-    judged = not args.only
+    judged = not (args.only or args.quick)
     ok = med <= GOAL_MEDIAN and worst <= GOAL_WORST
     print(
         f"estimator_accuracy: median {med:.1%} worst {worst:.1%} "

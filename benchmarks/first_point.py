@@ -9,7 +9,10 @@ demo's first-step log (training.logging_first_step) buys.
 
 Goal: first point <= 15 s on 2 cores (median). Last line `first_point_s: X (goal <= 15 s)`; exit 1 on a miss.
 
-    python benchmarks/first_point.py [--runs 3]
+    python benchmarks/first_point.py [--runs 3] [--quick]
+
+`--quick` (the suite's check that the script runs): one launch with the first-step log on a demo pretrained 20
+steps; headline printed, exit 0 even on a goal miss, non-zero on an error.
 """
 
 from __future__ import annotations
@@ -57,35 +60,47 @@ def timed_launch(workspace: Path, demo: Path, first_step_log: bool) -> dict:
             break
         time.sleep(0.05)
     stop_run(run_dir, grace_s=30)
-    return {"first_point_s": first, "phases": phases}
+    return {"first_point_s": first, "phases": phases, "run_dir": run_dir}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument(
+        "--quick", action="store_true", help="one launch, the first-step log only (goal not judged)"
+    )
     args = ap.parse_args()
-    from core.demo.build import build_demo
+    from core.demo.build import PRETRAIN_STEPS, build_demo
 
     with tempfile.TemporaryDirectory(prefix="first-point-") as tmp:
         ws = Path(tmp) / "ws"
-        demo = build_demo(ws / "demo", log=lambda _m: None)
+        demo = build_demo(
+            ws / "demo", pretrain_steps=20 if args.quick else PRETRAIN_STEPS, log=lambda _m: None
+        )
         rows = {True: [], False: []}
-        for i in range(args.runs):
-            for first_step_log in (True, False):
+        for i in range(1 if args.quick else args.runs):
+            for first_step_log in (True,) if args.quick else (True, False):
                 r = timed_launch(ws, demo, first_step_log)
                 rows[first_step_log].append(r)
                 phases = "  ".join(f"{k} {v:.1f}s" for k, v in r["phases"].items())
                 label = "first-step log" if first_step_log else "no first-step log"
+                if r["first_point_s"] is None:  # an error, not a slow start: no figure to judge
+                    stderr = r["run_dir"] / "stderr.log"
+                    tail = stderr.read_text()[-2000:] if stderr.exists() else ""
+                    print(f"run {i + 1} {label}: no first point (phases: {phases})\n{tail}", file=sys.stderr)
+                    return 2
                 print(
                     f"run {i + 1} {label:<18} first point {r['first_point_s']:.1f} s   phases: {phases}",
                     flush=True,
                 )
-    now = statistics.median(r["first_point_s"] or 1e9 for r in rows[True])
-    before = statistics.median(r["first_point_s"] or 1e9 for r in rows[False])
-    print(f"median: {now:.1f} s with the first-step log, {before:.1f} s without ({before / now:.2f}x)")
+    now = statistics.median(r["first_point_s"] for r in rows[True])
+    if rows[False]:
+        before = statistics.median(r["first_point_s"] for r in rows[False])
+        print(f"median: {now:.1f} s with the first-step log, {before:.1f} s without ({before / now:.2f}x)")
     ok = now <= GOAL_S
-    print(f"first_point_s: {now:.1f} (goal <= {GOAL_S:.0f} s on 2 cores) {'OK' if ok else 'MISSED'}")
-    return 0 if ok else 1
+    goal = f"goal <= {GOAL_S:.0f} s on 2 cores" + ("; --quick: not judged" if args.quick else "")
+    print(f"first_point_s: {now:.1f} ({goal}) {'OK' if ok else 'MISSED'}")
+    return 0 if ok or args.quick else 1
 
 
 if __name__ == "__main__":

@@ -2,6 +2,10 @@
 
     python benchmarks/gpu_truth.py --out DIR            # on a machine with a CUDA GPU (<= ~8 minutes)
     python benchmarks/gpu_truth.py --out DIR --dry-run  # the same code paths on the CPU, smallest sizes (CI)
+    python benchmarks/gpu_truth.py --quick              # --dry-run into a temporary folder, goal not judged
+
+`--quick` is the dry run (tests/test_gpu_truth.py runs it as --dry-run, goal judged), with a goal miss not failing
+it: headline printed, exit 0 unless something fails to run.
 
 1. Planner vs CUDA: real widths at reduced depth (the planner is given the same reduced config), LoRA, QLoRA,
    full, with and without checkpointing, the engine's path and the HF-default one: torch's max_memory_allocated
@@ -362,14 +366,21 @@ def part_multi_gpu(cuda: bool, work: Path, out_dir: Path) -> dict:
     return out
 
 
-def main() -> int:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True, help="folder for gpu_truth.json")
+    ap.add_argument("--out", help="folder for gpu_truth.json (required but with --quick)")
     ap.add_argument(
         "--dry-run", action="store_true", help="the CPU, smallest sizes: keeps the script working"
     )
+    ap.add_argument("--quick", action="store_true", help="--dry-run into a temporary folder, goal not judged")
     ap.add_argument("--child-row", type=int, help=argparse.SUPPRESS)  # one planner row in a fresh process
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.out is None and not args.quick:
+        ap.error("--out is required")
+    if args.out is None:  # --quick: a folder of its own, removed after
+        with tempfile.TemporaryDirectory(prefix="gpu-truth-") as tmp:
+            return main([*(sys.argv[1:] if argv is None else argv), "--out", tmp])
+    args.dry_run = args.dry_run or args.quick
 
     import torch
 
@@ -415,9 +426,10 @@ def main() -> int:
     print(
         f"gpu_truth ({where}): tensor peak median {s['median']:.1%} worst {s['worst']:.1%}, runs "
         f"{'finished' if runs_ok else 'FAILED'}, merge {'verified' if report['merge']['passed'] else 'FAILED'} "
-        f"(goal median <= {GOAL_MEDIAN:.0%}, worst <= {GOAL_WORST:.0%}, everything passes)"
+        f"(goal median <= {GOAL_MEDIAN:.0%}, worst <= {GOAL_WORST:.0%}, everything passes"
+        + ("; --quick: not judged)" if args.quick else ")")
     )
-    return 0 if ok else 1
+    return 0 if ok or args.quick else 1
 
 
 if __name__ == "__main__":

@@ -15,11 +15,15 @@ tokens.
 Goal: every row within 5%, with gradient checkpointing and without.
 Last line `hybrid_worst_error: X% (goal <= 5%)`; exit 1 on a miss.
 
-    python benchmarks/hybrid_accuracy.py
+    python benchmarks/hybrid_accuracy.py [--quick]
+
+`--quick` (the suite's check that the script runs): the Qwen3.5 row with checkpointing only; headline printed, exit
+0 even on a goal miss, non-zero on an error.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import tempfile
@@ -67,9 +71,13 @@ def run_config(model: Path, data: Path, checkpointing: bool) -> dict:
     )
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="Qwen3.5 with checkpointing only (goal not judged)")
+    args = ap.parse_args(argv)
     from core.demo.toy import build_tiny_model
 
+    models = {"qwen3_5_text": MODELS["qwen3_5_text"]} if args.quick else MODELS
     ratios = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -77,9 +85,9 @@ def main() -> int:
         print(
             f"{'model':<14} {'checkpointing':<14} {'planned bytes':>14} {'measured bytes':>14} {'ratio':>7}"
         )
-        for arch, extra in MODELS.items():
+        for arch, extra in models.items():
             model = build_tiny_model(root / arch, arch, **SHAPE, **extra)
-            for checkpointing in (True, False):
+            for checkpointing in (True,) if args.quick else (True, False):
                 r = smoke(workspace, f"{arch}-{int(checkpointing)}", run_config(model, data, checkpointing))
                 planned, measured = r["estimate_bytes"], r["peak_bytes"]
                 ratio = measured / planned
@@ -89,8 +97,10 @@ def main() -> int:
                     flush=True,
                 )
     worst = max(abs(r - 1) for r in ratios)
-    print(f"hybrid_worst_error: {worst:.2%} (goal <= {GOAL:.0%})")
-    return 0 if worst <= GOAL else 1
+    print(
+        f"hybrid_worst_error: {worst:.2%} (goal <= {GOAL:.0%}{'; --quick: not judged' if args.quick else ''})"
+    )
+    return 0 if worst <= GOAL or args.quick else 1
 
 
 if __name__ == "__main__":

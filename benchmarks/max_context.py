@@ -8,7 +8,9 @@ LoRA dropout 0 on all three, as in Unsloth's published benchmark (benchmarks/RES
 "Fits" is judged as the published anchors judge it -- the step runs, device total <= the card -- and also printed
 at the Estimate page's 90% rule. Goal: (b) >= 4 x (a) and (c) >= 80,000 tokens (Unsloth publishes 78,475).
 
-    python benchmarks/max_context.py [--gpu-gb 24]
+    python benchmarks/max_context.py [--gpu-gb 24] [--quick]
+
+`--quick`: the same planner-only run (seconds), a goal miss not failing it (tests/test_levers.py judges the goal).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ def variants(gpu_gb: float) -> dict[str, Plan]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gpu-gb", type=float, default=24.0)
+    ap.add_argument("--quick", action="store_true", help="the same run, goal not judged")
     args = ap.parse_args(argv)
     spec = load_spec(MODEL)
     t0 = time.perf_counter()
@@ -79,9 +82,10 @@ def main(argv=None) -> int:
     print(f"planner time: {time.perf_counter() - t0:.1f} s")
     ok = ratio >= GOAL_RATIO and c >= GOAL_TOKENS
     print(
-        f"max_context: {c} tokens with every lever, {ratio:.2f}x engine vs plain (goal >= {GOAL_TOKENS}, >= {GOAL_RATIO:g}x)"
+        f"max_context: {c} tokens with every lever, {ratio:.2f}x engine vs plain (goal >= {GOAL_TOKENS}, "
+        f">= {GOAL_RATIO:g}x{'; --quick: not judged' if args.quick else ''})"
     )
-    return 0 if ok else 1
+    return 0 if ok or args.quick else 1
 
 
 if __name__ == "__main__":

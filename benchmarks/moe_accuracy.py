@@ -13,7 +13,10 @@ the weights: hidden 256, 8 experts of width 512, 2 of them per token, 2 layers, 
 Goal: every row within 5% (|measured / planned - 1| <= 0.05). Last line `moe_worst_error: X% (goal <= 5%)`;
 exit 1 on a miss.
 
-    python benchmarks/moe_accuracy.py [--only qwen3_moe]
+    python benchmarks/moe_accuracy.py [--only qwen3_moe] [--quick]
+
+`--quick` (the suite's check that the script runs): Qwen3-MoE with checkpointing only; like --only, a goal miss
+does not fail it, an error does.
 """
 
 from __future__ import annotations
@@ -99,8 +102,9 @@ def smoke(workspace: Path, name: str, cfg: dict) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", help="comma-separated families (goal not judged)")
+    p.add_argument("--quick", action="store_true", help="Qwen3-MoE with checkpointing only (goal not judged)")
     args = p.parse_args(argv)
-    archs = args.only.split(",") if args.only else list(WIDTHS)
+    archs = ["qwen3_moe"] if args.quick else args.only.split(",") if args.only else list(WIDTHS)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -110,7 +114,7 @@ def main(argv=None) -> int:
         )
         for arch in archs:
             model = build(arch, root)
-            for checkpointing in (True, False):
+            for checkpointing in (True,) if args.quick else (True, False):
                 r = smoke(workspace, f"{arch}-{int(checkpointing)}", run_config(model, data, checkpointing))
                 planned, measured = r["estimate_bytes"], r["peak_bytes"]
                 ratio = measured / planned
@@ -121,8 +125,9 @@ def main(argv=None) -> int:
                     flush=True,
                 )
     worst = max(abs(r[4] - 1) for r in rows)
-    print(f"moe_worst_error: {worst:.2%} (goal <= {GOAL:.0%})")
-    return 0 if args.only or worst <= GOAL else 1
+    judged = not (args.only or args.quick)
+    print(f"moe_worst_error: {worst:.2%} (goal <= {GOAL:.0%}{'' if judged else '; subset, not judged'})")
+    return 0 if not judged or worst <= GOAL else 1
 
 
 if __name__ == "__main__":

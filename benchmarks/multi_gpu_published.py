@@ -24,6 +24,9 @@ the planner does.
 
     python benchmarks/multi_gpu_published.py            # every point (goal judged)
     python benchmarks/multi_gpu_published.py --json out.json
+    python benchmarks/multi_gpu_published.py --quick      # the first 3 points, goal not judged (the suite's run)
+
+`--quick` shows the script still runs: headline printed, exit 0 even on a goal miss, non-zero on an error.
 """
 
 from __future__ import annotations
@@ -279,11 +282,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the rows to this JSON file")
     ap.add_argument("--verbose", action="store_true", help="the components of each estimate")
+    ap.add_argument("--quick", action="store_true", help="the first 3 points (goal not judged)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     rows = []
     print(f"{'point':<50} {'figure':<9} {'published':>10} {'planned':>9} {'err':>7}  strategy  phase")
-    for p in POINTS:
+    for p in POINTS[:3] if args.quick else POINTS:
         est = estimate(p.plan)
         planned = planned_bytes(p, est) / GiB
         err = planned / p.published_gib - 1
@@ -322,9 +326,9 @@ def main(argv=None) -> int:
     ok = med <= GOAL_MEDIAN and worst <= GOAL_WORST
     print(
         f"multi_gpu_published: median {med:.1%} worst {worst:.1%} "
-        f"(goal median <={GOAL_MEDIAN:.0%}, worst <={GOAL_WORST:.0%})"
+        f"(goal median <={GOAL_MEDIAN:.0%}, worst <={GOAL_WORST:.0%}{'; --quick: not judged' if args.quick else ''})"
     )
-    return 0 if ok else 1
+    return 0 if ok or args.quick else 1
 
 
 if __name__ == "__main__":

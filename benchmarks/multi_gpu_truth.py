@@ -3,6 +3,10 @@ real FSDP2 / DDP LoRA step holds.
 
     python benchmarks/multi_gpu_truth.py --out DIR            # >= 2 CUDA GPUs (a few minutes)
     python benchmarks/multi_gpu_truth.py --out DIR --dry-run  # the same code path: 2 CPU processes on gloo, tiny
+    python benchmarks/multi_gpu_truth.py --quick              # --dry-run into a temporary folder
+
+`--quick` is the dry run (the suite runs it: tests/test_distributed_sharding.py); a dry run measures no memory, so
+nothing is judged: it exits 0 when every rank ran, non-zero on an error.
 
 Measured per rank (torchrun, one process per GPU): a Llama-shaped model at TinyLlama-1.1B's real widths (from the
 planner's presets) and 4 decoder layers (the planner is given the same config), random weights (no download),
@@ -23,6 +27,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -144,11 +149,18 @@ def main(argv=None) -> int:
         worker(sys.argv[3], sys.argv[2], sys.argv[4], int(sys.argv[5]))
         return 0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True, help="folder for multi_gpu_truth.json")
+    ap.add_argument("--out", help="folder for multi_gpu_truth.json (required but with --quick)")
     ap.add_argument(
         "--dry-run", action="store_true", help="2 CPU processes on gloo, tiny sizes (the code path)"
     )
+    ap.add_argument("--quick", action="store_true", help="--dry-run into a temporary folder")
     args = ap.parse_args(argv)
+    if args.out is None and not args.quick:
+        ap.error("--out is required")
+    if args.out is None:  # --quick: a folder of its own, removed after
+        with tempfile.TemporaryDirectory(prefix="multi-gpu-truth-") as tmp:
+            return main([*(sys.argv[1:] if argv is None else argv), "--out", tmp])
+    args.dry_run = args.dry_run or args.quick
     import torch
 
     from core.estimate.bill import estimate
@@ -195,7 +207,8 @@ def main(argv=None) -> int:
     (out / "multi_gpu_truth.json").write_text(json.dumps(rows, indent=1))
     if args.dry_run:
         print(
-            f"multi_gpu_truth (dry run, cpu): {len(rows)} strategies ran on 2 gloo ranks (no memory measured)"
+            f"multi_gpu_truth (dry run, cpu): {len(rows)} strategies ran on 2 gloo ranks, no memory measured "
+            f"(goal median <={GOAL_MEDIAN:.0%}, worst <={GOAL_WORST:.0%}: judged on 2 or more GPUs)"
         )
         return 0
     errs = [abs(r[f"{k}_error"]) for r in rows for k in ("allocated", "reserved", "device_used")]
