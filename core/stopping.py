@@ -57,6 +57,20 @@ def wait_gone(folder: str | os.PathLike, timeout: float, info: dict | None = Non
         time.sleep(0.1)
 
 
+def _wait_continuing(folder: str | os.PathLike, grace_s: float, info: dict, owner: psutil.Process) -> bool:
+    """wait_gone, continuing any process of the tree that is stopped: a stopped process cannot act on the SIGTERM,
+    nor can a stopped child it waits for (one rank of several). Checked all along, not once: a SIGSTOP sent just
+    before the stop may land after a single check."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        with contextlib.suppress(psutil.Error):  # the owner's own object: a reused pid is never signalled
+            _send([p for p in [owner, *owner.children(recursive=True)] if is_stopped(p.pid)], signal.SIGCONT)
+        if wait_gone(folder, min(0.5, max(0.0, deadline - time.monotonic())), info):
+            return True
+        if time.monotonic() > deadline:
+            return False
+
+
 def stop(folder: str | os.PathLike, grace_s: float = 60.0) -> str | None:
     """Stop the folder's owner: SIGTERM to it alone (a stopped process is continued so it can act on it), wait
     until it is gone, then SIGKILL it with all its descendants. Returns "exited" (it ended within the grace
@@ -72,9 +86,7 @@ def stop(folder: str | os.PathLike, grace_s: float = 60.0) -> str | None:
         return None
     owner = tree[0]
     _send([owner], signal.SIGTERM)
-    # a stopped process cannot act on it, nor can a stopped child it waits for (one rank of several)
-    _send([p for p in tree if is_stopped(p.pid)], signal.SIGCONT)
-    if wait_gone(folder, grace_s, info):
+    if _wait_continuing(folder, grace_s, info, owner):
         return "exited"
     tree += [p for p in _tree(pid) if p not in tree]
     if info.get("session_leader") and leads_session(pid) and same_process(info):

@@ -56,8 +56,9 @@ def ensure_grpo_data(out: str | os.PathLike) -> tuple[Path, Path]:
 
 def warm_base(out: str | os.PathLike) -> Path:
     """The GRPO demo's start (DEMO/grpo-base): the demo base plus the SFT demo run's adapter at the first step whose
-    held-out exact match is inside WARM_BAND (else the nearest to its middle), merged; where it landed is written
-    beside it (WARM_RECORD). Made once; nothing is written under the final name until the merge is complete."""
+    held-out exact match is inside WARM_BAND (else the nearest to its middle, the latest on a tie), merged; where it
+    landed is written beside it (WARM_RECORD). Made once; nothing is written under the final name until the merge is
+    complete."""
     from core.demo.build import demo_config, heldout_accuracy, train_demo_run
     from core.merge.export import merge_at
 
@@ -76,7 +77,8 @@ def warm_base(out: str | os.PathLike) -> Path:
         scored.append((step, heldout_accuracy(out, adapter)))
         if low <= scored[-1][1] <= high:
             break
-    step, exact = min(scored, key=lambda s: (not low <= s[1] <= high, abs(s[1] - (low + high) / 2)))
+    # on a tie the most trained step: a weak base scores 0 at every step, and step 1 (lr 0 in warm-up) is the base
+    step, exact = min(scored, key=lambda s: (not low <= s[1] <= high, abs(s[1] - (low + high) / 2), -s[0]))
     merge_at(out / "base", run_dir / "checkpoints" / f"checkpoint-{step}", folder, dtype="fp32")
     record = {"sft_step": step, "heldout_exact_match": exact, "band": list(WARM_BAND)}
     (folder / WARM_RECORD).write_text(json.dumps(record) + "\n", encoding="utf-8")
