@@ -15,8 +15,8 @@ from core.files import atomic_write_text
 
 CACHE_FORMAT = 2  # bump when the cached files' shape changes (2: LoRA on parameters, MoE facts)
 CACHE_PACKAGES = ("torch", "transformers", "peft")  # what the counts come from
-# the code the counts come from: a change to any of them rebuilds every entry
-CODE_FILES = ("specs.py", "moe.py", "vlm.py")
+# the code the counts come from is the planner's whole package (specs.py reads layer kinds, shapes, experts and
+# refusals through many of its modules): a change to any file of it rebuilds every entry
 
 
 @lru_cache(maxsize=1)
@@ -30,7 +30,7 @@ def cache_dir() -> Path | None:
             versions[pkg] = "missing"
     try:
         here = Path(__file__).parent
-        code = hashlib.sha1(b"".join((here / name).read_bytes() for name in CODE_FILES)).hexdigest()
+        code = hashlib.sha1(b"".join(p.read_bytes() for p in sorted(here.glob("*.py")))).hexdigest()
         root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lora-cockpit"
     except (OSError, RuntimeError):  # no readable source or no home folder: nothing is cached on disk
         return None
