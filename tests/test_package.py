@@ -55,10 +55,32 @@ def installed(tmp_path_factory) -> Path:
     venv = tmp / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
     (wheel,) = wheels.glob("lora_cockpit-*.whl")
+    # --ignore-installed: the venv sees the system's packages, and where the README's install put lora-cockpit
+    # there (editable, pointing at whichever checkout ran it) pip would call this wheel installed already
     subprocess.run(
-        [venv / "bin" / "python", "-m", "pip", "install", "-q", "--no-deps", str(wheel)],
+        [
+            venv / "bin" / "python",
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--ignore-installed",
+            str(wheel),
+        ],
         check=True,
         capture_output=True,
+    )
+    where = subprocess.run(
+        [venv / "bin" / "python", "-c", "import core; print(core.__file__)"],
+        cwd=tmp,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert Path(where).is_relative_to(venv), (
+        f"the venv imports core from {where}, not from the wheel it installed"
     )
     return venv / "bin"
 
