@@ -220,7 +220,8 @@ FAMILIES = {
         ),
         dict(num_hidden_layers=2),
     ),
-    # Mamba-1 (core.estimate.mamba1_terms): the selective scan's loop over time; FalconMamba normalizes dt, B and C
+    # Mamba-1 (core.estimate.mamba1_terms): the selective scan's loop over time; FalconMamba normalizes dt, B and C.
+    # Their config's intermediate_size is the mixer's own d_inner: REAL's cut makes the real twins' mixers 1,024 wide
     "mamba": (
         dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, state_size=16, time_step_rank=8),
         dict(num_hidden_layers=2),
@@ -314,7 +315,8 @@ FAMILIES = {
             moe_topk=2,
             expert_ffn_hidden_size=32,
         ),
-        dict(num_hidden_layers=2, n_routed_experts=4, zero_expert_num=2),  # one layer: two sublayers
+        # two layers of two sublayers (one layer would make its sublayer list the model's longest ModuleList)
+        dict(num_hidden_layers=4, n_routed_experts=4, zero_expert_num=2, moe_topk=2),
     ),
     "zaya": (
         dict(
@@ -326,6 +328,100 @@ FAMILIES = {
             router_hidden_size=32,
         ),
         dict(num_hidden_layers=2, num_experts=4, moe_intermediate_size=1024),
+    ),
+    # Kimi Delta Attention + MLA attention (1:1; Kimi Linear's own pattern is 3:1), dense MLPs (the MoE: moe_accuracy)
+    "kimi_linear": (
+        dict(
+            TINY,
+            num_key_value_heads=4,  # its MLA expands every head's key and value
+            num_hidden_layers=2,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            linear_num_heads=4,
+            linear_head_dim=16,
+            layer_types=["linear_attention", "full_attention"],
+            mlp_layer_types=["dense", "dense"],
+            kv_lora_rank=32,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+        ),
+        dict(
+            num_hidden_layers=2,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            layer_types=["linear_attention", "full_attention"],
+            mlp_layer_types=["dense", "dense"],
+        ),
+    ),
+    # Bailing hybrid (Ling 2.5): the same KDA with its own gate, MLA with an output gate
+    "bailing_hybrid": (
+        dict(
+            TINY,
+            num_key_value_heads=4,
+            num_hidden_layers=2,
+            head_dim=16,  # the KDA heads' width (the config keeps it as linear_head_dim)
+            pad_token_id=0,
+            eos_token_id=2,
+            layer_types=["linear_attention", "full_attention"],
+            mlp_layer_types=["dense", "dense"],
+            kv_lora_rank=32,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+        ),
+        dict(
+            num_hidden_layers=2,
+            pad_token_id=0,
+            eos_token_id=2,
+            layer_types=["linear_attention", "full_attention"],
+            mlp_layer_types=["dense", "dense"],
+        ),
+    ),
+    # MiniMax: lightning attention + softmax attention, a mixture of experts in every layer
+    "minimax": (
+        dict(
+            TINY,
+            num_hidden_layers=2,
+            head_dim=16,
+            layer_types=["linear_attention", "full_attention"],
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            block_size=64,
+        ),
+        dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], num_local_experts=4),
+    ),
+    # RecurrentGemma: the RG-LRU block + local attention
+    "recurrent_gemma": (
+        dict(TINY, num_hidden_layers=2, head_dim=16, lru_width=64, block_types=["recurrent", "attention"]),
+        dict(num_hidden_layers=2, block_types=["recurrent", "attention"]),
+    ),
+    # RWKV (v4): time mix + channel mix, no attention at all
+    "rwkv": (
+        dict(
+            vocab_size=128,
+            hidden_size=64,
+            num_hidden_layers=2,
+            attention_hidden_size=64,
+            intermediate_size=128,
+            context_length=512,
+        ),
+        dict(num_hidden_layers=2),
+    ),
+    # xLSTM: mLSTM layers (chunkwise kernel + the step loop for the rest of the length) and a SwiGLU FFN
+    "xlstm": (
+        dict(
+            vocab_size=128,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_heads=4,
+            pad_token_id=1,
+            bos_token_id=0,
+            eos_token_id=2,
+        ),
+        dict(num_hidden_layers=2, pad_token_id=1, bos_token_id=0, eos_token_id=2),
     ),
 }
 # transformers cannot checkpoint these (supports_gradient_checkpointing False): measured without it only

@@ -39,6 +39,7 @@ LIMITS: dict[str, tuple[int, int]] = {
     "n_routed_experts": EXPERTS,
 }
 MAX_EXPERT_BLOCKS = 65_536  # layers x experts: DeepSeek-V3 has 61 x 256 = 15,616
+EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 
 
 class ImplausibleConfig(ValueError):
@@ -50,8 +51,13 @@ def check_model_config(config: dict, where: str = "config.json") -> None:
     for part, prefix in ((config, ""), (config.get("text_config"), "text_config.")):
         if not isinstance(part, dict):
             continue
+        # a config that says it is dense (Doge's is_moe false) builds no experts, whatever its expert count says
+        # (transformers' default DogeConfig keeps num_experts 16,384 for its retrieval experts, which it leaves out)
+        dense = part.get("is_moe") is False
         for key, (lo, hi) in LIMITS.items():
             value = part.get(key)
+            if dense and key in EXPERT_KEYS:
+                continue
             if value is None or isinstance(value, (list, dict)):  # per-layer sizes (Gemma 3n) are the model's
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -65,7 +71,7 @@ def check_model_config(config: dict, where: str = "config.json") -> None:
                     f"{hi:,}); fix that file or point at the right model folder."
                 )
         layers = _first_int(part, ("num_hidden_layers", "n_layer", "num_layers"))
-        experts = _first_int(part, ("num_local_experts", "num_experts", "n_routed_experts"))
+        experts = None if dense else _first_int(part, EXPERT_KEYS)
         if layers and experts and layers * experts > MAX_EXPERT_BLOCKS:
             raise ImplausibleConfig(
                 f"{where}: {prefix}{layers:,} layers x {experts:,} experts is {layers * experts:,} expert blocks, "

@@ -79,16 +79,24 @@ def test_a_pure_mamba2_model_plans_without_attention_heads(tmp_path):
     out = json.loads(proc.stdout)
     assert out["kv_cache_bytes_per_token"] == 0  # no attention layer keeps a KV cache
     assert any("leaves out the Mamba mixers' out_proj" in w for w in out["warnings"]), out["warnings"]
-    # what is not modelled yet is said: the checkpointed recompute's SSD gradients (18.5% at Granite's real widths)
-    assert any("recomputed backward builds" in w for w in out["warnings"]), out["warnings"]
-    no_ckpt = estimate_main("--model", str(folder), "--json", "--lora-r", "4", "--no-gradient-checkpointing")
-    assert not any("recomputed backward builds" in w for w in json.loads(no_ckpt.stdout)["warnings"])
+    # the checkpointed recompute's SSD temporaries are planned (mamba_terms), so no headroom warning is said for them
+    assert not any("recomputed backward builds" in w for w in out["warnings"]), out["warnings"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("checkpointing", [True, False], ids=["checkpointing", "no-checkpointing"])
 @pytest.mark.parametrize(
-    "model_type", ["qwen3_5_text", "granitemoehybrid", "nemotron_h", "lfm2", "gemma4_text"]
+    "model_type",
+    [
+        "qwen3_5_text",
+        "qwen3_next",
+        "granitemoehybrid",
+        "nemotron_h",
+        "bamba",
+        "falcon_h1",
+        "lfm2",
+        "gemma4_text",
+    ],
 )
 def test_a_hybrid_twins_real_step_measures_within_5pct_of_its_plan(model_type, checkpointing):
     planned, measured = measure(model_type, FAMILIES[model_type][0], 300, checkpointing)

@@ -308,11 +308,6 @@ def test_every_moe_family_prints_a_plan_naming_its_experts_and_their_dtype(tmp_p
 @pytest.mark.parametrize(
     "model_type,fields,why",
     [
-        (
-            "jetmoe",
-            {},
-            "its attention is a mixture of experts too",
-        ),  # and its experts run a forward of their own
         ("hunyuan_v1_moe", {}, "transformers cannot build"),  # its default config leaves head_dim None
         ("deepseek_v2", {}, "num_experts_per_tok"),  # the default config leaves it None
     ],

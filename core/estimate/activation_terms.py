@@ -4,10 +4,11 @@ autocast's weight copies."""
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass
 
-from core.estimate import layer_shapes
+from core.estimate import layer_shapes, mla_terms
 from core.estimate.layer_kinds import kernel_path, kinds_of, mlp_linear_names, text_config
 from core.estimate.mixer_terms import MIXERS
 from core.estimate.plan import DTYPE_BYTES, OFFLOAD_STASH, Plan, packed_sequences
@@ -75,6 +76,9 @@ class LayerTerms:
         self.lora_bytes = self.compute if self.d.autocast else self.ad
         self.liger = liger_on(plan)
         self.saved: dict[str, float] = {}
+        # per token, what the layer's block after its mixer holds that is not alive at the mixer's own moments
+        # (beside_the_mixer); the Mamba-2 temporaries are counted net of it
+        self.beside = 0.0
 
     def norm(self, name: str, width: int | None = None) -> None:
         """An RMSNorm over `width` (the hidden size) features: it upcasts to fp32 and saves that and rstd."""
@@ -166,6 +170,8 @@ def mixer_temporaries(t: LayerTerms, kind: str) -> tuple[float, float]:
 
 
 def _attention_block(t: LayerTerms) -> None:
+    if mla_terms.is_mla(t.spec):  # DeepSeek-V2/V3, GLM-4.7-Flash & co: latent q / kv projections
+        return mla_terms.mla_block(t)
     spec, plan, d, saved, shape = t.spec, t.plan, t.d, t.saved, t.shape
     h = spec.hidden_size
     heads, head_dim, kv_heads = spec.num_heads, spec.head_dim, spec.num_kv_heads
@@ -289,10 +295,38 @@ def first_layer_unsaved(saved: dict[str, float], targets) -> float:
     return sum(v for k, v in saved.items() if k.startswith(skip))
 
 
-def layers_saved(spec: ModelSpec, plan: Plan, targets, ffn: dict[str, float] | None = None):
+def beside_the_mixer(t: LayerTerms, block: str) -> float:
+    """Per token: what the bill of a layer puts next to its mixer's temporaries that is not alive at their
+    moments. The layer's bill is its whole saved set plus the temporaries, but a dense MLP after the mixer
+    (Granite 4.0-H, Bamba, Falcon-H1) runs after it: at the mixer's forward moments (a checkpointed layer
+    recomputes the mixer first) its saved tensors do not exist yet, and at the mixer's backward ones the MLP's
+    backward has freed them. With checkpointing the bill also puts the MLP's flowing gradients next to the
+    recomputed layer (bill.backward_moment's first layer): gone too by the mixer's backward, not yet made at its
+    recompute. Measured: a tiny Granite 4.0-H twin's checkpointed step peaks inside the Mamba layer's backward at
+    its saved mixer, its temporaries and nothing of its MLP. A MoE block's: core.estimate.moe_terms'."""
+    out = 0.0
+    if block == "mlp":
+        mlp = copy.copy(t)
+        mlp.saved = {}
+        _mlp_block(mlp)
+        out += sum(mlp.saved.values())
+    if checkpointing_on(t.plan):
+        factors = 1 if t.liger else 3
+        out += factors * t.spec.intermediate_size * t.d.proj + t.spec.hidden_size * t.d.hidden
+    return out
+
+
+def layers_saved(
+    spec: ModelSpec,
+    plan: Plan,
+    targets,
+    ffn: dict[str, float] | None = None,
+    beside: dict[str, float] | None = None,
+):
     """Per token, each decoder layer's (saved bytes, its saved tensors' dict, its recurrent mixers' backward
     temporaries), in order: the layer's mixers (core.estimate.layer_kinds) plus its feed-forward block, `ffn`
-    giving a block's bytes by kind ("mlp", "moe"; a dense MLP by default)."""
+    giving a block's bytes by kind ("mlp", "moe"; a dense MLP by default), `beside` what a block of a kind holds
+    that is not alive at its mixer's moments (beside_the_mixer's for a dense MLP by default)."""
     by_mixers: dict[tuple, tuple[dict, float]] = {}
     dense_by_shape, out = {}, []
     for (mixers, block), shape in zip(kinds_of(spec), layer_shapes.shapes_of(spec), strict=True):
@@ -300,25 +334,33 @@ def layers_saved(spec: ModelSpec, plan: Plan, targets, ffn: dict[str, float] | N
             dense_by_shape[shape] = layer_saved_tensors(spec, plan, targets, mixers=(), shape=shape)
         dense = dense_by_shape[shape]
         widths = {"mlp": sum(dense.values()), "none": 0, **(ffn or {})}
-        if (mixers, shape) not in by_mixers:
+        if (mixers, block, shape) not in by_mixers:
             part = layer_saved_tensors(spec, plan, targets, mixers=mixers, ffn=False, shape=shape)
             t = LayerTerms(spec, plan, targets)
+            if mixers:
+                t.beside = (beside or {})[block] if block in (beside or {}) else beside_the_mixer(t, block)
             temps = [mixer_temporaries(t, m) for m in mixers]
-            by_mixers[(mixers, shape)] = part, max((max(f, b) for f, b in temps), default=0.0)
-        part, temp = by_mixers[(mixers, shape)]
+            by_mixers[(mixers, block, shape)] = part, max((max(f, b) for f, b in temps), default=0.0)
+        part, temp = by_mixers[(mixers, block, shape)]
         saved = {**part, **(dense if block == "mlp" else {})}
         out.append((sum(part.values()) + widths[block], saved, temp))
     return out
 
 
 def activation_bytes(
-    spec: ModelSpec, plan: Plan, targets, tokens: int, ffn: dict[str, float] | None = None, outside: float = 0
+    spec: ModelSpec,
+    plan: Plan,
+    targets,
+    tokens: int,
+    ffn: dict[str, float] | None = None,
+    outside: float = 0,
+    beside: dict[str, float] | None = None,
 ) -> tuple[int, int, int]:
     """(saved activations alive at the end of forward, one layer recomputed in backward with checkpointing, the
     activations at the largest moment of a recurrent layer's backward without it: its backward temporaries next to
     the layers still saved below it), summed over the model's layers as each is (`ffn`: layers_saved's;
-    `outside`: more per-token bytes saved outside the layers)."""
-    layers = layers_saved(spec, plan, targets, ffn)
+    `outside`: more per-token bytes saved outside the layers; `beside`: layers_saved's)."""
+    layers = layers_saved(spec, plan, targets, ffn, beside)
     outside += outside_layers_saved_bytes(spec, plan)
     outside += layer_shapes.outside_saved(LayerTerms(spec, plan, targets), checkpointing_on(plan))
     if checkpointing_on(plan):

@@ -20,27 +20,44 @@ from functools import lru_cache
 from core.estimate.mixer_terms import MIXERS
 
 ATTENTION = "attention"
+UNREAD = "unread_mixer"  # a token mixer the module tree shows but this reading does not name (planned as attention)
 # class-name endings of the mixer modules transformers 5 builds (a direct child of the decoder layer)
 _MIXER_CLASSES = (
     ("GatedDeltaNet", "gated_deltanet"),  # Qwen3.5, Qwen3-Next, OLMo-hybrid
-    ("Mamba2Mixer", "mamba2"),  # Mamba-2, Nemotron-H (Zamba2's nests its layers: not read yet, see below)
+    ("Mamba2Mixer", "mamba2"),  # Mamba-2, Nemotron-H
+    ("Zamba2MambaMixer", "mamba2"),  # before Mamba-1's ending, which its name ends with too
     ("BambaMixer", "mamba2"),
     ("MambaLayer", "mamba2"),  # Granite 4.0-H (GraniteMoeHybridMambaLayer)
     ("FalconH1Mixer", "mamba2"),
-    ("MambaMixer", "mamba"),  # Mamba-1: Jamba, Mamba, FalconMamba; Zamba2's (Mamba-2 in shared-block layers)
+    ("MambaMixer", "mamba"),  # Mamba-1: Mamba, FalconMamba, Jamba, Zamba
     ("ShortConv", "short_conv"),  # LFM2
-    ("DeltaAttention", "linear_attention"),  # Kimi Linear's KDA
-    ("LightningAttention", "linear_attention"),  # MiniMax
-    ("RecurrentBlock", "linear_attention"),  # RecurrentGemma's RG-LRU
+    ("DeltaAttention", "kda"),  # Kimi Delta Attention: Kimi Linear, Bailing hybrid (Ling 2.5)
+    ("LightningAttention", "lightning_attention"),  # MiniMax
+    ("RecurrentBlock", "rg_lru"),  # RecurrentGemma's conv + RG-LRU block
+    ("RwkvSelfAttention", "rwkv"),  # RWKV's time mix (named attention, a recurrence)
+    ("RwkvFeedForward", "rwkv_channel_mix"),  # its channel mix: shifts in the previous token too, no SwiGLU
+    ("xLSTMLayer", "mlstm"),  # xLSTM's mLSTM layer (transformers' own code)
+    ("mLSTMLayer", "mlstm"),  # the same layer from the xlstm package, which transformers takes when installed
 )
 
 
+def _blocks(module):
+    """A layer's direct children, a nested decoder layer read through: Zamba's and Zamba2's hybrid layers run the
+    shared transformer block (attention + MLP, its weights shared by every layer applying it) and then a Mamba
+    layer, each a *DecoderLayer of its own."""
+    for child in module.children():
+        if type(child).__name__.endswith("DecoderLayer"):
+            yield from _blocks(child)
+        else:
+            yield child
+
+
 def layer_kind(layer, experts_path: str = "") -> tuple[tuple[str, ...], str]:
-    """(the mixers, the feed-forward block) of one decoder layer, from its direct children's classes; a MoE
-    model's layer holding its experts (`experts_path`, core.estimate.moe's) has a "moe" block."""
-    mixers, ffn = [], "none"
+    """(the mixers, the feed-forward block) of one decoder layer, from its direct children's classes (`_blocks`); a
+    MoE model's layer holding its experts (`experts_path`, core.estimate.moe's) has a "moe" block."""
+    mixers, ffn, unread = [], "none", False
     moe = bool(experts_path) and any(name == experts_path for name, _ in layer.named_modules())
-    for child in layer.children():
+    for child in _blocks(layer):
         name = type(child).__name__
         kind = next((k for end, k in _MIXER_CLASSES if name.endswith(end)), None)
         if kind is None and "Attention" in name:
@@ -49,6 +66,12 @@ def layer_kind(layer, experts_path: str = "") -> tuple[tuple[str, ...], str]:
             mixers.append(kind)
         elif ffn == "none" and any(w in name.lower() for w in ("mlp", "moe", "sparse", "feedforward")):
             ffn = "moe" if moe else "mlp"
+        elif any(hasattr(m, "in_features") for m in child.modules()):  # it holds a Linear
+            unread = True
+    if unread and not mixers and ffn != "none":
+        # a block beside its feed-forward holds projections of a kind this reading does not know (xLSTM's mLSTM
+        # before it was read): an unmodelled mixer, which the plan warns about, not an MLP-only layer (Nemotron-H)
+        mixers.append(UNREAD)
     if not mixers and ffn == "none":  # a layer this reading does not know: planned as the usual one
         return (ATTENTION,), "mlp"
     return tuple(sorted(mixers)), ffn
@@ -89,8 +112,12 @@ def kernel_path(plan, kind: str) -> bool:
     """Does `kind` run its CUDA kernels (True) or transformers' torch implementation (False) under `plan`?
     plan.recurrent_kernels 'kernels' / 'torch' is the target machine's choice; 'auto' asks this machine: the
     kernels run only on a CUDA device with their packages importable."""
-    if plan.device != "cuda" or plan.recurrent_kernels == "torch":
-        return False
+    if (
+        plan.device != "cuda"
+        or plan.recurrent_kernels == "torch"
+        or not (kind in MIXERS and MIXERS[kind].kernels)
+    ):
+        return False  # (a kind without kernels, RWKV's channel mix or RG-LRU, has only its torch code)
     if plan.recurrent_kernels == "kernels":
         return True
     return (
@@ -102,7 +129,7 @@ def kernel_path(plan, kind: str) -> bool:
 
 def kernel_note(spec, plan) -> str:
     """One sentence: which path the plan assumed for the model's recurrent layers, and why ("" for none)."""
-    kinds = sorted({m for mixers, _ in kinds_of(spec) for m in mixers if m in MIXERS})
+    kinds = sorted({m for mixers, _ in kinds_of(spec) for m in mixers if m in MIXERS and MIXERS[m].kernels})
     if not kinds:
         return ""
     parts = []
@@ -128,7 +155,8 @@ def mlp_linear_names(linears, hidden: int) -> tuple[str, ...]:
         if not s.experts:
             groups.setdefault(s.name.rsplit(".", 1)[0].split(".")[-1], []).append(s)
     for parent, group in groups.items():
-        if any(w in parent for w in ("attn", "attention", "mixer", "conv", "experts")):
+        # a mixer's Linears (Jamba's .mamba: in_proj reads the hidden state, out_proj writes it) are not the MLP
+        if any(w in parent for w in ("attn", "attention", "mixer", "mamba", "conv", "experts")):
             continue
         down = [s for s in group if s.out_features == hidden and s.in_features != hidden]
         into = sorted(

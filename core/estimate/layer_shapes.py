@@ -3,7 +3,9 @@ count, full-attention layers with another (global_head_dim, num_global_key_value
 (attention_k_eq_v: no v_proj), the last num_kv_shared_layers layers reusing the K/V of an earlier layer (no
 k_proj / v_proj / k_norm / v_norm of their own), a per-layer MLP width (use_double_wide_mlp), and per-layer input
 embeddings (PLE: a second embedding table plus a projection of the input embeddings, one slice fed to a small
-gated block at the end of every layer).
+gated block at the end of every layer). Gemma 4's mixture of experts (a router and experts beside the dense MLP:
+core.estimate.gemma_moe_terms) and Gemma 3n's text decoder (per-layer MLP widths, AltUp's copies of the hidden
+stream, Laurel blocks, activation sparsity: core.estimate.gemma3n_terms) are read the same way.
 
 The shapes are read from the meta model's modules (`shapes_json`, recorded in the spec), not from the config,
 whose per-layer fields transformers refuses to give as globals. The terms follow transformers'
@@ -15,6 +17,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from functools import lru_cache
+
+from core.estimate import gemma3n_terms, gemma_moe_terms
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,12 @@ class LayerShape:
     inter: int  # the MLP's width (0: the spec's intermediate_size)
     ple: int  # the per-layer input's width (0: none)
     store: bool  # transformers keeps this layer's K/V in shared_kv_states for the layers that reuse them
+    # (defaults: a spec cached before these fields reads as before)
+    router: int = 0  # experts a Linear router of the layer scores beside its dense MLP (Gemma 4 MoE), 0: none
+    altup: int = 0  # copies of the hidden stream AltUp keeps (Gemma 3n's altup_num_inputs), 0: none
+    laurel: int = 0  # the Laurel block's rank (Gemma 3n), 0: none
+    sparse: bool = False  # the MLP's gate goes through a gaussian top-k first (activation_sparsity > 0)
+    coef_clip: bool = False  # AltUp clamps correction_coefs' weight in training: its LoRA never runs
 
     @property
     def q_width(self) -> int:
@@ -47,6 +57,9 @@ def _shape(layer) -> LayerShape | None:
     k, v = getattr(attn, "k_proj", None), getattr(attn, "v_proj", None)
     gate = getattr(getattr(layer, "mlp", None), "gate_proj", None)
     ple = getattr(layer, "per_layer_input_gate", None)
+    router = getattr(getattr(layer, "router", None), "proj", None)
+    altup = getattr(getattr(layer, "altup", None), "correction_coefs", None)
+    laurel = getattr(getattr(layer, "laurel", None), "linear_left", None)
     return LayerShape(
         heads=q.out_features // head_dim,
         head_dim=head_dim,
@@ -57,6 +70,11 @@ def _shape(layer) -> LayerShape | None:
         inter=gate.out_features if gate is not None else 0,
         ple=ple.out_features if ple is not None else 0,
         store=bool(getattr(attn, "store_full_length_kv", False)),
+        router=getattr(router, "out_features", 0),
+        altup=getattr(altup, "in_features", 0),
+        laurel=getattr(laurel, "out_features", 0),
+        sparse=float(getattr(getattr(layer, "mlp", None), "activation_sparsity", 0) or 0) > 0,
+        coef_clip=altup is not None and layer.altup.config.altup_coef_clip is not None,
     )
 
 
@@ -66,7 +84,10 @@ def shapes_json(layers) -> str:
     shapes = [_shape(layer) for layer in layers]
     if any(s is None for s in shapes):
         return ""
-    plain = all(s.kv_heads and s.v_proj and not s.v_norm and not s.ple and not s.store for s in shapes)
+    plain = all(
+        s.kv_heads and s.v_proj and not (s.v_norm or s.ple or s.store or s.altup or s.laurel or s.sparse)
+        for s in shapes
+    )
     if plain and len({(s.heads, s.head_dim, s.kv_heads, s.inter) for s in shapes}) == 1:
         return ""
     return json.dumps([list(s.__dict__.values()) for s in shapes])
@@ -111,12 +132,19 @@ def sliding_masked(t, shape: LayerShape | None) -> bool:
 
 def attention_extras(t, shape: LayerShape, p: int) -> None:
     """What a Gemma 4 attention block saves beyond the usual one: the value RMSNorm's fp32 input and rstd (a layer
-    with its own K/V), and the float copy of the sliding-window mask sdpa makes and saves in every call."""
+    with its own K/V), and the float copy of the sliding-window mask sdpa makes and saves in every call; in a MoE
+    layer, the router's extras and the per-layer input block too (see below)."""
     if shape.kv_heads and shape.v_norm:
         t.saved["v_norm.fp32_input"] = 4 * shape.kv_width
         t.saved["v_norm.rstd"] = 4 * shape.kv_heads
     if sliding_masked(t, shape):
         t.saved["sliding_mask_copy"] = t.plan.seq_len * p  # (T x T) per layer, T per token
+    # a Gemma 4 MoE layer: core.estimate.moe_terms bills its experts and dense MLP in place of the layer's MLP
+    # block, which would close with the per-layer input block: that and the router's own extras are added here
+    if shape.router:
+        gemma_moe_terms.router_saved(t)
+        if shape.ple:
+            ple_block(t, shape)
 
 
 def ple_block(t, shape: LayerShape) -> None:
@@ -129,14 +157,17 @@ def ple_block(t, shape: LayerShape) -> None:
     t.saved["ple_act"] = p * d.proj  # the product's other factor
     t.linear_input("per_layer_projection", p, d.proj, "ple_product")
     t.norm("post_per_layer_input_norm")
+    if shape.altup:  # Gemma 3n: its AltUp, Laurel and sparse-MLP tensors, with the rest of its layer's
+        gemma3n_terms.altup_layer(t, shape)
 
 
 def outside_saved(t, checkpointing: bool) -> float:
     """Per token, saved outside the layers of a model with per-layer shapes: the per-layer inputs (one tensor,
     every layer's slice of it saved), the RMSNorm over them and LoRA on per_layer_model_projection; with
     checkpointing, the K/V that shared_kv_states holds for the layers that reuse them (the checkpoints keep the
-    dict, and so its tensors, alive until their backward), and the sliding layers' boolean mask. `t`: a
-    LayerTerms of the model (core.estimate.activation_terms, which imports this module)."""
+    dict, and so its tensors, alive until their backward), the sliding layers' boolean mask, the rotary tables,
+    and Gemma 3n's AltUp (core.estimate.gemma3n_terms). `t`: a LayerTerms of the model
+    (core.estimate.activation_terms, which imports this module)."""
     spec, plan, d = t.spec, t.plan, t.d
     shapes = [s for s in shapes_of(spec) if s is not None]
     if not shapes:
@@ -150,6 +181,10 @@ def outside_saved(t, checkpointing: bool) -> float:
         b += sum(v for k, v in t.saved.items() if k != "inputs_embeds")
     if checkpointing:
         b += sum(2 * s.kv_width * d.attn for s in shapes if s.store)
+    # the rotary cos and sin of each kind of layer (its own head_dim), computed once before the layers in the
+    # stream's dtype: every layer's rotary multiply keeps them (position_embeddings[layer_type])
+    kinds = {(s.window > 0, s.head_dim) for s in shapes}
+    b += sum(2 * head_dim * d.hidden for _, head_dim in kinds)
     if plan.attn == "sdpa" and any(s.window and plan.seq_len >= s.window for s in shapes):
         b += plan.seq_len  # the (T x T) boolean sliding-window mask, T per token
-    return b
+    return b + gemma3n_terms.altup_outside(t, shapes, checkpointing)

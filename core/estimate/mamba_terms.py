@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from core.estimate.plan import DTYPE_BYTES
 
-MAMBA_FAMILIES = ("mamba2", "bamba", "granitemoehybrid", "nemotron_h", "falcon_h1")
+MAMBA_FAMILIES = ("mamba2", "bamba", "granitemoehybrid", "nemotron_h", "falcon_h1", "zamba2")
 SHORT_CONV_FAMILIES = ("lfm2", "lfm2_moe")
 
 
@@ -72,6 +72,9 @@ def mamba_facts(text_config: dict) -> MambaFacts | None:
     elif mt == "nemotron_h":
         heads, hd, n, g = c["mamba_num_heads"], c["mamba_head_dim"], c["ssm_state_size"], c["n_groups"]
         chunk, k, expand = c["chunk_size"], c["conv_kernel"], None
+    elif mt == "zamba2":  # Zamba2MambaMixer runs Mamba2Mixer's forward (its own gated norm, the same code)
+        heads, hd, n, g = c["n_mamba_heads"], c["mamba_headdim"], c["mamba_d_state"], c["mamba_ngroups"]
+        chunk, k, expand = c["chunk_size"], c["mamba_d_conv"], c.get("mamba_expand", 2)
     else:
         heads, hd, n, g = c["mamba_n_heads"], c["mamba_d_head"], c["mamba_d_state"], c["mamba_n_groups"]
         chunk, k, expand = c["mamba_chunk_size"], c["mamba_d_conv"], c.get("mamba_expand", 2)
@@ -83,7 +86,7 @@ def mamba_facts(text_config: dict) -> MambaFacts | None:
             norm = "none"
         elif c.get("mamba_norm_before_gate", True):
             norm = "gated_after"
-    elif mt in ("mamba2", "bamba", "granitemoehybrid"):
+    elif mt in ("mamba2", "bamba", "granitemoehybrid", "zamba2"):
         inter = int(expand * hidden)
     return MambaFacts(
         mt,
@@ -208,18 +211,116 @@ def mamba_mixer_saved(t, f: MambaFacts, kernel: bool) -> None:
     t.linear_input("out_proj", inter, d.hidden, "mamba_out_proj_input")
 
 
+# What the mixer saves after the scan's last einsum (the gated norm, out_proj's LoRA input), and what its backward
+# has freed by the moments below: the scan's later einsums' operands, then the intra-chunk products' own.
+_AFTER_SCAN = ("mamba.scan_out", "mamba.gate_fp32", "mamba.silu_gate", "mamba.gated", "mamba.norm_rstd")
+_OUT_PROJ = ("out_proj.", "mamba_out_proj_input")
+_STATES_FREED = (
+    "mamba.Y_off_in",
+    "mamba.state_decay_out",
+    "mamba.C_states_operands",
+    "mamba.new_states_operands",
+    "mamba.decay_chunk",
+    "mamba.chunk_masks",
+    "mamba.states_operands",
+)
+_INTRA_FREED = ("mamba.B_chunked", "mamba.decay_states", "mamba.Ydiag_operands")
+
+
+def _sum(t, keys, out_proj: bool = True) -> float:
+    return sum(v for k, v in t.saved.items() if k in keys or (out_proj and k.startswith(_OUT_PROJ)))
+
+
+def _scan_widths(t, f: MambaFacts) -> dict[str, float]:
+    """Per real token, the torch scan's tensors by kind: `ll` one (b, c, l, l, h) fp32 tensor (segment_sum's, M,
+    their gradients), `hn` one (b, c, l, h, n) fp32 tensor (B and C repeated to the heads, padded; B_decay; their
+    gradients), `x` one fp32 (b, c, l, h, p) tensor; padded rows count S / s tokens (S a chunk multiple)."""
+    s, c, S = _mamba_dims(t, f)
+    rho = S / s
+    h = f.heads
+    return {
+        "ll": 4 * h * f.chunk_size * rho,
+        "hn": 4 * h * f.d_state * rho,
+        "x": 4 * f.intermediate * rho,
+        "state": h * f.head_dim * f.d_state / s,  # one (b, h, p, n) state per row, in elements
+        "rho": rho,
+        "c": c,
+    }
+
+
 def mamba_forward_temporaries(t, f: MambaFacts, kernel: bool) -> float:
-    """Per token: what the mixer holds beyond its saved tensors at the step's peak moments. Inside the mixer its
-    forward builds segment_sum's expanded, masked and cumsummed (b, h, c, l, l) copies and its backward the
-    gradients of L / M / G, but measured whole steps (tiny twins of every Mamba-2 family, checkpointing on and off:
-    tests/test_layer_plan.py) peak where these are gone again: counted as 0 until the real-width twins
-    (benchmarks/families_accuracy.py) show where they add."""
-    return 0.0
+    """Per token: the most the mixer's forward holds beyond its saved tensors (its input excluded).
+
+    Torch path (measured, tensor by tensor, on a mixer at Granite 4.0-H's real widths and at reduced ones, bf16
+    autocast): mamba2_chunk_scan keeps every local until it returns, so late in the scan the forward holds, not
+    saved: M = G * L (one (b, c, l, l, h) fp32 tensor), C's padded fp32 copy and B_decay ((b, c, l, h, n) fp32
+    each; B's copy is saved by B_decay's multiply), the padded fp32 x * dt and D_residual, Y_diag (matmul dtype),
+    the chunk states (c + 1 of them) and the zero initial state, the conv activation (16-bit runs: x.float()
+    copies it) and the small dt / A tensors. Two moments bound it:
+    - the last einsum (C_times_states, `bclhn,bchpn->bclhp`): under autocast einsum makes C contiguous in fp32
+      before bmm casts it (one more (b, c, l, h, n) fp32 tensor), plus its output (saved later, as Y_off_in);
+    - the scan's end: Y_off (fp32), Y_diag + Y_off and its contiguous copy, x-wide fp32 tensors.
+    At either, the gated norm and out_proj have saved nothing yet. segment_sum's three (b, h, c, l, l) copies
+    come earlier, when far less is saved: never the larger moment.
+
+    Kernel path (mamba_ssm's MambaSplitConv1dScanCombinedFn; modelled from its design, not measured): the conv
+    output xBC, dt and dA_cumsum (fp32, per head and padded token), the chunk states in fp32 and their passed
+    copy, CB = C^T B per chunk (fp32, (b, c, g, l, l)), the scan output and the gated norm's output."""
+    if not t.saved:
+        mamba_mixer_saved(t, f, kernel)
+    w, e, m = _scan_widths(t, f), t.d.proj, _matmul_bytes(t)
+    h, inter, rho, c = f.heads, f.intermediate, w["rho"], w["c"]
+    if kernel:
+        states = c * w["state"] * (4 + e)
+        held = f.conv_dim * e + 2 * 4 * h * rho + states + 4 * f.n_groups * f.chunk_size * rho + 2 * inter * e
+        return max(held - t.beside, 0.0)
+    held = w["ll"] + 2 * w["hn"] + 2 * w["x"]  # M; C's padded copy, B_decay; x * dt, D_residual
+    held += inter * m * rho  # Y_diag
+    held += (c + 2) * w["state"] * m  # the chunk states (c + 1) and the zero initial state
+    held += f.conv_dim * e if e != 4 else 0  # the conv activation (fp32: x.float() is it, saved already)
+    held += 2 * 4 * h * rho + h * e  # A and its cumsum, chunked; dt
+    after = _sum(t, _AFTER_SCAN)
+    last_einsum = (
+        held + (w["hn"] if m != 4 else 0) + inter * m * rho - after - t.saved.get("mamba.Y_off_in", 0)
+    )
+    end = held + 3 * w["x"] - after
+    return max(max(last_einsum, end) - t.beside, 0.0)
 
 
 def mamba_backward_temporaries(t, f: MambaFacts, kernel: bool) -> float:
-    """Per token: see mamba_forward_temporaries."""
-    return 0.0
+    """Per token: the most the mixer's backward holds beyond its saved tensors (the output and its gradient
+    excluded).
+
+    Torch path (measured as above; the moment of a checkpointed layer's recomputed backward that a Granite 4.0-H
+    twin at real widths measured 18.5% above a plan without it): autograd keeps each gradient of a tensor used
+    twice until both uses are done, so C's gradient from C_times_states waits for G's einsum, and x's for Y_diag's.
+    Two moments bound it, the gated norm's and the later einsums' saved tensors freed by then:
+    - B_decay's multiply (states' einsum backward): C's gradient, B_decay's (cast back to fp32), B's and
+      B_decay * grad (summed into decay_states' gradient): four (b, c, l, h, n) fp32 tensors, with x's gradient,
+      the scan output's (padded, fp32), the gate's (waiting for the projection's split) and Y_diag's 16-bit one;
+    - M = G * L's multiply: M's gradient (fp32), G's and L's: three (b, c, l, l, h) fp32 tensors, next to C's
+      and B's gradients, x's, the scan output's and the gate's; B's padded copy, decay_states and Y_diag's
+      operands are freed by then.
+
+    Kernel path (mamba_chunk_scan_combined's backward inside MambaSplitConv1dScanCombinedFn; modelled from its
+    design, not measured): it recomputes the conv output, dt and dA_cumsum, CB and the chunk states, and holds
+    dstates (fp32 per chunk), dx, ddt, dA, dB and dC (fp32 per group), dCB, the norm's recomputed output and
+    gradient, and the whole projection's gradient (dzxbcdt) that it returns."""
+    if not t.saved:
+        mamba_mixer_saved(t, f, kernel)
+    w, e, m = _scan_widths(t, f), t.d.proj, _matmul_bytes(t)
+    h, inter, rho, c = f.heads, f.intermediate, w["rho"], w["c"]
+    if kernel:
+        g, L, n = f.n_groups, f.chunk_size, f.d_state
+        held = f.proj_width * e + 2 * f.conv_dim * e + 2 * inter * e  # dzxbcdt, xBC and dxBC, out and dout
+        held += 4 * 4 * h * rho + 2 * c * w["state"] * 4  # dt, dA_cumsum, ddt, ddA; states and dstates
+        held += 2 * 4 * g * L * rho + 2 * 4 * g * n * rho + inter * e  # CB and dCB; dB, dC; dx
+        return max(held - t.beside, 0.0)
+    flowing = w["x"] + w["x"] + inter * e + 2 * 4 * h * rho  # x's gradient, the scan output's, the gate's
+    freed = _sum(t, _AFTER_SCAN + _STATES_FREED)
+    states = flowing + 4 * w["hn"] + (inter * m * rho if m != 4 else 0) - freed
+    intra = flowing + 3 * w["ll"] + 2 * w["hn"] - freed - _sum(t, _INTRA_FREED, out_proj=False)
+    return max(max(states, intra) - t.beside, 0.0)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -8,7 +8,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
-from core.estimate import gdn_terms, mamba_terms
+from core.estimate import (
+    gdn_terms,
+    kda_terms,
+    lightning_terms,
+    mamba1_terms,
+    mamba_terms,
+    mlstm_terms,
+    rg_lru_terms,
+    rwkv_terms,
+)
 
 
 class MixerTerms(NamedTuple):
@@ -36,11 +45,60 @@ MIXERS: dict[str, MixerTerms] = {
         mamba_terms.mamba_backward_temporaries,
         ("mamba_ssm", "causal_conv1d"),
     ),
+    "mamba": MixerTerms(
+        mamba1_terms.mamba1_facts,
+        mamba1_terms.mamba1_mixer_saved,
+        mamba1_terms.mamba1_forward_temporaries,
+        mamba1_terms.mamba1_backward_temporaries,
+        ("mamba_ssm", "causal_conv1d"),
+    ),
     "short_conv": MixerTerms(
         mamba_terms.short_conv_facts,
         mamba_terms.short_conv_mixer_saved,
         mamba_terms.short_conv_forward_temporaries,
         mamba_terms.short_conv_backward_temporaries,
         ("causal_conv1d",),
+    ),
+    "kda": MixerTerms(
+        kda_terms.kda_facts,
+        kda_terms.kda_mixer_saved,
+        kda_terms.kda_forward_temporaries,
+        kda_terms.kda_backward_temporaries,
+        ("fla",),
+    ),
+    "rwkv": MixerTerms(  # its CUDA kernel is compiled at model construction when ninja is there
+        rwkv_terms.rwkv_facts,
+        rwkv_terms.rwkv_mixer_saved,
+        rwkv_terms.rwkv_forward_temporaries,
+        rwkv_terms.rwkv_backward_temporaries,
+        ("ninja",),
+    ),
+    "rwkv_channel_mix": MixerTerms(
+        rwkv_terms.rwkv_facts,
+        rwkv_terms.channel_mix_saved,
+        rwkv_terms.channel_mix_forward_temporaries,
+        rwkv_terms.channel_mix_backward_temporaries,
+        (),
+    ),
+    "mlstm": MixerTerms(  # transformers' native code (the xlstm package's Triton kernels: not modelled)
+        mlstm_terms.mlstm_facts,
+        mlstm_terms.mlstm_mixer_saved,
+        mlstm_terms.mlstm_forward_temporaries,
+        mlstm_terms.mlstm_backward_temporaries,
+        (),
+    ),
+    "lightning_attention": MixerTerms(  # MiniMax: one torch path, no kernel package
+        lightning_terms.lightning_facts,
+        lightning_terms.lightning_mixer_saved,
+        lightning_terms.lightning_forward_temporaries,
+        lightning_terms.lightning_backward_temporaries,
+        (),
+    ),
+    "rg_lru": MixerTerms(  # RecurrentGemma: one torch path, no kernel package
+        rg_lru_terms.rg_lru_facts,
+        rg_lru_terms.rg_lru_mixer_saved,
+        rg_lru_terms.rg_lru_forward_temporaries,
+        rg_lru_terms.rg_lru_backward_temporaries,
+        (),
     ),
 }

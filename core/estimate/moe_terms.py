@@ -23,17 +23,27 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from core.estimate.activation_terms import (
+    LayerTerms,
     activation_bytes,
     checkpointing_on,
     layer_saved_tensors,
     step_dtypes,
 )
 from core.estimate.granite_moe_terms import FP32_TOPK_SOFTMAX, granite_router
+from core.estimate.jetmoe_terms import (
+    checkpointing_warning,
+    jetmoe_activation_bytes,
+    jetmoe_backward_peak,
+    jetmoe_forward_temporaries,
+    jetmoe_layer,
+)
 from core.estimate.llama4_moe_terms import llama4_backward_peak, llama4_routed
-from core.estimate.moe import REPEAT_BMM, MoeFacts, moe_of, routed_rows
+from core.estimate.longcat_terms import longcat_activation_bytes, longcat_layer, zero_expert_terms
+from core.estimate.moe import REPEAT_BMM, SPLIT_LINEAR, MoeFacts, moe_of, routed_rows
 from core.estimate.plan import DTYPE_BYTES, Plan
 from core.estimate.specs import ModelSpec
 from core.estimate.static_terms import adapter_bytes, trainable_tensors
+from core.estimate.zaya_terms import zaya_activation_bytes, zaya_layer
 
 # The dense layer's MLP entries of layer_saved_tensors (the MoE block replaces them)
 _MLP_NAMES = ("mlp_norm_out", "gate", "up", "gate_up", "act_gate", "gated_product")
@@ -115,9 +125,13 @@ def moe_layer(spec: ModelSpec, facts: MoeFacts, plan: Plan, targets, tokens: int
     # the logits the loss keeps: fp32 where the router computes in fp32 or casts them (Granite's `.float()`)
     logit = 4 if facts.router_fp32_weight or facts.router == FP32_TOPK_SOFTMAX else d.proj
     lora = expert_targets(targets, facts)
+    rows = e + facts.zero_experts  # the router scores LongCat-Flash's zero-computation experts too
     # the loss's softmax of the layer's logits, and the top-k indices its routing counts take
-    outside = tokens * (e * logit + k * 8) if facts.aux_loss else 0
-    logits = tokens * e * logit if facts.aux_loss else 0
+    outside = tokens * (rows * logit + k * 8) if facts.aux_loss else 0
+    logits = tokens * rows * logit if facts.aux_loss else 0
+    if facts.implementation == SPLIT_LINEAR:  # JetMoE: the whole layer, its attention too (jetmoe_terms)
+        saved = jetmoe_layer(spec, facts, plan, targets, tokens)
+        return MoeLayer(saved, 0, outside, logits, jetmoe_forward_temporaries(spec, facts, plan, tokens))
     if facts.implementation == REPEAT_BMM:  # Llama 4: every token through every expert (llama4_moe_terms)
         saved, merged, temporaries = llama4_routed(h, facts, plan, lora, tokens)
         saved.update(_shared_experts(spec, facts, plan, targets, tokens))
@@ -131,7 +145,7 @@ def moe_layer(spec: ModelSpec, facts: MoeFacts, plan: Plan, targets, tokens: int
         saved["router.softmax"] = tokens * k * logit
     else:
         scores = "router.sigmoid" if facts.router == "sigmoid_group" else "router.softmax"
-        saved[scores] = tokens * e * 4
+        saved[scores] = tokens * rows * 4
         saved["router.topk_indices"] = tokens * k * 8
         if facts.renormalise:  # the in-place division keeps its result and the divisor
             saved["router.renormalised"] = tokens * k * 4
@@ -141,13 +155,13 @@ def moe_layer(spec: ModelSpec, facts: MoeFacts, plan: Plan, targets, tokens: int
         saved["router.group_indices"] = tokens * (facts.groups * 2 + facts.topk_groups) * 8
         saved["router.group_mask"] = tokens * e
     if "router" in lora:  # peft folds the adapter into the router weight; the matmul keeps it and its input
-        saved["router.merged_weight"] = e * h * logit  # (cast to fp32 by an fp32 router: that copy)
+        saved["router.merged_weight"] = rows * h * logit  # (cast to fp32 by an fp32 router: that copy)
         if facts.router_fp32_weight and d.hidden != 4:
             saved["router.fp32_input"] = tokens * h * 4  # `hidden_states.type(torch.float32)`, its own copy
         else:
             saved["mlp_norm_out"] = tokens * h * d.hidden
     elif facts.router_fp32_weight and plan.load_dtype != "fp32":
-        saved["router.fp32_weight"] = e * h * 4  # `self.weight.type(torch.float32)`: a copy the matmul keeps
+        saved["router.fp32_weight"] = rows * h * 4  # `weight.type(torch.float32)`: a copy the matmul keeps
     # the routed pairs (grouped_mm_experts_forward)
     saved["experts.indices"] = 3 * pairs * 8  # the gather, the routing weights' and the un-permute's
     saved["experts.offsets"] = e * 4
@@ -174,6 +188,8 @@ def moe_layer(spec: ModelSpec, facts: MoeFacts, plan: Plan, targets, tokens: int
     if merged:
         saved["experts.merged_weights"] = merged
     saved.update(_shared_experts(spec, facts, plan, targets, tokens))
+    if facts.zero_experts:  # LongCat-Flash (core.estimate.longcat_terms)
+        saved.update(zero_expert_terms(spec, facts, plan, tokens))
     return MoeLayer(saved, merged, outside, logits)
 
 
@@ -212,6 +228,12 @@ def layer_kinds(spec: ModelSpec, facts: MoeFacts, plan: Plan, targets, tokens: i
     saved = layer_saved_tensors(spec, plan, linear)
     attention = sum(v for k, v in saved.items() if not _is_mlp(k)) * tokens
     moe = moe_layer(spec, facts, plan, targets, tokens)
+    if facts.implementation == SPLIT_LINEAR:  # JetMoE's layer is planned whole, its attention included
+        attention = 0
+    if facts.sublayers > 1:  # LongCat-Flash: two attention + MLP sublayers and the shortcut MoE
+        return {"moe": sum(longcat_layer(spec, facts, plan, targets, tokens, moe.saved).values())}
+    if facts.router_hidden:  # ZAYA: its attention and its router are its own
+        return {"moe": sum(zaya_layer(spec, facts, plan, linear, tokens, moe.saved).values())}
     kinds = {"moe": int(attention + sum(moe.saved.values()))}
     if facts.dense_layers:
         dense = layer_saved_tensors(replace(spec, intermediate_size=facts.dense_width), plan, linear)
@@ -224,8 +246,14 @@ def moe_activation_bytes(spec: ModelSpec, plan: Plan, targets, tokens: int) -> t
     each is (core.estimate.layer_kinds: a MoE or a dense block after its mixers), the load-balancing loss's saved
     softmax of every MoE layer outside them."""
     facts = moe_of(spec)
+    if facts.implementation == SPLIT_LINEAR:  # JetMoE (core.estimate.jetmoe_terms)
+        return jetmoe_activation_bytes(spec, facts, plan, targets, tokens)
     linear = linear_targets(targets)
     layer = moe_layer(spec, facts, plan, targets, tokens)
+    if facts.sublayers > 1:  # LongCat-Flash (core.estimate.longcat_terms)
+        return longcat_activation_bytes(spec, facts, plan, linear, tokens, layer.saved)
+    if facts.router_hidden:  # ZAYA (core.estimate.zaya_terms)
+        return zaya_activation_bytes(spec, facts, plan, linear, tokens, layer.saved)
     post_norm = {
         k: v for k, v in layer_saved_tensors(spec, plan, linear, mixers=()).items() if not _is_mlp(k)
     }
@@ -236,7 +264,29 @@ def moe_activation_bytes(spec: ModelSpec, plan: Plan, targets, tokens: int) -> t
         )
         ffn["mlp"] = sum(dense.values())
     outside = facts.moe_layers * layer.outside / tokens
-    return activation_bytes(spec, plan, linear, tokens, ffn, outside)
+    return activation_bytes(
+        spec,
+        plan,
+        linear,
+        tokens,
+        ffn,
+        outside,
+        {"moe": _beside_the_mixer(spec, plan, facts, layer, targets, tokens)},
+    )
+
+
+def _beside_the_mixer(
+    spec: ModelSpec, plan: Plan, facts: MoeFacts, layer: MoeLayer, targets, tokens: int
+) -> float:
+    """Per token: what a MoE block after a recurrent mixer holds that is not alive at the mixer's moments
+    (activation_terms.beside_the_mixer, a dense MLP's): its post-mixer norm and saved tensors, and with
+    checkpointing the gradients of its experts' backward, which moe_moments puts next to the recomputed layer."""
+    norm = LayerTerms(spec, plan, targets)
+    norm.norm("post_attention_layernorm")
+    out = sum(norm.saved.values()) + sum(layer.saved.values()) / tokens
+    if checkpointing_on(plan):
+        out += expert_backward_peak(spec, facts, plan, targets, tokens) / tokens
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -260,8 +310,10 @@ def moe_moments(t, forward_moment, backward_moment) -> dict[str, dict]:
     # by then the routing weights' backward has run: the down output it kept is freed (grouped_mm; Llama 4 scales
     # the rows before the experts, so nothing of theirs is freed yet)
     freed = layer.saved.get("experts.down_out", 0) + (
-        0 if facts.implementation == REPEAT_BMM else layer.saved["experts.routing_weights"]
+        0 if facts.implementation == REPEAT_BMM else layer.saved.get("experts.routing_weights", 0)
     )
+    # JetMoE: the weighted output index_add kept and the gates the multiply kept (router.gates) go first
+    freed += layer.saved.get("experts.weighted_out", 0) + layer.saved.get("router.gates", 0)
     # ... and this layer's own expert adapters have no gradient yet
     own = sum(trainable_tensors(t.spec, plan, [s for s in t.targets if s.experts])) // max(
         facts.moe_layers, 1
@@ -307,6 +359,8 @@ def expert_backward_peak(spec: ModelSpec, facts: MoeFacts, plan: Plan, targets, 
     the routed gradient in and out; down_proj's comes first, while gate_up's merged copy is still saved, and
     gate_up's after down_proj's copy is freed."""
     lora = expert_targets(targets, facts)
+    if facts.implementation == SPLIT_LINEAR:
+        return jetmoe_backward_peak(spec, facts, plan, tokens)
     if facts.implementation == REPEAT_BMM:
         return llama4_backward_peak(spec.hidden_size, facts, plan, lora, tokens)
     p = DTYPE_BYTES[plan.load_dtype]
@@ -337,6 +391,9 @@ def with_moe(est, t):
     weights, constants = expert_weight_bytes(spec, plan)
     expert_trainable = sum(trainable_tensors(spec, plan, [s for s in t.targets if s.experts]))
     est.activation_bytes_per_token_per_layer = kinds["moe"] / max(t.tokens, 1)
+    no_checkpointing = checkpointing_warning(spec, facts, plan)
+    if no_checkpointing:
+        est.warnings = est.warnings + [no_checkpointing]
     if plan.lora_dropout and any(s.experts for s in t.targets):
         est.warnings = est.warnings + [
             "LoRA wraps parameters of this model (its experts, through peft's target_parameters): peft refuses "
@@ -362,6 +419,7 @@ def with_moe(est, t):
         "moe_layer_activation_bytes": kinds["moe"],
         "router_logits_bytes": facts.moe_layers * layer.logits,
         "aux_loss": facts.aux_loss,
+        "attention_experts_width": facts.attention_width,  # JetMoE's attention's experts, 0 elsewhere
     }
     return est
 
@@ -376,9 +434,11 @@ def moe_lines(est) -> list[str]:
 
     shared = f", shared experts {m['shared_width']} wide" if m["shared_width"] else ""
     dense = f" (+{m['dense_layers']} dense)" if m["dense_layers"] else ""
+    width = m.get("attention_experts_width", 0)
+    attention = f"; the attention's query and output projections are experts, {width} wide" if width else ""
     lines = [
         f"mixture of experts: {m['experts']} experts, {m['top_k']} per token, each {m['expert_width']} wide"
-        f"{shared}; {m['moe_layers']} MoE layers{dense}; router {m['router']}",
+        f"{shared}; {m['moe_layers']} MoE layers{dense}; router {m['router']}{attention}",
         f"expert weights: {gib(m['expert_weight_bytes'])} in {m['expert_dtype']}: {m['expert_dtype_reason']}",
     ]
     if m["mxfp4_note"]:
@@ -389,6 +449,8 @@ def moe_lines(est) -> list[str]:
             f"folds the adapter into a merged copy of each layer's experts every forward: "
             f"{gib(m['merged_expert_copy_bytes'])} per layer, saved for backward, and a gradient as large"
         )
+    elif width:  # JetMoE's 3-D experts: not planned with LoRA (core.estimate.jetmoe_terms)
+        lines.append("LoRA leaves the experts as they are (all-linear adapts kv_proj and the routers)")
     else:
         lines.append(
             f"LoRA leaves the experts as they are (target them with lora.target_parameters: "

@@ -9,7 +9,6 @@ import json
 from core.estimate.activation_terms import mixer_facts
 from core.estimate.layer_kinds import (
     kernel_note,
-    kernel_path,
     kinds_of,
     unmodelled_recurrent_layers,
 )
@@ -32,15 +31,6 @@ def check_against_spec(spec: ModelSpec, plan: Plan, targets) -> list[str]:
     note = kernel_note(spec, plan)
     if note:
         warnings.append(note)
-    mamba = any("mamba2" in mixers for mixers, _ in kinds_of(spec))
-    if (
-        mamba and plan.gradient_checkpointing and not kernel_path(plan, "mamba2")
-    ):  # benchmarks/families_accuracy.py
-        warnings.append(
-            "With gradient checkpointing, the Mamba-2 layers' recomputed backward builds (heads x chunks x chunk x "
-            "chunk) fp32 gradients this plan does not count yet: a Granite 4.0-H layer at its real widths measured "
-            "18.5% above its plan. Keep that headroom and run the smoke test, which measures the real peak."
-        )
     unmodelled = unmodelled_recurrent_layers(
         spec
     ) + sum(  # a modelled kind whose family's config it cannot read

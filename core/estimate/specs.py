@@ -21,6 +21,7 @@ from functools import lru_cache
 
 from core.estimate.layer_kinds import layers_json, mlp_linear_names
 from core.estimate.layer_shapes import kv_cache_per_byte, shapes_json
+from core.estimate.mla_terms import is_mla, latent_cache_per_byte
 from core.estimate.model_config import SpecError as SpecError
 from core.estimate.model_config import _config_from_dict, _config_source, load_model_config
 from core.estimate.model_config import preset_ids as preset_ids
@@ -28,6 +29,7 @@ from core.estimate.moe import moe_json
 from core.estimate.spec_cache import _cache_path, _int, _read_entry, _typed, _write_entry
 from core.estimate.spec_cache import cache_dir as cache_dir  # the tests clear and inspect it here
 from core.estimate.spec_cache import metadata as metadata
+from core.estimate.unplanned import unplanned_sentence
 from core.estimate.vlm import VISION_MODULES, is_vlm_config, language_model, vlm_json
 from core.fmt import error_line
 from core.recipe import peft_targets
@@ -107,6 +109,8 @@ class ModelSpec:
         from core.estimate.layer_kinds import attention_layers
 
         own = kv_cache_per_byte(self)  # layers of their own shapes; a layer reusing K/V caches none
+        if own is None:  # MLA caches its compressed latent and k_pe, not per-head K and V
+            own = latent_cache_per_byte(self.config_json, attention_layers(self)) if is_mla(self) else None
         return own if own is not None else 2 * attention_layers(self) * self.num_kv_heads * self.head_dim
 
 
@@ -149,11 +153,13 @@ def parameter_shapes(fields: dict) -> tuple[str, dict[str, tuple[int, ...]]]:
 
 
 def decoder_layers(model):
-    """The repeated decoder blocks: the largest nn.ModuleList in the model."""
+    """The repeated decoder blocks: the largest nn.ModuleList of blocks (modules holding modules) in the model;
+    a list of bare Linears is none (Gemma 3n's altup_projections outnumber the layers of a 2-layer config)."""
     import torch.nn as nn
 
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
-    return max(lists, key=len) if lists else None
+    blocks = [m for m in lists if any(next(c.children(), None) is not None for c in m)] or lists
+    return max(blocks, key=len) if blocks else None
 
 
 def load_spec(model: str) -> ModelSpec:
@@ -224,12 +230,16 @@ def _build_spec(model: str, cfg) -> ModelSpec:
     head_norms = any(n.endswith(("q_norm", "k_norm")) for n in norms)
 
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    refused = unplanned_sentence(cfg.model_type, json.loads(config_json), layers[0])  # BLT, Doge, Inkling
+    if refused:
+        raise SpecError(refused)
     moe = moe_json(meta, layers, text)
     unsupported = json.loads(moe)["unsupported"] if moe else ""
     if unsupported:
         raise SpecError(unsupported)
+    shapes = shapes_json(layers)  # each layer's own shape where they differ (Gemma 3n's MLP widths)
     for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim"):
-        if isinstance(_global(text, key), (list, tuple)):  # Gemma 3n's per-layer MLP widths
+        if isinstance(_global(text, key), (list, tuple)) and not (key == "intermediate_size" and shapes):
             raise SpecError(
                 f"'{model}' gives {key} per layer ({error_line(str(getattr(text, key)), 60)}); this planner plans "
                 "decoder LLMs whose layers share one shape."
@@ -254,17 +264,29 @@ def _build_spec(model: str, cfg) -> ModelSpec:
         lm_head_params=0 if (head is None or tied) else head.weight.numel(),
         decoder_linears=linears,
         param_numels=tuple(p.numel() for p in params.values()),
-        norms_per_layer=len([n for n in norms if not n.endswith(("q_norm", "k_norm", "v_norm"))]),
+        # MLA's q_a_layernorm / kv_a_layernorm norm the latents inside the attention (core.estimate.mla_terms)
+        norms_per_layer=len(
+            [n for n in norms if not n.endswith(("q_norm", "k_norm", "v_norm", "a_layernorm"))]
+        ),
         config_json=config_json,
         moe_json=moe,
         head_norms=head_norms,
         attention_sinks=any(n.rsplit(".", 1)[-1] == "sinks" for n, _ in layers[0].named_parameters()),
         sdpa=bool(getattr(meta, "_supports_sdpa", True)),
         vlm_json=vlm,
-        layers_json=layers_json(layers, json.loads(moe)["experts_path"] if moe else ""),
+        layers_json=_layers_json(layers, moe),
         all_linear_notes=json.dumps(peft_targets.all_linear(meta)[1]),
-        shapes_json=shapes_json(layers),
+        shapes_json=shapes,
     )
+
+
+def _layers_json(layers, moe: str) -> str:
+    """Every layer's kinds; LongCat-Flash's (MoE facts' sublayers > 1) keep their attentions in a ModuleList:
+    attention and the shortcut MoE (core.estimate.longcat_terms plans its sublayers)."""
+    facts = json.loads(moe) if moe else {}
+    if facts.get("sublayers", 1) > 1:
+        return json.dumps([[["attention"], "moe"]] * len(layers))
+    return layers_json(layers, facts.get("experts_path", ""))
 
 
 def _global(text, key: str):
