@@ -63,12 +63,13 @@ class LayerTerms:
     LoRA, keeps of its input (`linear_input`). The attention block, the MLP and the recurrent mixers
     (core.estimate.gdn_terms, core.estimate.mamba_terms) write through these."""
 
-    def __init__(self, spec: ModelSpec, plan: Plan, targets=(), shape=None):
-        # shape: the layer's own, where layers differ (core.estimate.layer_shapes)
+    def __init__(self, spec: ModelSpec, plan: Plan, targets=(), shape=None, layer: int = 0):
+        # shape: the layer's own, where layers differ (core.estimate.layer_shapes); layer: its index, whose adapted
+        # Linears it reads (a hybrid's layer 0 may be recurrent, without the attention's projections)
         self.spec, self.plan, self.shape = spec, plan, shape
         self.d = step_dtypes(plan)
         self.full = plan.method == "full"
-        adapted = {s.name.rsplit(".", 1)[-1] for s in targets if ".0." in s.name or "layers.0." in s.name}
+        adapted = {s.name.rsplit(".", 1)[-1] for s in targets if f".{layer}." in s.name}
         self.every_adapted = {s.name.rsplit(".", 1)[-1] for s in targets}
         self.adapted = adapted or self.every_adapted
         self.compute = DTYPE_BYTES[plan.compute_dtype]
@@ -119,7 +120,13 @@ class LayerTerms:
 
 
 def layer_saved_tensors(
-    spec: ModelSpec, plan: Plan, targets=(), mixers: tuple[str, ...] = ("attention",), ffn=True, shape=None
+    spec: ModelSpec,
+    plan: Plan,
+    targets=(),
+    mixers: tuple[str, ...] = ("attention",),
+    ffn=True,
+    shape=None,
+    layer: int = 0,
 ) -> dict[str, float]:
     """Bytes per token that one decoder layer leaves saved for backward, by tensor: its input norm and token
     mixers (`mixers`: "attention" and the recurrent kinds of core.estimate.layer_kinds; none: no mixer), then, with `ffn`, the
@@ -131,7 +138,7 @@ def layer_saved_tensors(
     the fp32 softmax and its cast; SwiGLU saves gate, act(gate), up; LoRA saves its (fp32 or autocast)
     input copy per adapted module, its dropout output + mask when dropout > 0, and lora_A's output.
     """
-    t = LayerTerms(spec, plan, targets, shape)
+    t = LayerTerms(spec, plan, targets, shape, layer)
     if mixers:
         t.norm("input_layernorm")
         for mixer in mixers:  # Falcon-H1 runs attention and Mamba-2 side by side on the same norm output
@@ -271,7 +278,7 @@ def outside_layers_saved_bytes(spec: ModelSpec, plan: Plan) -> float:
     return 4 * spec.hidden_size + 4 + 16 + head_saved_bytes(spec, plan)
 
 
-def _embedding_output_requires_grad(plan: Plan) -> bool:
+def embedding_output_requires_grad(plan: Plan) -> bool:
     """Does the first decoder layer get an input that requires grad? Only when the embedding trains (full
     fine-tuning) or the run engine calls enable_input_require_grads (LoRA with gradient checkpointing)."""
     return plan.method == "full" or (plan.method == "lora" and checkpointing_on(plan))
@@ -329,14 +336,17 @@ def layers_saved(
     that is not alive at its mixer's moments (beside_the_mixer's for a dense MLP by default)."""
     by_mixers: dict[tuple, tuple[dict, float]] = {}
     dense_by_shape, out = {}, []
-    for (mixers, block), shape in zip(kinds_of(spec), layer_shapes.shapes_of(spec), strict=True):
+    kinds = zip(kinds_of(spec), layer_shapes.shapes_of(spec), strict=True)
+    for i, ((mixers, block), shape) in enumerate(
+        kinds
+    ):  # a kind's first layer: which of its Linears are adapted
         if shape not in dense_by_shape:  # a layer of its own shape (Gemma 4) has its own MLP width
-            dense_by_shape[shape] = layer_saved_tensors(spec, plan, targets, mixers=(), shape=shape)
+            dense_by_shape[shape] = layer_saved_tensors(spec, plan, targets, mixers=(), shape=shape, layer=i)
         dense = dense_by_shape[shape]
         widths = {"mlp": sum(dense.values()), "none": 0, **(ffn or {})}
         if (mixers, block, shape) not in by_mixers:
-            part = layer_saved_tensors(spec, plan, targets, mixers=mixers, ffn=False, shape=shape)
-            t = LayerTerms(spec, plan, targets)
+            part = layer_saved_tensors(spec, plan, targets, mixers=mixers, ffn=False, shape=shape, layer=i)
+            t = LayerTerms(spec, plan, targets, layer=i)
             if mixers:
                 t.beside = (beside or {})[block] if block in (beside or {}) else beside_the_mixer(t, block)
             temps = [mixer_temporaries(t, m) for m in mixers]
@@ -371,67 +381,13 @@ def activation_bytes(
             b - liger_input * saved.get("input_layernorm.input", 0) + temp for b, saved, temp in layers
         )
         return int(tokens * (layer_inputs + outside)), int(tokens * recompute), 0
-    first = 0 if _embedding_output_requires_grad(plan) else first_layer_unsaved(layers[0][1], targets)
+    first = 0 if embedding_output_requires_grad(plan) else first_layer_unsaved(layers[0][1], targets)
     below, recurrent = 0.0, 0.0
     for b, _saved, temp in layers:  # backward reaches a recurrent layer with the layers under it still saved
         below += b
         if temp:
             recurrent = max(recurrent, below - first + temp)
     return int(tokens * (sum(b for b, _, _ in layers) - first + outside)), 0, int(tokens * recurrent)
-
-
-def last_layer_forward_temporaries(spec: ModelSpec, plan: Plan, targets=()) -> float:
-    """Per token: what is alive but not saved for backward while the last decoder layer runs its down_proj.
-
-    With a small vocabulary (or a short sequence of a wide model) forward peaks here, not at the loss. Alive
-    then, from the module code: LlamaModel keeps `inputs_embeds` (one more tensor when it is not also the
-    layer input), the decoder loop the layer input, the layer its `residual`, and the MLP its input (the
-    post-attention norm output) and the gated product; the base down_proj's output; and for a LoRA
-    down_proj, peft's `x = x.to(lora_A.weight.dtype)` (a local alive until forward returns; saved, so
-    already counted, only without dropout and autocast), and `result + lora_B(lora_A(x)) * scaling`: the
-    lora_B output and its scaled copy (or the scaled copy and the sum, promoted to fp32 when the base is
-    16-bit and the adapter fp32; TRL's bf16 QLoRA adapters need no cast). Tensors a full fine-tune saves
-    anyway are not counted twice.
-    Not used with gradient checkpointing: there the recompute moments of backward bound the step."""
-    saved = layer_saved_tensors(spec, plan, targets)
-    d = step_dtypes(plan)
-    h, inter = spec.hidden_size, spec.intermediate_size
-    adapted = {s.name.rsplit(".", 1)[-1] for s in targets}
-    # A 32-bit residual stream needs no upcast in RMSNorm, so the norms save the stream tensors themselves:
-    # the layer input (input_layernorm's) and `residual` (post_attention_layernorm's) are counted already,
-    # and so is `inputs_embeds` when layer 0 saves it (its input needs grad).
-    stream_saved = d.hidden == 4
-    needs_grad = _embedding_output_requires_grad(plan)
-    stream = 0 if stream_saved else 2  # the layer input and `residual`
-    if spec.num_layers > 1 and not (stream_saved and needs_grad):
-        stream += 1  # `inputs_embeds`, a tensor of its own once the first layer has run
-    elif spec.num_layers == 1 and stream_saved and not needs_grad:
-        stream += 1  # the one layer's input is `inputs_embeds`, which layer 0 leaves unsaved
-    if "mlp_norm_out" not in saved:
-        stream += 1  # the post-attention norm output, the MLP's input
-    b = stream * h * d.hidden
-    if "gated_product" not in saved:
-        b += inter * d.proj
-    b += h * d.proj  # the base down_proj output
-    if "down_proj" in adapted:
-        ad, compute = adapter_bytes(plan), DTYPE_BYTES[plan.compute_dtype]
-        lora = compute if d.autocast else ad
-        if d.proj != ad and (plan.lora_dropout > 0 or (d.autocast and ad != compute)):
-            b += inter * ad  # peft's cast of the input to the adapter dtype, not itself saved
-        b += h * lora + h * max(lora, d.proj)
-    return b
-
-
-# Families whose final norm is nn.LayerNorm: its backward is one fused kernel, without RMSNorm's fp32 chain.
-LAYERNORM_MODELS = ("gpt2", "gpt_neox", "gptj", "opt", "bloom", "falcon", "phi")
-
-
-def final_norm_backward_temporaries(spec: ModelSpec) -> float:
-    """Per token: the fp32 temporaries of the final RMSNorm's backward (its input was upcast to fp32), alive
-    next to every saved activation once the logits' gradients are gone. Through `x * rsqrt(mean(x^2) + eps)`:
-    the gradient g * rstd (kept until the two paths into x are summed), the mean's expanded gradient, pow's
-    x^1 and 2 * x^1, and their product with the gradient: five fp32 tensors as wide as the hidden state."""
-    return 5 * spec.hidden_size * 4
 
 
 def checkpointing_on(plan: Plan) -> bool:

@@ -12,15 +12,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from core.estimate import head_terms
 from core.estimate.activation_terms import (
-    LAYERNORM_MODELS,
     activation_bytes,
     attention_mask_bytes,
     checkpointing_on,
-    final_norm_backward_temporaries,
     head_saved_bytes,
     kv_cache_bytes_per_token,
-    last_layer_forward_temporaries,
     layer_activation_bytes,
     liger_on,
     logits_bytes,
@@ -274,7 +272,7 @@ def forward_moment(t: StepTerms) -> dict:
                 **t.static,
                 "autocast_weight_copies": t.autocast_fwd,
                 "activations": max(0, t.saved - int(tokens * outside_layers_saved_bytes(spec, plan))),
-                "logits_loss": int(tokens * last_layer_forward_temporaries(spec, plan, t.targets)),
+                "logits_loss": int(tokens * head_terms.last_layer_forward_temporaries(spec, plan, t.targets)),
             }
         )
     best = candidates[0]
@@ -349,7 +347,7 @@ def backward_moment(t: StepTerms) -> dict:
     moments = (early, first_layer, last_layer, tail)
     if t.recurrent_backward:  # inside a recurrent layer's backward (no checkpointing): its chunk temporaries
         moments += ({**static, "activations": t.recurrent_backward, "gradients": head_grad},)
-    if spec.model_type not in LAYERNORM_MODELS:
+    if spec.model_type not in head_terms.LAYERNORM_MODELS:
         # The final norm's backward, after the cross-entropy's and lm_head's: the saved activations (less what
         # lm_head and the norm's weight multiply saved, freed by their backward) next to its fp32 temporaries.
         # It outgrows the start of backward only when the vocabulary is small.
@@ -358,7 +356,7 @@ def backward_moment(t: StepTerms) -> dict:
                 **static,
                 "autocast_weight_copies": t.autocast_bwd,
                 "activations": max(0, t.saved - int(tokens * head_saved_bytes(spec, plan))),
-                "logits_loss": int(tokens * final_norm_backward_temporaries(spec)),
+                "logits_loss": int(tokens * head_terms.final_norm_backward_temporaries(spec)),
                 "gradients": head_grad,
             },
         )

@@ -1,13 +1,15 @@
-"""The loss head of the bill with TRL's fused LM head (trl.trainer.utils.add_fused_lm_head): what its tiles, saved
-inputs and fp32 accumulators hold at each moment of the step, from trl 1.16's code."""
+"""The head end of the bill: the last layer's forward and the final norm's backward temporaries, and TRL's fused LM
+head (trl.trainer.utils.add_fused_lm_head): what its tiles, saved inputs and fp32 accumulators hold at each moment of
+the step, from trl 1.16's code."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from core.estimate.activation_terms import step_dtypes
+from core.estimate.activation_terms import embedding_output_requires_grad, layer_saved_tensors, step_dtypes
 from core.estimate.plan import DTYPE_BYTES, Plan
 from core.estimate.specs import ModelSpec
+from core.estimate.static_terms import adapter_bytes
 from core.recipe import methods
 
 # trl 1.16: trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE and trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE
@@ -99,3 +101,57 @@ def fused_head_bytes(spec: ModelSpec, plan: Plan, rows: int) -> FusedHead:
     # gradient becomes its .grad (counted under gradients), so only a separate fp32 accumulator adds here.
     end = held + scored * h * (4 + (hd if hd != 4 else 0)) + (grad_weight if wd != 4 else 0)
     return FusedHead(held, forward, backward, end, outputs)
+
+
+def last_layer_forward_temporaries(spec: ModelSpec, plan: Plan, targets=()) -> float:
+    """Per token: what is alive but not saved for backward while the last decoder layer runs its down_proj.
+
+    With a small vocabulary (or a short sequence of a wide model) forward peaks here, not at the loss. Alive
+    then, from the module code: LlamaModel keeps `inputs_embeds` (one more tensor when it is not also the
+    layer input), the decoder loop the layer input, the layer its `residual`, and the MLP its input (the
+    post-attention norm output) and the gated product; the base down_proj's output; and for a LoRA
+    down_proj, peft's `x = x.to(lora_A.weight.dtype)` (a local alive until forward returns; saved, so
+    already counted, only without dropout and autocast), and `result + lora_B(lora_A(x)) * scaling`: the
+    lora_B output and its scaled copy (or the scaled copy and the sum, promoted to fp32 when the base is
+    16-bit and the adapter fp32; TRL's bf16 QLoRA adapters need no cast). Tensors a full fine-tune saves
+    anyway are not counted twice.
+    Not used with gradient checkpointing: there the recompute moments of backward bound the step."""
+    saved = layer_saved_tensors(spec, plan, targets)
+    d = step_dtypes(plan)
+    h, inter = spec.hidden_size, spec.intermediate_size
+    adapted = {s.name.rsplit(".", 1)[-1] for s in targets}
+    # A 32-bit residual stream needs no upcast in RMSNorm, so the norms save the stream tensors themselves:
+    # the layer input (input_layernorm's) and `residual` (post_attention_layernorm's) are counted already,
+    # and so is `inputs_embeds` when layer 0 saves it (its input needs grad).
+    stream_saved = d.hidden == 4
+    needs_grad = embedding_output_requires_grad(plan)
+    stream = 0 if stream_saved else 2  # the layer input and `residual`
+    if spec.num_layers > 1 and not (stream_saved and needs_grad):
+        stream += 1  # `inputs_embeds`, a tensor of its own once the first layer has run
+    elif spec.num_layers == 1 and stream_saved and not needs_grad:
+        stream += 1  # the one layer's input is `inputs_embeds`, which layer 0 leaves unsaved
+    if "mlp_norm_out" not in saved:
+        stream += 1  # the post-attention norm output, the MLP's input
+    b = stream * h * d.hidden
+    if "gated_product" not in saved:
+        b += inter * d.proj
+    b += h * d.proj  # the base down_proj output
+    if "down_proj" in adapted:
+        ad, compute = adapter_bytes(plan), DTYPE_BYTES[plan.compute_dtype]
+        lora = compute if d.autocast else ad
+        if d.proj != ad and (plan.lora_dropout > 0 or (d.autocast and ad != compute)):
+            b += inter * ad  # peft's cast of the input to the adapter dtype, not itself saved
+        b += h * lora + h * max(lora, d.proj)
+    return b
+
+
+# Families whose final norm is nn.LayerNorm: its backward is one fused kernel, without RMSNorm's fp32 chain.
+LAYERNORM_MODELS = ("gpt2", "gpt_neox", "gptj", "opt", "bloom", "falcon", "phi")
+
+
+def final_norm_backward_temporaries(spec: ModelSpec) -> float:
+    """Per token: the fp32 temporaries of the final RMSNorm's backward (its input was upcast to fp32), alive
+    next to every saved activation once the logits' gradients are gone. Through `x * rsqrt(mean(x^2) + eps)`:
+    the gradient g * rstd (kept until the two paths into x are summed), the mean's expanded gradient, pow's
+    x^1 and 2 * x^1, and their product with the gradient: five fp32 tensors as wide as the hidden state."""
+    return 5 * spec.hidden_size * 4
