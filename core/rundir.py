@@ -100,6 +100,38 @@ def write_phase(run_dir: str | os.PathLike, phase: str | None) -> None:
     write_status(run_dir, phase=phase, phase_started=time.time() if phase else None)
 
 
+def resume_times(before: dict | None, now: float | None = None) -> dict:
+    """The status fields a resume writes: when this attempt starts (`attempt_started`) and what the attempts before
+    it took (`earlier_s`, each from its (re)start to its last record), so that a run's time leaves out the time it
+    sat stopped. `before`: the status the last attempt left (its `ended`, else its last update: a killed trainer)."""
+    before = before or {}
+    earlier, start = _attempt(before)
+    end = before.get("ended") if is_number(before.get("ended")) else before.get("updated")
+    if is_number(start) and is_number(end):
+        earlier += max(0.0, end - start)
+    return {"attempt_started": time.time() if now is None else now, "earlier_s": earlier}
+
+
+# what a fresh start writes: no earlier attempt, this one began when the run did
+FIRST_ATTEMPT = {"attempt_started": None, "earlier_s": None}
+
+
+def _attempt(status: dict) -> tuple[float, object]:
+    """(the seconds earlier attempts took, when this one started): a run never resumed has only `started`."""
+    earlier = status.get("earlier_s") if is_number(status.get("earlier_s")) else 0.0
+    start = status.get("attempt_started")
+    return earlier, start if is_number(start) else status.get("started")
+
+
+def run_seconds(status: dict | None, end: float | None) -> float | None:
+    """How long the run has trained up to `end` (its end, or now): every attempt's span, not the time since its
+    first start (a resumed run sat stopped between them). None without a start."""
+    earlier, start = _attempt(status or {})
+    if not is_number(start) or not is_number(end):
+        return None
+    return earlier + max(0.0, end - start)
+
+
 def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
     """All complete lines of metrics.jsonl (a half-written last line, or one with a number beyond float range, is
     skipped)."""

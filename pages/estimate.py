@@ -496,4 +496,4 @@ try:
         st.session_state[fields.HANDOVER] = cfg
         st.switch_page("pages/train.py")
 except (ConfigError, PlanError, SpecError) as exc:
-    st.error(str(exc))
+    st.error(fields.labelled(str(exc), methods.get(cfg)))  # the field by its label, as on the form

@@ -7,6 +7,7 @@ from pathlib import Path
 import streamlit as st
 
 from core import jobs
+from core.eval.heldout import PAGE_DATA
 from core.eval.results import SCORED, list_results, read_result
 from core.eval.scores import NORMALIZATION
 from core.monitor.watch import run_method
@@ -28,8 +29,8 @@ def start(ws: str, run_dir: str) -> None:
     data = None
     if source == "A data file":
         data = st.text_input(
-            "Data file (.jsonl, .json, .csv, .parquet: questions and answers, a DPO / KTO run's pairs or rated "
-            "answers, a GRPO run's prompts with their answer column)",
+            f"{PAGE_DATA.name} (.jsonl, .json, .csv, .parquet: questions and answers, a DPO / KTO run's pairs or "
+            "rated answers, a GRPO run's prompts with their answer column)",  # the name the job's messages use
             key="ev_data",
         ).strip()
     limit = c2.number_input("Rows (0: all)", min_value=0, value=0, step=10, key="ev_limit")

@@ -287,6 +287,10 @@ if not runs:
 paths = [str(r.path) for r in runs]
 ended = st.session_state.get("mon_ended", 0)
 selector = "mon_run" if not ended else f"mon_run_{ended}"
+by_name = {r.name: str(r.path) for r in runs}
+if "monitor_run" not in st.session_state and st.query_params.get("run") in by_name:
+    # a reload is a new session: it comes back on the run its URL names (another page's choice comes first)
+    st.session_state["monitor_run"] = by_name[st.query_params["run"]]
 follow_choice(paths, "monitor_run", selector, "mon_for")  # a run chosen on another page
 by_path = {str(r.path): r for r in runs}
 run_methods = {p: run_method(p) for p in paths}
@@ -304,6 +308,7 @@ run_dir = c1.selectbox(
 st.session_state["monitor_run"] = run_dir
 st.session_state["mon_for"] = run_dir
 info = by_path[run_dir]
+st.query_params["run"] = info.name  # the URL keeps the run shown: a reload or a shared link opens it
 # an ended run whose process is still exiting stays live until it is gone: Stop, the label, the panels follow it
 live = info.state in LIVE_STATES or (info.alive and info.state in ENDED)
 checkpoint = None if live else latest_checkpoint(run_dir)

@@ -169,7 +169,11 @@ def test_what_would_fit_is_ranked_and_each_saving_is_a_real_re_estimate():
     base = estimate(plan)
     advice = what_would_fit(plan)
     assert len(advice) >= 5
-    assert [a["saves_bytes"] for a in advice] == sorted((a["saves_bytes"] for a in advice), reverse=True)
+    # what this card can do first, more GPUs last (issue #51): each group ranked by what it saves
+    more = [a for a in advice if "gpus" in a["settings"]]
+    assert more and advice[-len(more) :] == more
+    for group in (advice[: -len(more)], more):
+        assert [a["saves_bytes"] for a in group] == sorted((a["saves_bytes"] for a in group), reverse=True)
     for a in advice:
         changed = estimate(dataclasses.replace(plan, **a["settings"]))
         assert a["saves_bytes"] == base.device_total_bytes - changed.device_total_bytes > 0

@@ -144,3 +144,21 @@ def test_gpu_gb_help_lists_the_cards_by_name_from_the_one_table():
     text = " ".join(proc.stdout.split())  # argparse wraps the help
     for card in CARDS:
         assert f"{card.name} {card.gib:.2f}" in text, card
+
+
+def test_the_default_batch_and_length_are_the_estimate_pages_and_the_table_says_them():
+    """Issue #51: `python -m core.estimate` planned 1 x 2048 where the Estimate page plans 4 x 512, and its table
+    never said which batch and length its figures were for. One default (a run config's), said on the first line;
+    the JSON keeps its keys."""
+    from streamlit.testing.v1 import AppTest
+
+    page = AppTest.from_file(str(REPO / "pages" / "estimate.py"), default_timeout=120).run()
+    assert not page.exception, page.exception
+    batch, length = page.number_input(key="es_batch").value, page.number_input(key="es_max_length").value
+    table = estimate_main("--model", "meta-llama/Llama-2-7b-hf")
+    assert table.returncode == 0, table.stderr
+    first = table.stdout.splitlines()[0]
+    assert first.endswith(f" trainable; batch size {batch} x {length:,} tokens"), first
+    out = json.loads(estimate_main("--model", "meta-llama/Llama-2-7b-hf", "--json").stdout)
+    assert (out["plan"]["batch_size"], out["plan"]["seq_len"]) == (batch, length)
+    assert "components" in out and "fit_search" in out

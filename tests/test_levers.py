@@ -163,6 +163,24 @@ def test_what_would_fit_combines_levers_when_no_single_change_is_enough():
     assert all(a["costs"] for a in advice)
 
 
+@pytest.mark.parametrize(
+    "model,method", [("meta-llama/Llama-2-13b-hf", "lora"), ("Qwen/Qwen2.5-14B", "qlora")]
+)
+def test_what_would_fit_one_12_gb_card_offers_what_that_card_can_do_first(model, method):
+    """Issue #51: on one RTX 3060 the first suggestion was '8 GPUs' / '4 GPUs with FSDP' (it saves the most), above
+    QLoRA or a smaller batch that fit the card the user has. More GPUs come last."""
+    from core.estimate.cards import CARDS
+
+    card = next(c for c in CARDS if c.name == "RTX 3060")
+    plan = Plan(model=model, method=method, batch_size=4, seq_len=512, gpu_gb=card.gib)
+    assert estimate(plan).verdict == "does not fit"
+    advice = what_would_fit(plan)
+    more = [a for a in advice if "gpus" in a["settings"]]
+    assert more and advice[-len(more) :] == more, [a["change"] for a in advice]
+    first = advice[0]
+    assert "gpus" not in first["settings"] and first["verdict"] == "fits", first
+
+
 # -- measured on the CPU: the levers that run there ---------------------------------------------------------
 
 

@@ -57,9 +57,11 @@ def test_bad_inputs_show_an_error_not_an_exception(tmp_path):
     at.number_input(key="es_batch").set_value(0)
     at.run()
     assert not at.exception
-    assert any("training.per_device_train_batch_size" in e.value for e in at.error), [
-        e.value for e in at.error
-    ]
+    # issue #51: the field by the label the user sees on the form, the key after it for the YAML
+    assert any(
+        e.value.startswith("Batch size (per device) (training.per_device_train_batch_size) must be")
+        for e in at.error
+    ), [e.value for e in at.error]
 
     at.number_input(key="es_batch").set_value(1)
     at.selectbox(key="es_optim").set_value("sgd")

@@ -155,6 +155,72 @@ def test_stopped_run_with_a_checkpoint_offers_resume_and_says_why(workspace, tin
         stop_run(run_dir, grace_s=120)
 
 
+def test_a_reload_comes_back_on_the_run_the_url_names(workspace):
+    """Issue #51: reloaded while watching a run, the Monitor came back on the newest one. The URL keeps the run
+    shown (?run=NAME); a new session (what a reload is) opens it; a name no longer there falls back to the
+    newest; a run chosen on another page comes first."""
+    import os
+
+    runs = {}
+    for age, name in enumerate(("watched", "newest")):
+        run = runs[name] = workspace / "runs" / name
+        run.mkdir(parents=True)
+        (run / "config.yaml").write_text("model: {path: m}\ndata: {path: d.jsonl}\n")
+        (run / "status.json").write_text(json.dumps({"state": "finished", "step": 5, "max_steps": 5}))
+        (run / "metrics.jsonl").write_text(json.dumps({"time": 1.0, "step": 5, "loss": 1.5}) + "\n")
+        os.utime(run / "config.yaml", (1e9 + age, 1e9 + age))  # the newest run is listed first
+    at = _page(workspace)
+    assert at.selectbox(key="mon_run").value == str(runs["newest"]) and at.query_params["run"] == "newest"
+    at.selectbox(key="mon_run").set_value(str(runs["watched"])).run()
+    assert at.query_params["run"] == "watched"  # the user's pick, in the URL
+
+    def reload(run_name: str, **state) -> AppTest:
+        again = AppTest.from_file(PAGE, default_timeout=60)
+        again.session_state["workspace"] = str(workspace)
+        for key, value in state.items():
+            again.session_state[key] = value
+        again.query_params["run"] = run_name
+        again.run()
+        assert not again.exception, again.exception
+        return again
+
+    assert reload("watched").selectbox(key="mon_run").value == str(runs["watched"])
+    assert reload("deleted-since").selectbox(key="mon_run").value == str(runs["newest"])
+    chosen = reload("watched", monitor_run=str(runs["newest"]))  # what the Runs or Train page sets
+    assert (
+        chosen.selectbox(key="mon_run").value == str(runs["newest"])
+        and chosen.query_params["run"] == "newest"
+    )
+
+
+def test_a_resumed_runs_time_leaves_out_the_time_it_sat_stopped(workspace, tiny_llama):
+    """Issue #51: a resumed run showed 3:45 for ~1:50 of training (Elapsed was now minus its first start). Two real
+    attempts of one run (its trainer fails at once: its model folder is gone) with a stop between them: the
+    Monitor and the Runs page's summary count the attempts, not the stop."""
+    import time
+
+    from core.monitor.summary import summarize_run
+
+    stopped = 6.0  # longer than the slack of the attempts' measured spans below
+    gone = shutil.copytree(tiny_llama, workspace / "model-that-vanishes")
+    cfg = {"model": {"path": str(gone)}, "data": {"path": str(write_dataset(workspace / "d.jsonl"))}}
+    run_dir = create_run(workspace, "resumed", cfg)
+    shutil.rmtree(gone)
+    spans = []
+    for resume in (False, True):
+        t0 = time.time()
+        launch(run_dir, resume=resume)
+        assert wait_for(run_dir, timeout=120).state == "failed"
+        spans.append(time.time() - t0)  # at least the attempt's own span
+        if not resume:
+            time.sleep(stopped)
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["ended"] - status["started"] > stopped  # the wall clock spans the stop
+    m, s = map(int, _metric(_page(workspace, run_dir), "Elapsed").split(":"))
+    assert 60 * m + s <= sum(spans), (m, s, spans)  # the stop alone would be more
+    assert 0 < summarize_run(run_dir).duration_s <= sum(spans), spans
+
+
 def test_a_chart_of_one_point_shows_it_with_plain_axis_labels(workspace):
     """Issue #16: one logged point drew nothing, axes read 5.000000, and series came out in similar blues."""
     run = workspace / "runs" / "one-point"

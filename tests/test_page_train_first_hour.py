@@ -30,7 +30,11 @@ def test_a_qlora_plan_keeps_the_forms_precision_on_a_cpu_until_the_user_insists(
     assert "quantization.load_in_4bit True" in note and "silently incorrect" in note
     assert "training.optim 'paged_adamw_8bit'" in note and "GPU memory" in note
     caption = next(c.value for c in at.caption if c.value.startswith("Prefilled from"))
-    assert "load_in_4bit" not in caption and "lora.r 16 → 24" in caption  # it lists what it took, not more
+    took = caption.split("it changed the form's defaults: ")[1]
+    assert "load_in_4bit" not in took and "lora.r 16 → 24" in took  # it lists what it took, not more
+    # and what the form holds against the plan (issue #51): not the plan's 4-bit base nor its optimizer
+    assert "except quantization.load_in_4bit False (planned True)" in caption, caption
+    assert "training.optim 'adamw_torch' (planned 'paged_adamw_8bit')" in caption, caption
 
     at.button(key="tr_cpu_insist").click().run()  # the user insists
     assert not at.exception, at.exception
@@ -118,3 +122,47 @@ def test_on_a_cpu_the_plan_is_the_processs_ram_against_the_ram_free(workspace, t
     assert not any("of the card" in c for c in captions), captions
     # the data's largest batch, said the same way
     assert any("of the RAM free" in c for c in captions), captions
+
+
+def _prefilled(at) -> str:
+    return next(c.value for c in at.caption if c.value.startswith("Prefilled from"))
+
+
+@pytest.mark.slow  # builds the demo assets as the page's background job (a few pretraining steps)
+def test_the_estimate_hand_off_says_what_the_form_holds_before_and_after_the_demo_is_built(workspace):
+    """Issue #51: the same plan handed over said "it matches the form's settings" before the demo was built and "it
+    set lora.r 8 → 16, …" once the build refilled the form, which showed 16 all along. Both now say what the form
+    holds against the plan, then what the plan changed, naming what it changed."""
+    import time
+
+    from core import jobs
+    from core.demo.build import demo_dir
+    from ui.fields import HANDOVER
+
+    at = AppTest.from_file(str(REPO / "dashboard.py"), default_timeout=180).run()
+    at.button(key="est_use_plan").click().run()
+    assert not at.exception, at.exception
+    plan = at.session_state[HANDOVER]
+    before = _prefilled(at)
+    # a preset is not a local folder: the model and its sizes stay the form's, every other planned setting is held
+    assert (
+        "the form holds every other setting it planned; it changed nothing in the form's defaults." in before
+    )
+    assert at.number_input(key="tr_r").value == plan["lora"]["r"] == 16
+
+    folder = str(demo_dir(str(workspace)).resolve())
+    jobs.start(str(workspace), "demo", {"out": folder, "pretrain_steps": 3}, key=folder)  # what Build starts
+    deadline = time.time() + 300
+    while not jobs.latest(str(workspace), "demo", key=folder).done:
+        assert time.time() < deadline, "the demo build did not finish"
+        time.sleep(0.5)
+    assert jobs.latest(str(workspace), "demo", key=folder).state == "finished"
+    at.run()  # the page refills the form from the demo run's settings, and the plan goes over them again
+    assert not at.exception, at.exception
+    after = _prefilled(at)
+    assert (
+        "the form holds every other setting it planned; it changed the demo run's settings: lora.r 8 → 16"
+        in after
+    )
+    assert at.number_input(key="tr_r").value == 16 and at.number_input(key="tr_batch").value == 16
+    assert "(planned" not in after  # nothing planned is missing but what the preset's note names

@@ -141,6 +141,14 @@ def label_of(path: str, method=None) -> str | None:
     return None
 
 
+def labelled(message: str, method=None) -> str:
+    """A config check's sentence as a form shows it: 'training.per_device_train_batch_size must be …' → 'Batch
+    size (per device) (training.per_device_train_batch_size) must be …': the user finds the field by its label."""
+    path = message.split(" ", 1)[0].rstrip(":,")
+    label = label_of(path, method)
+    return f"{label} ({path}){message[len(path) :]}" if label else message
+
+
 def _get(cfg: dict, f: Field):
     if f.path == "method":
         return cfg.get("method")

@@ -69,16 +69,21 @@ def _base_config(workspace: str) -> tuple[dict, str]:
     return base, "the demo model and dataset"
 
 
-def _from_estimate(handed: dict, base: dict) -> tuple[dict, str]:
-    """`base` with every setting the Estimate page plans (ui.fields.PLAN_FIELDS, the method and its own fields)
-    taken from the config it handed over, key for key: one run config, no translation. A hub id as the model is
-    not a folder here (nothing is downloaded): the form keeps base's local model and says so."""
-    cfg = copy.deepcopy(base)
+def _planned(handed: dict) -> list[tuple[str, str]]:
+    """(section, key) of every setting the Estimate page plans: ui.fields.PLAN_FIELDS, the method's own fields and
+    a VLM's image settings (core.recipe.vision.IMAGE_KEYS: not drawn here, carried in the config as planned)."""
     planned = [(f.section, f.key) for f in [fields.FIELDS[n] for n in fields.PLAN_FIELDS]]
     planned += [(f.section, f.key) for f in methods.get(handed).fields]
-    # a VLM's image settings (core.recipe.vision.IMAGE_KEYS): not drawn here, carried in the config as planned
-    planned += [tuple(path.split(".")) for path in IMAGE_KEYS]
-    for section, key in planned:
+    return planned + [tuple(path.split(".")) for path in IMAGE_KEYS]
+
+
+def _from_estimate(handed: dict, base: dict, over: str) -> tuple[dict, str, str, tuple]:
+    """`base` with every setting the Estimate page plans taken from the config it handed over, key for key: one
+    run config, no translation. A hub id as the model is not a folder here (nothing is downloaded): the form keeps
+    base's local model and says so. Returns (config, where it came from, what it changed in `over` (base, named as
+    the user knows it), the planned keys kept from base)."""
+    cfg = copy.deepcopy(base)
+    for section, key in _planned(handed):
         value = (handed.get(section) or {}).get(key)
         if value is None and key not in (handed.get(section) or {}):
             cfg.setdefault(section, {}).pop(key, None)
@@ -87,7 +92,9 @@ def _from_estimate(handed: dict, base: dict) -> tuple[dict, str]:
     cfg["method"] = handed.get("method", "sft")
     model = handed["model"].get("path")
     source = f"the Estimate page's plan ({model})"
+    kept: tuple = ()
     if check_model_folder(model) and base["model"].get("path"):
+        kept = ("max_length", "per_device_train_batch_size")
         cfg["model"]["path"] = base["model"]["path"]
         # The plan's batch size and length were sized for its model and card, not for the model kept here
         # (the demo model has 64 positions): keep base's until the user points at the planned model.
@@ -101,8 +108,32 @@ def _from_estimate(handed: dict, base: dict) -> tuple[dict, str]:
     taken = _changes(
         field_errors(base, here=False)[0], field_errors(cfg, here=False)[0]
     )  # defaults filled in
-    source += ("; it set " + ", ".join(taken)) if taken else "; it matches the form's settings"
-    return cfg, source
+    changed = f"it changed {over}: {', '.join(taken)}" if taken else f"it changed nothing in {over}"
+    return cfg, source, changed, kept
+
+
+def _held_against(handed: dict, kept: tuple) -> str:
+    """What the filled form holds against the plan it was handed, read back from its widgets: the truth whatever the
+    form started from (an option the form does not offer, GPU settings left off a CPU). `kept`: keys already said
+    to stay base's (a hub model's sizes); the model's path is never compared."""
+    plan, held = field_errors(handed, here=False)[0], field_errors(_raw_config(), here=False)[0]
+    missed = [
+        f"{section}.{key} {(held.get(section) or {}).get(key)!r} (planned {(plan.get(section) or {}).get(key)!r})"
+        for section, key in _planned(handed)
+        if key not in ("path", *kept)
+        and (plan.get(section) or {}).get(key) != (held.get(section) or {}).get(key)
+    ]
+    if held["method"] != plan["method"]:
+        missed.insert(0, f"method {held['method']!r} (planned {plan['method']!r})")
+    every = "every other setting" if kept else "every setting"
+    return f"the form holds {every} it planned" + (f" except {', '.join(missed)}" if missed else "")
+
+
+def _base_name(source: str, workspace: str) -> str:
+    """The config the form started from, as the user knows it (what a plan's changes are said against)."""
+    if source == LAST_EDITS:
+        return source
+    return "the demo run's settings" if demo_ready(workspace) else "the form's defaults"
 
 
 def _keep_off_cpu(cfg: dict, base: dict) -> None:
@@ -263,9 +294,12 @@ def _prefill(workspace: str) -> None:
         st.session_state.pop("tr_cpu_kept", None)  # what a plan left out: not this config's business
         source = st.session_state.pop("tr_pending_source", "the uploaded YAML")
     elif "tr_model_path" not in st.session_state or st.session_state.get("tr_handover_seen") != handed_key:
+        changed = None
         if st.session_state.get("tr_handover_seen") != handed_key and handed:
-            base, source = _from_estimate(handed, base)
+            base, source, changed, kept = _from_estimate(handed, base, _base_name(source, workspace))
         _fill_form(base, keep_auto=source == LAST_EDITS)
+        if changed:  # against the plan, as the form now holds it, then what that changed
+            source += f"; {_held_against(handed, kept)}; {changed}"
         st.session_state["tr_handover_seen"] = handed_key
     c1, c2 = st.columns([5, 2], vertical_alignment="center")
     c1.caption(f"Prefilled from {source}. Every value is also in the YAML (download below).")

@@ -16,7 +16,9 @@ from core.recipe import methods, vision_checks
 from core.recipe.config import MAX_CONFIG_BYTES, ConfigError, config_to_yaml, parse_yaml, validate_config
 from core.recipe.data import DataError
 from core.runs.admin import (
+    beside_live_runs,
     latest_smoke,
+    smoke_ran,
     smoke_result,
     start_smoke_test,
 )
@@ -287,10 +289,9 @@ def preflight_panel(workspace: str, cfg: dict) -> bool:
             return True
     if not findings:
         st.success("Preflight: no problems found in the data for this model.")
-    for f in findings:
-        (st.error if f["level"] == "error" else st.warning)(
-            f"**{f['check']}**: {f['message']}\n\nFix: {f['fix']}"
-        )
+    for f in findings:  # a message that already says how to fix it comes without a fix of its own
+        fix = f"\n\nFix: {f['fix']}" if f["fix"] else ""
+        (st.error if f["level"] == "error" else st.warning)(f"**{f['check']}**: {f['message']}{fix}")
     return any(f["level"] == "error" for f in findings)
 
 
@@ -318,6 +319,10 @@ def smoke_panel(workspace: str, cfg: dict, name: str) -> None:
             ),
             done=lambda result: result is not None,
         )
+        return
+    # a result belongs to the settings it ran: after an edit or Reset it is not these settings' result
+    if not smoke_ran(running, cfg):
+        st.caption(f"The last smoke test ({running.name}) ran other settings: run one for these.")
         return
     res = {"dir": str(running), "result": smoke_result(running)}
     smoke = res["result"]
@@ -388,6 +393,11 @@ def yaml_panel(raw: dict, errors: dict) -> None:
 def launch_button(workspace: str, cfg: dict | None, name: str, blocked: str | None) -> None:
     if blocked:
         st.caption(blocked)
+    beside = None if blocked else beside_live_runs(workspace)
+    if beside:  # a second run on the same machine: said, and launched only when the user insists
+        st.warning(beside)
+        if not st.checkbox("Launch beside it anyway", key="tr_beside"):
+            blocked = "Tick 'Launch beside it anyway' to launch now, or add it to the queue."
     if st.button(
         "Launch", type="primary", key="tr_launch", disabled=bool(blocked), icon=":material/rocket_launch:"
     ):

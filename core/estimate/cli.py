@@ -35,13 +35,19 @@ from core.estimate.specs import SpecError, preset_ids
 from core.estimate.vlm_terms import vlm_lines
 from core.fmt import gib
 from core.recipe import methods
-from core.recipe.config import ConfigError, load_config
+from core.recipe.config import ConfigError, default_config, load_config
 from core.recipe.data import DataError, preview_dataset
 from core.recipe.findings import load_tokenizer_and_config
 
+# The batch size and length a plan gets when none is given: the run config's own (the Estimate page's too)
+RUN_DEFAULTS = default_config()["training"]
+
 
 def format_table(est: Estimate, fit: dict | None = None, advice: list[dict] | None = None) -> str:
-    lines = [f"Model {est.model_id}: {est.total_params:,} params, {est.trainable_params:,} trainable"]
+    lines = [
+        f"Model {est.model_id}: {est.total_params:,} params, {est.trainable_params:,} trainable; "
+        + planned_shape(est)
+    ]
     lines.append(f"{'component':<26}{'bytes':>16}  {'size':>11}")
     for name, b in est.components.items():
         if b:
@@ -103,6 +109,14 @@ def format_table(est: Estimate, fit: dict | None = None, advice: list[dict] | No
         if a.get("costs"):
             lines.append(f"      cost: {a['costs']}")
     return "\n".join(lines)
+
+
+def planned_shape(est: Estimate) -> str:
+    """'batch size 4 x 512 tokens': the step the figures below are for (the flags' values or their defaults)."""
+    plan = est.plan
+    what = " (prompt + completion)" if est.generation else ""
+    rows = f"; the largest batch {plan['batch_tokens']:,} tokens" if plan.get("batch_tokens") else ""
+    return f"batch size {plan['batch_size']} x {plan['seq_len']:,} tokens{what}{rows}"
 
 
 # what a generating method's terms are, next to their names
@@ -181,8 +195,18 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="DPO/KTO: the reference's log-probs computed before training (precompute_ref_log_probs)",
     )
-    p.add_argument("--batch-size", type=int, default=d.batch_size)
-    p.add_argument("--seq-len", type=int, default=d.seq_len)
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=RUN_DEFAULTS["per_device_train_batch_size"],
+        help="rows per step per GPU (default %(default)s: a run config's, as on the Estimate page)",
+    )
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        default=RUN_DEFAULTS["max_length"],
+        help="tokens per row (default %(default)s: a run config's max_length, as on the Estimate page)",
+    )
     p.add_argument("--lora-r", type=int, default=d.lora_r)
     p.add_argument("--lora-alpha", type=int, default=d.lora_alpha)
     p.add_argument("--lora-dropout", type=float, default=d.lora_dropout)

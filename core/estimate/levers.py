@@ -166,6 +166,11 @@ def _other_cards(change: dict) -> bool:
     return "gpus" in change or "strategy" in change
 
 
+def _more_gpus(change: dict) -> bool:
+    """Does this change ask for GPUs the plan does not have (FSDP over the ones it has does not)?"""
+    return "gpus" in change
+
+
 def _sharding(plan: Plan, spec: ModelSpec) -> list[tuple[str, dict, str, bool]]:
     """FSDP on the GPUs the plan has (when it asks for DDP), and more GPUs with FSDP: the fewest of 2x, 4x, 8x
     that fits, else 8x (what one card cannot hold, FSDP spreads: docs/design/multi-gpu.md)."""
@@ -203,9 +208,11 @@ def _sharding(plan: Plan, spec: ModelSpec) -> list[tuple[str, dict, str, bool]]:
 
 
 def what_would_fit(plan: Plan, spec: ModelSpec | None = None) -> list[dict]:
-    """Changes that lower the device total, each re-estimated with the bytes it saves and what it costs, largest
-    saving first. When no single change that keeps what is trained fits, the first entry combines them: the levers that keep what is trained
-    (largest saving first), then smaller batches, then shorter sequences, until the plan fits."""
+    """Changes that lower the device total, each re-estimated with the bytes it saves and what it costs: first what
+    the GPUs the plan has can do (largest saving first), more GPUs last (largest saving first too), however much
+    they save: a user asks what fits the card they own before buying more. When no single change that keeps what
+    is trained fits, the first entry combines them: the levers that keep what is trained (largest saving first),
+    then smaller batches, then shorter sequences, until the plan fits."""
     spec = spec or load_spec(plan.model)
     base = estimate(plan, spec)
     out = []
@@ -217,7 +224,7 @@ def what_would_fit(plan: Plan, spec: ModelSpec | None = None) -> list[dict]:
         saved = base.device_total_bytes - new.device_total_bytes
         if saved > 0:
             out.append(_advice(label, change, cost, saved, new, keeps))
-    out.sort(key=lambda c: -c["saves_bytes"])
+    out.sort(key=lambda c: (_more_gpus(c["settings"]), -c["saves_bytes"]))
     # no single change that keeps what is trained fits: lead with a combination of them (a shorter length
     # alone may fit, but it truncates the data)
     # (more GPUs fitting does not spare a one-card recipe: they are offered beside it)

@@ -31,6 +31,19 @@ class EvalError(ValueError):
     """Bad input for an evaluation; the message is one sentence that says what and how to fix it."""
 
 
+@dataclass(frozen=True)
+class DataInput:
+    """How a message names the data file to evaluate on, so that it names what its reader can set: the CLI's
+    flag, or the Evaluate page's own field (its job passes PAGE_DATA)."""
+
+    name: str  # a data error about the file starts with it (in place of the run config's data.path)
+    give: str  # where to give one
+
+
+CLI_DATA = DataInput("--data", "--data FILE")
+PAGE_DATA = DataInput("Data file", "Held-out rows: A data file")
+
+
 @dataclass
 class EvalRow:
     row: int  # 1-based row number in its source
@@ -110,7 +123,7 @@ def run_format(cfg: dict, tokenizer) -> str:
     return fmt
 
 
-def split_rows(cfg: dict, tokenizer) -> list[EvalRow]:
+def split_rows(cfg: dict, tokenizer, asked: DataInput = CLI_DATA) -> list[EvalRow]:
     """The run's eval split: the rows core.recipe.data.split_eval held out, in the run's format."""
     import datasets
 
@@ -118,7 +131,7 @@ def split_rows(cfg: dict, tokenizer) -> list[EvalRow]:
     share = data.get("eval_split") or 0
     if share <= 0:
         raise EvalError(
-            "The run holds out no rows (data.eval_split is 0): give a data file to evaluate on (--data FILE)."
+            f"The run holds out no rows (data.eval_split is 0): give a data file to evaluate on ({asked.give})."
         )
     try:
         ds = load_rows(data)
@@ -128,12 +141,14 @@ def split_rows(cfg: dict, tokenizer) -> list[EvalRow]:
     if fmt == "text":
         raise EvalError(
             "The run trained on plain text, which has no prompts and answers: evaluate on a file of "
-            "questions and answers (--data FILE, alpaca or chat)."
+            f"questions and answers ({asked.give}, alpaca or chat)."
         )
     tok = tokenize_dataset(ds, fmt, tokenizer, cfg["training"]["max_length"], data.get("mask_prompt", True))
     keep = [i for i, labels in enumerate(tok["labels"]) if any(x != IGNORE_INDEX for x in labels)]
     if len(keep) < 4:
-        raise EvalError("The run's data has fewer than 4 usable rows, so it held none out: give --data FILE.")
+        raise EvalError(
+            f"The run's data has fewer than 4 usable rows, so it held none out: evaluate on a data file ({asked.give})."
+        )
     # the same permutation split_eval drew: it depends only on the row count and the seed
     idx = datasets.Dataset.from_dict({"i": keep}).train_test_split(
         test_size=share, seed=cfg["training"]["seed"]
@@ -142,13 +157,18 @@ def split_rows(cfg: dict, tokenizer) -> list[EvalRow]:
 
 
 def file_rows(
-    path: str, run_fmt: str, tokenizer, columns: dict | None = None, split: str = "train"
+    path: str,
+    run_fmt: str,
+    tokenizer,
+    columns: dict | None = None,
+    split: str = "train",
+    asked: DataInput = CLI_DATA,
 ) -> list[EvalRow]:
     """The rows of a data file (any format the Train page reads), rendered in the run's format."""
     try:
         ds = load_rows({"path": path, "columns": columns or {}, "split": split})
     except DataError as exc:
-        raise EvalError(str(exc).replace("data.path", "--data", 1)) from None
+        raise EvalError(str(exc).replace("data.path", asked.name, 1)) from None
     renames = {a: b for a, b in ALIASES.items() if a in ds.column_names and b not in ds.column_names}
     for a, b in renames.items():
         ds = ds.rename_column(a, b)
@@ -164,7 +184,7 @@ def file_rows(
     return _rows_from(ds, range(len(ds)), fmt, run_fmt, tokenizer)
 
 
-def heldout_config(cfg: dict, data: str | None = None) -> dict:
+def heldout_config(cfg: dict, data: str | None = None, asked: DataInput = CLI_DATA) -> dict:
     """The run's config reading the rows to evaluate: its own held-out split, or every row of `data` (EvalError
     when the run held none out and no file is given)."""
     c = copy.deepcopy(cfg)
@@ -172,20 +192,24 @@ def heldout_config(cfg: dict, data: str | None = None) -> dict:
         c["data"].update(path=data, eval_split=0.0, format="auto", columns={})
     elif not c["data"].get("eval_split"):
         raise EvalError(
-            "The run holds out no rows (data.eval_split is 0): give a data file to evaluate on (--data FILE)."
+            f"The run holds out no rows (data.eval_split is 0): give a data file to evaluate on ({asked.give})."
         )
     return c
 
 
-def method_rows(cfg: dict, method, tokenizer, data: str | None = None) -> list[dict]:
+def method_rows(
+    cfg: dict, method, tokenizer, data: str | None = None, asked: DataInput = CLI_DATA
+) -> list[dict]:
     """The held-out rows of a method with its own data (preference pairs, rated answers, prompts): its own eval
     split, or every row of a data file, as its trainer takes them."""
-    c = heldout_config(cfg, data)
+    c = heldout_config(cfg, data, asked)
     try:
         train, held = method.datasets(c, tokenizer)
     except DataError as exc:
-        raise EvalError(str(exc).replace("data.path", "--data" if data else "data.path", 1)) from None
+        raise EvalError(str(exc).replace("data.path", asked.name if data else "data.path", 1)) from None
     ds = train if data else held
     if ds is None:
-        raise EvalError("The run's data has too few rows to hold any out: give --data FILE.")
+        raise EvalError(
+            f"The run's data has too few rows to hold any out: evaluate on a data file ({asked.give})."
+        )
     return [{**r, "row": i + 1} for i, r in enumerate(ds)]

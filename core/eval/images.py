@@ -12,16 +12,16 @@ from __future__ import annotations
 import json
 
 from core.eval import scores
-from core.eval.heldout import EvalError, heldout_config
+from core.eval.heldout import CLI_DATA, DataInput, EvalError, heldout_config
 from core.files import quiet_datasets
 from core.generate import model_device, sides
 from core.recipe import vision
 from core.recipe.data import IGNORE_INDEX, DataError, load_rows
 
 
-def rows(cfg: dict, data: str | None = None) -> list[dict]:
+def rows(cfg: dict, data: str | None = None, asked: DataInput = CLI_DATA) -> list[dict]:
     """[{"row", "messages", "images"}]: the run's held-out rows, or every row of `data`."""
-    c = heldout_config(cfg, data)
+    c = heldout_config(cfg, data, asked)
     try:
         ds = load_rows(c["data"])
         fmt = vision.ImageChat(c["data"])
@@ -31,10 +31,12 @@ def rows(cfg: dict, data: str | None = None) -> list[dict]:
         with quiet_datasets():
             train, held = vision.datasets(c, ds)
     except DataError as exc:
-        raise EvalError(str(exc).replace("data.path", "--data" if data else "data.path", 1)) from None
+        raise EvalError(str(exc).replace("data.path", asked.name if data else "data.path", 1)) from None
     chosen = train if data else held
     if chosen is None:
-        raise EvalError("The run's data has too few rows to hold any out: give --data FILE.")
+        raise EvalError(
+            f"The run's data has too few rows to hold any out: evaluate on a data file ({asked.give})."
+        )
     return [{**r, "row": i + 1} for i, r in enumerate(chosen)]
 
 

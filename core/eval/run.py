@@ -19,7 +19,16 @@ from pathlib import Path
 
 from core import generate
 from core.eval import images, scores
-from core.eval.heldout import EvalError, EvalRow, file_rows, method_rows, run_format, split_rows
+from core.eval.heldout import (
+    CLI_DATA,
+    DataInput,
+    EvalError,
+    EvalRow,
+    file_rows,
+    method_rows,
+    run_format,
+    split_rows,
+)
 from core.eval.results import EVAL_DIR, ROWS, SETTINGS, SUMMARY, Result, read_result
 from core.eval.target import Target, resolve
 from core.files import atomic_write_text
@@ -70,8 +79,10 @@ def evaluate(
     force: bool = False,
     workspace: str | os.PathLike | None = None,
     progress: Progress | None = None,
+    asked: DataInput = CLI_DATA,
 ) -> Result:
-    """Evaluate and store; returns the result (read back when the same settings were already evaluated)."""
+    """Evaluate and store; returns the result (read back when the same settings were already evaluated). `asked`:
+    how messages name the data file input (the CLI's --data, or the Evaluate page's field)."""
     report = progress or (lambda **_: None)
     report(phase="checking")
     target = resolve(run, adapter, model, base, workspace)
@@ -99,15 +110,15 @@ def evaluate(
     vlm = vision.folder_is_vlm(target.base)  # image conversations: core.eval.images
     tokenizer = _processor(target) if vlm else _tokenizer(target)
     if vlm:
-        rows = images.rows(target.cfg, data)
+        rows = images.rows(target.cfg, data, asked)
     elif method.eval_kind == "answers":
         rows = (
-            file_rows(data, run_format(target.cfg, tokenizer), tokenizer)
+            file_rows(data, run_format(target.cfg, tokenizer), tokenizer, asked=asked)
             if data
-            else split_rows(target.cfg, tokenizer)
+            else split_rows(target.cfg, tokenizer, asked)
         )
     else:
-        rows = method_rows(target.cfg, method, tokenizer, data)
+        rows = method_rows(target.cfg, method, tokenizer, data, asked)
     if limit:
         rows = rows[:limit]
     if not rows:

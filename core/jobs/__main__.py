@@ -95,9 +95,13 @@ def run_gguf(p: dict, report: Progress) -> dict:
 
 
 def run_eval(p: dict, report: Progress) -> dict:
+    from core.eval.heldout import PAGE_DATA
     from core.eval.run import evaluate
 
-    result = evaluate(p.get("run"), **{k: v for k, v in p.items() if k != "run"}, progress=report)
+    # the Evaluate page's job: its messages name the page's field, not the CLI's --data
+    result = evaluate(
+        p.get("run"), **{k: v for k, v in p.items() if k != "run"}, progress=report, asked=PAGE_DATA
+    )
     return {"folder": str(result.folder), "lines": result.lines, "reused": result.reused, "note": result.note}
 
 

@@ -106,14 +106,12 @@ def summarize_run(run_dir: str | os.PathLike, clock=time.time) -> RunSummary:
     # the state as every reader sees it: a run whose process vanished reads as failed (nothing is written)
     st = liveness.read_live_status(run_dir, read_json_object(run_dir / rundir.STATUS))[0] or {}
     started, ended = st.get("started"), st.get("ended")
-    duration = None
-    if isinstance(started, (int, float)):
-        end = (
-            ended
-            if isinstance(ended, (int, float))
-            else (clock() if st.get("state") == "running" else st.get("updated"))
-        )
-        duration = (end - started) if isinstance(end, (int, float)) else None
+    end = (
+        ended
+        if isinstance(ended, (int, float))
+        else (clock() if st.get("state") == "running" else st.get("updated"))
+    )
+    duration = rundir.run_seconds(st, end)  # every attempt's time, not the time a resumed run sat stopped
     _, ev = s.metric("eval_loss")
     ev = ev[np.isfinite(ev)]
     loss = s.metrics.get("loss")

@@ -351,11 +351,9 @@ class RunWatcher:
         step = st.get("step") if isinstance(st.get("step"), int) else s.last_step
         max_steps = st.get("max_steps") if isinstance(st.get("max_steps"), int) else None
         progress = min(1.0, step / max_steps) if step is not None and max_steps else None
-        started, ended = st.get("started"), st.get("ended")
-        now = self.clock()
-        elapsed = None
-        if isinstance(started, (int, float)):
-            elapsed = (ended if isinstance(ended, (int, float)) else now) - started
+        ended = st.get("ended")
+        # every attempt's time: a resumed run's stop is not counted (core.rundir.run_seconds)
+        elapsed = rundir.run_seconds(st, ended if isinstance(ended, (int, float)) else self.clock())
         sps = _steps_per_second(s)
         eta = None
         if state in ("running", "starting") and sps and step is not None and max_steps:

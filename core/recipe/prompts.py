@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from core.recipe import reward_code
 from core.recipe import rewards as reward_specs
 from core.recipe.data import DataError, load_rows, split_eval, user_text
 from core.recipe.findings import Finding, format_rows, is_blank, model_limits
@@ -151,14 +152,16 @@ def run_prompt_preflight(
     """The data and the reward functions of a GRPO run, checked before launch: prompts, answer columns, lengths,
     and every match reward scored on the first rows with the row's own answer as the completion (it must score
     its maximum: a mis-mapped column or extraction is caught here, not after an hour of zero rewards). The user's
-    own reward code runs in the trainer process only (in_trainer)."""
+    own reward code is called in the trainer process only (in_trainer); outside it, its file is checked for the
+    function (reward_code.code_problem), so a wrong name stops the launch, not the first step."""
     data, specs = cfg["data"], cfg.get("rewards") or []
+    code = {} if in_trainer else _code_findings(specs)  # the trainer's score_check imports the file itself
     try:
         raw = load_rows(data)
         rows, numbers, problems = usable_prompts(raw, data["format"])
     except DataError as exc:
-        return [Finding("error", "data", str(exc), "")]
-    found = [
+        return [Finding("error", "data", str(exc), ""), *code.values()]
+    found = [*code.values()] + [
         Finding(
             "error",
             "prompts",
@@ -177,6 +180,17 @@ def run_prompt_preflight(
     if not any(f.level == "error" and f.check in ("answers", "reward_column") for f in found):
         found += score_check(specs, rows, numbers, allow_code=in_trainer)
     return found
+
+
+def _code_findings(specs: list) -> dict[int, Finding]:
+    """{index: finding} for each python reward whose file does not give its function (nothing is called)."""
+    out = {}
+    for i, spec in enumerate(specs):
+        if spec.get("type") == "python":
+            problem = reward_code.code_problem(spec, i)
+            if problem is not None:
+                out[i] = Finding(problem[0], "reward", problem[1], "")  # the sentence says how to fix it
+    return out
 
 
 def _answer_findings(specs: list, rows: list[dict], numbers: list[int], columns: list[str]) -> list[Finding]:
@@ -274,12 +288,16 @@ def score_check(specs: list, rows: list[dict], numbers: list[int], allow_code: b
         kwargs = {k: [r.get(k) for r in sample] for k in rows[0] if k != "prompt"}
         name = reward_specs.name_of(spec, i, specs)
         try:
-            (fn,) = reward_specs.build([spec], allow_code=allow_code, where_of=row_finder(sample))
+            fn = reward_specs.build_one(specs, i, allow_code=allow_code, where_of=row_finder(sample))
             scores = fn(
                 prompts=[r["prompt"] for r in sample], completions=completions, completion_ids=None, **kwargs
             )
+        except reward_code.RewardCodeError as exc:  # the file lacks the function: its sentence says the fix
+            out.append(Finding("error", "reward", str(exc), ""))
+            continue
         except reward_specs.RewardError as exc:
-            out.append(Finding("error", "reward", str(exc), f"Fix rewards[{i}] ({name}) before launching."))
+            fix = f"Correct {reward_code.label(i)} so that it scores these rows."
+            out.append(Finding("error", "reward", str(exc), fix))
             continue
         if spec.get("type") != "match":
             continue

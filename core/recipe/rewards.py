@@ -17,19 +17,20 @@
 Each entry becomes one function with TRL's reward signature (`prompts`, `completions`, `completion_ids` and the
 row's other columns as keyword arguments; one float per completion), named after its `name` or its type, which
 is how TRL logs it (`rewards/<name>/mean`). Their weights are TRL's own `training.reward_weights`. Every preset
-scores 0 to 1. A user function is imported only by `build(..., allow_code=True)`: the trainer process, never the
-app. A function that raises stops the run with its name, the row and the error, never a silent 0.
+scores 0 to 1. A user function is imported only by `build(..., allow_code=True)`, in the trainer process, and by
+preflight in a child process of its own (core.recipe.reward_code), never in the app's. A function that raises stops
+the run with its name, the row and the error, never a silent 0.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import re
 from pathlib import Path
 from typing import Any
 
 from core.fmt import error_line
+from core.recipe.reward_code import RewardError, label, load_function
 
 TYPES = ("match", "format", "length", "python")
 EXTRACTIONS = ("none", "last_number", "answer_tag", "boxed", "regex")
@@ -43,10 +44,6 @@ KEYS: dict[str, dict[str, tuple[type, ...]]] = {
 DEFAULT_COLUMN = "answer"
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.S)
-
-
-class RewardError(RuntimeError):
-    """A reward function failed while the run trained; the message names it, the row and the error."""
 
 
 # ---- checking the config --------------------------------------------------------------------------------------
@@ -262,17 +259,21 @@ def ideal_completion(answer, spec: dict) -> str:
 def build(rewards: list, allow_code: bool = False, where_of=None) -> list:
     """One TRL reward function per entry. allow_code: import the python rewards (the trainer process only).
     where_of(prompt) -> "row N" names the row of a prompt in a failure."""
-    out = []
-    for i, spec in enumerate(rewards):
-        name = name_of(spec, i, rewards)
-        if spec["type"] == "python":
-            if not allow_code:
-                raise RewardError(f"rewards[{i}] ({name}): user code is loaded in the trainer process only.")
-            inner = load_function(spec, i)
-        else:
-            inner = _preset(spec)
-        out.append(_guarded(inner, name, spec, where_of))
-    return out
+    return [build_one(rewards, i, allow_code, where_of) for i in range(len(rewards))]
+
+
+def build_one(rewards: list, index: int, allow_code: bool = False, where_of=None):
+    """The function of rewards[index], named and numbered as within the whole list (a check of one reward says
+    the same name and editor row as the run would)."""
+    spec = rewards[index]
+    name = name_of(spec, index, rewards)
+    if spec["type"] == "python":
+        if not allow_code:
+            raise RewardError(f"{label(index)} ({name}): user code is loaded in the trainer process only.")
+        inner = load_function(spec, index)
+    else:
+        inner = _preset(spec)
+    return _guarded(inner, name, spec, where_of)
 
 
 def _preset(spec: dict):
@@ -304,25 +305,6 @@ def _preset(spec: dict):
 
 def _columns(kwargs: dict) -> list[str]:
     return [k for k in kwargs if k not in ("trainer_state", "log_extra", "log_metric", "environments")]
-
-
-def load_function(spec: dict, index: int):
-    """The user's function from its file (the trainer process only: it runs the file's top-level code)."""
-    path = Path(spec["path"]).expanduser().resolve()
-    try:
-        module_spec = importlib.util.spec_from_file_location(f"lora_cockpit_reward_{index}", path)
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
-    except Exception as exc:
-        raise RewardError(f"rewards[{index}].path: importing {path} failed ({error_line(exc)}).") from None
-    function = getattr(module, spec["function"], None)
-    if not callable(function):
-        found = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
-        raise RewardError(
-            f"rewards[{index}].function: {path} has no function {spec['function']!r} "
-            f"(it has {', '.join(found) or 'none'})."
-        )
-    return function
 
 
 def _guarded(inner, name: str, spec: dict, where_of):

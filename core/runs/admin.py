@@ -13,9 +13,9 @@ from pathlib import Path
 
 from core import liveness, logtail, rundir
 from core.recipe import methods
-from core.recipe.config import dump_config, field_errors, validate_config
+from core.recipe.config import ConfigError, dump_config, field_errors, load_config, validate_config
 from core.rundir import LIVE_STATES
-from core.runs.launcher import TAIL_LINES, RunError, launch, run_state
+from core.runs.launcher import TAIL_LINES, RunError, launch, live_runs, run_state
 from core.train.preflight import check_model_folder as check
 from core.workspace import (
     MAKE_WRITABLE,
@@ -132,11 +132,41 @@ def smoke_result(run_dir: str | os.PathLike) -> dict | None:
     }
 
 
+def smoke_ran(run_dir: str | os.PathLike, config: dict) -> bool:
+    """Whether the smoke test in `run_dir` ran `config` (validated): its result, a failure above all, says nothing
+    about other settings, so a page shows it only while its form still holds the config it ran (kept in the
+    smoke folder, so a reload or another tab judges it alike)."""
+    try:
+        return load_config(Path(run_dir) / rundir.CONFIG) == config
+    except (ConfigError, OSError):
+        return False  # its config is gone or no longer valid (a model folder deleted): not these settings
+
+
 def start_smoke_test(workspace, name: str, config: dict) -> Path:
     """Create a smoke run and launch it (one step at batch size 1); returns its folder."""
     run_dir = create_smoke_run(workspace, name, config)
     launch(run_dir, smoke=True)
     return run_dir
+
+
+# ---- a second run beside a live one --------------------------------------------------------------------------
+
+
+def beside_live_runs(workspace: str | os.PathLike) -> str | None:
+    """One sentence when a run of the workspace is training on this machine, where a run launched now would train
+    beside it (on one GPU, both can run out of memory); None when none is."""
+    live = live_runs(workspace)
+    if not live:
+        return None
+    named = ", ".join(
+        f"{r.name} (step {r.step}" + (f" of {r.max_steps})" if r.max_steps else ")") for r in live
+    )
+    them = "it" if len(live) == 1 else "them"
+    return (
+        f"{'Run' if len(live) == 1 else 'Runs'} {named} {'is' if len(live) == 1 else 'are'} still training on this "
+        f"machine: a run launched now trains beside {them} (on one GPU, both can run out of memory), so add this "
+        f"one to the queue to start it when the machine is free, or launch beside {them} if you know it fits."
+    )
 
 
 # ---- deleting a run ---------------------------------------------------------------------------------------------

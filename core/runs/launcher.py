@@ -149,7 +149,12 @@ def launch(run_dir: str | os.PathLike, resume: bool = False, smoke: bool = False
                 ended=None,
                 phase="importing the libraries",  # the trainer names its next phases itself
                 phase_started=time.time(),
-                **({} if resume and status else {"started": time.time(), "step": 0, "max_steps": None}),
+                # a resume: this attempt's start and the earlier ones' time (the run's time leaves out the stop)
+                **(
+                    rundir.resume_times(status)
+                    if resume and status
+                    else {"started": time.time(), "step": 0, "max_steps": None, **rundir.FIRST_ATTEMPT}
+                ),
             )
         except OSError as exc:
             raise RunError(_cannot_start(run_dir, resume, exc)) from None
@@ -222,6 +227,12 @@ def list_runs(workspace: str | os.PathLike) -> list[RunInfo]:
     return [run_state(d) for d in rundir.run_folders(workspace)]
 
 
+def live_runs(workspace: str | os.PathLike) -> list[RunInfo]:
+    """The runs of the workspace whose process lives on this machine (what a run started now trains beside: its
+    GPU memory, or its CPU cores); a run trained from another machine on shared storage is not one of them."""
+    return [r for r in list_runs(workspace) if r.alive and not procs.elsewhere(procs.read_pid_info(r.path))]
+
+
 def wait_for(
     run_dir: str | os.PathLike, states=("finished", "failed", "stopped"), timeout: float = 300.0
 ) -> RunInfo:
@@ -264,6 +275,7 @@ __all__ = [
     "create_run",
     "launch",
     "list_runs",
+    "live_runs",
     "run_state",
     "stop_run",
     "wait_for",

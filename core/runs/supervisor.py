@@ -5,7 +5,8 @@ Each tick it reads what the runs it started did (a run's folder and lock are the
 the ended ones (a failed run with its diagnosis; the queue goes on with the next entry), and starts the next waiting
 entry when there is room by the plans: on a GPU, when its planned device total fits in what NVML reports free
 (less what runs started moments ago will still take), so two small runs share a card and a large one waits; on a
-CPU, one run at a time (a run uses every core). A full disk stops the queue with a sentence instead of failing
+CPU, one run at a time (a run uses every core). A run launched by hand, outside the queue, holds the queue until it
+ends (its memory is in no plan here). A full disk stops the queue with a sentence instead of failing
 every later entry one by one. It exits when nothing waits or runs.
 
 Killed at any moment (kill -9 too) and started again, it neither loses nor repeats an entry: an entry is marked
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from core import procs
 from core.runs import queue as Q
-from core.runs.launcher import REPO_ROOT, RunError, create_run, launch, run_state
+from core.runs.launcher import REPO_ROOT, RunError, create_run, launch, live_runs, run_state
 from core.workspace import WorkspaceError, runs_dir
 
 POLL_S = 2.0
@@ -106,6 +107,11 @@ def next_entry(workspace, state: Q.QueueState) -> Q.Entry | None:
     if state.paused or not state.waiting():
         return None
     entry, active = state.waiting()[0], state.active()
+    started = {e.name for e in active}
+    if any(r.name not in started for r in live_runs(workspace)):
+        # a run launched by hand: its memory is not in the plans here (nor yet in NVML's figures while it loads),
+        # so what was queued beside it ("Add to queue" on the Train page) waits for it to end
+        return None
     if not active:
         return entry
     if entry.device != "cuda" or any(e.device != "cuda" for e in active):

@@ -71,7 +71,9 @@ def setup_run(run: Run, start) -> None:
     if before is None or not (
         run.resume or launched
     ):  # a launcher's start time stays: Elapsed never goes back
-        status["started"] = time.time()
+        status.update(started=time.time(), **rundir.FIRST_ATTEMPT)
+    elif run.resume and not launched:  # resumed from a shell: the time it sat stopped is not the run's
+        status.update(rundir.resume_times(before))
     status.update(phase="loading the model", phase_started=time.time())
     diskfull.reserve_space(run_dir)  # so that a full disk can still be reported as such
     write_status(run_dir, device=prec.device.label, precision=prec.dtype, smoke=run.smoke, **status)
