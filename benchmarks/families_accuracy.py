@@ -48,6 +48,18 @@ MLA_MOE = dict(
 MLA_MOE_REAL = dict(
     first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1
 )
+# Kimi Linear's and Ling 2.5's twins: a KDA layer and an MLA layer, dense MLPs; the tiny twins' latents, and their
+# MLA expanding every head's key and value
+_KDA_MLA = dict(
+    num_hidden_layers=2,
+    pad_token_id=0,
+    eos_token_id=2,
+    layer_types=["linear_attention", "full_attention"],
+    mlp_layer_types=["dense", "dense"],
+)
+_KDA_MLA_TINY = dict(
+    num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16
+)
 # family -> (tiny twin's fields, the real-width twin's fields over transformers' default config)
 FAMILIES = {
     "llama": (dict(TINY, num_hidden_layers=2), {}),  # the baseline: the planner before hybrids
@@ -331,54 +343,14 @@ FAMILIES = {
     ),
     # Kimi Delta Attention + MLA attention (1:1; Kimi Linear's own pattern is 3:1), dense MLPs (the MoE: moe_accuracy)
     "kimi_linear": (
-        dict(
-            TINY,
-            num_key_value_heads=4,  # its MLA expands every head's key and value
-            num_hidden_layers=2,
-            pad_token_id=0,
-            bos_token_id=1,
-            eos_token_id=2,
-            linear_num_heads=4,
-            linear_head_dim=16,
-            layer_types=["linear_attention", "full_attention"],
-            mlp_layer_types=["dense", "dense"],
-            kv_lora_rank=32,
-            qk_rope_head_dim=8,
-            qk_nope_head_dim=16,
-            v_head_dim=16,
-        ),
-        dict(
-            num_hidden_layers=2,
-            pad_token_id=0,
-            bos_token_id=1,
-            eos_token_id=2,
-            layer_types=["linear_attention", "full_attention"],
-            mlp_layer_types=["dense", "dense"],
-        ),
+        dict(TINY, **_KDA_MLA, **_KDA_MLA_TINY, bos_token_id=1, linear_num_heads=4, linear_head_dim=16),
+        dict(_KDA_MLA, bos_token_id=1),
     ),
     # Bailing hybrid (Ling 2.5): the same KDA with its own gate, MLA with an output gate
     "bailing_hybrid": (
-        dict(
-            TINY,
-            num_key_value_heads=4,
-            num_hidden_layers=2,
-            head_dim=16,  # the KDA heads' width (the config keeps it as linear_head_dim)
-            pad_token_id=0,
-            eos_token_id=2,
-            layer_types=["linear_attention", "full_attention"],
-            mlp_layer_types=["dense", "dense"],
-            kv_lora_rank=32,
-            qk_rope_head_dim=8,
-            qk_nope_head_dim=16,
-            v_head_dim=16,
-        ),
-        dict(
-            num_hidden_layers=2,
-            pad_token_id=0,
-            eos_token_id=2,
-            layer_types=["linear_attention", "full_attention"],
-            mlp_layer_types=["dense", "dense"],
-        ),
+        # head_dim: the KDA heads' width (the config keeps it as linear_head_dim)
+        dict(TINY, **_KDA_MLA, **_KDA_MLA_TINY, head_dim=16),
+        dict(_KDA_MLA),
     ),
     # MiniMax: lightning attention + softmax attention, a mixture of experts in every layer
     "minimax": (
