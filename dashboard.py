@@ -38,6 +38,11 @@ def sidebar():
             help="Everything the app writes goes under this folder: run directories, demo assets, merges.",
         )
         st.session_state["workspace"] = str(Path(ws).expanduser())
+        # the first screen says where the app writes, and from where the paths typed in it are read (the folder it
+        # was started in: `lora-cockpit` does not leave it)
+        st.caption(
+            f"Writes under {Path(ws).expanduser().resolve()}. Relative paths you type start in {Path.cwd()}."
+        )
         endpoint_caption()
 
 
@@ -62,6 +67,7 @@ PAGES = [
     st.Page("pages/evaluate.py", title="Evaluate", icon=":material/fact_check:"),
     st.Page("pages/merge.py", title="Merge & Export", icon=":material/merge:"),
     st.Page("pages/models.py", title="Models", icon=":material/download:"),
+    st.Page("pages/diagnostics.py", title="Diagnostics", icon=":material/troubleshoot:"),
 ]
 
 page = st.navigation(PAGES)

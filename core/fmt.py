@@ -1,7 +1,9 @@
-"""The one set of formatters for sizes and durations (the pages, the CLIs and the messages use these)."""
+"""The one set of formatters for sizes and durations (the pages, the CLIs and the messages use these), and how a
+tool is named in its usage line and in the hints that tell the user what to type."""
 
 from __future__ import annotations
 
+import os
 import re
 
 GiB, MiB, KiB = 2**30, 2**20, 2**10
@@ -89,3 +91,33 @@ def run_piped(main) -> int:
             os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno()
         )  # the interpreter's last flush goes nowhere
         return 0  # the reader had enough (`| head`): not a failure, so `set -o pipefail` scripts go on
+
+
+# Set by the `lora-cockpit` command for itself and everything it starts (the app, trainers, jobs): its name, so that
+# usage lines and hints name what the user typed; unset, the tools speak as `python -m core.<tool>`.
+PROG_ENV = "LORA_COCKPIT_PROG"
+
+
+def command(tool: str) -> str:
+    """What to type to run `tool` (a `lora-cockpit` tool name: runs, queue, train, ...), for usage lines and hints:
+    `lora-cockpit runs` under the installed command, else `python -m core.runs` (the queue: `python -m core.runs
+    queue`)."""
+    prog = os.environ.get(PROG_ENV)
+    if prog:
+        return f"{prog} {tool}"
+    return "python -m core.runs queue" if tool == "queue" else f"python -m core.{tool}"
+
+
+_SENTENCE_END = re.compile(r"[.!?](?=\s+[^a-z\s]|\s*$)")  # not `core.demo`, not "e.g. the"
+_NAMED_AS = re.compile(r"^(?:CLI:\s*)?`[^`]+`(?:\s+and\s+`[^`]+`)?:\s*")
+
+
+def summary(doc: str | None) -> str:
+    """A CLI module's docstring as its --help description: the first sentence of its first paragraph, joined across
+    lines (a period inside `core.demo`, a file name or "e.g. the" does not end it), without a leading
+    "`python -m core.X`: " that names the command another way."""
+    para = " ".join((doc or "").strip().split("\n\n")[0].split())
+    para = _NAMED_AS.sub("", para)
+    end = _SENTENCE_END.search(para)
+    text = para[: end.end()] if end else para
+    return text[:1].upper() + text[1:]

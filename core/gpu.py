@@ -140,6 +140,27 @@ class NvmlSource:
                     by_pid[int(pid)] = {"pid": int(pid), "memory": memory}
         return list(by_pid.values())
 
+    def driver(self) -> dict:
+        """{"driver": "570.86.15", "cuda": "12.8"}: the driver's version and the newest CUDA it runs (what decides
+        which torch build works here); None for what NVML cannot tell."""
+        nv = self._nvml
+        if nv is None:
+            return {"driver": None, "cuda": None}
+        version = _guard(nv.nvmlSystemGetDriverVersion)
+        if isinstance(version, bytes):
+            version = version.decode(errors="replace")
+        cuda = None
+        for getter in ("nvmlSystemGetCudaDriverVersion_v2", "nvmlSystemGetCudaDriverVersion"):
+            fn = getattr(nv, getter, None)
+            cuda = _guard(fn) if fn is not None else None
+            if isinstance(cuda, int) and cuda > 0:
+                break
+        # NVML encodes CUDA 12.8 as 12080
+        return {
+            "driver": str(version) if version else None,
+            "cuda": f"{cuda // 1000}.{cuda % 1000 // 10}" if isinstance(cuda, int) and cuda > 0 else None,
+        }
+
     def read(self, index: int) -> dict:
         nv, h = self._nvml, self._handle(index)
         if nv is None or h is None:
@@ -202,16 +223,6 @@ def take_samples(source: GpuSource, devices: list[GpuInfo], watch_pid: int | Non
             )
         )
     return out
-
-
-def in_use(indices=None, source: GpuSource | None = None) -> list[GpuSample]:
-    """One reading of the machine's GPUs (those `indices` names, nvidia-smi's numbers) as a run about to start
-    finds them: every process on them is another's. [] without NVML."""
-    source = source or NvmlSource()
-    devices, reason = detect_gpus(source)
-    if reason:
-        return []
-    return take_samples(source, [d for d in devices if indices is None or d.index in indices])
 
 
 class GpuSampler:

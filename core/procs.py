@@ -35,6 +35,10 @@ STDOUT, STDERR = "stdout.log", "stderr.log"
 LOCK_FD_ENV = (
     "LORA_COCKPIT_LOCK_FD"  # names the lock descriptor a launcher handed down to the process it started
 )
+# The folder the user started the app or a tool in (`lora-cockpit` sets it; spawn hands it down): a child runs from
+# the package's folder, so that `-m core.X` imports this code and never a same-named file of the user's, then goes
+# back to it (enter_start_folder), so that relative paths mean what they meant where they were typed
+START_ENV = "LORA_COCKPIT_START_DIR"
 SAME_START_S = 1.0  # start times are compared to this precision (clock granularity of /proc)
 
 
@@ -371,10 +375,12 @@ def spawn(
 
     It runs in its own session (it outlives the caller and is stopped apart from it), stdin from /dev/null,
     stdout/stderr appended to FOLDER/stdout.log and stderr.log (files, never pipes: a full pipe would block it
-    when nobody reads), with the lock descriptor kept open in it and named by $LORA_COCKPIT_LOCK_FD. Its pid is
-    recorded before this returns. The caller closes its own `lock_fd` afterwards. OSError when it cannot start."""
+    when nobody reads), with the lock descriptor kept open in it and named by $LORA_COCKPIT_LOCK_FD, and the
+    starter's folder by $LORA_COCKPIT_START_DIR (enter_start_folder). Its pid is recorded before this returns.
+    The caller closes its own `lock_fd` afterwards. OSError when it cannot start."""
     folder = Path(folder)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **{LOCK_FD_ENV: str(lock_fd)})
+    start = os.environ.get(START_ENV) or os.getcwd()
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **{LOCK_FD_ENV: str(lock_fd), START_ENV: start})
     with open(folder / STDOUT, "ab") as out, open(folder / STDERR, "ab") as err:
         proc = subprocess.Popen(
             argv,
@@ -389,6 +395,14 @@ def spawn(
     _children.append(proc)
     write_pid_info(folder, proc.pid)
     return proc.pid
+
+
+def enter_start_folder() -> None:
+    """A child started by `spawn` (a trainer, a job) goes to its starter's folder: a data path typed as
+    `mydata.jsonl` there is found here, and nothing the child writes by a relative name lands in the package."""
+    folder = os.environ.get(START_ENV)
+    if folder and os.path.isabs(folder) and os.path.isdir(folder):
+        os.chdir(folder)
 
 
 def reap() -> None:

@@ -19,6 +19,7 @@ from core.checkpoints import (
 )
 from core.diskfull import release_space, write_last_words
 from core.files import atomic_write_text, iter_jsonl_objects, read_json_object
+from core.fmt import command
 from core.procs import LOCK, PID, STDERR, STDOUT  # noqa: F401 - names of the run directory too
 from core.workspace import runs_dir
 
@@ -304,7 +305,7 @@ def check_run_dir(run_dir: Path, resume: bool, config_path: Path | None = None) 
     owner = procs.other_owner(run_dir)
     if owner:
         raise RunRefused(
-            f"{run_dir} is being trained right now (pid {owner['pid']}): watch it (`python -m core.runs show`, the Monitor "
+            f"{run_dir} is being trained right now (pid {owner['pid']}): watch it (`{command('runs')} show`, the Monitor "
             "page) or stop it first; give a new --run-dir for another run."
         )
     if status.get("state") in (*END_STATES, "running") or any(
@@ -324,7 +325,7 @@ def busy_elsewhere(run_dir: str | os.PathLike) -> str | None:
         return None
     return (
         f"Run {Path(run_dir).name} is running on {host} (pid {info['pid']}), as its status says: a signal from "
-        f"this machine cannot reach it; stop it there (python -m core.runs stop NAME on {host})."
+        f"this machine cannot reach it; stop it there ({command('runs')} stop NAME on {host})."
     )
 
 
@@ -338,7 +339,7 @@ def claim(run_dir: str | os.PathLike, wait_s: float = 1.0) -> int:
     except procs.Busy as exc:
         who = f" (pid {exc.pid})" if exc.pid else ""
         raise RunBusy(
-            f"Run {Path(run_dir).name} is already running{who}: stop it first (python -m core.runs stop NAME).",
+            f"Run {Path(run_dir).name} is already running{who}: stop it first ({command('runs')} stop NAME).",
             exc.pid,
         ) from None
 

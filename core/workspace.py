@@ -1,7 +1,9 @@
 """The workspace: the one folder the app writes into (run dirs, demo assets, merged models).
 
 Everything the UI or a CLI writes goes under a workspace the user chose; paths coming from the user are
-resolved and checked against it before anything is written.
+resolved and checked against it before anything is written. One rule for the app and every tool: `--workspace`,
+else $LORA_COCKPIT_WORKSPACE, else `./workspace` of the folder the command was started in (never beside the
+installed package: that may be a read-only prefix, and a venv's site-packages goes with the venv).
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import re
 from pathlib import Path
 
 ENV_VAR = "LORA_COCKPIT_WORKSPACE"
-_REPO_ROOT = Path(__file__).resolve().parent.parent
 _RUN_NAME_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
@@ -20,10 +21,12 @@ class WorkspaceError(ValueError):
     """A user-facing problem with a path or a name; the message says what to change."""
 
 
-def default_workspace() -> Path:
-    """`$LORA_COCKPIT_WORKSPACE`, else `workspace/` beside the repo."""
-    env = os.environ.get(ENV_VAR)
-    return Path(env).expanduser().resolve() if env else _REPO_ROOT / "workspace"
+def default_workspace(given: str | os.PathLike | None = None) -> Path:
+    """The workspace, absolute: `given` (a tool's --workspace), else $LORA_COCKPIT_WORKSPACE, else `./workspace`
+    of the folder this process works in (the start folder: the app does not leave it, and a child started by
+    core.procs.spawn goes back to it)."""
+    chosen = given or os.environ.get(ENV_VAR) or "workspace"
+    return Path(chosen).expanduser().resolve()
 
 
 def runs_dir(workspace: str | os.PathLike) -> Path:

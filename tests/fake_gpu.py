@@ -15,6 +15,9 @@ class BusyNvml:
     def devices(self):
         return [GpuInfo(i, "NVIDIA RTX 4090", 24 * GiB) for i in (0, 1)]
 
+    def driver(self):
+        return {"driver": "570.86.15", "cuda": "12.8"}
+
     def read(self, index):
         held = int(23.5 * GiB) if index == 1 else 0
         return {

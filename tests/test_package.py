@@ -1,15 +1,20 @@
 """The package (#41): a wheel built from this checkout, installed into a fresh virtualenv outside the repository
 (torch and the other libraries already present: the venv sees the system's), then used from a temporary folder:
 `lora-cockpit --version`, a tool's output, the demo and a dry-run of its config, and the app itself on a port,
-rendered in a real browser and refusing a foreign Host header, as the repository's app does."""
+rendered in a real browser and refusing a foreign Host header, as the repository's app does. And every other way
+of installing a wheel (#49 items 1 and 2: `pip install --target`, `--prefix`, `--user`; pipx and `uv tool install`
+where they are installed): a working command from an empty folder, its workspace that folder's ./workspace, the
+app's page served, and nothing written under the install prefix."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import sysconfig
 import time
 import urllib.request
 from pathlib import Path
@@ -22,10 +27,26 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
+# what a caller's environment may hold that would point the installed command elsewhere
+CALLER_ONLY = (
+    "PYTHONPATH",
+    "PYTHONUSERBASE",
+    "LORA_COCKPIT_WORKSPACE",
+    "LORA_COCKPIT_START_DIR",
+    "LORA_COCKPIT_PROG",
+)
+
+
+def _env(**extra) -> dict:
+    return {
+        **{k: v for k, v in os.environ.items() if k not in CALLER_ONLY},
+        **{k: str(v) for k, v in extra.items()},
+    }
+
+
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory) -> Path:
-    """The venv's bin folder, with the wheel of this checkout installed (built from a copy: nothing is written
-    into the checkout)."""
+def wheel(tmp_path_factory) -> Path:
+    """The wheel of this checkout (built from a copy: nothing is written into the checkout)."""
     tmp = tmp_path_factory.mktemp("package")
     src = tmp / "src"
     files = subprocess.run(
@@ -52,9 +73,16 @@ def installed(tmp_path_factory) -> Path:
         check=True,
         capture_output=True,
     )
+    (built,) = wheels.glob("lora_cockpit-*.whl")
+    return built
+
+
+@pytest.fixture(scope="module")
+def installed(wheel, tmp_path_factory) -> Path:
+    """The venv's bin folder, with the wheel of this checkout installed."""
+    tmp = tmp_path_factory.mktemp("venv")
     venv = tmp / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
-    (wheel,) = wheels.glob("lora_cockpit-*.whl")
     # --ignore-installed: the venv sees the system's packages, and where the README's install put lora-cockpit
     # there (editable, pointing at whichever checkout ran it) pip would call this wheel installed already
     subprocess.run(
@@ -86,7 +114,7 @@ def installed(tmp_path_factory) -> Path:
 
 
 def _cli(bin_dir: Path, cwd: Path, *args, timeout=600):
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "LORA_COCKPIT_WORKSPACE")}
+    env = _env()
     return subprocess.run(
         [str(bin_dir / "lora-cockpit"), *args],
         cwd=cwd,
@@ -151,7 +179,7 @@ def test_the_installed_app_serves_its_pages_locally_and_refuses_a_foreign_host(i
     from playwright.sync_api import sync_playwright
 
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "LORA_COCKPIT_WORKSPACE")}
+    env = _env()
     proc = subprocess.Popen(
         [str(installed / "lora-cockpit"), "--port", str(port), "--workspace", str(tmp_path / "ws")],
         cwd=tmp_path,
@@ -186,3 +214,113 @@ def test_the_installed_app_serves_its_pages_locally_and_refuses_a_foreign_host(i
     finally:
         os.killpg(proc.pid, 15)
         proc.wait(30)
+
+
+# ---- every way of installing the wheel (#49 items 1 and 2) ------------------------------------------------------
+
+SCHEMES = ("target", "prefix", "user", "pipx", "uv")
+
+
+def _install(scheme: str, wheel: Path, root: Path) -> tuple[Path, dict]:
+    """Install `wheel` under `root` as `scheme` does: the `lora-cockpit` command and the environment a user of that
+    scheme runs it with (--target and --prefix: PYTHONPATH at what pip wrote; --user: PYTHONUSERBASE)."""
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--ignore-installed"]
+    if scheme == "target":
+        env, cmd = _env(PYTHONPATH=root), [*pip, "--target", str(root), str(wheel)]
+    elif scheme == "prefix":
+        site = sysconfig.get_path("purelib", "posix_prefix", vars={"base": str(root), "platbase": str(root)})
+        env, cmd = _env(PYTHONPATH=site), [*pip, "--prefix", str(root), str(wheel)]
+    elif scheme == "user":
+        env, cmd = _env(PYTHONUSERBASE=root), [*pip, "--user", str(wheel)]
+    elif (
+        scheme == "pipx"
+    ):  # its own venv; the libraries (torch, ...) from the system's, as the test venv does
+        env = _env(PIPX_HOME=root / "home", PIPX_BIN_DIR=root / "bin", PIPX_MAN_DIR=root / "man")
+        cmd = ["pipx", "install", "--system-site-packages", "--pip-args=--no-deps", str(wheel)]
+    else:  # uv: its tool venv gets the dependencies from the index (no system packages there)
+        env = _env(UV_TOOL_DIR=root / "tools", UV_TOOL_BIN_DIR=root / "bin")
+        cmd = ["uv", "tool", "install", "--python", sys.executable, str(wheel)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return root / "bin" / "lora-cockpit", env
+
+
+def _listing(root: Path) -> dict[str, tuple[int, int]]:
+    """Every file and folder under `root` with its size and modification time: what a write would change."""
+    return {str(p.relative_to(root)): (p.lstat().st_size, p.lstat().st_mtime_ns) for p in root.rglob("*")}
+
+
+def _page(port: int) -> dict:
+    """The app's first screen as Streamlit's agent API renders it (the script run in a session, as a browser's)."""
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/_stcore/agent/interact",
+        data=b"{}",
+        headers={"Content-Type": "application/json"},
+    )
+    return json.loads(urllib.request.urlopen(request, timeout=120).read())
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_every_way_of_installing_gives_a_command_that_writes_only_where_it_starts(wheel, scheme, tmp_path):
+    if scheme in ("pipx", "uv") and not shutil.which(scheme):
+        pytest.skip(f"{scheme} is not installed on this machine")
+    root, empty = tmp_path / "prefix", tmp_path / "empty"
+    empty.mkdir()
+    command, env = _install(scheme, wheel, root)
+    python = command.read_text().splitlines()[0].removeprefix("#!").strip()  # the interpreter the script runs
+    found = subprocess.run(
+        [python, "-c", "import core, lora_cockpit.cli as c; print(core.__file__); print(c.app_dir())"],
+        cwd=empty,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    assert all(Path(f).is_relative_to(root) for f in found), f"{scheme}: imports from {found}, not {root}"
+    before = _listing(root)
+
+    def run(*args):
+        return subprocess.run(
+            [command, *args], cwd=empty, env=env, capture_output=True, text=True, timeout=300
+        )
+
+    version = run("--version")
+    assert version.returncode == 0 and version.stdout.startswith("lora-cockpit "), version.stderr
+    listed = run("runs", "list")
+    assert listed.returncode == 0, listed.stderr
+    assert listed.stdout.strip() == f"no runs in {empty / 'workspace' / 'runs'}"
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [command, "--port", str(port)],
+        cwd=empty,
+        env={**env, "STREAMLIT_SERVER_ENABLE_AGENT_API": "true"},  # the page's contents over HTTP, no browser
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        first = proc.stdout.readline()
+        assert f"(workspace {empty / 'workspace'})" in first, first
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                if (
+                    urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=2).read()
+                    == b"ok"
+                ):
+                    break
+            except OSError:
+                time.sleep(0.5)
+        page = _page(port)
+        assert page["status"] == "ready" and page["page"]["title"] == "Estimate", page.get("status")
+        tree = json.dumps(page["tree"])
+        assert '"type": "exception"' not in tree, tree[:3000]
+        assert f"Writes under {empty / 'workspace'}." in tree  # the first screen says where it writes
+    finally:
+        os.killpg(proc.pid, 15)
+        proc.wait(30)
+    after = _listing(root)
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    assert changed == [], f"{scheme}: written under the install prefix {root}: {changed[:20]}"

@@ -24,3 +24,16 @@ def test_router_keeps_the_workspace_chosen_earlier_in_the_session(workspace):
     at.run()
     assert not at.exception
     assert at.sidebar.text_input[0].value == str(workspace / "other")
+
+
+def test_the_first_screen_says_where_the_app_writes_and_where_relative_paths_start(
+    workspace, tmp_path, monkeypatch
+):
+    """#49 item 1: one caption in the sidebar; relative paths start in the folder the app was started in."""
+    start = tmp_path / "start"
+    start.mkdir()
+    monkeypatch.chdir(start)
+    at = AppTest.from_file(str(REPO / "dashboard.py"), default_timeout=60).run()
+    assert not at.exception
+    said = " ".join(c.value for c in at.sidebar.caption)
+    assert f"Writes under {workspace}." in said and f"Relative paths you type start in {start}." in said, said

@@ -17,7 +17,7 @@ DOCS = REPO / "docs"
 
 # Each documented CLI: its module (what `python -m` runs) and the subcommands whose flags docs/cli.md lists.
 CLIS = {
-    "core.hub": ("core.hub.__main__", [[], ["info"], ["download"], ["ls"], ["rm"]]),
+    "core.hub": ("core.hub.__main__", [[], ["info"], ["download"], ["list"], ["rm"]]),
     "core.estimate": ("core.estimate.__main__", [[]]),
     "core.demo": ("core.demo.__main__", [[]]),
     "core.preflight": ("core.preflight", [[]]),
@@ -28,9 +28,10 @@ CLIS = {
     "core.runs": (
         "core.runs.__main__",
         [[], *([c] for c in ("list", "show", "launch", "stop", "resume", "delete", "export"))]
-        + [["queue", c] for c in ("add", "ls", "rm", "move", "resume")],
+        + [["queue", c] for c in ("add", "list", "rm", "move", "resume")],
     ),
     "core.diagnose": ("core.diagnose", [[]]),
+    "core.doctor": ("core.doctor", [[]]),
 }
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 # A path a page cites in backticks or links to: it must exist in the repository (issue #38: citations of design

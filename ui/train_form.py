@@ -11,6 +11,7 @@ from core import jobs, precision
 from core.demo.build import RUN_CONFIG, demo_config, demo_dir, demo_ready
 from core.demo.methods import DEMOS
 from core.estimate import from_config
+from core.fmt import command
 from core.recipe import methods
 from core.recipe.config import (
     ConfigError,
@@ -64,7 +65,7 @@ def _base_config(workspace: str) -> tuple[dict, str]:
     if run_yaml.is_file():  # the demo build wrote it: the same run from a shell
         return (
             base,
-            f"the demo model and dataset (from a shell: python -m core.train {run_yaml} --run-dir RUN)",
+            f"the demo model and dataset (from a shell: {command('train')} {run_yaml} --run-dir RUN)",
         )
     return base, "the demo model and dataset"
 

@@ -22,6 +22,7 @@ from core.demo.prefs import (
     preference_accuracy,
     read_pairs,
 )
+from core.fmt import command, summary
 from core.workspace import default_workspace
 
 
@@ -108,8 +109,12 @@ def argument_problem(args) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m core.demo", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=command("demo"), description=summary(__doc__))
     parser.add_argument("--out", help="demo folder (default: <workspace>/demo)")
+    parser.add_argument(
+        "--workspace",
+        help="the workspace whose demo/ folder to build (default: $LORA_COCKPIT_WORKSPACE, else ./workspace)",
+    )
     parser.add_argument("--run", action="store_true", help="also train the default demo run and compare")
     parser.add_argument(
         "--adapter",
@@ -135,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--pretrain-steps", type=int, default=PRETRAIN_STEPS)
     args = parser.parse_args(argv)
-    out = Path(args.out) if args.out else demo_dir(default_workspace())
+    out = Path(args.out) if args.out else demo_dir(default_workspace(args.workspace))
     problem = argument_problem(args)
     if problem:  # found before the demo builds, loads or trains anything (minutes of work)
         print(f"error: {problem}", file=sys.stderr)
@@ -143,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         build_demo(out, pretrain_steps=args.pretrain_steps)
         run_yaml = write_run_config(out)
-        print(f"demo run config: {run_yaml} (python -m core.train {run_yaml} --run-dir RUN_DIR)", flush=True)
+        print(f"demo run config: {run_yaml} ({command('train')} {run_yaml} --run-dir RUN_DIR)", flush=True)
         before = heldout_accuracy(out)
         print(f"held-out accuracy before training: {before:.0%}", flush=True)
         adapter = Path(args.adapter) if args.adapter else None

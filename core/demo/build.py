@@ -41,6 +41,7 @@ from core.demo.task import (
 )
 from core.demo.toy import build_tokenizer, tiny_config
 from core.files import atomic_write_text
+from core.fmt import command
 from core.recipe.config import dump_config, validate_config
 from core.recipe.data import IGNORE_INDEX, Collator
 from core.train.trainer import run_training
@@ -275,7 +276,7 @@ def heldout_accuracy(out: str | os.PathLike, adapter: str | os.PathLike | None =
 
     out = Path(out)
     if read_manifest(out) is None:
-        raise DemoError(f"{out} has no demo assets: build them with `python -m core.demo --out {out}`.")
+        raise DemoError(f"{out} has no demo assets: build them with `{command('demo')} --out {out}`.")
     tokenizer = AutoTokenizer.from_pretrained(out / "base")
     model = AutoModelForCausalLM.from_pretrained(out / "base")
     if adapter is not None:

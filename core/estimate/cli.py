@@ -33,7 +33,7 @@ from core.estimate.plan import Estimate, GiB, Plan, PlanError
 from core.estimate.source import source_line
 from core.estimate.specs import SpecError, preset_ids
 from core.estimate.vlm_terms import vlm_lines
-from core.fmt import gib
+from core.fmt import command, gib
 from core.recipe import methods
 from core.recipe.config import ConfigError, default_config, load_config
 from core.recipe.data import DataError, preview_dataset
@@ -166,9 +166,7 @@ def _evaluation_lines(est: Estimate) -> list[str]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m core.estimate", description="Estimate GPU memory of a fine-tune."
-    )
+    p = argparse.ArgumentParser(prog=command("estimate"), description="Estimate GPU memory of a fine-tune.")
     d = Plan()
     p.add_argument(
         "--model",
@@ -320,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parser.parse_args(argv)
     except _ArgError as exc:
-        print(f"error: {exc} (see python -m core.estimate --help)", file=sys.stderr)
+        print(f"error: {exc} (see {command('estimate')} --help)", file=sys.stderr)
         return 2
     if args.list_models:
         print("\n".join(preset_ids()))

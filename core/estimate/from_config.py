@@ -11,7 +11,7 @@ import copy
 from dataclasses import dataclass, replace
 from typing import Any
 
-from core import gpu
+from core import machine
 from core.estimate.bill import estimate
 from core.estimate.config_map import ENGINE, PlanReader, plan_values, put_plan
 from core.estimate.plan import Plan, PlanError
@@ -166,24 +166,13 @@ class Card:
 
 
 def local_card() -> Card:
-    """This machine's card as the trainer will see it. NVML finds a GPU cheaply; torch then confirms that it can
-    use it (a CPU build of torch on a GPU box trains on the CPU, and so must its plan)."""
-
-    gpus, _ = gpu.detect_gpus()
-    if gpus and gpus[0].memory_total:
-        import torch
-
-        if torch.cuda.is_available():
-            return Card(
-                "cuda",
-                gpus[0].memory_total / 2**30,
-                f"the {gpus[0].name}",
-                torch.cuda.device_count(),
-                tuple(gpus),
-            )
-    import psutil
-
-    return Card("cpu", psutil.virtual_memory().total / 2**30, "this machine's CPU and RAM (no CUDA GPU)", 0)
+    """This machine's card as the trainer will see it (core.machine.cuda_gpus: NVML's GPUs that torch can use, as
+    `lora-cockpit doctor` reports them); its CPU and RAM when torch can use none."""
+    here = machine.cuda_gpus()
+    if here.usable and here.gpus and here.gpus[0].memory_total:
+        first = here.gpus[0]
+        return Card("cuda", first.memory_total / 2**30, f"the {first.name}", here.usable, here.gpus)
+    return Card("cpu", machine.ram()[0] / 2**30, "this machine's CPU and RAM (no CUDA GPU)", 0)
 
 
 def card_for(cfg: dict) -> Card:
@@ -201,10 +190,10 @@ def busy_gpus(cfg: dict, need_bytes: int) -> list[str]:
     another run: the most common out-of-memory at start)."""
     ids = distributed.gpu_ids(cfg) or list(range(distributed.gpus_per_machine(cfg)))
     out = []
-    for s in gpu.in_use(ids):
+    for s in machine.gpu_readings(ids):
         if s.memory_used is None or not s.memory_total or need_bytes <= s.memory_total - s.memory_used:
             continue
-        holders = [p for p in s.other_processes if p.get("memory")]
+        holders = [p for p in s.others if p.get("memory")]
         held = ", ".join(f"pid {p['pid']}: {p['memory'] / 2**30:.1f} GiB" for p in holders[:3])
         out.append(
             f"GPU {s.index} already has {s.memory_used / 2**30:.1f} of {s.memory_total / 2**30:.0f} GiB in use"

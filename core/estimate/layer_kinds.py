@@ -13,10 +13,10 @@ nor anything that does)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from functools import lru_cache
 
+from core import machine
 from core.estimate.mixer_terms import MIXERS
 
 ATTENTION = "attention"
@@ -120,11 +120,7 @@ def kernel_path(plan, kind: str) -> bool:
         return False  # (a kind without kernels, RWKV's channel mix or RG-LRU, has only its torch code)
     if plan.recurrent_kernels == "kernels":
         return True
-    return (
-        all(importlib.util.find_spec(p) is not None for p in MIXERS[kind].kernels)
-        if kind in MIXERS
-        else False
-    )
+    return all(machine.importable(p) for p in MIXERS[kind].kernels) if kind in MIXERS else False
 
 
 def kernel_note(spec, plan) -> str:

@@ -11,6 +11,8 @@ import math
 import re
 from difflib import SequenceMatcher
 
+from core.fmt import command
+
 # Suffixes that name a fine-tune or a packaging of a base model, not another architecture.
 VARIANTS = {
     "instruct", "chat", "it", "hf", "base", "sft", "dpo", "rlhf", "awq", "gptq", "gguf", "bnb", "4bit", "8bit",
@@ -55,7 +57,7 @@ def suggestion(model_id: str, presets: list[str]) -> str:
     near = nearest_preset(model_id, presets)
     if near is None:
         return (
-            f"Pick a bundled preset such as {', '.join(presets[:3])} (full list: python -m core.estimate "
+            f"Pick a bundled preset such as {', '.join(presets[:3])} (full list: {command('estimate')} "
             "--list-models)."
         )
     same = _parts(near) == _parts(model_id)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from core import machine
 from core.estimate.plan import FIT_LIMIT
 
 MiB = 2**20
@@ -45,8 +46,6 @@ class RamPlan:
 def ram_plan(tensor_peak_bytes: float, free: int | None = None, total: int | None = None) -> RamPlan:
     """The RAM bill of a CPU run whose plan peaks at `tensor_peak_bytes`; this machine's RAM unless given."""
     if free is None or total is None:
-        import psutil
-
-        memory = psutil.virtual_memory()
-        free, total = memory.available if free is None else free, memory.total if total is None else total
+        here_total, here_free = machine.ram()
+        free, total = here_free if free is None else free, here_total if total is None else total
     return RamPlan(int(tensor_peak_bytes), process_bytes(tensor_peak_bytes), int(free), int(total))

@@ -9,12 +9,13 @@ import argparse
 import sys
 
 from core.eval.heldout import EvalError
+from core.fmt import command
 from core.recipe.data import DataError
 
 
 def parse_args(argv: list[str] | None):
     p = argparse.ArgumentParser(
-        prog="python -m core.eval",
+        prog=command("eval"),
         description="The base against the tuned model on held-out rows; prints `eval: <metric> B -> A` lines.",
     )
     p.add_argument(
@@ -24,6 +25,10 @@ def parse_args(argv: list[str] | None):
         "--data",
         help="data file to evaluate on (alpaca, chat or question/answer; a DPO / KTO run's pairs or rated answers; a "
         "GRPO run's prompts with their answer column; default: the run's own eval split)",
+    )
+    p.add_argument(
+        "--workspace",
+        help="where --run NAME is looked up, under runs/ (default: $LORA_COCKPIT_WORKSPACE, else ./workspace)",
     )
     p.add_argument("--adapter", help="an adapter folder (default: the run's)")
     p.add_argument("--model", help="a merged export or full model folder, compared with its base")
@@ -72,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             batch_size=args.batch_size,
             device=args.device,
             force=args.force,
+            workspace=args.workspace,
             progress=_progress,
         )
         lm_lines = []

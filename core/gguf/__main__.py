@@ -1,4 +1,6 @@
-"""python -m core.gguf --model DIR --out FILE.gguf --type f16 [--verify auto|full|quick|none]
+"""Convert a model folder to a GGUF file for llama.cpp / Ollama / LM Studio, verified, with an Ollama Modelfile.
+
+python -m core.gguf --model DIR --out FILE.gguf --type f16 [--verify auto|full|quick|none]
 
 Exit 0: written and verified. Exit 1: the export or its verification failed (nothing at --out).
 Exit 2: bad input (one sentence on stderr, nothing written).
@@ -12,6 +14,8 @@ import signal
 import sys
 from pathlib import Path
 
+from core.fmt import command, summary
+
 
 def main(argv: list[str] | None = None) -> int:
     from core.gguf import (
@@ -24,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
         summary_lines,
     )
 
-    ap = argparse.ArgumentParser(prog="python -m core.gguf", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog=command("gguf"), description=summary(__doc__))
     ap.add_argument(
         "--model", required=True, help="local HF model folder (safetensors), or a Hub id ORG/NAME[@REV]"
     )

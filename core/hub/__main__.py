@@ -3,7 +3,7 @@
     python -m core.hub info ORG/NAME[@REV] [--revision R] [--dataset]   commit, files, sizes, what is cached
     python -m core.hub download ORG/NAME [--revision R]                 only the files training needs, resumable
     python -m core.hub download ORG/DATA --dataset [--subset S] [--split train]
-    python -m core.hub ls [--json]                                       the cache: size, revision, last use
+    python -m core.hub list [--json]                                     the cache: size, revision, last use
     python -m core.hub rm ORG/NAME[@REV] [--dataset]                     never one a live run uses
 
 HF_ENDPOINT (a mirror), HF_TOKEN and HF_HUB_OFFLINE=1 (cached ids only) are respected. Exit 0 done, 2 bad input
@@ -19,7 +19,7 @@ import sys
 import time
 from datetime import datetime
 
-from core.fmt import nbytes, run_piped
+from core.fmt import command, nbytes, run_piped, summary
 from core.hub import cache, fetch, rows
 from core.hub.ids import HubError, describe
 from core.hub.live import parse_or_fail, remove
@@ -37,8 +37,10 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m core.hub", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    p = _Parser(prog=command("hub"), description=summary(__doc__))
+    sub = p.add_subparsers(
+        dest="command", required=True, parser_class=_Parser, metavar="{info,download,list,rm}"
+    )
     for name, text in (
         ("info", "what the Hub has: commit, files, sizes"),
         ("download", "fetch it into the cache"),
@@ -49,13 +51,16 @@ def _parser() -> argparse.ArgumentParser:
         q.add_argument("--dataset", action="store_true", help="a dataset repo, not a model")
         q.add_argument("--subset", help="--dataset: the subset (config) to fetch")
         q.add_argument("--split", default="train", help="--dataset: the split to fetch (default train)")
-    q = sub.add_parser("ls", help="the cached models and datasets")
+    # `list` as for the runs and the queue (one verb per action); `ls`, what it was, still works
+    q = sub.add_parser("list", aliases=["ls"], help="the cached models and datasets")
     q.add_argument("--json", action="store_true")
     q = sub.add_parser("rm", help="delete a cached repo (every revision, or ID@REV's)")
     q.add_argument("id")
     q.add_argument("--dataset", action="store_true")
     q.add_argument(
-        "--workspace", default=None, help="whose live runs to spare (default: the app's workspace)"
+        "--workspace",
+        default=None,
+        help="whose live runs to spare (default: $LORA_COCKPIT_WORKSPACE, else ./workspace)",
     )
     return p
 
@@ -160,10 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
     except _ArgError as exc:
-        print(f"error: {exc} (see python -m core.hub --help)", file=sys.stderr)
+        print(f"error: {exc} (see {command('hub')} --help)", file=sys.stderr)
         return 2
     try:
-        return {"info": info, "download": download, "ls": ls, "rm": rm}[args.command](args)
+        return {"info": info, "download": download, "list": ls, "ls": ls, "rm": rm}[args.command](args)
     except HubError as exc:
         print(
             f"\nerror: {exc}" if args.command == "download" and sys.stdout.isatty() else f"error: {exc}",

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from core.fmt import command
 from core.hub.fetch import complete_folder
 from core.hub.ids import HubError, HubRef, cache_dir
 
@@ -99,7 +100,7 @@ def delete(ref: HubRef) -> int:
     repo = find(ref)
     if repo is None:
         raise HubError(
-            f"{ref} is not in the Hugging Face cache ({cache_dir()}): python -m core.hub ls lists it."
+            f"{ref} is not in the Hugging Face cache ({cache_dir()}): {command('hub')} list lists it."
         )
     commits = commits_of(ref, repo)
     if not commits:

@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from core.fmt import command
+
 DEFAULT_ENDPOINT = "https://huggingface.co"
 # huggingface_hub's rules for a repo id: ORG/NAME, letters, digits, '-', '_', '.', no '--' or '..', <= 96 chars
 _PART = r"[A-Za-z0-9](?:[\w.-]{0,94}[A-Za-z0-9_])?"
@@ -102,7 +104,7 @@ def describe() -> str:
 def offline_sentence(ref: HubRef | str) -> str:
     return (
         f"{ref} is not in the local Hugging Face cache ({cache_dir()}) and HF_HUB_OFFLINE=1 keeps the Hub out of "
-        f"reach: download it first with HF_HUB_OFFLINE unset (python -m core.hub download {ref}), or use a local "
+        f"reach: download it first with HF_HUB_OFFLINE unset ({command('hub')} download {ref}), or use a local "
         "folder."
     )
 

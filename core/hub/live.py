@@ -6,6 +6,7 @@ import os
 
 from core import liveness, rundir
 from core.files import read_yaml_mapping
+from core.fmt import command
 from core.hub import cache
 from core.hub.ids import HubError, HubRef, parse
 
@@ -35,7 +36,7 @@ def remove(workspace, ref: HubRef) -> int:
     if users:
         raise HubError(
             f"{ref} is used by the live run {', '.join(repr(u) for u in users)}: stop it first (Monitor: Stop, or "
-            f"python -m core.runs stop {users[0]}), then delete it."
+            f"{command('runs')} stop {users[0]}), then delete it."
         )
     return cache.delete(ref)
 

@@ -176,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         print(usage, file=sys.stderr)
         return 2
     folder = Path(args[0]).resolve()
+    procs.enter_start_folder()  # a path typed in the app, relative: from the folder the app was started in
     job = read_json_object(folder / JOB)
     if not job or job.get("kind") not in RUNNERS:
         print(f"error: {folder / JOB} is missing or names no known job kind.", file=sys.stderr)

@@ -9,7 +9,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from core.fmt import disk
+from core.fmt import command, disk
 from core.hub.fetch import model_path, progress_line
 from core.hub.ids import HubError
 from core.merge.errors import MergeError
@@ -25,7 +25,7 @@ DTYPE_CHOICES = ("bf16", "fp16", "fp32")
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m core.merge",
+        prog=command("merge"),
         description="Merge a LoRA adapter into its base model, shard by shard, verified, written atomically.",
     )
     ap.add_argument(

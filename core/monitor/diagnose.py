@@ -14,6 +14,7 @@ from pathlib import Path
 
 from core import liveness, rundir
 from core.files import read_json_object, read_yaml_mapping
+from core.fmt import command, summary
 from core.monitor.diagnose_rules import RULES
 from core.monitor.evidence import Diagnosis, Evidence, Rule
 from core.monitor.tail import RunFiles, RunSeries, tail_text
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import sys
 
-    ap = argparse.ArgumentParser(prog="python -m core.diagnose", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog=command("diagnose"), description=summary(__doc__))
     ap.add_argument("run_dir", nargs="?", help="a run directory to diagnose")
     ap.add_argument(
         "--readme",

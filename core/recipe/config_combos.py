@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 
+from core import machine
 from core.recipe import distributed, methods, trackers
 from core.recipe import rewards as reward_specs
 
@@ -121,7 +122,7 @@ def missing_here(cfg: dict) -> tuple[str, str] | None:
         problem = vllm_problem()
         if problem:
             return "training.use_vllm", problem
-    if cfg["training"].get("use_liger_kernel") and importlib.util.find_spec("liger_kernel") is None:
+    if cfg["training"].get("use_liger_kernel") and not machine.importable(machine.KERNELS["liger-kernel"]):
         return (
             "training.use_liger_kernel",
             "training.use_liger_kernel needs the liger-kernel package and a CUDA GPU (pip install liger-kernel); "

@@ -3,6 +3,7 @@ Train page's preview with each row's images and its image tokens counted."""
 
 from __future__ import annotations
 
+from core.fmt import command
 from core.recipe.data import _chat_segments
 from core.recipe.vision import (
     IMAGE_KEYS,
@@ -53,7 +54,7 @@ def findings(cfg: dict, ds, processor) -> list:
                 "warning",
                 "eval_samples",
                 "training.eval_samples writes no samples for image conversations yet (no samples.jsonl).",
-                "Evaluate the run's held-out image rows after training: python -m core.eval --run RUN.",
+                f"Evaluate the run's held-out image rows after training: {command('eval')} --run RUN.",
             )
         )
     empty, cut, truncated, bad_images = [], [], [], 0

@@ -1,7 +1,8 @@
-"""Runs from the terminal, the same as from the pages: `python -m core.runs list|show|launch|stop|resume|delete`,
-`queue add|ls|rm|move|resume` (core.runs.queue_cli) and `export NAME --slurm` (an sbatch script for a cluster).
+"""List, show, launch, stop, resume and delete runs from the terminal, the same as from the pages.
 
-The workspace is $LORA_COCKPIT_WORKSPACE or ./workspace, as for the app. A run is findable, stoppable and seen
+`python -m core.runs list|show|launch|stop|resume|delete` (`lora-cockpit runs ...`), `queue add|list|rm|move|resume`
+(core.runs.queue_cli) and `export NAME --slurm` (an sbatch script for a cluster). The workspace is --workspace,
+else $LORA_COCKPIT_WORKSPACE, else ./workspace, as for the app (core.workspace). A run is findable, stoppable and seen
 dead at once whatever started it (the page, this command or `python -m core.train`): the trainer holds its run's
 lock for its whole life and records its pid and start time (core.procs); a live run that stopped stepping is
 listed as stalled.
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from core import checkpoints, rundir
 from core.files import read_json_object, read_yaml_mapping
-from core.fmt import first_sentence, mem, run_piped
+from core.fmt import command, first_sentence, mem, run_piped, summary
 from core.recipe import methods
 from core.recipe.config import field_errors
 from core.runs import queue_cli
@@ -189,34 +190,69 @@ def checked_launch(workspace: Path, name: str, config: str) -> dict:
     return cfg
 
 
+def workspace_flag() -> argparse.ArgumentParser:
+    """--workspace for every verb, so that it may follow the verb (`runs list --workspace W`) or come before it:
+    absent after the verb, it is SUPPRESSed, and so does not wipe out one given before."""
+    flag = argparse.ArgumentParser(add_help=False)
+    flag.add_argument(
+        "--workspace",
+        default=argparse.SUPPRESS,
+        help="the workspace (default: $LORA_COCKPIT_WORKSPACE, else ./workspace)",
+    )
+    return flag
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m core.runs", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("list", help="every run, newest first")
+    parser = argparse.ArgumentParser(prog=command("runs"), description=summary(__doc__))
+    parser.add_argument(
+        "--workspace", help="the workspace (default: $LORA_COCKPIT_WORKSPACE, else ./workspace)"
+    )
+    verbs = "{list,show,launch,stop,resume,delete,queue,export}"  # `ls` works too, undocumented here
+    sub = parser.add_subparsers(dest="command", required=True, metavar=verbs)
+    ws = [workspace_flag()]
+    # one verb per action across the tools: `list` (documented), `ls` accepted as on the queue and the Hub
+    p = sub.add_parser("list", aliases=["ls"], parents=ws, help="every run, newest first")
     p.add_argument("--json", action="store_true", help="a JSON list of run objects")
-    p = sub.add_parser("show", help="one run")
+    p = sub.add_parser("show", parents=ws, help="one run")
     p.add_argument("name")
     p.add_argument("--json", action="store_true", help="one run object")
-    p = sub.add_parser("launch", help="create a run from a config and start it, detached")
+    p = sub.add_parser("launch", parents=ws, help="create a run from a config and start it, detached")
     p.add_argument("config", help="run config YAML")
     p.add_argument("--name", required=True, help="the run's name (its folder under <workspace>/runs)")
-    p = sub.add_parser("stop", help="graceful stop: checkpoint, then exit; returns once the process is gone")
+    p = sub.add_parser(
+        "stop", parents=ws, help="graceful stop: checkpoint, then exit; returns once the process is gone"
+    )
     p.add_argument("name")
     p.add_argument("--grace", type=float, default=60.0, help="seconds before SIGKILL (default 60)")
-    p = sub.add_parser("resume", help="continue a stopped or failed run from its newest checkpoint")
-    p.add_argument("name")
-    p = sub.add_parser("delete", help="delete an ended run (never a live one)")
-    p.add_argument("name")
-    queue_cli.add_arguments(
-        sub.add_parser("queue", help="the run queue: add (a config or a sweep), ls, rm, move, resume")
+    p = sub.add_parser(
+        "resume", parents=ws, help="continue a stopped or failed run from its newest checkpoint"
     )
-    p = sub.add_parser("export", help="write a launch script for the run: --slurm, an sbatch file beside it")
+    p.add_argument("name")
+    p = sub.add_parser("delete", parents=ws, help="delete an ended run (never a live one)")
+    p.add_argument("name")
+    # prog: `lora-cockpit queue add` in its usage lines, not `lora-cockpit runs queue add`
+    queue_cli.add_arguments(
+        sub.add_parser(
+            "queue",
+            parents=ws,
+            prog=command("queue"),
+            help="the run queue: add (a config or a sweep), list, rm, move, resume",
+            description="The run queue and sweeps: add a run config (or each point of its sweep), list, rm, "
+            "move, resume.",
+        ),
+        ws,
+    )
+    p = sub.add_parser(
+        "export", parents=ws, help="write a launch script for the run: --slurm, an sbatch file beside it"
+    )
     p.add_argument("name")
     p.add_argument(
         "--slurm", action="store_true", required=True, help="<run>/slurm.sbatch (srun, one task a machine)"
     )
     args = parser.parse_args(argv)
-    workspace = default_workspace()
+    workspace = default_workspace(args.workspace)
+    if args.command == "ls":
+        args.command = "list"
     if args.command == "queue":
         return queue_cli.run(args, workspace)
     try:

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from core import liveness, logtail, rundir
+from core.fmt import command
 from core.recipe import methods
 from core.recipe.config import ConfigError, dump_config, field_errors, load_config, validate_config
 from core.rundir import LIVE_STATES
@@ -188,7 +189,7 @@ def delete_run(run_dir: str | os.PathLike, workspace: str | os.PathLike) -> None
     if info.alive or info.state in LIVE_STATES:
         raise RunError(
             f"Run {target.name} is {info.state} (pid {info.pid}): stop it first (Stop on the Monitor page, or "
-            f"`python -m core.runs stop {target.name}`), then delete it."
+            f"`{command('runs')} stop {target.name}`), then delete it."
         )
     trash = root / f".deleting-{target.name}-{time.time_ns()}"
     try:

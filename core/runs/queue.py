@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from core.files import atomic_write_text, read_json_object
+from core.fmt import command
 from core.workspace import WorkspaceError, check_run_name, inside, make_folder, runs_dir
 
 QUEUE_DIR = "queue"
@@ -77,9 +78,7 @@ class QueueState:
             if e.id == entry_id or e.name == entry_id:
                 return e
         known = ", ".join(e.id for e in self.entries) or "none"
-        raise QueueError(
-            f"No queue entry {entry_id!r} (entries: {known}); see `python -m core.runs queue ls`."
-        )
+        raise QueueError(f"No queue entry {entry_id!r} (entries: {known}); see `{command('queue')} list`.")
 
     def waiting(self) -> list[Entry]:
         return [e for e in self.entries if e.state in WAITING]
@@ -181,7 +180,7 @@ def remove(workspace: str | os.PathLike, entry_id: str) -> Entry:
         entry = q.find(entry_id)
         if entry.state in ACTIVE:
             raise QueueError(
-                f"{entry.id} ({entry.name}) has started: stop its run (python -m core.runs stop {entry.name})."
+                f"{entry.id} ({entry.name}) has started: stop its run ({command('runs')} stop {entry.name})."
             )
         if entry.state in ENDED:
             raise QueueError(f"{entry.id} ({entry.name}) has already ended ({entry.state}).")

@@ -1,7 +1,8 @@
-"""`python -m core.runs queue add|ls|rm|move|resume`: the run queue from the terminal (core.runs.queue).
+"""`python -m core.runs queue add|list|rm|move|resume` (`lora-cockpit queue ...`): the run queue from the terminal
+(core.runs.queue).
 
 python -m core.runs queue add run.yaml [--name N]     # a run config, or a sweep (its `sweep:` section)
-python -m core.runs queue ls [--json]
+python -m core.runs queue list [--json]               # `ls` is accepted too
 python -m core.runs queue rm ID
 python -m core.runs queue move ID --to K
 python -m core.runs queue resume                      # start the supervisor again (after a reboot, a pause)
@@ -16,7 +17,7 @@ import time
 from pathlib import Path
 
 from core.files import YamlError, read_yaml
-from core.fmt import mem
+from core.fmt import command, mem
 from core.recipe.config import ConfigError
 from core.runs import queue as Q
 from core.runs import sweep as S
@@ -26,21 +27,32 @@ from core.workspace import WorkspaceError, suggest_run_name
 EXIT_BAD_INPUT = 2
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="queue_command", required=True)
-    p = sub.add_parser("add", help="queue a run config (or each point of its sweep: section)")
+def add_arguments(
+    parser: argparse.ArgumentParser, parents: list[argparse.ArgumentParser] | None = None
+) -> None:
+    """The queue's verbs under `parser`; `parents`: flags every verb takes (core.runs' --workspace)."""
+    sub = parser.add_subparsers(dest="queue_command", required=True, metavar="{add,list,rm,move,resume}")
+    parents = list(parents or [])
+    p = sub.add_parser(
+        "add", parents=parents, help="queue a run config (or each point of its sweep: section)"
+    )
     p.add_argument("config", help="run config YAML")
     p.add_argument(
         "--name", help="the run's name (a sweep's points: NAME-1, NAME-2, ...); default: the file's name"
     )
-    p = sub.add_parser("ls", help="the queue, in order")
+    # `list` as on the runs and the Hub (one verb per action); `ls`, what it was, still works
+    p = sub.add_parser("list", aliases=["ls"], parents=parents, help="the queue, in order")
     p.add_argument("--json", action="store_true", help="a JSON list of entry objects (a stable format)")
-    p = sub.add_parser("rm", help="cancel a waiting entry")
+    p = sub.add_parser("rm", parents=parents, help="cancel a waiting entry")
     p.add_argument("id")
-    p = sub.add_parser("move", help="move a waiting entry to another place")
+    p = sub.add_parser("move", parents=parents, help="move a waiting entry to another place")
     p.add_argument("id")
     p.add_argument("--to", type=int, required=True, help="1 = the next to start")
-    sub.add_parser("resume", help="start the supervisor again (after a restart, or a pause on a full disk)")
+    sub.add_parser(
+        "resume",
+        parents=parents,
+        help="start the supervisor again (after a restart, or a pause on a full disk)",
+    )
 
 
 def run(args, workspace: Path) -> int:
@@ -73,7 +85,7 @@ def _add(args, workspace: Path) -> int:
         return EXIT_BAD_INPUT
     pid = ensure_running(workspace)
     if pid:
-        print(f"supervisor: pid {pid} (python -m core.runs queue ls to follow)")
+        print(f"supervisor: pid {pid} ({command('queue')} list to follow)")
     return 0
 
 
@@ -94,7 +106,7 @@ def _ls(args, workspace: Path) -> int:
     if state.paused:
         print(f"paused: {state.paused}")
     if not objs:
-        print(f"the queue of {workspace} is empty (python -m core.runs queue add run.yaml)")
+        print(f"the queue of {workspace} is empty ({command('queue')} add run.yaml)")
         return 0
     print(HEADER)
     for o in objs:
@@ -136,4 +148,4 @@ def _resume(args, workspace: Path) -> int:
     return 0
 
 
-_COMMANDS = {"add": _add, "ls": _ls, "rm": _rm, "move": _move, "resume": _resume}
+_COMMANDS = {"add": _add, "list": _ls, "ls": _ls, "rm": _rm, "move": _move, "resume": _resume}

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from core import procs
+from core.fmt import command
 from core.runs import queue as Q
 from core.runs.launcher import REPO_ROOT, RunError, create_run, launch, live_runs, run_state
 from core.workspace import WorkspaceError, runs_dir
@@ -82,7 +83,7 @@ def reconcile(workspace, state: Q.QueueState) -> None:
             if _disk_full(info.reason):
                 state.paused = (
                     f"{entry.name} stopped on a full disk ({info.reason}); the queue waits: free space, then "
-                    "`python -m core.runs queue resume`."
+                    f"`{command('queue')} resume`."
                 )
 
 
@@ -183,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m core.runs.supervisor WORKSPACE", file=sys.stderr)
         return 2
     workspace = Path(args[0])
+    procs.enter_start_folder()  # a queued config's relative paths: from where `queue add` or the app was started
     folder = Q.queue_dir(workspace)
     stop = StopFlag().install()
     try:

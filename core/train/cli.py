@@ -1,4 +1,6 @@
-"""`python -m core.train run.yaml --run-dir DIR [--resume] [--smoke]` and `--dry-run`: the trainer as a program.
+"""Train a run config into a run folder, or check it and print its plan without training (`--dry-run`).
+
+`python -m core.train run.yaml --run-dir DIR [--resume] [--smoke]` (`lora-cockpit train ...`): the trainer as a program.
 
 Exit codes: 0 finished or stopped, 2 bad input (a config, data or run folder problem, or a resume the checkpoint
 cannot take: one sentence), 1 training failed (or its run folder was deleted under it). Signals: SIGTERM (or
@@ -15,7 +17,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from core import diskfull, rundir
+from core import diskfull, fmt, procs, rundir
 from core.estimate.from_config import plan_json, write_accelerate_config
 from core.estimate.plan import PlanError
 from core.estimate.specs import SpecError
@@ -89,7 +91,7 @@ def eval_peak_note(cfg: dict, plan: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m core.train", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=fmt.command("train"), description=fmt.summary(__doc__))
     parser.add_argument("config", help="run config YAML (its keys: docs/run-config.md)")
     parser.add_argument(
         "--run-dir",
@@ -128,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     stop = StopFlag().install()  # first thing: a stop during the slow imports must not kill us mid-write
     args = parser.parse_args(argv)
+    procs.enter_start_folder()  # launched from the app or a tool: relative paths start where the user typed them
     if ranks.spec() is not None:  # one rank of a run on several processes (core.train.ranks)
         ranks.become_rank(Path(args.run_dir))
     if args.dry_run:

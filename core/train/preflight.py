@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 
 from core.files import quiet_datasets
-from core.fmt import error_line
+from core.fmt import command, error_line, summary
 from core.hub.fetch import readable
 from core.recipe import methods, vision
 from core.recipe.config import ConfigError, check_with_libraries, load_config
@@ -111,7 +111,7 @@ def prepare_run(
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m core.preflight", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=command("preflight"), description=summary(__doc__))
     parser.add_argument("config", help="run config YAML")
     args = parser.parse_args(argv)
     try:
