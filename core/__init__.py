@@ -3,8 +3,6 @@
 import logging
 import warnings
 
-__version__ = "0.1.0"
-
 
 class _KnownNoise(logging.Filter):
     """Drops log lines that say nothing actionable here, so the first lines of every CLI call and the stderr
