@@ -110,12 +110,14 @@ def launch(run_dir: str | os.PathLike, resume: bool = False, smoke: bool = False
     config = run_dir / rundir.CONFIG
     if not config.is_file():
         raise RunError(f"{run_dir} has no config.yaml: create the run with create_run() first.")
-    stopping = (read_status(run_dir) or {}).get("state") in rundir.END_STATES
+    ended = (read_status(run_dir) or {}).get(
+        "state"
+    ) in rundir.END_STATES  # its last owner may still be exiting
     remote = rundir.busy_elsewhere(run_dir)
     if remote:
         raise RunError(remote)
     try:
-        lock_fd = procs.claim(run_dir, wait_s=15.0 if stopping else 1.0)
+        lock_fd = procs.claim(run_dir, wait_s=15.0 if ended else 1.0)
     except procs.Busy as exc:
         raise RunError(
             f"Run {run_dir.name} is already running (pid {exc.pid or read_pid(run_dir)}): stop it before "

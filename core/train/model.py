@@ -134,7 +134,7 @@ def _fp32_trainable(model, prec: Precision):
     return model
 
 
-def _one_card(prec: Precision) -> None:
+def refuse_several_cards(prec: Precision) -> None:
     """A run on one process trains on one card. One that sees several (CUDA started in this process before
     run_training could pin its card: distributed.pin_gpus) is refused: the Trainer would wrap it in nn.DataParallel
     over all of them, with another batch and memory the plan does not describe."""

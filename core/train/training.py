@@ -22,7 +22,7 @@ from core.rundir import read_status, truncate_metrics, write_status
 from core.train import ranks, sources
 from core.train.callbacks import early_stop, early_stop_sentence, early_stopping_callbacks, samples_callbacks
 from core.train.folder_guard import guard_checkpoints
-from core.train.model import _one_card, choose_precision, load_model, make_trainer, save_final
+from core.train.model import choose_precision, load_model, make_trainer, refuse_several_cards, save_final
 from core.train.preflight import prepare_run
 from core.train.resume import keep_new_hyperparameters, record_config
 from core.train.run_callbacks import close_callbacks, run_callbacks
@@ -108,6 +108,8 @@ def _setup_data(run: Run) -> None:
     transformers.set_seed(run.cfg["training"]["seed"])  # the model and its LoRA weights start from the seed
     if run.eval_ds is not None and not run.smoke and ranks.is_main():
         _record_split(run)
+    if run.drawn is not None and not run.smoke and ranks.is_main():
+        _record_mix(run)
 
 
 def _record_split(run: Run) -> None:
@@ -124,6 +126,18 @@ def _record_split(run: Run) -> None:
         "eval_rows": len(run.eval_ds),
     }
     atomic_write_text(run.run_dir / "eval_split.json", json.dumps(record))
+
+
+def _record_mix(run: Run) -> None:
+    """mix.json: what the mix of data.sources drew (rows per source, seed, rule, each source's commit or file
+    fingerprint), written once: a resume draws again, but the record stays that of the run's first draw."""
+    import json
+
+    from core.files import atomic_write_text
+
+    path = run.run_dir / rundir.MIX
+    if not path.exists():
+        atomic_write_text(path, json.dumps(run.drawn, indent=1))
 
 
 def _setup_model(run: Run):
@@ -202,7 +216,7 @@ def train(run: Run) -> RunOutcome:
     sampler = gpu_sampler(run.run_dir) if ranks.spec() is None else None
     # checkpoints record the config with its Hub ids, not their cache folders
     guard, ours = run_callbacks(run, outcome, _samples_per_step(run), config=sources.recorded(run.cfg))
-    _one_card(run.prec)
+    refuse_several_cards(run.prec)
     try:
         _setup_trainer(run, _setup_model(run), ours)
         guard_checkpoints(run.trainer, guard)  # no checkpoint into (or re-creating) a folder that is gone
