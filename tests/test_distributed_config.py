@@ -362,15 +362,15 @@ def test_pinning_picks_one_card_for_one_process_and_leaves_ranks_to_accelerate()
 def test_one_process_that_still_sees_several_cards_is_refused_mocked_gpu_driver(monkeypatch):
     """CUDA started before the run could pin its card (an in-process caller): the Trainer would spread the one
     process over every card (nn.DataParallel), so the run is refused with the way out."""
-    from core.train.model import _one_card
+    from core.train.model import refuse_several_cards
     from core.train.state import TrainError
 
     prec = resolve(validate_config(minimal()), Device.of("cuda"))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(TrainError, match="sees 2 CUDA GPUs .* CUDA_VISIBLE_DEVICES"):
-        _one_card(prec)
+        refuse_several_cards(prec)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    assert _one_card(prec) is None
+    assert refuse_several_cards(prec) is None
 
 
 def test_the_plan_is_made_for_the_cards_the_config_names_mocked_gpu_driver():
