@@ -37,6 +37,8 @@ SAMPLES = (
 )
 # PID ("pid": the training process), LOCK ("lock": held by it), STDOUT and STDERR: see core.procs
 # CHECKPOINTS ("checkpoints": checkpoint-N folders): see core.checkpoints; RESERVE: see core.diskfull
+# what a mix of data.sources drew: rows per source, seed, rule, fingerprints (core.recipe.mix)
+MIX = "mix.json"
 SOURCES = "sources.json"  # the Hub ids it trains on, {role: {"id", "revision", "commit", "type"}} (core.train.sources)
 # where the run config names each role's Hub id (or local folder)
 SOURCE_ROLES = {

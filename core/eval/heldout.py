@@ -190,6 +190,13 @@ def heldout_config(cfg: dict, data: str | None = None, asked: DataInput = CLI_DA
     c = copy.deepcopy(cfg)
     if data:
         c["data"].update(path=data, eval_split=0.0, format="auto", columns={})
+        c["data"].pop("sources", None)  # the file given is the one source read
+        c["data"].pop("mix", None)
+    elif c["data"].get("sources"):  # issue #50 item 3: the mix's held-out rows, drawn again, are not read yet
+        raise EvalError(
+            f"The run mixes several data.sources, whose held-out rows are not evaluated yet: give a data file to "
+            f"evaluate on ({asked.give})."
+        )
     elif not c["data"].get("eval_split"):
         raise EvalError(
             f"The run holds out no rows (data.eval_split is 0): give a data file to evaluate on ({asked.give})."

@@ -9,14 +9,17 @@ from __future__ import annotations
 import importlib.util
 
 from core import machine
-from core.recipe import distributed, methods, trackers
+from core.recipe import distributed, methods, mix_config, trackers
 from core.recipe import rewards as reward_specs
 
 
 def combination_problem(cfg: dict) -> tuple[str, str] | None:
     if cfg["model"]["path"] is None:
         return "model.path", "model.path is required: the folder of a local model or a hub id."
-    if cfg["data"]["path"] is None:
+    problem = mix_config.config_problem(cfg, methods.get(cfg))
+    if problem:
+        return problem
+    if cfg["data"]["path"] is None and not mix_config.sources(cfg["data"]):
         return (
             "data.path",
             "data.path is required: a .jsonl/.json/.csv/.parquet file, a save_to_disk folder or a Hub dataset id.",

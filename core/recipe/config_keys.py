@@ -268,6 +268,9 @@ OWN_SCHEMA = {
         "split": {"kinds": ["str"]},
         "eval_split": {"kinds": ["float"]},
         "mask_prompt": {"kinds": ["bool"]},
+        # several sources mixed (core.recipe.mix_config checks them, with sentences naming the source)
+        "sources": {"kinds": ["any"]},
+        "mix": {"kinds": ["any"]},
         **IMAGE_SCHEMA,
     },
     "distributed": {

@@ -19,8 +19,9 @@ from pathlib import Path
 from core import checkpoints, rundir
 from core.files import read_json_object, read_yaml_mapping
 from core.fmt import command, first_sentence, mem, run_piped, summary
-from core.recipe import methods
+from core.recipe import methods, mix
 from core.recipe.config import field_errors
+from core.recipe.mix_config import source_name
 from core.runs import queue_cli
 from core.runs.admin import check_new_run_name, delete_run
 from core.runs.launcher import RunError, RunInfo, create_run, launch, list_runs, run_state, stop_run
@@ -146,7 +147,7 @@ def show_lines(info: RunInfo) -> list[str]:
         adapter = f"LoRA r{lora.get('r', '?')}" if lora.get("enabled", True) else "full fine-tune"
         lines += [
             f"  model        {model.get('path', '?')} ({adapter})",
-            f"  data         {data.get('path', '?')}",
+            f"  data         {data.get('path') or _sources_line(data)}",
             f"  training     max_length {t.get('max_length', '?')}, batch {t.get('per_device_train_batch_size', '?')} x "
             f"{t.get('gradient_accumulation_steps', '?')} accumulation, learning rate {t.get('learning_rate', '?')}",
         ]
@@ -164,10 +165,16 @@ def show_lines(info: RunInfo) -> list[str]:
             f"  plan         {mem(plan['device_total_bytes'])} on {device} ({plan.get('verdict', '?')}), tensor peak "
             f"{mem(plan.get('tensor_peak_bytes') or 0)}"
         )
+    lines += mix.record_lines(read_json_object(info.path / rundir.MIX) or {})
     ckpts = checkpoints.checkpoints(info.path)
     newest = ", ".join(c.name for c in ckpts[:3])
     lines.append(f"  checkpoints  {newest + ' (newest first)' if ckpts else 'none yet'}")
     return lines
+
+
+def _sources_line(data: dict) -> str:
+    listed = data.get("sources") if isinstance(data.get("sources"), list) else []
+    return f"{len(listed)} sources: " + ", ".join(source_name(s) for s in listed) if listed else "?"
 
 
 def checked_launch(workspace: Path, name: str, config: str) -> dict:

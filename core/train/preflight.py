@@ -15,7 +15,7 @@ import sys
 from core.files import quiet_datasets
 from core.fmt import command, error_line, summary
 from core.hub.fetch import readable
-from core.recipe import methods, vision
+from core.recipe import methods, mix, mix_config, vision
 from core.recipe.config import ConfigError, check_with_libraries, load_config
 from core.recipe.data import DataError
 from core.recipe.engine_args import lora_dropout_problem
@@ -40,7 +40,10 @@ def check_model(path) -> str | None:
 def run_preflight(cfg: dict, tokenizer=None, model_config=None, in_trainer: bool = False) -> list[Finding]:
     """All findings for a validated run config, by its method; an empty list means the data is ready.
     in_trainer: the trainer process asks (a GRPO run's own reward code is tried there, never in the app)."""
-    return methods.get(cfg).preflight(cfg, tokenizer, model_config, in_trainer)
+    method = methods.get(cfg)
+    if mix_config.sources(cfg["data"]):  # several sources: each read and checked, named in each finding
+        return mix.findings(cfg, method, tokenizer, model_config, in_trainer)
+    return method.preflight(cfg, tokenizer, model_config, in_trainer)
 
 
 def refuse_on_errors(findings: list[Finding], file=None) -> None:
@@ -57,12 +60,13 @@ def refuse_on_errors(findings: list[Finding], file=None) -> None:
 def prepare_run(
     cfg: dict, device=None, smoke: bool = False, datasets: bool = True, file=None, in_trainer: bool = False
 ):
-    """(tokenizer, train, eval): what a run trains on, made before the run writes anything or loads a weight, so
+    """(tokenizer, train, eval, drawn): what a run trains on (drawn: what a mix of data.sources drew, for
+    RUN/mix.json; None for one data.path), made before the run writes anything or loads a weight, so
     that bad input is refused with nothing left behind. The tokenizer and the model's config (no weights), the
     data preflight (refuse_on_errors), the method's datasets (their own refusals: a row left with nothing to
     learn), then the libraries' objects built as the run builds them on `device` (a core.precision.Device; None:
     the config's own flags) with or without a held-out split (check_with_libraries). datasets=False (a
-    supervisor whose ranks make their own): the checks alone, (tokenizer, None, None). in_trainer: the trainer
+    supervisor whose ranks make their own): the checks alone, (tokenizer, None, None, None). in_trainer: the trainer
     process asks (a GRPO run's own reward code runs in its preflight). Raises ConfigError or DataError, one
     sentence each."""
     from core.precision import PrecisionError, resolve
@@ -93,10 +97,13 @@ def prepare_run(
         except DataError as exc:
             raise ConfigError(str(exc)) from None
     refuse_on_errors(run_preflight(cfg, tokenizer, model_config, in_trainer), file)
-    train_ds = eval_ds = None
+    train_ds = eval_ds = drawn = None
     if datasets:
         with quiet_datasets():  # no progress bars over the sentence that may follow
-            train_ds, eval_ds = methods.get(cfg).datasets(cfg, tokenizer)
+            if mix_config.sources(cfg["data"]):
+                train_ds, eval_ds, drawn = mix.draw(cfg, tokenizer, methods.get(cfg))
+            else:
+                train_ds, eval_ds = methods.get(cfg).datasets(cfg, tokenizer)
     # without the datasets, a held-out split is what the config asks for (split_eval needs 4 rows, ranks have them)
     has_eval = eval_ds is not None if datasets else cfg["data"]["eval_split"] > 0
     check_with_libraries(cfg, has_eval=has_eval, smoke=smoke, prec=prec)
@@ -105,7 +112,7 @@ def prepare_run(
         eval_ds = eval_ds.select(
             range(min(len(eval_ds), method.eval_rows(cfg, method.smoke_eval_batch(cfg))))
         )
-    return tokenizer, train_ds, eval_ds
+    return tokenizer, train_ds, eval_ds, drawn
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -66,6 +66,11 @@ class Run:
     def eval_ds(self):
         return self.data[2] if self.data else None
 
+    @property
+    def drawn(self) -> dict | None:
+        """What a mix of data.sources drew (core.recipe.mix.draw's record), None for one data.path."""
+        return self.data[3] if self.data and len(self.data) > 3 else None
+
 
 @dataclass
 class RunOutcome:
