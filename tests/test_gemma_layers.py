@@ -1,7 +1,8 @@
 """Gemma 4's mixture of experts and Gemma 3n's text decoder, planned layer by layer (core.estimate.layer_shapes,
 core.estimate.gemma_moe_terms, core.estimate.gemma3n_terms): each layer's shape is read from the meta model's
 modules, the plan is no longer refused, a tiny twin's real step measures within 5% of its plan with and without
-gradient checkpointing (benchmarks/families_accuracy.py's twins and measurement), and the trainer trains them."""
+gradient checkpointing (benchmarks/families_accuracy.py's twins and measurement); tests/test_hybrid_train.py trains,
+merges and evaluates them."""
 
 import json
 import sys
@@ -12,7 +13,7 @@ from core.estimate.layer_kinds import kinds_of
 from core.estimate.layer_shapes import shapes_of
 from core.estimate.moe import moe_of
 from core.estimate.specs import load_spec
-from tests.cli import REPO, train
+from tests.cli import REPO
 from tests.test_estimate_cli import estimate_main
 
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -127,55 +128,3 @@ def test_gemma4_moe_with_lora_on_its_experts_measures_within_5pct_of_its_plan(ch
     result = measure_config(config, plan)
     planned, measured = result["estimated"]["tensor_peak_bytes"], result["measured"]["steady_peak_bytes"]
     assert abs(planned / measured - 1) <= TOLERANCE, (planned, measured)
-
-
-def _rows(n: int, start: int = 0) -> str:
-    return "".join(
-        json.dumps({"instruction": f"Add one to {i}", "output": f"{i + 1}"}) + "\n"
-        for i in range(start, start + n)
-    )
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("family", ["gemma4_text_moe", "gemma3n_text"])
-def test_a_gemma_twin_trains_merges_and_evaluates(tmp_path, family):
-    """`python -m core.train` with LoRA on all-linear (Gemma 4 MoE: router.proj included) and on the experts
-    (target_parameters), the verified merge, and `python -m core.eval` on held-out rows."""
-    import subprocess
-
-    from core import merge
-    from core.demo.toy import build_tiny_model
-    from core.recipe.config import validate_config
-
-    base = build_tiny_model(tmp_path / "base", MODEL_TYPES.get(family, family), **FAMILIES[family][0])
-    (tmp_path / "train.jsonl").write_text(_rows(16))
-    (tmp_path / "heldout.jsonl").write_text(_rows(4, start=100))
-    lora = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": "all-linear"}
-    if family == "gemma4_text_moe":
-        lora["target_parameters"] = ["experts.gate_up_proj", "experts.down_proj"]
-    run_dir = tmp_path / "run"
-    cfg = validate_config(
-        {
-            "model": {"path": str(base), "dtype": "bfloat16"},
-            "lora": lora,
-            "data": {"path": str(tmp_path / "train.jsonl"), "max_length": 64},
-            "training": {"per_device_train_batch_size": 2, "max_steps": 2, "logging_steps": 1},
-        }
-    )
-    done = train(cfg, run_dir)
-    assert done.returncode == 0, done.stderr[-3000:]
-    adapter = json.loads((run_dir / "adapter" / "adapter_config.json").read_text())
-    if family == "gemma4_text_moe":
-        assert any(t.endswith("router.proj") or t == "proj" for t in adapter["target_modules"]), adapter
-    result = merge.merge_at(str(base), str(run_dir / "adapter"), str(tmp_path / "merged"), dtype="fp32")
-    assert result.verification.passed, result.verification.lines()  # the merged logits equal base + adapter
-    out = subprocess.run(
-        [sys.executable, "-m", "core.eval", "--run", str(run_dir), "--data", str(tmp_path / "heldout.jsonl")]
-        + ["--max-new-tokens", "4"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "eval: exact match" in out.stdout
