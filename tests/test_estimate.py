@@ -12,6 +12,7 @@ from core.estimate.fit import fit_search, memory_curve
 from core.estimate.levers import what_would_fit
 from core.estimate.plan import OPTIMIZERS, Estimate, Plan, PlanError
 from core.estimate.specs import load_spec, lora_targets, normalize_targets
+from tests.saved import saved_storage_bytes
 
 WIDE = dict(
     vocab_size=500, hidden_size=128, intermediate_size=352, num_attention_heads=8, num_key_value_heads=2
@@ -29,20 +30,8 @@ def _saved_bytes(layers, method, dtype, attn, dropout, batch=2, seq=32):
     if method == "lora":
         model = get_peft_model(model, LoraConfig(r=8, target_modules="all-linear", lora_dropout=dropout))
     model.train()
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen, keep = {}, []
-
-    def pack(t):
-        keep.append(t)  # keep every saved tensor alive so no address is reused while counting
-        st = t.untyped_storage()
-        if st.data_ptr() not in params:
-            seen[st.data_ptr()] = st.nbytes()
-        return t
-
     ids = torch.randint(0, WIDE["vocab_size"], (batch, seq))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(input_ids=ids)
-    return sum(seen.values()), cfg
+    return saved_storage_bytes(model, lambda: model(input_ids=ids)), cfg
 
 
 @pytest.mark.parametrize(

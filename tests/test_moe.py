@@ -17,6 +17,7 @@ from core.estimate.moe import moe_of
 from core.estimate.moe_terms import layer_kinds, moe_layer
 from core.estimate.plan import Plan
 from core.estimate.specs import SpecError, load_spec, lora_targets, normalize_targets
+from tests.saved import saved_storage_bytes
 
 ARCHS = ("qwen3_moe", "mixtral", "gpt_oss")
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -64,18 +65,8 @@ def _saved_bytes(cfg, dtype, lora: dict) -> int:
     model = AutoModelForCausalLM.from_config(cfg).to(dtype)
     model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, **lora))
     model.train()
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen, keep = {}, []
-
-    def pack(t):
-        keep.append(t)  # every saved tensor stays alive while counting: no address is reused
-        if t.untyped_storage().data_ptr() not in params:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(input_ids=torch.randint(3, 100, (2, 32)), output_router_logits=True)
-    return sum(seen.values())
+    ids = torch.randint(3, 100, (2, 32))
+    return saved_storage_bytes(model, lambda: model(input_ids=ids, output_router_logits=True))
 
 
 @pytest.mark.parametrize("mode", list(LORA))

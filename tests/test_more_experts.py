@@ -18,6 +18,7 @@ from core.estimate.plan import Plan
 from core.estimate.specs import SpecError, load_spec, lora_targets, normalize_targets
 from core.plausible import check_model_config
 from tests.cli import REPO, train
+from tests.saved import saved_storage_bytes
 from tests.test_estimate_cli import estimate_main
 
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -74,18 +75,8 @@ def _saved_bytes(model_type: str, fields: dict, dtype) -> int:
         model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear")
     )
     model.train()
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen, keep = {}, []
-
-    def pack(t):
-        keep.append(t)  # every saved tensor stays alive while counting: no address is reused
-        if t.untyped_storage().data_ptr() not in params:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(input_ids=torch.randint(3, 100, (2, 32)))
-    return sum(seen.values())
+    ids = torch.randint(3, 100, (2, 32))
+    return saved_storage_bytes(model, lambda: model(input_ids=ids))
 
 
 # LongCat-Flash in bf16 only: its fp32 MLA value is core.estimate.mla_terms' (the sdpa math path's upcast copy)
