@@ -128,3 +128,17 @@ def test_gemma4_moe_with_lora_on_its_experts_measures_within_5pct_of_its_plan(ch
     result = measure_config(config, plan)
     planned, measured = result["estimated"]["tensor_peak_bytes"], result["measured"]["steady_peak_bytes"]
     assert abs(planned / measured - 1) <= TOLERANCE, (planned, measured)
+
+
+@pytest.mark.slow
+def test_a_softcapped_heads_fused_loss_keeps_its_tanh_through_backward():
+    """TRL's fused head on the CPU keeps t = tanh(y / cap) through each tile's backward (Gemma 2 / 3 / 3n): with a
+    vocabulary wide enough for the tile to matter, the softcapped twin's step is a tile of fp32 above the uncapped
+    one's, and the plan counts it (without the term the capped plan read 11% under)."""
+    wide = dict(FAMILIES["llama"][0], vocab_size=32768, head_dim=16, num_key_value_heads=2)
+    capped = measure("gemma2", wide, 300, False)
+    uncapped = measure("gemma2", dict(wide, final_logit_softcapping=None), 300, False)
+    for planned, measured in (capped, uncapped):
+        assert abs(planned / measured - 1) <= TOLERANCE, (planned, measured)
+    tile = 299 * 32768
+    assert capped[1] - uncapped[1] >= 3 * tile  # the measured step holds the kept tanh tile

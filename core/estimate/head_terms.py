@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from core.estimate.activation_terms import embedding_output_requires_grad, layer_saved_tensors, step_dtypes
+from core.estimate.layer_kinds import text_config
 from core.estimate.plan import DTYPE_BYTES, Plan
 from core.estimate.specs import ModelSpec
 from core.estimate.static_terms import adapter_bytes
@@ -50,8 +51,9 @@ def fused_head_bytes(spec: ModelSpec, plan: Plan, rows: int) -> FusedHead:
     into the tile, and `_addmm_fp32` accumulates with `torch.addmm(out_dtype=float32)`: no tile temporaries.
     CPU branch (measured): `_forward_tile` holds z, exp(z - max), e * z (entropy) and the top-1 bool mask: 13
     B per tile element; `_backward_tile` holds y, z, log_p, p, grad, the bool and float target masks, and
-    `is_target.float() - p` with its product: 29 B per element; `_addmm_fp32` then makes fp32 copies of the
-    tile and of the weight chunk (or of the hidden chunk for grad_weight) when the compute dtype is 16-bit.
+    `is_target.float() - p` with its product: 29 B per element (33 with a softcap: tanh's output kept);
+    `_addmm_fp32` then makes fp32 copies of the tile and of the weight chunk (or of the hidden chunk for
+    grad_weight) when the compute dtype is 16-bit.
     """
     d = step_dtypes(plan)
     h, vocab = spec.hidden_size, spec.vocab_size
@@ -89,7 +91,10 @@ def fused_head_bytes(spec: ModelSpec, plan: Plan, rows: int) -> FusedHead:
     else:
         fold_fwd = max((13 if traits.head_is_top1 else 12) * tile, weight_chunk)
         addmm = 0 if cd == 4 else 4 * tile + 4 * max(cols * h, n * h if head_trains else 0)
-        fold_bwd = max(29 * tile, addmm)
+        # a softcapped head (Gemma 2 / 3 / 3n) keeps t = tanh(y / cap) through the tile's backward for its
+        # (1 - t * t) factor: one more fp32 tile (its forward's tanh chain peaks below the later moment)
+        softcap = 4 if text_config(spec).get("final_logit_softcapping") else 0
+        fold_bwd = max((29 + softcap) * tile, addmm)
     # forward: the norm output stays alive until the loss returns, next to the saved copy
     forward = (
         held + (final_norm_out if hidden_own else 0) + stats + outputs + mm_buf + hidden_chunk + fold_fwd
