@@ -32,7 +32,7 @@ RULES: list[Rule] = [
         "training.save_steps), metrics and logs could not be written. The trainer stops before a checkpoint that would not "
         "fit, and on a write that fails it records why.",
         fix=[
-            "Free space on the disk that holds the workspace (old runs: python -m core.runs delete NAME; old "
+            "Free space on the disk that holds the workspace (old runs: lora-cockpit runs delete NAME; old "
             "exports), or move the workspace to a larger disk (LORA_COCKPIT_WORKSPACE), then resume the run.",
             "Keep fewer checkpoints: set training.save_total_limit (e.g. 2), or raise training.save_steps.",
         ],
@@ -114,8 +114,8 @@ RULES: list[Rule] = [
         fix=[
             "Find who ended it: the scheduler's or container's logs, the shell history; `journalctl -k` shows "
             "'Out of memory: Killed process <pid>' only when the kernel did it.",
-            "Resume it from its newest checkpoint (Resume on the Monitor, or python -m core.runs resume NAME).",
-            "Stop a run with Stop or python -m core.runs stop NAME (it saves a checkpoint first), not kill -9.",
+            "Resume it from its newest checkpoint (Resume on the Monitor, or lora-cockpit runs resume NAME).",
+            "Stop a run with Stop or lora-cockpit runs stop NAME (it saves a checkpoint first), not kill -9.",
         ],
         test=killed_from_outside,
         explain=explain_killed,
