@@ -13,7 +13,7 @@ from core.eval.results import compare_rows, headline
 from core.fmt import duration
 from core.monitor.series import DEFAULT_SMOOTHING_STEPS
 from core.monitor.summary import COMPARABLE, comparable_metrics, compare_frame, summarize_runs
-from core.recipe import methods
+from core.recipe import methods, mix
 from core.runs.admin import delete_run
 from core.runs.launcher import RunError
 from core.train.sources import labels as hub_labels
@@ -181,6 +181,10 @@ def open_and_delete(summaries) -> None:
     if c2.button("Merge", key="runs_merge", icon=":material/merge:", disabled=not adapter):
         st.session_state["merge_run"] = run.name
         st.switch_page("pages/merge.py")
+    drawn = mix.drawn_lines(run.run_dir)
+    if drawn:  # a run of several data sources: what it drew from each (RUN/mix.json)
+        st.caption(f"Data mix of {name}, as drawn")
+        st.code("\n".join(line.strip() for line in drawn), language=None)
     with st.expander(f"Delete {name}"):
         st.caption("Deletes the run folder with its checkpoints and adapter. Running runs cannot be deleted.")
         sure = st.checkbox(f"Yes, delete {name} and all its files", key=f"runs_sure_{name}")

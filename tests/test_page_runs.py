@@ -237,3 +237,34 @@ def test_compare_offers_the_dpo_metrics_the_chosen_runs_have(workspace):
     at.selectbox(key="runs_metric").set_value("rewards/margins").run()
     spec = json.loads(at.get("vega_lite_chart")[0].proto.spec)
     assert spec["encoding"]["y"]["title"] == "reward margin (rewards/margins)"
+
+
+def test_one_run_shows_the_data_mix_it_drew_and_a_broken_record_shows_nothing(runs):
+    """#50 item 2: a run of several data sources shows, under One run, what it drew from each (RUN/mix.json as
+    `runs show` prints it); an unreadable record is left out and the page still renders."""
+    ws, finished, _failed = runs
+    record = {
+        "strategy": "interleave",
+        "stopping_strategy": "first_exhausted",
+        "seed": 7,
+        "train_rows": 90,
+        "eval_rows": 10,
+        "sources": [
+            {"source": "chat.jsonl", "weight": 3, "drawn": 75, "available": 80, "train": 68, "eval": 7},
+            {"source": "domain.jsonl", "weight": 1, "drawn": 25, "available": 40, "train": 22, "eval": 3},
+        ],
+    }
+    mix_file = finished / "mix.json"
+    try:
+        mix_file.write_text(json.dumps(record))
+        at = _page(ws)
+        at.selectbox(key="runs_one").set_value(finished.name).run()
+        shown = "\n".join(c.value for c in at.code)
+        assert "interleave, first_exhausted, seed 7" in shown, shown
+        assert "chat.jsonl: weight 3, 75 of 80 rows drawn" in shown and "domain.jsonl: weight 1" in shown
+        mix_file.write_text('{"sources": [')  # truncated
+        at = _page(ws)
+        at.selectbox(key="runs_one").set_value(finished.name).run()
+        assert not at.exception and not any("Data mix" in c.value for c in at.caption)
+    finally:
+        mix_file.unlink(missing_ok=True)

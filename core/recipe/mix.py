@@ -16,6 +16,8 @@ import hashlib
 from collections import Counter
 from pathlib import Path
 
+from core import rundir
+from core.files import read_json_object
 from core.hub import ids as hub_ids
 from core.recipe import vision
 from core.recipe.data import DataError, _as_paths, load_rows, split_eval
@@ -303,3 +305,9 @@ def record_lines(record: dict) -> list[str]:
             f"rows drawn (train {s.get('train', '?')}, eval {s.get('eval', '?')}), {origin}"
         )
     return lines
+
+
+def drawn_lines(run_dir) -> list[str]:
+    """A run folder's recorded mix (RUN/mix.json) as record_lines gives it; [] for a run of one source or a
+    record that cannot be read (a page showing it never breaks on one run's files)."""
+    return record_lines(read_json_object(Path(run_dir) / rundir.MIX) or {})

@@ -165,7 +165,7 @@ def show_lines(info: RunInfo) -> list[str]:
             f"  plan         {mem(plan['device_total_bytes'])} on {device} ({plan.get('verdict', '?')}), tensor peak "
             f"{mem(plan.get('tensor_peak_bytes') or 0)}"
         )
-    lines += mix.record_lines(read_json_object(info.path / rundir.MIX) or {})
+    lines += mix.drawn_lines(info.path)
     ckpts = checkpoints.checkpoints(info.path)
     newest = ", ".join(c.name for c in ckpts[:3])
     lines.append(f"  checkpoints  {newest + ' (newest first)' if ckpts else 'none yet'}")
