@@ -218,3 +218,26 @@ def demo_trained(tmp_path_factory) -> TrainedDemo:
     what the CLI's own test (test_demo) and the DPO/KTO/GRPO demo tests start from."""
     folder = cached(tmp_path_factory, "demo-trained", _train_demo)
     return TrainedDemo(folder / "demo", (folder / "stdout.txt").read_text())
+
+
+# ---- GRPO on the Train page (test_page_train_grpo, test_page_train_guards) ----
+
+GRPO_WORDS = ["abc", "dog", "cat", "sun", "red", "sky", "box", "map", "pen", "ink"]
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory) -> Path:
+    """GRPO prompts (uppercase a word) with their answers, as the Train page's GRPO tests give them."""
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    path.write_text(
+        "".join(json.dumps({"prompt": f"Uppercase: {w}", "answer": w.upper()}) + "\n" for w in GRPO_WORDS)
+    )
+    return path
+
+
+@pytest.fixture(scope="module")
+def own_reward(tmp_path_factory) -> Path:
+    """A user's own Python reward file defining `reward`."""
+    path = tmp_path_factory.mktemp("code") / "my_reward.py"
+    path.write_text("def reward(prompts, completions, **kw):\n    return [1.0 for _ in completions]\n")
+    return path

@@ -3,7 +3,6 @@ reward-functions editor (presets with settings and weights, the user's own code 
 prompts preview with their answers, preflight, "Use the demo's prompts" (its warm start built by a background job),
 and the YAML round trip. On the tiny local model and a small prompts file."""
 
-import json
 import time
 from pathlib import Path
 
@@ -11,24 +10,6 @@ import pytest
 
 from core.recipe.config import config_to_yaml, validate_config
 from tests.test_page_train import _files, _page
-
-WORDS = ["abc", "dog", "cat", "sun", "red", "sky", "box", "map", "pen", "ink"]
-
-
-@pytest.fixture(scope="module")
-def prompts(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
-    path.write_text(
-        "".join(json.dumps({"prompt": f"Uppercase: {w}", "answer": w.upper()}) + "\n" for w in WORDS)
-    )
-    return path
-
-
-@pytest.fixture(scope="module")
-def own_reward(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("code") / "my_reward.py"
-    path.write_text("def reward(prompts, completions, **kw):\n    return [1.0 for _ in completions]\n")
-    return path
 
 
 def grpo_form_config(model: Path, data: Path, **over) -> dict:
@@ -65,7 +46,8 @@ def test_grpo_shows_its_fields_its_prompts_with_answers_and_preflight(workspace,
     assert "max_length" not in at.session_state["train_config"]["training"]
     preview = next(d.value for d in at.dataframe if "prompt" in d.value.columns)
     assert list(preview.columns) == ["prompt", "answer"] and preview["answer"].iloc[0] == "ABC"
-    assert any(c.value.startswith(f"{len(WORDS)} prompts. GRPO:") for c in at.caption)
+    rows = len(prompts.read_text().splitlines())
+    assert any(c.value.startswith(f"{rows} prompts. GRPO:") for c in at.caption)
     assert any(s.value.startswith("Preflight: no problems") for s in at.success)
     assert not at.button(key="tr_launch").disabled
 

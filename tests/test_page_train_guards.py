@@ -14,26 +14,6 @@ from core.rundir import write_status
 from tests.test_page_train import _page, tiny_config
 from tests.test_page_train_grpo import grpo_form_config
 
-WORDS = ["abc", "dog", "cat", "sun", "red", "sky", "box", "map", "pen", "ink"]
-
-
-@pytest.fixture(scope="module")
-def prompts(tmp_path_factory) -> Path:
-    import json
-
-    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
-    path.write_text(
-        "".join(json.dumps({"prompt": f"Uppercase: {w}", "answer": w.upper()}) + "\n" for w in WORDS)
-    )
-    return path
-
-
-@pytest.fixture(scope="module")
-def myreward(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("code") / "myreward.py"
-    path.write_text("def reward(prompts, completions, **kw):\n    return [1.0 for _ in completions]\n")
-    return path
-
 
 @pytest.fixture()
 def live_run(workspace):
@@ -75,15 +55,15 @@ def _two_rewards(model: Path, data: Path) -> dict:
 
 
 def test_a_reward_naming_a_function_its_file_lacks_stops_preflight_naming_the_editors_row(
-    workspace, tiny_llama, prompts, myreward
+    workspace, tiny_llama, prompts, own_reward
 ):
     """Preflight said 'no problems found' and Launch was enabled; only the smoke test failed, naming rewards[0]
     and rewards[2] for the editor's Reward 3, with 'Fix: Fix'."""
     at = _page(workspace, _two_rewards(tiny_llama, prompts))
-    _own_reward_third(at, myreward, "nope")
+    _own_reward_third(at, own_reward, "nope")
     said = [e for e in _errors(at) if "nope" in e]
     assert said == [
-        f"**reward**: Reward 3: {myreward} has no top-level function 'nope' (it defines reward): set its "
+        f"**reward**: Reward 3: {own_reward} has no top-level function 'nope' (it defines reward): set its "
         "function to one of them, or define nope there."
     ], _errors(at)
     assert not any(s.value.startswith("Preflight: no problems") for s in at.success)
@@ -96,13 +76,13 @@ def test_a_reward_naming_a_function_its_file_lacks_stops_preflight_naming_the_ed
 
 @pytest.mark.slow  # a real smoke-test process (it stops in the trainer's preflight): ~15 s
 def test_a_smoke_failure_shows_only_while_the_form_holds_the_settings_it_ran(
-    workspace, tiny_llama, prompts, myreward
+    workspace, tiny_llama, prompts, own_reward
 ):
     """A GRPO smoke failure stayed above Launch through later edits (and after Reset, back to SFT)."""
     from core.runs.admin import latest_smoke, smoke_result
 
     at = _page(workspace, _two_rewards(tiny_llama, prompts))
-    _own_reward_third(at, myreward, "nope")
+    _own_reward_third(at, own_reward, "nope")
     at.button(key="tr_smoke").click().run()
     run = latest_smoke(workspace, at.text_input(key="tr_name").value)
     deadline = time.time() + 300
