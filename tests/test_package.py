@@ -113,6 +113,18 @@ def installed(wheel, tmp_path_factory) -> Path:
     return venv / "bin"
 
 
+def _wait_healthy(port: int, timeout_s: float) -> None:
+    """Until the app's health endpoint answers ok (or the time is up: the checks after it then say what failed)."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        try:
+            if urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=2).read() == b"ok":
+                return
+        except OSError:
+            pass
+        time.sleep(0.5)
+
+
 def _cli(bin_dir: Path, cwd: Path, *args, timeout=600):
     env = _env()
     return subprocess.run(
@@ -192,16 +204,7 @@ def test_the_installed_app_serves_its_pages_locally_and_refuses_a_foreign_host(i
     try:
         first = proc.stdout.readline()
         assert first.startswith("LoRA Cockpit ") and f"http://127.0.0.1:{port}" in first, first
-        deadline = time.time() + 90
-        while time.time() < deadline:
-            try:
-                if (
-                    urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=2).read()
-                    == b"ok"
-                ):
-                    break
-            except OSError:
-                time.sleep(0.5)
+        _wait_healthy(port, 90)
         assert _handshake(port, f"127.0.0.1:{port}") == b"HTTP/1.1 101 Switching Protocols"
         assert _handshake(port, "evil.example") == b"HTTP/1.1 403 Forbidden"  # allowedHosts: no DNS rebinding
         with sync_playwright() as pw:
@@ -303,16 +306,7 @@ def test_every_way_of_installing_gives_a_command_that_writes_only_where_it_start
     try:
         first = proc.stdout.readline()
         assert f"(workspace {empty / 'workspace'})" in first, first
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            try:
-                if (
-                    urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=2).read()
-                    == b"ok"
-                ):
-                    break
-            except OSError:
-                time.sleep(0.5)
+        _wait_healthy(port, 120)
         page = _page(port)
         assert page["status"] == "ready" and page["page"]["title"] == "Estimate", page.get("status")
         tree = json.dumps(page["tree"])
