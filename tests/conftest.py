@@ -241,3 +241,25 @@ def own_reward(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("code") / "my_reward.py"
     path.write_text("def reward(prompts, completions, **kw):\n    return [1.0 for _ in completions]\n")
     return path
+
+
+@contextlib.contextmanager
+def stand_in_run(run_dir: Path, seconds: int = 120):
+    """A run folder whose pid is a live process (a sleeping python standing in for the trainer) and whose status
+    says running: what a live run looks like to the launcher, without paying for a real one."""
+    from core import procs, stopping
+    from core.rundir import write_status
+
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text("model:\n  path: x\ndata:\n  path: y\n")
+    fd = procs.claim(run_dir)  # as a launcher starts its trainer: the lock handed down, pid and start time
+    try:
+        pid = procs.spawn(run_dir, [sys.executable, "-c", f"import time; time.sleep({seconds})"], fd)
+    finally:
+        os.close(fd)
+    write_status(run_dir, state="running", step=3, max_steps=100)
+    try:
+        yield run_dir
+    finally:
+        stopping.kill_tree(pid)
+        stopping.wait_gone(run_dir, 30)

@@ -2,19 +2,17 @@
 core.runs.admin.delete_run: never a live run, never a folder outside <workspace>/runs."""
 
 import json
-import os
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 from streamlit.testing.v1 import AppTest
 from test_page_monitor import failed_run, finished_run
 
-from core import procs, stopping
 from core.rundir import write_status
 from core.runs.admin import delete_run
 from core.runs.launcher import RunError
+from tests.conftest import stand_in_run
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = str(ROOT / "pages" / "runs.py")
@@ -28,22 +26,8 @@ def runs(tmp_path_factory, tiny_llama) -> tuple[Path, Path, Path]:
 
 @pytest.fixture()
 def live_stand_in(workspace):
-    """A run folder whose pid is a live process (a sleeping python standing in for the trainer) and whose
-    status says running: what a live run looks like to the launcher, without paying for a real one."""
-    run_dir = workspace / "runs" / "live"
-    run_dir.mkdir(parents=True)
-    (run_dir / "config.yaml").write_text("model:\n  path: x\ndata:\n  path: y\n")
-    fd = procs.claim(
-        run_dir
-    )  # as a launcher starts its trainer: the lock handed down, pid and start time recorded
-    try:
-        pid = procs.spawn(run_dir, [sys.executable, "-c", "import time; time.sleep(60)"], fd)
-    finally:
-        os.close(fd)
-    write_status(run_dir, state="running", step=3, max_steps=100)
-    yield run_dir
-    stopping.kill_tree(pid)
-    stopping.wait_gone(run_dir, 30)
+    with stand_in_run(workspace / "runs" / "live", 60) as run_dir:
+        yield run_dir
 
 
 def _page(workspace: Path) -> AppTest:

@@ -2,35 +2,21 @@
 reward that names a function its file lacks is a preflight error naming the editor's row; a smoke test's result
 shows only while the form holds the settings it ran; a launch beside a live run is said and waits for the user."""
 
-import os
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from core import procs, stopping
-from core.rundir import write_status
+from tests.conftest import stand_in_run
 from tests.test_page_train import _page, tiny_config
 from tests.test_page_train_grpo import grpo_form_config
 
 
 @pytest.fixture()
 def live_run(workspace):
-    """A run folder whose pid is a live process (a sleeping python standing in for the trainer) and whose status
-    says running: what a live run looks like to the launcher, without paying for a real one."""
-    run_dir = workspace / "runs" / "earlier-run"
-    run_dir.mkdir(parents=True)
-    (run_dir / "config.yaml").write_text("model:\n  path: x\ndata:\n  path: y\n")
-    fd = procs.claim(run_dir)  # as a launcher starts its trainer: the lock handed down, pid and start time
-    try:
-        pid = procs.spawn(run_dir, [sys.executable, "-c", "import time; time.sleep(120)"], fd)
-    finally:
-        os.close(fd)
-    write_status(run_dir, state="running", step=3, max_steps=100)
-    yield run_dir
-    stopping.kill_tree(pid)
-    stopping.wait_gone(run_dir, 30)
+    with stand_in_run(workspace / "runs" / "earlier-run", 120) as run_dir:
+        yield run_dir
 
 
 def _errors(at) -> list[str]:
