@@ -8,6 +8,7 @@ a full disk core.diskfull's, and a run's state as a reader sees it core.liveness
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -233,6 +234,23 @@ def folder_identity(run_dir: str | os.PathLike) -> tuple[int, int] | None:
     except OSError:
         return None
     return (st.st_dev, st.st_ino)
+
+
+@contextlib.contextmanager
+def folder_held(run_dir: str | os.PathLike):
+    """The folder held open while the block runs: its inode is not freed while a process holds it, so a folder
+    deleted and made again under the same name gets another one. File systems hand a freed inode out again at
+    once: without this, a checkpoint save re-creating the folder an instant after `rm -rf` made one that read as
+    the same (folder_identity equal) and stayed behind."""
+    try:
+        fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:  # gone already: the identity taken says so
+        fd = None
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 # What a run leaves behind once it has trained: training into such a folder again needs --resume.

@@ -346,3 +346,62 @@ def test_a_checkpoint_write_that_fails_in_a_folder_still_the_runs_raises_its_own
     with pytest.raises(RuntimeError, match="the writer's own failure"):
         s.save()
     assert s.h.outcome.gone is None and s.h.run_dir.is_dir()
+
+
+def test_a_checkpoint_save_that_re_creates_a_deleted_folder_is_taken_back_model_card_and_all(
+    tmp_path, tiny_llama
+):
+    """The race CI met: the folder deleted after the guard's look and before TRL's save, whose model card
+    (checkpoints/README.md, written first) and checkpoint then re-create it. A real SFTTrainer's save, the
+    deletion put at that instant: the save's files are taken back, nothing is left, the run reads as deleted."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    from core.train.folder_guard import FolderGuard, guard_checkpoints
+
+    run_dir = tmp_path / "run"
+    (run_dir / rundir.CHECKPOINTS).mkdir(parents=True)
+    args = SFTConfig(output_dir=str(run_dir / rundir.CHECKPOINTS), max_steps=1, report_to=[], use_cpu=True)
+    trainer = SFTTrainer(
+        model=AutoModelForCausalLM.from_pretrained(tiny_llama),
+        args=args,
+        train_dataset=Dataset.from_dict({"text": ["a short row"] * 2}),
+        processing_class=AutoTokenizer.from_pretrained(tiny_llama),
+    )
+    trainer.create_optimizer_and_scheduler(num_training_steps=1)
+    trainer.state.global_step = 2
+    save = trainer._save_checkpoint
+
+    def deleted_first(model, trial):  # `rm -rf` lands between the guard's look and the save
+        shutil.rmtree(run_dir)
+        return save(model, trial)
+
+    trainer._save_checkpoint = deleted_first
+    outcome = RunOutcome()
+    with rundir.folder_held(run_dir):  # as the trainer holds it: the re-made folder is another inode
+        guard = FolderGuard(run_dir, outcome)
+        guard_checkpoints(trainer, guard)
+        trainer._save_checkpoint(trainer.model, None)
+    assert not run_dir.exists()
+    assert outcome.gone is not None and "was deleted while the run trained" in outcome.gone
+
+
+def test_a_folder_re_created_with_anything_else_is_left_as_found(tmp_path):
+    """take_back removes only what a save writes: a file the user put there keeps the folder and reads as
+    replaced."""
+    from core.train.folder_guard import FolderGuard
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    outcome = RunOutcome()
+    guard = FolderGuard(run_dir, outcome)
+    run_dir.rmdir()
+    (tmp_path / "elsewhere").mkdir()  # takes the freed inode: the new folder is told apart from the old
+    (run_dir / rundir.CHECKPOINTS / "checkpoint-2").mkdir(parents=True)
+    (run_dir / "notes.txt").write_text("mine")
+    guard.take_back("checkpoint-2")
+    assert (run_dir / "notes.txt").read_text() == "mine" and (
+        run_dir / rundir.CHECKPOINTS / "checkpoint-2"
+    ).is_dir()
+    assert guard.check() and "replaced" in outcome.gone

@@ -261,4 +261,4 @@ def test_a_trainer_whose_folder_is_deleted_stops_and_recreates_nothing(workspace
     said = ("was deleted while the run trained", "was replaced by another folder while the run trained")
     assert len(lines) == 1 and any(s in lines[0] for s in said) and "Traceback" not in err, err[-3000:]
     time.sleep(1)
-    assert not run_dir.exists()  # no status.json, no checkpoints re-created
+    assert not run_dir.exists(), sorted(map(str, run_dir.rglob("*")))  # no status.json, no checkpoint re-made

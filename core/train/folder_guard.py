@@ -15,6 +15,9 @@ from pathlib import Path
 from core import rundir
 from core.train.state import RunOutcome
 
+# what a TRL trainer's checkpoint save writes beside the checkpoint, before it (create_model_card, into output_dir)
+MODEL_CARD = "README.md"
+
 
 def _stop_unsaved(control) -> None:
     control.should_training_stop = True
@@ -63,24 +66,28 @@ class FolderGuard:
 
     def take_back(self, made: str) -> None:
         """After a checkpoint write (made: its folder's name): when the folder at run_dir is not the run's and holds
-        nothing but checkpoints/<made>, that write made it (its makedirs re-created the run folder an instant after
-        `rm -rf` removed it). Its checkpoint is removed, then checkpoints/ and the folder each only when empty
-        (anything else found there stays), and the run reads as deleted."""
+        nothing but what a save writes (checkpoints/<made>, and TRL's model card checkpoints/README.md, written
+        first), that write made it (its makedirs re-created the run folder an instant after `rm -rf` removed it).
+        What it wrote is removed, then checkpoints/ and the folder each only when empty (anything else found there
+        stays), and the run reads as deleted."""
         now = rundir.folder_identity(self.run_dir)
         if now is None or now == self.identity or not self._holds_only(made):
             return
-        shutil.rmtree(self.run_dir / rundir.CHECKPOINTS / made, ignore_errors=True)
+        saved = self.run_dir / rundir.CHECKPOINTS
+        shutil.rmtree(saved / made, ignore_errors=True)
         with contextlib.suppress(OSError):
-            os.rmdir(self.run_dir / rundir.CHECKPOINTS)
+            os.unlink(saved / MODEL_CARD)
+        with contextlib.suppress(OSError):
+            os.rmdir(saved)
             os.rmdir(self.run_dir)
         if rundir.folder_identity(self.run_dir) is None:
             self.outcome.gone = self.outcome.gone or self._sentence("was deleted")
 
     def _holds_only(self, made: str) -> bool:
         try:
-            return os.listdir(self.run_dir) == [rundir.CHECKPOINTS] and os.listdir(
-                self.run_dir / rundir.CHECKPOINTS
-            ) == [made]
+            return os.listdir(self.run_dir) == [rundir.CHECKPOINTS] and set(
+                os.listdir(self.run_dir / rundir.CHECKPOINTS)
+            ) <= {made, MODEL_CARD}
         except OSError:
             return False
 

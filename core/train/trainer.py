@@ -109,7 +109,8 @@ def run_training(
         if announce:
             announce(run_dir)
         run = Run(cfg=cfg, run_dir=run_dir, stop=stop or _stop_flag(), smoke=smoke, resume=resume, data=data)
-        return _run_training(run, start)
+        with rundir.folder_held(run_dir):  # a folder re-made after `rm -rf` is told from this one
+            return _run_training(run, start)
     finally:
         if not keep_lock:
             procs.disown(run_dir, lock_fd)  # in-process callers: the run is seen ended from here on
