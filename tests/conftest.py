@@ -31,10 +31,27 @@ def pytest_configure(config):
     tiny model's training took 16.7 s at 2 threads against 0.8 s at 1 on the loaded dev box. OMP_NUM_THREADS also
     holds for what the tests start (trainers, CLIs, the app), as it already did for some; one set by the user
     stays. Not in xdist's controller, which runs no test: its environment is what the workers inherit."""
+    if not hasattr(config, "workerinput"):  # the controller, or the one process: the workers inherit it
+        _cache_of_this_session(config)
     if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
         return
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // workers)))
+
+
+def _cache_of_this_session(config) -> None:
+    """The planner's and the schema's disk caches (XDG_CACHE_HOME) in a folder of this session's own, removed at
+    its end: a test never reads an entry an earlier day's code wrote, nor writes into the user's home cache."""
+    import tempfile
+
+    config._cache_home = tempfile.mkdtemp(prefix="lora-cockpit-tests-cache-")
+    os.environ["XDG_CACHE_HOME"] = config._cache_home
+
+
+def pytest_unconfigure(config):
+    home = getattr(config, "_cache_home", None)
+    if home:
+        shutil.rmtree(home, ignore_errors=True)
 
 
 # ---- the order files are handed to the two workers ----------------------------------------------------------

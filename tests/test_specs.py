@@ -1,6 +1,7 @@
 """Model specs: exact counts from the real module tree, checked against real tiny models and real peft/bnb."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -328,3 +329,24 @@ def test_the_nearest_preset_is_found_by_family_then_size(model, nearest):
     from core.estimate.specs import preset_ids
 
     assert nearest_preset(model, preset_ids()) == nearest
+
+
+def test_the_cache_folder_changes_with_the_code_the_targets_come_from(spec_cache, monkeypatch, tmp_path):
+    """LoRA target lists come from core.recipe.peft_targets, outside the planner's package: an edit there must
+    rebuild the cache (keyed on core/estimate alone, a day's cache kept target lists the edit had changed)."""
+    import shutil
+
+    from core.estimate import spec_cache as module
+
+    specs = spec_cache
+    copy = tmp_path / "core"
+    shutil.copytree(
+        Path(module.__file__).parents[1], copy, ignore=shutil.ignore_patterns("__pycache__", "*.json")
+    )
+    monkeypatch.setattr(module, "__file__", str(copy / "estimate" / "spec_cache.py"))
+    specs.cache_dir.cache_clear()
+    first = specs.cache_dir()
+    targets = copy / "recipe" / "peft_targets.py"
+    targets.write_text(targets.read_text() + "\n# an edit\n")
+    specs.cache_dir.cache_clear()
+    assert specs.cache_dir() != first

@@ -15,8 +15,9 @@ from core.files import atomic_write_text
 
 CACHE_FORMAT = 2  # bump when the cached files' shape changes (2: LoRA on parameters, MoE facts)
 CACHE_PACKAGES = ("torch", "transformers", "peft")  # what the counts come from
-# the code the counts come from is the planner's whole package (specs.py reads layer kinds, shapes, experts and
-# refusals through many of its modules): a change to any file of it rebuilds every entry
+# the code the counts come from is the planner's package and what it reads through (core.recipe.peft_targets picks
+# the LoRA targets, core.files decodes the config): a change to any file of core/ rebuilds every entry. Keyed on
+# core/estimate alone, a day's cache kept target lists an edit of peft_targets had changed.
 
 
 @lru_cache(maxsize=1)
@@ -29,8 +30,8 @@ def cache_dir() -> Path | None:
         except metadata.PackageNotFoundError:
             versions[pkg] = "missing"
     try:
-        here = Path(__file__).parent
-        code = hashlib.sha1(b"".join(p.read_bytes() for p in sorted(here.glob("*.py")))).hexdigest()
+        core = Path(__file__).resolve().parent.parent
+        code = hashlib.sha1(b"".join(p.read_bytes() for p in sorted(core.rglob("*.py")))).hexdigest()
         root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lora-cockpit"
     except (OSError, RuntimeError):  # no readable source or no home folder: nothing is cached on disk
         return None
