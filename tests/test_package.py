@@ -270,7 +270,8 @@ def test_every_way_of_installing_gives_a_command_that_writes_only_where_it_start
     root, empty = tmp_path / "prefix", tmp_path / "empty"
     empty.mkdir()
     command, env = _install(scheme, wheel, root)
-    python = command.read_text().splitlines()[0].removeprefix("#!").strip()  # the interpreter the script runs
+    # the interpreter the script runs (pipx's shebang adds -E)
+    python = command.read_text().splitlines()[0].removeprefix("#!").split()[0]
     found = subprocess.run(
         [python, "-c", "import core, lora_cockpit.cli as c; print(core.__file__); print(c.app_dir())"],
         cwd=empty,
