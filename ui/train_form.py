@@ -29,7 +29,7 @@ from core.runs.admin import (
     check_new_run_name,
 )
 from core.workspace import WorkspaceError, suggest_run_name
-from ui import fields, reward_editor, train_panels
+from ui import fields, mix_editor, reward_editor, train_panels
 from ui.jobs import follow
 
 P = "tr_"  # the Train page's widget keys: tr_ + the field's name (ui/fields.py)
@@ -226,6 +226,7 @@ def _fill_form(cfg: dict, keep_auto: bool = False) -> None:
     method = methods.get(st.session_state["tr_method"])
     notes = fields.fill(P, cfg, TRAIN_FIELDS, method)
     reward_editor.fill(cfg)
+    mix_editor.fill(cfg)
     if st.session_state.get("tr_format") not in ("auto", *method.formats):
         st.session_state["tr_format"] = "auto"
     st.session_state["tr_notes"] = notes
@@ -239,6 +240,7 @@ def _raw_config() -> dict:
         base.setdefault(section, {})
     method = methods.get(st.session_state.get("tr_method") or "sft")
     raw = fields.read(P, base, TRAIN_FIELDS, method)
+    mix_editor.read(raw)  # several sources: data.sources in place of data.path
     if method.reward_functions:
         reward_editor.read(raw)
     else:  # another method's config has no reward functions (its TRL config no reward_weights)
@@ -402,10 +404,16 @@ def _lora_fields() -> None:
 def _data_fields(method) -> None:
     st.markdown("##### Data")
     # another file has other columns: detect its format again rather than keep the demo's "chat"
+    if mix_editor.active():  # several sources, each with its path, format and weight
+        fields.row(P, ("max_length", "eval_split", None, None), method=method)
+        mix_editor.draw(method, lambda n: mix_editor.summary(_raw_config(), n))
+        return
     redetect = {"data_path": lambda: st.session_state.update(tr_format="auto")}
     fields.row(
         P, ("data_path", "format", "max_length", "eval_split"), [3, 1, 1, 1], method, on_change=redetect
     )
+    st.button("Mix in another source", key="tr_mix_start", icon=":material/add:", on_click=mix_editor.start,
+              help="data.sources: several datasets mixed by weight, each in its own format")  # fmt: skip
 
 
 def _training_fields(method) -> None:

@@ -12,7 +12,7 @@ from core.estimate.plan import GiB, PlanError
 from core.estimate.ram import RUNTIME_BYTES, ram_plan
 from core.estimate.specs import SpecError
 from core.fmt import mem
-from core.recipe import methods, vision_checks
+from core.recipe import methods, mix_preview
 from core.recipe.config import MAX_CONFIG_BYTES, ConfigError, config_to_yaml, parse_yaml, validate_config
 from core.recipe.data import DataError
 from core.runs.admin import (
@@ -42,7 +42,7 @@ def _preview(cfg_yaml: str) -> dict:
 
     cfg = yaml.safe_load(cfg_yaml)
     tok, conf = _tokenizer_and_config(cfg["model"]["path"], cfg["model"]["trust_remote_code"])
-    return vision_checks.run_preview(cfg, tok, conf, n=5, length_rows=5000)
+    return mix_preview.run_preview(cfg, tok, conf, n=5, length_rows=5000)  # a mix of data.sources: its draw
 
 
 @st.cache_data(ttl=30, show_spinner="Running preflight…")
@@ -175,6 +175,13 @@ def method_preview_panel(cfg: dict) -> bool:
     GRPO: each prompt with the answer column its rewards read); False when the method has no view of its own
     (SFT's token preview follows)."""
     method = methods.get(cfg)
+    if cfg["data"].get("sources"):
+        if method.name == "sft":
+            return False  # the mix's rows and lengths follow
+        st.caption(
+            f"{method.label}: {method.summary}. Each source's {method.row_noun} are listed with it above."
+        )
+        return True
     try:
         rewards = cfg.get("rewards") if method.reward_functions else None
         shown = _method_preview(method.name, config_to_yaml(cfg["data"]), config_to_yaml(rewards))
@@ -201,10 +208,18 @@ def preview_panel(cfg: dict) -> None:
     except (DataError, OSError, ValueError) as exc:
         st.error(f"Cannot preview the dataset: {exc}")
         return
+    if pv.get("sources"):  # a mix: what its draw takes of each source, and the mix's first rows
+        drawn = ", ".join(f"{s['source']} {s['drawn']:,} of {s['rows']:,}" for s in pv["sources"])
+        what = f"{pv['total_rows']:,} rows drawn from {len(pv['sources'])} sources ({drawn})"
+        measured = f"{len(pv['lengths'])} drawn rows measured"
+    else:
+        what, measured = (
+            f"{pv['total_rows']} rows, format **{pv['format']}**",
+            f"the first {len(pv['lengths'])} rows",
+        )
     st.caption(
-        f"{pv['total_rows']} rows, format **{pv['format']}**. The prompt is masked out of the loss; the "
-        f"completion is what the model learns. {pv['truncated']} of the first {len(pv['lengths'])} rows exceed "
-        f"max length {pv['max_length']}."
+        f"{what}. The prompt is masked out of the loss; the completion is what the model learns. "
+        f"{pv['truncated']} of {measured} exceed max length {pv['max_length']}."
     )
     st.dataframe(pd.DataFrame(pv["rows"]), hide_index=True, width="stretch")
     if pv.get("images"):  # image conversations: each row's images, as the model will see them
@@ -240,10 +255,10 @@ IN_PAGE_ROWS = 5000  # up to this many rows preflight runs here (seconds); more 
 def _row_count(data_yaml: str) -> int | None:
     import yaml
 
-    from core.recipe.data import DataError, load_rows
+    from core.recipe.data import DataError
 
     try:
-        return len(load_rows(yaml.safe_load(data_yaml)))
+        return mix_preview.row_count(yaml.safe_load(data_yaml))  # every source of a mix together
     except (DataError, OSError, ValueError):
         return None  # the in-page preflight says what is wrong with the data
 

@@ -36,8 +36,9 @@ from core.estimate.vlm_terms import vlm_lines
 from core.fmt import command, gib
 from core.recipe import methods
 from core.recipe.config import ConfigError, default_config, load_config
-from core.recipe.data import DataError, preview_dataset
+from core.recipe.data import DataError
 from core.recipe.findings import load_tokenizer_and_config
+from core.recipe.mix_preview import data_preview
 
 # The batch size and length a plan gets when none is given: the run config's own (the Estimate page's too)
 RUN_DEFAULTS = default_config()["training"]
@@ -412,7 +413,8 @@ def _data_batch(cfg: dict, plan: Plan) -> dict:
         )
     try:
         tokenizer, _ = load_tokenizer_and_config(cfg["model"])
-        preview = preview_dataset(cfg["data"], tokenizer, n=0, length_rows=100_000, max_length=plan.seq_len)
+        # a mix of data.sources: the rows its draw takes (core.recipe.mix_preview)
+        preview = data_preview(cfg, tokenizer, n=0, length_rows=100_000, max_length=plan.seq_len)
     except (DataError, OSError, ValueError) as exc:
         raise PlanError(
             f"--data-lengths: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"

@@ -288,6 +288,7 @@ class RunSeries:
         self.n_metric_records = 0
         self.n_gpu_records = 0
         self.family_names: list[str] = []  # the training keys of metric_families seen, first seen first
+        self.source_evals: list[str] = []  # a mix's eval_<source>_loss keys seen, first seen first
 
     @classmethod
     def from_records(cls, metrics: list[dict] = (), gpu: list[dict] = (), **kw) -> RunSeries:
@@ -320,6 +321,8 @@ class RunSeries:
             if names is _ALL_FIELDS and not _FAMILY_MARKS.isdisjoint(rec):
                 found = self._family_keys(rec)
                 names, smooth = names + found, _SMOOTHED.union(k for k in found if not k.startswith("eval_"))
+            if "eval_loss" in rec:  # a mix's lines: each source's eval loss too (core.train.eval_sources)
+                names = names + self._source_evals(rec)
             for name in names + RANK_FIELDS if _RANKS_MARK in rec else names:
                 v = rec.get(name)
                 if v is None:
@@ -338,6 +341,12 @@ class RunSeries:
                 q.y.append(tt)
                 if name in smooth:
                     self._update_ema(name, step, v)
+
+    def _source_evals(self, rec: dict) -> tuple[str, ...]:
+        """An evaluation line's eval_<source>_loss keys, remembered in source_evals (first seen first)."""
+        found = tuple(k for k in rec if k.startswith("eval_") and k.endswith("_loss") and k not in _FIXED)
+        self.source_evals += [k for k in found if k not in self.source_evals]
+        return found
 
     def _family_keys(self, rec: dict) -> tuple[str, ...]:
         """The run-time named keys of one line (rewards/<function>/mean ...), remembered for set_smoothing."""

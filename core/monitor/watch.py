@@ -268,6 +268,8 @@ class RunWatcher:
             loss_parts.append(("train (smoothed)", *stride(*s.ema_loss.arrays(), b.smooth)))
         if "eval_loss" in s.metrics:
             loss_parts.append(("eval", *downsample_minmax(*s.metric("eval_loss"), b.sparse)))
+        for key in s.source_evals:  # a mix of data.sources: each source's eval loss, as "eval: <source>"
+            loss_parts.append((f"eval: {key[5:-5]}", *downsample_minmax(*s.metric(key), b.sparse)))
         charts["loss"] = _frame("step", loss_parts)
         lr = (
             [("learning rate", *stride(*s.metric("learning_rate"), b.smooth))]

@@ -256,7 +256,8 @@ OWN_SCHEMA = {
         "freeze_vision": {"kinds": ["bool"]},
     },
     "data": {
-        "path": {"kinds": ["str", "list"]},
+        # none: a mix of data.sources (a validated one writes path: null; config_combos asks for one or the other)
+        "path": {"kinds": ["str", "list", "none"]},
         "format": {
             "kinds": ["str"],
             "choices": list(

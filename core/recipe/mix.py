@@ -187,11 +187,29 @@ def _cannot_mix(parts: list, listed: list[dict], method) -> str | None:
     return None
 
 
+def combine(parts: list, cfg: dict) -> tuple:
+    """(the mix, {"strategy", "seed", ...}): the sources' drawn rows concatenated or interleaved by their weights
+    with the mix's seed and stopping rule (datasets' own concatenate_datasets / interleave_datasets)."""
+    import datasets
+
+    listed, seed = sources(cfg["data"]), seed_of(cfg)
+    rule = strategy(cfg["data"])
+    record = {"strategy": rule, "seed": seed}
+    if rule != "interleave":
+        return datasets.concatenate_datasets(parts), record
+    weights = [s.get("weight") for s in listed]
+    probabilities = [w / sum(weights) for w in weights] if all(weights) else None
+    stop = (cfg["data"].get("mix") or {}).get("stopping_strategy") or "first_exhausted"
+    mixed = datasets.interleave_datasets(
+        parts, probabilities=probabilities, seed=seed, stopping_strategy=stop
+    )
+    record.update(stopping_strategy=stop, probabilities=probabilities)
+    return mixed, record
+
+
 def draw(cfg: dict, tokenizer, method) -> tuple:
     """(train, eval or None, record): the sources loaded by the method, drawn and mixed with the mix's seed, and
     data.eval_split held out of the mix with training.seed. DataError names the source of a problem."""
-    import datasets
-
     listed, seed = sources(cfg["data"]), seed_of(cfg)
     parts, entries = [], []
     for i, src in enumerate(listed):
@@ -218,23 +236,17 @@ def draw(cfg: dict, tokenizer, method) -> tuple:
     problem = _cannot_mix(parts, listed, method)
     if problem:
         raise DataError(problem)
-    rule = strategy(cfg["data"])
-    record = {"strategy": rule, "seed": seed}
-    if rule == "interleave":
-        weights = [s.get("weight") for s in listed]
-        probabilities = [w / sum(weights) for w in weights] if all(weights) else None
-        stop = (cfg["data"].get("mix") or {}).get("stopping_strategy") or "first_exhausted"
-        mixed = datasets.interleave_datasets(
-            parts, probabilities=probabilities, seed=seed, stopping_strategy=stop
-        )
-        record.update(stopping_strategy=stop, probabilities=probabilities)
-    else:
-        mixed = datasets.concatenate_datasets(parts)
+    mixed, record = combine(parts, cfg)
     train, evaluation = split_eval(mixed, cfg)
     in_train = Counter(train[SOURCE_COLUMN])
     in_eval = Counter(evaluation[SOURCE_COLUMN]) if evaluation is not None else Counter()
-    for i, entry in enumerate(entries):
+    if evaluation is not None:  # held-out rows grouped by source, in the sources' order: eval_parts cuts them
+        held = evaluation[SOURCE_COLUMN]
+        evaluation = evaluation.select([k for i in range(len(listed)) for k, s in enumerate(held) if s == i])
+    for i, (entry, name) in enumerate(zip(entries, eval_names(listed), strict=True)):
         entry.update(drawn=in_train[i] + in_eval[i], train=in_train[i], eval=in_eval[i])
+        if in_eval[i]:
+            entry["eval_metric"] = f"eval_{name}_loss"  # the per-source eval loss in metrics.jsonl
     record.update(
         eval_split=cfg["data"]["eval_split"],
         eval_seed=cfg["training"]["seed"],
@@ -245,6 +257,34 @@ def draw(cfg: dict, tokenizer, method) -> tuple:
     train = train.remove_columns(SOURCE_COLUMN)
     evaluation = evaluation.remove_columns(SOURCE_COLUMN) if evaluation is not None else None
     return train, evaluation, record
+
+
+def eval_names(listed: list[dict]) -> list[str]:
+    """Each source's name in its eval metrics (eval_<name>_loss): its file's stem or Hub id, lower case, other
+    characters than letters and digits as _, made unique with its index where two sources share one."""
+    import re
+
+    names = [
+        re.sub(r"[^a-z0-9]+", "_", Path(source_name(s)).stem.lower()).strip("_") or "source" for s in listed
+    ]
+    return [f"{n}_{i}" if names.count(n) > 1 else n for i, n in enumerate(names)]
+
+
+def eval_parts(evaluation, record: dict | None) -> dict | None:
+    """{name: that source's held-out rows} of a mix's eval rows as draw grouped them (the trainer evaluates
+    each, logging eval_<name>_loss beside the overall eval_loss), or None: one data.path, no held-out rows, or
+    fewer than two sources holding some."""
+    if evaluation is None or not record or not isinstance(record.get("sources"), list):
+        return None
+    parts, start = {}, 0
+    for entry in record["sources"]:
+        n = entry.get("eval", 0)
+        if n:
+            parts[entry["eval_metric"][len("eval_") : -len("_loss")]] = evaluation.select(
+                range(start, start + n)
+            )
+        start += n
+    return parts if len(parts) > 1 and start == len(evaluation) else None
 
 
 # ---- what was drawn from ------------------------------------------------------------------------------------------

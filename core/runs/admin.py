@@ -49,7 +49,8 @@ def check_fields(raw: dict) -> dict[str, str]:
         if problem:
             errors["model.path"] = problem
     data = (raw or {}).get("data") or {}
-    if not any(k.startswith("data.") for k in errors):
+    # a mix of data.sources: preflight reads each source and names it in each finding
+    if not any(k.startswith("data.") for k in errors) and not data.get("sources"):
         problem = check_data_columns(data, (raw or {}).get("method", "sft"))
         if problem:
             errors["data.path"] = problem

@@ -72,8 +72,8 @@ def make_trainer(
     """The run's trainer, its method's (SFTTrainer, DPOTrainer, KTOTrainer): LoRA (peft_config) or full, TRL's
     QLoRA handling (no fp32 upcast; adapters in bf16), its fused LM head, every training key of the config as the
     method's TRL config. A preference method's reference is the base with the adapter disabled (no second copy), a
-    copy of the model for a full fine-tune (TRL's default), or model.reference_path. Used by core.train and
-    core.measure."""
+    copy of the model for a full fine-tune (TRL's default), or model.reference_path. eval_ds: the held-out rows,
+    or {source: its held-out rows} (core.train.eval_sources). Used by core.train and core.measure."""
 
     args = training_args(cfg, run_dir, prec, smoke=smoke, has_eval=eval_ds is not None, report_to=report_to)
     _fit_for_trl_fused_head(model)
@@ -96,7 +96,12 @@ def make_trainer(
         and cfg["model"].get("freeze_vision", True)
     ):
         vision.freeze_tower(model)  # a full fine-tune of a VLM trains its language model, as LoRA does
-    trainer = method.trainer_class()(**kwargs)
+    trainer_class = method.trainer_class()
+    if isinstance(eval_ds, dict):  # a mix's held-out rows by source: one evaluation, a loss per source
+        from core.train.eval_sources import each_source
+
+        trainer_class = each_source(trainer_class)
+    trainer = trainer_class(**kwargs)
     _fp32_trainable(trainer.model, prec)
     return trainer
 

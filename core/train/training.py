@@ -15,7 +15,7 @@ from core.estimate.plan import PlanError
 from core.estimate.specs import SpecError
 from core.fmt import error_line
 from core.gpu import GpuSampler
-from core.recipe import methods, trackers, vision
+from core.recipe import methods, mix, trackers, vision
 from core.recipe.config import ConfigError
 from core.recipe.rewards import RewardError
 from core.rundir import read_status, truncate_metrics, write_status
@@ -165,7 +165,7 @@ def _setup_trainer(run: Run, model, ours: list) -> None:
         model,
         run.tokenizer,
         run.train_ds,
-        run.eval_ds,
+        _eval_rows(run),
         run_dir=run.run_dir,
         smoke=smoke,
         collator=collator,
@@ -181,6 +181,14 @@ def _setup_trainer(run: Run, model, ours: list) -> None:
         keep_new_hyperparameters(run.trainer)
     if hasattr(run.trainer.model, "print_trainable_parameters"):
         run.trainer.model.print_trainable_parameters()
+
+
+def _eval_rows(run: Run):
+    """What the trainer evaluates: the held-out rows, or for a mix of data.sources {source: its held-out rows}
+    (eval_<source>_loss beside eval_loss; not in a smoke test, nor for a method whose evaluation generates)."""
+    if run.smoke or methods.get(run.cfg).traits.generates:
+        return run.eval_ds
+    return mix.eval_parts(run.eval_ds, run.drawn) or run.eval_ds
 
 
 def _samples_per_step(run: Run) -> int:
