@@ -15,7 +15,7 @@ from core.eval import scores
 from core.eval.heldout import CLI_DATA, DataInput, EvalError, heldout_config
 from core.files import quiet_datasets
 from core.generate import model_device, sides
-from core.recipe import vision
+from core.recipe import image_column, vision
 from core.recipe.data import IGNORE_INDEX, DataError, load_rows
 
 
@@ -37,7 +37,18 @@ def rows(cfg: dict, data: str | None = None, asked: DataInput = CLI_DATA) -> lis
         raise EvalError(
             f"The run's data has too few rows to hold any out: evaluate on a data file ({asked.give})."
         )
-    return [{**r, "row": i + 1} for i, r in enumerate(chosen)]
+    return [_row(i + 1, r, fmt.base) for i, r in enumerate(chosen)]
+
+
+def _row(number: int, r: dict, base) -> dict:
+    """A held-out row with what its image entries show (`shown`: files, or a column's undecoded images) and
+    how the table names them (`images`: the files' paths; a column image, by its place)."""
+    messages = json.loads(r["messages"])
+    shown = image_column.placed(messages, image_column.values(r.get("images")), base)
+    names = [
+        s if isinstance(s, str) else f"image {k + 1} of the row's images column" for k, s in enumerate(shown)
+    ]
+    return {"row": number, "messages": r["messages"], "images": names, "shown": shown}
 
 
 def _split(messages: list[dict]) -> tuple[list[dict], str] | None:
@@ -84,9 +95,11 @@ def answer_rows(held: list[dict], model, tuned, processor, max_new_tokens: int |
         was_training = m.training
         m.eval()
         with ctx, torch.no_grad():
-            for k, ((_, messages, context, _), row) in enumerate(zip(cases, out, strict=True)):
-                said = _greedy(m, processor, context, new_tokens, device)
-                loss, n = _answer_loss(m, processor, messages, device)
+            for k, ((r, messages, context, _), row) in enumerate(zip(cases, out, strict=True)):
+                shown = r.get("shown")
+                asked = None if shown is None else shown[: vision.ImageChat.placeholders(context)]
+                said = _greedy(m, processor, context, new_tokens, device, asked)
+                loss, n = _answer_loss(m, processor, messages, device, shown)
                 row[f"{side}_answer"], row[f"{side}_loss_sum"], row["n_answer_tokens"] = said, loss, n
                 for key, value in scores.score(said, row["reference"]).items():
                     row[f"{side}_{key}"] = value
@@ -97,15 +110,15 @@ def answer_rows(held: list[dict], model, tuned, processor, max_new_tokens: int |
     return out
 
 
-def _inputs(processor, text: str, paths: list[str], device) -> dict:
+def _inputs(processor, text: str, paths: list, device) -> dict:
     images = [vision.open_image(p) for p in paths] or None
     enc = processor(text=[text], images=images, return_tensors="pt", add_special_tokens=False)
     return {k: v.to(device) for k, v in enc.items()}
 
 
-def _greedy(model, processor, context: list[dict], max_new_tokens: int, device) -> str:
+def _greedy(model, processor, context: list[dict], max_new_tokens: int, device, shown=None) -> str:
     text = processor.apply_chat_template(context, tokenize=False, add_generation_prompt=True)
-    inputs = _inputs(processor, text, vision.ImageChat.images(context), device)
+    inputs = _inputs(processor, text, vision.ImageChat.images(context) if shown is None else shown, device)
     tok = processor.tokenizer
     gen = model.generate(
         **inputs,
@@ -118,12 +131,12 @@ def _greedy(model, processor, context: list[dict], max_new_tokens: int, device) 
     return tok.decode(gen[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True).strip()
 
 
-def _answer_loss(model, processor, messages: list[dict], device) -> tuple[float, int]:
+def _answer_loss(model, processor, messages: list[dict], device, shown=None) -> tuple[float, int]:
     """(summed NLL of the last answer's trained tokens, their count): the labels the trainer trains on, the
     earlier answers of a longer conversation left out."""
     import torch
 
-    row = vision.encode(messages, processor)
+    row = vision.encode(messages, processor, images=shown)
     labels = row.pop("labels")
     row.pop("length")
     trained = (labels != IGNORE_INDEX).nonzero().flatten().tolist()

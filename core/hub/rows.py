@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 from core.files import atomic_write_text, quiet_datasets
+from core.fmt import error_line
 from core.hub.fetch import Report, complete_folder, download
 from core.hub.ids import HubError, HubRef, endpoint, explain, offline, offline_sentence
 from core.hub.remote import RepoFacts, cached_commit, facts, manifest_path, read_manifest
@@ -115,7 +116,8 @@ def load(ref: HubRef, data_cfg: dict):
                 return datasets.load_dataset(str(folder), name=_subset(data_cfg), split=_split(data_cfg))
         except Exception as exc:
             raise HubError(
-                f"data.path: the cached copy of {ref.repo_id} @ {commit[:7]} does not load ({exc})."
+                damaged(exc, f"{ref.repo_id} @ {commit[:7]}", data_cfg)
+                or f"data.path: the cached copy of {ref.repo_id} @ {commit[:7]} does not load ({error_line(exc)})."
             ) from None
     if offline():
         raise HubError(offline_sentence(ref))
@@ -142,17 +144,36 @@ def sample(ref: HubRef, data_cfg: dict, n: int = SAMPLE_ROWS):
                 split=_split(data_cfg),
                 revision=found.commit,
                 streaming=True,
-            )
+            ).decode(False)  # images stay bytes: a broken one is a preflight finding, not a failed stream
             rows = list(itertools.islice(stream, n))
     except Exception as exc:
-        raise HubError(f"data.path: {explain(exc, ref)}") from None
+        raise HubError(damaged(exc, found.label(), data_cfg) or f"data.path: {explain(exc, ref)}") from None
     if not rows:
         raise HubError(f"data.path: the dataset {found.label()} has no rows in {part(data_cfg)}.")
-    info = datasets.DatasetInfo(description=f"{SAMPLE_NOTE} of the first {len(rows)} rows of {found.label()}")
+    info = datasets.DatasetInfo(
+        description=f"{SAMPLE_NOTE} of the first {len(rows)} rows of {found.label()}",
+        features=stream.features,
+    )
     if len(_SAMPLES) >= 8:
         _SAMPLES.pop(next(iter(_SAMPLES)))
-    _SAMPLES[key] = datasets.Dataset.from_list(rows, info=info)
+    _SAMPLES[key] = datasets.Dataset.from_list(rows, features=stream.features, info=info)
     return _SAMPLES[key]
+
+
+def damaged(exc: BaseException, label: str, data_cfg: dict) -> str | None:
+    """The sentence for a data file the reader cannot parse (a parquet cut short, garbage bytes): the file's
+    fault, not the Hub's, whatever wraps the reader's error (datasets' own generation error)."""
+    import pyarrow as pa
+
+    seen, cause = 0, exc
+    while cause is not None and seen < 8 and not isinstance(cause, pa.ArrowException):
+        cause, seen = cause.__cause__ or cause.__context__, seen + 1
+    if not isinstance(cause, pa.ArrowException):
+        return None
+    return (
+        f"data.path: a data file of the dataset {label} ({part(data_cfg)}) cannot be read ({error_line(cause, 160)}): "
+        "it is damaged or cut short; fix it on the Hub, or pin a revision where it reads (ORG/NAME@REVISION)."
+    )
 
 
 def is_sample(ds) -> str | None:

@@ -14,6 +14,7 @@ from typing import Any
 from core.files import quiet_datasets
 from core.fmt import error_line
 from core.hub import ids as hub_ids
+from core.recipe import image_column
 
 IGNORE_INDEX = -100
 
@@ -53,7 +54,7 @@ def load_rows(data_cfg: dict):
             if expected in ds.column_names:
                 ds = ds.remove_columns(expected)
             ds = ds.rename_column(user, expected)
-    return ds
+    return image_column.undecoded(ds)  # images decoded batch by batch, a broken one named by preflight
 
 
 def _hub_rows(ref, data_cfg: dict):

@@ -19,7 +19,6 @@ from pathlib import Path
 from core import rundir
 from core.files import read_json_object
 from core.hub import ids as hub_ids
-from core.recipe import vision
 from core.recipe.data import DataError, _as_paths, load_rows, split_eval
 from core.recipe.findings import Finding
 from core.recipe.mix_config import SOURCE_KEYS, source_name, sources, strategy, where
@@ -59,16 +58,6 @@ def findings(cfg: dict, method, tokenizer=None, model_config=None, in_trainer: b
     replacement), then each source's method preflight, each message led by the source's name."""
     from core.hub.rows import is_sample
 
-    if model_config is not None and vision.is_vlm(model_config):
-        return [
-            Finding(
-                "error",
-                "sources",
-                "data.sources: mixing sources is not supported for vision-language models yet (their image "
-                "conversations are processed batch by batch from one dataset's files): give one data.path.",
-                "",
-            )
-        ]
     out: list[Finding] = []
     for i, src in enumerate(sources(cfg["data"])):
         here, scfg = where(i, src), source_config(cfg, src)

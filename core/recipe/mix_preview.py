@@ -28,9 +28,16 @@ from core.recipe.mix_config import source_name, sources, where
 
 def run_preview(cfg: dict, tokenizer, model_config=None, n: int = 5, length_rows: int = 5000) -> dict:
     """core.recipe.vision_checks.run_preview for one data.path (its rows, lengths, format), preview for a mix."""
+    from core.recipe import vision, vision_checks
+
+    if sources(cfg["data"]) and model_config is not None and vision.is_vlm(model_config):
+        # the mix's lengths are text tokens; images would need each source's processor view
+        raise DataError(
+            "a mix of image conversations is not previewed here yet (it trains, and preflight checks each "
+            "source): give one source as data.path to preview its rows and images."
+        )
     if sources(cfg["data"]):
         return preview(cfg, tokenizer, n=n, length_rows=length_rows)
-    from core.recipe import vision_checks
 
     return vision_checks.run_preview(cfg, tokenizer, model_config, n=n, length_rows=length_rows)
 

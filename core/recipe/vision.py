@@ -21,6 +21,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from core.files import read_json_object
+from core.recipe import image_column
 from core.recipe.data import IGNORE_INDEX, DataError, _as_paths, _chat_segments
 
 # the processor outputs that run along the token sequence (padded with the rows); the rest are the images' own
@@ -147,7 +148,8 @@ def quantization(quant, path) -> None:
 
 
 class ImageChat:
-    """The image conversation format: `messages` whose contents are strings or lists of image/text entries."""
+    """The image conversation format: `messages` whose contents are strings or lists of image/text entries; an
+    entry naming no file takes the next image of the row's image column (core.recipe.image_column)."""
 
     def __init__(self, data_cfg: dict):
         paths = _as_paths(data_cfg["path"])
@@ -155,7 +157,8 @@ class ImageChat:
 
     def messages(self, row: dict) -> list[dict] | None:
         """The row's conversation with every image's path resolved, None-valued keys dropped (a JSON loader fills
-        the keys one entry lacks with None), or None when it is not a list of {role, content} messages."""
+        the keys one entry lacks with None), or None when it is not a list of {role, content} messages. Column
+        images that no entry places go first in the first user turn (TRL's rule for a dataset's images column)."""
         msgs = row.get("messages")
         if not isinstance(msgs, list) or not msgs:
             return None
@@ -171,27 +174,63 @@ class ImageChat:
                         return None
                     c = {k: v for k, v in c.items() if v is not None}
                     if c.get("type") == "image" or "image" in c:
-                        c = {"type": "image", "image": str(self.resolve(image_path(c)))}
+                        written = image_path(c)
+                        c = (
+                            {"type": "image", "image": str(self.resolve(written))}
+                            if written
+                            else {"type": "image"}
+                        )
                     entries.append(c)
                 content = entries
             elif not isinstance(content, str):
                 return None
             out.append({"role": m["role"], "content": content})
+        _, column = image_column.row_images(row)
+        user = next((m for m in out if m["role"] == "user"), None)
+        if column and user is not None and not self.placeholders(out):
+            text = user["content"]
+            text = [{"type": "text", "text": text}] if isinstance(text, str) else text
+            user["content"] = [{"type": "image"} for _ in column] + text
         return out
 
     def resolve(self, image) -> Path:
         path = Path(str(image or "")).expanduser()
         return path if path.is_absolute() else self.base / path
 
+    def refs(self, row: dict, messages: list[dict]) -> list[tuple[str, object, bool]]:
+        """(how a sentence names it, what open_image reads, from the column) for each image the conversation
+        places: an entry's file, or the next image of the row's image column; ("", None, False) for an entry
+        that gets neither."""
+        name, column = image_column.row_images(row)
+        written, out, k = ImageChat.raw_images(row), [], 0
+        entries = [e for m in messages if isinstance(m["content"], list) for e in m["content"]]
+        for i, entry in enumerate(e for e in entries if e.get("type") == "image"):
+            if "image" in entry:
+                out.append((written[i] if i < len(written) else entry["image"], entry["image"], False))
+            elif k < len(column):
+                ref = image_column.resolve(column[k], self.base)
+                out.append((f"image {k + 1} of the column {name}", ref, True))
+                k += 1
+            else:
+                out.append(("", None, False))
+        return out
+
     @staticmethod
     def images(messages: list[dict]) -> list[str]:
+        """The files the conversation's image entries name (column images are not in the messages)."""
         return [
             c["image"]
             for m in messages
             if isinstance(m["content"], list)
             for c in m["content"]
-            if c.get("type") == "image"
+            if c.get("type") == "image" and "image" in c
         ]
+
+    @staticmethod
+    def placeholders(messages: list[dict]) -> int:
+        return sum(
+            c.get("type") == "image" for m in messages if isinstance(m["content"], list) for c in m["content"]
+        )
 
     @staticmethod
     def raw_images(row: dict) -> list[str]:
@@ -218,24 +257,24 @@ def image_path(entry: dict) -> str:
     return ""
 
 
-def open_image(path):
-    """The image at `path` decoded in RGB; OSError/ValueError when it is missing or not a readable image."""
-    from PIL import Image
-
-    with Image.open(path) as im:
+def open_image(ref):
+    """The image at the path `ref` (or a column's {"bytes"} / {"path"}: core.recipe.image_column) decoded in RGB;
+    OSError/ValueError when it is missing or not a readable image."""
+    with image_column.open_ref(ref) as im:
         im.load()  # a truncated file fails here, not at Image.open (which reads the header only)
         return im.convert("RGB")
 
 
-def image_problem(path) -> str | None:
-    """Why the image file cannot be used (one clause), or None."""
-    p = Path(path)
-    if not p.is_file():
-        return "does not exist" if not p.exists() else "is not a file"
+def image_problem(ref) -> str | None:
+    """Why the image (a file, or a column's bytes or path) cannot be used (one clause), or None."""
+    gone = image_column.missing(ref)
+    if gone:
+        return gone
     try:
-        open_image(p)
+        open_image(ref)
     except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError ... for damaged files
-        return f"cannot be read as an image ({str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__})"
+        text = re.sub(r"\s*<_io\.BytesIO object at 0x[0-9a-f]+>", "", str(exc))  # bytes have no name to say
+        return f"cannot be read as an image ({text.splitlines()[0][:120] if text else type(exc).__name__})"
     return None
 
 
@@ -245,15 +284,17 @@ def _split_images(text: str, token: str, images: list) -> tuple[list, list]:
     return images[:n], images[n:]
 
 
-def encode(messages: list[dict], processor, max_length: int | None = None, mask_prompt: bool = True) -> dict:
+def encode(
+    messages: list[dict], processor, max_length: int | None = None, mask_prompt: bool = True, images=None
+) -> dict:
     """One conversation as the model sees it: input_ids, labels and the processor's other outputs (tensors). Each
     segment (core.recipe.data._chat_segments) goes through the processor with the images it places, so that the
     image placeholders are expanded by the processor's own rule; the prompt segments and every image token are
-    left out of the loss."""
+    left out of the loss. images: what the image entries show (placed), when not all of them name a file."""
     import torch
 
     segments = _chat_segments(messages, processor)
-    images = [open_image(p) for p in ImageChat.images(messages)]
+    images = [open_image(p) for p in (ImageChat.images(messages) if images is None else images)]
     token, image_id = processor.image_token, processor.image_token_id
     seq: dict[str, list] = {}
     vision: dict[str, list] = {}
@@ -279,17 +320,15 @@ def encode(messages: list[dict], processor, max_length: int | None = None, mask_
     return row
 
 
-def token_count(messages: list[dict], processor) -> tuple[int, int, int]:
+def token_count(messages: list[dict], processor, images=None) -> tuple[int, int, int]:
     """(tokens, image tokens, the index just past the last image token) of a conversation, without decoding its
     images: the text rendered and tokenized, each image placeholder counted as the processor's rule gives for the
-    image's size (read from its header)."""
-    from PIL import Image
-
+    image's size (read from its header). images: as encode's."""
     text = processor.apply_chat_template(messages, tokenize=False)
     ids = processor.tokenizer(text, add_special_tokens=False)["input_ids"]
     sizes = []
-    for path in ImageChat.images(messages):
-        with Image.open(path) as im:
+    for ref in ImageChat.images(messages) if images is None else images:
+        with image_column.open_ref(ref) as im:
             sizes.append((im.height, im.width))
     per_image = _image_tokens(processor, sizes)
     total, last, k = 0, 0, 0
@@ -326,8 +365,11 @@ class ImageCollator:
     every row filled to max_length, attended to but not trained on, as core.recipe.methods.sft.SmokeCollator does,
     so that the step measured is the longest a run can meet."""
 
-    def __init__(self, processor, max_length: int | None, mask_prompt: bool = True, fill: bool = False):
+    def __init__(
+        self, processor, max_length: int | None, mask_prompt: bool = True, fill: bool = False, base=None
+    ):
         self.processor, self.max_length, self.mask_prompt = processor, max_length, mask_prompt
+        self.base = base  # the data's folder: relative image paths in a column are relative to it
         self.fill = fill and max_length is not None
         self.pad_token_id = processor.tokenizer.pad_token_id
         self.tokens_seen = 0
@@ -336,10 +378,11 @@ class ImageCollator:
     def __call__(self, features: list[dict]) -> dict:
         import torch
 
-        rows = [
-            encode(json.loads(f["messages"]), self.processor, self.max_length, self.mask_prompt)
-            for f in features
-        ]
+        rows = []
+        for f in features:  # the images decoded here, batch by batch (a column's bytes or the files)
+            messages = json.loads(f["messages"])
+            shown = image_column.placed(messages, image_column.values(f.get("images")), self.base)
+            rows.append(encode(messages, self.processor, self.max_length, self.mask_prompt, shown))
         width = self.max_length if self.fill else max(len(r["input_ids"]) for r in rows)
         batch: dict = {}
         for key in (*[k for k in SEQUENCE_KEYS if k in rows[0]], "labels"):
@@ -389,8 +432,6 @@ def data_images(data_cfg: dict) -> tuple[int, int, int] | None:
 
 @lru_cache(maxsize=16)
 def _data_images(_key: str, data_json: str) -> tuple[int, int, int] | None:
-    from PIL import Image
-
     from core.files import quiet_datasets
     from core.recipe.data import load_rows
 
@@ -403,11 +444,11 @@ def _data_images(_key: str, data_json: str) -> tuple[int, int, int] | None:
     fmt, largest, most = ImageChat(data_cfg), None, 0
     for row in ds:
         msgs = fmt.messages(row)
-        paths = fmt.images(msgs) if msgs else []
-        most = max(most, len(paths))
-        for path in paths:
+        refs = [ref for _, ref, _ in fmt.refs(row, msgs)] if msgs else []
+        most = max(most, len(refs))
+        for ref in refs:
             try:
-                with Image.open(path) as im:
+                with image_column.open_ref(ref) as im:
                     size = im.size
             except Exception:  # a missing or broken image: preflight names it
                 continue
@@ -421,16 +462,34 @@ def collator(processing_class, cfg: dict, smoke: bool = False):
     if not is_processor(processing_class):
         return None
     return ImageCollator(
-        processing_class, cfg["training"]["max_length"], cfg["data"]["mask_prompt"], fill=smoke
+        processing_class,
+        cfg["training"]["max_length"],
+        cfg["data"]["mask_prompt"],
+        fill=smoke,
+        base=None if cfg["data"].get("sources") else ImageChat(cfg["data"]).base,  # a mix's files: absolute
     )
 
 
 def datasets(cfg: dict, ds):
-    """(train, eval or None): the rows as TRL's vision path holds them (messages as JSON, image paths)."""
+    """(train, eval or None): the rows as TRL's vision path holds them (messages as JSON, image paths). A
+    dataset's image column stays the dataset's own (memory-mapped, undecoded) as `images`: only the
+    conversations are rewritten, the images are read batch by batch (ImageCollator)."""
     from core.recipe.data import split_eval
 
-    fmt = ImageChat(cfg["data"])
-    rows = ds.map(
-        lambda r: fmt.text_row(fmt.messages(r)), remove_columns=ds.column_names, keep_in_memory=True
-    )
+    problem = image_column.column_problem(ds)
+    if problem:
+        raise DataError(problem)
+    fmt, name = ImageChat(cfg["data"]), image_column.column(ds)
+    if name is None:
+        rows = ds.map(
+            lambda r: fmt.text_row(fmt.messages(r)), remove_columns=ds.column_names, keep_in_memory=True
+        )
+        # the files as an undecoded Image column: the rows of a mix with a dataset's image column (data.sources)
+        # then have one type
+        rows = rows.cast_column("images", image_column.undecoded_list())
+    else:
+        conversations = [json.dumps(fmt.messages(r)) for r in ds]
+        rows = ds.select_columns([name])
+        rows = rows if name == "images" else rows.rename_column(name, "images")
+        rows = rows.add_column("messages", conversations)
     return split_eval(rows, cfg)

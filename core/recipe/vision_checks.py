@@ -4,7 +4,9 @@ Train page's preview with each row's images and its image tokens counted."""
 from __future__ import annotations
 
 from core.fmt import command
+from core.recipe import image_column
 from core.recipe.data import _chat_segments
+from core.recipe.mix_config import source_name
 from core.recipe.vision import (
     IMAGE_KEYS,
     ImageChat,
@@ -57,30 +59,34 @@ def findings(cfg: dict, ds, processor) -> list:
                 f"Evaluate the run's held-out image rows after training: {command('eval')} --run RUN.",
             )
         )
+    wrong_column = image_column.column_problem(ds)
+    if wrong_column:
+        return [*out, Finding("error", "images", wrong_column, "")]
+    source = source_name(cfg["data"])
     empty, cut, truncated, bad_images = [], [], [], 0
     for i, row in enumerate(ds):
         msgs = fmt.messages(row)
         if msgs is None or not any(m["role"] == "assistant" and _has_text(m["content"]) for m in msgs):
             empty.append(i + 1)
             continue
-        broken = False
-        for written, path in zip(fmt.raw_images(row), fmt.images(msgs), strict=True):
-            problem = image_problem(path) if written else "names no file"
-            if problem:
-                broken, bad_images = True, bad_images + 1
-                if bad_images <= SHOW_IMAGE_FINDINGS:
-                    out.append(
-                        Finding(
-                            "error",
-                            "images",
-                            _image_sentence(i + 1, written, path, problem),
-                            "",
-                            rows=[i + 1],
-                        )
-                    )
-        if broken:
+        refs = fmt.refs(row, msgs)
+        problems = [_count_sentence(i + 1, source, row, msgs)]
+        for written, ref, from_column in refs:
+            problem = image_problem(ref) if written else "names no file"
+            if problem and from_column:
+                problems.append(
+                    f"Row {i + 1} of {source}: {written} {image_column.label(ref)} {problem}; replace that "
+                    "image in the dataset or drop the row."
+                )
+            elif problem:
+                problems.append(_image_sentence(i + 1, written, ref, problem))
+        for sentence in filter(None, problems):
+            bad_images += 1
+            if bad_images <= SHOW_IMAGE_FINDINGS:
+                out.append(Finding("error", "images", sentence, "", rows=[i + 1]))
+        if any(problems):
             continue
-        total, _, last = token_count(msgs, processor)
+        total, _, last = token_count(msgs, processor, [ref for _, ref, _ in refs])
         if last > max_length:
             cut.append(i + 1)
         elif total > max_length:
@@ -147,11 +153,24 @@ def ignored_image_keys(cfg: dict, model_config) -> list:
     ]
 
 
+def _count_sentence(row: int, source: str, raw: dict, messages: list[dict]) -> str | None:
+    """A row whose image column holds more images than its conversation's image entries take."""
+    name, column = image_column.row_images(raw)
+    wanted = ImageChat.placeholders(messages) - len(ImageChat.images(messages))
+    if not column or len(column) <= wanted:
+        return None  # fewer: the entries left without an image are named one by one
+    return (
+        f"Row {row} of {source}: the column {name} holds {len(column)} image(s) but the conversation has "
+        f'{wanted} image entr{"y" if wanted == 1 else "ies"} without a file ({{"type": "image"}}) to show '
+        "them; give each image its entry, in order."
+    )
+
+
 def _image_sentence(row: int, written: str, path, problem: str) -> str:
-    if not written:  # {"type": "image"} alone: the image would be in a dataset column, which is not read yet
+    if not written:  # {"type": "image"} with no image left in the row's image column
         return (
             f'Row {row}: an image entry names no file; give its path as {{"type": "image", "image": "imgs/0.png"}} '
-            "(relative to the data file); images held in a dataset column are not read yet."
+            "(relative to the data file), or hold the row's images in an images column, one per entry."
         )
     return f"Row {row}: the image {written} ({path}) {problem}; fix the path (relative to the data file) or replace the file."
 
@@ -171,12 +190,13 @@ def preview(data_cfg: dict, processor, n: int = 5, length_rows: int = 5000, max_
     fmt = ImageChat(data_cfg)
     rows, lengths = [], []
     for i in range(min(max(n, length_rows), len(ds))):
-        msgs = fmt.messages(ds[i])
+        row = ds[i]
+        msgs = fmt.messages(row)
         if msgs is None:
             continue
-        paths = fmt.images(msgs)
-        readable = all(image_problem(p) is None for p in paths)
-        total, image_tokens, _ = token_count(msgs, processor) if readable else (0, 0, 0)
+        paths = [ref for _, ref, _ in fmt.refs(row, msgs)]
+        readable = all(p is not None and image_problem(p) is None for p in paths)
+        total, image_tokens, _ = token_count(msgs, processor, paths) if readable else (0, 0, 0)
         if readable:
             lengths.append(total)
         if i < n:
@@ -188,7 +208,7 @@ def preview(data_cfg: dict, processor, n: int = 5, length_rows: int = 5000, max_
                     "completion": "".join(s for s, trainable in segs if trainable),
                     "n_tokens": total,
                     "n_trained": None,
-                    "images": paths,
+                    "images": [image_column.shown(p) for p in paths],
                     "image_tokens": image_tokens,
                 }
             )

@@ -256,7 +256,7 @@ METHOD = SFT(
     label="SFT",
     trainer_name="trl.SFTTrainer",
     formats=("alpaca", "chat", "text"),
-    columns=("instruction", "input", "output", "messages", "text"),
+    columns=("instruction", "input", "output", "messages", "text", "images"),  # images: a VLM's image column
     summary="instructions or chat: the model learns to give the answers in the data",
     choice="SFT (instructions / chat)",
     traits=PlanTraits(rows_per_example=1, reference=False, flat_batches=True, head_outputs=0),
