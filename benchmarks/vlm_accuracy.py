@@ -13,6 +13,12 @@ steady peak: the optimizer state alive).
 Planned: core.estimate for the same plan, on the CPU. The vision towers are 256 wide and 4 blocks deep on a 64-wide
 language model, so that the image terms (pixels, the vision tower's activations) are a large share of the step.
 
+The families of issue #47 (Mistral 3, InternVL, LLaVA-NeXT, GLM-4.1V, LLaVA-OneVision, PaliGemma, Gemma 4,
+Idefics2, Llama 4) are their tiny twins of core.measure.vlm_families: the same wide tower, 1,536-token rows, each
+family's image at its encoder's size (Llama 4: 672 x 336, two chunks and the global one), measured with the tower
+frozen (checkpointing on and off) and trained (checkpointing on). A row core.measure.vlm_families.KNOWN_GAPS names
+is printed with its reason and not judged.
+
 Goal: every row within 5% (|measured / planned - 1| <= 0.05): the vision tower frozen (the default) or trained
 (LoRA on its Linears and the projector's too), with and without gradient checkpointing. Last line
 `vlm_worst_error: X% (goal <= 5%)`; exit 1 on a miss.
@@ -66,7 +72,11 @@ def main(argv=None) -> int:
     p.add_argument("--only", help="comma-separated families (goal not judged)")
     p.add_argument("--quick", action="store_true", help="one LLaVA row (goal not judged)")
     args = p.parse_args(argv)
-    families = ["llava"] if args.quick else args.only.split(",") if args.only else list(VISION)
+    from core.measure.vlm_families import MEASURED
+
+    wanted = ["llava"] if args.quick else args.only.split(",") if args.only else [*VISION, *MEASURED]
+    families = [f for f in wanted if f in VISION]
+    twins = [f for f in wanted if f in MEASURED]
     cases = CASES[:1] if args.quick else CASES
     judged = []
     print(
@@ -105,10 +115,39 @@ def main(argv=None) -> int:
                     f"{measured.steady_peak_phase}",
                     flush=True,
                 )
-    worst = max(judged)
+        gaps = twin_rows(Path(tmp), twins, judged)
+    worst = max(judged, default=0.0)
     judged = not (args.only or args.quick)
-    print(f"vlm_worst_error: {worst:.2%} (goal <= {GOAL:.0%}{'' if judged else '; subset, not judged'})")
+    print(
+        f"vlm_worst_error: {worst:.2%} (goal <= {GOAL:.0%}{'' if judged else '; subset, not judged'})"
+        + (f"; {len(gaps)} known-gap row(s) not judged, worst {max(gaps):.2%}" if gaps else "")
+    )
     return 0 if not judged or worst <= GOAL else 1
+
+
+def twin_rows(tmp: Path, families: list[str], judged: list[float]) -> list[float]:
+    """The issue #47 families' rows (core.measure.vlm_families' wide twins); the errors of known-gap rows."""
+    from core.estimate.bill import estimate
+    from core.measure.vlm_families import KNOWN_GAPS, measure_family, measured_plan, wide_twin
+
+    gaps = []
+    for family in families:
+        cfg = wide_twin(family)
+        folder = tmp / f"twin-{family}"
+        cfg.save_pretrained(folder)
+        for checkpointing, frozen in [(True, True), (False, True), (True, False)]:
+            plan = measured_plan(folder, family, checkpointing, frozen)
+            measured, est = measure_family(cfg, plan), estimate(plan)
+            ratio = measured / est.tensor_peak_bytes
+            gap = KNOWN_GAPS.get((family, checkpointing)) if abs(ratio - 1) > GOAL else None
+            (gaps if gap else judged).append(abs(ratio - 1))
+            print(
+                f"{family:<11} {'on' if checkpointing else 'off':<5} {'frozen' if frozen else 'trained':<8} "
+                f"{est.vlm['image_tokens_per_image']:>12} {est.tensor_peak_bytes:>14,} {measured:>14,} "
+                f"{ratio:>7.4f}  {est.peak_phase}" + (f"  (known gap: {gap})" if gap else ""),
+                flush=True,
+            )
+    return gaps
 
 
 if __name__ == "__main__":

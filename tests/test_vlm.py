@@ -177,7 +177,7 @@ def test_every_named_family_plans_from_its_default_config(tmp_path, family):
 
 
 def test_a_family_it_cannot_model_is_refused_in_one_sentence(tmp_path):
-    rc, out = _cli(["--model", str(_default_folder(tmp_path, "llava_next"))])
+    rc, out = _cli(["--model", str(_default_folder(tmp_path, "janus"))])
     assert rc == 2 and "not modelled yet" in out and "Traceback" not in out
     assert len(out.strip().splitlines()) == 1
 

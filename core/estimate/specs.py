@@ -379,7 +379,8 @@ def normalize_parameters(target_parameters: str | list | tuple) -> tuple[str, ..
 
 
 # peft's exclude_modules for a frozen vision tower and projector (a regex, matched in full against module names)
-VISION_EXCLUDE = rf".*\.({'|'.join(VISION_MODULES)})\..*"
+# the vision side at the top of the model too (Llama 4's vision_model, BLIP-2's Linear language_projection)
+VISION_EXCLUDE = rf"(.*\.)?({'|'.join(VISION_MODULES)})(\..*)?"
 
 
 @lru_cache(maxsize=128)

@@ -14,6 +14,12 @@ becomes is each family's processor's rule (transformers 5.24), computed here wit
 - LLaVA ("llava"): the image is resized and cropped to image_size; (image_size / patch)^2 patch features plus the
   CLS one, which vision_feature_select_strategy "default" drops.
 
+The families of issue #47 (Mistral 3, Gemma 4, Llama 4, LLaVA-NeXT / OneVision, InternVL, GLM-4.xV, PaliGemma,
+Idefics2, LFM2-VL and more) take their rule from their image processor class and its settings: core.estimate.
+vlm_rules (the rules), vlm_resize (each processor's resize), vlm_processor (where the settings come from, the model
+folder's preprocessor_config.json over the class defaults), vlm_refusal (the sentence for a family still not
+modelled).
+
 The facts are plain JSON (ModelSpec.vlm_json) so that the spec's disk cache keeps them; `vlm_of(spec)` reads them.
 """
 
@@ -24,9 +30,21 @@ import math
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
+from core.recipe.vision import VISION_MODULE_NAMES
+
 # Where the image side of each family sits: the vision tower and the projector. A frozen vision tower (the default:
 # what ms-swift's freeze_vit and freeze_aligner do) keeps LoRA off every module under these names.
-VISION_MODULES = ("visual", "vision_tower", "vision_model", "multi_modal_projector", "connector")
+VISION_MODULES = VISION_MODULE_NAMES  # the training engine's list: the plan excludes what LoRA does
+TOWERS = ("visual", "vision_tower", "vision_model", "vision_encoder", "image_tower")
+PROJECTORS = (
+    "merger",
+    "multi_modal_projector",
+    "connector",
+    "vision_projection",
+    "embed_vision",
+    "aligner",
+    "qformer",
+)
 RULES = {
     "qwen2_vl": "qwen",
     "qwen2_5_vl": "qwen",
@@ -83,6 +101,9 @@ class VlmFacts:
     start_token: int | None  # qwen: the vision_start id before the placeholders (its mrope positions need it)
     input_grads: bool  # enable_input_require_grads reaches the vision tower's patch embedding
     unsupported: str  # "" or the sentence saying why this family is not modelled
+    # the image processor's class and settings (core.estimate.vlm_rules), as JSON; "" for the first ten families
+    processor: str = ""
+    cls: bool = False  # the tower prepends a class token to every crop (CLIP, InternViT)
 
 
 def vlm_of(spec) -> VlmFacts | None:
@@ -109,14 +130,6 @@ def language_model(meta):
     return None
 
 
-def unsupported_sentence(model_type: str) -> str:
-    return (
-        f"{model_type}: this planner models the vision-language families Qwen2-VL, Qwen2.5-VL, Qwen3-VL (and "
-        "its MoE), Qwen3.5 (and its MoE), Gemma 3, Idefics3, SmolVLM and LLaVA (how their processors turn an image "
-        "into tokens); this family's image rule or architecture is not modelled yet."
-    )
-
-
 def vlm_json(meta, cfg) -> str:
     """The VLM facts of a meta `meta` model built from `cfg` as JSON ("" for a language model)."""
     if not is_vlm_config(cfg):
@@ -127,11 +140,16 @@ def vlm_json(meta, cfg) -> str:
 def facts_of(meta, cfg) -> VlmFacts:
     import torch.nn as nn
 
+    from core.estimate import vlm_processor, vlm_rules
+    from core.estimate.vlm_refusal import tower_name, unsupported_sentence
+
     family = cfg.model_type
-    rule = RULES.get(family, "")
+    rule = RULES.get(vlm_rules.SAME_AS.get(family, family), "")
+    processor = "" if rule else vlm_processor.processor_class(family)
+    rule = rule or vlm_rules.rule_of(family, processor)
     vc = cfg.vision_config
-    vision_path, vision = _find(meta, ("visual", "vision_tower", "vision_model"))
-    projector_path, projector = _find(meta, ("merger", "multi_modal_projector", "connector"))
+    vision_path, vision = _find(meta, TOWERS)
+    projector_path, projector = _find(meta, PROJECTORS)
     vparams = sum(p.numel() for p in vision.parameters()) if vision is not None else 0
     pparams = sum(p.numel() for p in projector.parameters()) if projector is not None else 0
     if projector is not None and vision is not None and projector_path.startswith(vision_path + "."):
@@ -154,7 +172,12 @@ def facts_of(meta, cfg) -> VlmFacts:
     elif rule == "llava":
         full = getattr(cfg, "vision_feature_select_strategy", "default") == "full"
         fixed = (image_size // patch) ** 2 + (1 if full else 0)
-    unsupported = "" if rule and vision is not None and blocks is not None else unsupported_sentence(family)
+    known = rule and vision is not None and blocks is not None and language_model(meta) is not None
+    unsupported = "" if known else unsupported_sentence(family, tower_name(vision), processor)
+    new = {}
+    if known and processor:  # a family of issue #47: its numbers by its processor's rule
+        new = vlm_rules.rule_fields(rule, cfg, vision, vlm_processor.processor_defaults(processor))
+        settings = vlm_processor.settings_for(processor, cfg)
     return VlmFacts(
         family=family,
         rule=rule,
@@ -171,15 +194,17 @@ def facts_of(meta, cfg) -> VlmFacts:
         vision_rms=any("rms" in type(m).__name__.lower() for m in (blocks[0].modules() if blocks else ())),
         vision_fused_qkv=_has(blocks, "qkv"),
         vision_deepstack=len(getattr(vc, "deepstack_visual_indexes", None) or ()),
-        patch_size=patch,
-        merge_size=_int(getattr(vc, "spatial_merge_size", 1) or 1),
-        image_size=image_size,
-        tile_tokens=tile_tokens,
-        fixed_tokens=fixed,
+        patch_size=new.get("patch_size", patch),
+        merge_size=new.get("merge_size", _int(getattr(vc, "spatial_merge_size", 1) or 1)),
+        image_size=new.get("image_size", image_size),
+        tile_tokens=new.get("tile_tokens", tile_tokens),
+        fixed_tokens=new.get("fixed_tokens", fixed),
         image_token=int(_first(cfg, "image_token_id", "image_token_index") or 0),
         start_token=_first(cfg, "vision_start_token_id"),
         input_grads=_reaches_vision(vision),
         unsupported=unsupported,
+        processor=settings if new else "",
+        cls=bool(new.get("cls", False)),
     )
 
 
@@ -257,6 +282,12 @@ class ImageTokens:
     units: int  # tiles (tiles rule), else 1
     resized: tuple[int, int]  # (width, height) the processor resizes to
     source: str  # where the number comes from, in words
+    placeholders: int = 0  # of the tokens, the image-token ids the model fills with features (0: all of them)
+    values: int = 0  # pixel_values elements (0: the first ten families' rule in vlm_terms.pixel_bytes)
+
+    def __post_init__(self):
+        if not self.placeholders:  # the first ten families' rules: every token is a placeholder
+            object.__setattr__(self, "placeholders", self.tokens)
 
 
 def pixel_bounds(facts: VlmFacts, plan) -> tuple[int, int]:
@@ -304,8 +335,29 @@ def _tiles(height: int, width: int, tile: int) -> tuple[int, int, int]:
 def image_tokens(facts: VlmFacts, plan) -> ImageTokens:
     """What one image of the plan's size becomes, by the family's processor rule."""
     width, height = plan.image_width, plan.image_height
+    if facts.processor:  # a family of issue #47 (core.estimate.vlm_rules), the model folder's settings over
+        from core.estimate.vlm_processor import folder_settings
+        from core.estimate.vlm_rules import rule_tokens
+
+        settings = {**json.loads(facts.processor), **folder_settings(plan.model)}
+        if facts.rule == "qwen":  # Qwen2VLImageProcessor's own bounds, or the folder's
+            size = settings.get("size") or {}
+            low = size.get("shortest_edge") or settings.get("min_pixels") or 3136
+            high = plan.max_pixels or size.get("longest_edge") or settings.get("max_pixels") or 12_845_056
+            settings["bounds"] = [low, high]
+        else:
+            r = rule_tokens(facts, settings, width, height, plan.max_pixels)
+            return ImageTokens(
+                r["tokens"],
+                r["patches"],
+                r["units"],
+                r["resized"],
+                r["source"],
+                r["placeholders"],
+                r["values"],
+            )
     if facts.rule == "qwen":
-        low, high = pixel_bounds(facts, plan)
+        low, high = settings["bounds"] if facts.processor else pixel_bounds(facts, plan)
         factor = facts.patch_size * facts.merge_size
         h, w = smart_resize(height, width, factor, low, high)
         patches = (h // facts.patch_size) * (w // facts.patch_size)

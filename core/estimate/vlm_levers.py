@@ -1,5 +1,5 @@
 """A vision-language model's own changes for "What would make it fit": fewer pixels per image (Qwen-VL's
-max_pixels: fewer image tokens, fewer patches through the vision tower) and fewer images per row. Each is the
+max_pixels, GLM-4.xV's too: fewer image tokens, fewer patches through the vision tower) and fewer images per row. Each is the
 largest setting that fits, found by re-estimating; both cost what the model sees of the images."""
 
 from __future__ import annotations
@@ -19,11 +19,16 @@ def _fits(plan: Plan, spec: ModelSpec, estimate) -> bool:
     return e.device_total_bytes <= FIT_LIMIT * e.gpu_bytes
 
 
+def pixels_per_token(facts) -> int:
+    """max_pixels per image token: one merged cell (GLM's processor counts a still image twice against it)."""
+    return (facts.patch_size * facts.merge_size) ** 2 * (2 if facts.rule == "glm" else 1)
+
+
 def largest_max_pixels(plan: Plan, spec: ModelSpec, estimate) -> int:
     """The largest max_pixels (a multiple of one merged token's pixels) below the image's resized area that fits;
     0 when none does (down to the processor's 4 tokens)."""
     facts = vlm_of(spec)
-    unit = (facts.patch_size * facts.merge_size) ** 2  # the pixels of one image token
+    unit = pixels_per_token(facts)
     now = image_tokens(facts, plan).tokens
     lo, hi = 4, now - 1  # in tokens: invariant lo fits (checked), hi + 1 does not
     if hi < lo or not _fits(replace(plan, max_pixels=lo * unit), spec, estimate):
@@ -44,11 +49,8 @@ def vlm_candidates(plan: Plan, spec: ModelSpec, estimate) -> list[tuple[str, dic
         return []
     out = []
     now = image_tokens(facts, plan).tokens
-    if facts.rule == "qwen" and now > 4:
-        pixels = (
-            largest_max_pixels(plan, spec, estimate)
-            or max(4, now // 4) * (facts.patch_size * facts.merge_size) ** 2
-        )
+    if facts.rule in ("qwen", "glm") and now > 4:
+        pixels = largest_max_pixels(plan, spec, estimate) or max(4, now // 4) * pixels_per_token(facts)
         fewer = image_tokens(facts, replace(plan, max_pixels=pixels)).tokens
         out.append(
             (

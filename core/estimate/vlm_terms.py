@@ -58,6 +58,8 @@ def vision_runs_with_grad(facts: VlmFacts, plan: Plan) -> tuple[bool, str]:
 def pixel_bytes(facts: VlmFacts, tokens: ImageTokens, plan: Plan) -> int:
     """One image's pixel_values as its processor returns them (cast to the load dtype by the collator's model)."""
     d = DTYPE_BYTES[plan.load_dtype]
+    if tokens.values:  # the rules of core.estimate.vlm_rules count them
+        return tokens.values * d
     if facts.rule == "qwen":  # one row per patch: channels x temporal patch (2) x patch x patch
         return tokens.patches * 3 * 2 * facts.patch_size**2 * d
     side = facts.image_size
@@ -176,7 +178,11 @@ def check_images(spec, plan: Plan) -> list[str]:
     per = image_tokens(facts, plan)
     need = per.tokens * plan.images_per_row
     if need >= plan.seq_len:
-        fix = "lower max_pixels or the image size" if facts.rule == "qwen" else "use fewer images per row"
+        fix = (
+            "lower max_pixels or the image size"
+            if facts.rule in ("qwen", "glm")
+            else "use fewer images per row"
+        )
         return [
             f"{plan.images_per_row} image(s) of {plan.image_width}x{plan.image_height} take {need:,} tokens "
             f"({per.tokens:,} each), not less than seq_len {plan.seq_len}: TRL would truncate their placeholders and "
