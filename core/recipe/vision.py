@@ -27,8 +27,7 @@ from core.recipe.data import IGNORE_INDEX, DataError, _as_paths, _chat_segments
 # the processor outputs that run along the token sequence (padded with the rows); the rest are the images' own
 # tensors (pixel_values, image_grid_thw, image_sizes ...), concatenated image after image
 SEQUENCE_KEYS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
-# module names of a VLM's image side in transformers 5's families (Video-LLaVA's towers, DeepSeek-VL's aligner,
-# BLIP-2's Q-Former and language_projection too): LoRA leaves them alone
+# module names of a VLM's image side in transformers 5's families (BLIP-2's Q-Former too): LoRA leaves them alone
 # fmt: off
 VISION_MODULE_NAMES = (
     "visual", "vision_tower", "vision_model", "vision_encoder", "multi_modal_projector", "mm_projector",
