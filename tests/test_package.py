@@ -249,8 +249,14 @@ def _install(scheme: str, wheel: Path, root: Path) -> tuple[Path, dict]:
 
 
 def _listing(root: Path) -> dict[str, tuple[int, int]]:
-    """Every file and folder under `root` with its size and modification time: what a write would change."""
-    return {str(p.relative_to(root)): (p.lstat().st_size, p.lstat().st_mtime_ns) for p in root.rglob("*")}
+    """Every file under `root` with its size and modification time, and every folder: what a write would change.
+    Python's own bytecode cache is left out (an installer that does not compile, as pipx's, leaves Python to
+    write __pycache__ on first import), and with it the folders' times, which its writes change."""
+    return {
+        str(p.relative_to(root)): (p.lstat().st_size, p.lstat().st_mtime_ns) if p.is_file() else (0, 0)
+        for p in root.rglob("*")
+        if "__pycache__" not in p.parts
+    }
 
 
 def _page(port: int) -> dict:

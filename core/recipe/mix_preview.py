@@ -91,9 +91,7 @@ def preview(cfg: dict, tokenizer, n: int = 5, length_rows: int = 5000, max_lengt
 
     listed, seed = sources(cfg["data"]), seed_of(cfg)
     max_length = max_length or cfg["training"]["max_length"]
-    sft = (
-        methods.get(cfg).name == "sft"
-    )  # token lengths and masking: the other methods have views of their own
+    sft = methods.get(cfg).reads_text_formats  # token lengths and masking: the others have views of their own
     raws, formats, parts, summaries = [], [], [], []
     for i, src in enumerate(listed):
         here, data = where(i, src), source_config(cfg, src)["data"]

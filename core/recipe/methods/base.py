@@ -216,6 +216,12 @@ class Method:
         (the preview shows the columns they read)."""
         return None
 
+    @property
+    def reads_text_formats(self) -> bool:
+        """Its rows are core.recipe.data's text formats (detected, tokenized, masked: SFT's), not a view of its
+        own (preview)."""
+        return type(self).preview is Method.preview
+
     def sample_prompts(self, data_cfg: dict, n: int = 3) -> list[str]:
         """The first `n` prompts of its data as a user would type them: what "Try it" asks the adapter."""
         try:
