@@ -7,21 +7,12 @@ from __future__ import annotations
 
 import json
 
+from core.demo import toy_vlm
 from core.estimate.plan import Plan
 from core.estimate.vlm import image_tokens
 from core.estimate.vlm_processor import folder_settings, pil_processor
 
-TEXT = dict(
-    vocab_size=160,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=8192,
-    pad_token_id=0,
-)
+TEXT = dict(toy_vlm.TEXT, head_dim=16)  # the demo's tiny text config, with the head width these twins pin
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2)
 
 
