@@ -26,12 +26,12 @@ from core.estimate.specs import load_spec, lora_targets, normalize_targets  # no
 ESTIMATE_GOAL_MS = 20.0
 FIT_GOAL_MS = 300.0
 PLANS = [
-    Plan(model="meta-llama/Llama-2-7b-hf", method="lora", batch_size=4, seq_len=2048),
+    Plan(model="meta-llama/Llama-2-7b-hf", tuning="lora", batch_size=4, seq_len=2048),
     Plan(
-        model="meta-llama/Llama-3.1-8B", method="qlora", batch_size=2, seq_len=4096, optim="paged_adamw_8bit"
+        model="meta-llama/Llama-3.1-8B", tuning="qlora", batch_size=2, seq_len=4096, optim="paged_adamw_8bit"
     ),
-    Plan(model="Qwen/Qwen2.5-32B", method="qlora", gradient_checkpointing=True, gpu_gb=48),
-    Plan(model="meta-llama/Llama-3.1-70B", method="full", load_dtype="bf16", gpu_gb=141),
+    Plan(model="Qwen/Qwen2.5-32B", tuning="qlora", gradient_checkpointing=True, gpu_gb=48),
+    Plan(model="meta-llama/Llama-3.1-70B", tuning="full", load_dtype="bf16", gpu_gb=141),
 ]
 
 
@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     for plan in plans:
         t = time.perf_counter()
         spec = load_spec(plan.model)  # the one-off part: meta build + peft on meta, cached afterwards
-        if plan.method != "full":
+        if plan.tuning != "full":
             lora_targets(plan.model, normalize_targets(plan.target_modules))
         load_s = time.perf_counter() - t
         est_ms = median_ms(lambda p=plan, s=spec: estimate(p, s), 10 * repeat)
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
         advice_ms = median_ms(lambda p=plan, s=spec: what_would_fit(replace(p), s), repeat)
         worst_est, worst_fit = max(worst_est, est_ms), max(worst_fit, fit_ms)
         print(
-            f"{plan.model:<34} {plan.method:<5} spec load {load_s:6.2f} s | estimate {est_ms:6.2f} ms "
+            f"{plan.model:<34} {plan.tuning:<5} spec load {load_s:6.2f} s | estimate {est_ms:6.2f} ms "
             f"({est_ms / ESTIMATE_GOAL_MS:.2f}x goal) | fit search {fit_ms:7.1f} ms ({fit_ms / FIT_GOAL_MS:.2f}x goal)"
             f" | advice {advice_ms:6.1f} ms"
         )

@@ -297,7 +297,7 @@ def dpo_matrix() -> list[tuple[str, Plan]]:
     reference forward (the base with the adapter off) inside the step, or precomputed reference log-probs."""
     T = step_plan
     return [
-        ("tinyllama", T("lora", target_modules=QV, batch_size=1, seq_len=256, objective="dpo")),
+        ("tinyllama", T("lora", target_modules=QV, batch_size=1, seq_len=256, method="dpo")),
         (
             "qwen0.5b",
             T(
@@ -306,7 +306,7 @@ def dpo_matrix() -> list[tuple[str, Plan]]:
                 batch_size=1,
                 seq_len=256,
                 gradient_checkpointing=True,
-                objective="dpo",
+                method="dpo",
             ),
         ),
         (
@@ -318,12 +318,12 @@ def dpo_matrix() -> list[tuple[str, Plan]]:
                 seq_len=256,
                 gradient_checkpointing=True,
                 optim="adamw_8bit",
-                objective="dpo",
+                method="dpo",
             ),
         ),
         (
             "tinyllama",
-            T("lora", target_modules=AL, batch_size=2, seq_len=128, objective="dpo", precompute_ref=True),
+            T("lora", target_modules=AL, batch_size=2, seq_len=128, method="dpo", precompute_ref=True),
         ),
     ]
 
@@ -369,23 +369,23 @@ def model_ref(arch: str, cfg, tmp: Path) -> str:
 def naive_bytes(est) -> int:
     """accelerate estimate-memory: the model's size in its load dtype (int4 for QLoRA) x 4 for Adam training."""
     per_param = (
-        0.5 if est.plan["method"] == "qlora" else {"bf16": 2, "fp16": 2, "fp32": 4}[est.plan["load_dtype"]]
+        0.5 if est.plan["tuning"] == "qlora" else {"bf16": 2, "fp16": 2, "fp32": 4}[est.plan["load_dtype"]]
     )
     return int(est.total_params * per_param * 4)
 
 
 def describe(p: Plan) -> str:
-    bits = ["trl" if p.fused_lm_head else "plain", p.method]
-    if p.method == "qlora":
+    bits = ["trl" if p.fused_lm_head else "plain", p.tuning]
+    if p.tuning == "qlora":
         bits.append("dq" if p.double_quant else "no-dq")
         bits.append("prep" if p.prepare_kbit else "trl-prep")
-    if p.method != "full":
+    if p.tuning != "full":
         bits.append("qv" if p.target_modules == QV else "all")
         if p.lora_dropout:
             bits.append(f"drop{p.lora_dropout:g}")
     if autocast_dtype(p) is None and p.load_dtype != "fp32":
         bits.append("no-autocast")
-    if p.objective == "dpo":
+    if p.method == "dpo":
         bits.append("dpo-precomputed-ref" if p.precompute_ref else "dpo")
     if p.padding_free:
         bits.append("padding-free")

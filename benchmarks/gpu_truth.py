@@ -119,9 +119,7 @@ def matrix(dry: bool):
             (
                 "tiny lora dpo",
                 cfg,
-                step_plan(
-                    "lora", load_dtype="fp32", compute_dtype="fp32", autocast=False, objective="dpo", **s
-                ),
+                step_plan("lora", load_dtype="fp32", compute_dtype="fp32", autocast=False, method="dpo", **s),
             ),
         ]
     tl = with_layers(full_config("tinyllama"), 4)
@@ -139,7 +137,7 @@ def matrix(dry: bool):
         # the levers modelled from their code until measured here (issue 12), and DPO's step (issue 13)
         ("tinyllama lora gc offloading", tl, step_plan("lora", gradient_checkpointing=True, activation_offloading=True, **s)),
         ("tinyllama lora padding-free gc", tl, step_plan("lora", gradient_checkpointing=True, padding_free=True, **s)),
-        ("tinyllama lora dpo gc", tl, step_plan("lora", gradient_checkpointing=True, objective="dpo", batch_size=1, seq_len=1024)),
+        ("tinyllama lora dpo gc", tl, step_plan("lora", gradient_checkpointing=True, method="dpo", batch_size=1, seq_len=1024)),
     ]  # fmt: skip
     import importlib.util
 

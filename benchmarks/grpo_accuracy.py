@@ -158,14 +158,14 @@ def qwen25_3b(out: Path) -> str:
 
 def grpo(model: str, **kw) -> Plan:
     """A GRPO plan with TRL 1.16's and the cockpit's defaults (checkpointing, the fused LM head, sdpa)."""
-    base = dict(model=model, objective="grpo", method="lora", lora_dropout=0.0, gpu_gb=24.0, device="cuda")
+    base = dict(model=model, method="grpo", tuning="lora", lora_dropout=0.0, gpu_gb=24.0, device="cuda")
     return Plan(**{**base, **kw})
 
 
 def published(out: Path) -> list[dict]:
     """(point, published GB, what it counts, the plan of TRL's stack with the source's settings)."""
     llama = "meta-llama/Llama-3.1-8B"
-    long = dict(method="qlora", lora_r=32, lora_alpha=64, batch_size=8, num_generations=8, gpu_gb=80.0)
+    long = dict(tuning="qlora", lora_r=32, lora_alpha=64, batch_size=8, num_generations=8, gpu_gb=80.0)
     points = [
         (
             "Unsloth: Qwen2.5-1.5B GRPO",
@@ -174,7 +174,7 @@ def published(out: Path) -> list[dict]:
             "QLoRA r64, 8 x (256 prompt + 768 completion), transformers generate, 16 GB card",
             grpo(
                 "Qwen/Qwen2.5-1.5B",
-                method="qlora",
+                tuning="qlora",
                 lora_r=64,
                 lora_alpha=64,
                 batch_size=8,

@@ -36,7 +36,7 @@ ANCHORS = {16: (2_551, 40_724), 24: (5_789, 78_475), 40: (12_264, 153_977), 80: 
 def variants(gpu_gb: float) -> dict[str, Plan]:
     engine = Plan(
         model=MODEL,
-        method="qlora",
+        tuning="qlora",
         lora_r=16,
         lora_alpha=32,
         lora_dropout=0.0,

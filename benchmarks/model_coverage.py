@@ -6,7 +6,7 @@ refusals grouped by their reason show what to model next.
 Default configs are the library's own (AutoConfig.for_model): some lack fields a published config.json has, so a
 refusal here may be the default's ("transformers cannot build ... from this config.json") rather than the planner's.
 
-    python benchmarks/model_coverage.py [--method lora] [--show-refusals] [--quick]
+    python benchmarks/model_coverage.py [--tuning lora] [--show-refusals] [--quick]
 
 Also checked for every planned causal type: the saved config.json plans as the config transformers made in memory,
 and the planner reads it as AutoConfig.from_pretrained does (transformers' own float encoding, nested configs), and which layer kinds are still
@@ -47,14 +47,14 @@ def model_types() -> dict[str, str]:
     return dict(sorted(kinds.items()))
 
 
-def plan_one(folder: Path, method: str) -> tuple[str, str]:
+def plan_one(folder: Path, tuning: str) -> tuple[str, str]:
     """("planned" | "refused" | "traceback", the sentence or the exception)."""
     from core.estimate.cli import main
 
     out, err = io.StringIO(), io.StringIO()
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            rc = main(["--model", str(folder), "--method", method, "--gpu-gb", "24"])
+            rc = main(["--model", str(folder), "--tuning", tuning, "--gpu-gb", "24"])
     except SystemExit as exc:
         rc = exc.code
     except Exception as exc:  # what the planner must never do
@@ -108,7 +108,7 @@ def layer_kinds_not_modelled(folder: Path) -> list[str]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--method", default="lora", choices=["lora", "qlora", "full"])
+    p.add_argument("--tuning", default="lora", choices=["lora", "qlora", "full"])
     p.add_argument("--show-refusals", action="store_true", help="every refused type with its sentence")
     p.add_argument("--quick", action="store_true", help="QUICK_TYPES only (goal not judged)")
     args = p.parse_args(argv)
@@ -133,7 +133,7 @@ def main(argv=None) -> int:
             except Exception as exc:  # the library cannot make its own default: not the planner's to plan
                 results[model_type] = (kind, "no default", str(exc).splitlines()[0][:100])
                 continue
-            results[model_type] = (kind, *plan_one(folder, args.method))
+            results[model_type] = (kind, *plan_one(folder, args.tuning))
             if kind == "causal" and results[model_type][1] == "planned":
                 if differs := config_differs(folder, model_type):
                     misread[model_type] = differs

@@ -35,7 +35,7 @@ ROWS = [
         "ms-swift examples/models/gpt_oss/train.sh: 42 GB",
         42 * GB,
         "device_total_bytes",
-        dict(model="openai/gpt-oss-20b", method="lora", lora_r=8, lora_alpha=32, seq_len=2048, gpu_gb=80),
+        dict(model="openai/gpt-oss-20b", tuning="lora", lora_r=8, lora_alpha=32, seq_len=2048, gpu_gb=80),
     ),
     (
         "gpt-oss-20b LoRA r8, 4096 packed, activation offloading",
@@ -44,7 +44,7 @@ ROWS = [
         "device_total_bytes",
         dict(
             model="openai/gpt-oss-20b",
-            method="lora",
+            tuning="lora",
             lora_r=8,
             lora_alpha=16,
             seq_len=4096,
@@ -60,7 +60,7 @@ ROWS = [
         "reserved_peak_bytes",
         dict(
             model="zai-org/GLM-4.7-Flash",
-            method="qlora",
+            tuning="qlora",
             lora_r=16,
             lora_dropout=0.0,
             seq_len=2048,
@@ -74,7 +74,7 @@ ROWS = [
         "reserved_peak_bytes",
         dict(
             model="zai-org/GLM-4.7-Flash",
-            method="qlora",
+            tuning="qlora",
             prepare_kbit=True,
             lora_r=16,
             lora_dropout=0.0,
@@ -89,7 +89,7 @@ ROWS = [
         "reserved_peak_bytes",
         dict(
             model="zai-org/GLM-4.7-Flash",
-            method="qlora",
+            tuning="qlora",
             quantize_experts=True,
             lora_r=16,
             lora_dropout=0.0,
@@ -104,7 +104,7 @@ ROWS = [
         "device_total_bytes",
         dict(
             model="Qwen/Qwen3-30B-A3B",
-            method="lora",
+            tuning="lora",
             lora_r=16,
             target_modules="q_proj,k_proj,v_proj,o_proj",
             seq_len=2048,
@@ -116,7 +116,7 @@ ROWS = [
         "Unsloth Qwen3 guide (16-bit LoRA): 63 GB",
         63 * GB,
         "device_total_bytes",
-        dict(model="Qwen/Qwen3-30B-A3B", method="lora", lora_r=16, lora_dropout=0.0, seq_len=2048, gpu_gb=80),
+        dict(model="Qwen/Qwen3-30B-A3B", tuning="lora", lora_r=16, lora_dropout=0.0, seq_len=2048, gpu_gb=80),
     ),
 ]
 

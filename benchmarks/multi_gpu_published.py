@@ -49,7 +49,7 @@ GOAL_MEDIAN, GOAL_WORST = 0.10, 0.20
 
 AAI = Plan(
     model="meta-llama/Llama-2-7b-hf",
-    method="qlora",
+    tuning="qlora",
     lora_r=64,
     lora_alpha=16,
     lora_dropout=0.1,
@@ -65,7 +65,7 @@ AAI = Plan(
 )
 PEFT = Plan(
     model="meta-llama/Llama-2-70b-hf",
-    method="qlora",
+    tuning="qlora",
     lora_r=8,
     lora_alpha=16,
     lora_dropout=0.1,
@@ -117,17 +117,17 @@ POINTS = (
     Point("aai 7B QLoRA FSDP ctx512 bs1", AAI, 4.98, "reserved", AAI_SRC),
     Point("aai 7B QLoRA FSDP ctx2048 bs1", replace(AAI, seq_len=2048), 5.21, "reserved", AAI_SRC),
     # the one pair the source gives both ways: "the peak allocated memory is 8.28 GiB vs 9.16 GiB"
-    Point("aai 7B LoRA FSDP ctx512 bs1 (allocated)", replace(AAI, method="lora"), 8.28, "allocated", AAI_SRC),
+    Point("aai 7B LoRA FSDP ctx512 bs1 (allocated)", replace(AAI, tuning="lora"), 8.28, "allocated", AAI_SRC),
     Point(
         "aai 7B LoRA FSDP ctx2048 bs1 (allocated)",
-        replace(AAI, method="lora", seq_len=2048),
+        replace(AAI, tuning="lora", seq_len=2048),
         9.16,
         "allocated",
         AAI_SRC,
     ),
-    Point("aai 7B LoRA FSDP ctx512 bs1", replace(AAI, method="lora"), 10.24, "reserved", AAI_SRC),
+    Point("aai 7B LoRA FSDP ctx512 bs1", replace(AAI, tuning="lora"), 10.24, "reserved", AAI_SRC),
     Point(
-        "aai 7B LoRA FSDP ctx2048 bs1", replace(AAI, method="lora", seq_len=2048), 10.22, "reserved", AAI_SRC
+        "aai 7B LoRA FSDP ctx2048 bs1", replace(AAI, tuning="lora", seq_len=2048), 10.22, "reserved", AAI_SRC
     ),
     Point(
         "aai 7B QLoRA FSDP ctx2048 bs4", replace(AAI, seq_len=2048, batch_size=4), 11.22, "reserved", AAI_SRC
@@ -141,14 +141,14 @@ POINTS = (
     ),
     Point(
         "aai 7B LoRA FSDP ctx2048 bs4",
-        replace(AAI, method="lora", seq_len=2048, batch_size=4),
+        replace(AAI, tuning="lora", seq_len=2048, batch_size=4),
         16.14,
         "reserved",
         AAI_SRC,
     ),
     Point(
         "aai 7B LoRA FSDP ctx2048 bs6",
-        replace(AAI, method="lora", seq_len=2048, batch_size=6),
+        replace(AAI, tuning="lora", seq_len=2048, batch_size=6),
         21.35,
         "reserved",
         AAI_SRC,
@@ -162,7 +162,7 @@ POINTS = (
     ),
     Point(
         "aai 7B LoRA DDP ctx2048 bs4",
-        replace(AAI, method="lora", seq_len=2048, batch_size=4, strategy="ddp"),
+        replace(AAI, tuning="lora", seq_len=2048, batch_size=4, strategy="ddp"),
         22.04,
         "reserved",
         AAI_SRC,
@@ -199,14 +199,14 @@ POINTS = (
     ),
     Point(
         "peft 70B LoRA ZeRO-3 8xH100 bs8",
-        replace(PEFT, method="lora", strategy="deepspeed_zero3", gpus=8, batch_size=8, gpu_gb=80.0),
+        replace(PEFT, tuning="lora", strategy="deepspeed_zero3", gpus=8, batch_size=8, gpu_gb=80.0),
         64.0,
         "device",
         PEFT_DS,
     ),
     Point(
         "peft 70B LoRA FSDP 8xH100 bs8 (72-80)",
-        replace(PEFT, method="lora", gpus=8, batch_size=8, gpu_gb=80.0),
+        replace(PEFT, tuning="lora", gpus=8, batch_size=8, gpu_gb=80.0),
         76.0,
         "device",
         PEFT_FSDP,

@@ -60,7 +60,7 @@ def plan_for(model_dir: Path, mode: str, gpus: int, dry_run: bool, gpu_gb: float
 
     return Plan(
         model=str(model_dir),
-        method="lora",
+        tuning="lora",
         lora_r=16,
         lora_alpha=32,
         lora_dropout=0.0,

@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO))
 GiB = 2**30
 GB = 10**9
 MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"
-RECIPE = dict(model=MODEL, method="lora", lora_r=8, lora_alpha=32, lora_dropout=0.05, batch_size=1, gpu_gb=80)
+RECIPE = dict(model=MODEL, tuning="lora", lora_r=8, lora_alpha=32, lora_dropout=0.05, batch_size=1, gpu_gb=80)
 
 # (label, source and its unit, published bytes, plan settings)
 ROWS = [

@@ -321,7 +321,7 @@ def plan_of(cfg: dict, options: dict) -> Plan:
         plan,
         eval_kv_tokens=int(options["eval_kv_tokens"] or 0),
         fused_lm_head=bool(options["fused_lm_head"]),
-        prepare_kbit=bool(options["prepare_kbit"]) and plan.method == "qlora",
+        prepare_kbit=bool(options["prepare_kbit"]) and plan.tuning == "qlora",
         recurrent_kernels=options["recurrent_kernels"] or "auto",
     )
 

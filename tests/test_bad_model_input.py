@@ -170,7 +170,7 @@ def test_a_config_json_of_the_wrong_shape_is_one_sentence_in_the_planner(
         cfg["hidden_size"] = json.loads(value)
         (folder / "config.json").write_text(json.dumps(cfg))
     out = subprocess.run(
-        [sys.executable, "-m", "core.estimate", "--model", str(folder), "--method", "lora"],
+        [sys.executable, "-m", "core.estimate", "--model", str(folder), "--tuning", "lora"],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -86,7 +86,7 @@ def test_yaml_round_trip_and_errors(tmp_path):
 
 def test_plan_to_config_maps_qlora_plan():
     plan = {
-        "method": "qlora",
+        "tuning": "qlora",
         "lora_r": 32,
         "lora_alpha": 64,
         "lora_dropout": 0.1,
@@ -117,7 +117,7 @@ def test_plan_to_config_maps_qlora_plan():
 def test_plan_to_config_takes_the_estimate_plan_dataclass():
     estimate = pytest.importorskip("core.estimate.bill")
     plan = estimate.Plan(
-        model="org/model-7b", method="qlora", lora_r=8, batch_size=4, seq_len=512, compute_dtype="fp16"
+        model="org/model-7b", tuning="qlora", lora_r=8, batch_size=4, seq_len=512, compute_dtype="fp16"
     )
     cfg = plan_to_config(plan.to_dict(), base=minimal())
     assert cfg["model"]["path"] == "org/model-7b"
@@ -137,7 +137,7 @@ def test_plan_to_config_takes_the_estimate_plan_dataclass():
 
 def test_plan_to_config_tolerates_missing_keys_and_objects():
     class Plan:  # stands in for core.estimate.bill.Plan: attribute access, most fields absent
-        method = "full"
+        tuning = "full"
         batch_size = 2
 
     cfg = plan_to_config(Plan(), base=minimal())

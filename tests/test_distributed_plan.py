@@ -20,7 +20,7 @@ from core.estimate.shard_terms import DIVIDED, NCCL_CONTEXT_BYTES
 from core.recipe.config import validate_config
 from tests.fake_gpu import BusyNvml
 
-QLORA_7B = Plan(model="meta-llama/Llama-2-7b-hf", method="qlora", batch_size=2, seq_len=1024)
+QLORA_7B = Plan(model="meta-llama/Llama-2-7b-hf", tuning="qlora", batch_size=2, seq_len=1024)
 NOT_DIVIDED = ("activations", "logits_loss", "lm_head_loss", "autocast_weight_copies")
 
 
@@ -68,7 +68,7 @@ def test_every_rank_loads_the_4bit_model_whole_before_it_is_sharded(strategy):
     assert est.distributed["step_device_total_bytes"] < est.device_total_bytes
     assert any(w.startswith("Every GPU first loads the whole 4-bit model") for w in est.warnings)
     # a 16-bit base loads on the CPU (FSDP) or sharded as it loads (ZeRO-3's zero.Init): no such moment
-    lora = estimate(replace(plan, method="lora"))
+    lora = estimate(replace(plan, tuning="lora"))
     assert lora.distributed["load_peak_bytes"] == 0 and "load" not in lora.phases
     assert lora.distributed["step_device_total_bytes"] == lora.device_total_bytes
     assert not any(w.startswith("Every GPU first loads") for w in lora.warnings)
@@ -88,7 +88,7 @@ def test_cpu_offload_moves_the_shards_off_the_card():
 
 def test_auto_is_ddp_when_one_card_holds_the_plan_else_fsdp():
     assert estimate(replace(QLORA_7B, gpus=2)).distributed["strategy"] == "ddp"
-    big = Plan(model="meta-llama/Llama-2-13b-hf", method="lora", gpus=2, gpu_gb=24.0)
+    big = Plan(model="meta-llama/Llama-2-13b-hf", tuning="lora", gpus=2, gpu_gb=24.0)
     assert estimate(replace(big, strategy="ddp")).verdict == "does not fit"  # 24 GiB of 16-bit weights each
     est = estimate(big)
     assert est.distributed["strategy"] == "fsdp" and est.verdict == "fits"
@@ -104,7 +104,7 @@ def test_one_gpu_plan_records_stay_as_they_were():
 
 
 def test_what_would_fit_offers_more_gpus_with_fsdp_when_one_card_cannot():
-    plan = Plan(model="meta-llama/Llama-2-70b-hf", method="lora", gpu_gb=80.0)
+    plan = Plan(model="meta-llama/Llama-2-70b-hf", tuning="lora", gpu_gb=80.0)
     advice = what_would_fit(plan)
     more = [a for a in advice if "gpus" in a["settings"]]
     assert len(more) == 1 and more[0]["verdict"] == "fits" and more[0]["settings"]["strategy"] == "fsdp"
@@ -137,7 +137,7 @@ def test_the_run_config_reaches_the_plan_through_the_one_mapping():
 
 
 def test_cli_plans_per_gpu(capsys):
-    args = ["--model", "meta-llama/Llama-2-7b-hf", "--method", "qlora", "--gpus", "2", "--strategy", "fsdp"]
+    args = ["--model", "meta-llama/Llama-2-7b-hf", "--tuning", "qlora", "--gpus", "2", "--strategy", "fsdp"]
     assert cli.main(args) == 0
     out = capsys.readouterr().out
     assert "2 GPUs, strategy fsdp: every figure above is per GPU" in out and "verdict per GPU: fits" in out
@@ -219,7 +219,7 @@ def test_cli_names_a_gpu_of_this_machine_another_process_fills_mocked_gpu_driver
 def test_more_gpus_do_not_fit_a_4bit_model_no_card_can_load():
     """70B QLoRA on 24 GiB cards: FSDP divides the step, but every GPU first holds the whole 4-bit model (34 GiB):
     no count of GPUs is offered as a fit, and the verdict names the load moment."""
-    plan = Plan(model="meta-llama/Llama-2-70b-hf", method="qlora", gpu_gb=24.0)
+    plan = Plan(model="meta-llama/Llama-2-70b-hf", tuning="qlora", gpu_gb=24.0)
     assert not [a for a in what_would_fit(plan) if "gpus" in a["settings"] and a["verdict"] == "fits"]
     est = estimate(replace(plan, gpus=8, strategy="fsdp"))
     assert est.verdict == "does not fit" and est.peak_phase == "load"

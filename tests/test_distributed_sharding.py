@@ -54,7 +54,7 @@ def planned(model_dir: Path, gpus: int, strategy: str, method: str = "lora") -> 
 def plan_of(model_dir: Path, gpus: int, strategy: str, method: str = "lora") -> Plan:
     return Plan(
         model=str(model_dir),
-        method=method,
+        tuning=method,
         lora_r=4,
         lora_alpha=8,
         lora_dropout=0.0,

@@ -86,7 +86,7 @@ def test_dpo_config_mistakes_are_one_sentence(raw, words):
 def test_one_mapping_plans_dpo_and_inverts(tmp_path):
     cfg = _cfg("meta-llama/Llama-2-7b-hf", "d.jsonl", precompute_ref_log_probs=True)
     plan = plan_for_config(cfg, 24.0, "cuda")
-    assert plan.objective == "dpo" and plan.precompute_ref and plan.reference == "auto"
+    assert plan.method == "dpo" and plan.precompute_ref and plan.reference == "auto"
     assert plan_for_config(plan_to_config(plan.to_dict(), cfg), 24.0, "cuda") == plan
     ref = plan_for_config({**cfg, "model": {**cfg["model"], "reference_path": "/some/ref"}}, 24.0, "cuda")
     assert ref.reference == "copy" and estimate(ref).components["reference_model"] > 0
@@ -96,8 +96,8 @@ def test_one_mapping_plans_dpo_and_inverts(tmp_path):
 
 
 def test_dpo_doubles_the_rows_and_adds_the_reference_forward():
-    plan = Plan(model="meta-llama/Llama-2-7b-hf", batch_size=2, seq_len=1024, objective="dpo")
-    sft = estimate(replace(plan, objective="sft"))
+    plan = Plan(model="meta-llama/Llama-2-7b-hf", batch_size=2, seq_len=1024, method="dpo")
+    sft = estimate(replace(plan, method="sft"))
     dpo = estimate(plan)
     assert dpo.batch_rows == 2 * sft.batch_rows
     assert dpo.components["activations"] > 1.9 * sft.components["activations"]
@@ -111,15 +111,15 @@ def test_dpo_doubles_the_rows_and_adds_the_reference_forward():
 @pytest.mark.parametrize(
     "plan",
     [
-        step_plan("lora", batch_size=2, seq_len=64, objective="dpo"),
-        step_plan("lora", batch_size=2, seq_len=64, objective="dpo", gradient_checkpointing=True),
-        step_plan("lora", batch_size=2, seq_len=64, objective="dpo", precompute_ref=True),
-        step_plan("qlora", batch_size=1, seq_len=128, objective="dpo"),
+        step_plan("lora", batch_size=2, seq_len=64, method="dpo"),
+        step_plan("lora", batch_size=2, seq_len=64, method="dpo", gradient_checkpointing=True),
+        step_plan("lora", batch_size=2, seq_len=64, method="dpo", precompute_ref=True),
+        step_plan("qlora", batch_size=1, seq_len=128, method="dpo"),
     ],
     ids=["dpo", "dpo-gc", "dpo-precomputed", "dpo-qlora"],
 )
 def test_planner_agrees_with_a_measured_dpo_step(tmp_path, plan):
-    if plan.method == "qlora":
+    if plan.tuning == "qlora":
         pytest.importorskip("bitsandbytes")
     config = tiny_config(
         "llama", num_hidden_layers=3, vocab_size=2000, intermediate_size=256, hidden_size=128
@@ -158,7 +158,7 @@ def test_dpo_run_through_core_train_learns_the_preference_on_heldout_pairs(tmp_p
     assert len(accuracies) >= 5 and margins[-1] > margins[0]
     heldout = [m["eval_rewards/accuracies"] for m in metrics if "eval_rewards/accuracies" in m]
     assert len(heldout) >= 2 and heldout[-1] >= 0.8, heldout
-    assert json.loads((run_dir / rundir.PLAN).read_text())["plan"]["objective"] == "dpo"
+    assert json.loads((run_dir / rundir.PLAN).read_text())["plan"]["method"] == "dpo"
     assert (run_dir / "adapter" / "adapter_config.json").is_file()
     # a DPO adapter merges and verifies exactly as an SFT one
     from core.merge.export import merge_at
@@ -203,7 +203,7 @@ def test_dpo_smoke_test_measures_a_max_length_pair_step(workspace, tiny_llama, p
 
     cfg = _cfg(tiny_llama, prefs[0])
     plan = plan_record(estimate_for_config(cfg, 24.0, "cpu", smoke=True))
-    assert plan["plan"]["objective"] == "dpo" and plan["batch_rows"] == 2 and plan["batch_length"] == 32
+    assert plan["plan"]["method"] == "dpo" and plan["batch_rows"] == 2 and plan["batch_length"] == 32
     result = wait_for_smoke(start_smoke_test(workspace, "dpo-smoke", cfg), timeout=300)
     assert result is not None and result["state"] == "finished", result
     assert result["peak_bytes"] > 0 and abs(result["peak_bytes"] / result["estimate_bytes"] - 1) <= 0.10
@@ -226,9 +226,7 @@ def test_dpo_with_an_explicit_reference_model_trains(tmp_path, tiny_llama, prefs
 
 def test_a_dpo_plan_pads_even_with_padding_free_ticked():
     """DPOTrainer 1.16 has no packing and turns padding-free off: the plan keeps [chosen; rejected] rows padded."""
-    plan = Plan(
-        model="meta-llama/Llama-2-7b-hf", objective="dpo", padding_free=True, batch_size=2, seq_len=1024
-    )
+    plan = Plan(model="meta-llama/Llama-2-7b-hf", method="dpo", padding_free=True, batch_size=2, seq_len=1024)
     est = estimate(plan)
     assert (est.batch_rows, est.batch_length) == (4, 1024)
     assert est.components == estimate(replace(plan, padding_free=False)).components

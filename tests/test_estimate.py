@@ -54,7 +54,7 @@ def test_layer_activations_equal_autograd_saved_tensors(tmp_path, method, dtype,
     cfg.save_pretrained(tmp_path)
     plan = Plan(
         model=str(tmp_path),
-        method=method,
+        tuning=method,
         load_dtype=dtype,
         compute_dtype=dtype,
         lora_r=8,
@@ -85,7 +85,7 @@ def test_components_add_up_to_the_three_totals():
 
 
 def test_lora_weight_and_adapter_terms_on_llama2_7b():
-    est = estimate(_plan(method="lora", load_dtype="bf16", lora_r=16, target_modules="q_proj,v_proj"))
+    est = estimate(_plan(tuning="lora", load_dtype="bf16", lora_r=16, target_modules="q_proj,v_proj"))
     spec = load_spec("meta-llama/Llama-2-7b-hf")
     assert est.components["weights"] == spec.total_params * 2
     # q_proj and v_proj are 4096x4096 in 32 layers: 16 * (4096 + 4096) * 2 * 32
@@ -99,15 +99,15 @@ def test_settings_move_the_estimate_the_right_way():
     assert estimate(_plan(batch_size=4, seq_len=2048, gradient_checkpointing=True)).device_total_bytes < (
         base.device_total_bytes
     )
-    qlora = estimate(_plan(method="qlora", batch_size=4, seq_len=2048))
+    qlora = estimate(_plan(tuning="qlora", batch_size=4, seq_len=2048))
     assert qlora.components["weights"] < base.components["weights"] / 2
-    dq_on = estimate(_plan(method="qlora", double_quant=True))
-    dq_off = estimate(_plan(method="qlora", double_quant=False))
+    dq_on = estimate(_plan(tuning="qlora", double_quant=True))
+    dq_off = estimate(_plan(tuning="qlora", double_quant=False))
     assert dq_on.components["quant_constants"] < dq_off.components["quant_constants"]
     eager = estimate(_plan(attn="eager", seq_len=2048))
     sdpa = estimate(_plan(attn="sdpa", seq_len=2048))
     assert eager.components["activations"] > sdpa.components["activations"]
-    full = estimate(_plan(method="full", load_dtype="fp32", optim="adamw_8bit", batch_size=1, seq_len=256))
+    full = estimate(_plan(tuning="full", load_dtype="fp32", optim="adamw_8bit", batch_size=1, seq_len=256))
     assert full.trainable_params == full.total_params
     assert full.components["optimizer_states"] < full.total_params * 3
 
@@ -121,27 +121,27 @@ def test_paged_optimizer_states_sit_outside_torch():
 
 
 def test_verdict_follows_the_card():
-    plan = _plan(method="qlora", batch_size=1, seq_len=512, gradient_checkpointing=True)
+    plan = _plan(tuning="qlora", batch_size=1, seq_len=512, gradient_checkpointing=True)
     small, big = estimate(dataclasses.replace(plan, gpu_gb=4)), estimate(dataclasses.replace(plan, gpu_gb=80))
     assert small.verdict == "does not fit" and not small.fits
     assert big.verdict == "fits" and big.fits
 
 
 def test_reference_model_cases():
-    lora = estimate(_plan(objective="dpo", batch_size=1, seq_len=512))
+    lora = estimate(_plan(method="dpo", batch_size=1, seq_len=512))
     assert "adapter disabled" in lora.reference
     assert lora.components["reference_model"] == 0
     single = estimate(_plan(batch_size=1, seq_len=512))
     doubled = estimate(_plan(batch_size=2, seq_len=512))
     assert lora.components["activations"] == doubled.components["activations"]  # chosen + rejected
     assert lora.components["activations"] > single.components["activations"]
-    full = estimate(_plan(method="full", objective="dpo", batch_size=1, seq_len=256))
+    full = estimate(_plan(tuning="full", method="dpo", batch_size=1, seq_len=256))
     assert "second" in full.reference
     assert full.components["reference_model"] == full.components["weights"]
 
 
 def test_fit_search_lands_at_the_edge():
-    plan = _plan(method="qlora", gradient_checkpointing=True, batch_size=1, seq_len=1024, gpu_gb=24)
+    plan = _plan(tuning="qlora", gradient_checkpointing=True, batch_size=1, seq_len=1024, gpu_gb=24)
     fit = fit_search(plan)
     b, s = fit["max_batch_size"], fit["max_seq_len"]
     assert b >= 1 and s >= 64
@@ -185,12 +185,34 @@ def test_memory_curve_rises_with_sequence_length():
 
 
 def test_plan_round_trips_through_a_dict():
-    plan = _plan(method="qlora", lora_r=32, optim="paged_adamw_8bit")
+    plan = _plan(tuning="qlora", lora_r=32, optim="paged_adamw_8bit")
     again = Plan.from_dict(dataclasses.asdict(plan))
     assert again == plan
     assert isinstance(estimate(again), Estimate)
     with pytest.raises(PlanError, match="Unknown plan setting"):
         Plan.from_dict({"model": "x", "bogus": 1})
+
+
+def test_a_plan_dict_in_the_older_names_still_reads():
+    """Issue #48: plan.json files and saved plan dicts said full / lora / qlora as `method` and the run config's
+    method as `objective`; they read into tuning and method (the value sets are disjoint)."""
+    from core.estimate.from_config import plan_to_config
+
+    plan = _plan(tuning="qlora", method="dpo", lora_r=8)
+    new = plan.to_dict()
+    old = {
+        **{k: v for k, v in new.items() if k not in ("tuning", "method")},
+        "method": "qlora",
+        "objective": "dpo",
+    }
+    assert Plan.from_dict(old) == plan
+    assert plan_to_config(old) == plan_to_config(new)
+    assert Plan.from_dict({"method": "full"}) == Plan(tuning="full")
+    assert Plan.from_dict({"objective": "kto"}) == Plan(method="kto")
+    with pytest.raises(PlanError, match="objective is the older name of method"):
+        Plan.from_dict({"method": "sft", "objective": "dpo"})
+    with pytest.raises(PlanError, match="method 'lora' is a tuning"):
+        estimate(Plan(method="lora"))
 
 
 @pytest.mark.parametrize(
@@ -201,7 +223,7 @@ def test_plan_round_trips_through_a_dict():
         ({"seq_len": -5}, "seq_len must be"),
         ({"gpu_gb": 0}, "gpu_gb must be a positive"),
         ({"lora_r": 8192}, "larger than every layer it adapts"),
-        ({"method": "prefix"}, "method 'prefix' is not one of"),
+        ({"tuning": "prefix"}, "tuning 'prefix' is not one of"),
         ({"lora_dropout": 1.5}, "lora_dropout"),
     ],
 )

@@ -38,7 +38,7 @@ def test_json_for_llama2_7b_lora_offline():
     proc = run_cli(
         "--model",
         "meta-llama/Llama-2-7b-hf",
-        "--method",
+        "--tuning",
         "lora",
         "--batch-size",
         "2",
@@ -83,7 +83,7 @@ def test_json_for_llama2_7b_lora_offline():
 
 @pytest.mark.slow
 def test_human_table_and_long_sequence_warning(tiny_llama):
-    proc = run_cli("--model", str(tiny_llama), "--method", "qlora", "--seq-len", "1000", "--gpu-gb", "8")
+    proc = run_cli("--model", str(tiny_llama), "--tuning", "qlora", "--seq-len", "1000", "--gpu-gb", "8")
     assert proc.returncode == 0, proc.stderr
     assert "device total" in proc.stdout and "verdict:" in proc.stdout and "peak phase:" in proc.stdout
     assert "max_position_embeddings" in proc.stderr and "Traceback" not in proc.stderr
@@ -162,3 +162,28 @@ def test_the_default_batch_and_length_are_the_estimate_pages_and_the_table_says_
     out = json.loads(estimate_main("--model", "meta-llama/Llama-2-7b-hf", "--json").stdout)
     assert (out["plan"]["batch_size"], out["plan"]["seq_len"]) == (batch, length)
     assert "components" in out and "fit_search" in out
+
+
+def test_the_older_spellings_of_tuning_and_method_still_plan_with_a_note():
+    """Issue #48: --method said full / lora / qlora and --objective the run config's method; now --tuning and
+    --method. The old spellings plan the same, each with a one-line note on stderr; --dpo stays."""
+    llama = ("--model", "meta-llama/Llama-2-7b-hf", "--batch-size", "1", "--seq-len", "256", "--json")
+    new = estimate_main(*llama, "--tuning", "qlora", "--method", "dpo")
+    assert new.returncode == 0 and new.stderr == "", new.stderr
+    plan = json.loads(new.stdout)["plan"]
+    assert (plan["tuning"], plan["method"]) == ("qlora", "dpo") and "objective" not in plan
+    for old in (("--method", "qlora", "--objective", "dpo"), ("--method", "qlora", "--dpo")):
+        proc = estimate_main(*llama, *old)
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout) == json.loads(new.stdout)
+        notes = proc.stderr.splitlines()
+        assert notes[0] == (
+            "note: --method qlora is the older spelling of --tuning qlora (--method is now sft, dpo, kto or grpo)."
+        )
+        assert notes[1:] == (
+            ["note: --objective is the older spelling of --method (--method dpo)."]
+            if "--objective" in old
+            else []
+        )
+    clash = estimate_main(*llama, "--method", "kto", "--dpo")
+    assert clash.returncode == 2 and "--method kto and --method dpo both given" in clash.stderr

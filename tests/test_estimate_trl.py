@@ -52,7 +52,7 @@ def test_chunk_sizes_are_the_installed_trls():
 def test_defaults_follow_trl_and_the_old_path_stays_reachable():
     d = Plan()
     assert d.fused_lm_head is True and d.prepare_kbit is False
-    old = Plan(method="qlora", fused_lm_head=False, prepare_kbit=True)
+    old = Plan(tuning="qlora", fused_lm_head=False, prepare_kbit=True)
     assert Plan.from_dict(old.to_dict()) == old
 
 
@@ -64,7 +64,7 @@ def test_fused_head_switch_changes_exactly_the_loss_term():
     for device in ("cuda", "cpu"):
         fused = Plan(
             model=spec.model_id,
-            method="lora",
+            tuning="lora",
             batch_size=2,
             seq_len=1024,
             device=device,
@@ -89,7 +89,7 @@ def test_triton_tiles_do_not_grow_with_the_vocabulary(tmp_path):
     """On CUDA only min(N, 4096) x 32768 tiles and per-token terms exist: doubling a large vocabulary leaves
     the fused term unchanged, while the plain path's logits double."""
     specs = [load_spec(_folder(tmp_path, f"v{v}", vocab_size=v)[1]) for v in (65536, 131072)]
-    plan = Plan(method="lora", batch_size=1, seq_len=256, device="cuda")
+    plan = Plan(tuning="lora", batch_size=1, seq_len=256, device="cuda")
     fused = [fused_head_bytes(s, replace(plan, model=s.model_id), 1) for s in specs]
     assert fused[0] == fused[1]
     plain = [logits_bytes(s, plan, 256)[1] for s in specs]
@@ -104,7 +104,7 @@ def test_prepare_kbit_switch_changes_the_upcast_and_the_adapter_dtype():
     """prepare_model_for_kbit_training makes everything outside the 4-bit Linears fp32 (+2 B/param); TRL's
     preparation keeps them bf16 and casts the LoRA weights to bf16, so their grads and Adam states halve."""
     spec = load_spec(LLAMA)
-    trl = Plan(model=LLAMA, method="qlora", fused_lm_head=False, optim="adamw_torch", device="cpu")
+    trl = Plan(model=LLAMA, tuning="qlora", fused_lm_head=False, optim="adamw_torch", device="cpu")
     peft = replace(trl, prepare_kbit=True)
     a, b = estimate(trl, spec), estimate(peft, spec)
     assert a.trainable_params == b.trainable_params
@@ -123,7 +123,7 @@ def test_prepare_kbit_switch_changes_the_upcast_and_the_adapter_dtype():
     assert a.phase_components["optimizer"]["optimizer_states"] == 2 * 2 * n
     assert b.phase_components["optimizer"]["optimizer_states"] == 2 * 4 * n
     # LoRA (not quantized) keeps fp32 adapters either way: SFTTrainer casts only for quantized models
-    lora = estimate(replace(trl, method="lora"), spec)
+    lora = estimate(replace(trl, tuning="lora"), spec)
     assert lora.phase_components["optimizer"]["lora_params"] == 4 * n
 
 
@@ -132,7 +132,7 @@ def test_cli_flags_reach_the_plan(capsys):
         ([], True, False),
         (["--no-fused-lm-head", "--prepare-kbit"], False, True),
     ):
-        assert main(["--model", LLAMA, "--method", "qlora", "--json", *argv]) == 0
+        assert main(["--model", LLAMA, "--tuning", "qlora", "--json", *argv]) == 0
         plan = json.loads(capsys.readouterr().out)["plan"]
         assert (plan["fused_lm_head"], plan["prepare_kbit"]) == (fused, prep)
 
@@ -194,7 +194,7 @@ def _measured_and_planned(tmp_path, plan):
     ids=["fused", "plain", "fused-gc-dropout", "qlora-trl", "qlora-prep-fused", "qlora-trl-gc", "qlora-old"],
 )
 def test_planner_agrees_with_the_measured_step(tmp_path, plan):
-    if plan.method == "qlora":
+    if plan.tuning == "qlora":
         pytest.importorskip("bitsandbytes")
     measured, est = _measured_and_planned(tmp_path, plan)
     error = est.tensor_peak_bytes / measured.steady_peak_bytes - 1
@@ -226,7 +226,7 @@ def test_bnb_8bit_keeps_embedding_states_in_32_bit_as_trainer_does():
     from core.estimate.specs import load_spec
 
     spec = load_spec("TinyLlama/TinyLlama-1.1B-Chat-v1.0")
-    kw = dict(model=spec.model_id, method="full", batch_size=1, seq_len=128, device="cpu")
+    kw = dict(model=spec.model_id, tuning="full", batch_size=1, seq_len=128, device="cpu")
     eight = estimate(Plan(optim="adamw_8bit", **kw)).components["optimizer_states"]
     n = spec.embedding_params
     others = [t for t in spec.param_numels]

@@ -52,7 +52,7 @@ def test_an_eval_batch_is_a_no_grad_forward_that_becomes_the_peak_as_it_grows():
 
 
 def test_a_preference_method_keeps_the_policys_outputs_through_its_reference_forward():
-    dpo = Plan(model=LLAMA, objective="dpo", seq_len=1024, batch_size=1, eval_batch_size=4)
+    dpo = Plan(model=LLAMA, method="dpo", seq_len=1024, batch_size=1, eval_batch_size=4)
     with_ref, precomputed = estimate(dpo), estimate(replace(dpo, precompute_ref=True))
     kept = (
         with_ref.evaluation["components"]["eval_forward"]
@@ -79,7 +79,7 @@ def test_the_samples_callback_generates_its_prompts_at_each_evaluation_32_at_a_t
 def test_grpo_generates_its_eval_batch_then_scores_it():
     grpo = dict(
         model="Qwen/Qwen2.5-1.5B",
-        objective="grpo",
+        method="grpo",
         lora_dropout=0.0,
         batch_size=8,
         seq_len=1024,
@@ -126,7 +126,7 @@ def test_the_fit_search_answers_the_largest_eval_batch_that_fits():
     # GRPO's eval batch in whole groups of num_generations_eval
     grpo = Plan(
         model="Qwen/Qwen2.5-1.5B",
-        objective="grpo",
+        method="grpo",
         lora_dropout=0.0,
         batch_size=8,
         seq_len=1024,

@@ -22,8 +22,8 @@ TOLERANCE = 0.05
 def grpo(**kw) -> Plan:
     base = dict(
         model=QWEN,
-        objective="grpo",
-        method="lora",
+        method="grpo",
+        tuning="lora",
         lora_dropout=0.0,
         batch_size=8,
         seq_len=1024,
@@ -62,7 +62,7 @@ def test_the_generation_phase_holds_the_kv_cache_of_every_completion_at_its_last
 
 def test_beta_zero_loads_no_reference_lora_disables_the_adapter_a_full_fine_tune_copies_the_model():
     lora0, lora1 = estimate(grpo()), estimate(grpo(kl_beta=0.04))
-    full0, full1 = estimate(grpo(method="full")), estimate(grpo(method="full", kl_beta=0.04))
+    full0, full1 = estimate(grpo(tuning="full")), estimate(grpo(tuning="full", kl_beta=0.04))
     assert lora0.reference is None and full0.reference is None
     for est in (lora0, lora1, full0):
         assert all(c.get("reference_model", 0) == 0 for c in est.phase_components.values())
@@ -198,7 +198,7 @@ def test_a_plan_becomes_a_run_config_and_back():
 def test_what_would_fit_offers_grpos_own_changes_each_re_estimated():
     plan = grpo(
         model="meta-llama/Llama-3.1-8B",
-        method="qlora",
+        tuning="qlora",
         seq_len=8192,
         completion_len=7680,
         vllm="colocate",
@@ -295,7 +295,7 @@ def test_dry_run_and_estimate_print_the_grpo_bill(grpo_run, capsys):
     table = capsys.readouterr().out
     assert "generation phase:" in table and "logprob_forward" in table and "lm_head_loss" in table
     assert f"peak phase: {record['peak_phase']}" in table and "longest completion" in table
-    assert main(["--model", QWEN, "--objective", "grpo", "--batch-size", "8", "--seq-len", "1024"]) == 0
+    assert main(["--model", QWEN, "--method", "grpo", "--batch-size", "8", "--seq-len", "1024"]) == 0
     assert "kv_cache" in capsys.readouterr().out  # TRL's defaults: 8 completions of 256 tokens
     # the data's real lengths are SFT rows' (a prompt's completion is generated, its length unknown before)
     assert main(["--config", str(path), "--gpu-gb", "24", "--data-lengths"]) == 2

@@ -38,7 +38,7 @@ def test_padding_free_follows_the_tokens_really_in_the_batch():
     spec = load_spec(LLAMA8B)
     bound = Plan(
         model=LLAMA8B,
-        method="qlora",
+        tuning="qlora",
         batch_size=4,
         seq_len=2048,
         attn="flash",
@@ -66,7 +66,7 @@ def test_padding_free_on_sdpa_pays_for_the_mask_and_the_gqa_copies():
     spec = load_spec(LLAMA8B)
     flash = Plan(
         model=LLAMA8B,
-        method="lora",
+        tuning="lora",
         batch_size=2,
         seq_len=1024,
         attn="flash",
@@ -97,7 +97,7 @@ def test_liger_removes_the_fp32_norm_copies_and_silu_output():
     spec = load_spec(LLAMA8B)
     plan = Plan(
         model=LLAMA8B,
-        method="qlora",
+        tuning="qlora",
         batch_size=1,
         seq_len=4096,
         lora_dropout=0.0,
@@ -119,7 +119,7 @@ def test_liger_removes_the_fp32_norm_copies_and_silu_output():
 
 def test_activation_offloading_moves_saved_activations_to_pinned_cpu_ram():
     spec = load_spec(LLAMA8B)
-    plan = Plan(model=LLAMA8B, method="qlora", batch_size=1, seq_len=16384, gradient_checkpointing=True)
+    plan = Plan(model=LLAMA8B, tuning="qlora", batch_size=1, seq_len=16384, gradient_checkpointing=True)
     off = estimate(plan, spec)
     on = estimate(replace(plan, activation_offloading=True), spec)
     layer_input = 16384 * spec.hidden_size * 2
@@ -132,7 +132,7 @@ def test_activation_offloading_moves_saved_activations_to_pinned_cpu_ram():
 
 def test_lever_savings_are_re_estimates_and_cover_every_lever():
     spec = load_spec(LLAMA8B)
-    plan = Plan(model=LLAMA8B, method="qlora", batch_size=2, seq_len=4096, lora_dropout=0.05)
+    plan = Plan(model=LLAMA8B, tuning="qlora", batch_size=2, seq_len=4096, lora_dropout=0.05)
     rows = {r["lever"]: r for r in lever_savings(plan, spec)}
     assert set(rows) == {lv.field for lv in LEVERS}
     for field, row in rows.items():
@@ -172,7 +172,7 @@ def test_what_would_fit_one_12_gb_card_offers_what_that_card_can_do_first(model,
     from core.estimate.cards import CARDS
 
     card = next(c for c in CARDS if c.name == "RTX 3060")
-    plan = Plan(model=model, method=method, batch_size=4, seq_len=512, gpu_gb=card.gib)
+    plan = Plan(model=model, tuning=method, batch_size=4, seq_len=512, gpu_gb=card.gib)
     assert estimate(plan).verdict == "does not fit"
     advice = what_would_fit(plan)
     more = [a for a in advice if "gpus" in a["settings"]]
@@ -224,7 +224,7 @@ def _folder(tmp_path, name):
     ],
 )
 def test_cpu_levers_agree_with_a_measured_step(tmp_path, plan):
-    if plan.method == "qlora":
+    if plan.tuning == "qlora":
         pytest.importorskip("bitsandbytes")
     config, folder = _folder(tmp_path, "m")
     measured = measure_plan(config, plan, cache_dir=tmp_path)
@@ -267,7 +267,7 @@ def test_cli_takes_levers_as_flags_and_lists_per_lever_savings():
     out = _cli(
         "--model",
         LLAMA8B,
-        "--method",
+        "--tuning",
         "qlora",
         "--gradient-checkpointing",
         "--activation-offloading",
@@ -476,7 +476,7 @@ def test_a_smaller_batch_or_length_is_the_largest_that_fits_not_a_halving():
     from core.estimate.fit import fit_search
     from core.estimate.levers import what_would_fit
 
-    plan = Plan(model="meta-llama/Llama-3.1-8B", method="qlora", batch_size=8, seq_len=4096, gpu_gb=24.0)
+    plan = Plan(model="meta-llama/Llama-3.1-8B", tuning="qlora", batch_size=8, seq_len=4096, gpu_gb=24.0)
     fit = fit_search(plan)
     assert 1 <= fit["max_batch_size"] < plan.batch_size and fit["max_seq_len"] < plan.seq_len  # over the card
     advice = {tuple(a["settings"]): a for a in what_would_fit(plan)}

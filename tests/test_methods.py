@@ -146,23 +146,21 @@ def test_feedback_preflight_names_rows_and_one_sided_labels(tiny_llama):
 
 def test_kto_plans_one_row_per_example_and_the_reference_forward():
     plan = Plan(model="meta-llama/Llama-2-7b-hf", batch_size=2, seq_len=1024)
-    sft, dpo, kto = (
-        estimate(Plan(**{**plan.to_dict(), "objective": name})) for name in ("sft", "dpo", "kto")
-    )
+    sft, dpo, kto = (estimate(Plan(**{**plan.to_dict(), "method": name})) for name in ("sft", "dpo", "kto"))
     assert (kto.batch_rows, dpo.batch_rows, sft.batch_rows) == (2, 4, 2)
     assert kto.reference and "adapter disabled" in kto.reference and sft.reference is None
     # the reference forward waits next to the policy's saved tensors: a forward moment above SFT's (whether it
     # is the step's peak depends on the model), and the whole step below DPO's two rows
     assert sft.phases["forward"] < kto.phases["forward"]
     assert sft.tensor_peak_bytes <= kto.tensor_peak_bytes < dpo.tensor_peak_bytes
-    pre = estimate(Plan(**{**plan.to_dict(), "objective": "kto", "precompute_ref": True}))
+    pre = estimate(Plan(**{**plan.to_dict(), "method": "kto", "precompute_ref": True}))
     assert sft.phases["forward"] <= pre.phases["forward"] < kto.phases["forward"]  # + its mean_logits
 
 
 def test_kto_config_maps_to_its_plan(tmp_path):
     cfg = _kto("meta-llama/Llama-2-7b-hf", tmp_path / "d.jsonl", precompute_ref_log_probs=True)
     plan = plan_for_config(cfg, device="cuda")
-    assert plan.objective == "kto" and plan.precompute_ref and plan.lora_dropout == 0.0
+    assert plan.method == "kto" and plan.precompute_ref and plan.lora_dropout == 0.0
     smoke = plan_for_config(cfg, device="cuda", smoke=True)
     assert smoke.batch_size == methods.get("kto").smoke_batch_size == 2
 
@@ -189,7 +187,7 @@ def test_kto_run_through_core_train_charts_and_merges(tmp_path, tiny_llama, feed
     metrics = [json.loads(line) for line in (run_dir / rundir.METRICS).read_text().splitlines() if line]
     margins = [m["rewards/margins"] for m in metrics if "rewards/margins" in m]
     assert len(margins) >= 5 and margins[-1] > margins[0] and any("kl" in m for m in metrics)
-    assert json.loads((run_dir / rundir.PLAN).read_text())["plan"]["objective"] == "kto"
+    assert json.loads((run_dir / rundir.PLAN).read_text())["plan"]["method"] == "kto"
 
     from core.monitor.summary import summarize_run
     from core.monitor.watch import RunWatcher

@@ -85,7 +85,7 @@ def planned_saved(folder, plan: Plan) -> dict[str, float]:
 
     spec = load_spec(str(folder))
     assert is_mla(spec)
-    targets = () if plan.method == "full" else lora_targets(str(folder), plan.target_modules)
+    targets = () if plan.tuning == "full" else lora_targets(str(folder), plan.target_modules)
     t = LayerTerms(spec, plan, targets)
     mla_block(t)
     return t.saved
@@ -160,7 +160,7 @@ BASE = Plan(
         (
             "glm4_moe_lite",
             {},
-            replace(BASE, method="full"),
+            replace(BASE, tuning="full"),
         ),  # every Linear's input, the norms' weighted inputs
         ("deepseek_v2", {}, BASE),
         ("kimi_linear", {}, BASE),

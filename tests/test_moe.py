@@ -234,7 +234,7 @@ def test_qlora_leaves_the_fused_experts_in_bf16_as_planned(tmp_path):
     assert experts.gate_up_proj.dtype == torch.bfloat16 and experts.down_proj.dtype == torch.bfloat16
     assert model.model.layers[0].self_attn.q_proj.weight.dtype == torch.uint8  # packed 4-bit
     plan = Plan(
-        model=str(path), method="qlora", load_dtype="bf16", double_quant=False, seq_len=16, device="cpu"
+        model=str(path), tuning="qlora", load_dtype="bf16", double_quant=False, seq_len=16, device="cpu"
     )
     est = estimate(plan)
     assert est.components["weights"] + est.components["quant_constants"] == _storage_bytes(model)
@@ -286,7 +286,7 @@ def _default_config_folder(tmp_path, model_type: str, **fields):
 @pytest.mark.parametrize("model_type", list(FAMILIES))
 def test_every_moe_family_prints_a_plan_naming_its_experts_and_their_dtype(tmp_path, model_type):
     folder = _default_config_folder(tmp_path, model_type, **FAMILIES[model_type])
-    rc, out = _cli(["--model", str(folder), "--method", "qlora", "--seq-len", "512"])
+    rc, out = _cli(["--model", str(folder), "--tuning", "qlora", "--seq-len", "512"])
     assert rc == 0, out
     assert "Traceback" not in out
     assert "mixture of experts:" in out and "routed tokens:" in out
@@ -316,7 +316,7 @@ def test_the_moe_levers_are_real_re_estimates_with_their_costs(tmp_path):
     from core.estimate.levers import lever_savings, what_would_fit
 
     _, folder = _config_folder(tmp_path, "qwen3_moe", hidden_size=128, moe_intermediate_size=256)
-    plan = _plan(folder, LORA["experts"], method="qlora", gpu_gb=0.001, seq_len=64)
+    plan = _plan(folder, LORA["experts"], tuning="qlora", gpu_gb=0.001, seq_len=64)
     base = estimate(plan)
     advice = {a["change"]: a for a in what_would_fit(plan)}
     frozen = next(a for label, a in advice.items() if label.startswith("LoRA without the experts"))

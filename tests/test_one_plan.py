@@ -60,7 +60,7 @@ def test_every_path_yields_the_same_plan(tiny_llama, dataset, variant):
     assert plan.to_dict() == estimate_for_config(cfg, 24.0, "cuda").plan  # the Train page and the launcher
     assert plan_json(cfg, 24.0, "cuda")["plan"] == plan.to_dict()  # --dry-run and a CLI run's plan.json
     assert estimate(plan).tensor_peak_bytes == plan_json(cfg, 24.0, "cuda")["tensor_peak_bytes"]
-    assert plan.objective == "sft" and plan.fused_lm_head and not plan.prepare_kbit  # what SFTTrainer does
+    assert plan.method == "sft" and plan.fused_lm_head and not plan.prepare_kbit  # what SFTTrainer does
 
 
 def test_dry_run_prints_the_plan_json_object(tiny_llama, dataset, tmp_path):
@@ -107,7 +107,7 @@ def test_gpt2_conv1d_folder_plans_lora(tmp_path):
 
     from core.estimate.plan import Plan
 
-    est = estimate(Plan(model=str(tmp_path), method="lora", lora_r=4, seq_len=64, device="cpu"))
+    est = estimate(Plan(model=str(tmp_path), tuning="lora", lora_r=4, seq_len=64, device="cpu"))
     model = get_peft_model(
         AutoModelForCausalLM.from_config(GPT2Config.from_pretrained(tmp_path)),
         LoraConfig(r=4, target_modules="all-linear"),

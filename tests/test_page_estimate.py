@@ -240,7 +240,7 @@ def test_the_gpu_list_names_the_cards_users_own_and_takes_a_size_of_its_own():
 
 
 def test_qlora_is_a_fine_tuning_choice_beside_lora():
-    """Issue #40 item 4: QLoRA was 'LoRA + 4-bit', two checkboxes; the CLI has --method qlora."""
+    """Issue #40 item 4: QLoRA was 'LoRA + 4-bit', two checkboxes; the CLI has --tuning qlora."""
     at = _app()
     tuning = at.radio(key="es_tuning")
     assert tuning.options == ["LoRA", "QLoRA (4-bit base)", "Full fine-tune"] and tuning.value == "lora"

@@ -221,11 +221,11 @@ def test_plan_for_config_describes_the_run(tiny_llama, dataset):
     cfg["lora"].update(r=4, target_modules=["q_proj", "v_proj"])
     cfg["training"].update(gradient_checkpointing=True, optim="paged_adamw_8bit")
     plan = plan_for_config(cfg, gpu_gb=48, device="cuda", expandable_segments=True)
-    assert (plan.method, plan.lora_r, plan.target_modules) == ("qlora", 4, "q_proj,v_proj")
+    assert (plan.tuning, plan.lora_r, plan.target_modules) == ("qlora", 4, "q_proj,v_proj")
     assert (plan.batch_size, plan.seq_len, plan.gpu_gb) == (2, 64, 48.0)
     assert plan.gradient_checkpointing and plan.optim == "paged_adamw_8bit"
     assert plan.expandable_segments and plan.model == str(tiny_llama)
-    assert plan.objective == "sft"  # an SFT config plans an SFT run, whatever the Estimate page last showed
+    assert plan.method == "sft"  # an SFT config plans an SFT run, whatever the Estimate page last showed
     cpu = plan_for_config(cfg, device="cpu", batch_size=1)
     assert (cpu.compute_dtype, cpu.autocast, cpu.batch_size) == (
         "fp32",

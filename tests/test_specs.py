@@ -114,7 +114,7 @@ def test_nf4_bytes_equal_bitsandbytes_real_storage(tmp_path, double_quant):
     model = AutoModelForCausalLM.from_pretrained(str(path), quantization_config=quant, dtype=torch.bfloat16)
     real = _bnb_storage_bytes(model)
     plan = Plan(
-        model=str(path), method="qlora", load_dtype="bf16", double_quant=double_quant, prepare_kbit=False
+        model=str(path), tuning="qlora", load_dtype="bf16", double_quant=double_quant, prepare_kbit=False
     )
     weights, constants = weight_bytes(load_spec(str(path)), plan)
     assert weights + constants == real

@@ -183,7 +183,7 @@ def test_extrapolation_from_two_and_three_layers_equals_full_depth():
         full = measure_plan(config, plan)
         small, large = (main_phase_peaks(m.steady_phase_peaks) for m in (fit.small, fit.large))
         folded = small["backward"] + 4 * (large["backward"] - small["backward"])  # phases folded first
-        if plan.method == "full":
+        if plan.tuning == "full":
             assert folded < main_phase_peaks(full.steady_phase_peaks)["backward"]  # why sub-phases exist
         assert fit.phase_peaks_at(6) == main_phase_peaks(full.steady_phase_peaks), plan
         assert fit.peak_at(6) == (full.steady_peak_bytes, full.steady_peak_phase)
@@ -240,7 +240,7 @@ def test_bad_inputs_say_what_to_fix(tmp_path):
 
     with pytest.raises(TrackerError, match="no config.json"):
         measure_config(tmp_path, {"method": "lora"})
-    with pytest.raises(TrackerError, match="method 'dora' is not one of"):
+    with pytest.raises(TrackerError, match="tuning 'dora' is not one of"):
         step_plan("dora")
     with pytest.raises(TrackerError, match="seq_len must be a whole number above zero"):
         step_plan(seq_len=0)
@@ -265,7 +265,7 @@ def test_plan_of_a_run_config_reads_the_sections():
     # through the one config -> plan mapping: on a CPU the trainer never autocasts, on a GPU bf16 does
     assert autocast_dtype(plan_of_config(cfg)) is None
     plan = plan_of_config(cfg, device="cuda")
-    assert (plan.method, plan.attn, plan.lora_r, plan.seq_len, plan.batch_size) == (
+    assert (plan.tuning, plan.attn, plan.lora_r, plan.seq_len, plan.batch_size) == (
         "qlora",
         "eager",
         32,

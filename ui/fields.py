@@ -10,7 +10,7 @@ import functools
 
 import streamlit as st
 
-from core.estimate.config_map import method_of, set_method
+from core.estimate.config_map import set_tuning, tuning_of
 from core.estimate.plan import PACKING_STRATEGIES
 from core.recipe import methods, trackers
 from core.recipe.config import default_config, section_schema
@@ -215,7 +215,7 @@ def fill(prefix: str, cfg: dict, names, method) -> list[str]:
     for name in names:
         f = FIELDS[name]
         if f.kind == "tuning":
-            st.session_state[prefix + name] = method_of(cfg)
+            st.session_state[prefix + name] = tuning_of(cfg)
             continue
         value = _get(cfg, f)
         default = _get(defaults, f)
@@ -240,7 +240,7 @@ def read(prefix: str, base: dict, names, method) -> dict:
     for name in names:
         f = FIELDS[name]
         if f.kind == "tuning":
-            set_method(raw, st.session_state.get(prefix + name) or "lora")
+            set_tuning(raw, st.session_state.get(prefix + name) or "lora")
             continue
         section = raw.setdefault(f.section, {})
         value = config_value(f, st.session_state.get(prefix + name))

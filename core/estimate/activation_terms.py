@@ -32,7 +32,7 @@ def step_dtypes(plan: Plan) -> _Dtypes:
     compute = DTYPE_BYTES[plan.compute_dtype]
     load = DTYPE_BYTES[plan.load_dtype]
     autocast = plan.autocast and compute != 4
-    if plan.method == "qlora":
+    if plan.tuning == "qlora":
         # bnb 4-bit Linear returns its input's dtype; prepare_kbit makes embeddings/norms fp32, so the residual
         # stream and the MLP become fp32 too, while autocast hands sdpa 16-bit copies.
         hidden = 4 if plan.prepare_kbit else load
@@ -68,7 +68,7 @@ class LayerTerms:
         # Linears it reads (a hybrid's layer 0 may be recurrent, without the attention's projections)
         self.spec, self.plan, self.shape = spec, plan, shape
         self.d = step_dtypes(plan)
-        self.full = plan.method == "full"
+        self.full = plan.tuning == "full"
         adapted = {s.name.rsplit(".", 1)[-1] for s in targets if f".{layer}." in s.name}
         self.every_adapted = {s.name.rsplit(".", 1)[-1] for s in targets}
         self.adapted = adapted or self.every_adapted
@@ -265,7 +265,7 @@ def layer_activation_bytes(spec: ModelSpec, plan: Plan, targets=()) -> float:
 def head_saved_bytes(spec: ModelSpec, plan: Plan) -> float:
     """Per token: what the final norm's weight multiply and the lm_head save when their weights train (full
     fine-tuning): the normed input of the weight multiply and the lm_head input."""
-    if plan.method != "full":
+    if plan.tuning != "full":
         return 0
     d = step_dtypes(plan)
     if plan.fused_lm_head:  # the fused head saves its own input (fused_head_bytes), no lm_head module call
@@ -281,7 +281,7 @@ def outside_layers_saved_bytes(spec: ModelSpec, plan: Plan) -> float:
 def embedding_output_requires_grad(plan: Plan) -> bool:
     """Does the first decoder layer get an input that requires grad? Only when the embedding trains (full
     fine-tuning) or the run engine calls enable_input_require_grads (LoRA with gradient checkpointing)."""
-    return plan.method == "full" or (plan.method == "lora" and checkpointing_on(plan))
+    return plan.tuning == "full" or (plan.tuning == "lora" and checkpointing_on(plan))
 
 
 def first_layer_unsaved(saved: dict[str, float], targets) -> float:

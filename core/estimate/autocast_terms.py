@@ -27,15 +27,15 @@ def autocast_weight_copies(spec: ModelSpec, plan: Plan, trainable: int) -> tuple
         return 0, 0
     head = spec.lm_head_params or spec.embedding_params
     fp32_load = DTYPE_BYTES[plan.load_dtype] == 4
-    head_copy = head if (fp32_load or (plan.method == "qlora" and plan.prepare_kbit)) else 0
+    head_copy = head if (fp32_load or (plan.tuning == "qlora" and plan.prepare_kbit)) else 0
     if plan.fused_lm_head:
         head_copy = 0
     c = DTYPE_BYTES[plan.compute_dtype]
-    if plan.method != "full":
+    if plan.tuning != "full":
         trainable_in_layers = trainable if adapter_bytes(plan) != c else 0
     else:
         trainable_in_layers = spec.linear_params if fp32_load else 0
-    frozen_in_layers = spec.linear_params if (plan.method == "lora" and fp32_load) else 0
+    frozen_in_layers = spec.linear_params if (plan.tuning == "lora" and fp32_load) else 0
     if checkpointing_on(plan):
         return (head_copy + trainable_in_layers) * c, head_copy * c
     both = (head_copy + trainable_in_layers + frozen_in_layers) * c

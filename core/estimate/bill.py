@@ -1,5 +1,5 @@
 """The GPU memory planner: every term of docs/design/memory-model.md in bytes for one training step
-(`python -m core.estimate --model meta-llama/Llama-2-7b-hf --method lora --batch-size 4 --seq-len 2048 --json`).
+(`python -m core.estimate --model meta-llama/Llama-2-7b-hf --tuning lora --batch-size 4 --seq-len 2048 --json`).
 Input is one `Plan` (serialisable with dataclasses.asdict / Plan.from_dict, so the Train page can take it over);
 output is an `Estimate`: the components at the peak, the three totals (tensor peak = max_memory_allocated,
 reserved peak = max_memory_reserved, device total = what nvidia-smi shows), the phase of the peak, a verdict,
@@ -115,7 +115,7 @@ def estimate(plan: Plan, spec: ModelSpec | None = None) -> Estimate:
         lora_targets(
             spec.model_id, normalize_targets(plan.target_modules), plan.target_parameters, plan.vision_frozen
         )
-        if plan.method != "full"
+        if plan.tuning != "full"
         else ()
     )
     warnings += check_against_spec(spec, plan, targets) + check_images(spec, plan)
@@ -169,7 +169,7 @@ def step_terms(plan: Plan, spec: ModelSpec, targets) -> StepTerms:
     trainable = sum(tensors)
     param_bytes = trainable_param_bytes(plan)
     opt_inside, opt_paged = optimizer_state_bytes(
-        tensors, plan, spec.embedding_params if plan.method == "full" else 0
+        tensors, plan, spec.embedding_params if plan.tuning == "full" else 0
     )
     moe = moe_of(spec)  # a mixture of experts: its layers' terms are core.estimate.moe_terms'
     saved, recompute, recurrent_backward = (moe_activation_bytes if moe else activation_bytes)(
@@ -188,7 +188,7 @@ def step_terms(plan: Plan, spec: ModelSpec, targets) -> StepTerms:
         saved, recompute, pinned = offloaded_activations(spec, plan, targets, tokens, saved, recompute)
     logits_fwd, logits_bwd = logits_bytes(spec, plan, tokens)
     autocast_fwd, autocast_bwd = autocast_weight_copies(
-        spec, plan, trainable if plan.method == "full" else linear_trainable(targets, plan)
+        spec, plan, trainable if plan.tuning == "full" else linear_trainable(targets, plan)
     )
     kv_per_token = kv_cache_bytes_per_token(spec, plan)
     reference, reference_text = _reference(plan, weights + quant_constants)
@@ -196,7 +196,7 @@ def step_terms(plan: Plan, spec: ModelSpec, targets) -> StepTerms:
         "weights": weights,
         "quant_constants": quant_constants,
         "reference_model": reference,
-        "lora_params": trainable * param_bytes if plan.method != "full" else 0,
+        "lora_params": trainable * param_bytes if plan.tuning != "full" else 0,
         "optimizer_states": opt_inside,
     }
     if vision:
@@ -232,10 +232,10 @@ def step_terms(plan: Plan, spec: ModelSpec, targets) -> StepTerms:
 def _reference(plan: Plan, model_bytes: int) -> tuple[int, str | None]:
     """(bytes, what it is) of a preference method's reference model, or GRPO's with beta > 0 (core.recipe.methods'
     traits)."""
-    traits = methods.get(plan.objective).traits
+    traits = methods.get(plan.method).traits
     if not (traits.reference or (traits.kl_reference and plan.kl_beta > 0)):
         return 0, None
-    if plan.method == "full" or plan.reference == "copy":
+    if plan.tuning == "full" or plan.reference == "copy":
         return (
             model_bytes,
             "a second, frozen copy of the model (full fine-tuning or an explicit reference model)",
@@ -250,7 +250,7 @@ def forward_moment(t: StepTerms) -> dict:
     loss = {"lm_head_loss": fused.forward} if fused else {"logits_loss": t.logits_fwd}
     moment = {**t.static, "autocast_weight_copies": t.autocast_fwd, "activations": t.saved, **loss}
     candidates = [moment]
-    if methods.get(plan.objective).traits.reference and not plan.precompute_ref and fused:
+    if methods.get(plan.method).traits.reference and not plan.precompute_ref and fused:
         # DPOTrainer._compute_loss (KTOTrainer's likewise) runs the reference forward (no grad; the adapter off or
         # the reference model) after the policy's: the policy's saved tensors and log-prob outputs wait next to
         # the reference's transients: one layer at a time (stream, norm output, gate/up/product) or its tiles.
@@ -288,7 +288,7 @@ def backward_moment(t: StepTerms) -> dict:
     layer backward meets, the tail (the embedding's backward) and, for RMSNorm models, the final norm's."""
     plan, spec, fused, tokens, static = t.plan, t.spec, t.fused, t.tokens, t.static
     d = step_dtypes(plan)
-    head_grad = (spec.lm_head_params or spec.embedding_params) * t.param_bytes if plan.method == "full" else 0
+    head_grad = (spec.lm_head_params or spec.embedding_params) * t.param_bytes if plan.tuning == "full" else 0
     loss_bwd = {"lm_head_loss": fused.backward} if fused else {"logits_loss": t.logits_bwd}
     early = {
         **static,
@@ -313,8 +313,8 @@ def backward_moment(t: StepTerms) -> dict:
     # - the tail, the embedding's backward: all gradients, the gradient reaching the embedding, and for a
     #   tied embedding trained in full its two gradients (lm_head's, the embedding's) and their out-of-place
     #   sum (AccumulateGrad) alive at once.
-    tied = spec.tie_word_embeddings and plan.method == "full"
-    embedding_grad = spec.embedding_params * t.param_bytes if (plan.method == "full" and not tied) else 0
+    tied = spec.tie_word_embeddings and plan.tuning == "full"
+    embedding_grad = spec.embedding_params * t.param_bytes if (plan.tuning == "full" and not tied) else 0
     last_layer = {
         **static,
         "autocast_weight_copies": 0,  # released with the activations they were saved for

@@ -1,6 +1,6 @@
 """`python -m core.estimate`: the memory bill of a plan (or of a run config) in a terminal.
 
-python -m core.estimate --model meta-llama/Llama-2-7b-hf --method lora --batch-size 4 --seq-len 2048 --json
+python -m core.estimate --model meta-llama/Llama-2-7b-hf --tuning lora --batch-size 4 --seq-len 2048 --json
 python -m core.estimate --config run.yaml [--data-lengths]
 """
 
@@ -20,6 +20,8 @@ from core.estimate.cli_flags import (
     _multi_gpu_flags,
     _rollout_flags,
     _rollout_values,
+    method_flags,
+    method_values,
     recurrent_flags,
     recurrent_values,
     vlm_flags,
@@ -175,16 +177,7 @@ def _parser() -> argparse.ArgumentParser:
         help="a preset, a local model folder, or a Hub id ORG/NAME[@REVISION] (no weights read)",
     )
     p.add_argument("--list-models", action="store_true", help="print the bundled preset ids and exit")
-    p.add_argument("--method", default=d.method, help="full | lora | qlora")
-    p.add_argument(
-        "--objective",
-        default=d.objective,
-        choices=methods.NAMES,
-        help="the training method: sft, dpo (chosen + rejected + reference) or kto (rated answers + reference)",
-    )
-    p.add_argument(
-        "--dpo", dest="objective", action="store_const", const="dpo", help="the same as --objective dpo"
-    )
+    method_flags(p, d)
     p.add_argument(
         "--reference", "--dpo-reference", default=d.reference, help="preference methods: auto | copy"
     )
@@ -324,6 +317,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.list_models:
         print("\n".join(preset_ids()))
         return 0
+    try:
+        method_values(args)  # --tuning and --method, their older spellings read with a note
+    except PlanError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if not args.model and not args.config:
         print(
             "error: --model is required: a preset id (see --list-models) or a local model folder "

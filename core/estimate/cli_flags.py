@@ -1,11 +1,13 @@
-"""The flag groups of `python -m core.estimate` (core.estimate.cli) that need more than one line: a generating
-method's rollouts, several GPUs, a vision-language model's images."""
+"""The flag groups of `python -m core.estimate` (core.estimate.cli) that need more than one line: the tuning
+and the method (with their older spellings), a generating method's rollouts, several GPUs, a vision-language
+model's images."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 
-from core.estimate.plan import RECURRENT_KERNELS, VLLM_MODES, Plan, PlanError
+from core.estimate.plan import RECURRENT_KERNELS, TUNINGS, VLLM_MODES, Plan, PlanError
 from core.recipe import methods
 from core.recipe.config_keys import STRATEGIES
 
@@ -22,10 +24,59 @@ ROLLOUT_FIELDS = (
 )
 
 
+def method_flags(p: argparse.ArgumentParser, d: Plan) -> None:
+    """--tuning full|lora|qlora and --method sft|dpo|kto|grpo (None unless given: method_values sets them).
+    Older spellings still read: --method full|lora|qlora (the value sets are disjoint) and --objective; --dpo
+    stays."""
+    p.add_argument("--tuning", choices=TUNINGS, help=f"full | lora | qlora (default {d.tuning})")
+    p.add_argument(
+        "--method",
+        help="the training method: sft, dpo (chosen + rejected + reference), kto (rated answers + "
+        f"reference) or grpo (prompts + rewards; default {d.method})",
+    )
+    p.add_argument("--objective", help=argparse.SUPPRESS)  # the older name of --method
+    p.add_argument(
+        "--dpo", dest="shorthand", action="store_const", const="dpo", help="the same as --method dpo"
+    )
+
+
+def method_values(args) -> None:
+    """args.tuning and args.method from the flags, older spellings read with a one-line note on stderr;
+    PlanError where two flags disagree or a method is unknown."""
+    if args.method in TUNINGS:
+        print(
+            f"note: --method {args.method} is the older spelling of --tuning {args.method} (--method is now "
+            "sft, dpo, kto or grpo).",
+            file=sys.stderr,
+        )
+        _one("--tuning", args.tuning, args.method)
+        args.tuning, args.method = args.method, None
+    if args.objective is not None:
+        print(
+            f"note: --objective is the older spelling of --method (--method {args.objective}).",
+            file=sys.stderr,
+        )
+        _one("--method", args.method, args.objective)
+        args.method = args.objective
+    if args.shorthand:  # --dpo
+        _one("--method", args.method, args.shorthand)
+        args.method = args.shorthand
+    if args.method is not None and args.method not in methods.NAMES:
+        raise PlanError(f"--method {args.method!r} is not one of {', '.join((*methods.NAMES, *TUNINGS))}.")
+    args.tuning = args.tuning or Plan.tuning
+    args.method = args.method or Plan.method
+    del args.objective, args.shorthand
+
+
+def _one(flag: str, given, other) -> None:
+    if given is not None and given != other:
+        raise PlanError(f"{flag} {given} and {flag} {other} both given: give one.")
+
+
 def _rollout_flags(p: argparse.ArgumentParser) -> None:
     """A generating method's rollouts (GRPO): None unless given (the method's defaults, or the config's)."""
     g = p.add_argument_group(
-        "a generating method's rollouts (--objective grpo: --seq-len is prompt + completion)"
+        "a generating method's rollouts (--method grpo: --seq-len is prompt + completion)"
     )
     g.add_argument("--completion-len", type=int, help="max_completion_length (default: the method's, 256)")
     g.add_argument("--num-generations", type=int, help="completions per prompt (default 8)")
@@ -50,9 +101,9 @@ def _rollout_flags(p: argparse.ArgumentParser) -> None:
 
 def _rollout_values(args) -> dict:
     """The rollout fields given on the command line, over the method's defaults (its run-config defaults through
-    its own mapping) for a generating objective."""
+    its own mapping) for a generating method."""
     given = {k: getattr(args, k) for k in ROLLOUT_FIELDS if getattr(args, k) is not None}
-    method = methods.get(args.objective)
+    method = methods.get(args.method)
     if not method.traits.generates or args.config:
         return given
     training = {"gradient_accumulation_steps": 1, **method.defaults}

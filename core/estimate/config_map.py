@@ -4,7 +4,7 @@ it and `plan_to_config` writes a plan back through it.
 
 A `Row` is a plan field that is a config key. What is not one is named in `DERIVED` with the function that makes
 it; a special row (its `write` a function) writes a derived field back: the dtypes (core.precision's resolver
-and names), the method full/lora/qlora, the method's own step (its plan_shape and training_of_plan), the GPU
+and names), the tuning full/lora/qlora, the method's own step (its plan_shape and training_of_plan), the GPU
 count. `RUN` holds the fields a config does not say at all.
 """
 
@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from core.estimate.plan import Plan
+from core.estimate.plan import TUNINGS, Plan
 from core.precision import LONG
 from core.recipe import distributed, methods, vision
 from core.recipe.config import checkpointing
@@ -94,19 +94,19 @@ def _multi(r: Reading) -> bool:
     return distributed.world_size(r.cfg) > 1
 
 
-def put_objective(get: Callable, cfg: dict) -> None:
-    """The plan's objective as the config's method (a data format the method cannot read becomes auto)."""
-    objective = get("objective")
-    if objective is not None:
-        cfg["method"] = objective
-        if cfg["data"].get("format") not in (None, "auto", *methods.get(objective).formats):
+def put_method(get: Callable, cfg: dict) -> None:
+    """The plan's method as the config's (a data format the method cannot read becomes auto)."""
+    method = get("method")
+    if method is not None:
+        cfg["method"] = method
+        if cfg["data"].get("format") not in (None, "auto", *methods.get(method).formats):
             cfg["data"]["format"] = "auto"
 
 
-def put_method(get: Callable, cfg: dict) -> None:
-    method = str(get("method") or "").lower()
-    if method in ("full", "lora", "qlora"):
-        set_method(cfg, method)
+def put_tuning(get: Callable, cfg: dict) -> None:
+    tuning = str(get("tuning") or "").lower()
+    if tuning in TUNINGS:
+        set_tuning(cfg, tuning)
 
 
 def put_own(get: Callable, cfg: dict) -> None:
@@ -157,15 +157,15 @@ def put_gpus(get: Callable, cfg: dict) -> None:
 LOAD_DTYPE = Row("load_dtype", "model.dtype", None, lambda v: LONG.get(str(v), str(v)), "truthy", ("dtype",))
 
 ROWS: tuple[Row, ...] = (
-    Row("objective", "method", lambda v, r: r.method.name, write=put_objective),
-    # DPO/KTO: the reference's log-probs once before training (written only for a preference objective)
+    Row("method", "method", lambda v, r: r.method.name, write=put_method),
+    # DPO/KTO: the reference's log-probs once before training (written only for a preference method)
     Row(
         "precompute_ref", "training.precompute_ref_log_probs",
         lambda v, r: _preference(r) and bool(v), lambda v: True, "truthy",
-        when=lambda cfg, get: bool(get("objective")) and methods.get(get("objective")).traits.reference,
+        when=lambda cfg, get: bool(get("method")) and methods.get(get("method")).traits.reference,
     ),
     # full | lora | qlora: lora.enabled and quantization.load_in_4bit
-    Row("method", "lora.enabled", lambda v, r: method_of(r.cfg), write=put_method),
+    Row("tuning", "lora.enabled", lambda v, r: tuning_of(r.cfg), write=put_tuning),
     Row("lora_r", "lora.r", to_config=int, aliases=("lora.r",)),
     Row("lora_alpha", "lora.lora_alpha", aliases=("lora.alpha", "lora.lora_alpha")),
     # DPO/KTOConfig.disable_dropout (default on) sets every nn.Dropout to p=0, LoRA's too: an identity then
@@ -267,7 +267,7 @@ def plan_values(cfg: dict, method, smoke: bool) -> dict:
     return {row.field: row.to_plan(row.value_in(cfg), reading) for row in ROWS if row.to_plan is not None}
 
 
-def method_of(cfg: dict) -> str:
+def tuning_of(cfg: dict) -> str:
     """How a run config trains, as the planner and the user name it: "full", "lora" or "qlora"."""
     lora, quant = cfg.get("lora") or {}, cfg.get("quantization") or {}
     if not lora.get("enabled", True):
@@ -275,10 +275,10 @@ def method_of(cfg: dict) -> str:
     return "qlora" if quant.get("load_in_4bit") else "lora"
 
 
-def set_method(cfg: dict, method: str) -> None:
-    """Write "full", "lora" or "qlora" as the two keys a run config holds (the inverse of method_of)."""
-    cfg.setdefault("lora", {})["enabled"] = method != "full"
-    cfg.setdefault("quantization", {})["load_in_4bit"] = method == "qlora"
+def set_tuning(cfg: dict, tuning: str) -> None:
+    """Write "full", "lora" or "qlora" as the two keys a run config holds (the inverse of tuning_of)."""
+    cfg.setdefault("lora", {})["enabled"] = tuning != "full"
+    cfg.setdefault("quantization", {})["load_in_4bit"] = tuning == "qlora"
 
 
 # ---- a plan's values written into a run config --------------------------------------------------------------

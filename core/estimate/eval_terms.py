@@ -72,7 +72,7 @@ def _batch_bytes(plan: Plan, tensors: int) -> int:
 
 def training_batch_held(plan: Plan) -> int:
     """The last training batch's collated tensors, alive through an evaluation (two on the CPU: see above)."""
-    traits = methods.get(plan.objective).traits
+    traits = methods.get(plan.method).traits
     return (2 if plan.device == "cpu" else 1) * _batch_bytes(plan, traits.batch_tensors)
 
 
@@ -85,7 +85,7 @@ def eval_plan(plan: Plan) -> Plan:
 def forward_moment(spec: ModelSpec, plan: Plan, targets) -> dict:
     """The loss of one eval batch without autograd: its inputs (and the labels derived from them), the larger of a
     decoder layer's transients and the fused head, and the policy's outputs a reference forward keeps alive."""
-    traits = methods.get(plan.objective).traits
+    traits = methods.get(plan.method).traits
     ev = eval_plan(plan)
     rows, length = batch_shape(ev)
     ev = replace(ev, seq_len=length)  # the per-row length the head sees

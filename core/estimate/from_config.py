@@ -14,7 +14,7 @@ from typing import Any
 from core import machine
 from core.estimate.bill import estimate
 from core.estimate.config_map import ENGINE, PlanReader, plan_values, put_plan
-from core.estimate.plan import Plan, PlanError
+from core.estimate.plan import Plan, PlanError, upgraded
 from core.precision import SHORT, Device, resolve
 from core.recipe import distributed, methods, vision
 from core.recipe.config import default_config, validate_config
@@ -282,6 +282,7 @@ def plan_to_config(plan: Any, base: dict | None = None) -> dict:
     cfg = copy.deepcopy(base) if base else default_config()
     for section in SECTIONS:
         cfg.setdefault(section, {})
+    plan = upgraded(plan) if isinstance(plan, dict) else plan  # a dict in a plan's older names reads too
     put_plan(PlanReader(plan or {}), cfg)  # core.estimate.config_map's table, row by row
     if cfg["model"].get("path") and cfg["data"].get("path"):
         return validate_config(cfg)

@@ -100,7 +100,7 @@ def gdn_mixer_saved(t, f: GdnFacts, kernel: bool) -> None:
     l2norm, Qwen3_5RMSNormGated. Kernel path: fla.ops.gated_delta_rule.chunk.ChunkGatedDeltaRuleFunction and
     causal_conv1d.causal_conv1d_interface.CausalConv1dFn (modelled from their save_for_backward)."""
     s, rho, chunks = _shape(t, f)
-    p, d, saved, full = _proj_bytes(t), t.d, t.saved, t.plan.method == "full"
+    p, d, saved, full = _proj_bytes(t), t.d, t.saved, t.plan.tuning == "full"
     h, nv = f.hidden, f.v_heads
     kw, vw, cw = f.key_width, f.value_width, f.conv_width
     # Every input projection reads the input norm's output (without a padding mask; with one,

@@ -76,7 +76,7 @@ def altup_outside(t, shapes, checkpointing: bool) -> float:
         return 0.0
     spec, d = t.spec, t.d
     h, n, c, pw = spec.hidden_size, shapes[0].altup, d.hidden, _pow_bytes(t)
-    embeds_grad = t.full or (t.plan.method == "lora" and checkpointing)  # enable_input_require_grads
+    embeds_grad = t.full or (t.plan.tuning == "lora" and checkpointing)  # enable_input_require_grads
     saved_before = dict(t.saved)
     b = 0.0
     # the projections to copies 1..n-1 and back (model.altup_projections.<i>, altup_unembed_projections.<i>: both
@@ -102,7 +102,7 @@ def altup_outside(t, shapes, checkpointing: bool) -> float:
     if checkpointing:
         # each checkpointed layer's input holds all n copies (the plan counts one)
         b += (n - 1) * h * c * len(shapes)
-    elif t.plan.method != "full" and (
+    elif t.plan.tuning != "full" and (
         any(adapted) or {"modality_router", "prediction_coefs"} & t.every_adapted
     ):
         # layer 0's input_layernorm keeps its fp32 input and rstd (the plan leaves them out for layer 0)

@@ -72,7 +72,7 @@ def _generation_dtype(plan: Plan) -> int:
     """Bytes per element of what `generate` computes: a peft model's generate reaches the base model's own
     forward, outside accelerate's autocast (the model's dtype); a full fine-tune's model keeps autocast."""
     d = step_dtypes(plan)
-    return d.attn if plan.method == "full" else d.hidden
+    return d.attn if plan.tuning == "full" else d.hidden
 
 
 def nograd_layer_bytes(spec: ModelSpec, plan: Plan, targets, proj: int) -> float:
@@ -112,11 +112,11 @@ def vllm_sync_bytes(spec: ModelSpec, plan: Plan) -> int:
     """The weight sync's transient (GRPOTrainer -> VLLMGeneration.sync_weights): peft's merge_adapter, one
     adapted Linear at a time: its fp32 delta (lora_B @ lora_A) and its cast into the weight; a 4-bit weight is
     dequantized, summed and quantized again. A full fine-tune's parameters are handed over as they are."""
-    if plan.method == "full":
+    if plan.tuning == "full":
         return 0
     largest = max(s.in_features * s.out_features for s in spec.decoder_linears)
     compute = DTYPE_BYTES[plan.compute_dtype]
-    if plan.method == "qlora":
+    if plan.tuning == "qlora":
         return largest * (adapter_bytes(plan) + 2 * compute)
     return largest * (adapter_bytes(plan) + DTYPE_BYTES[plan.load_dtype])
 
@@ -124,7 +124,7 @@ def vllm_sync_bytes(spec: ModelSpec, plan: Plan) -> int:
 def vllm_need(spec: ModelSpec, plan: Plan) -> float:
     """The smallest share of the card (in steps of 0.05) that holds vLLM's copy of the weights (16-bit, or 4-bit
     for a QLoRA base: TRL loads it with bitsandbytes) and the 16-bit KV cache of one generation batch."""
-    weights = spec.total_params * (0.55 if plan.method == "qlora" else 2)
+    weights = spec.total_params * (0.55 if plan.tuning == "qlora" else 2)
     kv = generation_batch(plan) * plan.seq_len * spec.kv_cache_bytes_per_token_per_byte * 2
     return min(1.0, math.ceil((weights + kv) / plan.gpu_bytes * 20) / 20)
 

@@ -59,7 +59,7 @@ def fused_head_bytes(spec: ModelSpec, plan: Plan, rows: int) -> FusedHead:
     h, vocab = spec.hidden_size, spec.vocab_size
     n_all = rows * (plan.seq_len - 1)
     triton = plan.device == "cuda"
-    traits = methods.get(plan.objective).traits
+    traits = methods.get(plan.method).traits
     # GRPO labels only the completion: Triton gathers those positions, the CPU path scores every one
     scored = rows * plan.completion_len if (triton and traits.generates) else n_all
     n = min(scored, FUSED_TOKEN_CHUNK)
@@ -67,11 +67,11 @@ def fused_head_bytes(spec: ModelSpec, plan: Plan, rows: int) -> FusedHead:
     tile = n * cols
     hd = d.hidden
     cd = DTYPE_BYTES[plan.compute_dtype] if d.autocast else hd
-    if plan.method == "full" or not (plan.method == "qlora" and plan.prepare_kbit):
+    if plan.tuning == "full" or not (plan.tuning == "qlora" and plan.prepare_kbit):
         wd = DTYPE_BYTES[plan.load_dtype]
     else:
         wd = 4  # prepare_model_for_kbit_training upcast the lm_head
-    head_trains = plan.method == "full"
+    head_trains = plan.tuning == "full"
     final_norm_out = rows * plan.seq_len * h * hd  # last_hidden_state
     mm_buf = n * FUSED_VOCAB_CHUNK * cd
     hidden_chunk = n * h * cd if hd != cd else 0

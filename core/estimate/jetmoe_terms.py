@@ -69,7 +69,7 @@ def _mm_bytes(plan: Plan) -> int:
     d = step_dtypes(plan)
     if d.autocast:
         return DTYPE_BYTES[plan.compute_dtype]
-    return 4 if plan.method == "qlora" and plan.prepare_kbit else DTYPE_BYTES[plan.load_dtype]
+    return 4 if plan.tuning == "qlora" and plan.prepare_kbit else DTYPE_BYTES[plan.load_dtype]
 
 
 def _router(saved: dict, name: str, k: int, gates: int) -> None:
@@ -89,7 +89,7 @@ def jetmoe_layer(spec, facts: MoeFacts, plan: Plan, targets, tokens: int) -> dic
     weighted = max(m, g)  # the experts' output times the gates (type_as(hidden_states)): promoted
     k, a, w, h = facts.top_k, facts.attention_width, facts.width, spec.hidden_size
     q_width = spec.num_heads * spec.head_dim  # k x a: each pair's query is one group of heads
-    full = plan.method == "full"
+    full = plan.tuning == "full"
     t = LayerTerms(spec, plan, [s for s in targets if _ATTENTION in s.name])
     t.norm("input_layernorm")
     t.linear_input("attention_router", h, g, "attn_norm_out", leaf="layer")
@@ -158,7 +158,7 @@ def jetmoe_activation_bytes(spec, facts: MoeFacts, plan: Plan, targets, tokens: 
         inputs = spec.num_layers * tokens * spec.hidden_size * step_dtypes(plan).hidden
         return inputs + outside, per_layer, 0
     # the embedding's output needs a gradient only when the embedding trains (full fine-tuning)
-    first = 0 if plan.method == "full" else _first_layer_unsaved(layer, targets)
+    first = 0 if plan.tuning == "full" else _first_layer_unsaved(layer, targets)
     return spec.num_layers * per_layer - first + outside, 0, 0
 
 
@@ -173,7 +173,7 @@ def jetmoe_forward_temporaries(spec, facts: MoeFacts, plan: Plan, tokens: int) -
     k, w, h = facts.top_k, facts.width, spec.hidden_size
     stream = (4 if spec.num_layers > 1 else 3) * h * g
     up = (2 if facts.gated else 1) * w
-    gathered = 0 if plan.method == "full" else k * h * g  # a full fine-tune saves it (experts.input)
+    gathered = 0 if plan.tuning == "full" else k * h * g  # a full fine-tune saves it (experts.input)
     per_token = stream + facts.experts * 4 + gathered + max(k * up * m, k * w * m + k * h * m)
     # the last layer's weighted output, counted among the saved tensors, is made only after these
     return int(tokens * (per_token - k * h * max(m, g)))

@@ -92,7 +92,7 @@ def kda_mixer_saved(t, f: KdaFacts, kernel: bool) -> None:
     gate): KimiLinearDeltaAttention.forward, causal_conv1d_fn (F.conv1d + silu), KimiLinearForgetGate /
     BailingHybridForgetGate, chunk_kimi_delta_attention, l2norm, KimiLinearRMSNormGated."""
     s, padded, chunks = _shape(t, f)
-    d, saved, full = t.d, t.saved, t.plan.method == "full"
+    d, saved, full = t.d, t.saved, t.plan.tuning == "full"
     p, w, nh = d.proj, f.width, f.heads
     _linears(t, f)
     # F.conv1d saves its input, torch.cat's q|k|v; silu its input, the conv output kernel-1 tokens longer

@@ -28,9 +28,9 @@ class Lever:
 
     def applies(self, plan: Plan) -> bool:
         if self.field == "prepare_kbit":
-            return plan.method == "qlora"
+            return plan.tuning == "qlora"
         if self.field == "lora_dropout":
-            return plan.method != "full"
+            return plan.tuning != "full"
         if self.field == "expandable_segments":
             return plan.device == "cuda"
         return True

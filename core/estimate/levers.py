@@ -93,25 +93,25 @@ def _candidates(plan: Plan, spec: ModelSpec) -> list[tuple[str, dict, str, bool]
     for lever in LEVERS:
         if lever.applies(plan) and not lever.is_on(plan):
             out.append((f"{lever.label} ({lever.setting})", {lever.field: lever.on}, lever.costs, True))
-    if plan.method == "full":
+    if plan.tuning == "full":
         out.append(
             (
                 "train a LoRA adapter instead of all weights",
-                {"method": "lora"},
+                {"tuning": "lora"},
                 "an adapter, not all weights",
                 False,
             )
         )
-    if plan.method == "lora":
+    if plan.tuning == "lora":
         out.append(
             (
                 "QLoRA: the base in 4-bit NF4",
-                {"method": "qlora", "quant_type": "nf4"},
+                {"tuning": "qlora", "quant_type": "nf4"},
                 "slower matmuls (dequantized on the fly); a 4-bit base",
                 False,
             )
         )
-    if plan.method == "qlora" and not plan.double_quant:
+    if plan.tuning == "qlora" and not plan.double_quant:
         out.append(("double quantization of the 4-bit constants", {"double_quant": True}, "none", True))
     if plan.optim != "paged_adamw_8bit" and plan.device == "cuda":
         out.append(
@@ -319,7 +319,7 @@ def _combined(plan: Plan, spec: ModelSpec, base) -> dict | None:
         return None
     est = total(steps)
     settings = {k: v for _, change, _ in steps for k, v in change.items()}
-    keeps = not any(k in settings for k in ("seq_len", "method"))
+    keeps = not any(k in settings for k in ("seq_len", "tuning"))
     return _advice(
         " + ".join(label for label, _, _ in steps),
         settings,

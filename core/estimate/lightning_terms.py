@@ -73,7 +73,7 @@ def lightning_mixer_saved(t, f: LightningFacts, kernel: bool) -> None:
     saved["lightning.block_decay"] = max(len(blocks) - 2, 0) * nh * buf / s
     saved["lightning_norm.fp32_input"] = w * 4
     saved["lightning_norm.rstd"] = 4
-    if t.plan.method == "full":
+    if t.plan.tuning == "full":
         saved["lightning_norm.normed"] = w * p
     saved["lightning.gate_sigmoid"] = w * p
     saved["lightning.normed_out"] = w * p

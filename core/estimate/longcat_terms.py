@@ -74,7 +74,7 @@ def longcat_activation_bytes(
         inputs = spec.num_layers * tokens * spec.hidden_size * step_dtypes(plan).hidden
         return inputs + outside, per_layer, 0
     first = 0
-    if plan.method != "full":  # layer 0's input (the frozen embedding's output) needs no gradient
+    if plan.tuning != "full":  # layer 0's input (the frozen embedding's output) needs no gradient
         sub0 = {k[len("sub0.") :]: v for k, v in layer.items() if k.startswith("sub0.")}
         first = int(first_layer_unsaved(sub0, targets))
     return spec.num_layers * per_layer - first + outside, 0, 0

@@ -169,7 +169,7 @@ def _x_proj_and_norms(t, f: Mamba1Facts, kernel: bool) -> None:
     sv["mamba1.bcdt_norm_fp32"] = 4 * f.x_proj_width
     sv["mamba1.bcdt_norm_rstd"] = 3 * 4
     # a quantized model calls the dt_proj module (`config._is_quantized`): its LoRA runs
-    if t.plan.method == "qlora":
+    if t.plan.tuning == "qlora":
         t.linear_input("dt_proj", r, e, "mamba1.dt_normed")
     if not kernel:
         sv["mamba1.C_normed"] = n * e  # each step's bmm

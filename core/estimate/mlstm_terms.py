@@ -82,7 +82,7 @@ def mlstm_mixer_saved(t, f: MlstmFacts, kernel: bool) -> None:
     saved["mlstm_norm.fp32_input"] = v * 4
     saved["mlstm_norm.centred"] = v * 4
     saved["mlstm_norm.rstd"] = f.heads * 4
-    if t.plan.method == "full":
+    if t.plan.tuning == "full":
         saved["mlstm_norm.normed"] = v * q
     saved["mlstm.ogate_sigmoid"] = v * q
     saved["mlstm.h_norm"] = v * q

@@ -39,7 +39,7 @@ def without_experts(plan: Plan, spec: ModelSpec) -> dict | None:
     """The plan change that leaves the experts out of LoRA (explicit Linear targets, no target_parameters), or
     None when they are not adapted."""
     facts = moe_of(spec)
-    if facts is None or plan.method == "full":
+    if facts is None or plan.tuning == "full":
         return None
     targets = _targets(plan, spec)
     if not expert_targets(targets, facts).keys() & {"gate_up_proj", "down_proj"}:
@@ -51,7 +51,7 @@ def without_experts(plan: Plan, spec: ModelSpec) -> dict | None:
 def with_experts(plan: Plan, spec: ModelSpec) -> dict | None:
     """The plan change that puts LoRA on the experts too (target_parameters), or None when it is there."""
     facts = moe_of(spec)
-    if facts is None or plan.method == "full" or without_experts(plan, spec) is not None:
+    if facts is None or plan.tuning == "full" or without_experts(plan, spec) is not None:
         return None
     up = "gate_up_proj" if facts.gated else "up_proj"
     return {"target_parameters": f"{facts.experts_path}.{up},{facts.experts_path}.down_proj"}
@@ -67,15 +67,15 @@ def moe_candidates(plan: Plan, spec: ModelSpec) -> list[tuple[str, dict, str, bo
     if frozen:
         label = f"LoRA without the experts (lora.target_modules: {frozen['target_modules']}, no target_parameters)"
         out.append((label, frozen, FROZEN_EXPERTS_COST, False))
-    if plan.method == "qlora" and not plan.quantize_experts:
+    if plan.tuning == "qlora" and not plan.quantize_experts:
         out.append(
             ("the experts quantized to 4-bit on load too", {"quantize_experts": True}, QUANTIZE_COST, False)
         )
-    if plan.method == "lora":
+    if plan.tuning == "lora":
         out.append(
             (
                 "QLoRA with the experts quantized on load too",
-                {"method": "qlora", "quantize_experts": True},
+                {"tuning": "qlora", "quantize_experts": True},
                 QUANTIZE_COST,
                 False,
             )
@@ -86,7 +86,7 @@ def moe_candidates(plan: Plan, spec: ModelSpec) -> list[tuple[str, dict, str, bo
 def moe_lever_rows(plan: Plan, spec: ModelSpec, estimate) -> list[dict]:
     """lever_savings' rows for the MoE levers: what LoRA on the experts costs (on or off, whichever the plan has)
     and what quantizing them on load would save (QLoRA)."""
-    if moe_of(spec) is None or plan.method == "full":
+    if moe_of(spec) is None or plan.tuning == "full":
         return []
     rows = []
     base = estimate(plan, spec)
@@ -108,7 +108,7 @@ def moe_lever_rows(plan: Plan, spec: ModelSpec, estimate) -> list[dict]:
                 "peft.tuners.lora.layer.ParamWrapper",
             )
         )
-    if plan.method == "qlora":
+    if plan.tuning == "qlora":
         q_on = base if plan.quantize_experts else estimate(replace(plan, quantize_experts=True), spec)
         q_off = estimate(replace(plan, quantize_experts=False), spec) if plan.quantize_experts else base
         rows.append(

@@ -72,18 +72,18 @@ def expert_targets(targets, facts: MoeFacts) -> dict[str, object]:
 def expert_dtype(plan: Plan) -> tuple[str, str]:
     """(dtype name, why) of the experts' weights as the run holds them."""
     load = plan.load_dtype
-    if plan.method == "qlora" and plan.quantize_experts:
+    if plan.tuning == "qlora" and plan.quantize_experts:
         return "nf4", (
             "quantized on load (4-bit NF4 blocks of 64): what axolotl's quantize_moe_experts does; this engine "
             "cannot yet (transformers 5.24 gives bitsandbytes only nn.Linear layers), so this is a plan, not a run"
         )
-    if plan.method == "qlora" and plan.prepare_kbit:
+    if plan.tuning == "qlora" and plan.prepare_kbit:
         return "fp32", (
             "bitsandbytes 4-bit quantizes nn.Linear layers only and the experts are fused 3-D parameters, and "
             "peft's prepare_model_for_kbit_training (the plain-Trainer QLoRA path) upcasts every weight left out of "
             "4-bit to fp32"
         )
-    if plan.method == "qlora":
+    if plan.tuning == "qlora":
         return load, (
             "bitsandbytes 4-bit quantizes nn.Linear layers only and the experts are fused 3-D parameters, so they "
             f"stay {load} next to the 4-bit attention"

@@ -14,7 +14,7 @@ from core.recipe.config_keys import STRATEGIES
 
 GiB = 2**30
 DTYPE_BYTES = BYTES  # core.precision's one dtype table
-METHODS = ("full", "lora", "qlora")
+TUNINGS = ("full", "lora", "qlora")  # what trains: every weight, a LoRA adapter, one on a 4-bit base
 ATTN = ("sdpa", "eager", "flash")  # flash: flash_attention_2/3 (varlen kernels: no mask, no score matrix)
 PACKING_STRATEGIES = ("bfd", "bfd_split", "wrapped")  # trl SFTConfig.packing_strategy
 # trl 1.16 OffloadActivations: saved tensors of at least 1024 bytes go to pinned CPU memory; the last five stay
@@ -64,10 +64,9 @@ class Plan:
     """One training configuration, as the Estimate page edits it and the Train page receives it."""
 
     model: str = "meta-llama/Llama-2-7b-hf"
-    method: str = "lora"  # full | lora | qlora
-    objective: str = (
-        "sft"  # the run config's method (sft | dpo | kto): core.recipe.methods says what its step holds
-    )
+    tuning: str = "lora"  # full | lora | qlora (the run config's lora.enabled and quantization.load_in_4bit)
+    # the run config's method (sft | dpo | kto | grpo): core.recipe.methods says what its step holds
+    method: str = "sft"
     reference: str = "auto"  # preference methods: auto (adapter disabled for LoRA) | copy (a second model)
     # precompute_ref_log_probs (DPO, KTO): the reference's log-probs computed once before training (no reference
     # forward inside a step)
@@ -155,6 +154,8 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict) -> Plan:
+        """A plan from its dict (plan.json's "plan", --json, a page's); older records' names read too."""
+        data = upgraded(data)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -182,6 +183,25 @@ class Plan:
     @property
     def gpu_bytes(self) -> int:
         return int(self.gpu_gb * GiB)
+
+
+def upgraded(data: dict) -> dict:
+    """A plan dict in today's names. Before issue #48 a plan said full / lora / qlora as `method` and the run
+    config's method as `objective`: a `method` of full / lora / qlora (the two value sets are disjoint) is the
+    tuning, and an `objective` the method."""
+    if "objective" not in data and data.get("method") not in TUNINGS:
+        return data
+    out = dict(data)
+    if out.get("method") in TUNINGS and "tuning" not in out:
+        out["tuning"] = out.pop("method")
+    if "objective" in out:
+        if "method" in out:
+            raise PlanError(
+                f"objective {out['objective']!r} and method {out['method']!r} both given: objective is the "
+                "older name of method (sft | dpo | kto | grpo); give method only."
+            )
+        out["method"] = out.pop("objective")
+    return out
 
 
 ONE_GPU = {"gpus": 1, "strategy": "auto", "cpu_offload": False}
@@ -217,7 +237,7 @@ TEXT_ONLY = {
 
 def generates(plan: Plan) -> bool:
     """Does the plan's method generate its own completions before each step (GRPO)?"""
-    return methods.get(plan.objective).traits.generates
+    return methods.get(plan.method).traits.generates
 
 
 def eval_generations(plan: Plan) -> int:
@@ -290,18 +310,23 @@ class Estimate:
 def validate(plan: Plan) -> list[str]:
     """Raise PlanError for a plan that cannot run; return warnings for one that can but is questionable."""
     choices = {
-        "method": (plan.method, METHODS),
+        "tuning": (plan.tuning, TUNINGS),
         "load_dtype": (plan.load_dtype, tuple(DTYPE_BYTES)),
         "compute_dtype": (plan.compute_dtype, tuple(DTYPE_BYTES)),
         "attn": (plan.attn, ATTN),
         "quant_type": (plan.quant_type, QUANT_TYPES),
         "reference": (plan.reference, ("auto", "copy")),
-        "objective": (plan.objective, methods.NAMES),
+        "method": (plan.method, methods.NAMES),
         "device": (plan.device, ("cuda", "cpu")),
         "packing_strategy": (plan.packing_strategy, PACKING_STRATEGIES),
         "strategy": (plan.strategy, STRATEGIES),
         "recurrent_kernels": (plan.recurrent_kernels, RECURRENT_KERNELS),
     }
+    if plan.method in TUNINGS:  # the name a plan gave full / lora / qlora before issue #48
+        raise PlanError(
+            f"method '{plan.method}' is a tuning: set tuning '{plan.method}'; method is the run config's "
+            f"({', '.join(methods.NAMES)})."
+        )
     for name, (value, valid) in choices.items():
         if value not in valid:
             raise PlanError(f"{name} '{value}' is not one of {', '.join(valid)}.")
@@ -350,13 +375,13 @@ def validate(plan: Plan) -> list[str]:
     if generates(plan):
         _validate_rollouts(plan)
     warnings = []
-    if plan.method == "full" and plan.load_dtype == "fp16":
+    if plan.tuning == "full" and plan.load_dtype == "fp16":
         warnings.append("Full fine-tuning with fp16 weights is numerically fragile; load in fp32 or bf16.")
     if plan.device == "cpu":
         for name, on in (("activation_offloading", plan.activation_offloading), ("liger", plan.liger)):
             if on:
                 warnings.append(f"{name} works on a CUDA GPU only: a CPU run does without it (planned so).")
-    method = methods.get(plan.objective)
+    method = methods.get(plan.method)
     if not method.traits.flat_batches and (plan.padding_free or plan.packing):
         warnings.append(
             f"{method.label} pads its rows ({method.trainer_name} has no packing or padding-free): planned so."
@@ -421,7 +446,7 @@ def _validate_rollouts(plan: Plan) -> None:
 def flat_batch(plan: Plan) -> bool:
     """Does the collator concatenate the batch's rows into one sequence? TRL turns padding-free on for BFD
     packing whatever padding_free says (SFTTrainer.__init__); DPOTrainer and KTOTrainer 1.16 pad."""
-    if not methods.get(plan.objective).traits.flat_batches:
+    if not methods.get(plan.method).traits.flat_batches:
         return False
     return plan.padding_free or (plan.packing and plan.packing_strategy in ("bfd", "bfd_split"))
 
@@ -435,7 +460,7 @@ def packed_sequences(plan: Plan) -> bool:
 def batch_shape(plan: Plan) -> tuple[int, int]:
     """(rows, length) of the tensors the model sees in one step. Padded: every row padded to the longest in
     the batch; padding-free: one row of all the batch's tokens; DPO: a chosen and a rejected row per example."""
-    per_example = methods.get(plan.objective).traits.rows_per_example
+    per_example = methods.get(plan.method).traits.rows_per_example
     rows = plan.batch_size * per_example
     tokens = (plan.batch_tokens or plan.batch_size * plan.seq_len) * per_example
     if flat_batch(plan):

@@ -56,7 +56,7 @@ def rg_lru_mixer_saved(t, f: RgLruFacts, kernel: bool) -> None:
     saved["rg_lru.sqrt_input"] = w * p
     saved["rg_lru.reset_masks"] = 2
     saved["rg_lru.normalised_operands"] = 2 * w * p
-    if t.plan.method == "full":  # the gate weights and recurrent_param train: the gates' input and -8 * gate
+    if t.plan.tuning == "full":  # the gate weights and recurrent_param train: the gates' input and -8 * gate
         saved["rg_lru.trained_operands"] = 2 * w * p
     if p == 4:  # `.type(float32)` is a view: the whole gate once, the zeros and every later state
         saved["rg_lru.scan"] = 2 * w * 4

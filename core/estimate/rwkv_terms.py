@@ -58,7 +58,7 @@ def _shift_mixes(t, prefix: str, names: tuple[str, ...]) -> None:
     s, h = max(int(t.plan.seq_len), 1), t.spec.hidden_size
     param = 4 if t.plan.load_dtype == "fp32" else 2
     t.saved[f"{prefix}.one_minus_mix"] = len(names) * h * param / s
-    if t.plan.method == "full":
+    if t.plan.tuning == "full":
         t.saved[f"{prefix}.normed_and_shifted"] = 2 * h * t.d.hidden
     for n in names:  # each projection reads its own mix
         t.linear_input(f"{prefix}.{n}", h, t.d.hidden, f"{prefix}.{n}_mix", leaf=n)

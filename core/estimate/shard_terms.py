@@ -81,7 +81,7 @@ def unit_bytes(spec: ModelSpec, plan: Plan) -> tuple[int, int]:
     layers in their packed storage, everything else in the load dtype."""
     load = DTYPE_BYTES[plan.load_dtype]
     norms = spec.norms_per_layer * spec.hidden_size * load
-    if plan.method == "qlora":
+    if plan.tuning == "qlora":
         packed = sum(
             sum(quantized_bytes(s.in_features * s.out_features, plan.double_quant))
             for s in spec.decoder_linears
@@ -122,7 +122,7 @@ def shard(
         out.cpu_offload_bytes = moved
         out.static = {k: (0 if k in DIVIDED else v) for k, v in divided.items()}
         out.grads, out.opt_temp = 0, 0  # the optimizer steps on the CPU
-    if plan.method == "qlora":
+    if plan.tuning == "qlora":
         out.load = {"weights": static["weights"], "quant_constants": static["quant_constants"]}
     return out
 

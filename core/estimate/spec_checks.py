@@ -24,7 +24,7 @@ def check_against_spec(spec: ModelSpec, plan: Plan, targets) -> list[str]:
             f"seq_len {plan.seq_len} is longer than the model's max_position_embeddings "
             f"({spec.max_position_embeddings}); quality degrades beyond it unless you extend RoPE."
         )
-    if plan.method != "full" and plan.target_modules.strip() == "all-linear" and spec.all_linear_notes:
+    if plan.tuning != "full" and plan.target_modules.strip() == "all-linear" and spec.all_linear_notes:
         warnings += json.loads(
             spec.all_linear_notes
         )  # what all-linear leaves out here (a router, Mamba's out_proj)
@@ -46,7 +46,7 @@ def check_against_spec(spec: ModelSpec, plan: Plan, targets) -> list[str]:
     # a router's weight (a wrapped 2-D parameter) and a one-output gate (Qwen2-MoE's shared_expert_gate) score
     # few values: peft adapts them at any rank
     layers = [s for s in targets if s.experts != 1 and s.out_features > 1]
-    if plan.method != "full" and layers:
+    if plan.tuning != "full" and layers:
         # a typo (r 4096 for a 64-wide model): no layer can use it
         widest = max(layers, key=lambda s: min(s.in_features, s.out_features))
         if plan.lora_r > min(widest.in_features, widest.out_features):

@@ -36,7 +36,7 @@ def quantized_bytes(numel: int, double_quant: bool) -> tuple[int, int]:
 def weight_bytes(spec: ModelSpec, plan: Plan) -> tuple[int, int]:
     """(weights, quantization constants)."""
     load = DTYPE_BYTES[plan.load_dtype]
-    if plan.method != "qlora":
+    if plan.tuning != "qlora":
         return spec.total_params * load, 0
     packed = constants = 0
     for lin in spec.decoder_linears:
@@ -61,9 +61,9 @@ def expert_weight_bytes(spec: ModelSpec, plan: Plan) -> tuple[int, int]:
     matrices quantized to 4-bit one by one when the plan quantizes them on load (QLoRA)."""
     facts = moe_of(spec)
     load = DTYPE_BYTES[plan.load_dtype]
-    if not (plan.method == "qlora" and plan.quantize_experts):
+    if not (plan.tuning == "qlora" and plan.quantize_experts):
         upcast = (
-            plan.method == "qlora" and plan.prepare_kbit
+            plan.tuning == "qlora" and plan.prepare_kbit
         )  # peft's kbit preparation: non-4-bit weights to fp32
         return facts.expert_params * (4 if upcast else load), 0
     per_matrix = spec.hidden_size * facts.width
@@ -74,7 +74,7 @@ def expert_weight_bytes(spec: ModelSpec, plan: Plan) -> tuple[int, int]:
 
 
 def trainable_tensors(spec: ModelSpec, plan: Plan, targets) -> list[int]:
-    if plan.method == "full":
+    if plan.tuning == "full":
         return list(spec.param_numels)
     # peft's ParamWrapper gives each expert its own rank-r pair (lora_A: r*experts x in, lora_B: out x r*experts)
     return [n for s in targets for n in _pair(s, plan.lora_r)]
@@ -93,7 +93,7 @@ def linear_trainable(targets, plan: Plan) -> int:
 
 def _trl_qlora(plan: Plan) -> bool:
     """QLoRA prepared as TRL's SFTTrainer does (prepare_kbit False)."""
-    return plan.method == "qlora" and not plan.prepare_kbit
+    return plan.tuning == "qlora" and not plan.prepare_kbit
 
 
 def adapter_bytes(plan: Plan) -> int:
@@ -106,7 +106,7 @@ def adapter_bytes(plan: Plan) -> int:
 
 
 def trainable_param_bytes(plan: Plan) -> int:
-    return DTYPE_BYTES[plan.load_dtype] if plan.method == "full" else adapter_bytes(plan)
+    return DTYPE_BYTES[plan.load_dtype] if plan.tuning == "full" else adapter_bytes(plan)
 
 
 def optimizer_state_bytes(tensors: list[int], plan: Plan, embedding_numel: int = 0) -> tuple[int, int]:

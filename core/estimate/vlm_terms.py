@@ -46,7 +46,7 @@ def vision_runs_with_grad(facts: VlmFacts, plan: Plan) -> tuple[bool, str]:
             True,
             "the vision tower is trained (vision_frozen off): its activations are kept for its gradients",
         )
-    if plan.method != "full" and checkpointing_on(plan) and facts.input_grads:
+    if plan.tuning != "full" and checkpointing_on(plan) and facts.input_grads:
         return True, (
             "frozen, yet it runs with grad: SFTTrainer's enable_input_require_grads (LoRA with gradient "
             "checkpointing) hooks the vision tower's patch embedding too, so its checkpointed blocks keep their "
@@ -149,7 +149,7 @@ def vision_terms(spec, plan: Plan, batch: int, targets=()) -> VisionTerms | None
     saved = recompute = 0
     if grad and images:
         projector, adapters = _adapter_saved(facts, plan, targets, patches, images * per.tokens)
-        block = _block_saved(facts, plan) + (_linear_inputs(facts, plan) if plan.method == "full" else 0)
+        block = _block_saved(facts, plan) + (_linear_inputs(facts, plan) if plan.tuning == "full" else 0)
         layers = max(facts.vision_layers, 1)
         if checkpointing_on(plan):  # the block inputs; one block recomputed in backward
             saved = facts.vision_layers * patches * facts.vision_hidden * d.hidden

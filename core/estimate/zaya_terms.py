@@ -114,5 +114,5 @@ def zaya_activation_bytes(
         inputs = tokens * (n * spec.hidden_size * 4 + (n - 1) * facts.router_hidden * step_dtypes(plan).proj)
         return inputs + outside, per_layer, 0
     # layer 0's input (the frozen embedding's, scaled) needs no gradient: its input norm saves nothing
-    first = 0 if plan.method == "full" else int(first_layer_unsaved(layer, targets))
+    first = 0 if plan.tuning == "full" else int(first_layer_unsaved(layer, targets))
     return spec.num_layers * per_layer - first + outside, 0, 0

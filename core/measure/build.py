@@ -103,7 +103,7 @@ def build_model(
         src = Path(config_or_dir) if from_dir else _saved_checkpoint(config, plan.load_dtype, Path(cache_dir))
         return _build_with_engine(src, plan, options), config
     dtype = torch_dtype(plan.load_dtype)
-    if plan.method == "qlora":
+    if plan.tuning == "qlora":
         src = Path(config_or_dir) if from_dir else _saved_checkpoint(config, plan.load_dtype, Path(cache_dir))
         quant = BitsAndBytesConfig(
             load_in_4bit=True,
@@ -125,13 +125,13 @@ def build_model(
         )
     else:
         model = _random_model(config, dtype, plan.attn)
-    if plan.method != "qlora":
+    if plan.tuning != "qlora":
         model.to(device)
     model.config.use_cache = False
     # As core.train builds it: prepare_model_for_kbit_training with non-reentrant checkpointing for QLoRA,
     # enable_input_require_grads for LoRA + checkpointing, then Trainer's gradient_checkpointing_enable.
     no_reentrant = {"use_reentrant": False}
-    if plan.method == "qlora" and plan.prepare_kbit:
+    if plan.tuning == "qlora" and plan.prepare_kbit:
         from peft import prepare_model_for_kbit_training
 
         model = prepare_model_for_kbit_training(
@@ -145,9 +145,9 @@ def build_model(
             enable(activation_checkpointing_kwargs=no_reentrant)
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=no_reentrant)
-        if plan.method == "lora":
+        if plan.tuning == "lora":
             model.enable_input_require_grads()  # checkpointed blocks need a grad-requiring input
-    if plan.method in ("lora", "qlora"):
+    if plan.tuning in ("lora", "qlora"):
         from peft import LoraConfig, get_peft_model
 
         lora = LoraConfig(
@@ -158,7 +158,7 @@ def build_model(
             task_type="CAUSAL_LM",
         )
         model = get_peft_model(model, lora)
-    if plan.method == "qlora" and not plan.prepare_kbit:
+    if plan.tuning == "qlora" and not plan.prepare_kbit:
         _trl_qlora_preparation(model, plan)
     if plan.fused_lm_head:
         from trl.trainer.utils import add_fused_lm_head
@@ -194,7 +194,7 @@ def _build_with_engine(src: Path, plan: Plan, options: StepOptions):
     compute = "bfloat16" if bf16 else "float16" if fp16 else LONG[plan.compute_dtype]
     prec = Precision(Device.of(plan.device), load, compute, bf16 or fp16, bf16, fp16)
     tokenizer = build_tokenizer()  # the measured batch is random ids: only the trainer's pad token matters
-    data = Dataset.from_list(list(methods.get(plan.objective).measure_rows))
+    data = Dataset.from_list(list(methods.get(plan.method).measure_rows))
     model = load_model(cfg, prec)
     with tempfile.TemporaryDirectory() as run_dir:
         trainer = make_trainer(cfg, prec, model, tokenizer, data, run_dir=run_dir)

@@ -36,7 +36,7 @@ def make_batch(config, plan: Plan, seed: int = 0) -> dict:
     (two documents per packed row). `plan.batch_tokens` below the bound gives uneven rows: full rows of seq_len
     and one shorter row with the rest (512 + 320 for 832 tokens at batch 2 x 512)."""
     g = torch.Generator().manual_seed(seed)
-    own = methods.get(plan.objective).measure_batch(
+    own = methods.get(plan.method).measure_batch(
         g, config.vocab_size, plan.batch_size, plan.seq_len, plan.precompute_ref
     )
     if own is not None:

@@ -32,12 +32,12 @@ class StepOptions:
     )
 
 
-def step_plan(method: str = "lora", **settings) -> Plan:
+def step_plan(tuning: str = "lora", **settings) -> Plan:
     """A Plan for a measured step on this CPU (tests, benchmarks): the engine's path (fused LM head, TRL's QLoRA
     preparation) without dropout or checkpointing unless asked, 512 tokens, bf16 under autocast; `settings` are
     Plan fields."""
     base = dict(device="cpu", lora_dropout=0.0, gradient_checkpointing=False, seq_len=512)
-    return checked(Plan(method=method, **{**base, **settings}))
+    return checked(Plan(tuning=tuning, **{**base, **settings}))
 
 
 def checked(plan: Plan) -> Plan:
@@ -48,7 +48,7 @@ def checked(plan: Plan) -> Plan:
         raise TrackerError(str(exc)) from None
     if plan.attn not in MEASURABLE_ATTN:
         raise TrackerError(f"attention {plan.attn!r} is not measurable here: use sdpa or eager")
-    method = methods.get(plan.objective)
+    method = methods.get(plan.method)
     if method.traits.reference and not is_engine_path(plan):
         raise TrackerError(
             f"{method.label} is measured through the engine only ({method.trainer_name}: fused LM head, no "

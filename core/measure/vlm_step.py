@@ -37,7 +37,7 @@ def build_vlm(config, plan: Plan):
     model.config.use_cache = False
     if plan.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if plan.method == "lora":
+    if plan.tuning == "lora":
         exclude = VISION_EXCLUDE if plan.vision_frozen else None
         lora = LoraConfig(
             r=plan.lora_r,
