@@ -222,7 +222,7 @@ def merge_form(ws: Path, base_dir: str, adapter_dir: str, run: str | None) -> No
     b1, b2 = st.columns(2)
     if b1.button("Check (preflight)", key="merge_check"):
         try:
-            pf, _ = merge.preflight(base_dir, adapter_dir, target, dt, shard, ws, verify, force=force)
+            pf, _ = merge.preflight(base_dir, adapter_dir, target, dt, shard, verify, force, workspace=ws)
             show_preflight(pf, pre_slot)
             if pf.ok:
                 st.success("Ready to merge.")

@@ -43,7 +43,7 @@ def run_merge(p: dict, report: Progress) -> dict:
         p.get("shard", "5GB"),
         p.get("device", "cpu"),
         p.get("verify", "auto"),
-        p["workspace"],
+        workspace=p["workspace"],
         progress=progress,
         on_preflight=lambda pf: report(phase="preflight", preflight=asdict(pf), final=True),
         force=bool(p.get("force")),

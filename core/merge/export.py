@@ -21,7 +21,7 @@ from core.merge.delta import tensor_stream
 from core.merge.errors import MergeError
 from core.merge.mapping import MergePlan, TensorPlan
 from core.merge.model_files import TOKENIZER_FILES, tokenizer_source
-from core.merge.precheck import Preflight, preflight_at, workspace_target
+from core.merge.precheck import Preflight, in_workspace, preflight_at
 from core.merge.progress import MergeProgress, ProgressFn
 from core.merge.shards import write_shard
 from core.merge.verify import Verification, verify_export
@@ -71,27 +71,6 @@ def _write_small_files(plan: MergePlan, tmp: Path) -> None:
         if p.is_file() and p.name != TEMP_MARKER:
             with open(p, "rb") as f:
                 os.fsync(f.fileno())
-
-
-def merge(
-    base_dir: str | os.PathLike,
-    adapter_dir: str | os.PathLike,
-    out_dir: str | os.PathLike,
-    dtype: str | torch.dtype | None = None,
-    shard_size: int | str = "5GB",
-    device: str = "cpu",
-    verify: str = "auto",
-    workspace: str | os.PathLike | None = None,
-    progress: ProgressFn | None = None,
-    on_preflight: Callable[[Preflight], None] | None = None,
-    force: bool = False,
-) -> MergeResult:
-    """Merge `adapter_dir` into `base_dir` and export to `out_dir`, which must lie inside the workspace (the
-    page's rule; relative names start there). See merge_at()."""
-    target = workspace_target(out_dir, workspace)
-    return merge_at(
-        base_dir, adapter_dir, target, dtype, shard_size, device, verify, progress, on_preflight, force
-    )
 
 
 def merge_at(
@@ -199,3 +178,6 @@ def merge_at(
         seconds=time.time() - started,
         peak_rss=peak,
     )
+
+
+merge = in_workspace(merge_at)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass, field
@@ -82,19 +83,18 @@ def workspace_target(out_dir: str | os.PathLike, workspace: str | os.PathLike | 
         raise MergeError(f"Output folder: {e}") from e
 
 
-def preflight(
-    base_dir: str | os.PathLike,
-    adapter_dir: str | os.PathLike,
-    out_dir: str | os.PathLike,
-    dtype: str | torch.dtype | None = None,
-    shard_size: int | str = "5GB",
-    workspace: str | os.PathLike | None = None,
-    verify: str = "auto",
-    force: bool = False,
-) -> tuple[Preflight, MergePlan]:
-    """preflight_at() for an output folder inside the workspace (the page's rule; see workspace_target)."""
-    target = workspace_target(out_dir, workspace)
-    return preflight_at(base_dir, adapter_dir, target, dtype, shard_size, verify, force)
+def in_workspace(at):
+    """`at` (merge_at, preflight_at: any output folder, the CLI's rule) for an output folder inside the workspace
+    (the page's rule; relative names start there: workspace_target), with the same arguments and `workspace=`:
+    one signature, written once."""
+
+    @functools.wraps(at)
+    def inside_workspace(base_dir, adapter_dir, out_dir, *args, workspace=None, **kwargs):
+        return at(base_dir, adapter_dir, workspace_target(out_dir, workspace), *args, **kwargs)
+
+    inside_workspace.__name__ = inside_workspace.__qualname__ = at.__name__.removesuffix("_at")
+    inside_workspace.__doc__ = f"{at.__name__}() into a folder inside the workspace (keyword `workspace`)."
+    return inside_workspace
 
 
 def _folder(path: str | os.PathLike, what: str, flag: str, holds: str) -> Path:
@@ -180,6 +180,9 @@ def preflight_at(
         notes=notes,
     )
     return pf, plan
+
+
+preflight = in_workspace(preflight_at)
 
 
 def mismatches(base_dir: str | os.PathLike, adapter_dir: str | os.PathLike) -> list[str]:
