@@ -1,6 +1,6 @@
 """Batched greedy answers and teacher-forced answer losses: the two model calls an evaluation makes.
 
-Low in the layering (imports nothing of core): the trainer's samples callback (core.train.callbacks) uses the
+Low in the layering (imports nothing of core): the trainer's samples callback (core.train.eval_callbacks) uses the
 same generation as `python -m core.eval`. Prompts are token ids; batches are left-padded and formed from prompts
 of similar length (sorted), so little is spent on padding; answers come back in the prompts' order.
 """

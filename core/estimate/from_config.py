@@ -102,7 +102,7 @@ def evaluates(cfg: dict) -> bool:
 def eval_fields(cfg: dict, smoke: bool = False) -> dict:
     """The plan's evaluation phase as a run of `cfg` has it: per_device_eval_batch_size (TrainingArguments'
     default 8 when unset; the method's smallest in a smoke test, which evaluates one batch), GRPO's
-    num_generations_eval, the samples callback's prompts (none on sharded weights: core.train.callbacks)."""
+    num_generations_eval, the samples callback's prompts (none on sharded weights: core.train.eval_callbacks)."""
     if not evaluates(cfg):
         return {}
     t, method = cfg["training"], methods.get(cfg)

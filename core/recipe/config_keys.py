@@ -289,7 +289,7 @@ OWN_SCHEMA = {
 
 # The cockpit's own keys in the training section (not the TRL config's: the engine takes them out before it).
 # eval_samples: greedy answers to this many fixed held-out prompts at each evaluation, into samples.jsonl
-# (core.train.callbacks); 0 (the default) is off.
+# (core.train.eval_callbacks); 0 (the default) is off.
 # early_stopping_patience / _threshold: transformers' EarlyStoppingCallback (stop once the method's eval metric has
 # not improved by more than the threshold for this many evaluations); the best checkpoint becomes the adapter.
 SAMPLES_EXTRA_TOKENS, SAMPLES_MAX_TOKENS = 8, 128  # an answer: its reference's length and a little more

@@ -91,7 +91,7 @@ class RunOutcome:
     peak: dict = field(default_factory=dict)  # a smoke test's measured peak (core.train.smoke.measure_peak)
     seconds: float = 0.0  # wall seconds of trainer.train()
     cpu_seconds: float = 0.0  # CPU seconds of this process (all its threads) meanwhile
-    early: dict | None = None  # early stopping ended the run (core.train.callbacks.early_stop)
+    early: dict | None = None  # early stopping ended the run (core.train.eval_callbacks.early_stop)
 
     @property
     def failure(self) -> str | None:

@@ -20,7 +20,12 @@ from core.recipe.config import ConfigError
 from core.recipe.rewards import RewardError
 from core.rundir import read_status, truncate_metrics, write_status
 from core.train import ranks, sources
-from core.train.callbacks import early_stop, early_stop_sentence, early_stopping_callbacks, samples_callbacks
+from core.train.eval_callbacks import (
+    early_stop,
+    early_stop_sentence,
+    early_stopping_callbacks,
+    samples_callbacks,
+)
 from core.train.folder_guard import guard_checkpoints
 from core.train.model import choose_precision, load_model, make_trainer, refuse_several_cards, save_final
 from core.train.preflight import prepare_run

@@ -1,4 +1,4 @@
-"""The trainer's other callbacks: transformers' early stopping (and what it tells about a run's end) and the
+"""The trainer's evaluation callbacks: transformers' early stopping (and what it tells about a run's end) and the
 samples callback (greedy answers to held-out prompts at each evaluation). The run's own (metrics, status, the
 stops and guards) are core.train.run_callbacks'."""
 
