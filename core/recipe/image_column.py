@@ -169,3 +169,15 @@ def placed(messages: list[dict], column: list, base: Path | None = None) -> list
                 out.append(resolve(column[k], base) if k < len(column) else None)
                 k += 1
     return out
+
+
+def cat_images(parts: list):
+    """The image tensors of several segments or rows as one (torch.cat on dim 0). Any-res processors (LLaVA-NeXT,
+    LLaVA-OneVision) give each image (1, tiles, 3, H, W) with its own number of tiles: those are zero-padded to the
+    most tiles first, as the processor pads a batch of its own (the model reads each image's tiles from image_sizes)."""
+    import torch
+
+    most = max(p.shape[1] for p in parts) if all(p.dim() == 5 for p in parts) else None
+    if most is not None:
+        parts = [torch.nn.functional.pad(p, (0, 0, 0, 0, 0, 0, 0, most - p.shape[1])) for p in parts]
+    return torch.cat(parts)

@@ -321,7 +321,7 @@ def encode(
     if max_length is not None:
         for key in (*seq, "labels"):
             row[key] = row[key][:max_length]
-    row.update({key: torch.cat(parts) for key, parts in vision.items()})
+    row.update({key: image_column.cat_images(parts) for key, parts in vision.items()})
     return row
 
 
@@ -398,7 +398,7 @@ class ImageCollator:
                 batch[key][i, : len(r[key])] = r[key]
         for key in rows[0]:
             if key not in batch and key != "length":
-                batch[key] = torch.cat([r[key] for r in rows if key in r])
+                batch[key] = image_column.cat_images([r[key] for r in rows if key in r])
         self.tokens_seen += sum(len(r["input_ids"]) for r in rows)
         self.samples_seen += len(rows)
         return batch
