@@ -165,9 +165,9 @@ class CallbackClock:
 
 
 def run_core(cfg_path: Path, root: Path, i: int) -> tuple[tuple[float, float], dict, float]:
-    """core.train.trainer.run_training as the CLI runs it; also the share of a step's CPU time its callbacks took."""
-    import core.train.training as engine  # where the run makes its trainer
-    from core.train.trainer import StopFlag, run_training
+    """core.train.run.run_training as the CLI runs it; also the share of a step's CPU time its callbacks took."""
+    import core.train.steps as engine  # where the run makes its trainer
+    from core.train.run import StopFlag, run_training
 
     made, make_trainer, clock = [], engine.make_trainer, CallbackClock()
 

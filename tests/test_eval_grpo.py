@@ -23,7 +23,7 @@ def evaluated(tmp_path_factory, tiny_llama):
     """(run dir, held-out prompts file, the CLI's completed process): the run trained in this process, evaluated by
     `python -m core.eval` as a user runs it."""
     from core.runs.launcher import create_run
-    from core.train.trainer import StopFlag, run_training
+    from core.train.run import StopFlag, run_training
 
     ws = tmp_path_factory.mktemp("ws_eval_grpo")
     cfg = grpo_config(tiny_llama, write_prompts(ws / "prompts.jsonl"))

@@ -252,8 +252,8 @@ def test_a_smoke_test_evaluates_one_batch_within_five_percent_of_the_plan(
     import yaml
 
     from core import rundir
+    from core.train.run import run_training
     from core.train.smoke import smoke_line
-    from core.train.trainer import run_training
 
     cfg = {
         "method": method,

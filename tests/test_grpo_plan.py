@@ -319,7 +319,7 @@ def test_a_real_grpo_smoke_step_is_within_five_percent_of_the_plan_phase_by_phas
     """The smoke test's own measurement (the tracker over trl.GRPOTrainer's step, its generation marked by the
     method) against the plan.json the trainer wrote for that step: the peak, the generation phase, its name."""
     from core import rundir
-    from core.train.trainer import run_training
+    from core.train.run import run_training
 
     model, data, out = grpo_run
     path = _write(out, model, data, name, lora=lora, **training)

@@ -1,5 +1,5 @@
 """The Monitor page through AppTest, on run directories written by real runs: one that finished (trained in this
-process by core.train.trainer.run_training) and one that failed (a real trainer subprocess whose model folder vanished)."""
+process by core.train.run.run_training) and one that failed (a real trainer subprocess whose model folder vanished)."""
 
 import json
 import shutil
@@ -11,7 +11,7 @@ from streamlit.testing.v1 import AppTest
 
 from core.monitor.diagnose import diagnose_run
 from core.runs.launcher import create_run, launch, wait_for
-from core.train.trainer import StopFlag, run_training
+from core.train.run import StopFlag, run_training
 
 PAGE = str(Path(__file__).resolve().parent.parent / "pages" / "monitor.py")
 

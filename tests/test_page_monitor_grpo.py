@@ -13,7 +13,7 @@ from streamlit.testing.v1 import AppTest
 from core import rundir
 from core.monitor.completions import COMPLETIONS
 from core.runs.launcher import create_run
-from core.train.trainer import StopFlag, run_training
+from core.train.run import StopFlag, run_training
 from tests.test_page_monitor import _page, _titled_charts
 
 PAGES = Path(__file__).resolve().parent.parent / "pages"

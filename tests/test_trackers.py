@@ -14,7 +14,7 @@ from core.recipe import trackers
 from core.rundir import read_metrics
 from core.runs.launcher import create_run
 from core.train.cli import main as train_main
-from core.train.trainer import StopFlag, run_training
+from core.train.run import StopFlag, run_training
 
 PAGE = str(Path(__file__).resolve().parent.parent / "pages" / "monitor.py")
 

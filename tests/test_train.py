@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from core.rundir import read_metrics, read_status
-from core.train.trainer import StopFlag, run_training
+from core.train.run import StopFlag, run_training
 
 REPO = Path(__file__).resolve().parent.parent
 WORDS = ["cat", "dog", "emu", "fox", "gnu", "hen", "ibis", "jay"]
@@ -114,7 +114,7 @@ def test_nan_loss_fails_the_run_with_the_step(tmp_path, tiny_llama):
     for f in Path(tiny_llama).glob("tokenizer*"):
         (broken / f.name).write_bytes(f.read_bytes())
     cfg = write_run(tmp_path, broken, training={"max_steps": 6, "logging_steps": 2, "save_steps": 2})
-    from core.train.trainer import TrainError
+    from core.train.run import TrainError
 
     with pytest.raises(TrainError, match="loss became NaN at step 2"):
         run_training(cfg, tmp_path / "run", stop=StopFlag())

@@ -44,7 +44,7 @@ from core.files import atomic_write_text
 from core.fmt import command
 from core.recipe.config import dump_config, validate_config
 from core.recipe.data import IGNORE_INDEX, Collator
-from core.train.trainer import run_training
+from core.train.run import run_training
 from core.workspace import default_workspace
 
 

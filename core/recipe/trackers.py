@@ -48,7 +48,7 @@ def missing(report_to) -> str | None:
 
 def _quiet_writer_thread(args) -> None:
     """TensorBoard's writer thread keeps its error for the trainer's next flush, which raises it where the engine
-    says why (a run folder deleted under the run: core.train.trainer); printed here as well it would be a second,
+    says why (a run folder deleted under the run: core.train.run); printed here as well it would be a second,
     raw traceback."""
     if type(args.thread).__module__.startswith("tensorboard.") and isinstance(args.exc_value, OSError):
         return

@@ -26,10 +26,7 @@ from core.recipe.config import ConfigError, load_config
 from core.recipe.data import DataError
 from core.train import ranks
 from core.train.preflight import check_model, prepare_run
-from core.train.smoke import smoke_line
-from core.train.state import StopFlag
-from core.train.supervise import machine_folder
-from core.train.trainer import (
+from core.train.run import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
     EXIT_STOPPED,
@@ -39,6 +36,9 @@ from core.train.trainer import (
     report_failure,
     run_training,
 )
+from core.train.smoke import smoke_line
+from core.train.state import StopFlag
+from core.train.supervise import machine_folder
 
 
 def dry_run(

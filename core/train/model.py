@@ -1,5 +1,5 @@
 """The model and its trainer as a run builds them: the device and precision, the base model, the method's TRL
-trainer, the final adapter saved. Used by the run (core.train.training), core.measure and core.eval."""
+trainer, the final adapter saved. Used by the run (core.train.steps), core.measure and core.eval."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """What a run is while it trains (Run), what its training produced (RunOutcome), the stop flag a signal sets and
-the error that ends a run. The trainer's roles (setup, train, finish, supervise: core.train.training and
+the error that ends a run. The trainer's roles (setup, train, finish, supervise: core.train.steps and
 core.train.supervise) pass these two along instead of threading a dozen values by hand; the run's callbacks
 (core.train.run_callbacks) write what they find into the RunOutcome. Light: no transformers, no torch."""
 

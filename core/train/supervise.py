@@ -1,6 +1,6 @@
 """A run on several processes: the process that keeps the run starts, watches and stops its ranks
 (core.train.ranks); a machine other than the main one does the same from its own folder; each rank trains as one
-process does (core.train.training), writing nothing but rank 0's run files."""
+process does (core.train.steps), writing nothing but rank 0's run files."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from core.rundir import read_status, write_status
 from core.train import ranks, sources
 from core.train.model import choose_precision, quiet_progress_bars
 from core.train.state import Run, StopFlag, TrainError
-from core.train.training import gpu_sampler, train_and_finish
+from core.train.steps import gpu_sampler, train_and_finish
 
 
 def machine_folder(run_dir: Path, rank: int) -> Path:

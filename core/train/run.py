@@ -26,8 +26,8 @@ from core.train.model import quiet_progress_bars
 from core.train.preflight import check_model, prepare_run
 from core.train.resume import check_resume
 from core.train.state import Run, StopFlag, TrainError
+from core.train.steps import setup_run, train_and_finish
 from core.train.supervise import run_machine, run_rank, supervise
-from core.train.training import setup_run, train_and_finish
 
 __all__ = ["ConfigRefused", "StopFlag", "TrainError", "run_training"]
 
@@ -141,7 +141,7 @@ def checked_config(config_path, machine: dict | None = None) -> dict:
 
 def _run_training(run: Run, start) -> dict:
     """The run as torchtune's recipes do it: set up the run, its data, its model and trainer, train, finish
-    (core.train.training); or, on several processes, supervise the ranks that do (core.train.supervise)."""
+    (core.train.steps); or, on several processes, supervise the ranks that do (core.train.supervise)."""
     quiet_progress_bars()
     setup_run(run, start)
     if sources.hub_refs(run.cfg).get("data") is not None:
