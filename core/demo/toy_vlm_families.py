@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from core.demo.toy import build_tokenizer, vlm_template
+from core.demo.toy_vlm import TEXT
 
 TRAINED_FAMILIES = ("gemma4", "llava_onevision")
 TOKENS = {  # the image entry the chat template writes, and the family's special tokens
@@ -134,19 +135,8 @@ def family_model(family: str, tok):
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     ids = lambda *names: [tok.convert_tokens_to_ids(n) for n in names]  # noqa: E731
-    text = dict(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
+    # the tiny text config of core.demo.toy_vlm, over this tokenizer's vocabulary
+    text = dict(TEXT, vocab_size=len(tok), head_dim=16, max_position_embeddings=512)
     small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
     if family == "gemma4":
         image, boi, eoi, video = ids("<|image|>", "<|boi|>", "<|eoi|>", "<|video|>")
