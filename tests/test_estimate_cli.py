@@ -187,3 +187,20 @@ def test_the_older_spellings_of_tuning_and_method_still_plan_with_a_note():
         )
     clash = estimate_main(*llama, "--method", "kto", "--dpo")
     assert clash.returncode == 2 and "--method kto and --method dpo both given" in clash.stderr
+
+
+@pytest.mark.parametrize(
+    "flags", [("--tuning", "full"), ("--method", "dpo"), ("--dpo",), ("--method", "qlora")]
+)
+def test_a_run_configs_plan_is_not_silently_changed_by_a_tuning_or_method_flag(tiny_llama, tmp_path, flags):
+    """With --config the run config says the tuning and the method (one description of the run): a flag that
+    would change them is refused in one sentence, not ignored."""
+    from core.recipe.config import dump_config, validate_config
+
+    cfg = validate_config({"model": {"path": str(tiny_llama)}, "data": {"path": str(tmp_path / "d.jsonl")}})
+    path = dump_config(cfg, tmp_path / "run.yaml")
+    proc = estimate_main("--config", path, *flags)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith(f"error: {flags[0]} cannot change a run config's plan") and "edit it" in line
+    assert estimate_main("--config", path, "--json").returncode == 0  # the config alone plans

@@ -317,6 +317,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.list_models:
         print("\n".join(preset_ids()))
         return 0
+    said = [
+        f
+        for f, v in (
+            ("--tuning", args.tuning),
+            ("--method", args.method),
+            ("--objective", args.objective),
+            ("--dpo", args.shorthand),
+        )
+        if v
+    ]
+    if args.config and said:  # the run config is the run: a flag beside it would be silently another plan
+        print(
+            f"error: {' and '.join(said)} cannot change a run config's plan: with --config the config says the "
+            "tuning (lora.enabled, quantization.load_in_4bit) and the method; edit it, or plan with --model.",
+            file=sys.stderr,
+        )
+        return 2
     try:
         method_values(args)  # --tuning and --method, their older spellings read with a note
     except PlanError as exc:
