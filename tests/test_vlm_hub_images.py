@@ -16,6 +16,7 @@ import torch
 import yaml
 
 from tests.cli import REPO
+from tests.test_vlm_train import vlm_run_config
 
 HAS_OLAH = subprocess.run([sys.executable, "-c", "import olah"], capture_output=True).returncode == 0
 needs_olah = pytest.mark.skipif(
@@ -64,18 +65,7 @@ def _parquet(ds, path: Path) -> Path:
 
 
 def _config(model, data, **training) -> dict:
-    return {
-        "model": {"path": str(model), "dtype": "float32"},
-        "lora": {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": "all-linear"},
-        "data": {"path": str(data), "eval_split": 0.25},
-        "training": {
-            "per_device_train_batch_size": 4,
-            "learning_rate": 5e-3,
-            "max_length": 128,
-            "logging_steps": 1,
-            **training,
-        },
-    }
+    return vlm_run_config(model, data, logging_steps=1, **training)
 
 
 @pytest.fixture(scope="module")

@@ -22,22 +22,20 @@ slow = pytest.mark.slow
 VISION = ("vision_tower", "multi_modal_projector")
 
 
+def vlm_run_config(model, data, **training) -> dict:
+    """A tiny VLM's LoRA run on `data` (a file, or a Hub id), as the user writes it (not validated)."""
+    return {
+        "model": {"path": str(model), "dtype": "float32"},
+        "lora": {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": "all-linear"},
+        "data": {"path": str(data), "eval_split": 0.25},
+        "training": {"per_device_train_batch_size": 4, "learning_rate": 5e-3, "max_length": 128, **training},
+    }
+
+
 def _config(model: Path, data: Path, **training) -> dict:
     from core.recipe.config import validate_config
 
-    return validate_config(
-        {
-            "model": {"path": str(model), "dtype": "float32"},
-            "lora": {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": "all-linear"},
-            "data": {"path": str(data), "eval_split": 0.25},
-            "training": {
-                "per_device_train_batch_size": 4,
-                "learning_rate": 5e-3,
-                "max_length": 128,
-                **training,
-            },
-        }
-    )
+    return validate_config(vlm_run_config(model, data, **training))
 
 
 @pytest.fixture(scope="module")
